@@ -1,0 +1,201 @@
+"""``wan-sage bench``: time every available kernel against SDPA on Wan attention shapes, check
+accuracy against an fp32 reference and measured extra bytes against the formula, run the
+"auto" override end to end, and write the timings into the calibration cache the node reads."""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from . import calibration, kernels, memory
+from .dispatch import PatchConfig, SageAttentionOverride, _kernel_version
+from .sdpa import attention_sdpa
+
+# name: (B, H, Nq, Nk, D) as ComfyUI's Wan model calls attention (q/k/v [B, N, H*D]).
+WAN_SHAPES = {
+    "a14b_720p81_self": (1, 40, 75600, 75600, 128),
+    "a14b_720p81_cross": (1, 40, 75600, 512, 128),
+    "a14b_480p81_self": (1, 40, 32760, 32760, 128),
+    "a14b_480p81_cross": (1, 40, 32760, 512, 128),
+    "a14b_480p81_cfg2_self": (2, 40, 32760, 32760, 128),
+    "i2v14b_480p81_img_cross": (1, 40, 32760, 257, 128),
+    "ti2v5b_704p121_self": (1, 24, 27280, 27280, 128),
+    "ti2v5b_704p121_cross": (1, 24, 27280, 512, 128),
+    "t2v1.3b_480p81_self": (1, 12, 32760, 32760, 128),
+    "t2v1.3b_480p81_cross": (1, 12, 32760, 512, 128),
+}
+
+
+def _reference(q, k, v, H, nq=1024):
+    B, _, C = q.shape
+    D = C // H
+    qs = q[:, :nq].reshape(B, -1, H, D).transpose(1, 2).float()
+    ks = k.reshape(B, -1, H, D).transpose(1, 2).float()
+    vs = v.reshape(B, -1, H, D).transpose(1, 2).float()
+    out = torch.empty(B, H, qs.shape[2], D, device=q.device)
+    for h in range(H):
+        out[:, h] = F.scaled_dot_product_attention(qs[:, h:h + 1], ks[:, h:h + 1], vs[:, h:h + 1])[:, 0]
+    return out.transpose(1, 2).reshape(B, -1, C)
+
+
+def _time(fn, iters):
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        o = fn()
+        e.record()
+        e.synchronize()
+        del o
+        ts.append(s.elapsed_time(e))
+    return statistics.median(ts), min(ts)
+
+
+def _peak_extra(fn):
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    o = fn()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    return o, extra
+
+
+def _acc(o, ref):
+    o = o[:, :ref.shape[1]].float()
+    rel = ((o - ref).norm() / ref.norm()).item()
+    cos = F.cosine_similarity(o.flatten(), ref.flatten(), dim=0).item()
+    return rel, cos
+
+
+def run_bench(shapes, kernel_names, dtype=torch.bfloat16, iters=5, accuracy=True, cache_dir=None, emit=print):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cc = kernels.device_cc(dev)
+    gpu = torch.cuda.get_device_name(dev)
+    store = calibration.CalibrationStore(cache_dir)
+    dt = "bf16" if dtype == torch.bfloat16 else "fp16"
+    rows = []
+    override = SageAttentionOverride(PatchConfig(cache_dir=cache_dir, calibration_budget_s=600.0), patch_id="bench")
+    for sname, (B, H, NQ, NK, D) in shapes.items():
+        gen = torch.Generator(device=dev).manual_seed(1)
+        q = torch.randn(B, NQ, H * D, device=dev, dtype=dtype, generator=gen)
+        k = torch.randn(B, NK, H * D, device=dev, dtype=dtype, generator=gen)
+        v = torch.randn(B, NK, H * D, device=dev, dtype=dtype, generator=gen)
+        ref = _reference(q, k, v, H) if accuracy else None
+        sdpa = lambda: attention_sdpa(q, k, v, H)  # noqa: E731
+        sdpa_ms, sdpa_min = _time(sdpa, iters)
+        o, sdpa_extra = _peak_extra(sdpa)
+        row0 = {"shape": sname, "B": B, "H": H, "Nq": NQ, "Nk": NK, "D": D, "dtype": dt, "backend": "sdpa",
+                "ms": sdpa_ms, "ms_min": sdpa_min, "ratio": 1.0, "extra_bytes": sdpa_extra,
+                "formula_bytes": memory.extra_bytes("sdpa", memory.AttnShape(B, H, NQ, NK, D, 2, None, dtype == torch.bfloat16))}
+        if ref is not None:
+            row0["rel_l2"], row0["cos"] = _acc(o, ref)
+        del o
+        rows.append(row0)
+        emit(json.dumps(row0))
+        q4, k4, v4 = (t.view(B, -1, H, D) for t in (q, k, v))
+        for name in kernel_names:
+            why = kernels.unavailable_reason(name, cc)
+            if why:
+                r = {"shape": sname, "backend": name, "skipped": why}
+                rows.append(r)
+                emit(json.dumps(r))
+                continue
+            fn = lambda: kernels.run(name, q4, k4, v4, "NHD", None, cc)  # noqa: E731
+            try:
+                ms, ms_min = _time(fn, iters)
+                o, extra = _peak_extra(fn)
+            except Exception as e:
+                r = {"shape": sname, "backend": name, "error": f"{type(e).__name__}: {e}"[:300]}
+                rows.append(r)
+                emit(json.dumps(r))
+                continue
+            shape = memory.AttnShape(B, H, NQ, NK, D, 2, None, dtype == torch.bfloat16)
+            formula = memory.extra_bytes(kernels.KERNELS[name].memory_path(cc), shape)
+            r = {"shape": sname, "B": B, "H": H, "Nq": NQ, "Nk": NK, "D": D, "dtype": dt, "backend": name,
+                 "ms": ms, "ms_min": ms_min, "ratio": sdpa_ms / ms, "extra_bytes": extra,
+                 "formula_bytes": formula, "formula_err": (extra - formula) / formula}
+            if ref is not None:
+                r["rel_l2"], r["cos"] = _acc(o.reshape(B, NQ, H * D), ref)
+            del o
+            store.put(calibration.make_key(gpu, cc, name, _kernel_version(name), dt, H, D, NQ, NK), ms, sdpa_ms,
+                      NQ, NK, save=False)
+            rows.append(r)
+            emit(json.dumps(r))
+        store.save()
+        # The override end to end, as ComfyUI calls it, after the cache holds this bucket.
+        call = lambda: override(attention_sdpa, q, k, v, heads=H, transformer_options={})  # noqa: E731
+        ms, ms_min = _time(call, iters)
+        plan = override.plan(q, k, v, H, (q, k, v), {"heads": H})
+        n = 2000
+        t0 = time.perf_counter()
+        for _ in range(n):
+            override.plan(q, k, v, H, (q, k, v), {"heads": H})
+        plan_us = (time.perf_counter() - t0) / n * 1e6
+        r = {"shape": sname, "B": B, "H": H, "Nq": NQ, "Nk": NK, "D": D, "dtype": dt, "backend": "auto",
+             "chosen": plan.kernel or f"sdpa ({plan.reason})", "groups": plan.groups, "ms": ms, "ms_min": ms_min,
+             "ratio": sdpa_ms / ms, "decision_us": plan_us}
+        rows.append(r)
+        emit(json.dumps(r))
+        del q, k, v, q4, k4, v4, ref
+        torch.cuda.empty_cache()
+    return rows
+
+
+def table(rows) -> str:
+    lines = [f"{'shape':<26} {'backend':<18} {'ms':>9} {'x SDPA':>7} {'extra MB':>9} {'formula MB':>10} {'err %':>6} {'rel-L2':>7}  note"]
+    for r in rows:
+        if "skipped" in r or "error" in r:
+            lines.append(f"{r['shape']:<26} {r['backend']:<18} {'-':>9} {'-':>7} {'-':>9} {'-':>10} {'-':>6} {'-':>7}  "
+                         + (r.get("skipped") or r.get("error"))[:70])
+            continue
+        ex = f"{r['extra_bytes'] / 1e6:9.1f}" if "extra_bytes" in r else f"{'':>9}"
+        fo = f"{r['formula_bytes'] / 1e6:10.1f}" if "formula_bytes" in r else f"{'':>10}"
+        er = f"{100 * r['formula_err']:6.2f}" if "formula_err" in r else f"{'':>6}"
+        rl = f"{r['rel_l2']:7.4f}" if "rel_l2" in r else f"{'':>7}"
+        note = f"chose {r['chosen']}, decision {r['decision_us']:.1f} us" if r["backend"] == "auto" else ""
+        lines.append(f"{r['shape']:<26} {r['backend']:<18} {r['ms']:9.2f} {r['ratio']:7.3f} {ex} {fo} {er} {rl}  {note}")
+    return "\n".join(lines)
+
+
+def main(a) -> int:
+    if not torch.cuda.is_available():
+        print("wan-sage bench needs a CUDA GPU; on this machine use `wan-sage plan` for the memory estimate.",
+              file=sys.stderr)
+        return 2
+    shapes = WAN_SHAPES if a.shapes == "wan" else {}
+    if not shapes:
+        for n in a.shapes.split(","):
+            if n not in WAN_SHAPES:
+                print(f"unknown shape {n!r}; known: {', '.join(WAN_SHAPES)}", file=sys.stderr)
+                return 2
+            shapes[n] = WAN_SHAPES[n]
+    cc = kernels.device_cc(torch.device("cuda"))
+    if a.kernels == "auto":
+        names = list(kernels.AUTO_ORDER.get(cc, ("ck_int8",)))
+    elif a.kernels == "all":
+        names = list(kernels.KERNELS)
+    else:
+        names = a.kernels.split(",")
+    p = kernels.probe()
+    print(f"wan-sage bench: {torch.cuda.get_device_name()} (sm{cc}), torch {torch.__version__}, "
+          f"sageattention {p.sage_version or 'not installed'}, comfy-kitchen {p.ck_version or 'not installed'}; "
+          f"cache {calibration.CalibrationStore(a.cache_dir).path}", flush=True)
+    out = open(a.json, "w") if a.json else None
+
+    def emit(line):
+        if out:
+            out.write(line + "\n")
+            out.flush()
+    rows = run_bench(shapes, names, torch.bfloat16 if a.dtype == "bf16" else torch.float16, a.iters,
+                     not a.no_accuracy, a.cache_dir, emit)
+    if out:
+        out.close()
+    print(table(rows))
+    return 0

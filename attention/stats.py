@@ -1,0 +1,111 @@
+"""Per-patch attention statistics: counts by backend and reason, fallbacks, time saved.
+
+Counters are kept per patch id in a module-level registry (thread-safe), so a patch's
+callable can stay immutable and be shared or deep-copied freely.  A sampling run opens a
+window with :func:`begin_run` and closes it with :func:`end_run`, which returns the summary
+the node logs once and the server later serves.  Nothing is logged per call.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+__all__ = ["record", "begin_run", "end_run", "snapshot", "last_runs", "RunStats", "format_summary"]
+
+_lock = threading.Lock()
+
+
+@dataclass
+class RunStats:
+    patch_id: str
+    label: str = ""
+    started: float = field(default_factory=time.time)
+    ended: float | None = None
+    sage_calls: int = 0
+    sdpa_calls: int = 0
+    by_kernel: Counter = field(default_factory=Counter)
+    reasons: Counter = field(default_factory=Counter)  # why calls went to SDPA (or prev)
+    fallbacks: Counter = field(default_factory=Counter)  # oom / error / nonfinite after a Sage try
+    head_split_calls: int = 0
+    saved_ms: float = 0.0
+    calibration_ms: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "patch_id": self.patch_id, "label": self.label, "started": self.started,
+            "ended": self.ended, "sage_calls": self.sage_calls, "sdpa_calls": self.sdpa_calls,
+            "by_kernel": dict(self.by_kernel), "reasons": dict(self.reasons),
+            "fallbacks": dict(self.fallbacks), "head_split_calls": self.head_split_calls,
+            "saved_ms": round(self.saved_ms, 1), "calibration_ms": round(self.calibration_ms, 1),
+        }
+
+
+_current: dict[str, RunStats] = {}
+_last: dict[str, dict] = {}
+
+
+def _get(patch_id: str) -> RunStats:
+    st = _current.get(patch_id)
+    if st is None:
+        st = _current[patch_id] = RunStats(patch_id)
+    return st
+
+
+def record(patch_id: str, *, kernel: str | None = None, reason: str | None = None,
+           fallback: str | None = None, split: bool = False, saved_ms: float = 0.0,
+           calibration_ms: float = 0.0) -> None:
+    """Count one call: ``kernel`` set means it ran on that kernel, else on SDPA for ``reason``."""
+    with _lock:
+        st = _get(patch_id)
+        if kernel is not None:
+            st.sage_calls += 1
+            st.by_kernel[kernel] += 1
+            st.saved_ms += saved_ms
+            if split:
+                st.head_split_calls += 1
+        else:
+            st.sdpa_calls += 1
+            st.reasons[reason or "unknown"] += 1
+        if fallback:
+            st.fallbacks[fallback] += 1
+        st.calibration_ms += calibration_ms
+
+
+def begin_run(patch_id: str, label: str = "") -> None:
+    with _lock:
+        _current[patch_id] = RunStats(patch_id, label)
+
+
+def end_run(patch_id: str) -> dict:
+    """Close the run window and return its summary (also kept for :func:`last_runs`)."""
+    with _lock:
+        st = _current.pop(patch_id, None) or RunStats(patch_id)
+        st.ended = time.time()
+        d = st.as_dict()
+        _last[patch_id] = d
+        return d
+
+
+def snapshot(patch_id: str) -> dict:
+    with _lock:
+        st = _current.get(patch_id)
+        return st.as_dict() if st else dict(_last.get(patch_id, {}))
+
+
+def last_runs() -> dict:
+    """The last finished run per patch id (what the server's stats route serves)."""
+    with _lock:
+        return {k: dict(v) for k, v in _last.items()}
+
+
+def format_summary(d: dict) -> str:
+    total = d.get("sage_calls", 0) + d.get("sdpa_calls", 0)
+    kern = ", ".join(f"{k} {n}" for k, n in sorted(d.get("by_kernel", {}).items())) or "none"
+    why = ", ".join(f"{k} {n}" for k, n in sorted(d.get("reasons", {}).items(), key=lambda x: -x[1])) or "none"
+    fb = ", ".join(f"{k} {n}" for k, n in sorted(d.get("fallbacks", {}).items())) or "none"
+    return (f"{d.get('sage_calls', 0)}/{total} attention calls on Sage ({kern}); "
+            f"{d.get('sdpa_calls', 0)} on SDPA (by reason: {why}); fallbacks: {fb}; "
+            f"head-split calls: {d.get('head_split_calls', 0)}; est. time saved "
+            f"{d.get('saved_ms', 0.0) / 1000:.1f} s; calibration cost {d.get('calibration_ms', 0.0) / 1000:.2f} s")

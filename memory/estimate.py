@@ -1,0 +1,192 @@
+"""The working-memory estimate: activation peak, Sage extra, partial-load overhead, verdict.
+
+This is the one function the node's reservation, the CLI (``wan-sage plan``) and the server
+route all call.  Constants that came from measurement (allocator slack, the partial-load
+fragmentation factor) live in :data:`CALIBRATED`, next to where they were measured.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+from . import model as M
+from ..attention import kernels as K
+
+__all__ = ["EstimateRequest", "Estimate", "estimate", "activation_bytes", "comfy_estimate_bytes",
+           "attention_paths", "CALIBRATED", "GiB", "validate_request"]
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+# Measured on an H200 with ComfyUI 0.3.64's WanModel (see memory/calibration/*.json and
+# docs/memory-calibration.md): the allocator/cuBLAS slack on top of the phase model, and the
+# partial-load overhead (streamed layers, allocator fragmentation under memory pressure) as a
+# multiple of the largest single activation block.
+CALIBRATED = {
+    "slack_fixed": 96 * MiB,
+    "slack_rel": 0.03,
+    "partial_frag_factor": 1.5,
+    "partial_fixed": 256 * MiB,
+}
+
+# ComfyUI keeps this much free on top of a model's reservation (EXTRA_RESERVED_VRAM, Linux).
+COMFY_EXTRA_RESERVED = 400 * MiB
+
+
+def attention_paths(attention: str, cc: int | None = None) -> tuple:
+    """(self-attention path, cross-attention path) of attention.memory for an --attention choice."""
+    if attention == "sdpa":
+        return "sdpa", "sdpa"
+    if attention in ("sage-auto", "auto", "sage"):
+        order = K.AUTO_ORDER.get(cc or 90, K.AUTO_ORDER[90])
+        name = order[0]
+    elif attention in K.KERNELS:
+        name = attention
+    else:
+        raise ValueError(f"attention must be sdpa, sage-auto or one of {', '.join(K.KERNELS)}; got {attention!r}")
+    path = K.KERNELS[name].memory_path(cc or 90)
+    return path, path
+
+
+def comfy_estimate_bytes(dims: M.WanDims, latent: tuple, dtype: str = "bf16", vace: bool = False) -> int:
+    """ComfyUI 0.3.64's own figure: latent area x dtype bytes x 0.01 x dim/2222 MiB."""
+    B, _C, T, H, W = latent
+    factor = dims.dim / 2222 * (1.2 if vace else 1.0)
+    return int(B * T * H * W * M.DTYPE_BYTES[dtype] * 0.01 * factor * MiB)
+
+
+def activation_bytes(dims: M.WanDims, w: M.Workload, ws: M.WeightSetup | None = None,
+                     partial: bool = False) -> dict:
+    """Peak bytes of one forward with ``w.rows`` rows, split into named terms."""
+    ws = ws or M.WeightSetup()
+    phase, pers, top = M.forward_peak(dims, w)
+    base = phase + pers
+    sdpa_w = replace(w, self_attn="sdpa", cross_attn="sdpa")
+    sdpa_phase, sdpa_pers, _ = M.forward_peak(dims, sdpa_w)
+    transient = M.weight_transient(dims, replace(ws, streamed=ws.streamed or partial), w.dtype)
+    slack = CALIBRATED["slack_fixed"] + int(CALIBRATED["slack_rel"] * base)
+    frag = (int(CALIBRATED["partial_frag_factor"] * M.largest_block(dims, w)) + CALIBRATED["partial_fixed"]) if partial else 0
+    total = base + transient + slack + frag
+    return {
+        "phase_peak": phase, "dominant_phase": top, "persistent": pers,
+        "sage_extra": (phase + pers) - (sdpa_phase + sdpa_pers),
+        "weight_transient": transient, "slack": slack, "partial_overhead": frag, "total": total,
+    }
+
+
+@dataclass(frozen=True)
+class EstimateRequest:
+    dims: M.WanDims
+    width: int
+    height: int
+    frames: int
+    batch: int = 1
+    cfg: float = 1.0
+    dtype: str = "bf16"
+    attention: str = "sdpa"
+    cc: int | None = None
+    vram_bytes: int | None = None  # what the model may use: free VRAM plus evictable models
+    weights_bytes: int | None = None
+    weights: M.WeightSetup = field(default_factory=M.WeightSetup)
+    img_tokens: int = 0
+    vace_streams: int = 0
+    per_frame_timesteps: bool = False
+    margin_bytes: int = 0
+    reserved_bytes: int = COMFY_EXTRA_RESERVED
+
+
+def validate_request(r: EstimateRequest) -> None:
+    """Clear errors for impossible sizes; each names the field and the fix."""
+    for name, val, lo, hi in (("width", r.width, 16, 16384), ("height", r.height, 16, 16384),
+                              ("frames", r.frames, 1, 4097), ("batch", r.batch, 1, 64)):
+        if not isinstance(val, int) or isinstance(val, bool):
+            raise ValueError(f"{name} must be an integer, got {val!r}")
+        if not lo <= val <= hi:
+            raise ValueError(f"{name} must be between {lo} and {hi}, got {val}")
+    if not (0.0 <= float(r.cfg) <= 100.0):
+        raise ValueError(f"cfg must be between 0 and 100, got {r.cfg}")
+    if r.dtype not in M.DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {', '.join(M.DTYPE_BYTES)}, got {r.dtype!r}")
+    if r.vram_bytes is not None and r.vram_bytes <= 0:
+        raise ValueError(f"vram must be positive, got {r.vram_bytes / GiB:.2f} GB")
+    if r.margin_bytes < 0:
+        raise ValueError("margin must be >= 0")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    request: dict
+    latent: tuple
+    tokens: int
+    rows_sequential: int
+    rows_batched: int
+    resident: dict  # activation terms, weights fully resident, rows_sequential rows
+    partial: dict  # the same with weights partly offloaded
+    reservation_resident: int
+    reservation_partial: int
+    comfy_estimate: int
+    weights_bytes: int | None
+    vram_bytes: int | None
+    verdict: str
+    offload_bytes: int
+    notes: tuple
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["latent"] = list(self.latent)
+        return d
+
+
+def _rounding_notes(r: EstimateRequest, dims: M.WanDims) -> list:
+    notes = []
+    st, sh, sw = dims.vae_stride
+    if (r.frames - 1) % st:
+        used = (r.frames - 1) // st * st + 1
+        notes.append(f"frames {r.frames} is not of the form {st}n+1: the latent keeps {used} frames' worth "
+                     f"((frames-1)//{st}+1 latent frames), as ComfyUI's Wan latent nodes do")
+    for name, px, s in (("width", r.width, sw), ("height", r.height, sh)):
+        if px % s:
+            notes.append(f"{name} {px} is not a multiple of {s}: the latent covers {px // s * s} px "
+                         f"(ComfyUI floors to the VAE stride)")
+        elif (px // s) % 2:
+            notes.append(f"{name} {px} gives an odd latent size; the DiT pads it to the 2x2 patch")
+    return notes
+
+
+def estimate(r: EstimateRequest) -> Estimate:
+    validate_request(r)
+    dims = r.dims
+    latent = M.latent_shape(dims, r.width, r.height, r.frames, r.batch)
+    _, C, T, H, W = latent
+    L = M.tokens(dims, T, H, W)
+    self_p, cross_p = attention_paths(r.attention, r.cc)
+    rows_seq = r.batch
+    rows_bat = r.batch * (2 if r.cfg != 1.0 else 1)
+    w = M.Workload(L=L, rows=rows_seq, dtype=r.dtype, self_attn=self_p, cross_attn=cross_p,
+                   img_tokens=r.img_tokens, per_frame_timesteps=T if r.per_frame_timesteps else 0,
+                   vace_streams=r.vace_streams, latent_elems_per_row=C * T * (H + H % 2) * (W + W % 2))
+    res = activation_bytes(dims, w, r.weights, partial=False)
+    par = activation_bytes(dims, w, r.weights, partial=True)
+    res_r = res["total"] + r.margin_bytes
+    par_r = par["total"] + r.margin_bytes
+    comfy = comfy_estimate_bytes(dims, latent, r.dtype, vace=r.vace_streams > 0)
+    verdict, offload = "unknown (no VRAM given)", 0
+    if r.vram_bytes is not None and r.weights_bytes is not None:
+        room = r.vram_bytes - r.reserved_bytes
+        if r.weights_bytes + res_r <= room:
+            verdict = "fits: all weights resident"
+        elif par_r <= room:
+            offload = r.weights_bytes - (room - par_r)
+            verdict = f"offloads {offload / GiB:.1f} GB of weights"
+        else:
+            offload = r.weights_bytes
+            verdict = (f"cannot fit even fully offloaded: needs {par_r / GiB:.1f} GB for activations, "
+                       f"{room / GiB:.1f} GB available")
+    elif r.vram_bytes is not None:
+        verdict = "fits" if par_r <= r.vram_bytes - r.reserved_bytes else "cannot fit even fully offloaded"
+    return Estimate(
+        request={"model": dims.name, "width": r.width, "height": r.height, "frames": r.frames,
+                 "batch": r.batch, "cfg": r.cfg, "dtype": r.dtype, "attention": r.attention},
+        latent=latent, tokens=L, rows_sequential=rows_seq, rows_batched=rows_bat,
+        resident=res, partial=par, reservation_resident=res_r, reservation_partial=par_r,
+        comfy_estimate=comfy, weights_bytes=r.weights_bytes, vram_bytes=r.vram_bytes,
+        verdict=verdict, offload_bytes=max(0, offload), notes=tuple(_rounding_notes(r, dims)))

@@ -1,0 +1,199 @@
+"""Token-based activation-memory model of one Wan DiT forward, phase by phase.
+
+Every term is named after the code it describes (ComfyUI ``comfy/ldm/wan/model.py``).  Per
+forward the peak is ``persistent + max(phase peaks) + weight transient + allocator slack``:
+phases do not add up, because each block frees a phase's temporaries before the next phase
+allocates its own.  Bytes below are for ``T = rows * L`` tokens, ``e`` bytes per element of
+the compute dtype, ``d`` = dim, ``f`` = ffn_dim.
+
+Phases of one ``WanAttentionBlock`` (the residual ``x`` is alive throughout, and CPython keeps a
+call's argument alive until the callee returns, so each sub-module's input stays allocated):
+
+* ``rope``: roping k.  ``x``, the self-attention input, ``q``, ``norm_k(k(x))``, the fp32
+  ``x_`` and ``x_out`` of ``apply_rope1`` and its ``type_as`` result: ``5 e d T + 8 d T``.
+  (18 bytes per token per dim at bf16, the A14B peak measured on an H200.)
+* ``attn``: the attention call.  ``x``, input, q, k, v (``5 e d T``) plus the backend's extra
+  bytes, taken from :func:`attention.memory.extra_bytes` (SDPA: its output).
+* ``cross``: ``x``, ``norm3(x)``, ``q``, the output, ``o`` (+ the image branch's output for
+  I2V): ``(4 + img) e d T`` plus the cross-attention backend's extra bytes.
+* ``ffn``: ``x``, the FFN input, the first Linear's output and the GELU output: ``2 e d T + 2 e f T``.
+* ``modulation``: with per-frame timesteps (TI2V-5B image-to-video), ``repeat_e`` materialises
+  ``[B, L, d]`` shift/scale tensors around ``norm1``: ``6 e d T``.
+* ``embed``: the patch embedding runs in fp32 and is cast back: ``(4 + e) d T`` plus the fp32
+  copy of the latent.
+
+Persistent across blocks: RoPE ``freqs`` (fp32, ``8 * head_dim`` bytes per token, shared by the
+rows), the text/image context, and for VACE the control streams plus the un-blocked input.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+__all__ = ["WanDims", "PRESETS", "Workload", "latent_shape", "tokens", "phase_peaks", "forward_peak",
+           "largest_block", "weight_transient", "WeightSetup", "DTYPE_BYTES"]
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class WanDims:
+    """The config of one Wan DiT, as ComfyUI detects it."""
+
+    name: str
+    dim: int
+    ffn_dim: int
+    num_heads: int
+    num_layers: int
+    in_dim: int = 16
+    out_dim: int = 16
+    patch_size: tuple = (1, 2, 2)
+    vae_stride: tuple = (4, 8, 8)  # (t, h, w); 16x for the Wan 2.2 VAE of TI2V-5B
+    latent_channels: int = 16
+    model_type: str = "t2v"  # t2v, i2v, vace, ti2v, camera, s2v, humo, animate
+    text_len: int = 512
+    has_img_emb: bool = False  # CLIP image tokens in cross-attention (2.1 I2V / FLF2V)
+    vace_layers: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    def params(self) -> int:
+        d, f, L = self.dim, self.ffn_dim, self.num_layers
+        per_block = 4 * d * d + 4 * d * d + 2 * d * f + 6 * d + 10 * d + f
+        if self.has_img_emb:
+            per_block += 2 * d * d
+        return L * per_block + 4096 * d + d * d + 256 * d + d * d + 6 * d * d + self.in_dim * 4 * d
+
+
+PRESETS = {
+    "wan2.1-1.3b": WanDims("Wan 2.1 T2V 1.3B", 1536, 8960, 12, 30),
+    "wan2.1-14b": WanDims("Wan 2.1 T2V 14B", 5120, 13824, 40, 40),
+    "wan2.1-i2v-14b": WanDims("Wan 2.1 I2V 14B", 5120, 13824, 40, 40, in_dim=36, model_type="i2v",
+                              has_img_emb=True),
+    "wan2.2-a14b": WanDims("Wan 2.2 T2V A14B (one expert)", 5120, 13824, 40, 40),
+    "wan2.2-i2v-a14b": WanDims("Wan 2.2 I2V A14B (one expert)", 5120, 13824, 40, 40, in_dim=36),
+    "wan2.2-ti2v-5b": WanDims("Wan 2.2 TI2V 5B", 3072, 14336, 24, 30, in_dim=48, out_dim=48,
+                              vae_stride=(4, 16, 16), latent_channels=48, model_type="ti2v"),
+}
+
+
+def latent_shape(dims: WanDims, width: int, height: int, frames: int, batch: int = 1) -> tuple:
+    """[B, C, T, H, W] of the empty latent ComfyUI makes for these pixel sizes.
+
+    ComfyUI's Wan latent nodes floor: T = (frames - 1) // 4 + 1, H = height // stride,
+    W = width // stride (stride 8, or 16 for the Wan 2.2 VAE).  Pixels that do not fill a
+    latent cell are dropped, exactly as ComfyUI drops them.
+    """
+    st, sh, sw = dims.vae_stride
+    return (batch, dims.latent_channels, (frames - 1) // st + 1, height // sh, width // sw)
+
+
+def tokens(dims: WanDims, t_lat: int, h_lat: int, w_lat: int) -> int:
+    """L = T_lat * ceil(H_lat / 2) * ceil(W_lat / 2): the DiT pads H and W to the patch size."""
+    pt, ph, pw = dims.patch_size
+    return math.ceil(t_lat / pt) * math.ceil(h_lat / ph) * math.ceil(w_lat / pw)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One forward: tokens per row, rows, compute dtype, conditioning extras, attention backends."""
+
+    L: int
+    rows: int = 1
+    dtype: str = "bf16"
+    self_attn: str = "sdpa"  # a memory path of attention.memory
+    cross_attn: str = "sdpa"
+    img_tokens: int = 0  # CLIP image tokens in cross-attention (257, or 514 for FLF2V)
+    text_tokens: int = 512
+    per_frame_timesteps: int = 0  # latent frames when TI2V's per-frame timestep is active
+    vace_streams: int = 0
+    latent_elems_per_row: int = 0  # C*T*H*W of the (padded) latent, for the fp32 embed copy
+
+
+def _attn_extra(path: str, rows: int, heads: int, nq: int, nk: int, hd: int, e: int) -> int:
+    from ..attention.memory import AttnShape, extra_bytes
+    return extra_bytes(path, AttnShape(rows, heads, nq, nk, hd, e, None, True))
+
+
+def phase_peaks(dims: WanDims, w: Workload) -> dict:
+    """Bytes per phase of one block (without the persistent terms)."""
+    e = DTYPE_BYTES[w.dtype]
+    d, f, T = dims.dim, dims.ffn_dim, w.rows * w.L
+    hd, H = dims.head_dim, dims.num_heads
+    img = 1 if w.img_tokens else 0
+    phases = {
+        "embed": (4 + e) * d * T + 4 * w.rows * w.latent_elems_per_row,
+        "modulation": (6 if w.per_frame_timesteps else 3) * e * d * T,
+        "rope": 5 * e * d * T + 8 * d * T,
+        "attn": 5 * e * d * T + _attn_extra(w.self_attn, w.rows, H, w.L, w.L, hd, e),
+        "cross": (4 + img) * e * d * T + _attn_extra(w.cross_attn, w.rows, H, w.L, w.text_tokens, hd, e),
+        "ffn": 2 * e * d * T + 2 * e * f * T,
+    }
+    return phases
+
+
+def persistent(dims: WanDims, w: Workload) -> dict:
+    e = DTYPE_BYTES[w.dtype]
+    d, T = dims.dim, w.rows * w.L
+    return {
+        "rope_freqs": 8 * dims.head_dim * w.L,
+        "context": w.rows * (w.text_tokens + w.img_tokens) * d * e,
+        "vace_streams": (2 + w.vace_streams) * e * d * T if w.vace_streams else 0,
+        "timestep_embeddings": w.rows * max(1, w.per_frame_timesteps) * 7 * d * 4,
+    }
+
+
+def largest_block(dims: WanDims, w: Workload) -> int:
+    """The largest single activation allocation of a block (for fragmentation slack)."""
+    e = DTYPE_BYTES[w.dtype]
+    T = w.rows * w.L
+    return max(4 * dims.dim * T, e * dims.ffn_dim * T, e * dims.dim * T * 2 if w.self_attn != "sdpa" else 0)
+
+
+@dataclass(frozen=True)
+class WeightSetup:
+    """How the weights reach the matmuls, which decides the per-layer transient."""
+
+    weight_dtype: str = "bf16"  # bf16, fp16, fp32, fp8, or a GGUF type name such as Q4_K
+    gguf_bytes_per_param: float = 0.0  # > 0 for GGUF
+    lora: bool = False  # LoRA applied at every forward (GGUF or streamed layers): fp32 transient
+    streamed: bool = False  # lowvram: some layers are copied to the GPU per forward
+
+
+def weight_transient(dims: WanDims, ws: WeightSetup, compute: str = "bf16") -> int:
+    """Bytes a single Linear adds while it runs, for the largest layer (the FFN, d x f).
+
+    * resident weights in the compute dtype: none;
+    * fp8 (or other) weights cast per call, or streamed layers: a copy in the compute dtype
+      (plus the raw bytes when streamed and of another dtype);
+    * GGUF: the raw quantised bytes when streamed, the block-dequantisation intermediate and the
+      dequantised weight, all in the compute dtype;
+    * LoRA at forward time (GGUF, or lowvram ``LowVramPatch``): ``calculate_weight`` upcasts the
+      weight to fp32 and builds the fp32 ``up @ down`` product, then casts back.
+    """
+    e = DTYPE_BYTES[compute]
+    P = dims.dim * dims.ffn_dim
+    t = 0
+    if ws.gguf_bytes_per_param > 0:
+        t = 2 * e * P + (int(ws.gguf_bytes_per_param * P) if ws.streamed else 0)
+    elif ws.weight_dtype not in (compute,):
+        wb = {"fp8": 1, "fp16": 2, "bf16": 2, "fp32": 4}.get(ws.weight_dtype, 2)
+        t = e * P + (wb * P if ws.streamed else 0)
+    elif ws.streamed:
+        t = e * P
+    if ws.lora:
+        t += 8 * P
+    return t
+
+
+def forward_peak(dims: WanDims, w: Workload) -> tuple:
+    """(phase-peak bytes, persistent bytes, the dominating phase name)."""
+    ph = phase_peaks(dims, w)
+    top = max(ph, key=ph.get)
+    return ph[top], sum(persistent(dims, w).values()), top
+
+
+def with_rows(w: Workload, rows: int) -> Workload:
+    return replace(w, rows=rows)

@@ -1,0 +1,291 @@
+"""The "Wan Working-Memory Estimator" node: reserve the predicted activation memory before sampling.
+
+Wiring (all scoped to the cloned MODEL, restored in ``finally``):
+
+* a ``PREPARE_SAMPLING`` wrapper temporarily replaces the shared ``BaseModel.memory_required``
+  with the wan-sage estimate, so ``load_models_gpu`` keeps as many weights resident as fit and
+  evicts or offloads the rest (legacy memory path: ComfyUI 0.3.64, GGUF, --disable-dynamic-vram);
+* a ``CALC_COND_BATCH`` wrapper does the same around cond/uncond batching decisions;
+* on the dynamic-VRAM path residency is managed by ComfyUI itself: the node then only informs
+  batching, reports, and warns when the activations alone exceed the card.
+
+A MODEL that is not a Wan video model is passed through unchanged with a warning (documented
+choice: a workflow that swaps models must not break; the report output says so).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from comfy_api.latest import io, ui
+
+from ..attention import kernels
+from ..memory import model as M
+from ..memory.estimate import (EstimateRequest, GiB, activation_bytes, attention_paths, estimate,
+                               validate_request)
+from . import comfy_bridge as B
+from .sage_patch import find_override
+
+log = logging.getLogger("wan_sage")
+
+PREPARE_KEY = "wan_sage_reserve"
+BATCH_KEY = "wan_sage_cond_batch"
+POLICIES = ("wan-sage estimate", "max(wan-sage, ComfyUI)", "fixed GB per row")
+SAGE_COUNT = ("auto-detect", "always", "never")
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Settings:
+    policy: str = POLICIES[0]
+    margin_gb: float = 0.0
+    fixed_gb: float = 10.0
+    count_sage: str = SAGE_COUNT[0]
+
+
+def _cc(dev) -> int | None:
+    try:
+        import torch
+        if dev is not None and getattr(dev, "type", None) == "cuda":
+            return kernels.device_cc(dev)
+    except Exception:
+        pass
+    return None
+
+
+def attention_for(model_options, settings: Settings, dev) -> tuple:
+    """(self path, cross path, label) for the memory model, detecting the Sage patch."""
+    ov = find_override((model_options or {}).get("transformer_options", {}))
+    if settings.count_sage == "never" or (settings.count_sage == "auto-detect" and ov is None):
+        return "sdpa", "sdpa", "sdpa"
+    cc = _cc(dev) or 90
+    name = ov.config.kernel if ov is not None else "auto"
+    if name == "auto":
+        cands = kernels.auto_candidates(cc) if _cc(dev) else ()
+        name = cands[0] if cands else kernels.AUTO_ORDER.get(cc, kernels.AUTO_ORDER[90])[0]
+    path = kernels.KERNELS[name].memory_path(cc)
+    return path, path, name
+
+
+def _workload(dims: M.WanDims, shape, dtype: str, self_p: str, cross_p: str) -> M.Workload:
+    rows, C, T, H, W = int(shape[0]), int(shape[1]), int(shape[2]), int(shape[3]), int(shape[4])
+    L = M.tokens(dims, T, H, W)
+    return M.Workload(L=L, rows=rows, dtype=dtype, self_attn=self_p, cross_attn=cross_p,
+                      img_tokens=257 if dims.has_img_emb else 0,
+                      per_frame_timesteps=T if dims.latent_channels == 48 else 0,
+                      latent_elems_per_row=C * T * (H + H % 2) * (W + W % 2))
+
+
+class MemoryRequired:
+    """Stand-in for ``BaseModel.memory_required(input_shape, cond_shapes={}, **kw)``.  Immutable."""
+
+    __slots__ = ("dims", "dtype", "self_p", "cross_p", "ws", "partial", "settings", "orig")
+
+    def __init__(self, dims, dtype, self_p, cross_p, ws, partial, settings, orig):
+        for k, v in zip(self.__slots__, (dims, dtype, self_p, cross_p, ws, partial, settings, orig)):
+            object.__setattr__(self, k, v)
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def terms(self, input_shape) -> dict:
+        w = _workload(self.dims, input_shape, self.dtype, self.self_p, self.cross_p)
+        return activation_bytes(self.dims, w, self.ws, self.partial)
+
+    def __call__(self, input_shape, cond_shapes={}, **kwargs):
+        rows = int(input_shape[0])
+        if self.settings.policy == POLICIES[2]:
+            return int(self.settings.fixed_gb * GiB) * rows
+        ours = self.terms(input_shape)["total"] + int(self.settings.margin_gb * GiB)
+        if self.settings.policy == POLICIES[1] and self.orig is not None:
+            return max(ours, int(self.orig(input_shape, cond_shapes, **kwargs)))
+        return ours
+
+
+def _swap(base, fn):
+    prev = base.__dict__.get("memory_required", _MISSING)
+    base.memory_required = fn
+    return prev
+
+
+def _restore(base, prev):
+    if prev is _MISSING:
+        base.__dict__.pop("memory_required", None)
+    else:
+        base.memory_required = prev
+
+
+def _orig(base):
+    return base.__dict__.get("memory_required") or type(base).memory_required.__get__(base)
+
+
+def plan_reservation(model, noise_shape, model_options, settings: Settings):
+    """(MemoryRequired, facts for the report) for this model and latent shape."""
+    dims = B.wan_dims(model)
+    dtype = B.compute_dtype(model)
+    dev = B.device_of(model)
+    self_p, cross_p, attn = attention_for(model_options, settings, dev)
+    weights = int(model.model_size())
+    cap = B.capacity(model)
+    reserved = B.extra_reserved()
+    res_fn = MemoryRequired(dims, dtype, self_p, cross_p, B.weight_setup(model, False), False, settings, _orig(model.model))
+    need_res = res_fn(list(noise_shape))
+    partial = weights + need_res + reserved > cap
+    fn = res_fn if not partial else MemoryRequired(dims, dtype, self_p, cross_p, B.weight_setup(model, True), True,
+                                                    settings, _orig(model.model))
+    facts = {"dims": dims, "dtype": dtype, "attention": attn, "weights": weights, "capacity": cap,
+             "reserved": reserved, "partial": partial, "reservation": fn(list(noise_shape)),
+             "terms": fn.terms(list(noise_shape)), "tokens": _workload(dims, noise_shape, dtype, "sdpa", "sdpa").L,
+             "comfy": int(_orig(model.model)(list(noise_shape)))}
+    return fn, facts
+
+
+def report_from_facts(f: dict, shape) -> str:
+    t = f["terms"]
+    room = f["capacity"] - f["reserved"]
+    if not f["partial"]:
+        verdict = "fits: all weights resident"
+    elif f["reservation"] <= room:
+        verdict = f"offloads {(f['weights'] - (room - f['reservation'])) / GiB:.1f} GB of weights"
+    else:
+        verdict = f"cannot fit even fully offloaded ({f['reservation'] / GiB:.1f} GB needed, {room / GiB:.1f} GB available)"
+    d = f["dims"]
+    return (f"Wan dim {d.dim} x {d.num_layers} layers ({d.model_type}), latent {list(shape)}, {f['dtype']}\n"
+            f"tokens: {f['tokens']:,} per row, {int(shape[0])} row(s) per forward\n"
+            f"activation peak: {(t['phase_peak'] + t['persistent']) / GiB:.2f} GiB ({t['dominant_phase']}); "
+            f"Sage extra: {t['sage_extra'] / GiB:+.2f} GiB ({f['attention']})\n"
+            f"reservation: {f['reservation'] / GiB:.2f} GiB (weights {'partly offloaded' if f['partial'] else 'resident'}"
+            f"{'; streaming + fragmentation ' + format(t['partial_overhead'] / GiB, '.2f') + ' GiB' if f['partial'] else ''}); "
+            f"ComfyUI's own estimate: {f['comfy'] / GiB:.2f} GiB\n"
+            f"weights: {f['weights'] / GiB:.2f} GiB; VRAM for this model (free + evictable): {f['capacity'] / GiB:.2f} GiB\n"
+            f"verdict: {verdict}")
+
+
+def _prepare_wrapper(settings: Settings):
+    def prepare_sampling(executor, model, noise_shape, conds, *args, **kwargs):
+        mo = kwargs.get("model_options", args[0] if args else None) or getattr(model, "model_options", {})
+        base = model.model
+        try:
+            fn, facts = plan_reservation(model, noise_shape, mo, settings)
+        except Exception as e:  # never block sampling on the estimate
+            log.warning("wan-sage: working-memory estimate failed (%s: %s); using ComfyUI's own.", type(e).__name__, e)
+            return executor(model, noise_shape, conds, *args, **kwargs)
+        text = report_from_facts(facts, noise_shape)
+        if B.is_dynamic(model):
+            log.info("wan-sage estimate (dynamic VRAM: residency managed by ComfyUI; the estimate informs cond "
+                     "batching only):\n%s", text)
+            total = facts["capacity"] + facts["weights"]
+            if facts["terms"]["total"] > total:
+                log.warning("wan-sage: the activations alone (%.1f GiB) exceed this GPU; lower frames or resolution, "
+                            "or raise --vram-headroom/--reserve-vram.", facts["terms"]["total"] / GiB)
+            return executor(model, noise_shape, conds, *args, **kwargs)
+        log.info("wan-sage estimate:\n%s", text)
+        if facts["partial"]:
+            import comfy.model_management as mm
+            mm.soft_empty_cache()  # hand the previous model's cached activations back first
+        prev = _swap(base, fn)
+        try:
+            return executor(model, noise_shape, conds, *args, **kwargs)
+        finally:
+            _restore(base, prev)
+    return prepare_sampling
+
+
+def _cond_batch_wrapper(settings: Settings):
+    def calc_cond_batch(executor, model, conds, x_in, timestep, model_options, *args, **kwargs):
+        base = model  # BaseModel here
+        try:
+            dims = B.wan_dims(base)
+            dtype = B.compute_dtype(base)
+            self_p, cross_p, _ = attention_for(model_options, settings, x_in.device)
+            partial = bool(getattr(base, "model_lowvram", False))
+            fn = MemoryRequired(dims, dtype, self_p, cross_p, M.WeightSetup(streamed=partial), partial, settings,
+                                _orig(base))
+        except Exception:
+            return executor(model, conds, x_in, timestep, model_options, *args, **kwargs)
+        prev = _swap(base, fn)
+        try:
+            return executor(model, conds, x_in, timestep, model_options, *args, **kwargs)
+        finally:
+            _restore(base, prev)
+    return calc_cond_batch
+
+
+def apply_estimator(model, settings: Settings, shape, model_options=None):
+    """(clone with wrappers, numbers dict, report text).  Non-Wan models pass through."""
+    if not B.is_wan(model):
+        log.warning("wan-sage: the Working-Memory Estimator got a model that is not a Wan video model; "
+                    "it is passed through unchanged.")
+        return model, None, "not a Wan model: passed through unchanged (ComfyUI's own estimate applies)"
+    m = model.clone()
+    W = B.wrappers_mp()
+    m.add_wrapper_with_key(W.PREPARE_SAMPLING, PREPARE_KEY, _prepare_wrapper(settings))
+    m.add_wrapper_with_key(W.CALC_COND_BATCH, BATCH_KEY, _cond_batch_wrapper(settings))
+    _fn, facts = plan_reservation(m, shape, model_options or m.model_options, settings)
+    text = report_from_facts(facts, shape)
+    if B.is_dynamic(m):
+        text += "\nmemory path: dynamic VRAM (residency managed by ComfyUI; estimate used for cond batching)"
+    nums = {"tokens": facts["tokens"], "activation_gb": (facts["terms"]["phase_peak"] + facts["terms"]["persistent"]) / GiB,
+            "sage_extra_gb": facts["terms"]["sage_extra"] / GiB, "reservation_gb": facts["reservation"] / GiB}
+    return m, nums, text
+
+
+class WanWorkingMemoryEstimator(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="WanWorkingMemoryEstimator",
+            display_name="Wan Working-Memory Estimator",
+            category="model_patches/wan-sage",
+            description=("Predicts the activation memory of a Wan denoise from the model's config and the latent "
+                         "size, and reserves it before sampling so ComfyUI offloads just enough weights."),
+            inputs=[
+                io.Model.Input("model"),
+                io.Int.Input("width", default=1280, min=16, max=16384, step=16),
+                io.Int.Input("height", default=720, min=16, max=16384, step=16),
+                io.Int.Input("frames", default=81, min=1, max=4097, step=4),
+                io.Int.Input("batch_size", default=1, min=1, max=64),
+                io.Float.Input("cfg", default=1.0, min=0.0, max=100.0, step=0.1,
+                               tooltip="cfg != 1 runs cond and uncond (two rows when batched)"),
+                io.Combo.Input("policy", options=list(POLICIES), default=POLICIES[0]),
+                io.Float.Input("margin_gb", default=0.0, min=0.0, max=64.0, step=0.1),
+                io.Float.Input("fixed_gb", default=10.0, min=0.0, max=256.0, step=0.1,
+                               tooltip="per row, used by the 'fixed GB per row' policy"),
+                io.Combo.Input("count_sage_extra", options=list(SAGE_COUNT), default=SAGE_COUNT[0],
+                               tooltip="auto-detect: counted when the Sage patch is on this model"),
+                io.Latent.Input("latent", optional=True, tooltip="when connected, its size replaces width/height/frames/batch"),
+            ],
+            outputs=[io.Model.Output(), io.Int.Output(display_name="tokens"),
+                     io.Float.Output(display_name="activation_gb"), io.Float.Output(display_name="sage_extra_gb"),
+                     io.Float.Output(display_name="reservation_gb"), io.String.Output(display_name="report")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, width=1280, height=720, frames=81, batch_size=1, cfg=1.0, **kw):
+        try:
+            validate_request(EstimateRequest(dims=M.PRESETS["wan2.2-a14b"], width=width, height=height,
+                                             frames=frames, batch=batch_size, cfg=cfg))
+        except ValueError as e:
+            return str(e)
+        return True
+
+    @classmethod
+    def execute(cls, model, width, height, frames, batch_size, cfg, policy, margin_gb, fixed_gb,
+                count_sage_extra, latent=None) -> io.NodeOutput:
+        settings = Settings(policy, float(margin_gb), float(fixed_gb), count_sage_extra)
+        if latent is not None and "samples" in latent and latent["samples"].ndim == 5:
+            shape = list(latent["samples"].shape)
+        else:
+            if B.is_wan(model):
+                dims = B.wan_dims(model)
+                shape = list(M.latent_shape(dims, width, height, frames, batch_size))
+            else:
+                shape = [batch_size, 16, (frames - 1) // 4 + 1, height // 8, width // 8]
+        m, nums, text = apply_estimator(model, settings, shape)
+        if cfg != 1.0 and nums is not None:
+            text += ("\ncfg %.1f: cond and uncond run as separate forwards of this size unless ComfyUI finds room "
+                     "to batch them (2 rows)" % cfg)
+        if nums is None:
+            return io.NodeOutput(m, 0, 0.0, 0.0, 0.0, text, ui=ui.PreviewText(text))
+        return io.NodeOutput(m, nums["tokens"], round(nums["activation_gb"], 3), round(nums["sage_extra_gb"], 3),
+                             round(nums["reservation_gb"], 3), text, ui=ui.PreviewText(text))

@@ -1,0 +1,139 @@
+"""The "Wan 2.2 Sage Attention Patch" node: clone the MODEL and install the attention override."""
+from __future__ import annotations
+
+import logging
+
+from comfy_api.latest import io, ui
+
+from ..attention import kernels, stats
+from ..attention.dispatch import PatchConfig, SageAttentionOverride
+from . import comfy_bridge as B
+
+log = logging.getLogger("wan_sage")
+_warned: set = set()
+
+STATS_EVENT = "wan_sage.stats"
+OUTER_KEY = "wan_sage_attention_stats"
+
+
+def _warn_once(key, msg, *args):
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(msg, *args)
+
+
+def find_override(transformer_options) -> SageAttentionOverride | None:
+    """Our override in the slot, also when another override chains to it through ``prev``."""
+    ov = (transformer_options or {}).get(B.OVERRIDE_KEY)
+    seen = 0
+    while ov is not None and seen < 8:
+        if isinstance(ov, SageAttentionOverride):
+            return ov
+        ov = getattr(ov, "prev", None)
+        seen += 1
+    return None
+
+
+def _stats_wrapper(patch_id: str, label: str):
+    def outer_sample(executor, *args, **kwargs):
+        guider = getattr(executor, "class_obj", None)
+        mo = getattr(guider, "model_options", None) or {}
+        found = find_override(mo.get("transformer_options", {}))
+        if found is None or found.patch_id != patch_id:
+            _warn_once(("displaced", patch_id), "wan-sage: another node replaced the Sage attention override on "
+                       "this model after the Wan 2.2 Sage Attention Patch (the slot keeps only the last writer). "
+                       "Put the patch after that node to use SageAttention.")
+        stats.begin_run(patch_id, label)
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            summary = stats.end_run(patch_id)
+            if summary.get("sage_calls", 0) + summary.get("sdpa_calls", 0):
+                log.info("wan-sage %s: %s", label or patch_id, stats.format_summary(summary))
+                B.send_event(STATS_EVENT, {"patch_id": patch_id, "summary": summary,
+                                           "text": stats.format_summary(summary)})
+    return outer_sample
+
+
+def status_text(kernel: str) -> str:
+    p = kernels.probe()
+    parts = [f"kernel: {kernel}", f"sageattention: {p.sage_version or 'not installed'}",
+             f"comfy-kitchen int8: {'yes' if p.ck_available else 'no'}"]
+    try:
+        import torch
+        if torch.cuda.is_available():
+            cc = kernels.device_cc(torch.device("cuda"))
+            if kernel == "auto":
+                c = kernels.auto_candidates(cc)
+                parts.append(f"sm{cc} candidates: {', '.join(c) if c else 'none'}")
+            else:
+                why = kernels.unavailable_reason(kernel, cc)
+                parts.append(f"sm{cc}: {'available' if why is None else why}")
+    except Exception:
+        pass
+    return "; ".join(parts)
+
+
+def apply_patch(model, kernel="auto", min_tokens=1024, calibrate=True, memory_margin_mb=256,
+                check_finite=True):
+    """Returns (patched clone or the input model, report text)."""
+    if not B.is_wan(model):
+        _warn_once("notwan", "wan-sage: the Sage Attention Patch got a model that is not a Wan video model; "
+                   "it is passed through unchanged.")
+        return model, "not a Wan model: passed through unchanged"
+    if not kernels.any_kernel_importable():
+        p = kernels.probe()
+        _warn_once("nosage", "wan-sage: SageAttention is not installed (%s), so the Sage Attention Patch passes "
+                   "the model through. %s", p.sage_error, kernels.install_hint())
+        return model, "SageAttention not installed: passed through. " + kernels.install_hint()
+    if kernel != "auto":
+        why = kernels.unavailable_reason(kernel)
+        if why:
+            _warn_once(("kernel", kernel), "wan-sage: kernel %r is unavailable: %s. Calls will use SDPA.", kernel, why)
+    m = model.clone()
+    to = m.model_options.setdefault("transformer_options", {})
+    prev = to.get(B.OVERRIDE_KEY)
+    if isinstance(prev, SageAttentionOverride):
+        prev = prev.prev  # re-patching replaces our own earlier patch instead of stacking it
+    elif prev is not None:
+        log.info("wan-sage: chaining to the attention override already on this model (%r) for declined calls", prev)
+    cfg = PatchConfig(kernel=kernel, min_tokens=int(min_tokens), calibrate=bool(calibrate),
+                      memory_margin_mb=int(memory_margin_mb), check_finite=bool(check_finite),
+                      cache_dir=B.cache_dir(), label="Wan Sage patch")
+    free_fn = B.PatcherFreeMemory(m.model) if (B.is_dynamic(m) or B.aimdo_enabled()) else None
+    ov = SageAttentionOverride(cfg, prev=prev, sdpa=B.raw_sdpa(), free_memory=free_fn)
+    to[B.OVERRIDE_KEY] = ov
+    m.add_wrapper_with_key(B.wrappers_mp().OUTER_SAMPLE, OUTER_KEY, _stats_wrapper(ov.patch_id, cfg.label))
+    return m, f"patched (id {ov.patch_id}); " + status_text(kernel)
+
+
+class WanSageAttentionPatch(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="WanSageAttentionPatch",
+            display_name="Wan 2.2 Sage Attention Patch",
+            category="model_patches/wan-sage",
+            description=("Runs this Wan model's long self-attention on SageAttention where it is measured faster "
+                         "and fits in free VRAM, and every other call on PyTorch SDPA. Scoped to this model."),
+            inputs=[
+                io.Model.Input("model"),
+                io.Combo.Input("kernel", options=["auto", *kernels.KERNELS], default="auto",
+                               tooltip="auto: the best kernel for this GPU, chosen per shape by measurement"),
+                io.Int.Input("min_tokens", default=1024, min=0, max=1 << 20, step=64,
+                             tooltip="calls with fewer query tokens stay on SDPA"),
+                io.Boolean.Input("calibrate", default=True,
+                                 tooltip="time Sage against SDPA once per shape (cached on disk); off: "
+                                         "Sage for self-attention, SDPA for cross-attention"),
+                io.Int.Input("memory_margin_mb", default=256, min=0, max=65536, step=64,
+                             tooltip="VRAM kept free on top of the kernel's exact extra bytes"),
+                io.Boolean.Input("check_finite", default=True,
+                                 tooltip="recompute NaN/Inf outputs on SDPA"),
+            ],
+            outputs=[io.Model.Output(), io.String.Output(display_name="status")],
+        )
+
+    @classmethod
+    def execute(cls, model, kernel, min_tokens, calibrate, memory_margin_mb, check_finite) -> io.NodeOutput:
+        m, text = apply_patch(model, kernel, min_tokens, calibrate, memory_margin_mb, check_finite)
+        return io.NodeOutput(m, text, ui=ui.PreviewText(text))
