@@ -10,6 +10,6 @@ __version__ = "0.1.0"
 WEB_DIRECTORY = "./web"
 
 if _ilu.find_spec("comfy_api") is not None and _ilu.find_spec("comfy") is not None:
-    from .nodes import comfy_entrypoint  # noqa: F401
+    from .nodes.extension import comfy_entrypoint  # noqa: F401
 
 __all__ = ["WEB_DIRECTORY", "__version__"]

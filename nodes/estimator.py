@@ -1,4 +1,4 @@
-"""The "Wan Working-Memory Estimator" node: reserve the predicted activation memory before sampling.
+"""Wiring of the "Wan Working-Memory Estimator": reserve the predicted activation memory before sampling.
 
 Wiring (all scoped to the cloned MODEL, restored in ``finally``):
 
@@ -17,12 +17,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from comfy_api.latest import io, ui
-
 from ..attention import kernels
 from ..memory import model as M
-from ..memory.estimate import (EstimateRequest, GiB, activation_bytes, attention_paths, estimate,
-                               validate_request)
+from ..memory.estimate import GiB, activation_bytes
 from . import comfy_bridge as B
 from .sage_patch import find_override
 
@@ -228,64 +225,3 @@ def apply_estimator(model, settings: Settings, shape, model_options=None):
     nums = {"tokens": facts["tokens"], "activation_gb": (facts["terms"]["phase_peak"] + facts["terms"]["persistent"]) / GiB,
             "sage_extra_gb": facts["terms"]["sage_extra"] / GiB, "reservation_gb": facts["reservation"] / GiB}
     return m, nums, text
-
-
-class WanWorkingMemoryEstimator(io.ComfyNode):
-    @classmethod
-    def define_schema(cls):
-        return io.Schema(
-            node_id="WanWorkingMemoryEstimator",
-            display_name="Wan Working-Memory Estimator",
-            category="model_patches/wan-sage",
-            description=("Predicts the activation memory of a Wan denoise from the model's config and the latent "
-                         "size, and reserves it before sampling so ComfyUI offloads just enough weights."),
-            inputs=[
-                io.Model.Input("model"),
-                io.Int.Input("width", default=1280, min=16, max=16384, step=16),
-                io.Int.Input("height", default=720, min=16, max=16384, step=16),
-                io.Int.Input("frames", default=81, min=1, max=4097, step=4),
-                io.Int.Input("batch_size", default=1, min=1, max=64),
-                io.Float.Input("cfg", default=1.0, min=0.0, max=100.0, step=0.1,
-                               tooltip="cfg != 1 runs cond and uncond (two rows when batched)"),
-                io.Combo.Input("policy", options=list(POLICIES), default=POLICIES[0]),
-                io.Float.Input("margin_gb", default=0.0, min=0.0, max=64.0, step=0.1),
-                io.Float.Input("fixed_gb", default=10.0, min=0.0, max=256.0, step=0.1,
-                               tooltip="per row, used by the 'fixed GB per row' policy"),
-                io.Combo.Input("count_sage_extra", options=list(SAGE_COUNT), default=SAGE_COUNT[0],
-                               tooltip="auto-detect: counted when the Sage patch is on this model"),
-                io.Latent.Input("latent", optional=True, tooltip="when connected, its size replaces width/height/frames/batch"),
-            ],
-            outputs=[io.Model.Output(), io.Int.Output(display_name="tokens"),
-                     io.Float.Output(display_name="activation_gb"), io.Float.Output(display_name="sage_extra_gb"),
-                     io.Float.Output(display_name="reservation_gb"), io.String.Output(display_name="report")],
-        )
-
-    @classmethod
-    def validate_inputs(cls, width=1280, height=720, frames=81, batch_size=1, cfg=1.0, **kw):
-        try:
-            validate_request(EstimateRequest(dims=M.PRESETS["wan2.2-a14b"], width=width, height=height,
-                                             frames=frames, batch=batch_size, cfg=cfg))
-        except ValueError as e:
-            return str(e)
-        return True
-
-    @classmethod
-    def execute(cls, model, width, height, frames, batch_size, cfg, policy, margin_gb, fixed_gb,
-                count_sage_extra, latent=None) -> io.NodeOutput:
-        settings = Settings(policy, float(margin_gb), float(fixed_gb), count_sage_extra)
-        if latent is not None and "samples" in latent and latent["samples"].ndim == 5:
-            shape = list(latent["samples"].shape)
-        else:
-            if B.is_wan(model):
-                dims = B.wan_dims(model)
-                shape = list(M.latent_shape(dims, width, height, frames, batch_size))
-            else:
-                shape = [batch_size, 16, (frames - 1) // 4 + 1, height // 8, width // 8]
-        m, nums, text = apply_estimator(model, settings, shape)
-        if cfg != 1.0 and nums is not None:
-            text += ("\ncfg %.1f: cond and uncond run as separate forwards of this size unless ComfyUI finds room "
-                     "to batch them (2 rows)" % cfg)
-        if nums is None:
-            return io.NodeOutput(m, 0, 0.0, 0.0, 0.0, text, ui=ui.PreviewText(text))
-        return io.NodeOutput(m, nums["tokens"], round(nums["activation_gb"], 3), round(nums["sage_extra_gb"], 3),
-                             round(nums["reservation_gb"], 3), text, ui=ui.PreviewText(text))

@@ -1,9 +1,8 @@
-"""The "Wan 2.2 Sage Attention Patch" node: clone the MODEL and install the attention override."""
+"""Wiring of the "Wan 2.2 Sage Attention Patch": clone the MODEL, install the attention override
+(chained to any override already there), and open/close a stats window around each sampling run."""
 from __future__ import annotations
 
 import logging
-
-from comfy_api.latest import io, ui
 
 from ..attention import kernels, stats
 from ..attention.dispatch import PatchConfig, SageAttentionOverride
@@ -105,35 +104,3 @@ def apply_patch(model, kernel="auto", min_tokens=1024, calibrate=True, memory_ma
     to[B.OVERRIDE_KEY] = ov
     m.add_wrapper_with_key(B.wrappers_mp().OUTER_SAMPLE, OUTER_KEY, _stats_wrapper(ov.patch_id, cfg.label))
     return m, f"patched (id {ov.patch_id}); " + status_text(kernel)
-
-
-class WanSageAttentionPatch(io.ComfyNode):
-    @classmethod
-    def define_schema(cls):
-        return io.Schema(
-            node_id="WanSageAttentionPatch",
-            display_name="Wan 2.2 Sage Attention Patch",
-            category="model_patches/wan-sage",
-            description=("Runs this Wan model's long self-attention on SageAttention where it is measured faster "
-                         "and fits in free VRAM, and every other call on PyTorch SDPA. Scoped to this model."),
-            inputs=[
-                io.Model.Input("model"),
-                io.Combo.Input("kernel", options=["auto", *kernels.KERNELS], default="auto",
-                               tooltip="auto: the best kernel for this GPU, chosen per shape by measurement"),
-                io.Int.Input("min_tokens", default=1024, min=0, max=1 << 20, step=64,
-                             tooltip="calls with fewer query tokens stay on SDPA"),
-                io.Boolean.Input("calibrate", default=True,
-                                 tooltip="time Sage against SDPA once per shape (cached on disk); off: "
-                                         "Sage for self-attention, SDPA for cross-attention"),
-                io.Int.Input("memory_margin_mb", default=256, min=0, max=65536, step=64,
-                             tooltip="VRAM kept free on top of the kernel's exact extra bytes"),
-                io.Boolean.Input("check_finite", default=True,
-                                 tooltip="recompute NaN/Inf outputs on SDPA"),
-            ],
-            outputs=[io.Model.Output(), io.String.Output(display_name="status")],
-        )
-
-    @classmethod
-    def execute(cls, model, kernel, min_tokens, calibrate, memory_margin_mb, check_finite) -> io.NodeOutput:
-        m, text = apply_patch(model, kernel, min_tokens, calibrate, memory_margin_mb, check_finite)
-        return io.NodeOutput(m, text, ui=ui.PreviewText(text))

@@ -1,0 +1,119 @@
+"""Shared setup for the benchmark harness: load this checkout as ``wan_sage`` and boot ComfyUI
+in-process from COMFYUI_PATH (no server), as ComfyUI's ``main.py`` would for the GPU."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_pack():
+    if "wan_sage" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("wan_sage", ROOT / "__init__.py",
+                                                      submodule_search_locations=[str(ROOT)])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["wan_sage"] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules["wan_sage"]
+
+
+def set_allocator(kind: str) -> None:
+    """'async' is what ComfyUI's main.py selects through cuda_malloc (cudaMallocAsync); 'native'
+    is PyTorch's caching allocator.  Must run before torch initialises CUDA."""
+    if kind == "async":
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync" if not conf else conf + ",backend:cudaMallocAsync"
+
+
+def boot_comfy(cpu: bool = False):
+    path = os.environ.get("COMFYUI_PATH")
+    if not path:
+        raise SystemExit("set COMFYUI_PATH to a ComfyUI checkout")
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    import comfy.options
+    comfy.options.enable_args_parsing(False)
+    import comfy.cli_args
+    comfy.cli_args.args.cpu = cpu
+    import comfy.model_management  # noqa: F401  (reads args)
+    import comfy.sd  # noqa: F401
+    import comfy.sample  # noqa: F401
+    import comfy.samplers  # noqa: F401
+    import comfy.patcher_extension  # noqa: F401
+    return path
+
+
+WAN_CONFIGS = {
+    "a14b": dict(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40, in_dim=16, out_dim=16),
+    "ti2v5b": dict(dim=3072, ffn_dim=14336, num_heads=24, num_layers=30, in_dim=48, out_dim=48),
+    "1.3b": dict(dim=1536, ffn_dim=8960, num_heads=12, num_layers=30, in_dim=16, out_dim=16),
+}
+
+
+def unet_config(name: str) -> dict:
+    c = dict(image_model="wan2.1", model_type="t2v", patch_size=(1, 2, 2), text_len=512, freq_dim=256,
+             text_dim=4096, window_size=(-1, -1), qk_norm=True, cross_attn_norm=True, eps=1e-6)
+    c.update(WAN_CONFIGS[name])
+    return c
+
+
+def init_random_(module, seed: int = 0):
+    """Fill weights so activations stay O(1): N(0, 1/fan_in) for matrices, ones for norm
+    scales, small modulation, zero biases."""
+    import math
+    import torch
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    for name, p in module.named_parameters():
+        with torch.no_grad():
+            if "modulation" in name:
+                p.normal_(0, 0.02)
+            elif p.ndim >= 2:
+                fan_in = math.prod(p.shape[1:])
+                p.normal_(0, fan_in ** -0.5)
+            elif "norm" in name and name.endswith("weight"):
+                p.fill_(1.0)
+            else:
+                p.zero_()
+
+
+def build_wan(name: str, dtype, device):
+    """A real ComfyUI Wan BaseModel with random weights built directly on ``device``."""
+    import comfy.model_detection
+    import comfy.model_patcher
+    import torch
+    cfg = unet_config(name)
+    mc = comfy.model_detection.model_config_from_unet_config(cfg)
+    mc.set_inference_dtype(dtype, None)
+    model = mc.get_model({}, "", device=device)
+    init_random_(model.diffusion_model)
+    patcher = comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=torch.device("cpu"))
+    return patcher
+
+
+def wan_state_dict(name: str, dtype, device="cuda", seed=0):
+    """A random state dict with ComfyUI Wan key names and real sizes (built on ``device``)."""
+    import math
+    import torch
+    import comfy.ldm.wan.model as W
+    import comfy.ops
+    cfg = unet_config(name)
+    kw = {k: v for k, v in cfg.items() if k not in ("image_model",)}
+    with torch.device("meta"):
+        m = W.WanModel(**kw, operations=comfy.ops.disable_weight_init, dtype=dtype)
+    g = torch.Generator(device=device).manual_seed(seed)
+    sd = {}
+    for k, t in m.state_dict().items():
+        shape, dt = t.shape, (torch.float32 if k.startswith("patch_embedding") else dtype)
+        if "modulation" in k:
+            x = torch.randn(shape, device=device, dtype=torch.float32, generator=g).mul_(0.02)
+        elif len(shape) >= 2:
+            x = torch.randn(shape, device=device, dtype=torch.float32, generator=g).mul_(math.prod(shape[1:]) ** -0.5)
+        elif "norm" in k and k.endswith("weight"):
+            x = torch.ones(shape, device=device)
+        else:
+            x = torch.zeros(shape, device=device)
+        sd[k] = x.to(dt)
+    return sd

@@ -1,0 +1,161 @@
+"""Partial-load runs on a simulated smaller card: ComfyUI's own reservation against wan-sage's.
+
+Loads random A14B weights at real size through ComfyUI's own loader
+(``comfy.sd.load_diffusion_model_state_dict``), holds a ballast allocation so that
+``comfy.model_management.get_free_memory()`` reads exactly ``--budget-gb``, and samples with
+``comfy.sample.sample`` (euler, cfg 1.0).  Per configuration it records: completed or out of
+memory, weights resident, seconds per step, peak allocated/reserved above the ballast, the
+reservation used, and the Sage call counts.  One JSON line per run.
+
+Configurations (comma list): ``comfy`` (ComfyUI's own reservation), ``ours`` (the Wan
+Working-Memory Estimator's wiring), ``fixed:R`` (R GiB per row, to locate the edge); each with
+``+sage`` for the Sage Attention Patch, e.g. ``comfy,ours,comfy+sage,ours+sage,fixed:8.5``.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _host  # noqa: E402
+
+GiB = 1 << 30
+
+
+def random_lora(model, rank: int, seed: int = 0):
+    """A rank-``rank`` LoRA on every Linear of the blocks, in ComfyUI's patch format."""
+    import torch
+    import comfy.lora
+    key_map = comfy.lora.model_lora_keys_unet(model.model, {})
+    sd = model.model.diffusion_model.state_dict()
+    g = torch.Generator().manual_seed(seed)
+    lora = {}
+    for lk, mk in key_map.items():
+        if not isinstance(mk, str) or not mk.endswith(".weight") or ".blocks." not in "." + mk:
+            continue
+        w = sd.get(mk[len("diffusion_model."):]) if mk.startswith("diffusion_model.") else None
+        if w is None or w.ndim != 2:
+            continue
+        out_f, in_f = w.shape
+        lora[f"{lk}.lora_up.weight"] = (torch.randn(out_f, rank, generator=g) * 0.01).to(torch.bfloat16)
+        lora[f"{lk}.lora_down.weight"] = (torch.randn(rank, in_f, generator=g) * in_f ** -0.5).to(torch.bfloat16)
+    patches = comfy.lora.load_lora(lora, key_map, log_missing=False)
+    return patches
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--budget-gb", type=float, default=24.0)
+    ap.add_argument("--res", default="1280x720x81")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--weights", choices=["bf16", "fp8"], default="bf16")
+    ap.add_argument("--configs", default="comfy,ours,comfy+sage,ours+sage")
+    ap.add_argument("--lora-rank", type=int, default=0)
+    ap.add_argument("--model", default="a14b")
+    ap.add_argument("--allocator", choices=["async", "native"], default="async")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    _host.set_allocator(a.allocator)
+    _host.boot_comfy(cpu=False)
+    _host.load_pack()
+    import torch
+    import comfy.model_management as mm
+    import comfy.sample
+    import comfy.sd
+    from wan_sage.attention import stats
+    from wan_sage.memory import model as M
+    from wan_sage.nodes import estimator as E
+    from wan_sage.nodes.sage_patch import apply_patch, find_override
+
+    dev = mm.get_torch_device()
+    w, h, f = (int(x) for x in a.res.split("x"))
+    t0 = time.time()
+    sd = _host.wan_state_dict(a.model, torch.bfloat16, device="cuda")
+    sd = {k: v.cpu() for k, v in sd.items()}
+    torch.cuda.empty_cache()
+    opts = {"dtype": torch.float8_e4m3fn} if a.weights == "fp8" else {}
+    base_patcher = comfy.sd.load_diffusion_model_state_dict(sd, model_options=opts)
+    del sd
+    gc.collect()
+    if a.lora_rank:
+        base_patcher = base_patcher.clone()
+        base_patcher.add_patches(random_lora(base_patcher, a.lora_rank), 1.0)
+    dims = M.PRESETS["wan2.2-a14b" if a.model == "a14b" else "wan2.1-1.3b"]
+    lat = list(M.latent_shape(dims, w, h, f, 1))
+    head = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "allocator": a.allocator,
+            "alloc_backend": torch.cuda.memory.get_allocator_backend(), "weights": a.weights,
+            "weights_gib": base_patcher.model_size() / GiB, "latent": lat, "budget_gib": a.budget_gb,
+            "lora_rank": a.lora_rank, "setup_s": round(time.time() - t0, 1)}
+    print(json.dumps(head), flush=True)
+    out = open(a.out, "a") if a.out else None
+    for cfg in a.configs.split(","):
+        mm.unload_all_models()
+        gc.collect()
+        mm.soft_empty_cache(True)
+        torch.cuda.empty_cache()
+        free = mm.get_free_memory(dev)
+        ballast = torch.empty(int(free - a.budget_gb * GiB), dtype=torch.uint8, device=dev)
+        seen_free = mm.get_free_memory(dev)
+        kind, _, sage = cfg.partition("+")
+        m = base_patcher.clone()
+        if sage:
+            m, _status = apply_patch(m, calibrate=False)
+        reservation = None
+        if kind == "ours":
+            m, nums, report = E.apply_estimator(m, E.Settings(), lat)
+            reservation = nums["reservation_gb"] if nums else None
+        elif kind.startswith("fixed:"):
+            R = float(kind.split(":")[1])
+            m, nums, report = E.apply_estimator(m, E.Settings(policy=E.POLICIES[2], fixed_gb=R), lat)
+            reservation = R
+        else:
+            reservation = m.model.memory_required(lat) / GiB
+        marks, resident = [], {}
+
+        def cb(step, x0, x, total):
+            torch.cuda.synchronize()
+            marks.append(time.perf_counter())
+            if not resident:
+                resident["bytes"] = m.loaded_size()
+        g = torch.Generator().manual_seed(0)
+        noise = torch.randn(lat, generator=g)
+        ctx = torch.randn(1, 512, 4096, generator=g) * 0.1
+        ov = find_override(m.model_options.get("transformer_options", {}))
+        if ov is not None:
+            stats.begin_run(ov.patch_id)
+        torch.cuda.reset_peak_memory_stats()
+        base_alloc = torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        status = "ok"
+        try:
+            comfy.sample.sample(m, noise, a.steps, 1.0, "euler", "simple", [[ctx, {}]], [[ctx, {}]],
+                                torch.zeros(lat), seed=0, callback=cb, disable_pbar=True)
+        except torch.OutOfMemoryError as e:
+            status = "out of memory: " + str(e).split("\n")[0][:200]
+        st = stats.end_run(ov.patch_id) if ov is not None else None
+        steps = [b - a_ for a_, b in zip([start] + marks[:-1], marks)]
+        row = {"config": cfg, "status": status, "reservation_gib_per_row": reservation,
+               "free_seen_gib": seen_free / GiB, "weights_resident_gib": resident.get("bytes", 0) / GiB,
+               "weights_total_gib": m.model_size() / GiB, "step_s": [round(s, 3) for s in steps],
+               "median_2_4_s": round(statistics.median(steps[1:]), 3) if len(steps) > 1 else None,
+               "peak_alloc_gib": (torch.cuda.max_memory_allocated() - ballast.numel()) / GiB,
+               "peak_reserved_gib": (torch.cuda.max_memory_reserved() - ballast.numel()) / GiB,
+               "total_s": round(time.perf_counter() - start, 2),
+               "sage": {k: st[k] for k in ("sage_calls", "sdpa_calls", "reasons", "fallbacks", "head_split_calls")} if st else None}
+        line = json.dumps(row)
+        print(line, flush=True)
+        if out:
+            out.write(line + "\n")
+            out.flush()
+        del ballast, m
+    if out:
+        out.close()
+
+
+if __name__ == "__main__":
+    main()

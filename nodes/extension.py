@@ -1,0 +1,18 @@
+"""ComfyUI entry point: the extension that lists wan-sage's nodes (V3 ``comfy_entrypoint``)."""
+from comfy_api.latest import ComfyExtension, io
+
+from ..attention import calibration
+from . import comfy_bridge
+from .schemas import WanSageAttentionPatch, WanWorkingMemoryEstimator
+
+NODES = [WanSageAttentionPatch, WanWorkingMemoryEstimator]
+
+
+class WanSageExtension(ComfyExtension):
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        return list(NODES)
+
+
+async def comfy_entrypoint() -> WanSageExtension:
+    calibration.set_host_dir(comfy_bridge.cache_dir())
+    return WanSageExtension()

@@ -1,0 +1,105 @@
+"""V3 node schemas of wan-sage.  Each ``execute`` calls the wiring in ``sage_patch`` / ``estimator``
+and returns the MODEL plus a STRING report (also shown as a text preview, so nothing needs JS)."""
+from __future__ import annotations
+
+from comfy_api.latest import io, ui
+
+from ..attention import kernels
+from ..memory import model as M
+from ..memory.estimate import EstimateRequest, validate_request
+from . import comfy_bridge as B
+from .estimator import POLICIES, SAGE_COUNT, Settings, apply_estimator
+from .sage_patch import apply_patch
+
+
+class WanSageAttentionPatch(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="WanSageAttentionPatch",
+            display_name="Wan 2.2 Sage Attention Patch",
+            category="model_patches/wan-sage",
+            description=("Runs this Wan model's long self-attention on SageAttention where it is measured faster "
+                         "and fits in free VRAM, and every other call on PyTorch SDPA. Scoped to this model."),
+            inputs=[
+                io.Model.Input("model"),
+                io.Combo.Input("kernel", options=["auto", *kernels.KERNELS], default="auto",
+                               tooltip="auto: the best kernel for this GPU, chosen per shape by measurement"),
+                io.Int.Input("min_tokens", default=1024, min=0, max=1 << 20, step=64,
+                             tooltip="calls with fewer query tokens stay on SDPA"),
+                io.Boolean.Input("calibrate", default=True,
+                                 tooltip="time Sage against SDPA once per shape (cached on disk); off: "
+                                         "Sage for self-attention, SDPA for cross-attention"),
+                io.Int.Input("memory_margin_mb", default=256, min=0, max=65536, step=64,
+                             tooltip="VRAM kept free on top of the kernel's exact extra bytes"),
+                io.Boolean.Input("check_finite", default=True,
+                                 tooltip="recompute NaN/Inf outputs on SDPA"),
+            ],
+            outputs=[io.Model.Output(), io.String.Output(display_name="status")],
+        )
+
+    @classmethod
+    def execute(cls, model, kernel, min_tokens, calibrate, memory_margin_mb, check_finite) -> io.NodeOutput:
+        m, text = apply_patch(model, kernel, min_tokens, calibrate, memory_margin_mb, check_finite)
+        return io.NodeOutput(m, text, ui=ui.PreviewText(text))
+
+
+class WanWorkingMemoryEstimator(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="WanWorkingMemoryEstimator",
+            display_name="Wan Working-Memory Estimator",
+            category="model_patches/wan-sage",
+            description=("Predicts the activation memory of a Wan denoise from the model's config and the latent "
+                         "size, and reserves it before sampling so ComfyUI offloads just enough weights."),
+            inputs=[
+                io.Model.Input("model"),
+                io.Int.Input("width", default=1280, min=16, max=16384, step=16),
+                io.Int.Input("height", default=720, min=16, max=16384, step=16),
+                io.Int.Input("frames", default=81, min=1, max=4097, step=4),
+                io.Int.Input("batch_size", default=1, min=1, max=64),
+                io.Float.Input("cfg", default=1.0, min=0.0, max=100.0, step=0.1,
+                               tooltip="cfg != 1 runs cond and uncond (two rows when batched)"),
+                io.Combo.Input("policy", options=list(POLICIES), default=POLICIES[0]),
+                io.Float.Input("margin_gb", default=0.0, min=0.0, max=64.0, step=0.1),
+                io.Float.Input("fixed_gb", default=10.0, min=0.0, max=256.0, step=0.1,
+                               tooltip="per row, used by the 'fixed GB per row' policy"),
+                io.Combo.Input("count_sage_extra", options=list(SAGE_COUNT), default=SAGE_COUNT[0],
+                               tooltip="auto-detect: counted when the Sage patch is on this model"),
+                io.Latent.Input("latent", optional=True, tooltip="when connected, its size replaces width/height/frames/batch"),
+            ],
+            outputs=[io.Model.Output(), io.Int.Output(display_name="tokens"),
+                     io.Float.Output(display_name="activation_gb"), io.Float.Output(display_name="sage_extra_gb"),
+                     io.Float.Output(display_name="reservation_gb"), io.String.Output(display_name="report")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, width=1280, height=720, frames=81, batch_size=1, cfg=1.0, **kw):
+        try:
+            validate_request(EstimateRequest(dims=M.PRESETS["wan2.2-a14b"], width=width, height=height,
+                                             frames=frames, batch=batch_size, cfg=cfg))
+        except ValueError as e:
+            return str(e)
+        return True
+
+    @classmethod
+    def execute(cls, model, width, height, frames, batch_size, cfg, policy, margin_gb, fixed_gb,
+                count_sage_extra, latent=None) -> io.NodeOutput:
+        settings = Settings(policy, float(margin_gb), float(fixed_gb), count_sage_extra)
+        if latent is not None and "samples" in latent and latent["samples"].ndim == 5:
+            shape = list(latent["samples"].shape)
+        else:
+            if B.is_wan(model):
+                dims = B.wan_dims(model)
+                shape = list(M.latent_shape(dims, width, height, frames, batch_size))
+            else:
+                shape = [batch_size, 16, (frames - 1) // 4 + 1, height // 8, width // 8]
+        m, nums, text = apply_estimator(model, settings, shape)
+        if cfg != 1.0 and nums is not None:
+            text += ("\ncfg %.1f: cond and uncond run as separate forwards of this size unless ComfyUI finds room "
+                     "to batch them (2 rows)" % cfg)
+        if nums is None:
+            return io.NodeOutput(m, 0, 0.0, 0.0, 0.0, text, ui=ui.PreviewText(text))
+        return io.NodeOutput(m, nums["tokens"], round(nums["activation_gb"], 3), round(nums["sage_extra_gb"], 3),
+                             round(nums["reservation_gb"], 3), text, ui=ui.PreviewText(text))

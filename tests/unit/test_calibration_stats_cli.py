@@ -1,0 +1,96 @@
+"""The calibration cache, run statistics and the CLI (plan) without a GPU."""
+import json
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from wan_sage import cli
+from wan_sage.attention import calibration, stats
+
+
+def test_bucket_is_quarter_octave():
+    assert calibration.bucket(75600) == calibration.bucket(76000)
+    assert calibration.bucket(75600) != calibration.bucket(32760)
+    assert calibration.bucket(512) != calibration.bucket(257)
+
+
+def test_store_roundtrip_merge_and_corruption(tmp_path):
+    a = calibration.CalibrationStore(tmp_path)
+    b = calibration.CalibrationStore(tmp_path)
+    a.put("k1", 7.0, 10.0, 100, 100)
+    b.put("k2", 3.0, 2.0, 50, 50)  # another process writes: merged, not lost
+    c = calibration.CalibrationStore(tmp_path)
+    assert set(c.entries()) == {"k1", "k2"} and c.get("k1")["kernel_ms"] == 7.0
+    (tmp_path / calibration.FILE_NAME).write_text("{not json")
+    d = calibration.CalibrationStore(tmp_path)
+    assert d.get("k1") is None and "ignored unreadable" in d.load_error
+    d.put("k3", 1.0, 1.0, 1, 1)
+    assert json.loads((tmp_path / calibration.FILE_NAME).read_text())["entries"].keys() == {"k3"}
+
+
+def test_store_is_thread_safe(tmp_path):
+    s = calibration.CalibrationStore(tmp_path)
+    ts = [threading.Thread(target=lambda i=i: s.put(f"k{i}", i, i + 1, 1, 1)) for i in range(16)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    assert len(calibration.CalibrationStore(tmp_path).entries()) == 16
+
+
+def test_default_dir_env_override(monkeypatch, tmp_path):
+    monkeypatch.setenv("WAN_SAGE_CACHE_DIR", str(tmp_path))
+    assert calibration.default_dir() == tmp_path
+
+
+def test_stats_window_and_summary():
+    stats.begin_run("p1", "test")
+    stats.record("p1", kernel="sage2_sm90", saved_ms=60.0)
+    stats.record("p1", kernel="sage2_sm90", split=True, saved_ms=60.0)
+    stats.record("p1", reason="cross_slower")
+    stats.record("p1", reason="oom", fallback="oom")
+    d = stats.end_run("p1")
+    assert d["sage_calls"] == 2 and d["sdpa_calls"] == 2 and d["head_split_calls"] == 1
+    assert d["reasons"] == {"cross_slower": 1, "oom": 1} and d["fallbacks"] == {"oom": 1}
+    assert stats.last_runs()["p1"]["saved_ms"] == 120.0
+    text = stats.format_summary(d)
+    assert "2/4 attention calls on Sage" in text and "cross_slower 1" in text and "0.1 s" in text
+
+
+def test_plan_table_and_json(capsys):
+    assert cli.main(["plan", "--preset", "wan2.2-a14b", "--width", "1280", "--height", "720", "--frames", "81",
+                     "--vram", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "75,600" in out and "verdict: offloads" in out and "13.61 GiB" in out
+    assert cli.main(["plan", "--preset", "wan2.2-a14b", "--attention", "sage-auto", "--arch", "sm90", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["tokens"] == 75600 and d["resident"]["sage_extra"] > 0
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--width", "-1"], "width must be between"), (["--attention", "flash9"], "attention must be"),
+    (["--weights", "q1"], "--weights must be one of"), (["--arch", "x"], "--arch")])
+def test_plan_bad_input(capsys, args, msg):
+    assert cli.main(["plan", "--preset", "wan2.2-a14b", *args]) == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_plan_reads_a_model_file(tmp_path, capsys):
+    import torch
+    from safetensors.torch import save_file
+    sd = {"head.modulation": torch.zeros(1, 2, 1536), "patch_embedding.weight": torch.zeros(1536, 16, 1, 2, 2),
+          "head.head.weight": torch.zeros(64, 1536), **{f"blocks.{i}.ffn.0.weight": torch.zeros(8960, 8) for i in range(30)}}
+    p = tmp_path / "wan1.3b.safetensors"
+    save_file(sd, str(p))
+    assert cli.main(["plan", "--model", str(p), "--width", "832", "--height", "480", "--frames", "81"]) == 0
+    assert "32,760" in capsys.readouterr().out
+    (tmp_path / "x.safetensors").write_bytes(b"\x00" * 4)
+    assert cli.main(["plan", "--model", str(tmp_path / "x.safetensors")]) == 2
+
+
+def test_bench_without_gpu_names_the_alternative(capsys):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    assert cli.main(["bench"]) == 2
+    assert "wan-sage plan" in capsys.readouterr().err
