@@ -92,6 +92,10 @@ _failed: dict = {}  # (device index, kernel, dtype, head dim) -> failure text
 _stores: dict = {}  # cache dir -> CalibrationStore
 _spent = {"calibration_s": 0.0}
 _once: set = set()
+# Settled decisions per call shape: (config, device, dtype, B, H, Nq, Nk, D, layout) ->
+# (kernel or None, reason, saved_ms).  Keeps the per-call CPU cost to a dict lookup plus the
+# memory check; cleared whenever a kernel fails or state is reset.
+_decided: dict = {}
 
 
 def reset_state() -> None:
@@ -103,6 +107,7 @@ def reset_state() -> None:
         _stores.clear()
         _spent["calibration_s"] = 0.0
         _once.clear()
+        _decided.clear()
 
 
 def _log_once(key, level, msg, *args) -> None:
@@ -187,6 +192,13 @@ def _free_bytes(dev: torch.device, need: int, free_fn) -> bool:
     return free + st.get("reserved_bytes.all.current", 0) - st.get("allocated_bytes.all.current", 0) >= need
 
 
+def _all_finite(t: torch.Tensor) -> bool:
+    """NaN/Inf check by one min/max reduction: no tensor of the output's size is allocated
+    (``isfinite(t).all()`` would add a bool copy of the whole output), one host sync."""
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(torch.stack((lo, hi))).all())
+
+
 class SageAttentionOverride:
     """Callable installed in ``transformer_options["optimized_attention_override"]``."""
 
@@ -260,6 +272,13 @@ class SageAttentionOverride:
         if Nq < cfg.min_tokens:
             return Plan(None, "short")
         dev = q.device
+        dkey = (cfg, dev.index, q.dtype, B, H, Nq, Nk, D, layout)
+        hit = _decided.get(dkey)
+        if hit is not None:
+            name, reason, saved, cc = hit
+            if name is None:
+                return Plan(None, reason)
+            return self._fit_memory(Plan(name, None, layout, B, H, Nq, Nk, D, saved_ms=saved, cc=cc), dev, q.dtype)
         d = _device(dev, cfg.kernel)
         if d.reason:
             return Plan(None, "no_kernel")
@@ -278,6 +297,7 @@ class SageAttentionOverride:
                 continue
             cands.append(name)
         if not cands:
+            _decided[dkey] = (None, why, 0.0, d.cc)
             return Plan(None, why)
         cross = policy.is_cross(Nq, Nk)
         store = _store(cfg.cache_dir)
@@ -300,7 +320,9 @@ class SageAttentionOverride:
                 plan.kernel, plan.saved_ms = best, sdpa_ms - best_ms
             else:
                 plan.reason = "cross_slower" if cross else "slower"
+                _decided[dkey] = (None, plan.reason, 0.0, d.cc)
                 return plan
+            _decided[dkey] = (plan.kernel, None, plan.saved_ms, d.cc)
         elif best is not None and best_ms < calibration.FASTER_BY * sdpa_ms:
             plan.kernel, plan.saved_ms = best, sdpa_ms - best_ms
         else:
@@ -308,8 +330,10 @@ class SageAttentionOverride:
             # where every measured Sage path loses; self-attention uses the preferred kernel.
             if cross:
                 plan.reason = "cross_slower"
+                _decided[dkey] = (None, plan.reason, 0.0, d.cc)
                 return plan
             plan.kernel = cands[0]
+            _decided[dkey] = (plan.kernel, None, 0.0, d.cc)
         return self._fit_memory(plan, dev, dtype)
 
     def _budget_ok(self, B, H, Nq, Nk, D, n) -> bool:
@@ -382,6 +406,7 @@ class SageAttentionOverride:
             fallback = "error"
             with _lock:
                 _failed[(q.device.index, name, q.dtype, plan.D)] = f"{type(e).__name__}: {e}"
+            _decided.clear()
             _log_once(("err", q.device.index, name, q.dtype, plan.D), logging.WARNING,
                       "wan-sage: %s raised %s: %s; using SDPA for this shape from now on.", name,
                       type(e).__name__, e)
@@ -396,7 +421,7 @@ class SageAttentionOverride:
             stats.record(self.patch_id, reason="cross_slower" if policy.is_cross(plan.Nq, plan.Nk) else "slower",
                          calibration_ms=calib_ms)
             return out
-        if self.config.check_finite and not bool(torch.isfinite(out).all()):
+        if self.config.check_finite and not _all_finite(out):
             out = None
             return self._decline(func, args, kwargs, "nonfinite", fallback="nonfinite")
         stats.record(self.patch_id, kernel=name, split=plan.groups > 1, saved_ms=plan.saved_ms,
