@@ -67,6 +67,29 @@ def _time(fn, iters):
     return statistics.median(ts), min(ts)
 
 
+def _ab(fa, fb, rounds=7):
+    """Interleaved A/B timing (ms per call, medians): clocks and heat drift affect both alike."""
+    fa(); fb()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    fa()
+    e.record()
+    e.synchronize()
+    n = max(1, min(200, int(20.0 / max(s.elapsed_time(e), 1e-3))))
+    ta, tb = [], []
+    for _ in range(rounds):
+        for fn, acc in ((fa, ta), (fb, tb)):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            for _ in range(n):
+                fn()
+            e.record()
+            e.synchronize()
+            acc.append(s.elapsed_time(e) / n)
+    return statistics.median(ta), statistics.median(tb)
+
+
 def _peak_extra(fn):
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -92,6 +115,8 @@ def run_bench(shapes, kernel_names, dtype=torch.bfloat16, iters=5, accuracy=True
     dt = "bf16" if dtype == torch.bfloat16 else "fp16"
     rows = []
     override = SageAttentionOverride(PatchConfig(cache_dir=cache_dir, calibration_budget_s=600.0), patch_id="bench")
+    nofinite = SageAttentionOverride(PatchConfig(cache_dir=cache_dir, calibration_budget_s=600.0, check_finite=False),
+                                     patch_id="bench-nofinite")
     for sname, (B, H, NQ, NK, D) in shapes.items():
         gen = torch.Generator(device=dev).manual_seed(1)
         q = torch.randn(B, NQ, H * D, device=dev, dtype=dtype, generator=gen)
@@ -139,9 +164,14 @@ def run_bench(shapes, kernel_names, dtype=torch.bfloat16, iters=5, accuracy=True
             rows.append(r)
             emit(json.dumps(r))
         store.save()
-        # The override end to end, as ComfyUI calls it, after the cache holds this bucket.
+        # The override end to end, as ComfyUI calls it, after the cache holds this bucket,
+        # interleaved with plain SDPA so that clock drift cancels.
         call = lambda: override(attention_sdpa, q, k, v, heads=H, transformer_options={})  # noqa: E731
-        ms, ms_min = _time(call, iters)
+        call()
+        sdpa_ab, ms = _ab(sdpa, call)
+        nf = lambda: nofinite(attention_sdpa, q, k, v, heads=H, transformer_options={})  # noqa: E731
+        nf()
+        _, ms_nf = _ab(sdpa, nf, rounds=3)
         plan = override.plan(q, k, v, H, (q, k, v), {"heads": H})
         n = 2000
         t0 = time.perf_counter()
@@ -149,8 +179,9 @@ def run_bench(shapes, kernel_names, dtype=torch.bfloat16, iters=5, accuracy=True
             override.plan(q, k, v, H, (q, k, v), {"heads": H})
         plan_us = (time.perf_counter() - t0) / n * 1e6
         r = {"shape": sname, "B": B, "H": H, "Nq": NQ, "Nk": NK, "D": D, "dtype": dt, "backend": "auto",
-             "chosen": plan.kernel or f"sdpa ({plan.reason})", "groups": plan.groups, "ms": ms, "ms_min": ms_min,
-             "ratio": sdpa_ms / ms, "decision_us": plan_us}
+             "chosen": plan.kernel or f"sdpa ({plan.reason})", "groups": plan.groups, "ms": ms,
+             "sdpa_ms_interleaved": sdpa_ab, "ratio": sdpa_ab / ms, "ms_no_finite_check": ms_nf,
+             "ratio_no_finite_check": sdpa_ab / ms_nf, "decision_us": plan_us}
         rows.append(r)
         emit(json.dumps(r))
         del q, k, v, q4, k4, v4, ref
@@ -169,7 +200,8 @@ def table(rows) -> str:
         fo = f"{r['formula_bytes'] / 1e6:10.1f}" if "formula_bytes" in r else f"{'':>10}"
         er = f"{100 * r['formula_err']:6.2f}" if "formula_err" in r else f"{'':>6}"
         rl = f"{r['rel_l2']:7.4f}" if "rel_l2" in r else f"{'':>7}"
-        note = f"chose {r['chosen']}, decision {r['decision_us']:.1f} us" if r["backend"] == "auto" else ""
+        note = (f"chose {r['chosen']}, decision {r['decision_us']:.1f} us, without finite check "
+                f"x{r['ratio_no_finite_check']:.3f}" if r["backend"] == "auto" else "")
         lines.append(f"{r['shape']:<26} {r['backend']:<18} {r['ms']:9.2f} {r['ratio']:7.3f} {ex} {fo} {er} {rl}  {note}")
     return "\n".join(lines)
 

@@ -39,7 +39,6 @@ def boot_comfy(cpu: bool = False):
     import comfy.cli_args
     comfy.cli_args.args.cpu = cpu
     import comfy.model_management  # noqa: F401  (reads args)
-    import comfy.sd  # noqa: F401
     import comfy.sample  # noqa: F401
     import comfy.samplers  # noqa: F401
     import comfy.patcher_extension  # noqa: F401

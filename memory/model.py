@@ -14,9 +14,10 @@ call's argument alive until the callee returns, so each sub-module's input stays
   (18 bytes per token per dim at bf16, the A14B peak measured on an H200.)
 * ``attn``: the attention call.  ``x``, input, q, k, v (``5 e d T``) plus the backend's extra
   bytes, taken from :func:`attention.memory.extra_bytes` (SDPA: its output).
-* ``cross``: ``x``, ``norm3(x)``, ``q``, the output, ``o`` (+ the image branch's output for
-  I2V): ``(4 + img) e d T`` plus the cross-attention backend's extra bytes.
-* ``ffn``: ``x``, the FFN input, the first Linear's output and the GELU output: ``2 e d T + 2 e f T``.
+* ``cross``: the block's input (the caller still holds it), ``x``, ``norm3(x)``, ``q``, ``o``
+  (+ the image branch's output for I2V): ``(5 + img) e d T`` plus the backend's extra bytes.
+* ``ffn``: the block's input, ``x``, the FFN input, the first Linear's output and the GELU
+  output: ``3 e d T + 2 e f T``.  (This phase dominates for 5B and 1.3B.)
 * ``modulation``: with per-frame timesteps (TI2V-5B image-to-video), ``repeat_e`` materialises
   ``[B, L, d]`` shift/scale tensors around ``norm1``: ``6 e d T``.
 * ``embed``: the patch embedding runs in fp32 and is cast back: ``(4 + e) d T`` plus the fp32
@@ -128,8 +129,8 @@ def phase_peaks(dims: WanDims, w: Workload) -> dict:
         "modulation": (6 if w.per_frame_timesteps else 3) * e * d * T,
         "rope": 5 * e * d * T + 8 * d * T,
         "attn": 5 * e * d * T + _attn_extra(w.self_attn, w.rows, H, w.L, w.L, hd, e),
-        "cross": (4 + img) * e * d * T + _attn_extra(w.cross_attn, w.rows, H, w.L, w.text_tokens, hd, e),
-        "ffn": 2 * e * d * T + 2 * e * f * T,
+        "cross": (5 + img) * e * d * T + _attn_extra(w.cross_attn, w.rows, H, w.L, w.text_tokens, hd, e),
+        "ffn": 3 * e * d * T + 2 * e * f * T,
     }
     return phases
 
@@ -156,7 +157,7 @@ def largest_block(dims: WanDims, w: Workload) -> int:
 class WeightSetup:
     """How the weights reach the matmuls, which decides the per-layer transient."""
 
-    weight_dtype: str = "bf16"  # bf16, fp16, fp32, fp8, or a GGUF type name such as Q4_K
+    weight_dtype: str | None = None  # None: the compute dtype; else bf16, fp16, fp32, fp8 or "gguf"
     gguf_bytes_per_param: float = 0.0  # > 0 for GGUF
     lora: bool = False  # LoRA applied at every forward (GGUF or streamed layers): fp32 transient
     streamed: bool = False  # lowvram: some layers are copied to the GPU per forward
@@ -178,7 +179,7 @@ def weight_transient(dims: WanDims, ws: WeightSetup, compute: str = "bf16") -> i
     t = 0
     if ws.gguf_bytes_per_param > 0:
         t = 2 * e * P + (int(ws.gguf_bytes_per_param * P) if ws.streamed else 0)
-    elif ws.weight_dtype not in (compute,):
+    elif ws.weight_dtype not in (None, compute):
         wb = {"fp8": 1, "fp16": 2, "bf16": 2, "fp32": 4}.get(ws.weight_dtype, 2)
         t = e * P + (wb * P if ws.streamed else 0)
     elif ws.streamed:

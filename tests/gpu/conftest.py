@@ -1,3 +1,5 @@
+import gc
+
 import pytest
 import torch
 
@@ -22,4 +24,5 @@ def ballast():
         return n
     yield leave
     held.clear()
+    gc.collect()
     torch.cuda.empty_cache()
