@@ -1,0 +1,99 @@
+"""Host tier: the estimator's wrappers inside a real ComfyUI 0.3.64 (CPU)."""
+import pytest
+import torch
+
+import comfy_env
+
+if comfy_env.skip_reason():
+    pytest.skip(f"host tier: {comfy_env.skip_reason()}", allow_module_level=True)
+
+
+@pytest.fixture
+def record_loads(comfy, monkeypatch):
+    mm = comfy.model_management
+    real = mm.load_models_gpu
+    calls = []
+
+    def spy(models, memory_required=0, force_patch_weights=False, minimum_memory_required=None, **kw):
+        calls.append((memory_required, minimum_memory_required))
+        return real(models, memory_required=memory_required, force_patch_weights=force_patch_weights,
+                    minimum_memory_required=minimum_memory_required, **kw)
+    monkeypatch.setattr(mm, "load_models_gpu", spy)
+    return calls
+
+
+def test_reservation_changes_what_load_models_gpu_receives_and_is_restored(comfy, record_loads):
+    from wan_sage.nodes.estimator import MemoryRequired, Settings, apply_estimator
+    base = comfy_env.tiny_wan_patcher(num_layers=2)
+    comfy_env.sample_tiny(base, steps=1, cfg=5.0)
+    stock = record_loads[-1]
+    m, nums, _ = apply_estimator(base, Settings(margin_gb=0.5), [1, 16, 2, 8, 8])
+    seen = []
+
+    def look(executor, *a, **k):  # runs inside CALC_COND_BATCH: our estimate must be in place
+        seen.append(m.model.__dict__.get("memory_required"))
+        return executor(*a, **k)
+    m.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "t", look)
+    comfy_env.sample_tiny(m, steps=1, cfg=5.0)
+    ours = record_loads[-1]
+    assert ours != stock
+    fn = seen[0]
+    assert isinstance(fn, MemoryRequired)
+    latent = [1, 16, 2, 8, 8]
+    assert ours == (fn([2] + latent[1:]), fn(latent))  # batch-2 (cond+uncond) and batch-1 estimates
+    assert fn(latent) >= 0.5 * (1 << 30)
+    assert "memory_required" not in m.model.__dict__ and "memory_required" not in base.model.__dict__
+    comfy_env.sample_tiny(base, steps=1, cfg=5.0)
+    assert record_loads[-1] == stock
+
+
+def test_restored_when_sampling_raises(comfy, record_loads):
+    from wan_sage.nodes.estimator import Settings, apply_estimator
+    base = comfy_env.tiny_wan_patcher(num_layers=2)
+    m, _, _ = apply_estimator(base, Settings(), [1, 16, 2, 8, 8])
+
+    def boom(executor, *a, **k):
+        raise RuntimeError("boom inside the forward")
+    m.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "boom", boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        comfy_env.sample_tiny(m, steps=1, cfg=5.0)
+    assert "memory_required" not in base.model.__dict__
+
+
+def test_restored_when_loading_raises(comfy, monkeypatch):
+    from wan_sage.nodes.estimator import Settings, apply_estimator
+    base = comfy_env.tiny_wan_patcher(num_layers=2)
+    m, _, _ = apply_estimator(base, Settings(), [1, 16, 2, 8, 8])
+
+    def fail(*a, **k):
+        raise torch.OutOfMemoryError("simulated")
+    monkeypatch.setattr(comfy.model_management, "load_models_gpu", fail)
+    with pytest.raises(torch.OutOfMemoryError):
+        comfy_env.sample_tiny(m, steps=1, cfg=1.0)
+    assert "memory_required" not in base.model.__dict__
+
+
+def test_policies_and_sage_detection(comfy, record_loads):
+    from wan_sage.nodes.estimator import POLICIES, Settings, apply_estimator, attention_for
+    from wan_sage.nodes.sage_patch import apply_patch
+    base = comfy_env.tiny_wan_patcher(num_layers=2)
+    m, _, _ = apply_estimator(base, Settings(policy=POLICIES[2], fixed_gb=3.0), [1, 16, 2, 8, 8])
+    comfy_env.sample_tiny(m, steps=1, cfg=5.0)
+    assert record_loads[-1] == (2 * 3 * (1 << 30), 3 * (1 << 30))
+    m, _, _ = apply_estimator(base, Settings(policy=POLICIES[1]), [1, 16, 2, 8, 8])
+    comfy_env.sample_tiny(m, steps=1, cfg=5.0)
+    stock = base.model.memory_required([1, 16, 2, 8, 8])
+    assert record_loads[-1][1] >= stock
+    patched, _ = apply_patch(base)
+    assert attention_for(patched.model_options, Settings(), torch.device("cpu"))[2] != "sdpa"
+    assert attention_for(base.model_options, Settings(), torch.device("cpu"))[2] == "sdpa"
+    assert attention_for(patched.model_options, Settings(count_sage="never"), torch.device("cpu"))[2] == "sdpa"
+
+
+def test_report_shows_tokens_peak_weights_and_verdict(comfy):
+    from wan_sage.nodes.estimator import Settings, apply_estimator
+    base = comfy_env.tiny_wan_patcher(num_layers=2)
+    _, nums, text = apply_estimator(base, Settings(), [1, 16, 21, 90, 160])
+    assert nums["tokens"] == 75600
+    for word in ("tokens", "activation peak", "Sage extra", "weights", "verdict"):
+        assert word in text
