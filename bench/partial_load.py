@@ -126,8 +126,6 @@ def main():
         noise = torch.randn(lat, generator=g)
         ctx = torch.randn(1, 512, 4096, generator=g) * 0.1
         ov = find_override(m.model_options.get("transformer_options", {}))
-        if ov is not None:
-            stats.begin_run(ov.patch_id)
         torch.cuda.reset_peak_memory_stats()
         base_alloc = torch.cuda.memory_allocated()
         start = time.perf_counter()
@@ -137,7 +135,8 @@ def main():
                                 torch.zeros(lat), seed=0, callback=cb, disable_pbar=True)
         except torch.OutOfMemoryError as e:
             status = "out of memory: " + str(e).split("\n")[0][:200]
-        st = stats.end_run(ov.patch_id) if ov is not None else None
+        # The patch's own OUTER_SAMPLE wrapper closed the run window; read its summary.
+        st = stats.last_runs().get(ov.patch_id) if ov is not None else None
         steps = [b - a_ for a_, b in zip([start] + marks[:-1], marks)]
         row = {"config": cfg, "status": status, "reservation_gib_per_row": reservation,
                "free_seen_gib": seen_free / GiB, "weights_resident_gib": resident.get("bytes", 0) / GiB,
