@@ -51,6 +51,7 @@ class PatchConfig:
     self_test: bool = True
     cache_dir: str | None = None
     label: str = ""
+    node_id: str | None = None  # the ComfyUI node that made the patch (for the UI's stats)
 
     def __post_init__(self):
         if self.kernel != "auto" and self.kernel not in kernels.KERNELS:

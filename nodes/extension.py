@@ -2,7 +2,7 @@
 from comfy_api.latest import ComfyExtension, io
 
 from ..attention import calibration
-from . import comfy_bridge
+from . import comfy_bridge, routes
 from .schemas import WanSageAttentionPatch, WanWorkingMemoryEstimator
 
 NODES = [WanSageAttentionPatch, WanWorkingMemoryEstimator]
@@ -15,4 +15,5 @@ class WanSageExtension(ComfyExtension):
 
 async def comfy_entrypoint() -> WanSageExtension:
     calibration.set_host_dir(comfy_bridge.cache_dir())
+    routes.register()
     return WanSageExtension()

@@ -33,7 +33,7 @@ def find_override(transformer_options) -> SageAttentionOverride | None:
     return None
 
 
-def _stats_wrapper(patch_id: str, label: str):
+def _stats_wrapper(patch_id: str, label: str, node_id: str | None = None):
     def outer_sample(executor, *args, **kwargs):
         guider = getattr(executor, "class_obj", None)
         mo = getattr(guider, "model_options", None) or {}
@@ -49,7 +49,7 @@ def _stats_wrapper(patch_id: str, label: str):
             summary = stats.end_run(patch_id)
             if summary.get("sage_calls", 0) + summary.get("sdpa_calls", 0):
                 log.info("wan-sage %s: %s", label or patch_id, stats.format_summary(summary))
-                B.send_event(STATS_EVENT, {"patch_id": patch_id, "summary": summary,
+                B.send_event(STATS_EVENT, {"patch_id": patch_id, "node_id": node_id, "summary": summary,
                                            "text": stats.format_summary(summary)})
     return outer_sample
 
@@ -74,7 +74,7 @@ def status_text(kernel: str) -> str:
 
 
 def apply_patch(model, kernel="auto", min_tokens=1024, calibrate=True, memory_margin_mb=256,
-                check_finite=True):
+                check_finite=True, node_id=None):
     """Returns (patched clone or the input model, report text)."""
     if not B.is_wan(model):
         _warn_once("notwan", "wan-sage: the Sage Attention Patch got a model that is not a Wan video model; "
@@ -98,9 +98,10 @@ def apply_patch(model, kernel="auto", min_tokens=1024, calibrate=True, memory_ma
         log.info("wan-sage: chaining to the attention override already on this model (%r) for declined calls", prev)
     cfg = PatchConfig(kernel=kernel, min_tokens=int(min_tokens), calibrate=bool(calibrate),
                       memory_margin_mb=int(memory_margin_mb), check_finite=bool(check_finite),
-                      cache_dir=B.cache_dir(), label="Wan Sage patch")
+                      cache_dir=B.cache_dir(), label="Wan Sage patch" + (f" #{node_id}" if node_id else ""),
+                      node_id=None if node_id is None else str(node_id))
     free_fn = B.PatcherFreeMemory(m.model) if (B.is_dynamic(m) or B.aimdo_enabled()) else None
     ov = SageAttentionOverride(cfg, prev=prev, sdpa=B.raw_sdpa(), free_memory=free_fn)
     to[B.OVERRIDE_KEY] = ov
-    m.add_wrapper_with_key(B.wrappers_mp().OUTER_SAMPLE, OUTER_KEY, _stats_wrapper(ov.patch_id, cfg.label))
+    m.add_wrapper_with_key(B.wrappers_mp().OUTER_SAMPLE, OUTER_KEY, _stats_wrapper(ov.patch_id, cfg.label, cfg.node_id))
     return m, f"patched (id {ov.patch_id}); " + status_text(kernel)

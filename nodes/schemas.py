@@ -36,11 +36,13 @@ class WanSageAttentionPatch(io.ComfyNode):
                                  tooltip="recompute NaN/Inf outputs on SDPA"),
             ],
             outputs=[io.Model.Output(), io.String.Output(display_name="status")],
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
     def execute(cls, model, kernel, min_tokens, calibrate, memory_margin_mb, check_finite) -> io.NodeOutput:
-        m, text = apply_patch(model, kernel, min_tokens, calibrate, memory_margin_mb, check_finite)
+        node_id = getattr(getattr(cls, "hidden", None), "unique_id", None)
+        m, text = apply_patch(model, kernel, min_tokens, calibrate, memory_margin_mb, check_finite, node_id=node_id)
         return io.NodeOutput(m, text, ui=ui.PreviewText(text))
 
 

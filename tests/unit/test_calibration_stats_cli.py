@@ -94,3 +94,34 @@ def test_bench_without_gpu_names_the_alternative(capsys):
         pytest.skip("has a GPU")
     assert cli.main(["bench"]) == 2
     assert "wan-sage plan" in capsys.readouterr().err
+
+
+def test_estimate_api_json_and_field_errors():
+    from wan_sage.memory.api import RequestError, estimate_from_json, guess_preset
+    r = estimate_from_json({"preset": "wan2.2-a14b", "width": 1280, "height": 720, "frames": 81, "vram_gb": 24,
+                            "attention": "sage-auto", "arch": "sm90"})
+    assert r["summary"]["tokens"] == 75600 and r["summary"]["level"] == "offloads"
+    assert 9.5 < r["summary"]["reservation_gb"] < 11 and r["summary"]["sage_extra_gb"] > 0.3
+    r = estimate_from_json({"model_file": "wan2.2_t2v_high_noise_14B_Q4_K_M.gguf", "width": 832, "height": 480,
+                            "frames": 81, "vram_gb": 24})
+    assert r["summary"]["tokens"] == 32760 and "guessed" in r["summary"]["source"]
+    assert guess_preset("wan2.2_ti2v_5B_fp16.safetensors") == "wan2.2-ti2v-5b"
+    for payload, field in (({"width": "x", "height": 720, "frames": 81}, "width"),
+                           ({"width": 1280, "height": -720, "frames": 81}, "height"),
+                           ({"width": 1280, "height": 720}, "frames"),
+                           ({"preset": "sd15", "width": 1280, "height": 720, "frames": 81}, "preset"),
+                           ({"width": 1280, "height": 720, "frames": 81, "attention": "xformers"}, "attention"),
+                           ({"width": 1280, "height": 720, "frames": 81, "vram_gb": -2}, "vram_gb"),
+                           ({"model_file": "mystery.safetensors", "width": 1280, "height": 720, "frames": 81}, "model_file"),
+                           ([1, 2], "body")):
+        with pytest.raises(RequestError) as e:
+            estimate_from_json(payload)
+        assert e.value.field == field, (payload, e.value.field, str(e.value))
+
+
+def test_route_handler_answers_400_not_500():
+    from wan_sage.nodes.routes import handle_estimate, stats_body
+    assert handle_estimate({"width": 1280})[0] == 400
+    status, body = handle_estimate({"preset": "wan2.1-1.3b", "width": 832, "height": 480, "frames": 81})
+    assert status == 200 and body["summary"]["tokens"] == 32760
+    assert "runs" in stats_body()
