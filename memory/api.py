@@ -93,18 +93,27 @@ def estimate_from_json(p: dict, resolve_model_file=None, default_vram_bytes=None
     if p.get("model_file"):
         name = str(p["model_file"])
         path = resolve_model_file(name) if resolve_model_file else None
+        source = ""
         if path:
             from .headers import NotAWanModel, read_model_file
             try:
                 info = read_model_file(path)
             except (NotAWanModel, ValueError, OSError, RuntimeError) as e:
-                raise RequestError("model_file", str(e)) from None
-            dims, weights_bytes = info.dims, info.weights_bytes
-            gguf = info.format == "gguf" and info.main_dtype not in ("F16", "BF16", "F32")
-            ws = M.WeightSetup("gguf" if gguf else None, gguf_bytes_per_param=info.bytes_per_param if gguf else 0.0,
-                               lora=lora)
-            source = f"header of {name}"
-        else:
+                info, err = None, e
+            if info is not None:
+                dims, weights_bytes = info.dims, info.weights_bytes
+                gguf = info.format == "gguf" and info.main_dtype not in ("F16", "BF16", "F32")
+                ws = M.WeightSetup("gguf" if gguf else None,
+                                   gguf_bytes_per_param=info.bytes_per_param if gguf else 0.0, lora=lora)
+                source = f"header of {name}"
+            else:
+                preset = p.get("preset") or guess_preset(name)
+                if preset is None:
+                    raise RequestError("model_file", str(err))
+                dims = M.PRESETS[preset]
+                wkey = wkey or weights_from_name(name)
+                source = f"preset {preset} (the header of {name} is unreadable: {err})"
+        if not source:
             preset = p.get("preset") or guess_preset(name)
             if preset is None:
                 raise RequestError("model_file", f"model file {name!r} was not found and its name names no Wan "
