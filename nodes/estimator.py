@@ -14,6 +14,7 @@ choice: a workflow that swaps models must not break; the report output says so).
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 
@@ -95,8 +96,21 @@ class MemoryRequired:
             return int(self.settings.fixed_gb * GiB) * rows
         ours = self.terms(input_shape)["total"] + int(self.settings.margin_gb * GiB)
         if self.settings.policy == POLICIES[1] and self.orig is not None:
-            return max(ours, int(self.orig(input_shape, cond_shapes, **kwargs)))
+            return max(ours, int(self.orig(input_shape, cond_shapes, **_accepted(self.orig, kwargs))))
         return ours
+
+
+def _accepted(fn, kwargs: dict) -> dict:
+    """The keyword arguments ``fn`` accepts (newer ComfyUI passes ones older models lack)."""
+    if not kwargs:
+        return kwargs
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
 
 
 def _swap(base, fn):
