@@ -8,11 +8,10 @@ import sys
 
 from .attention.kernels import KERNELS
 from .memory import model as M
+from .memory.api import WEIGHT_BYTES
 from .memory.estimate import EstimateRequest, GiB, estimate
 from .memory.headers import NotAWanModel, read_model_file
 
-WEIGHT_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "fp8": 1.0, "q8_0": 1.0625, "q6_k": 0.8203,
-                "q5_k_m": 0.6875, "q4_k_m": 0.5625, "q3_k_m": 0.4297}
 
 
 def _gb(x):

@@ -42,10 +42,8 @@ def _reference(q, k, v, H, nq=1024):
     return out.transpose(1, 2).reshape(B, -1, C)
 
 
-def _time(fn, iters):
-    """Median and min milliseconds per call.  Calls are issued back to back in batches of at
-    least ~20 ms (as inside a model forward, where the CPU runs ahead of the GPU), so the launch
-    latency of sub-millisecond shapes is not counted as kernel time."""
+def _batch(fn) -> int:
+    """How many back-to-back calls make a ~20 ms batch (after two warm-up calls)."""
     fn()
     fn()
     torch.cuda.synchronize()
@@ -54,39 +52,36 @@ def _time(fn, iters):
     fn()
     e.record()
     e.synchronize()
-    n = max(1, min(200, int(20.0 / max(s.elapsed_time(e), 1e-3))))
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(n):
-            fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) / n)
+    return max(1, min(200, int(20.0 / max(s.elapsed_time(e), 1e-3))))
+
+
+def _batch_ms(fn, n) -> float:
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(n):
+        fn()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) / n
+
+
+def _time(fn, iters):
+    """Median and min milliseconds per call.  Calls are issued back to back in batches of at
+    least ~20 ms (as inside a model forward, where the CPU runs ahead of the GPU), so the launch
+    latency of sub-millisecond shapes is not counted as kernel time."""
+    n = _batch(fn)
+    ts = [_batch_ms(fn, n) for _ in range(iters)]
     return statistics.median(ts), min(ts)
 
 
 def _ab(fa, fb, rounds=7):
     """Interleaved A/B timing (ms per call, medians): clocks and heat drift affect both alike."""
-    fa(); fb()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    fa()
-    e.record()
-    e.synchronize()
-    n = max(1, min(200, int(20.0 / max(s.elapsed_time(e), 1e-3))))
+    fb()
+    n = _batch(fa)
     ta, tb = [], []
     for _ in range(rounds):
-        for fn, acc in ((fa, ta), (fb, tb)):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for _ in range(n):
-                fn()
-            e.record()
-            e.synchronize()
-            acc.append(s.elapsed_time(e) / n)
+        ta.append(_batch_ms(fa, n))
+        tb.append(_batch_ms(fb, n))
     return statistics.median(ta), statistics.median(tb)
 
 
