@@ -1,0 +1,94 @@
+import assert from "node:assert/strict";
+import { describe, it } from "node:test";
+
+import { graphFromSpec } from "../../web/lib/graph.js";
+import { attentionFor, buildEstimatePayload } from "../../web/lib/payload.js";
+import { GGUF_FILE, WAN_FILE, wanGraph } from "./fixtures/graphs.mjs";
+
+const build = (opts, vramGb) => buildEstimatePayload(graphFromSpec(wanGraph(opts)), 3, { vramGb });
+
+describe("buildEstimatePayload", () => {
+  it("takes the size from the upstream latent node over the estimator's widgets", () => {
+    const { payload, info } = build({ widgets: { cfg: 3.5, margin_gb: 0.5 } }, 24);
+    assert.deepEqual(payload, {
+      width: 832, height: 480, frames: 33, batch: 2, cfg: 3.5, attention: "sage-auto", margin_gb: 0.5,
+      model_file: WAN_FILE, lora: true, vram_gb: 24,
+    });
+    assert.deepEqual(info.latent, { id: 5, type: "EmptyHunyuanLatentVideo" });
+    assert.equal(info.sage, 4);
+    assert.equal(info.loaderType, "UNETLoader");
+    assert.deepEqual(info.missing, []);
+  });
+
+  it("uses the estimator's widgets without a latent", () => {
+    const { payload, info } = build({ latent: false, widgets: { width: 1280, height: 720, frames: 81, batch_size: 1 } });
+    assert.equal(info.latent, null);
+    assert.deepEqual([payload.width, payload.height, payload.frames, payload.batch], [1280, 720, 81, 1]);
+    assert.equal("vram_gb" in payload, false, "no VRAM: the server decides");
+  });
+
+  it("falls back to a widget when the latent node's value is not a number", () => {
+    const spec = wanGraph();
+    spec.find((n) => n.id === 5).widgets.width = "";
+    const { payload } = buildEstimatePayload(graphFromSpec(spec), 3, {});
+    assert.equal(payload.width, 1280);
+    assert.equal(payload.height, 480);
+  });
+
+  it("finds the model file through LoRA / Sage / ModelSampling, GGUF included", () => {
+    const { payload, info } = build({ loader: "UnetLoaderGGUF", file: GGUF_FILE });
+    assert.equal(payload.model_file, GGUF_FILE);
+    assert.equal(info.loaderType, "UnetLoaderGGUF");
+    assert.equal("weights" in payload, false);
+  });
+
+  it("sends weights fp8 when UNETLoader casts to fp8", () => {
+    assert.equal(build({ weightDtype: "fp8_e4m3fn" }).payload.weights, "fp8");
+    assert.equal("weights" in build({ weightDtype: "default" }).payload, false);
+  });
+
+  it("detects the Sage patch: sage-auto, a fixed kernel, bypassed, or count_sage_extra", () => {
+    assert.equal(build({}).payload.attention, "sage-auto");
+    assert.equal(build({ sageKernel: "sage2_sm90" }).payload.attention, "sage2_sm90");
+    assert.equal(build({ sageMode: 4 }).payload.attention, "sdpa");
+    assert.equal(build({ widgets: { count_sage_extra: "never" } }).payload.attention, "sdpa");
+    assert.equal(build({ sageMode: 4, widgets: { count_sage_extra: "always" } }).payload.attention, "sage-auto");
+  });
+
+  it("omits model_file without a loader and rounds VRAM", () => {
+    const spec = wanGraph().filter((n) => n.id !== 1 && n.id !== 2);
+    const { payload, info } = buildEstimatePayload(graphFromSpec(spec), 3, { vramGb: 23.99999 });
+    assert.equal("model_file" in payload, false);
+    assert.equal(info.modelFile, null);
+    assert.equal(payload.lora, undefined);
+    assert.equal(payload.vram_gb, 24);
+    assert.equal(buildEstimatePayload(graphFromSpec(spec), 3, { vramGb: 0 }).payload.vram_gb, undefined);
+  });
+
+  it("coerces numeric strings, defaults cfg to 1, and reports missing sizes", () => {
+    const ok = build({ latent: false, widgets: { width: "960", cfg: undefined } });
+    assert.equal(ok.payload.width, 960);
+    assert.equal(ok.payload.cfg, 1.0);
+    const bad = build({ latent: false, widgets: { frames: null, batch_size: "x" } });
+    assert.equal(bad.payload, null);
+    assert.deepEqual(bad.info.missing, ["frames", "batch"]);
+    assert.deepEqual(buildEstimatePayload(graphFromSpec([]), 3).info.missing, ["node"]);
+  });
+
+  it("rounds sizes to integers", () => {
+    const { payload } = build({ latent: false, widgets: { width: 1279.6, frames: 80.9 } });
+    assert.equal(payload.width, 1280);
+    assert.equal(payload.frames, 81);
+  });
+});
+
+describe("attentionFor", () => {
+  it("maps patch presence and the count_sage_extra choice", () => {
+    assert.equal(attentionFor(null, "auto-detect"), "sdpa");
+    assert.equal(attentionFor(null, undefined), "sdpa");
+    assert.equal(attentionFor({ widgets: { kernel: "auto" } }, "auto-detect"), "sage-auto");
+    assert.equal(attentionFor({ widgets: {} }, "auto-detect"), "sage-auto");
+    assert.equal(attentionFor({ widgets: { kernel: "sage1" } }, "always"), "sage1");
+    assert.equal(attentionFor({ widgets: { kernel: "sage1" } }, "never"), "sdpa");
+  });
+});
