@@ -1,0 +1,574 @@
+"""Write ``example_workflows/*.json`` (and ``.jpg`` thumbnails) from the live node definitions.
+
+    COMFYUI_PATH=/path/to/ComfyUI [COMFYUI_GGUF_PATH=/path/to/ComfyUI-GGUF] \\
+        python3 tests/host/make_example_workflows.py [--no-thumbnails] [--check]
+
+Each workflow is described below by its nodes (type + widget values by name), its links (by output
+and input *name*) and a column layout. The inputs/outputs arrays and the order of
+``widgets_values`` (including ``control_after_generate``) come from the node definitions, the way the
+frontend builds them (see ``workflow_check``), so a saved file is what ComfyUI's frontend would save.
+``--check`` writes nothing and exits 1 if a committed file differs from what would be written.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+OUT_DIR = ROOT / "example_workflows"
+sys.path.insert(0, str(HERE))
+
+import workflow_check as W  # noqa: E402
+
+FRONTEND_VERSION = "1.27.10"
+NOTE_COLOR, NOTE_BGCOLOR = "#432", "#653"          # the frontend's "yellow" node colour
+PACK_COLOR, PACK_BGCOLOR = "#223", "#335"          # "blue": the wan-sage nodes stand out
+PACK_TYPES = ("WanWorkingMemoryEstimator", "WanSageAttentionPatch")
+
+WAN_NEGATIVE = ("色调艳丽，过曝，静态，细节模糊不清，字幕，风格，作品，画作，画面，静止，整体发灰，最差质量，低质量，"
+                "JPEG压缩残留，丑陋的，残缺的，多余的手指，画得不好的手部，画得不好的脸部，畸形的，毁容的，形态畸形的肢体，"
+                "手指融合，静止不动的画面，杂乱的背景，三条腿，背景人很多，倒着走")
+UMT5 = "umt5_xxl_fp8_e4m3fn_scaled.safetensors"
+SAGE = {"kernel": "auto", "min_tokens": 1024, "calibrate": True, "memory_margin_mb": 256, "check_finite": True}
+
+
+# --------------------------------------------------------------------------- graph builder
+
+class Graph:
+    def __init__(self, info_by_type: dict):
+        self.info = info_by_type
+        self.nodes: dict[str, dict] = {}
+        self.links: list[list] = []
+
+    def add(self, key: str, node_type: str, widgets: dict | None = None, title: str | None = None,
+            size: tuple | None = None) -> dict:
+        info = self.info[node_type]
+        widgets = dict(widgets or {})
+        values = []
+        for spec, role in W.widget_layout(info):
+            if role == "value":
+                if spec.name in widgets:
+                    v = widgets.pop(spec.name)
+                elif spec.type == "IMAGEUPLOAD":
+                    v = "image"
+                elif "default" in spec.extra:
+                    v = spec.extra["default"]
+                elif spec.type == "COMBO":
+                    v = spec.options[0]
+                else:
+                    raise KeyError(f"{key}: no value for widget {spec.name!r} of {node_type}")
+            elif role == "control":
+                v = widgets.pop(spec.name + ":control", "randomize")
+            else:
+                v = widgets.pop(spec.name + ":filter", "")
+            values.append(v)
+        if widgets:
+            raise KeyError(f"{key}: {node_type} has no widgets {sorted(widgets)}")
+        inputs = []
+        for e in W.expected_inputs(info):
+            d = {"localized_name": e["name"], "name": e["name"], "type": e["type"]}
+            if e["optional"]:
+                d["shape"] = 7  # RenderShape.HollowCircle
+            if "widget" in e:
+                d["widget"] = dict(e["widget"])
+            d["link"] = None
+            inputs.append(d)
+        outputs = [{"localized_name": n, "name": n, "type": t, "links": [], "slot_index": i}
+                   for i, (n, t) in enumerate(W.outputs_of(info))]
+        node = {"id": len(self.nodes) + 1, "type": node_type, "pos": [0, 0],
+                "size": list(size or self._size(info, node_type)), "flags": {}, "order": 0, "mode": 0,
+                "inputs": inputs, "outputs": outputs, "properties": {"Node name for S&R": node_type},
+                "widgets_values": values}
+        if title:
+            node["title"] = title
+        if node_type in PACK_TYPES:
+            node["color"], node["bgcolor"] = PACK_COLOR, PACK_BGCOLOR
+        self.nodes[key] = node
+        return node
+
+    def note(self, key: str, text: str, size=(460, 600)) -> dict:
+        node = {"id": len(self.nodes) + 1, "type": "MarkdownNote", "pos": [0, 0], "size": list(size),
+                "flags": {}, "order": 0, "mode": 0, "inputs": [], "outputs": [], "properties": {},
+                "widgets_values": [text.strip() + "\n"], "color": NOTE_COLOR, "bgcolor": NOTE_BGCOLOR}
+        self.nodes[key] = node
+        return node
+
+    @staticmethod
+    def _size(info, node_type):
+        specs = W.input_specs(info)
+        sockets = sum(1 for s in specs if not s.is_widget)
+        widgets = len(W.widget_layout(info))
+        rows = max(sockets, len(W.outputs_of(info)))
+        width = 330
+        height = rows * 20 + widgets * 24 + 16
+        if node_type == "CLIPTextEncode":
+            width, height = 420, 190
+        elif node_type in ("SaveVideo", "SaveAnimatedWEBP"):
+            width, height = 480, 420
+        elif node_type == "LoadImage":
+            width, height = 330, 360
+        return width, max(height, 46)
+
+    def link(self, src: str, out: str | int, dst: str, inp: str) -> None:
+        o, t = self.nodes[src], self.nodes[dst]
+        oslot = out if isinstance(out, int) else next(i for i, x in enumerate(o["outputs"]) if x["name"] == out)
+        tslot = next(i for i, x in enumerate(t["inputs"]) if x["name"] == inp)
+        if t["inputs"][tslot]["link"] is not None:
+            raise ValueError(f"{dst}.{inp} is already connected")
+        lid = len(self.links) + 1
+        typ = o["outputs"][oslot]["type"]
+        self.links.append([lid, o["id"], oslot, t["id"], tslot, typ])
+        o["outputs"][oslot]["links"].append(lid)
+        t["inputs"][tslot]["link"] = lid
+
+    def layout(self, columns: list[list[str]], x0: int = 0, y0: int = 0, gap_x: int = 60, gap_y: int = 50):
+        """Columns left to right; nodes stacked top to bottom (title bar: 30 px above pos)."""
+        x = x0
+        for col in columns:
+            y = y0
+            width = 0
+            for key in col:
+                if key is None:          # a spacer
+                    y += 60
+                    continue
+                n = self.nodes[key]
+                n["pos"] = [x, y + 30]
+                y += 30 + n["size"][1] + gap_y
+                width = max(width, n["size"][0])
+            x += width + gap_x
+
+    def _order(self):
+        ids = [n["id"] for n in self.nodes.values()]
+        deps = {i: set() for i in ids}
+        for _lid, oid, _os, tid, _ts, _t in self.links:
+            deps[tid].add(oid)
+        order, done = [], set()
+        while len(order) < len(ids):
+            ready = [i for i in ids if i not in done and deps[i] <= done]
+            if not ready:
+                raise ValueError("cycle in the workflow")
+            for i in ready:
+                order.append(i)
+                done.add(i)
+        rank = {i: k for k, i in enumerate(order)}
+        for n in self.nodes.values():
+            n["order"] = rank[n["id"]]
+
+    def to_json(self) -> dict:
+        self._order()
+        xs = [n["pos"][0] for n in self.nodes.values()]
+        ys = [n["pos"][1] for n in self.nodes.values()]
+        return {
+            "last_node_id": len(self.nodes),
+            "last_link_id": len(self.links),
+            "nodes": list(self.nodes.values()),
+            "links": self.links,
+            "groups": [],
+            "config": {},
+            "extra": {"ds": {"scale": 0.6, "offset": [60 - min(xs), 80 - min(ys)]},
+                      "frontendVersion": FRONTEND_VERSION},
+            "version": 0.4,
+        }
+
+
+# --------------------------------------------------------------------------- the workflows
+
+def _note_a14b(width: int, height: int, label: str) -> str:
+    return f"""
+# Wan 2.2 T2V A14B · GGUF Q4_K_M · Lightning 4 steps · {width}×{height}, 81 frames
+
+{label}
+
+Each expert (high noise, low noise) runs
+**UnetLoaderGGUF → LoRA (Lightning 4-step) → ModelSamplingSD3 → Wan Working-Memory Estimator →
+Wan 2.2 Sage Attention Patch → KSamplerAdvanced**.
+
+- **Wan Working-Memory Estimator** reserves the activation memory this denoise really needs
+  (ComfyUI's own Wan figure is about 2× the real peak), so ComfyUI keeps more of each expert's
+  weights on the GPU and offloads only the rest. It also counts what ComfyUI leaves out: GGUF
+  dequantisation, the LoRA patches and Sage's buffers. Its `latent` input is connected to the empty
+  latent, so its report matches this video; at sampling time it always uses the real latent.
+- **Wan 2.2 Sage Attention Patch** runs the long self-attention on SageAttention where it was
+  measured faster on your GPU and fits in free VRAM; every other call stays on PyTorch SDPA.
+  Without SageAttention installed the model passes through unchanged.
+- The high-noise expert samples steps 0–2 and hands its leftover noise to the low-noise expert,
+  which finishes steps 2–4. cfg is 1, so the negative prompt is not used.
+
+**Models** (ComfyUI/models/…)
+- diffusion_models: `wan2.2_t2v_high_noise_14B_Q4_K_M.gguf`, `wan2.2_t2v_low_noise_14B_Q4_K_M.gguf`
+  (needs the ComfyUI-GGUF nodes)
+- loras: `wan2.2_t2v_lightx2v_4steps_lora_v1.1_high_noise.safetensors`,
+  `wan2.2_t2v_lightx2v_4steps_lora_v1.1_low_noise.safetensors`
+- text_encoders: `{UMT5}`
+- vae: `wan_2.1_vae.safetensors`
+
+The same estimate without ComfyUI or a GPU:
+`wan-sage plan --preset wan2.2-a14b --width {width} --height {height} --frames 81 --vram 24 --attention sage-auto`
+"""
+
+
+def a14b(info, width: int, height: int, label: str, prefix: str) -> dict:
+    g = Graph(info)
+    g.note("note", _note_a14b(width, height, label), size=(470, 760))
+    for ex in ("high", "low"):
+        g.add(f"unet_{ex}", "UnetLoaderGGUF", {"unet_name": f"wan2.2_t2v_{ex}_noise_14B_Q4_K_M.gguf"},
+              title=f"Unet Loader (GGUF): {ex} noise")
+        g.add(f"lora_{ex}", "LoraLoaderModelOnly",
+              {"lora_name": f"wan2.2_t2v_lightx2v_4steps_lora_v1.1_{ex}_noise.safetensors", "strength_model": 1.0},
+              title=f"Lightning 4-step LoRA: {ex} noise")
+        g.add(f"shift_{ex}", "ModelSamplingSD3", {"shift": 5.0})
+        g.add(f"est_{ex}", "WanWorkingMemoryEstimator",
+              {"width": width, "height": height, "frames": 81, "batch_size": 1, "cfg": 1.0,
+               "policy": "wan-sage estimate", "margin_gb": 0.0, "fixed_gb": 10.0, "count_sage_extra": "auto-detect"},
+              title=f"Wan Working-Memory Estimator: {ex} noise")
+        g.add(f"sage_{ex}", "WanSageAttentionPatch", dict(SAGE), title=f"Wan 2.2 Sage Attention Patch: {ex} noise")
+    g.add("clip", "CLIPLoader", {"clip_name": UMT5, "type": "wan", "device": "default"})
+    g.add("pos", "CLIPTextEncode", {"text": (
+        "A red fox trots through fresh snow in a pine forest at sunrise, its breath visible in the cold air. "
+        "Golden light falls between the trees; the camera tracks alongside at ground level. "
+        "Shallow depth of field, cinematic, highly detailed.")}, title="CLIP Text Encode (Positive Prompt)")
+    g.add("neg", "CLIPTextEncode", {"text": WAN_NEGATIVE}, title="CLIP Text Encode (Negative Prompt)")
+    g.add("latent", "EmptyHunyuanLatentVideo", {"width": width, "height": height, "length": 81, "batch_size": 1})
+    g.add("ks_high", "KSamplerAdvanced",
+          {"add_noise": "enable", "noise_seed": 42, "noise_seed:control": "randomize", "steps": 4, "cfg": 1.0,
+           "sampler_name": "euler", "scheduler": "simple", "start_at_step": 0, "end_at_step": 2,
+           "return_with_leftover_noise": "enable"}, title="KSampler (Advanced): high noise, steps 0-2")
+    g.add("ks_low", "KSamplerAdvanced",
+          {"add_noise": "disable", "noise_seed": 0, "noise_seed:control": "fixed", "steps": 4, "cfg": 1.0,
+           "sampler_name": "euler", "scheduler": "simple", "start_at_step": 2, "end_at_step": 4,
+           "return_with_leftover_noise": "disable"}, title="KSampler (Advanced): low noise, steps 2-4")
+    g.add("vae", "VAELoader", {"vae_name": "wan_2.1_vae.safetensors"})
+    g.add("decode", "VAEDecode")
+    g.add("video", "CreateVideo", {"fps": 16.0})
+    g.add("save", "SaveVideo", {"filename_prefix": f"video/{prefix}", "format": "auto", "codec": "auto"})
+
+    for ex in ("high", "low"):
+        g.link(f"unet_{ex}", "MODEL", f"lora_{ex}", "model")
+        g.link(f"lora_{ex}", "MODEL", f"shift_{ex}", "model")
+        g.link(f"shift_{ex}", "MODEL", f"est_{ex}", "model")
+        g.link("latent", "LATENT", f"est_{ex}", "latent")
+        g.link(f"est_{ex}", "MODEL", f"sage_{ex}", "model")
+        g.link(f"sage_{ex}", "MODEL", f"ks_{ex}", "model")
+        g.link("pos", "CONDITIONING", f"ks_{ex}", "positive")
+        g.link("neg", "CONDITIONING", f"ks_{ex}", "negative")
+    g.link("clip", "CLIP", "pos", "clip")
+    g.link("clip", "CLIP", "neg", "clip")
+    g.link("latent", "LATENT", "ks_high", "latent_image")
+    g.link("ks_high", "LATENT", "ks_low", "latent_image")
+    g.link("ks_low", "LATENT", "decode", "samples")
+    g.link("vae", "VAE", "decode", "vae")
+    g.link("decode", "IMAGE", "video", "images")
+    g.link("video", "VIDEO", "save", "video")
+
+    g.layout([
+        ["note"],
+        ["unet_high", "unet_low", "clip", "vae"],
+        ["lora_high", "lora_low", "pos", "neg"],
+        ["shift_high", "shift_low", None, "latent"],
+        ["est_high", "est_low"],
+        ["sage_high", "sage_low"],
+        ["ks_high", "ks_low"],
+        ["decode", "video", "save"],
+    ])
+    return g.to_json()
+
+
+NOTE_5B = f"""
+# Wan 2.2 TI2V-5B · 1280×704, 121 frames (24 fps)
+
+**UNETLoader → ModelSamplingSD3 → Wan Working-Memory Estimator → Wan 2.2 Sage Attention Patch →
+KSampler**, one model, 20 steps at cfg 5.
+
+- **Wan Working-Memory Estimator** reserves the activation memory the 5B model really needs for this
+  latent (48 channels, 16× spatial compression: 31×44×80 latent, 27 280 tokens) instead of
+  ComfyUI's own figure, about 2× too high, so more of the model stays on the GPU. Its `latent`
+  input is connected to the latent node, and its `cfg` matches the sampler's (cfg ≠ 1 runs cond and
+  uncond).
+- **Wan 2.2 Sage Attention Patch** runs the long self-attention on SageAttention where it was
+  measured faster and fits in free VRAM; every other call stays on PyTorch SDPA.
+- Text to video as it stands. For image to video, connect a `Load Image` to the latent node's
+  `start_image`.
+
+**Models** (ComfyUI/models/…)
+- diffusion_models: `wan2.2_ti2v_5B_fp16.safetensors`
+- text_encoders: `{UMT5}`
+- vae: `wan2.2_vae.safetensors` (the Wan 2.2 VAE; the 2.1 VAE does not fit the 5B model)
+"""
+
+
+def ti2v_5b(info) -> dict:
+    g = Graph(info)
+    g.note("note", NOTE_5B, size=(470, 560))
+    g.add("unet", "UNETLoader", {"unet_name": "wan2.2_ti2v_5B_fp16.safetensors", "weight_dtype": "default"})
+    g.add("clip", "CLIPLoader", {"clip_name": UMT5, "type": "wan", "device": "default"})
+    g.add("vae", "VAELoader", {"vae_name": "wan2.2_vae.safetensors"})
+    g.add("shift", "ModelSamplingSD3", {"shift": 8.0})
+    g.add("pos", "CLIPTextEncode", {"text": (
+        "A paper boat drifts down a rain-soaked city gutter at dusk, neon signs reflecting in the ripples. "
+        "Raindrops splash around it; the camera follows low and close. Cinematic, detailed.")},
+        title="CLIP Text Encode (Positive Prompt)")
+    g.add("neg", "CLIPTextEncode", {"text": WAN_NEGATIVE}, title="CLIP Text Encode (Negative Prompt)")
+    g.add("latent", "Wan22ImageToVideoLatent", {"width": 1280, "height": 704, "length": 121, "batch_size": 1})
+    g.add("est", "WanWorkingMemoryEstimator",
+          {"width": 1280, "height": 704, "frames": 121, "batch_size": 1, "cfg": 5.0,
+           "policy": "wan-sage estimate", "margin_gb": 0.0, "fixed_gb": 10.0, "count_sage_extra": "auto-detect"})
+    g.add("sage", "WanSageAttentionPatch", dict(SAGE))
+    g.add("ks", "KSampler", {"seed": 42, "seed:control": "randomize", "steps": 20, "cfg": 5.0,
+                             "sampler_name": "uni_pc", "scheduler": "simple", "denoise": 1.0})
+    g.add("decode", "VAEDecode")
+    g.add("video", "CreateVideo", {"fps": 24.0})
+    g.add("save", "SaveVideo", {"filename_prefix": "video/wan22_ti2v_5b_704p121", "format": "auto", "codec": "auto"})
+
+    g.link("unet", "MODEL", "shift", "model")
+    g.link("shift", "MODEL", "est", "model")
+    g.link("latent", "LATENT", "est", "latent")
+    g.link("est", "MODEL", "sage", "model")
+    g.link("sage", "MODEL", "ks", "model")
+    g.link("clip", "CLIP", "pos", "clip")
+    g.link("clip", "CLIP", "neg", "clip")
+    g.link("vae", "VAE", "latent", "vae")
+    g.link("pos", "CONDITIONING", "ks", "positive")
+    g.link("neg", "CONDITIONING", "ks", "negative")
+    g.link("latent", "LATENT", "ks", "latent_image")
+    g.link("ks", "LATENT", "decode", "samples")
+    g.link("vae", "VAE", "decode", "vae")
+    g.link("decode", "IMAGE", "video", "images")
+    g.link("video", "VIDEO", "save", "video")
+
+    g.layout([
+        ["note"],
+        ["unet", "clip", "vae"],
+        ["shift", "pos", "neg"],
+        ["latent", "est"],
+        ["sage", "ks"],
+        ["decode", "video", "save"],
+    ])
+    return g.to_json()
+
+
+NOTE_I2V = f"""
+# Wan 2.1 I2V 14B 480p · 832×480, 81 frames
+
+**UNETLoader → ModelSamplingSD3 → Wan Working-Memory Estimator → Wan 2.2 Sage Attention Patch →
+KSampler**; the start image goes to CLIP Vision and to `WanImageToVideo`.
+
+- **Wan Working-Memory Estimator** reads the I2V model's real config (36 input channels, the 257
+  CLIP-vision tokens of its image cross-attention) and reserves what this denoise needs, instead of
+  ComfyUI's own figure, about 2× too high. Its `latent` input is connected to `WanImageToVideo`'s
+  latent, and its `cfg` matches the sampler's.
+- **Wan 2.2 Sage Attention Patch** works on Wan 2.1 too: the long self-attention runs on
+  SageAttention where it was measured faster and fits in free VRAM; every other call, the text
+  and image cross-attention included, stays on PyTorch SDPA.
+- Load your own start image in `Load Image` (`example.png` is a placeholder).
+
+**Models** (ComfyUI/models/…)
+- diffusion_models: `wan2.1_i2v_480p_14B_fp8_e4m3fn.safetensors`
+- text_encoders: `{UMT5}`
+- clip_vision: `clip_vision_h.safetensors`
+- vae: `wan_2.1_vae.safetensors`
+"""
+
+
+def i2v_21(info) -> dict:
+    g = Graph(info)
+    g.note("note", NOTE_I2V, size=(470, 560))
+    g.add("unet", "UNETLoader", {"unet_name": "wan2.1_i2v_480p_14B_fp8_e4m3fn.safetensors", "weight_dtype": "default"})
+    g.add("clip", "CLIPLoader", {"clip_name": UMT5, "type": "wan", "device": "default"})
+    g.add("clipvision", "CLIPVisionLoader", {"clip_name": "clip_vision_h.safetensors"})
+    g.add("vae", "VAELoader", {"vae_name": "wan_2.1_vae.safetensors"})
+    g.add("image", "LoadImage", {"image": "example.png", "upload": "image"})
+    g.add("shift", "ModelSamplingSD3", {"shift": 8.0})
+    g.add("pos", "CLIPTextEncode", {"text": (
+        "The woman in the picture turns her head towards the camera and smiles, a light breeze moving her "
+        "hair; soft afternoon light, natural motion, detailed.")}, title="CLIP Text Encode (Positive Prompt)")
+    g.add("neg", "CLIPTextEncode", {"text": WAN_NEGATIVE}, title="CLIP Text Encode (Negative Prompt)")
+    g.add("cve", "CLIPVisionEncode", {"crop": "none"})
+    g.add("i2v", "WanImageToVideo", {"width": 832, "height": 480, "length": 81, "batch_size": 1})
+    g.add("est", "WanWorkingMemoryEstimator",
+          {"width": 832, "height": 480, "frames": 81, "batch_size": 1, "cfg": 6.0,
+           "policy": "wan-sage estimate", "margin_gb": 0.0, "fixed_gb": 10.0, "count_sage_extra": "auto-detect"})
+    g.add("sage", "WanSageAttentionPatch", dict(SAGE))
+    g.add("ks", "KSampler", {"seed": 42, "seed:control": "randomize", "steps": 20, "cfg": 6.0,
+                             "sampler_name": "uni_pc", "scheduler": "simple", "denoise": 1.0})
+    g.add("decode", "VAEDecode")
+    g.add("video", "CreateVideo", {"fps": 16.0})
+    g.add("save", "SaveVideo", {"filename_prefix": "video/wan21_i2v_480p", "format": "auto", "codec": "auto"})
+
+    g.link("unet", "MODEL", "shift", "model")
+    g.link("shift", "MODEL", "est", "model")
+    g.link("est", "MODEL", "sage", "model")
+    g.link("sage", "MODEL", "ks", "model")
+    g.link("clip", "CLIP", "pos", "clip")
+    g.link("clip", "CLIP", "neg", "clip")
+    g.link("clipvision", "CLIP_VISION", "cve", "clip_vision")
+    g.link("image", "IMAGE", "cve", "image")
+    g.link("pos", "CONDITIONING", "i2v", "positive")
+    g.link("neg", "CONDITIONING", "i2v", "negative")
+    g.link("vae", "VAE", "i2v", "vae")
+    g.link("cve", "CLIP_VISION_OUTPUT", "i2v", "clip_vision_output")
+    g.link("image", "IMAGE", "i2v", "start_image")
+    g.link("i2v", "latent", "est", "latent")
+    g.link("i2v", "positive", "ks", "positive")
+    g.link("i2v", "negative", "ks", "negative")
+    g.link("i2v", "latent", "ks", "latent_image")
+    g.link("ks", "LATENT", "decode", "samples")
+    g.link("vae", "VAE", "decode", "vae")
+    g.link("decode", "IMAGE", "video", "images")
+    g.link("video", "VIDEO", "save", "video")
+
+    g.layout([
+        ["note"],
+        ["unet", "clip", "clipvision", "vae"],
+        ["shift", "pos", "neg", "image"],
+        ["cve", "i2v", "est"],
+        ["sage", "ks"],
+        ["decode", "video", "save"],
+    ])
+    return g.to_json()
+
+
+def build_all(info) -> dict:
+    return {
+        "wan22_t2v_a14b_gguf_lightning_720p81": a14b(
+            info, 1280, 720, "The motivating case for wan-sage: Wan 2.2 A14B at 720p, 81 frames, on a 24 GB card.",
+            "wan22_a14b_720p81"),
+        "wan22_t2v_a14b_gguf_lightning_480p81": a14b(
+            info, 832, 480, "The 720p example at 832×480: 32 760 tokens instead of 75 600, for drafts or smaller cards.",
+            "wan22_a14b_480p81"),
+        "wan22_ti2v_5b_704p121": ti2v_5b(info),
+        "wan21_i2v_480p": i2v_21(info),
+    }
+
+
+# --------------------------------------------------------------------------- thumbnails
+
+SLOT_COLORS = {"CLIP": "#FFD500", "CLIP_VISION": "#A8DADC", "CLIP_VISION_OUTPUT": "#ad7452",
+               "CONDITIONING": "#FFA931", "IMAGE": "#64B5F6", "LATENT": "#FF9CF9", "MASK": "#81C784",
+               "MODEL": "#B39DDB", "VAE": "#FF6E6E", "VIDEO": "#64B5F6"}
+
+
+def thumbnail(wf: dict, path: Path, info: dict | None = None, width: int = 768) -> None:
+    """A schematic of the graph (boxes, titles and links in the frontend's colours) as a JPEG."""
+    from PIL import Image, ImageDraw, ImageFont
+    info = info or {}
+    nodes = {n["id"]: n for n in wf["nodes"]}
+    x0 = min(n["pos"][0] for n in nodes.values())
+    y0 = min(n["pos"][1] - 30 for n in nodes.values())
+    x1 = max(n["pos"][0] + n["size"][0] for n in nodes.values())
+    y1 = max(n["pos"][1] + n["size"][1] for n in nodes.values())
+    pad = 16
+    cap = 44  # caption band: the note's heading
+    graph_h = int(min(max(width * (y1 - y0) / (x1 - x0), width * 0.4), width)) + 2 * pad
+    height = graph_h + cap
+    s = min((width - 2 * pad) / (x1 - x0), (graph_h - 2 * pad) / (y1 - y0))
+    ox = (width - (x1 - x0) * s) / 2 - x0 * s
+    oy = cap + (graph_h - (y1 - y0) * s) / 2 - y0 * s
+
+    def P(x, y):
+        return ox + x * s, oy + y * s
+    img = Image.new("RGB", (width, height), "#202020")
+    d = ImageDraw.Draw(img)
+    try:
+        font = ImageFont.load_default(size=max(8, int(15 * s * 2.2)))
+    except TypeError:  # Pillow < 10.1
+        font = ImageFont.load_default()
+    for _lid, oid, oslot, tid, tslot, typ in wf["links"]:
+        o, t = nodes[oid], nodes[tid]
+        a = P(o["pos"][0] + o["size"][0], o["pos"][1] + 14 + 20 * oslot)
+        t_socks = [i for i in t["inputs"] if "widget" not in i]
+        k = next((j for j, i in enumerate(t_socks) if i is t["inputs"][tslot]), 0)
+        b = P(t["pos"][0], t["pos"][1] + 14 + 20 * k)
+        dx = max(20.0, (b[0] - a[0]) * 0.5)
+        pts = []
+        for j in range(25):
+            u = j / 24
+            c = [(1 - u) ** 3 * a[i] + 3 * (1 - u) ** 2 * u * (a[i] + (dx if i == 0 else 0))
+                 + 3 * (1 - u) * u ** 2 * (b[i] - (dx if i == 0 else 0)) + u ** 3 * b[i] for i in (0, 1)]
+            pts.append(tuple(c))
+        d.line(pts, fill=SLOT_COLORS.get(typ, "#AAAAAA"), width=2)
+    for n in nodes.values():
+        bx0, by0 = P(n["pos"][0], n["pos"][1] - 30)
+        bx1, by1 = P(n["pos"][0] + n["size"][0], n["pos"][1] + n["size"][1])
+        title_h = 30 * s
+        color = n.get("color", "#353535")
+        bg = n.get("bgcolor", "#353535" if n["type"] not in W.NOTE_TYPES else NOTE_BGCOLOR)
+        d.rounded_rectangle([bx0, by0, bx1, by1], radius=max(2, int(8 * s)), fill=bg, outline="#111111")
+        d.rounded_rectangle([bx0, by0, bx1, by0 + title_h], radius=max(2, int(8 * s)),
+                            fill=color if n.get("color") else "#2b2b2b")
+        title = n.get("title") or info.get(n["type"], {}).get("display_name") or n["type"]
+        if n["type"] in W.NOTE_TYPES:
+            title = n["widgets_values"][0].lstrip("# ").splitlines()[0]
+        title = title.replace("×", "x").replace("·", "-")  # glyphs the default font may lack
+        while title and d.textlength(title, font=font) > (bx1 - bx0) - 6:
+            title = title[:-2] + "…" if len(title) > 2 else ""
+        d.text((bx0 + 4, by0 + (title_h - font.size if hasattr(font, "size") else 0) / 2), title,
+               fill="#DDDDDD", font=font)
+    note = next((n for n in nodes.values() if n["type"] in W.NOTE_TYPES), None)
+    if note is not None:
+        caption = note["widgets_values"][0].lstrip("# ").splitlines()[0].replace("×", "x").replace("·", "|")
+        try:
+            big = ImageFont.load_default(size=20)
+        except TypeError:
+            big = ImageFont.load_default()
+        while caption and d.textlength(caption, font=big) > width - 2 * pad:
+            caption = caption[:-2] + "…"
+        d.text((pad, (cap - 20) / 2 + 6), caption, fill="#EEEEEE", font=big)
+    img.save(path, "JPEG", quality=85, optimize=True)
+
+
+# --------------------------------------------------------------------------- main
+
+def _host_info():
+    import comfy_env
+    reason = comfy_env.skip_reason() or W.gguf_skip_reason()
+    if reason:
+        raise SystemExit(f"cannot build the workflows: {reason}")
+    comfy_env.boot(cpu=True)
+    comfy_env.init_extra_nodes()
+    comfy_env.load_custom_node(W.gguf_path())
+    comfy_env.load_custom_node(ROOT)
+    ns = comfy_env.boot()
+    with W.probe_file_lists(ns.folder_paths) as probes:
+        info = W.object_info(ns.nodes)
+        return info, W.file_combos(info, probes)
+
+
+def dumps(wf: dict) -> str:
+    return json.dumps(wf, indent=2, ensure_ascii=False) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--no-thumbnails", action="store_true")
+    ap.add_argument("--check", action="store_true", help="exit 1 if a committed file would change")
+    a = ap.parse_args(argv)
+    info, files = _host_info()
+    stale = []
+    OUT_DIR.mkdir(exist_ok=True)
+    for name, wf in build_all(info).items():
+        problems = W.check_workflow(wf, info, files)
+        if problems:
+            raise SystemExit(f"{name}: " + "; ".join(problems))
+        path = OUT_DIR / f"{name}.json"
+        text = dumps(wf)
+        if a.check:
+            if not path.is_file() or path.read_text(encoding="utf-8") != text:
+                stale.append(str(path.relative_to(ROOT)))
+            continue
+        path.write_text(text, encoding="utf-8")
+        if not a.no_thumbnails:
+            thumbnail(wf, path.with_suffix(".jpg"), info)
+        print("wrote", path.relative_to(ROOT))
+    if stale:
+        print("out of date:", *stale)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
+    sys.exit(main())
