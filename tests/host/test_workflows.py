@@ -1,0 +1,299 @@
+"""Host tier: the example workflows against the node definitions of a real ComfyUI 0.3.64.
+
+ComfyUI boots on the CPU with its comfy_extras nodes, ComfyUI-GGUF (``$COMFYUI_GGUF_PATH``, default
+``<COMFYUI_PATH>/../ComfyUI-GGUF``) and this pack. Each ``example_workflows/*.json`` is checked the
+way the frontend would load it (``workflow_check.check_workflow``), converted to the API format and
+passed through ComfyUI's own ``execution.validate_prompt`` with model-file names pointed at probe
+files that exist. A deliberately broken copy must be rejected with every problem named.
+"""
+import asyncio
+import copy
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+import comfy_env
+import workflow_check as W
+
+if comfy_env.skip_reason():
+    pytest.skip(f"host tier: {comfy_env.skip_reason()}", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[2]
+WF_DIR = ROOT / "example_workflows"
+EXPECTED = {
+    "wan22_t2v_a14b_gguf_lightning_720p81": (1280, 720, 81),
+    "wan22_t2v_a14b_gguf_lightning_480p81": (832, 480, 81),
+    "wan22_ti2v_5b_704p121": (1280, 704, 121),
+    "wan21_i2v_480p": (832, 480, 81),
+}
+WORKFLOWS = sorted(p.stem for p in WF_DIR.glob("*.json"))
+SAMPLERS = ("KSampler", "KSamplerAdvanced")
+LATENT_NODES = {"EmptyHunyuanLatentVideo": ("width", "height", "length"),
+                "Wan22ImageToVideoLatent": ("width", "height", "length"),
+                "WanImageToVideo": ("width", "height", "length")}
+
+
+@pytest.fixture(scope="module")
+def host(comfy):
+    reason = W.gguf_skip_reason()
+    if reason:
+        pytest.skip(f"ComfyUI-GGUF: {reason}")
+    comfy_env.init_extra_nodes()
+    comfy_env.load_custom_node(W.gguf_path())
+    comfy_env.load_custom_node(ROOT)
+    with W.probe_file_lists(comfy.folder_paths) as probes:
+        info = W.object_info(comfy.nodes)
+        yield type("Host", (), {"ns": comfy, "info": info, "files": W.file_combos(info, probes)})
+
+
+def load(name: str) -> dict:
+    return json.loads((WF_DIR / f"{name}.json").read_text(encoding="utf-8"))
+
+
+def widgets(node: dict, info: dict) -> dict:
+    return {s.name: v for (s, role), v in zip(W.widget_layout(info[node["type"]]), node["widgets_values"])
+            if role == "value"}
+
+
+def upstream(wf: dict, node: dict, input_name: str) -> dict | None:
+    by_id = {n["id"]: n for n in wf["nodes"]}
+    links = {lk[0]: lk for lk in wf["links"]}
+    inp = next((i for i in node["inputs"] if i["name"] == input_name), None)
+    if inp is None or inp["link"] is None:
+        return None
+    return by_id[links[inp["link"]][1]]
+
+
+# --------------------------------------------------------------------------- the files
+
+def test_the_four_example_workflows_are_there():
+    assert set(EXPECTED) <= set(WORKFLOWS), f"missing: {sorted(set(EXPECTED) - set(WORKFLOWS))}"
+    for name in WORKFLOWS:
+        thumb = WF_DIR / f"{name}.jpg"
+        if thumb.exists():
+            assert thumb.read_bytes()[:3] == b"\xff\xd8\xff", f"{thumb.name} is not a JPEG"
+
+
+def test_probes_find_the_model_file_combos(host):
+    f = host.files
+    assert ".gguf" in f[("UnetLoaderGGUF", "unet_name")].extensions
+    assert ".gguf" not in f[("UNETLoader", "unet_name")].extensions
+    for key in [("UNETLoader", "unet_name"), ("LoraLoaderModelOnly", "lora_name"), ("CLIPLoader", "clip_name"),
+                ("VAELoader", "vae_name"), ("CLIPVisionLoader", "clip_name"), ("LoadImage", "image")]:
+        assert key in f, key
+    for key in [("KSampler", "sampler_name"), ("CLIPLoader", "type"), ("WanSageAttentionPatch", "kernel")]:
+        assert key not in f, key
+
+
+def test_file_combos_take_any_model_file_name_but_only_model_files(host):
+    wf = load("wan21_i2v_480p")
+    vae, unet, image = _node(wf, "VAELoader"), _node(wf, "UNETLoader"), _node(wf, "LoadImage")
+    for v in ("pixel_space", "wan/wan_2.1_vae.safetensors", "WAN_2.1_VAE.SFT"):
+        vae["widgets_values"][0] = v
+        assert W.check_workflow(wf, host.info, host.files) == [], v
+    image["widgets_values"][0] = "pasted/image (3).png [input]"
+    unet["widgets_values"][0] = "wan2.1_i2v_480p_14B_Q4_K_M.gguf"  # UNETLoader cannot load GGUF
+    vae["widgets_values"][0] = "wan_2.1_vae"
+    problems = W.check_workflow(wf, host.info, host.files)
+    assert len(problems) == 2 and "UNETLoader" in problems[0] + problems[1], problems
+
+
+@pytest.mark.parametrize("name", WORKFLOWS)
+def test_workflow_matches_the_node_definitions(host, name):
+    problems = W.check_workflow(load(name), host.info, host.files)
+    assert problems == [], "\n".join(problems)
+
+
+@pytest.mark.parametrize("name", WORKFLOWS)
+def test_workflow_passes_comfyui_validate_prompt(host, name):
+    prompt = W.to_api_prompt(load(name), host.info)
+    assert {n["class_type"] for n in prompt.values()} >= {"WanWorkingMemoryEstimator", "WanSageAttentionPatch"}
+    ok, error, outputs, node_errors = W.validate_prompt(host.ns.execution, W.with_probe_files(prompt, host.files))
+    assert ok, f"{error}\n{json.dumps(node_errors, indent=1, default=str)[:4000]}"
+    assert outputs, "no output node validated"
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_every_sampler_gets_its_model_through_estimator_then_sage_patch(host, name):
+    wf = load(name)
+    width, height, frames = EXPECTED[name]
+    samplers = [n for n in wf["nodes"] if n["type"] in SAMPLERS]
+    assert samplers
+    if "a14b" in name:
+        assert len(samplers) == 2 and sum(n["type"] == "UnetLoaderGGUF" for n in wf["nodes"]) == 2
+    latents = [n for n in wf["nodes"] if n["type"] in LATENT_NODES]
+    assert len(latents) == 1
+    lw = widgets(latents[0], host.info)
+    assert (lw["width"], lw["height"], lw["length"]) == (width, height, frames)
+    for ks in samplers:
+        sage = upstream(wf, ks, "model")
+        assert sage["type"] == "WanSageAttentionPatch", f"sampler {ks['id']} model comes from {sage['type']}"
+        est = upstream(wf, sage, "model")
+        assert est["type"] == "WanWorkingMemoryEstimator"
+        assert upstream(wf, est, "latent") is latents[0], "the estimator's latent input is not the video latent"
+        ew, kw = widgets(est, host.info), widgets(ks, host.info)
+        assert (ew["width"], ew["height"], ew["frames"]) == (width, height, frames)
+        assert ew["cfg"] == kw["cfg"], "estimator cfg differs from the sampler's"
+    if "a14b" in name:
+        hi, lo = sorted(samplers, key=lambda n: widgets(n, host.info)["start_at_step"])
+        h, low = widgets(hi, host.info), widgets(lo, host.info)
+        assert (h["add_noise"], h["return_with_leftover_noise"], h["start_at_step"], h["end_at_step"]) == \
+            ("enable", "enable", 0, 2)
+        assert (low["add_noise"], low["start_at_step"], low["end_at_step"], low["steps"]) == ("disable", 2, 4, 4)
+        assert upstream(wf, lo, "latent_image") is hi
+        assert upstream(wf, hi, "latent_image") is latents[0]
+        names = {widgets(upstream(wf, upstream(wf, upstream(wf, upstream(wf, s, "model"), "model"), "model"),
+                                  "model"), host.info)["lora_name"] for s in samplers}
+        assert len(names) == 2 and all("4steps" in n for n in names)
+
+
+def test_templates_are_served_like_comfyui_serves_them(host):
+    """``GET /workflow_templates`` lists the pack's workflows and ``/api/workflow_templates/<pack>/`` serves them."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+    from app.custom_node_manager import CustomNodeManager
+    fp = host.ns.folder_paths
+    with tempfile.TemporaryDirectory() as d:
+        os.symlink(ROOT, os.path.join(d, "wan-sage"))
+        saved = fp.folder_names_and_paths["custom_nodes"]
+        fp.folder_names_and_paths["custom_nodes"] = ([d], saved[1])
+        try:
+            async def go():
+                routes = web.RouteTableDef()
+                app = web.Application()
+                CustomNodeManager().add_routes(routes, app, [("wan-sage", os.path.join(d, "wan-sage"))])
+                app.add_routes(routes)
+                async with TestClient(TestServer(app)) as client:
+                    listing = await (await client.get("/workflow_templates")).json()
+                    r = await client.get(f"/api/workflow_templates/wan-sage/{WORKFLOWS[0]}.json")
+                    return listing, r.status, await r.read()
+            listing, status, body = asyncio.run(go())
+        finally:
+            fp.folder_names_and_paths["custom_nodes"] = saved
+    assert sorted(listing.get("wan-sage", [])) == WORKFLOWS
+    assert status == 200 and json.loads(body) == load(WORKFLOWS[0])
+
+
+# --------------------------------------------------------------------------- the validator catches breakage
+
+def _node(wf, node_type, nth=0):
+    return [n for n in wf["nodes"] if n["type"] == node_type][nth]
+
+
+def _relink(wf, link_id, origin_node, origin_slot):
+    """Move link *link_id*'s origin to (origin_node, origin_slot), keeping every side consistent."""
+    lk = next(lk for lk in wf["links"] if lk[0] == link_id)
+    old = next(n for n in wf["nodes"] if n["id"] == lk[1])
+    old["outputs"][lk[2]]["links"].remove(link_id)
+    origin_node["outputs"][origin_slot]["links"].append(link_id)
+    lk[1], lk[2], lk[5] = origin_node["id"], origin_slot, origin_node["outputs"][origin_slot]["type"]
+
+
+def test_validator_reports_each_problem_of_a_broken_workflow(host):
+    good = load("wan22_t2v_a14b_gguf_lightning_720p81")
+    assert W.check_workflow(good, host.info, host.files) == []
+    wf = copy.deepcopy(good)
+
+    # 1. a link whose recorded type is wrong (VAE -> VAEDecode labelled MODEL)
+    decode = _node(wf, "VAEDecode")
+    vae_link = next(i["link"] for i in decode["inputs"] if i["name"] == "vae")
+    next(lk for lk in wf["links"] if lk[0] == vae_link)[5] = "MODEL"
+    # 2. a real type mismatch: the CLIP output wired into the low-noise sampler's model input
+    ks_low = _node(wf, "KSamplerAdvanced", 1)
+    model_link = next(i["link"] for i in ks_low["inputs"] if i["name"] == "model")
+    _relink(wf, model_link, _node(wf, "CLIPLoader"), 0)
+    # 3. a bad combo value
+    ks_high = _node(wf, "KSamplerAdvanced", 0)
+    ks_high["widgets_values"][5] = "euler_typo"
+    # 4. the wrong widget count (control_after_generate value dropped)
+    ks_low["widgets_values"].pop(2)
+    # 5. an INT outside its range, and one off the frontend's step grid
+    _node(wf, "EmptyHunyuanLatentVideo")["widgets_values"][2] = 0
+    est = _node(wf, "WanWorkingMemoryEstimator")
+    est["widgets_values"][0] = 1288
+    # 6. a model file name that is not a model file, and a GGUF name in a non-GGUF loader's slot
+    _node(wf, "VAELoader")["widgets_values"][0] = "wan_2.1_vae.txt"
+    _node(wf, "UnetLoaderGGUF")["widgets_values"][0] = "wan2.2_t2v_high_noise_14B.safetensors"
+    # 7. an unknown node type, a bad control value and a boolean given as a string
+    wf["nodes"].append({**copy.deepcopy(_node(wf, "VAEDecode")), "id": 99, "type": "NoSuchNode",
+                        "inputs": [], "outputs": []})
+    wf["last_node_id"] = 99
+    ks_high["widgets_values"][2] = "sometimes"
+    _node(wf, "WanSageAttentionPatch")["widgets_values"][2] = "true"
+    # 8. link bookkeeping: an output that lists a link that does not exist, an input pointing elsewhere
+    _node(wf, "CreateVideo")["outputs"][0]["links"].append(999)
+    save = _node(wf, "SaveVideo")
+    save_in = save["inputs"][0]["link"]
+    save["inputs"][0]["link"] = vae_link
+    # 9. a required socket left unconnected
+    est2 = _node(wf, "WanWorkingMemoryEstimator", 1)
+    gone = next(i for i in est2["inputs"] if i["name"] == "model")["link"]
+    next(i for i in est2["inputs"] if i["name"] == "model")["link"] = None
+    wf["links"] = [lk for lk in wf["links"] if lk[0] != gone]
+    for n in wf["nodes"]:
+        for o in n.get("outputs") or []:
+            if gone in (o.get("links") or []):
+                o["links"].remove(gone)
+
+    problems = W.check_workflow(wf, host.info, host.files)
+    text = "\n".join(problems)
+
+    def has(*parts):
+        return any(all(p in line for p in parts) for line in problems)
+
+    ks_low_id, ks_high_id = ks_low["id"], ks_high["id"]
+    assert has(f"link {vae_link}:", "'MODEL' differs from the type 'VAE'"), text
+    assert has(f"link {model_link}:", "is 'CLIP'", "'model' takes 'MODEL'"), text
+    assert has(f"node {ks_high_id} (KSamplerAdvanced)", "sampler_name", "'euler_typo' not in"), text
+    assert has(f"node {ks_low_id} (KSamplerAdvanced)", "9 widgets_values", "expects 10"), text
+    assert has("EmptyHunyuanLatentVideo", "widget length", "0 < min 1"), text
+    assert has(f"node {est['id']} (WanWorkingMemoryEstimator)", "widget width", "grid (step 16"), text
+    assert has("VAELoader", "vae_name", "'wan_2.1_vae.txt' is not a file name"), text
+    assert has("UnetLoaderGGUF", "unet_name", "['.gguf']"), text
+    assert has("node 99 (NoSuchNode)", "unknown node type"), text
+    assert has(f"node {ks_high_id}", "noise_seed (control)", "'sometimes'"), text
+    assert has("WanSageAttentionPatch", "widget calibrate", "not a boolean"), text
+    assert has("CreateVideo", "link 999 is not in 'links'"), text
+    assert has(f"link {save_in}:", "SaveVideo", f"has link {vae_link}, not {save_in}"), text
+    assert has(f"node {est2['id']} (WanWorkingMemoryEstimator)", "required input 'model'", "not connected"), text
+
+
+def test_comfyui_validate_prompt_rejects_what_the_validator_rejects(host):
+    """The API conversion is faithful: a bad combo / a bad link reaches ComfyUI's own validation."""
+    wf = load("wan21_i2v_480p")
+    _node(wf, "KSampler")["widgets_values"][4] = "euler_typo"
+    prompt = W.with_probe_files(W.to_api_prompt(wf, host.info), host.files)
+    ok, error, _outputs, node_errors = W.validate_prompt(host.ns.execution, prompt)
+    assert not ok
+    ks_id = str(_node(wf, "KSampler")["id"])
+    assert any(e["type"] == "value_not_in_list" for e in node_errors[ks_id]["errors"]), node_errors
+
+    wf = load("wan21_i2v_480p")
+    ks = _node(wf, "KSampler")
+    _relink(wf, next(i["link"] for i in ks["inputs"] if i["name"] == "model"), _node(wf, "VAELoader"), 0)
+    prompt = W.with_probe_files(W.to_api_prompt(wf, host.info), host.files)
+    ok, _error, _outputs, node_errors = W.validate_prompt(host.ns.execution, prompt)
+    assert not ok
+    assert any(e["type"] == "return_type_mismatch" for e in node_errors[str(ks["id"])]["errors"]), node_errors
+
+
+def test_api_conversion_follows_reroutes_and_skips_notes(host):
+    wf = load("wan22_ti2v_5b_704p121")
+    decode = _node(wf, "VAEDecode")
+    vae = _node(wf, "VAELoader")
+    lid = next(i["link"] for i in decode["inputs"] if i["name"] == "vae")
+    rr = {"id": 50, "type": "Reroute", "pos": [0, 0], "size": [75, 26], "flags": {}, "order": 0, "mode": 0,
+          "inputs": [{"name": "", "type": "*", "link": 60}],
+          "outputs": [{"name": "", "type": "VAE", "links": [], "slot_index": 0}], "properties": {}}
+    _relink(wf, lid, rr, 0)
+    vae["outputs"][0]["links"].append(60)
+    wf["nodes"].append(rr)
+    wf["links"].append([60, vae["id"], 0, 50, 0, "VAE"])
+    wf["last_node_id"], wf["last_link_id"] = 60, 60
+    assert W.check_workflow(wf, host.info, host.files) == []
+    prompt = W.to_api_prompt(wf, host.info)
+    assert prompt[str(decode["id"])]["inputs"]["vae"] == [str(vae["id"]), 0]
+    assert not any(n["class_type"] in W.FRONTEND_ONLY for n in prompt.values())
