@@ -31,6 +31,7 @@ const WIDGET = "wan_sage_panel";
 const DEBOUNCE_MS = 300;
 const POLL_MS = 400;
 const VRAM_TTL_MS = 10000;
+const STATS_PLACEHOLDER = "attention stats appear after a sampling run";
 
 const panels = new Set();
 const vram = { settled: false, value: null, at: 0, loading: null };
@@ -242,8 +243,7 @@ class SagePanel {
   constructor(node) {
     this.node = node;
     this.root = h("div", { "data-testid": "wan-sage-stats", "data-state": "empty", style: ROOT_STYLE });
-    this.status = h("div", { "data-field": "status", style: { ...MUTED, whiteSpace: "pre-wrap" } },
-      "attention stats appear after a sampling run");
+    this.status = h("div", { "data-field": "status", style: { ...MUTED, whiteSpace: "pre-wrap" } }, STATS_PLACEHOLDER);
     const { table, cells } = rowsTable(statsRows(null));
     this.cells = cells;
     this.table = table;
@@ -262,6 +262,7 @@ class SagePanel {
   }
 
   onStats(detail) {
+    if (this.status.textContent === STATS_PLACEHOLDER) this.status.textContent = "last sampling run:";
     for (const row of statsRows(detail.summary)) {
       if (this.cells[row.field]) this.cells[row.field].textContent = row.value;
     }

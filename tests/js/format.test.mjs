@@ -76,11 +76,13 @@ describe("estimate rows", () => {
     assert.equal(fmtVram(null, null), "no GPU");
   });
 
-  it("reads the first device of /system_stats and treats a CPU device as no VRAM", () => {
+  it("reads the first device of /system_stats, a CPU device's RAM included", () => {
     const cuda = { devices: [{ name: "cuda:0 NVIDIA H200", type: "cuda", vram_total: 140 * GiB, vram_free: 100 * GiB },
       { type: "cuda", vram_total: 1 }] };
     assert.deepEqual(vramFromSystemStats(cuda), { totalGb: 140, freeGb: 100, name: "cuda:0 NVIDIA H200", type: "cuda" });
-    assert.equal(vramFromSystemStats({ devices: [{ type: "cpu", vram_total: 64 * GiB }] }), null);
+    const cpu = vramFromSystemStats({ devices: [{ name: "cpu", type: "cpu", vram_total: 64 * GiB, vram_free: 40 * GiB }] });
+    assert.deepEqual(cpu, { totalGb: 64, freeGb: 40, name: "cpu", type: "cpu" });
+    assert.equal(fmtVram(cpu), "40.0 free / 64.0 GiB (CPU RAM)");
     assert.equal(vramFromSystemStats({ devices: [] }), null);
     assert.equal(vramFromSystemStats(null), null);
     assert.equal(vramFromSystemStats({ devices: [{ type: "cuda", vram_total: 0 }] }), null);

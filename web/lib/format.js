@@ -51,10 +51,14 @@ export function verdictStyle(level) {
   return { level: l, colour: LEVEL_COLOURS[l] };
 }
 
-/** {totalGb, freeGb, name, type} of the first device in GET /system_stats, or null (CPU or none). */
+/**
+ * {totalGb, freeGb, name, type} of the first device in GET /system_stats, or null without one.
+ * On a CPU device ComfyUI reports system RAM as its "VRAM", and plans model loading against it,
+ * so that figure is used too (fmtVram labels it).
+ */
 export function vramFromSystemStats(stats) {
   const d = stats?.devices?.[0];
-  if (!d || d.type === "cpu" || !isNum(d.vram_total) || d.vram_total <= 0) return null;
+  if (!d || !isNum(d.vram_total) || d.vram_total <= 0) return null;
   return {
     totalGb: d.vram_total / GiB,
     freeGb: isNum(d.vram_free) ? d.vram_free / GiB : null,
@@ -63,11 +67,15 @@ export function vramFromSystemStats(stats) {
   };
 }
 
-/** "18.2 free / 24.0 GiB", "24.0 GiB" without a free figure, "no GPU" without a device. */
+/**
+ * "18.2 free / 24.0 GiB", "24.0 GiB" without a free figure, "... (CPU RAM)" on a CPU device,
+ * "no GPU" without a device.
+ */
 export function fmtVram(vram, summaryVramGb = null) {
   if (vram && isNum(vram.totalGb)) {
-    return isNum(vram.freeGb) ? `${vram.freeGb.toFixed(1)} free / ${vram.totalGb.toFixed(1)} GiB`
+    const s = isNum(vram.freeGb) ? `${vram.freeGb.toFixed(1)} free / ${vram.totalGb.toFixed(1)} GiB`
       : `${vram.totalGb.toFixed(1)} GiB`;
+    return vram.type === "cpu" ? `${s} (CPU RAM)` : s;
   }
   if (isNum(summaryVramGb) && summaryVramGb > 0) return `${summaryVramGb.toFixed(1)} GiB`;
   return "no GPU";
