@@ -111,6 +111,10 @@ class Graph:
             width, height = 480, 420
         elif node_type == "LoadImage":
             width, height = 330, 360
+        elif node_type == "WanWorkingMemoryEstimator":
+            width, height = 360, height + 330  # room for the live memory panel (web/wan_sage.js)
+        elif node_type == "WanSageAttentionPatch":
+            width, height = 360, height + 200  # room for the run-stats panel
         return width, max(height, 46)
 
     def link(self, src: str, out: str | int, dst: str, inp: str) -> None:
