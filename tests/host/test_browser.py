@@ -70,4 +70,4 @@ def test_a14b_720p81_panel_numbers(browser_run):
     assert abs(_num(panel["activation_gb"]) - expect["activation_gb"]) < 0.01
     assert abs(_num(panel["sage_extra_gb"]) - expect["sage_extra_gb"]) < 0.01
     assert panel["level"] in ("fits", "offloads", "cannot")
-    shutil.copy(wf["screenshot"], ARTIFACTS / "panel_a14b_720p81.png")
+    shutil.copy(wf["closeup"] or wf["screenshot"], ARTIFACTS / "panel_a14b_720p81.png")
