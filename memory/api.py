@@ -8,7 +8,10 @@ from . import model as M
 from .estimate import EstimateRequest, GiB, estimate
 from ..attention import kernels as K
 
-__all__ = ["RequestError", "estimate_from_json", "guess_preset", "WEIGHT_BYTES", "summary_of"]
+# The estimator node's reservation policies (nodes/estimator.py uses the same strings).
+POLICIES = ("wan-sage estimate", "max(wan-sage, ComfyUI)", "fixed GB per row")
+
+__all__ = ["POLICIES", "RequestError", "estimate_from_json", "guess_preset", "WEIGHT_BYTES", "summary_of"]
 
 WEIGHT_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "fp8": 1.0, "q8_0": 1.0625, "q6_k": 0.8203,
                 "q5_k_m": 0.6875, "q4_k_m": 0.5625, "q3_k_m": 0.4297}
@@ -178,6 +181,18 @@ def estimate_from_json(p: dict, resolve_model_file=None, default_vram_bytes=None
         raise RequestError("vram_gb" if field == "vram" else "margin_gb" if field == "margin" else field, msg) from None
     s = summary_of(est)
     s["source"] = source
+    policy = p.get("policy", "wan-sage estimate")
+    if policy not in POLICIES:
+        raise RequestError("policy", f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    s["policy"] = policy
+    rows = est.rows_sequential
+    if policy == POLICIES[2]:
+        fixed = _float(p, "fixed_gb", 10.0)
+        if fixed is None or fixed < 0:
+            raise RequestError("fixed_gb", "fixed_gb must be a number >= 0")
+        s["reservation_gb"] = fixed * rows
+    elif policy == POLICIES[1]:
+        s["reservation_gb"] = max(s["reservation_gb"], s["comfy_gb"])
     text = (f"{est.tokens:,} tokens; activation peak {s['activation_gb']:.2f} GiB; Sage extra {s['sage_extra_gb']:+.2f} GiB; "
             f"reservation {s['reservation_gb']:.2f} GiB (ComfyUI {s['comfy_gb']:.2f}); weights {s['weights_gb']:.2f} GiB"
             + (f"; VRAM {s['vram_gb']:.1f} GiB" if s["vram_gb"] else "") + f"; {est.verdict}")

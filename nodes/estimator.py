@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from ..attention import kernels
 from ..memory import model as M
+from ..memory.api import POLICIES  # one list for the node, the route and the panel
 from ..memory.estimate import GiB, activation_bytes
 from . import comfy_bridge as B
 from .sage_patch import find_override
@@ -28,7 +29,6 @@ log = logging.getLogger("wan_sage")
 
 PREPARE_KEY = "wan_sage_reserve"
 BATCH_KEY = "wan_sage_cond_batch"
-POLICIES = ("wan-sage estimate", "max(wan-sage, ComfyUI)", "fixed GB per row")
 SAGE_COUNT = ("auto-detect", "always", "never")
 _MISSING = object()
 

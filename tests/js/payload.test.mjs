@@ -92,3 +92,11 @@ describe("attentionFor", () => {
     assert.equal(attentionFor({ widgets: { kernel: "sage1" } }, "never"), "sdpa");
   });
 });
+
+it("sends a non-default policy with the request", () => {
+  const { payload } = build({ widgets: { cfg: 1.0, policy: "fixed GB per row", fixed_gb: 9.5 } }, 24);
+  assert.equal(payload.policy, "fixed GB per row");
+  assert.equal(payload.fixed_gb, 9.5);
+  const d = build({ widgets: { cfg: 1.0, policy: "wan-sage estimate", fixed_gb: 9.5 } }, 24).payload;
+  assert.equal(d.policy, undefined);
+});

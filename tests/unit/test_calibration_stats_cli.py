@@ -125,3 +125,15 @@ def test_route_handler_answers_400_not_500():
     status, body = handle_estimate({"preset": "wan2.1-1.3b", "width": 832, "height": 480, "frames": 81})
     assert status == 200 and body["summary"]["tokens"] == 32760
     assert "runs" in stats_body()
+
+
+def test_estimate_api_policies():
+    from wan_sage.memory.api import RequestError, estimate_from_json
+    base = {"preset": "wan2.2-a14b", "width": 1280, "height": 720, "frames": 81, "vram_gb": 24}
+    ours = estimate_from_json(base)["summary"]["reservation_gb"]
+    assert estimate_from_json({**base, "policy": "fixed GB per row", "fixed_gb": 9.5})["summary"]["reservation_gb"] == 9.5
+    assert estimate_from_json({**base, "policy": "max(wan-sage, ComfyUI)"})["summary"]["reservation_gb"] == pytest.approx(13.61, abs=0.01)
+    assert ours < 11
+    with pytest.raises(RequestError) as e:
+        estimate_from_json({**base, "policy": "yolo"})
+    assert e.value.field == "policy"

@@ -64,6 +64,12 @@ export function buildEstimatePayload(view, estimatorId, opts = {}) {
   const payload = { ...size, cfg: cfg ?? 1.0, attention };
   const margin = toNum(own("margin_gb"));
   if (margin !== null) payload.margin_gb = margin;
+  const policy = own("policy");
+  if (typeof policy === "string" && policy !== "wan-sage estimate") {
+    payload.policy = policy;
+    const fixed = toNum(own("fixed_gb"));
+    if (fixed !== null) payload.fixed_gb = fixed;
+  }
   if (chain.modelFile) payload.model_file = chain.modelFile;
   const wd = chain.loader?.widgets?.weight_dtype;
   if (typeof wd === "string" && wd.startsWith("fp8")) payload.weights = "fp8";
