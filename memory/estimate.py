@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, replace
 from . import model as M
 from ..attention import kernels as K
 
-__all__ = ["EstimateRequest", "Estimate", "estimate", "activation_bytes", "comfy_estimate_bytes",
+__all__ = ["verdict_for", "EstimateRequest", "Estimate", "estimate", "activation_bytes", "comfy_estimate_bytes",
            "attention_paths", "CALIBRATED", "GiB", "validate_request"]
 
 GiB = 1 << 30
@@ -153,6 +153,17 @@ def _rounding_notes(r: EstimateRequest, dims: M.WanDims) -> list:
     return notes
 
 
+def verdict_for(weights: int, resident_need: int, partial_need: int, room: int) -> tuple:
+    """(verdict text, bytes of weights offloaded) for a model given the VRAM ``room`` it may use."""
+    if weights + resident_need <= room:
+        return "fits: all weights resident", 0
+    if partial_need <= room:
+        off = weights - (room - partial_need)
+        return f"offloads {off / GiB:.1f} GB of weights", off
+    return (f"cannot fit even fully offloaded: needs {partial_need / GiB:.1f} GB for activations, "
+            f"{room / GiB:.1f} GB available"), weights
+
+
 def estimate(r: EstimateRequest) -> Estimate:
     validate_request(r)
     dims = r.dims
@@ -172,16 +183,7 @@ def estimate(r: EstimateRequest) -> Estimate:
     comfy = comfy_estimate_bytes(dims, latent, r.dtype, vace=r.vace_streams > 0)
     verdict, offload = "unknown (no VRAM given)", 0
     if r.vram_bytes is not None and r.weights_bytes is not None:
-        room = r.vram_bytes - r.reserved_bytes
-        if r.weights_bytes + res_r <= room:
-            verdict = "fits: all weights resident"
-        elif par_r <= room:
-            offload = r.weights_bytes - (room - par_r)
-            verdict = f"offloads {offload / GiB:.1f} GB of weights"
-        else:
-            offload = r.weights_bytes
-            verdict = (f"cannot fit even fully offloaded: needs {par_r / GiB:.1f} GB for activations, "
-                       f"{room / GiB:.1f} GB available")
+        verdict, offload = verdict_for(r.weights_bytes, res_r, par_r, r.vram_bytes - r.reserved_bytes)
     elif r.vram_bytes is not None:
         verdict = "fits" if par_r <= r.vram_bytes - r.reserved_bytes else "cannot fit even fully offloaded"
     return Estimate(

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from ..attention import kernels
 from ..memory import model as M
 from ..memory.api import POLICIES  # one list for the node, the route and the panel
-from ..memory.estimate import GiB, activation_bytes
+from ..memory.estimate import GiB, activation_bytes, verdict_for
 from . import comfy_bridge as B
 from .sage_patch import find_override
 
@@ -145,7 +145,7 @@ def plan_reservation(model, noise_shape, model_options, settings: Settings):
     fn = res_fn if not partial else MemoryRequired(dims, dtype, self_p, cross_p, B.weight_setup(model, True), True,
                                                     settings, _orig(model.model))
     facts = {"dims": dims, "dtype": dtype, "attention": attn, "weights": weights, "capacity": cap,
-             "reserved": reserved, "partial": partial, "reservation": fn(list(noise_shape)),
+             "reserved": reserved, "partial": partial, "reservation": fn(list(noise_shape)), "resident_need": need_res,
              "terms": fn.terms(list(noise_shape)), "tokens": _workload(dims, noise_shape, dtype, "sdpa", "sdpa").L,
              "comfy": int(_orig(model.model)(list(noise_shape)))}
     return fn, facts
@@ -153,13 +153,7 @@ def plan_reservation(model, noise_shape, model_options, settings: Settings):
 
 def report_from_facts(f: dict, shape) -> str:
     t = f["terms"]
-    room = f["capacity"] - f["reserved"]
-    if not f["partial"]:
-        verdict = "fits: all weights resident"
-    elif f["reservation"] <= room:
-        verdict = f"offloads {(f['weights'] - (room - f['reservation'])) / GiB:.1f} GB of weights"
-    else:
-        verdict = f"cannot fit even fully offloaded ({f['reservation'] / GiB:.1f} GB needed, {room / GiB:.1f} GB available)"
+    verdict, _ = verdict_for(f["weights"], f["resident_need"], f["reservation"], f["capacity"] - f["reserved"])
     d = f["dims"]
     return (f"Wan dim {d.dim} x {d.num_layers} layers ({d.model_type}), latent {list(shape)}, {f['dtype']}\n"
             f"tokens: {f['tokens']:,} per row, {int(shape[0])} row(s) per forward\n"
