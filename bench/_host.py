@@ -116,3 +116,49 @@ def wan_state_dict(name: str, dtype, device="cuda", seed=0):
             x = torch.zeros(shape, device=device)
         sd[k] = x.to(dt)
     return sd
+
+
+def comfy_env():
+    """The in-process ComfyUI host shared with the host-tier tests (``tests/host/comfy_env.py``):
+    one boot path (folder paths, torchvision shim, module-origin checks) for tests and bench."""
+    p = str(ROOT / "tests" / "host")
+    if p not in sys.path:
+        sys.path.insert(0, p)
+    import comfy_env as ce
+    return ce
+
+
+class _Absent:
+    """Stands for any PyAV class when PyAV is missing; using one raises."""
+
+    def __init__(self, *a, **k):
+        raise RuntimeError("PyAV is not installed here (bench/_host.py put a stub in its place): video I/O is unavailable")
+
+
+def ensure_av(allow_stub: bool) -> str:
+    """ComfyUI 0.3.64's ``nodes`` imports PyAV (``av``) for its video types.  Returns "av X.Y" when
+    the real package imports; otherwise, if ``allow_stub``, installs stub modules ``av``,
+    ``av.container``, ``av.subtitles``, ``av.subtitles.stream`` whose attributes are classes that
+    raise when used (the benchmark never reads or writes video) and returns "stub"."""
+    try:
+        import av
+        return f"av {getattr(av, '__version__', '?')}"
+    except ImportError:
+        if not allow_stub:
+            raise SystemExit("PyAV (av) is missing: ComfyUI's nodes import it. Install the wheel, or pass --av-stub")
+    import types
+
+    class _Mod(types.ModuleType):
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return _Absent
+    for name in ("av", "av.container", "av.subtitles", "av.subtitles.stream", "av.error", "av.logging"):
+        mod = _Mod(name)
+        mod.__path__ = []
+        mod.__version__ = "0-stub"
+        sys.modules[name] = mod
+    sys.modules["av"].container = sys.modules["av.container"]
+    sys.modules["av"].subtitles = sys.modules["av.subtitles"]
+    sys.modules["av.subtitles"].stream = sys.modules["av.subtitles.stream"]
+    return "stub"

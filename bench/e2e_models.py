@@ -1,0 +1,383 @@
+"""Random-weight model files at real sizes and key names for the end-to-end benchmark, written one tensor at a time.
+
+Files (under ``<models-dir>/<ComfyUI folder>/``), deterministic for a seed and generator device:
+
+* ``diffusion_models/``: the two Wan 2.2 T2V A14B experts (high and low noise) as GGUF Q4_K_M
+  (``general.architecture = "wan"``), or as fp8 e4m3fn safetensors.  GGUF tensor types follow
+  what ComfyUI-GGUF's patched ``llama-quantize`` makes of a bf16 Wan file for Q4_K_M
+  (``tools/lcpp.patch``): block matrices Q4_K, except ``*.v.weight`` and ``*.ffn.2.weight``,
+  which are Q6_K; ``modulation``, 1-D tensors and the 5-D ``patch_embedding`` in F32 (as
+  ``convert.py`` and ``fix_5d_tensors.py`` leave them); the other 2-D tensors (text/time
+  embeddings, time projection, head) unquantised, BF16.  About 9.6 GB per expert at full size.
+* ``text_encoders/``: UMT5-XXL with the key names of ComfyUI's ``CLIPLoader`` type "wan"
+  (bf16 by default, 11.4 GB, as the 10.8 GB encoder of the seed report; fp16 optional), including the ``spiece_model`` tokenizer
+  tensor that ComfyUI reads from the file.  The tokenizer is a small SentencePiece model trained
+  here on fixed text; ids stay below its size, and the encoder always sees 512 tokens.
+* ``vae/``: the Wan 2.1 VAE (ComfyUI key names, bf16, 254 MB).  ComfyUI fixes its dims, so
+  ``--scale tiny`` keeps it full size.
+* ``loras/``: a rank-r LoRA per expert (``diffusion_model.<key>.lora_down/lora_up/alpha`` on every
+  Linear of the blocks: self/cross q, k, v, o and both FFN layers), standing in for the
+  Lightning LoRAs.
+
+Key names and shapes come from ComfyUI's own modules built on the meta device, so they match the
+ComfyUI tree in use.  Values: matrices N(0, 1/fan_in), norm scales 1, biases 0, modulation
+N(0, 0.02), embeddings N(0, 1); each tensor has its own generator seeded from (seed, file role,
+key), and large tensors are made and written in row chunks, so memory stays at a few hundred MB
+whatever the file size.  ``--scale tiny`` makes a miniature Wan (dim 256, FFN 512, 2 blocks)
+and UMT5 (24 blocks of width 4096, as ComfyUI's detection needs, but 1 head, FFN 64, vocab
+512; the harness passes that config to ComfyUI's loader), with the same key names and dtypes.
+
+A ``manifest.json`` records what was written; files whose manifest entry matches are not
+written again.
+"""
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kquants import QK_K, quantize, row_bytes
+
+FORMAT_VERSION = 1
+MiB = 1 << 20
+
+SCALES = {
+    "full": dict(wan=dict(dim=5120, ffn_dim=13824, num_layers=40), te=None, label="a14b"),
+    "tiny": dict(wan=dict(dim=256, ffn_dim=512, num_layers=2),
+                 te=dict(num_heads=1, d_kv=64, d_ff=64, vocab_size=512), label="tiny"),
+}
+EXPERTS = ("high", "low")
+SUBDIRS = {"unet": "diffusion_models", "te": "text_encoders", "vae": "vae", "lora": "loras"}
+ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+             "F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8}
+
+
+@dataclass
+class Spec:
+    name: str
+    shape: tuple
+    store: str          # Q4_K, Q6_K, F32, BF16, F16, F8_E4M3, U8
+    init: str           # matrix, ones, zeros, modulation, embed, small, lora_up, const:<v>, bytes
+    payload: bytes | None = field(default=None, repr=False)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        if self.store in ("Q4_K", "Q6_K"):
+            return math.prod(self.shape[:-1]) * row_bytes(self.store, self.shape[-1])
+        return self.numel * torch.empty((), dtype=ST_DTYPES[self.store]).element_size()
+
+
+# --------------------------------------------------------------------------- names and sizes
+
+def file_names(scale: str, weights: str, te_dtype: str, lora_rank: int) -> dict:
+    lab = SCALES[scale]["label"]
+    n = {}
+    for e in EXPERTS:
+        if weights == "gguf":
+            n[f"unet_{e}"] = f"random-wan2.2-t2v-{lab}-{e}-noise-Q4_K_M.gguf"
+        else:
+            n[f"unet_{e}"] = f"random-wan2.2-t2v-{lab}-{e}-noise-fp8_e4m3fn.safetensors"
+        n[f"lora_{e}"] = f"random-wan2.2-{lab}-{e}-noise-lora-r{lora_rank}.safetensors"
+    n["te"] = f"random-umt5-{'xxl' if scale == 'full' else 'tiny'}-{te_dtype}.safetensors"
+    n["vae"] = "random-wan2.1-vae-bf16.safetensors"
+    return n
+
+
+def role_dir(role: str) -> str:
+    return SUBDIRS[role.split("_")[0]]
+
+
+def te_config(scale: str) -> dict | None:
+    """The UMT5 config overrides ComfyUI must get for this scale (None: its own XXL config)."""
+    return SCALES[scale]["te"]
+
+
+# --------------------------------------------------------------------------- specs from ComfyUI modules
+
+def wan_specs(scale: str, weights: str) -> list[Spec]:
+    import comfy.ldm.wan.model as W
+    import comfy.ops
+    d = SCALES[scale]["wan"]
+    kw = dict(model_type="t2v", patch_size=(1, 2, 2), text_len=512, in_dim=16, dim=d["dim"], ffn_dim=d["ffn_dim"],
+              freq_dim=256, text_dim=4096, out_dim=16, num_heads=d["dim"] // 128, num_layers=d["num_layers"],
+              window_size=(-1, -1), qk_norm=True, cross_attn_norm=True, eps=1e-6)
+    with torch.device("meta"):
+        m = W.WanModel(**kw, device="meta", dtype=torch.float32, operations=comfy.ops.disable_weight_init)
+    specs = []
+    for k, t in m.state_dict().items():
+        shape = tuple(t.shape)
+        specs.append(Spec(k, shape, _wan_store(k, shape, weights), _wan_init(k, shape)))
+    return specs
+
+
+def _wan_init(k: str, shape) -> str:
+    leaf = k.rsplit(".", 1)[-1]
+    if "modulation" in k:
+        return "modulation"
+    if len(shape) >= 2:
+        return "matrix"
+    if "norm" in k and leaf == "weight":
+        return "ones"
+    return "zeros"
+
+
+def _wan_store(k: str, shape, weights: str) -> str:
+    in_block = k.startswith("blocks.")
+    if weights == "fp8":
+        return "F8_E4M3" if in_block and len(shape) == 2 else ("F32" if len(shape) != 2 or "modulation" in k else "BF16")
+    if "modulation" in k or len(shape) != 2:
+        return "F32"                    # hiprec / 1-D / the 5-D patch embedding (fix_5d_tensors: F32)
+    if not in_block:
+        return "BF16"                   # embeddings, time projection, head: not quantised
+    if shape[-1] % QK_K:
+        return "F16"                    # lcpp.patch fallback for rows not divisible by 256
+    if k.endswith(".v.weight") or k.endswith(".ffn.2.weight"):
+        return "Q6_K"                   # Q4_K_M: attn v and FFN down get Q6_K
+    return "Q4_K"
+
+
+def lora_specs(scale: str, rank: int) -> list[Spec]:
+    specs = []
+    for s in wan_specs(scale, "gguf"):
+        if not s.name.startswith("blocks.") or len(s.shape) != 2 or not s.name.endswith(".weight"):
+            continue
+        base = "diffusion_model." + s.name[:-len(".weight")]
+        out_f, in_f = s.shape
+        specs.append(Spec(f"{base}.lora_down.weight", (rank, in_f), "BF16", "matrix"))
+        specs.append(Spec(f"{base}.lora_up.weight", (out_f, rank), "BF16", "lora_up"))
+        specs.append(Spec(f"{base}.alpha", (), "F32", f"const:{float(rank)}"))
+    return specs
+
+
+def umt5_specs(scale: str, te_dtype: str, tokenizer: bytes) -> list[Spec]:
+    import comfy.ops
+    import comfy.text_encoders.t5 as T5
+    with open(os.path.join(os.path.dirname(T5.__file__), "umt5_config_xxl.json")) as f:
+        cfg = json.load(f)
+    cfg.update(te_config(scale) or {})
+    t = T5.T5(cfg, torch.bfloat16, "meta", comfy.ops.manual_cast)
+    store = {"bf16": "BF16", "fp16": "F16"}[te_dtype]   # ComfyUI takes the TE dtype from final_layer_norm
+    specs = []
+    for k, v in t.state_dict().items():
+        shape = tuple(v.shape)
+        init = ("embed" if k == "shared.weight" else "small" if "relative_attention_bias" in k
+                else "matrix" if len(shape) == 2 else "ones")
+        specs.append(Spec(k, shape, store, init))
+    specs.append(Spec("spiece_model", (len(tokenizer),), "U8", "bytes", payload=tokenizer))
+    return specs
+
+
+def vae_specs() -> list[Spec]:
+    import comfy.ldm.wan.vae as V
+    with torch.device("meta"):
+        vae = V.WanVAE(dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                       temperal_downsample=[False, True, True], dropout=0.0)
+    specs = []
+    for k, v in vae.state_dict().items():
+        shape = tuple(v.shape)
+        leaf = k.rsplit(".", 1)[-1]
+        init = "ones" if leaf == "gamma" else ("matrix" if len(shape) >= 2 else "zeros")
+        specs.append(Spec(k, shape, "BF16", init))
+    return specs
+
+
+def train_tokenizer(vocab_size: int = 1000) -> bytes:
+    """A small SentencePiece unigram model with UMT5's special ids (pad 0, eos 1, unk 2).
+
+    Trained on fixed synthetic text with one thread: the same bytes on every machine that has
+    the same sentencepiece version."""
+    import sentencepiece as spm
+    words = ("a cinematic shot of red fox running through snowy forest at golden hour camera slowly pans "
+             "left detailed fur soft light shallow depth of field wind blows the trees the river flows "
+             "over stones a city street at night neon signs reflect on wet asphalt people walk with "
+             "umbrellas blurred background low quality worst quality static frame overexposed").split()
+    rng = np.random.default_rng(1234)
+    lines = [" ".join(rng.choice(words, size=int(rng.integers(6, 24)))) for _ in range(4000)]
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=buf, vocab_size=vocab_size,
+                                   model_type="unigram", pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
+                                   num_threads=1, hard_vocab_limit=False, minloglevel=2,
+                                   character_coverage=1.0)
+    return buf.getvalue()
+
+
+# --------------------------------------------------------------------------- values
+
+def _seed(seed: int, role: str, key: str) -> int:
+    return zlib.crc32(f"{seed}:{role}:{key}".encode()) & 0x7FFFFFFF
+
+
+def _chunk_rows(spec: Spec, budget_elems: int = 32 * MiB) -> int:
+    if len(spec.shape) < 2:
+        return 1
+    row = math.prod(spec.shape[1:])
+    return max(1, min(spec.shape[0], budget_elems // max(row, 1)))
+
+
+def value_chunks(spec: Spec, seed: int, role: str, device: torch.device):
+    """float32 chunks of the tensor along dim 0 (the whole tensor when it has < 2 dims)."""
+    if spec.init.startswith("const:"):
+        yield torch.full(spec.shape, float(spec.init[6:]), device=device)
+        return
+    if spec.init in ("ones", "zeros"):
+        fill = 1.0 if spec.init == "ones" else 0.0
+        if len(spec.shape) < 2:
+            yield torch.full(spec.shape, fill, device=device)
+            return
+        rows = _chunk_rows(spec)
+        for r in range(0, spec.shape[0], rows):
+            yield torch.full((min(rows, spec.shape[0] - r), *spec.shape[1:]), fill, device=device)
+        return
+    std = {"modulation": 0.02, "embed": 1.0, "small": 0.1, "lora_up": 1e-3}.get(spec.init)
+    if spec.init == "matrix":
+        std = math.prod(spec.shape[1:]) ** -0.5
+    g = torch.Generator(device=device).manual_seed(_seed(seed, role, spec.name))
+    if len(spec.shape) < 2:
+        yield torch.randn(spec.shape, generator=g, device=device).mul_(std)
+        return
+    rows = _chunk_rows(spec)
+    for r in range(0, spec.shape[0], rows):
+        n = min(rows, spec.shape[0] - r)
+        yield torch.randn((n, *spec.shape[1:]), generator=g, device=device).mul_(std)
+
+
+def encoded_chunks(spec: Spec, seed: int, role: str, device: torch.device):
+    """numpy uint8 / float32 arrays holding the stored bytes, in file order."""
+    if spec.init == "bytes":
+        yield np.frombuffer(spec.payload, dtype=np.uint8)
+        return
+    for x in value_chunks(spec, seed, role, device):
+        if spec.store in ("Q4_K", "Q6_K"):
+            out = quantize(x, spec.store)
+        elif spec.store == "F32":
+            out = x.contiguous()
+        else:
+            out = x.to(ST_DTYPES[spec.store]).contiguous().view(torch.uint8)
+        yield out.cpu().numpy()
+
+
+# --------------------------------------------------------------------------- writers
+
+def write_safetensors(path: Path, specs: list[Spec], seed: int, role: str, device, metadata: dict) -> int:
+    """Stream a .safetensors file: header with every offset first, then each tensor's bytes."""
+    header, off = {"__metadata__": {k: str(v) for k, v in metadata.items()}}, 0
+    for s in specs:
+        header[s.name] = {"dtype": s.store, "shape": list(s.shape), "data_offsets": [off, off + s.nbytes]}
+        off += s.nbytes
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    tmp = path.with_name(path.name + ".part")
+    with open(tmp, "wb") as f:
+        f.write(len(hb).to_bytes(8, "little"))
+        f.write(hb)
+        for s in specs:
+            n = 0
+            for arr in encoded_chunks(s, seed, role, device):
+                arr.tofile(f)
+                n += arr.nbytes
+            if n != s.nbytes:
+                raise RuntimeError(f"{s.name}: wrote {n} bytes, expected {s.nbytes}")
+    os.replace(tmp, path)
+    return 8 + len(hb) + off
+
+
+def write_gguf(path: Path, specs: list[Spec], seed: int, role: str, device, name: str) -> int:
+    """Stream a GGUF file with gguf-py's GGUFWriter: tensor infos first, then data per tensor."""
+    import gguf
+    qt = gguf.GGMLQuantizationType
+    w = gguf.GGUFWriter(path=None, arch="wan")
+    w.add_name(name)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    w.add_string("wan_sage.e2e", json.dumps({"seed": seed, "role": role, "format": FORMAT_VERSION,
+                                            "note": "random weights for benchmarking, not a trained model"}))
+    for s in specs:
+        if s.store == "F32":
+            w.add_tensor_info(s.name, s.shape, np.dtype(np.float32), s.nbytes)
+        elif s.store in ("Q4_K", "Q6_K"):
+            byte_shape = (*s.shape[:-1], row_bytes(s.store, s.shape[-1]))
+            w.add_tensor_info(s.name, byte_shape, np.dtype(np.uint8), s.nbytes, raw_dtype=getattr(qt, s.store))
+        elif s.store in ("BF16", "F16"):
+            byte_shape = (*s.shape[:-1], s.shape[-1] * 2)
+            w.add_tensor_info(s.name, byte_shape, np.dtype(np.uint8), s.nbytes, raw_dtype=getattr(qt, s.store))
+        else:
+            raise ValueError(f"{s.name}: {s.store} is not a GGUF type here")
+    tmp = path.with_name(path.name + ".part")
+    w.write_header_to_file(path=tmp)
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    fout = w.fout[0]
+    for s in specs:                      # what GGUFWriter.write_tensor_data does, one chunk at a time
+        w.write_padding(fout, fout.tell())
+        n = 0
+        for arr in encoded_chunks(s, seed, role, device):
+            arr.tofile(fout)
+            n += arr.nbytes
+        if n != s.nbytes:
+            raise RuntimeError(f"{s.name}: wrote {n} bytes, expected {s.nbytes}")
+        w.write_padding(fout, s.nbytes)
+    size = fout.tell()
+    w.close()
+    os.replace(tmp, path)
+    return size
+
+
+# --------------------------------------------------------------------------- the set
+
+def ensure_models(models_dir, scale: str = "full", weights: str = "gguf", te_dtype: str = "bf16",
+                  lora_rank: int = 64, seed: int = 0, device: str = "auto", log=print) -> dict:
+    """Write whatever of the file set is missing; return {role: path} plus the manifest entry."""
+    root = Path(models_dir)
+    dev = torch.device("cuda" if (device == "auto" and torch.cuda.is_available()) else
+                       ("cpu" if device == "auto" else device))
+    names = file_names(scale, weights, te_dtype, lora_rank)
+    man_path = root / "manifest.json"
+    manifest = json.loads(man_path.read_text()) if man_path.exists() else {"files": {}}
+    out = {}
+    for role, fname in names.items():
+        path = root / role_dir(role) / fname
+        path.parent.mkdir(parents=True, exist_ok=True)
+        want = {"role": role, "scale": scale, "seed": seed, "format": FORMAT_VERSION,
+                "weights": weights if role.startswith("unet") else None,
+                "te_dtype": te_dtype if role == "te" else None,
+                "lora_rank": lora_rank if role.startswith("lora") else None}
+        have = manifest["files"].get(fname)
+        if have and path.exists() and path.stat().st_size == have.get("bytes") and \
+                all(have.get(k) == v for k, v in want.items()):
+            out[role] = path
+            continue
+        t0 = time.perf_counter()
+        meta = {"wan_sage_e2e": json.dumps({**want, "gen_device": dev.type}),
+                "note": "random weights for benchmarking, not a trained model"}
+        if role.startswith("unet"):
+            specs = wan_specs(scale, weights)
+            if weights == "gguf":
+                size = write_gguf(path, specs, seed, role, dev, f"random Wan2.2 T2V {SCALES[scale]['label']} {role[5:]} noise")
+            else:
+                size = write_safetensors(path, specs, seed, role, dev, meta)
+        elif role.startswith("lora"):
+            size = write_safetensors(path, lora_specs(scale, lora_rank), seed, role, dev, meta)
+        elif role == "te":
+            size = write_safetensors(path, umt5_specs(scale, te_dtype, train_tokenizer()), seed, role, dev, meta)
+        else:
+            size = write_safetensors(path, vae_specs(), seed, role, dev, meta)
+        dt = time.perf_counter() - t0
+        log(f"e2e models: wrote {path.name} ({size / 1e9:.2f} GB) in {dt:.1f} s on {dev.type}")
+        manifest["files"][fname] = {**want, "bytes": size, "gen_device": dev.type, "seconds": round(dt, 1)}
+        man_path.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        out[role] = path
+    out["te_config"] = te_config(scale)
+    out["names"] = names
+    return out
