@@ -1,0 +1,752 @@
+"""End-to-end benchmark (issue 5): Wan 2.2 T2V A14B, both experts, through real ComfyUI in-process.
+
+Drives ComfyUI 0.3.64 (``COMFYUI_PATH``) without its HTTP server, through its own node functions,
+in the order of the seed report's workflow:
+
+    CLIPLoader (type "wan") -> CLIPTextEncode (positive, negative)        text encoder first
+    UnetLoaderGGUF (ComfyUI-GGUF, ``--gguf-path``) x2, or UNETLoader for ``--weights fp8``
+    LoraLoaderModelOnly x2 (rank-64 LoRA per expert, standing in for the Lightning LoRAs)
+    ModelSamplingSD3 x2 (shift 5, as in the pack's example workflows)
+    [Wan Working-Memory Estimator] -> [Wan 2.2 Sage Attention Patch]     per expert, per config
+    EmptyHunyuanLatentVideo
+    KSamplerAdvanced high-noise expert, steps 0-2, add_noise, return_with_leftover_noise
+    KSamplerAdvanced low-noise expert, steps 2-4 (4 steps, euler/simple, cfg 1.0)
+    VAELoader + VAEDecode
+
+The pack's two nodes are applied through their wiring (``wan_sage.nodes.estimator.apply_estimator``
+with the node's default settings and the empty latent's shape; ``wan_sage.nodes.sage_patch.apply_patch``
+with the node's defaults).  ``--workflow FILE`` runs a saved workflow instead (UI or API format,
+converted with ``bench/workflow_api.py`` and run with ``execution.PromptExecutor``), with the
+pack loaded as a custom node.  The model files are random-weight stand-ins at real sizes and key
+names, written by ``bench/e2e_models.py`` into ``--models-dir`` when missing.
+
+Measurements, one JSON line per run (``--out`` appends them too): completed / out of memory /
+error and where; peak allocated and reserved (above the ballast) for the whole run and for each
+expert's sampling; the fraction of each expert's weights resident at its first step
+(``ModelPatcher.loaded_size() / model_size()``); seconds per step for each expert (the sampler's
+step callback, CUDA-synchronised, chained through a ``SAMPLER_SAMPLE`` wrapper), the
+KSamplerAdvanced wall time including model loading, and the total denoise time; the Sage patch's
+call counts by kernel and by SDPA reason (``wan_sage.attention.stats.last_runs()`` for the
+patch's id, read after the patch's own OUTER_SAMPLE wrapper has closed the run window); and the
+working memory the run reserved (``memory_required`` for one row, read in a ``PREPARE_SAMPLING``
+wrapper inside the estimator's, so it is wan-sage's figure with the estimator and ComfyUI's own
+without) against the measured working memory (peak allocated during sampling minus what was
+allocated when sampling started).  Between runs every model is unloaded and the cache emptied;
+``torch.OutOfMemoryError`` is recorded as a result, not raised.
+
+``--vram-budget GB`` (CUDA only; a no-op with a message on CPU) holds a ballast allocation so
+that ``comfy.model_management.get_free_memory()`` reads GB GiB (checked, corrected to within
+1 MiB).  How faithful that is:
+
+* What ComfyUI sees is exact: it decides residency, offloading and batching from
+  ``get_free_memory()`` (driver free + PyTorch's reserved-but-unused), which reads the budget.
+  ``total_vram`` (logged at start-up, used for a few start-up defaults such as the Windows
+  reserve) still reads the real card.
+* The CUDA context, cuBLAS/cuDNN workspaces and other processes are outside the budget here,
+  as on a real card, where they come out of its nominal size: a 24 GB card (24,564 MiB) has about
+  22.5-23.2 GiB free after its context (and the desktop, on Windows).  A budget of 24 is
+  therefore about 1 GiB kinder than a real 24 GB card; pass e.g. 22.8 to match one.
+* ComfyUI reserves 400 MiB on Linux and 700 MiB on Windows cards over 15 GB
+  (``EXTRA_RESERVED_VRAM``); ``--reserve-vram`` sets ComfyUI's own flag to copy Windows.
+* The ballast is one allocation in PyTorch's allocator.  With the caching allocator it is a
+  segment of its own; with cudaMallocAsync (``--allocator async``, what ComfyUI's ``main.py``
+  picks) it lives in the same pool, so fragmentation near the limit can differ slightly from a
+  card that is really that small.  Peaks are reported minus the ballast.
+* Running out is an exception here (``torch.OutOfMemoryError``), as on Linux.  On Windows the
+  NVIDIA driver's "sysmem fallback" instead spills allocations to shared system memory over
+  PCIe and carries on, many times slower (the seed report's 2.26x slowdown).  That behaviour
+  cannot be reproduced on Linux: where this harness reports out of memory, a Windows card with
+  the fallback on would run slowly instead.
+
+Run specs: ``{est|comfy}+{sdpa|sage}@{GB|full}:{WxHxF|720p81|480p81}``, e.g.
+``est+sage@24:720p81``.  ``--matrix`` runs the issue's 16 combinations for ``--weights`` in
+priority order (24 GB 720p81 first); ``--deadline-s`` stops starting runs after that many seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _host  # noqa: E402
+
+GiB = 1 << 30
+SCHEMA = "wan-sage-e2e/1"
+RES = {"720p81": (1280, 720, 81), "480p81": (832, 480, 81), "tiny": (64, 64, 5)}
+PROMPT = ("a cinematic shot of a red fox running through a snowy forest at golden hour, the camera slowly pans "
+          "left, detailed fur, soft light, shallow depth of field")
+NEGATIVE = "low quality, worst quality, static frame, overexposed, blurred"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    estimator: bool
+    attention: str            # sdpa | sage
+    budget_gib: float | None  # None: the whole card
+    res: tuple
+
+    @classmethod
+    def parse(cls, s: str) -> "RunSpec":
+        try:
+            head, _, res = s.partition(":")
+            kind, _, budget = head.partition("@")
+            est, _, att = kind.partition("+")
+            if est not in ("est", "comfy") or att not in ("sdpa", "sage"):
+                raise ValueError
+            b = None if budget in ("", "full") else float(budget)
+            r = RES.get(res) or tuple(int(x) for x in res.split("x"))
+            if len(r) != 3:
+                raise ValueError
+            return cls(est == "est", att, b, r)
+        except ValueError:
+            raise SystemExit(f"bad run spec {s!r}: expected {{est|comfy}}+{{sdpa|sage}}@{{GB|full}}:{{WxHxF|720p81|480p81}}")
+
+    @property
+    def label(self) -> str:
+        b = "full" if self.budget_gib is None else f"{self.budget_gib:g}"
+        return f"{'est' if self.estimator else 'comfy'}+{self.attention}@{b}:{'x'.join(map(str, self.res))}"
+
+
+def matrix(budget: float) -> list[RunSpec]:
+    """The issue's matrix in priority order: 24 GB 720p81, full 720p81, 24 GB 480p81, full 480p81."""
+    out = []
+    for b, res in ((budget, "720p81"), (None, "720p81"), (budget, "480p81"), (None, "480p81")):
+        for est, att in ((True, "sdpa"), (True, "sage"), (False, "sdpa"), (False, "sage")):
+            out.append(RunSpec(est, att, b, RES[res]))
+    return out
+
+
+# --------------------------------------------------------------------------- measurement helpers
+
+class Mem:
+    """CUDA memory readings above the ballast (all None on CPU)."""
+
+    def __init__(self, torch, cuda: bool):
+        self.torch, self.cuda, self.ballast = torch, cuda, 0
+
+    def sync(self):
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def reset(self):
+        if self.cuda:
+            self.torch.cuda.reset_peak_memory_stats()
+
+    def alloc(self):
+        return (self.torch.cuda.memory_allocated() - self.ballast) / GiB if self.cuda else None
+
+    def peaks(self):
+        if not self.cuda:
+            return None, None
+        t = self.torch.cuda
+        return (t.max_memory_allocated() - self.ballast) / GiB, (t.max_memory_reserved() - self.ballast) / GiB
+
+
+def _r(x, n=3):
+    return None if x is None else round(float(x), n)
+
+
+class Ballast:
+    """Hold device memory so that ComfyUI's get_free_memory() reads ``budget_gib``."""
+
+    def __init__(self, torch, mm, dev, budget_gib: float | None, log):
+        self.blocks, self.note = [], None
+        self.free_before = self.free_seen = None
+        if budget_gib is None:
+            return
+        if dev.type != "cuda":
+            self.note = f"--vram-budget {budget_gib:g} ignored: no CUDA device (the budget needs a ballast on a GPU)"
+            log(self.note)
+            return
+        target = int(budget_gib * GiB)
+        self.free_before = mm.get_free_memory(dev)
+        want = self.free_before - target
+        if want <= 0:
+            self.note = f"budget {budget_gib:g} GiB is above the free {self.free_before / GiB:.2f} GiB: no ballast"
+            log(self.note)
+        else:
+            self.blocks.append(torch.empty(want, dtype=torch.uint8, device=dev))
+            for _ in range(6):           # allocator rounding: top up or trim until within 1 MiB
+                diff = mm.get_free_memory(dev) - target
+                if abs(diff) <= (1 << 20):
+                    break
+                if diff > 0:
+                    self.blocks.append(torch.empty(diff, dtype=torch.uint8, device=dev))
+                else:
+                    last = self.blocks.pop()
+                    n = last.numel() + diff
+                    del last
+                    if n > 0:
+                        self.blocks.append(torch.empty(n, dtype=torch.uint8, device=dev))
+        self.free_seen = mm.get_free_memory(dev)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.blocks)
+
+    def release(self):
+        self.blocks.clear()
+
+
+class ExpertProbe:
+    """PREPARE_SAMPLING + SAMPLER_SAMPLE wrappers on one expert: timing, residency, memory, reservation."""
+
+    KEY = "wan_sage_e2e_probe"
+
+    def __init__(self, name: str, mem: Mem):
+        self.name, self.mem = name, mem
+        self.t_call = self.t0 = self.t1 = None
+        self.marks = []
+        self.patcher = None
+        self.d = {}
+
+    def install(self, model, W):
+        m = model.clone()
+        m.add_wrapper_with_key(W.PREPARE_SAMPLING, self.KEY, self._prepare)
+        m.add_wrapper_with_key(W.SAMPLER_SAMPLE, self.KEY, self._sampler)
+        return m
+
+    def _prepare(self, executor, model, noise_shape, conds, *args, **kwargs):
+        base = model.model
+        one = [1] + list(noise_shape[1:])
+        try:   # inside the estimator's wrapper (added earlier, so outer): its figure when present
+            self.d["predicted_working_gib"] = base.memory_required(one) / GiB
+            self.d["reservation_source"] = "wan-sage" if "memory_required" in base.__dict__ else "comfyui"
+            self.d["comfy_estimate_gib"] = type(base).memory_required(base, one) / GiB
+        except Exception as e:  # never disturb the run being measured
+            self.d["predicted_error"] = f"{type(e).__name__}: {e}"
+        self.patcher = model
+        return executor(model, noise_shape, conds, *args, **kwargs)
+
+    def _sampler(self, executor, model_wrap, sigmas, extra_args, callback, noise, *args, **kwargs):
+        mem = self.mem
+        mem.sync()
+        self.d["load_peak_alloc_gib"], self.d["load_peak_reserved_gib"] = mem.peaks()
+        p = self.patcher
+        if p is not None:
+            self.d["weights_gib"] = p.model_size() / GiB
+            self.d["resident_gib"] = p.loaded_size() / GiB
+            self.d["lowvram"] = bool(getattr(p.model, "model_lowvram", False))
+        self.d["base_alloc_gib"] = mem.alloc()
+        mem.reset()
+        self.t0 = time.perf_counter()
+
+        def cb(i, denoised, x, total):
+            mem.sync()
+            self.marks.append(time.perf_counter())
+            if callback is not None:
+                callback(i, denoised, x, total)
+        try:
+            return executor(model_wrap, sigmas, extra_args, cb, noise, *args, **kwargs)
+        finally:
+            mem.sync()
+            self.t1 = time.perf_counter()
+            self.d["peak_alloc_gib"], self.d["peak_reserved_gib"] = mem.peaks()
+
+    def result(self, wall_s, attention=None, estimator=None) -> dict:
+        d = dict(self.d)
+        steps = [b - a for a, b in zip([self.t0] + self.marks[:-1], self.marks)] if self.t0 else []
+        d["step_s"] = [round(s, 3) for s in steps]
+        d["s_per_step"] = _r(statistics.mean(steps)) if steps else None
+        d["sampler_s"] = _r(self.t1 - self.t0) if self.t0 and self.t1 else None
+        d["wall_s"] = _r(wall_s)
+        if d.get("weights_gib"):
+            d["resident_frac"] = _r(d.get("resident_gib", 0) / d["weights_gib"], 4)
+        if d.get("peak_alloc_gib") is not None and d.get("base_alloc_gib") is not None:
+            d["working_gib"] = d["peak_alloc_gib"] - d["base_alloc_gib"]
+            if d.get("predicted_working_gib"):
+                d["predicted_peak_gib"] = d["base_alloc_gib"] + d["predicted_working_gib"]
+                d["predicted_over_measured"] = _r(d["predicted_working_gib"] / max(d["working_gib"], 1e-9), 3)
+        d["attention"] = attention
+        d["estimator"] = estimator
+        return {k: (_r(v) if isinstance(v, float) else v) for k, v in d.items()}
+
+
+def _stats_modules():
+    """Every loaded copy of the pack's stats module (the pack imported as ``wan_sage`` and, in
+    workflow mode, again by ComfyUI's custom-node loader under its folder's name)."""
+    return [m for name, m in list(sys.modules.items())
+            if name.endswith(".attention.stats") and hasattr(m, "last_runs")]
+
+
+def attention_summary(patch_id):
+    if patch_id is None:
+        return None
+    for m in _stats_modules():
+        st = m.last_runs().get(patch_id)
+        if st:
+            return {k: st.get(k) for k in ("sage_calls", "sdpa_calls", "by_kernel", "reasons", "fallbacks",
+                                           "head_split_calls", "saved_ms", "calibration_ms")}
+    return {"sage_calls": 0, "sdpa_calls": 0, "note": "no attention calls recorded for this patch"}
+
+
+# --------------------------------------------------------------------------- the host
+
+class Host:
+    def __init__(self, args):
+        self.args = args
+        _host.set_allocator(args.allocator)
+        import torch
+        self.torch = torch
+        self.cuda = torch.cuda.is_available() and not args.cpu
+        self.av = _host.ensure_av(args.av_stub)
+        ce = _host.comfy_env()
+        extra = {"reserve_vram": args.reserve_vram} if args.reserve_vram is not None else None
+        self.ns = ce.boot(cpu=not self.cuda, attention="pytorch" if not self.cuda else None,
+                          output_dir=str(Path(args.work_dir).resolve()), quiet=args.quiet, extra_args=extra)
+        ce.init_extra_nodes()
+        gguf = Path(args.gguf_path or Path(self.ns.path).parent / "ComfyUI-GGUF")
+        if args.weights == "gguf" or args.workflow:
+            if not (gguf / "nodes.py").is_file():
+                raise SystemExit(f"ComfyUI-GGUF not found at {gguf} (pass --gguf-path)")
+            ce.load_custom_node(gguf)
+        self.gguf_path = gguf
+        self.pack = _host.load_pack()
+        if args.workflow:
+            ce.load_custom_node(_host.ROOT)
+        self.ce = ce
+        self.mm = self.ns.model_management
+        self.dev = self.mm.get_torch_device()
+        self.mem = Mem(torch, self.cuda)
+        self.N = self.ns.nodes.NODE_CLASS_MAPPINGS
+        import e2e_models as EM
+        self.files = EM.ensure_models(args.models_dir, scale=args.scale, weights=args.weights, te_dtype=args.te_dtype,
+                                      lora_rank=args.lora_rank, seed=args.seed, device=args.gen_device, log=self.log)
+        fp = self.ns.folder_paths
+        root = Path(args.models_dir).resolve()
+        for key, sub in (("diffusion_models", "diffusion_models"), ("text_encoders", "text_encoders"),
+                         ("vae", "vae"), ("loras", "loras")):
+            fp.add_model_folder_path(key, str(root / sub), is_default=True)
+        self.cache = {}
+        self.decoded = False
+
+    def log(self, msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------ environment
+    def env(self) -> dict:
+        t = self.torch
+        probe = None
+        try:
+            from wan_sage.attention import kernels
+            probe = kernels.probe()
+        except Exception:
+            pass
+        comfy_ver = None
+        try:
+            import comfyui_version
+            comfy_ver = comfyui_version.__version__
+        except Exception:
+            pass
+        d = {"date": time.strftime("%Y-%m-%d"), "host": platform.node(), "python": platform.python_version(),
+             "torch": t.__version__, "cuda": t.version.cuda, "device": t.cuda.get_device_name() if self.cuda else "cpu",
+             "allocator": (t.cuda.memory.get_allocator_backend() if self.cuda else None),
+             "comfyui": comfy_ver, "comfyui_gguf": _read_version(self.gguf_path / "pyproject.toml"),
+             "sageattention": getattr(probe, "sage_version", None), "sage_flavour": getattr(probe, "sage_flavour", None),
+             "sageattention_commit": os.environ.get("SAGEATTENTION_COMMIT"),
+             "wan_sage": getattr(self.pack, "__version__", None), "wan_sage_commit": _git_head(),
+             "av": self.av, "scale": self.args.scale, "weights": self.args.weights, "te_dtype": self.args.te_dtype,
+             "lora_rank": self.args.lora_rank, "seed": self.args.seed}
+        return d
+
+    # ------------------------------------------------------------------ loaders (cached, like ComfyUI's node cache)
+    @contextmanager
+    def te_config(self):
+        """At ``--scale tiny`` only: give ComfyUI's loader the miniature UMT5 config (its own
+        ``model_options["umt5xxl_model_config"]`` hook), since CLIPLoader always builds the XXL
+        layout from ``umt5_config_xxl.json``.  At full scale nothing is changed."""
+        cfg = self.files.get("te_config")
+        if not cfg:
+            yield
+            return
+        sd = self.ns.sd
+        orig = sd.load_clip
+
+        def load_clip(*a, model_options=None, **k):
+            mo = dict(model_options or {})
+            mo.setdefault("umt5xxl_model_config", dict(cfg))
+            return orig(*a, model_options=mo, **k)
+        sd.load_clip = load_clip
+        try:
+            yield
+        finally:
+            sd.load_clip = orig
+
+    def _cached(self, key, fn):
+        if self.args.reload or key not in self.cache:
+            self.cache[key] = fn()
+        return self.cache[key]
+
+    def clip(self):
+        def load():
+            with self.te_config():
+                return self.N["CLIPLoader"]().load_clip(self.files["names"]["te"], "wan", "default")[0]
+        return self._cached("clip", load)
+
+    def expert(self, e: str):
+        def load():
+            name = self.files["names"][f"unet_{e}"]
+            if self.args.weights == "gguf":
+                m = self.N["UnetLoaderGGUF"]().load_unet(name)[0]
+            else:
+                m = self.N["UNETLoader"]().load_unet(name, "default")[0]
+            m = self.N["LoraLoaderModelOnly"]().load_lora_model_only(m, self.files["names"][f"lora_{e}"], 1.0)[0]
+            if self.args.shift:          # as the pack's A14B workflows: LoRA -> ModelSamplingSD3 (shift 5)
+                m = self.N["ModelSamplingSD3"]().patch(m, self.args.shift)[0]
+            return m
+        return self._cached(f"expert_{e}", load)
+
+    def vae(self):
+        return self._cached("vae", lambda: self.N["VAELoader"]().load_vae(self.files["names"]["vae"])[0])
+
+    # ------------------------------------------------------------------ one run
+    def free_all(self):
+        gc.collect()
+        self.mm.unload_all_models()
+        gc.collect()
+        self.mm.soft_empty_cache(True)
+        if self.cuda:
+            self.torch.cuda.empty_cache()
+            self.torch.cuda.reset_peak_memory_stats()
+
+    def run(self, spec: RunSpec, decode: bool) -> dict:
+        torch, mem = self.torch, self.mem
+        from wan_sage.nodes.estimator import Settings, apply_estimator
+        from wan_sage.nodes.sage_patch import apply_patch, find_override
+        W = self.ns.patcher_extension.WrappersMP
+        self.free_all()
+        ballast = Ballast(torch, self.mm, self.dev, spec.budget_gib, self.log)
+        mem.ballast = ballast.nbytes
+        mem.reset()
+        w, h_px, f = spec.res
+        row = {"schema": SCHEMA, "run": spec.label,
+               "config": {"estimator": spec.estimator, "attention": spec.attention, "budget_gib": spec.budget_gib,
+                          "width": w, "height": h_px, "frames": f, "weights": self.args.weights, "steps": self.args.steps,
+                          "cfg": 1.0, "sampler": "euler", "scheduler": "simple", "shift": self.args.shift,
+                          "lora_rank": self.args.lora_rank,
+                          "decode": decode},
+               "budget": {"free_before_gib": _r(ballast.free_before and ballast.free_before / GiB),
+                          "free_seen_gib": _r(ballast.free_seen and ballast.free_seen / GiB),
+                          "ballast_gib": _r(ballast.nbytes / GiB), "note": ballast.note},
+               "status": "ok", "error": None, "failed_phase": None}
+        phases, probes, extras, walls = {}, {}, {}, {}
+        h = {}                      # every object of the run, cleared at the end
+        phase = {"name": None}
+        t_run = time.perf_counter()
+
+        @contextmanager
+        def timed(name):
+            phase["name"] = name
+            mem.sync()
+            mem.reset()
+            t = time.perf_counter()
+            try:
+                yield
+            finally:
+                mem.sync()
+                pa, pr = mem.peaks()
+                phases[name] = {"s": _r(time.perf_counter() - t), "peak_alloc_gib": _r(pa), "peak_reserved_gib": _r(pr)}
+        try:
+            with timed("encode"):
+                h["clip"] = self.clip()
+                enc = self.N["CLIPTextEncode"]()
+                h["pos"] = enc.encode(h["clip"], PROMPT)[0]
+                h["neg"] = enc.encode(h["clip"], NEGATIVE)[0]
+            h["latent"] = self.N["EmptyHunyuanLatentVideo"]().generate(w, h_px, f, 1)[0]
+            shape = list(h["latent"]["samples"].shape)
+            for e in ("high", "low"):
+                m = self.expert(e)
+                if spec.estimator:
+                    m, nums, report = apply_estimator(m, Settings(), shape)
+                    extras[f"est_{e}"] = {k: _r(v) if isinstance(v, float) else v for k, v in (nums or {}).items()}
+                    extras[f"report_{e}"] = report
+                if spec.attention == "sage":
+                    m, status = apply_patch(m)
+                    extras[f"patch_{e}"] = status
+                ov = find_override(m.model_options.get("transformer_options", {}))
+                extras[f"patch_id_{e}"] = ov.patch_id if ov is not None else None
+                probes[e] = ExpertProbe(e, mem)
+                h[f"model_{e}"] = probes[e].install(m, W)
+                del m
+            ks = self.N["KSamplerAdvanced"]()
+            steps, half = self.args.steps, self.args.steps // 2
+            with timed("high"):
+                t = time.perf_counter()
+                h["lat"] = ks.sample(h["model_high"], "enable", self.args.seed, steps, 1.0, "euler", "simple",
+                                     h["pos"], h["neg"], h["latent"], 0, half, "enable")[0]
+                walls["high"] = time.perf_counter() - t
+            with timed("low"):
+                t = time.perf_counter()
+                h["lat"] = ks.sample(h["model_low"], "disable", self.args.seed, steps, 1.0, "euler", "simple",
+                                     h["pos"], h["neg"], h["lat"], half, steps, "disable")[0]
+                walls["low"] = time.perf_counter() - t
+            row["latent_finite"] = bool(torch.isfinite(h["lat"]["samples"]).all())
+            if decode:
+                with timed("decode"):
+                    h["images"] = self.N["VAEDecode"]().decode(self.vae(), h["lat"])[0]
+                row["decoded"] = list(h["images"].shape)
+                row["images_finite"] = bool(torch.isfinite(h["images"]).all())
+                self.decoded = True
+        except torch.OutOfMemoryError as e:
+            row["status"], row["error"], row["failed_phase"] = "oom", str(e).split("\n")[0][:300], phase["name"]
+            e.__traceback__ = None
+        except Exception as e:
+            row["status"], row["error"], row["failed_phase"] = "error", f"{type(e).__name__}: {e}"[:500], phase["name"]
+            self.log(traceback.format_exc())
+        row["run_s"] = _r(time.perf_counter() - t_run)
+        row["experts"] = {}
+        for e, p in probes.items():
+            row["experts"][e] = p.result(walls.get(e), attention=attention_summary(extras.get(f"patch_id_{e}")),
+                                         estimator=extras.get(f"est_{e}"))
+        row["phases"] = phases
+        peaks = [p for ph in phases.values() for p in (ph["peak_alloc_gib"],) if p is not None]
+        peaks += [ex.get("load_peak_alloc_gib") for ex in row["experts"].values() if ex.get("load_peak_alloc_gib") is not None]
+        row["peak_alloc_gib"] = _r(max(peaks)) if peaks else None
+        rpeaks = [ph["peak_reserved_gib"] for ph in phases.values() if ph["peak_reserved_gib"] is not None]
+        rpeaks += [ex.get("load_peak_reserved_gib") for ex in row["experts"].values() if ex.get("load_peak_reserved_gib") is not None]
+        row["peak_reserved_gib"] = _r(max(rpeaks)) if rpeaks else None
+        if "high" in walls and "low" in walls:
+            row["denoise_s"] = _r(walls["high"] + walls["low"])
+            row["denoise_steps_s"] = _r(sum(sum(x["step_s"]) for x in row["experts"].values()))
+        row["patch_status"] = {e: extras.get(f"patch_{e}") for e in ("high", "low") if f"patch_{e}" in extras} or None
+        row["estimator_report"] = {e: extras.get(f"report_{e}") for e in ("high", "low") if f"report_{e}" in extras} or None
+        # free everything before the next run (unload first, while the run's patchers are alive)
+        self.mm.unload_all_models()
+        h.clear()
+        probes.clear()
+        ballast.release()
+        mem.ballast = 0
+        self.free_all()
+        return row
+
+    # ------------------------------------------------------------------ a saved workflow
+    def run_workflow(self, path: Path, spec_res, budget_gib) -> dict:
+        import asyncio
+        import uuid
+        from workflow_api import is_api_prompt, ui_to_api
+        torch, mem = self.torch, self.mem
+        wf = json.loads(path.read_text())
+        prompt = wf if is_api_prompt(wf) else ui_to_api(wf, self.N)
+        mapping = substitute_models(prompt, self.files["names"], self.args.weights)
+        if spec_res:
+            w, h, f = spec_res
+            for n in prompt.values():
+                if n["class_type"] in ("EmptyHunyuanLatentVideo", "Wan22ImageToVideoLatent"):
+                    n["inputs"].update({"width": w, "height": h, "length": f})
+                elif n["class_type"] == "WanWorkingMemoryEstimator":
+                    n["inputs"].update({"width": w, "height": h, "frames": f})
+        targets = [k for k, n in prompt.items() if n["class_type"].startswith("VAEDecode")]
+        self.free_all()
+        ballast = Ballast(torch, self.mm, self.dev, budget_gib, self.log)
+        mem.ballast = ballast.nbytes
+        server = self.ce.StubServer()
+        server.client_id = "e2e-harness"      # so the executor reports each node it starts
+        starts, marks = {}, []
+        send = server.send_sync
+
+        def send_sync(event, data, sid=None):
+            if event == "executing" and isinstance(data, dict) and data.get("node") is not None:
+                mem.sync()
+                starts[str(data["node"])] = time.perf_counter()
+            return send(event, data, sid)
+        server.send_sync = send_sync
+
+        def hook(value, total, preview, node_id=None):
+            mem.sync()
+            marks.append((time.perf_counter(), str(server.last_node_id), value, total))
+        utils = self.ns.utils
+        old = utils.PROGRESS_BAR_HOOK
+        utils.set_progress_bar_global_hook(hook)
+        row = {"schema": SCHEMA, "run": f"workflow:{path.name}", "workflow": str(path.name), "models": mapping,
+               "budget": {"requested_gib": budget_gib, "free_seen_gib": _r(ballast.free_seen and ballast.free_seen / GiB),
+                          "ballast_gib": _r(ballast.nbytes / GiB), "note": ballast.note}}
+        t0 = time.perf_counter()
+        mem.reset()
+        try:
+            pid = str(uuid.uuid4())
+            ok, err, outputs, node_errors = asyncio.run(self.ns.execution.validate_prompt(pid, prompt, None))[:4]
+            if not ok:
+                row.update(status="error", error=f"validation: {err} {node_errors}"[:800])
+            else:
+                ex = self.ns.execution.PromptExecutor(server, cache_type=self.ns.execution.CacheType.CLASSIC)
+                with self.te_config():
+                    ex.execute(prompt, pid, extra_data={"client_id": server.client_id}, execute_outputs=targets or outputs)
+                msgs = [m for m in ex.status_messages if m[0] == "execution_error"]
+                oom = any("OutOfMemory" in json.dumps(m[1].get("exception_type", "")) for m in msgs)
+                row.update(status="ok" if ex.success else ("oom" if oom else "error"),
+                           error=None if ex.success else json.dumps(msgs[-1][1] if msgs else "failed")[:800])
+        finally:
+            utils.set_progress_bar_global_hook(old)
+        mem.sync()
+        row["run_s"] = _r(time.perf_counter() - t0)
+        row["peak_alloc_gib"], row["peak_reserved_gib"] = (_r(x) for x in mem.peaks())
+        per_node, prev = {}, {}
+        for t, nid, value, total in marks:       # first step of a node: from the node's start (includes loading)
+            per_node.setdefault(nid, []).append(round(t - prev.get(nid, starts.get(nid, t0)), 3))
+            prev[nid] = t
+        row["step_s_by_node"] = per_node
+        row["node_types"] = {k: prompt[k]["class_type"] for k in per_node if k in prompt}
+        row["attention"] = [v for m in _stats_modules() for v in m.last_runs().values()]
+        ballast.release()
+        mem.ballast = 0
+        self.free_all()
+        return row
+
+
+def substitute_models(prompt: dict, names: dict, weights: str) -> dict:
+    """Point the workflow's loaders at the generated files (experts and LoRAs by 'high'/'low' in
+    the original name, else in node order).  Returns {node id: (old, new)}; raises on loaders it
+    cannot map."""
+    fields = {"UnetLoaderGGUF": ("unet_name", "unet"), "UnetLoaderGGUFAdvanced": ("unet_name", "unet"),
+              "UNETLoader": ("unet_name", "unet"), "CLIPLoader": ("clip_name", "te"),
+              "VAELoader": ("vae_name", "vae"), "LoraLoaderModelOnly": ("lora_name", "lora")}
+    seen = {"unet": [], "lora": []}
+    mapping = {}
+    for nid in sorted(prompt, key=lambda k: int(k) if str(k).isdigit() else 0):
+        n = prompt[nid]
+        if n["class_type"] not in fields:
+            if any(s in n["class_type"] for s in ("Loader", "loader")) and "Lora" not in n["class_type"]:
+                raise ValueError(f"node {nid} ({n['class_type']}) loads a model the harness does not generate")
+            continue
+        key, role = fields[n["class_type"]]
+        old = n["inputs"].get(key)
+        if role in seen:
+            low = str(old).lower()
+            e = "high" if "high" in low else "low" if "low" in low else ("high" if not seen[role] else "low")
+            seen[role].append(e)
+            new = names[f"{role}_{e}"]
+        else:
+            new = names[role]
+        if n["class_type"] == "UNETLoader" and weights == "gguf" or n["class_type"].startswith("UnetLoaderGGUF") and weights != "gguf":
+            raise ValueError(f"node {nid} is {n['class_type']} but --weights is {weights}")
+        n["inputs"][key] = new
+        mapping[nid] = [old, new]
+    return mapping
+
+
+def _read_version(pyproject: Path):
+    try:
+        for line in pyproject.read_text().splitlines():
+            if line.strip().startswith("version"):
+                return line.split("=", 1)[1].split("#")[0].strip().strip('"')
+    except Exception:
+        return None
+
+
+def _git_head():
+    v = os.environ.get("WAN_SAGE_COMMIT")
+    if v:
+        return v
+    try:
+        return subprocess.run(["git", "-C", str(_host.ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=5).stdout.strip() or None
+    except Exception:
+        return None
+
+
+# --------------------------------------------------------------------------- CLI
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models-dir", required=True, help="where the random-weight model files are (written when missing)")
+    ap.add_argument("--scale", choices=["full", "tiny"], default="full")
+    ap.add_argument("--weights", choices=["gguf", "fp8"], default="gguf")
+    ap.add_argument("--te-dtype", choices=["bf16", "fp16"], default="bf16")
+    ap.add_argument("--lora-rank", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gen-device", default="auto", help="device that makes the random weights (auto: cuda if present)")
+    ap.add_argument("--generate-only", action="store_true", help="write the model files and exit")
+    ap.add_argument("--gguf-path", default=os.environ.get("COMFYUI_GGUF_PATH"),
+                    help="ComfyUI-GGUF checkout (default: $COMFYUI_GGUF_PATH, else <COMFYUI_PATH>/../ComfyUI-GGUF)")
+    ap.add_argument("--work-dir", default=None, help="ComfyUI user/output/temp folders (default: <models-dir>/../e2e-work)")
+    ap.add_argument("--runs", default=None, help="comma list of run specs, e.g. est+sage@24:720p81,comfy+sdpa@full:480p81")
+    ap.add_argument("--matrix", action="store_true", help="the issue's 16 runs for --weights, 24 GB 720p81 first")
+    ap.add_argument("--estimator", action="store_true", help="single run: with the Working-Memory Estimator")
+    ap.add_argument("--attention", choices=["sdpa", "sage"], default="sdpa", help="single run: SDPA or the Sage patch")
+    ap.add_argument("--res", default=None, help="single run / workflow: WxHxF or 720p81 / 480p81 (default 720p81; tiny: 64x64x5)")
+    ap.add_argument("--vram-budget", type=float, default=None, metavar="GB",
+                    help="single run / workflow: hold a ballast so ComfyUI sees GB GiB free; with --matrix: the small budget (24)")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--shift", type=float, default=5.0,
+                    help="ModelSamplingSD3 shift after each LoRA, as in the pack's A14B workflows (0: no node)")
+    ap.add_argument("--decode", choices=["all", "first", "none"], default="all",
+                    help="VAE decode in every run, only in the first, or never")
+    ap.add_argument("--reload", action="store_true", help="reload every model in every run (default: loader outputs are "
+                    "kept, as ComfyUI's node cache keeps them between queued prompts; GPU memory is freed either way)")
+    ap.add_argument("--workflow", default=None, help="run a saved workflow (UI or API JSON) instead of the built-in graph")
+    ap.add_argument("--allocator", choices=["async", "native"], default="async",
+                    help="async: cudaMallocAsync, what ComfyUI's main.py selects; native: PyTorch's caching allocator")
+    ap.add_argument("--reserve-vram", type=float, default=None, help="ComfyUI's --reserve-vram (GB), e.g. 0.68 to copy Windows")
+    ap.add_argument("--deadline-s", type=float, default=None, help="start no run after this many seconds")
+    ap.add_argument("--out", default=None, help="append the JSON lines to this file too")
+    ap.add_argument("--av-stub", action="store_true", help="if PyAV is missing, stub it (video I/O only; see bench/_host.py)")
+    ap.add_argument("--cpu", action="store_true", help="force the CPU")
+    ap.add_argument("--quiet", action="store_true", help="ComfyUI logs at WARNING")
+    a = ap.parse_args(argv)
+    if a.work_dir is None:
+        a.work_dir = str(Path(a.models_dir).resolve().parent / "e2e-work")
+    return a
+
+
+def main(argv=None):
+    t_start = time.perf_counter()
+    args = parse_args(argv)
+    if args.workflow and not Path(args.workflow).is_file():
+        wf_dir = _host.ROOT / "example_workflows"
+        have = sorted(p.name for p in wf_dir.glob("*.json")) if wf_dir.is_dir() else []
+        raise SystemExit(f"workflow file {args.workflow} not found. The pack's saved workflows live in "
+                         f"example_workflows/ ({', '.join(have) if have else 'none there yet'}).")
+    Path(args.work_dir).mkdir(parents=True, exist_ok=True)
+    host = Host(args)
+    if args.generate_only:
+        print(json.dumps({"schema": SCHEMA, "generated": {k: str(v) for k, v in host.files.items() if k != "names"}}))
+        return 0
+    env = host.env()
+    host.log("e2e env: " + json.dumps(env))
+    out = open(args.out, "a") if args.out else None
+    default_res = RES["tiny"] if args.scale == "tiny" else RES["720p81"]
+    res = (RES.get(args.res) or tuple(int(x) for x in args.res.split("x"))) if args.res else None
+
+    def emit(row):
+        row["env"] = env
+        line = json.dumps(row)
+        print(line, flush=True)
+        if out:
+            out.write(line + "\n")
+            out.flush()
+    if args.workflow:
+        emit(host.run_workflow(Path(args.workflow), res, args.vram_budget))
+    else:
+        if args.runs:
+            specs = [RunSpec.parse(s.strip()) for s in args.runs.split(",") if s.strip()]
+        elif args.matrix:
+            specs = matrix(args.vram_budget if args.vram_budget is not None else 24.0)
+            if args.scale == "tiny":
+                specs = [RunSpec(s.estimator, s.attention, s.budget_gib, RES["tiny"]) for s in specs]
+        else:
+            specs = [RunSpec(args.estimator, args.attention, args.vram_budget, res or default_res)]
+        for i, spec in enumerate(specs):
+            if args.deadline_s is not None and time.perf_counter() - t_start > args.deadline_s:
+                emit({"schema": SCHEMA, "run": spec.label, "status": "skipped", "error": f"deadline {args.deadline_s:g} s"})
+                continue
+            decode = args.decode == "all" or (args.decode == "first" and not host.decoded)
+            host.log(f"e2e run {i + 1}/{len(specs)}: {spec.label}")
+            emit(host.run(spec, decode))
+    if out:
+        out.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,276 @@
+"""Host tier: the end-to-end benchmark harness (bench/e2e.py) at --scale tiny on the CPU, through
+real ComfyUI and ComfyUI-GGUF, and its K-quant packer against ComfyUI-GGUF's own dequantiser."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import comfy_env
+
+if comfy_env.skip_reason():
+    pytest.skip(f"host tier: {comfy_env.skip_reason()}", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench"
+GGUF = Path(os.path.realpath(os.environ.get("COMFYUI_GGUF_PATH")
+                             or os.path.join(comfy_env.comfy_path(), os.pardir, "ComfyUI-GGUF")))
+if not (GGUF / "dequant.py").is_file():
+    pytest.skip(f"host tier: ComfyUI-GGUF not found at {GGUF} (set COMFYUI_GGUF_PATH)", allow_module_level=True)
+gguf = pytest.importorskip("gguf", reason="the gguf package (ComfyUI-GGUF's dependency) is not installed")
+
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+import kquants  # noqa: E402
+
+
+def _run(args, tmp_path, timeout=900):
+    env = dict(os.environ, COMFYUI_PATH=comfy_env.comfy_path(), COMFYUI_GGUF_PATH=str(GGUF), PYTHONUNBUFFERED="1")
+    p = subprocess.run([sys.executable, str(BENCH / "e2e.py"), "--models-dir", str(tmp_path / "models"),
+                        "--scale", "tiny", "--quiet", *args], capture_output=True, text=True, env=env,
+                       timeout=timeout, cwd=str(tmp_path))
+    assert p.returncode == 0, p.stderr[-4000:]
+    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    return rows, p.stderr
+
+
+@pytest.fixture(scope="module")
+def e2e_rows(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("e2e")
+    rows, err = _run(["--runs", "est+sage@full:64x64x5,comfy+sdpa@24:64x64x5", "--decode", "first",
+                      "--out", str(tmp / "runs.jsonl")], tmp)
+    return rows, err, tmp
+
+
+def test_tiny_pipeline_end_to_end_through_real_loaders(e2e_rows):
+    rows, err, tmp = e2e_rows
+    assert len(rows) == 2
+    assert [json.loads(x)["run"] for x in (tmp / "runs.jsonl").read_text().splitlines()] == [r["run"] for r in rows]
+    # every file went through ComfyUI's own loaders without a key left over
+    assert "lora key not loaded" not in err and "clip missing" not in err and "unet missing" not in err
+    assert "ERROR UNSUPPORTED UNET" not in err
+    a, b = rows
+    for r in rows:
+        assert r["schema"] == "wan-sage-e2e/1" and r["status"] == "ok" and r["error"] is None
+        assert r["latent_finite"] is True
+        assert set(r["experts"]) == {"high", "low"}
+        for e in r["experts"].values():
+            assert len(e["step_s"]) == 2 and all(s > 0 for s in e["step_s"])   # 4 steps: 0-2 and 2-4
+            assert e["s_per_step"] > 0 and e["wall_s"] >= e["sampler_s"] > 0
+            assert e["resident_frac"] == 1.0 and e["weights_gib"] > 0
+            assert e["predicted_working_gib"] > 0 and e["comfy_estimate_gib"] > 0
+        assert r["denoise_s"] >= r["denoise_steps_s"] > 0
+        assert set(r["phases"]) >= {"encode", "high", "low"}
+        assert r["env"]["comfyui"] and r["env"]["device"] == "cpu" and r["env"]["weights"] == "gguf"
+        assert r["peak_alloc_gib"] is None          # no CUDA: no memory readings, no ballast
+    # run 1: estimator + Sage patch (on the CPU every call goes to SDPA with reason "cpu"), decoded
+    assert a["config"]["estimator"] and a["config"]["attention"] == "sage"
+    assert a["decoded"] == [5, 64, 64, 3] and a["images_finite"] is True
+    for e in a["experts"].values():
+        assert e["reservation_source"] == "wan-sage"
+        assert e["estimator"]["tokens"] == 32
+        assert e["predicted_working_gib"] == pytest.approx(e["estimator"]["reservation_gb"], abs=2e-3)
+        assert e["attention"]["sage_calls"] == 0 and e["attention"]["reasons"] == {"cpu": 8}   # 2 blocks x 2 x 2 steps
+    assert a["patch_status"]["high"].startswith("patched") and a["estimator_report"]["low"].startswith("Wan dim 256")
+    # run 2: ComfyUI alone with SDPA, budget requested on a CPU host: a no-op with a message
+    assert not b["config"]["estimator"] and b["config"]["attention"] == "sdpa" and "decoded" not in b
+    assert "no CUDA device" in b["budget"]["note"] and b["budget"]["ballast_gib"] == 0
+    for e in b["experts"].values():
+        assert e["reservation_source"] == "comfyui" and e["attention"] is None and e["estimator"] is None
+        assert e["predicted_working_gib"] == pytest.approx(e["comfy_estimate_gib"], rel=1e-6)
+
+
+def test_generated_files_follow_q4_k_m_layout_and_are_deterministic(e2e_rows, tmp_path):
+    _, _, tmp = e2e_rows
+    models = tmp / "models"
+    man = json.loads((models / "manifest.json").read_text())
+    assert len(man["files"]) == 6
+    f = next((models / "diffusion_models").glob("*high-noise-Q4_K_M.gguf"))
+    r = gguf.GGUFReader(str(f))
+    arch = r.get_field("general.architecture")
+    assert str(arch.parts[arch.data[-1]], "utf-8") == "wan"
+    types = {t.name: t.tensor_type.name for t in r.tensors}
+    for k, t in types.items():
+        if k.startswith("blocks.") and k.endswith(".weight") and "norm" not in k:
+            assert t == ("Q6_K" if k.endswith((".v.weight", ".ffn.2.weight")) else "Q4_K"), k
+        elif "modulation" in k or k.endswith(".bias") or "norm" in k or k == "patch_embedding.weight":
+            assert t == "F32", k
+        else:
+            assert t == "BF16", k
+    # same seed -> same bytes (regenerated elsewhere)
+    rows, _ = _run(["--generate-only"], tmp_path)
+    g = next((tmp_path / "models" / "diffusion_models").glob("*high-noise-Q4_K_M.gguf"))
+    assert g.read_bytes() == f.read_bytes()
+    lora = next((tmp_path / "models" / "loras").glob("*high*"))
+    assert lora.read_bytes() == next((models / "loras").glob("*high*")).read_bytes()
+
+
+def test_full_scale_file_sizes(comfy):
+    import e2e_models as EM
+    q = sum(s.nbytes for s in EM.wan_specs("full", "gguf"))
+    assert 9.3e9 < q < 9.9e9                       # Wan 2.2 A14B Q4_K_M experts are about 9.6 GB
+    assert 14.0e9 < sum(s.nbytes for s in EM.wan_specs("full", "fp8")) < 15.0e9
+    te = sum(s.nbytes for s in EM.umt5_specs("full", "bf16", b"x"))
+    assert 11.2e9 < te < 11.5e9                    # UMT5-XXL encoder in bf16
+    assert 0.24e9 < sum(s.nbytes for s in EM.vae_specs()) < 0.27e9
+    lora = EM.lora_specs("full", 64)
+    assert len(lora) == 40 * 10 * 3 and 0.55e9 < sum(s.nbytes for s in lora) < 0.7e9
+
+
+def test_saved_workflow_ui_format_runs_through_prompt_executor(e2e_rows, tmp_path):
+    _, _, tmp = e2e_rows
+    wf = tmp_path / "wan22_tiny.json"
+    wf.write_text(json.dumps(tiny_ui_workflow()))
+    rows, err = _run(["--workflow", str(wf), "--res", "64x64x5"], tmp)   # reuses the generated models
+    (r,) = rows
+    assert r["status"] == "ok", r["error"]
+    assert r["models"]["10"][1].endswith("high-noise-Q4_K_M.gguf") and r["models"]["11"][1].endswith("low-noise-Q4_K_M.gguf")
+    assert r["models"]["12"][1].startswith("random-wan2.2-tiny-high") and r["models"]["13"][1].startswith("random-wan2.2-tiny-low")
+    steps = r["step_s_by_node"]
+    assert len(steps.get("30", [])) == 2 and len(steps.get("31", [])) == 2     # both KSamplerAdvanced, 2 steps each
+    runs = r["attention"]
+    assert len(runs) == 2 and all(x["reasons"] == {"cpu": 8} for x in runs)
+
+
+@pytest.mark.parametrize("name", ["wan22_t2v_a14b_gguf_lightning_720p81.json"])
+def test_the_packs_saved_a14b_workflow_runs_at_tiny_scale(e2e_rows, name):
+    path = ROOT / "example_workflows" / name
+    if not path.is_file():
+        pytest.skip(f"example_workflows/{name} is not in this checkout")
+    _, _, tmp = e2e_rows
+    rows, err = _run(["--workflow", str(path), "--res", "64x64x5"], tmp)
+    (r,) = rows
+    assert r["status"] == "ok", r["error"]
+    assert len(r["models"]) == 6 and "lora key not loaded" not in err
+    ks = [k for k, t in r["node_types"].items() if t == "KSamplerAdvanced"]
+    assert len(ks) == 2 and all(len(r["step_s_by_node"][k]) == 2 for k in ks)
+    assert len(r["attention"]) == 2 and all(x["sdpa_calls"] == 8 for x in r["attention"])
+
+
+def test_missing_workflow_file_is_a_clear_error(tmp_path):
+    env = dict(os.environ, COMFYUI_PATH=comfy_env.comfy_path(), COMFYUI_GGUF_PATH=str(GGUF))
+    p = subprocess.run([sys.executable, str(BENCH / "e2e.py"), "--models-dir", str(tmp_path), "--scale", "tiny",
+                        "--workflow", str(tmp_path / "nope.json")], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode != 0
+    assert "nope.json not found" in p.stderr and "example_workflows/" in p.stderr
+
+
+# --------------------------------------------------------------------------- K-quants against ComfyUI-GGUF
+
+def _comfy_gguf_dequant():
+    spec = importlib.util.spec_from_file_location("comfyui_gguf_dequant", GGUF / "dequant.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _test_values():
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(48, 1024, generator=g) * 0.02
+    x[0, :256] = 0.0                                    # all-zero block
+    x[1, :256] = 0.5                                    # constant positive block
+    x[2, :256] = -0.25                                  # constant negative block
+    x[3, 5] = 3.0                                       # outlier
+    x[4, :256] = torch.rand(256, generator=g)          # positive only
+    x[5, :256] = -torch.rand(256, generator=g)         # negative only
+    x[6] = torch.randn(1024, generator=g) * 40          # large scale
+    x[7] = torch.randn(1024, generator=g) * 1e-4        # tiny scale
+    return x
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_k_quant_packer_round_trips_through_comfyui_gguf_dequant(qtype):
+    dq = _comfy_gguf_dequant()
+    GT = getattr(gguf.GGMLQuantizationType, qtype)
+    x = _test_values()
+    b = kquants.quantize(x, qtype)
+    assert b.dtype == torch.uint8 and b.shape == (48, 1024 // 256 * kquants.BLOCK_BYTES[qtype])
+    assert gguf.GGML_QUANT_SIZES[GT] == (256, kquants.BLOCK_BYTES[qtype])
+    theirs = dq.dequantize(b, GT, x.shape, dtype=torch.float32).float()
+    numpy_ref = torch.from_numpy(gguf.quants.dequantize(b.numpy(), GT)).float()
+    mine = (kquants.dequantize_q4_k if qtype == "Q4_K" else kquants.dequantize_q6_k)(b)
+    assert torch.equal(theirs, numpy_ref) and torch.equal(mine, numpy_ref)    # one byte layout, three decoders
+    # within the quantisation step of each sub-block (plus the clip at the grid's ends)
+    if qtype == "Q4_K":
+        blk = b.reshape(-1, 144)
+        d = blk[:, 0:2].contiguous().view(torch.float16).float()
+        dmin = blk[:, 2:4].contiguous().view(torch.float16).float()
+        s = blk[:, 4:16].to(torch.int32)
+        sc = torch.cat([s[:, 0:4] & 63, (s[:, 8:12] & 0xF) | ((s[:, 0:4] >> 6) << 4)], 1).float()
+        mn = torch.cat([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], 1).float()
+        step, lo = (d * sc).reshape(-1, 8, 1), (-dmin * mn).reshape(-1, 8, 1)
+        hi = lo + 15 * step
+        xs = x.reshape(-1, 8, 32)
+    else:
+        blk = b.reshape(-1, 210)
+        scs = blk[:, 192:208].contiguous().view(torch.int8).float()
+        d = blk[:, 208:210].contiguous().view(torch.float16).float()
+        dl = (d * scs).reshape(-1, 16, 1)
+        step = dl.abs()
+        lo, hi = torch.minimum(-32 * dl, 31 * dl), torch.maximum(-32 * dl, 31 * dl)
+        xs = x.reshape(-1, 16, 16)
+    err = (theirs.reshape(xs.shape) - xs).abs()
+    outside = (lo - xs).clamp(min=0) + (xs - hi).clamp(min=0)
+    assert bool((err <= 0.5 * step + outside + 1e-6 * xs.abs().clamp(min=1e-3)).all())
+    assert float(outside.max()) <= float(step.max()) + 1e-6                 # scale rounding clips at most a step
+    # the scales are sensible: Gaussian rows come back at 4-bit / 6-bit accuracy
+    rows = slice(8, 48)
+    rel = ((theirs[rows] - x[rows]).pow(2).mean() / x[rows].pow(2).mean()).sqrt()
+    assert rel < (0.10 if qtype == "Q4_K" else 0.025)
+    assert torch.equal(theirs[0, :256], torch.zeros(256))                  # zero block stays zero
+    assert torch.allclose(theirs[1, :256], torch.full((256,), 0.5), atol=0.5 / 15)
+
+
+def tiny_ui_workflow():
+    """The harness's graph as the frontend saves it (UI format, links as lists, a Reroute, a Note,
+    seed widgets followed by their control value, estimator and Sage patch on each expert)."""
+    nodes, links = [], []
+
+    def node(nid, ctype, widgets, inputs=(), outputs=(), mode=0):
+        nodes.append({"id": nid, "type": ctype, "mode": mode, "widgets_values": list(widgets),
+                      "inputs": [{"name": n, "type": t, "link": l} for n, t, l in inputs],
+                      "outputs": [{"name": t, "type": t, "links": []} for t in outputs]})
+
+    def link(lid, a, a_slot, b, b_slot, t):
+        links.append([lid, a, a_slot, b, b_slot, t])
+        return lid
+    node(1, "Note", ["tiny Wan 2.2 two-expert workflow for the harness test"])
+    node(2, "CLIPLoader", ["umt5_xxl_fp16.safetensors", "wan", "default"], outputs=["CLIP"])
+    node(3, "CLIPTextEncode", ["a fox in the snow"], [("clip", "CLIP", link(1, 2, 0, 3, 0, "CLIP"))], ["CONDITIONING"])
+    node(4, "CLIPTextEncode", ["blurry"], [("clip", "CLIP", link(2, 2, 0, 4, 0, "CLIP"))], ["CONDITIONING"])
+    node(10, "UnetLoaderGGUF", ["Wan2.2-T2V-A14B-HighNoise-Q4_K_M.gguf"], outputs=["MODEL"])
+    node(11, "UnetLoaderGGUF", ["Wan2.2-T2V-A14B-LowNoise-Q4_K_M.gguf"], outputs=["MODEL"])
+    node(12, "LoraLoaderModelOnly", ["lightx2v_high_noise_model.safetensors", 1.0],
+         [("model", "MODEL", link(3, 10, 0, 12, 0, "MODEL"))], ["MODEL"])
+    node(13, "LoraLoaderModelOnly", ["lightx2v_low_noise_model.safetensors", 1.0],
+         [("model", "MODEL", link(4, 11, 0, 13, 0, "MODEL"))], ["MODEL"])
+    node(14, "EmptyHunyuanLatentVideo", [1280, 720, 81, 1], outputs=["LATENT"])
+    node(20, "WanWorkingMemoryEstimator", [1280, 720, 81, 1, 1.0, "wan-sage estimate", 0.0, 10.0, "auto-detect"],
+         [("model", "MODEL", link(5, 12, 0, 20, 0, "MODEL")), ("latent", "LATENT", link(6, 14, 0, 20, 1, "LATENT"))],
+         ["MODEL", "INT", "FLOAT", "FLOAT", "FLOAT", "STRING"])
+    node(21, "WanWorkingMemoryEstimator", [1280, 720, 81, 1, 1.0, "wan-sage estimate", 0.0, 10.0, "auto-detect"],
+         [("model", "MODEL", link(7, 13, 0, 21, 0, "MODEL")), ("latent", "LATENT", link(8, 14, 0, 21, 1, "LATENT"))],
+         ["MODEL", "INT", "FLOAT", "FLOAT", "FLOAT", "STRING"])
+    node(22, "WanSageAttentionPatch", ["auto", 1024, True, 256, True],
+         [("model", "MODEL", link(9, 20, 0, 22, 0, "MODEL"))], ["MODEL", "STRING"])
+    node(23, "WanSageAttentionPatch", ["auto", 1024, True, 256, True],
+         [("model", "MODEL", link(10, 21, 0, 23, 0, "MODEL"))], ["MODEL", "STRING"])
+    node(24, "Reroute", [], [("", "*", link(11, 14, 0, 24, 0, "LATENT"))], ["LATENT"])
+    node(30, "KSamplerAdvanced", ["enable", 42, "fixed", 4, 1.0, "euler", "simple", 0, 2, "enable"],
+         [("model", "MODEL", link(12, 22, 0, 30, 0, "MODEL")), ("positive", "CONDITIONING", link(13, 3, 0, 30, 1, "CONDITIONING")),
+          ("negative", "CONDITIONING", link(14, 4, 0, 30, 2, "CONDITIONING")),
+          ("latent_image", "LATENT", link(15, 24, 0, 30, 3, "LATENT"))], ["LATENT"])
+    node(31, "KSamplerAdvanced", ["disable", 42, "fixed", 4, 1.0, "euler", "simple", 2, 10000, "disable"],
+         [("model", "MODEL", link(16, 23, 0, 31, 0, "MODEL")), ("positive", "CONDITIONING", link(17, 3, 0, 31, 1, "CONDITIONING")),
+          ("negative", "CONDITIONING", link(18, 4, 0, 31, 2, "CONDITIONING")),
+          ("latent_image", "LATENT", link(19, 30, 0, 31, 3, "LATENT"))], ["LATENT"])
+    node(40, "VAELoader", ["wan_2.1_vae.safetensors"], outputs=["VAE"])
+    node(41, "VAEDecode", [], [("samples", "LATENT", link(20, 31, 0, 41, 0, "LATENT")),
+                               ("vae", "VAE", link(21, 40, 0, 41, 1, "VAE"))], ["IMAGE"])
+    node(42, "PreviewImage", [], [("images", "IMAGE", link(22, 41, 0, 42, 0, "IMAGE"))])
+    return {"last_node_id": 42, "last_link_id": 22, "nodes": nodes, "links": links, "groups": [], "config": {},
+            "extra": {}, "version": 0.4}

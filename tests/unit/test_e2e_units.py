@@ -1,0 +1,100 @@
+"""Unit tier: the pure parts of the end-to-end harness (no ComfyUI): run specs, the UI-to-API
+workflow converter, and the K-quant packer's byte layout against gguf-py's numpy decoder."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))
+import kquants  # noqa: E402
+import workflow_api as WA  # noqa: E402
+
+
+def test_run_spec_parsing_and_matrix_order():
+    import e2e
+    s = e2e.RunSpec.parse("est+sage@24:720p81")
+    assert (s.estimator, s.attention, s.budget_gib, s.res) == (True, "sage", 24.0, (1280, 720, 81))
+    assert e2e.RunSpec.parse("comfy+sdpa@full:832x480x81").label == "comfy+sdpa@full:832x480x81"
+    with pytest.raises(SystemExit):
+        e2e.RunSpec.parse("ours+sage@24:720p81")
+    m = e2e.matrix(24.0)
+    assert len(m) == 16 and len(set(m)) == 16
+    assert [x.label for x in m[:4]] == ["est+sdpa@24:1280x720x81", "est+sage@24:1280x720x81",
+                                        "comfy+sdpa@24:1280x720x81", "comfy+sage@24:1280x720x81"]
+    assert all(x.res == (832, 480, 81) for x in m[8:])
+
+
+class _Node:
+    def __init__(self, req, opt=None):
+        self._d = {"required": req, "optional": opt or {}}
+
+    def INPUT_TYPES(self):
+        return self._d
+
+
+DEFS = {
+    "Loader": _Node({"name": (["a.gguf", "b.gguf"],)}),
+    "Sampler": _Node({"model": ("MODEL",), "seed": ("INT", {"control_after_generate": True}), "steps": ("INT", {}),
+                      "mode": ("COMBO", {"options": ["x", "y"]}), "text": ("STRING", {"forceInput": True})},
+                     {"extra": ("FLOAT", {})}),
+    "Patch": _Node({"model": ("MODEL",), "on": ("BOOLEAN", {})}),
+    "Show": _Node({"value": ("INT", {})}),
+}
+
+
+def _wf(nodes, links):
+    return {"nodes": nodes, "links": links, "version": 0.4}
+
+
+def test_ui_to_api_widgets_links_reroute_primitive_bypass_and_mute():
+    nodes = [
+        {"id": 1, "type": "Loader", "mode": 0, "widgets_values": ["b.gguf"], "outputs": [{"type": "MODEL"}]},
+        {"id": 2, "type": "Patch", "mode": 4, "widgets_values": [True],
+         "inputs": [{"name": "model", "type": "MODEL", "link": 1}], "outputs": [{"type": "MODEL"}]},
+        {"id": 3, "type": "Reroute", "mode": 0, "inputs": [{"name": "", "type": "*", "link": 2}], "outputs": [{"type": "MODEL"}]},
+        {"id": 4, "type": "PrimitiveNode", "mode": 0, "widgets_values": [7, "fixed"], "outputs": [{"type": "INT"}]},
+        {"id": 5, "type": "Sampler", "mode": 0, "title": "first pass", "widgets_values": [42, "randomize", 9, "y", 0.5],
+         "inputs": [{"name": "model", "type": "MODEL", "link": 3},
+                    {"name": "steps", "type": "INT", "widget": {"name": "steps"}, "link": 4}]},
+        {"id": 6, "type": "Note", "mode": 0, "widgets_values": ["hello"]},
+        {"id": 7, "type": "Show", "mode": 2, "widgets_values": [1]},
+    ]
+    links = [[1, 1, 0, 2, 0, "MODEL"], [2, 2, 0, 3, 0, "MODEL"], [3, 3, 0, 5, 0, "MODEL"],
+             {"id": 4, "origin_id": 4, "origin_slot": 0, "target_id": 5, "target_slot": 1, "type": "INT"}]
+    api = WA.ui_to_api(_wf(nodes, links), DEFS)
+    assert set(api) == {"1", "5"}                        # bypassed, reroute, primitive, note, muted: gone
+    assert api["1"] == {"class_type": "Loader", "inputs": {"name": "b.gguf"}, "_meta": {"title": "Loader"}}
+    s = api["5"]
+    assert s["_meta"]["title"] == "first pass"
+    assert s["inputs"] == {"model": ["1", 0], "seed": 42, "steps": 7, "mode": "y", "extra": 0.5}
+    assert WA.is_api_prompt(api) and not WA.is_api_prompt(_wf(nodes, links))
+
+
+def test_ui_to_api_dict_widgets_and_errors():
+    api = WA.ui_to_api(_wf([{"id": 9, "type": "Show", "mode": 0, "widgets_values": {"value": 3}}], []), DEFS)
+    assert api["9"]["inputs"] == {"value": 3}
+    with pytest.raises(ValueError, match="does not know"):
+        WA.ui_to_api(_wf([{"id": 1, "type": "Missing", "mode": 0}], []), DEFS)
+    with pytest.raises(ValueError, match="subgraphs"):
+        WA.ui_to_api({"nodes": [], "links": [], "definitions": {"subgraphs": [{"id": "x"}]}}, DEFS)
+
+
+@pytest.mark.parametrize("qtype,nbytes", [("Q4_K", 144), ("Q6_K", 210)])
+def test_k_quants_decode_with_gguf_py(qtype, nbytes):
+    gguf = pytest.importorskip("gguf")
+    x = torch.randn(8, 512, generator=torch.Generator().manual_seed(3)) * 0.05
+    b = kquants.quantize(x, qtype)
+    assert b.shape == (8, 2 * nbytes) and kquants.row_bytes(qtype, 512) == 2 * nbytes
+    ref = torch.from_numpy(gguf.quants.dequantize(b.numpy(), getattr(gguf.GGMLQuantizationType, qtype)))
+    mine = (kquants.dequantize_q4_k if qtype == "Q4_K" else kquants.dequantize_q6_k)(b)
+    assert torch.equal(mine, ref)
+    assert float((ref - x).pow(2).mean().sqrt() / x.pow(2).mean().sqrt()) < (0.1 if qtype == "Q4_K" else 0.025)
+
+
+def test_k_quants_reject_rows_not_divisible_by_256():
+    with pytest.raises(ValueError):
+        kquants.quantize(torch.zeros(2, 100), "Q4_K")
+    with pytest.raises(ValueError):
+        kquants.row_bytes("Q6_K", 300)
