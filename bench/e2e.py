@@ -528,6 +528,7 @@ class Host:
         ballast.release()
         mem.ballast = 0
         self.free_all()
+        row["alloc_after_free_gib"] = _r(mem.alloc())      # what the next run inherits (leak check): about 0
         return row
 
     # ------------------------------------------------------------------ a saved workflow
@@ -601,6 +602,7 @@ class Host:
         ballast.release()
         mem.ballast = 0
         self.free_all()
+        row["alloc_after_free_gib"] = _r(mem.alloc())
         return row
 
 

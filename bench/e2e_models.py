@@ -337,8 +337,9 @@ def write_gguf(path: Path, specs: list[Spec], seed: int, role: str, device, name
 # --------------------------------------------------------------------------- the set
 
 def ensure_models(models_dir, scale: str = "full", weights: str = "gguf", te_dtype: str = "bf16",
-                  lora_rank: int = 64, seed: int = 0, device: str = "auto", log=print) -> dict:
-    """Write whatever of the file set is missing; return {role: path} plus the manifest entry."""
+                  lora_rank: int = 64, seed: int = 0, device: str = "auto", log=print, only=None) -> dict:
+    """Write whatever of the file set is missing (``only``: just these roles, e.g. ``("unet_high",)``);
+    return {role: path} plus the miniature TE config and the file names."""
     root = Path(models_dir)
     dev = torch.device("cuda" if (device == "auto" and torch.cuda.is_available()) else
                        ("cpu" if device == "auto" else device))
@@ -347,6 +348,8 @@ def ensure_models(models_dir, scale: str = "full", weights: str = "gguf", te_dty
     manifest = json.loads(man_path.read_text()) if man_path.exists() else {"files": {}}
     out = {}
     for role, fname in names.items():
+        if only is not None and role not in only:
+            continue
         path = root / role_dir(role) / fname
         path.parent.mkdir(parents=True, exist_ok=True)
         want = {"role": role, "scale": scale, "seed": seed, "format": FORMAT_VERSION,

@@ -274,3 +274,15 @@ def tiny_ui_workflow():
     node(42, "PreviewImage", [], [("images", "IMAGE", link(22, 41, 0, 42, 0, "IMAGE"))])
     return {"last_node_id": 42, "last_link_id": 22, "nodes": nodes, "links": links, "groups": [], "config": {},
             "extra": {}, "version": 0.4}
+
+
+def test_plot_and_table_from_the_json_lines(e2e_rows, tmp_path):
+    pytest.importorskip("matplotlib")
+    _, _, tmp = e2e_rows
+    import plot_e2e
+    runs = plot_e2e.load([tmp / "runs.jsonl"])
+    assert len(runs) == 2
+    png = plot_e2e.plot(runs, str(tmp_path / "e2e.png"))
+    assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = plot_e2e.markdown(runs)
+    assert md.count("\n") == 4 and "estimator + SAGE" in md and "0 Sage / 8 SDPA (cpu 8)" in md

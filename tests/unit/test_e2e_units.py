@@ -98,3 +98,46 @@ def test_k_quants_reject_rows_not_divisible_by_256():
         kquants.quantize(torch.zeros(2, 100), "Q4_K")
     with pytest.raises(ValueError):
         kquants.row_bytes("Q6_K", 300)
+
+
+class _Block:
+    def __init__(self, n):
+        self.n = int(n)
+
+    def numel(self):
+        return self.n
+
+
+class _FakeCuda:
+    """An allocator that rounds every block up to 2 MiB, and ComfyUI's free-memory reading of it."""
+
+    def __init__(self, free):
+        import weakref
+        self.free0, self.refs, self._weakref = free, [], weakref.ref
+
+    def empty(self, n, dtype=None, device=None):
+        b = _Block(n)
+        self.refs.append(self._weakref(b))
+        return b
+
+    def get_free_memory(self, dev):
+        live = [r() for r in self.refs if r() is not None]
+        return self.free0 - sum(-(-b.n // (2 << 20)) * (2 << 20) for b in live)
+
+
+def test_ballast_reaches_the_budget_within_a_mib():
+    import e2e
+    import types
+    fake = _FakeCuda(free=139 * e2e.GiB + 123_456_789)
+    torch_like = types.SimpleNamespace(empty=fake.empty, uint8="uint8")
+    dev = types.SimpleNamespace(type="cuda")
+    logs = []
+    b = e2e.Ballast(torch_like, fake, dev, 24.0, logs.append)
+    assert abs(fake.get_free_memory(dev) - 24 * e2e.GiB) <= (1 << 20)
+    assert b.free_seen == fake.get_free_memory(dev) and b.nbytes > 100 * e2e.GiB and not logs
+    b.release()
+    assert fake.get_free_memory(dev) == fake.free0
+    cpu = e2e.Ballast(torch_like, fake, types.SimpleNamespace(type="cpu"), 24.0, logs.append)
+    assert cpu.nbytes == 0 and "no CUDA device" in logs[-1]
+    over = e2e.Ballast(torch_like, fake, dev, 500.0, logs.append)
+    assert over.nbytes == 0 and "above the free" in logs[-1]

@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Device-side driver of the end-to-end benchmark on the H200 (docs/e2e-plan.md): setup, generate, run.
+#
+#   bash bench/e2e_h200.sh setup                 wheels -> /tmp/site; SageAttention 2.x from a carried wheel
+#   (SageAttention 2.x is built on the device by a one-off command of the call, never by a
+#   file in this repository; see docs/e2e-plan.md)
+#   bash bench/e2e_h200.sh gen [gguf|fp8]        write the full-size random model files (skips what exists)
+#   bash bench/e2e_h200.sh runs SPECS [ARGS...]  bench/e2e.py --runs SPECS ARGS, JSON lines to $OUT/e2e.jsonl
+#   bash bench/e2e_h200.sh call W SPECS [ARGS..] setup + gen W + runs, starting no run that could end after
+#                                                the call's budget (E2E_CALL_BUDGET_S, default 570 s, counted
+#                                                from E2E_T0, the command's start in epoch seconds)
+#   bash bench/e2e_h200.sh info                  GPU, driver, torch, disk, memory
+#
+# Every sub-command is idempotent, so a call on a fresh machine can start with "setup; gen" and a
+# call on a machine that kept its files loses only seconds to them.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+OUT=${OUT:-$REPO/.e2e/out}
+MODELS=${E2E_MODELS:-$REPO/.e2e/models}
+SITE=${E2E_SITE:-/tmp/site}
+mkdir -p "$OUT" "$MODELS"
+export COMFYUI_PATH=${COMFYUI_PATH:-$REPO/.host/ComfyUI}
+export COMFYUI_GGUF_PATH=${COMFYUI_GGUF_PATH:-$REPO/.host/ComfyUI-GGUF}
+export PYTHONUNBUFFERED=1
+export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+export SAGEATTENTION_COMMIT=${SAGEATTENTION_COMMIT:-unknown}
+export WAN_SAGE_COMMIT=${WAN_SAGE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export E2E_T0=${E2E_T0:-$(date +%s)}
+BUDGET=${E2E_CALL_BUDGET_S:-570}
+LONGEST_RUN=${E2E_LONGEST_RUN_S:-100}     # a 720p81 run, fp8 at 24 GB, with margin
+
+setup() {
+  # sageattention-1.0.6 is in .whl too: never install it here, it would shadow the 2.x build
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    .whl/gguf-*.whl .whl/torchsde-*.whl .whl/trampoline-*.whl || return 1
+  if ls .whl-sage/sageattention-*.whl.part* >/dev/null 2>&1 && ! python3 -c "import sageattention._qattn_sm90" 2>/dev/null; then
+    local name; name=$(ls .whl-sage/sageattention-*.whl.part* | head -1); name=${name%.part*}
+    mkdir -p /tmp/sage-wheel && cat "$name".part* > "/tmp/sage-wheel/$(basename "$name")"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+      "/tmp/sage-wheel/$(basename "$name")" || return 1
+  fi
+  python3 - <<'PY'
+import importlib
+for m in ("gguf", "torchsde", "sageattention"):
+    try:
+        mod = importlib.import_module(m)
+        print(f"{m}: {getattr(mod, '__version__', '?')} from {mod.__file__}")
+    except Exception as e:
+        print(f"{m}: MISSING ({type(e).__name__}: {e})")
+try:
+    import sageattention._qattn_sm90  # noqa: F401
+    print("sageattention sm90 kernels: importable")
+except Exception as e:
+    print(f"sageattention sm90 kernels: NOT importable ({e})")
+PY
+}
+
+
+gen() {
+  local weights=${1:-gguf}
+  # one expert format on disk at a time (64 GiB disk): drop the other one's experts first
+  if [ "$weights" = fp8 ]; then rm -f "$MODELS"/diffusion_models/*.gguf; else rm -f "$MODELS"/diffusion_models/*fp8*.safetensors; fi
+  python3 bench/e2e.py --models-dir "$MODELS" --scale "${E2E_SCALE:-full}" --weights "$weights" --generate-only --av-stub --quiet
+  ls -l "$MODELS"/*/ && df -h "$MODELS" | tail -1
+}
+
+runs() {
+  local specs=$1; shift
+  python3 bench/e2e.py --models-dir "$MODELS" --scale "${E2E_SCALE:-full}" --av-stub --runs "$specs" --out "$OUT/e2e.jsonl" "$@" \
+    2> >(tee -a "$OUT/e2e.log" | grep -E "^e2e |Traceback|Error|error:|loaded (partially|completely)|wan-sage" >&2)
+}
+
+call() {
+  local weights=$1 specs=$2; shift 2
+  setup >/dev/null || { echo "setup failed"; return 1; }
+  gen "$weights" || return 1
+  local left=$(( BUDGET - ($(date +%s) - E2E_T0) - LONGEST_RUN ))
+  echo "e2e call: $(( $(date +%s) - E2E_T0 )) s spent before the runs; no run starts after $left s"
+  runs "$specs" --weights "$weights" --deadline-s "$left" "$@"
+}
+
+info() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+  df -h "$MODELS" /tmp | cat; free -g | head -2; nproc
+}
+
+cmd=${1:-}; shift || true
+case "$cmd" in
+  setup) setup ;;
+  gen) gen "$@" ;;
+  runs) runs "$@" ;;
+  call) call "$@" ;;
+  info) info ;;
+  *) sed -n '2,15p' "$0"; exit 2 ;;
+esac

@@ -1,0 +1,161 @@
+"""Plot the end-to-end benchmark's JSON lines: seconds per step (each expert) and peak VRAM per configuration.
+
+    python3 bench/plot_e2e.py results.jsonl [more.jsonl ...] --out docs/e2e-h200.png [--markdown table.md]
+
+Reads every line that is a ``wan-sage-e2e/1`` run record (other lines, e.g. logs, are skipped;
+the last record of a configuration wins).  Left: seconds per step of the high- and low-noise
+expert; right: peak allocated and peak reserved above the ballast, the budget as a line, and the
+predicted peak (weights resident at the start of sampling plus the reserved working memory, for
+the expert with the higher prediction) as a marker.  Runs that ran out of memory are marked OOM.
+``--markdown`` also writes the results as a Markdown table (for docs/benchmarks.md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+SCHEMA = "wan-sage-e2e/1"
+
+
+def load(paths) -> list[dict]:
+    runs = {}
+    for p in paths:
+        for line in Path(p).read_text().splitlines():
+            line = line.strip()
+            if not line.startswith("{"):
+                continue
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if r.get("schema") == SCHEMA and "config" in r:
+                key = (r["run"], r["config"].get("weights"))
+                runs[key] = r
+    return list(runs.values())
+
+
+def label(r: dict) -> str:
+    c = r["config"]
+    res = f"{c['width']}x{c['height']}x{c['frames']}"
+    res = {"1280x720x81": "720p81", "832x480x81": "480p81"}.get(res, res)
+    b = "full" if c.get("budget_gib") is None else f"{c['budget_gib']:g} GB"
+    return f"{res} {b} {c.get('weights', '')}\n{'estimator' if c['estimator'] else 'ComfyUI'} + {c['attention'].upper()}"
+
+
+def _order(r):
+    c = r["config"]
+    return (c.get("weights", ""), -(c["width"] * c["height"]), c.get("budget_gib") is None, not c["estimator"],
+            c["attention"] != "sdpa")
+
+
+def plot(runs: list[dict], out: str, title: str | None = None) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    runs = sorted(runs, key=_order)
+    n = len(runs)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(10, 1.3 * n + 4), 6.5))
+    xs = list(range(n))
+    w = 0.38
+    colors = {"high": "#4C72B0", "low": "#55A868", "alloc": "#C44E52", "reserved": "#DD8452"}
+    for i, r in enumerate(runs):
+        ex = r.get("experts") or {}
+        for j, e in enumerate(("high", "low")):
+            v = (ex.get(e) or {}).get("s_per_step")
+            if v is not None:
+                ax1.bar(i + (j - 0.5) * w, v, w, color=colors[e], label=f"{e}-noise expert" if i == 0 or not ax1.get_legend_handles_labels()[1].count(f"{e}-noise expert") else None)
+                ax1.text(i + (j - 0.5) * w, v, f"{v:.1f}", ha="center", va="bottom", fontsize=6)
+        if r.get("status") != "ok":
+            for ax in (ax1, ax2):
+                ax.text(i, 0, "OOM" if r.get("status") == "oom" else r.get("status", "?").upper(), ha="center",
+                        va="bottom", color="red", fontsize=9, fontweight="bold", rotation=90)
+        pa, pr = r.get("peak_alloc_gib"), r.get("peak_reserved_gib")
+        if pa is not None:
+            ax2.bar(i - w / 2, pa, w, color=colors["alloc"], label="peak allocated" if i == 0 else None)
+            ax2.text(i - w / 2, pa, f"{pa:.1f}", ha="center", va="bottom", fontsize=6)
+        if pr is not None:
+            ax2.bar(i + w / 2, pr, w, color=colors["reserved"], label="peak reserved" if i == 0 else None)
+        b = r["config"].get("budget_gib")
+        if b is not None:
+            ax2.hlines(b, i - 0.45, i + 0.45, colors="black", linestyles="dashed",
+                       label="budget (free VRAM seen)" if not any(l == "budget (free VRAM seen)" for l in ax2.get_legend_handles_labels()[1]) else None)
+        preds = [e.get("predicted_peak_gib") for e in ex.values() if e and e.get("predicted_peak_gib") is not None]
+        if preds:
+            ax2.plot([i], [max(preds)], marker="D", color="black", markersize=5,
+                     label="predicted peak" if not any(l == "predicted peak" for l in ax2.get_legend_handles_labels()[1]) else None)
+    if not any(r.get("peak_alloc_gib") is not None for r in runs):
+        ax2.text(0.5, 0.5, "no CUDA memory readings (CPU run)", transform=ax2.transAxes, ha="center")
+    for ax, yl in ((ax1, "seconds per step"), (ax2, "GiB (above the ballast)")):
+        ax.set_xticks(xs)
+        ax.set_xticklabels([label(r) for r in runs], rotation=60, ha="right", fontsize=8)
+        ax.set_ylabel(yl)
+        ax.grid(axis="y", alpha=0.3)
+        lo, hi = ax.get_ylim()
+        ax.set_ylim(lo, hi * 1.25)               # room for the legend above the bars
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8, loc="upper left", ncol=2)
+    ax1.set_title("Seconds per step, by expert")
+    ax2.set_title("Peak VRAM during the run")
+    env = (runs[0].get("env") or {}) if runs else {}
+    fig.suptitle(title or f"Wan 2.2 A14B end to end in ComfyUI {env.get('comfyui', '')} on {env.get('device', '?')} "
+                          f"(torch {env.get('torch', '?')}, sageattention {env.get('sageattention', '-')}, {env.get('date', '')})",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def _f(x, fmt="{:.2f}"):
+    return "—" if x is None else fmt.format(x)
+
+
+def _calls(a):
+    if not a:
+        return "—"
+    why = ", ".join(f"{k} {v}" for k, v in sorted((a.get("reasons") or {}).items(), key=lambda kv: -kv[1]))
+    return f"{a.get('sage_calls', 0)} Sage / {a.get('sdpa_calls', 0)} SDPA" + (f" ({why})" if why else "")
+
+
+def markdown(runs: list[dict]) -> str:
+    """One row per run: result, residency, s/step, denoise time, peaks, predicted vs measured, calls."""
+    rows = ["| configuration | result | resident high / low | s/step high / low | denoise s | peak alloc / reserved GiB "
+            "| working GiB predicted / measured (high; low) | attention calls (high) |",
+            "|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in sorted(runs, key=_order):
+        ex = r.get("experts") or {}
+        hi, lo = ex.get("high") or {}, ex.get("low") or {}
+        res = "ok" if r.get("status") == "ok" else f"**{r.get('status')}** ({r.get('failed_phase')})"
+        pm = "; ".join(f"{_f(e.get('predicted_working_gib'))} / {_f(e.get('working_gib'))}" for e in (hi, lo) if e)
+        rows.append("| " + " | ".join([
+            label(r).replace("\n", " · "), res,
+            f"{_f(hi.get('resident_frac'), '{:.0%}')} / {_f(lo.get('resident_frac'), '{:.0%}')}",
+            f"{_f(hi.get('s_per_step'))} / {_f(lo.get('s_per_step'))}",
+            _f(r.get("denoise_s"), "{:.1f}"),
+            f"{_f(r.get('peak_alloc_gib'))} / {_f(r.get('peak_reserved_gib'))}",
+            pm or "—", _calls(hi.get("attention"))]) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("jsonl", nargs="+")
+    ap.add_argument("--out", default="e2e.png")
+    ap.add_argument("--title", default=None)
+    ap.add_argument("--markdown", default=None, help="also write the results as a Markdown table to this file")
+    a = ap.parse_args(argv)
+    runs = load(a.jsonl)
+    if not runs:
+        print("no wan-sage-e2e/1 run records found", file=sys.stderr)
+        return 1
+    print(plot(runs, a.out, a.title))
+    if a.markdown:
+        Path(a.markdown).write_text(markdown(runs))
+        print(a.markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
