@@ -476,6 +476,9 @@ class Host:
                     extras[f"patch_{e}"] = status
                 ov = find_override(m.model_options.get("transformer_options", {}))
                 extras[f"patch_id_{e}"] = ov.patch_id if ov is not None else None
+                if spec.attention == "sage" and ov is None:
+                    self.log(f"e2e WARNING: the Sage patch passed the {e}-noise expert through ({status}); "
+                             "this run measures SDPA")
                 probes[e] = ExpertProbe(e, mem)
                 h[f"model_{e}"] = probes[e].install(m, W)
                 del m
@@ -520,6 +523,7 @@ class Host:
             row["denoise_s"] = _r(walls["high"] + walls["low"])
             row["denoise_steps_s"] = _r(sum(sum(x["step_s"]) for x in row["experts"].values()))
         row["patch_status"] = {e: extras.get(f"patch_{e}") for e in ("high", "low") if f"patch_{e}" in extras} or None
+        row["sage_active"] = spec.attention == "sage" and all(extras.get(f"patch_id_{e}") for e in ("high", "low"))
         row["estimator_report"] = {e: extras.get(f"report_{e}") for e in ("high", "low") if f"report_{e}" in extras} or None
         # free everything before the next run (unload first, while the run's patchers are alive)
         self.mm.unload_all_models()
@@ -637,6 +641,24 @@ def substitute_models(prompt: dict, names: dict, weights: str) -> dict:
     return mapping
 
 
+def done_runs(paths: str, weights: str) -> set:
+    """Labels of the runs with an ``ok`` or ``oom`` record for these weights in the JSONL files."""
+    done = set()
+    for p in paths.split(","):
+        p = Path(p.strip())
+        if not p.is_file():
+            continue
+        for line in p.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except (json.JSONDecodeError, ValueError):
+                continue
+            if r.get("schema") == SCHEMA and r.get("status") in ("ok", "oom") and \
+                    (r.get("config") or {}).get("weights") == weights:
+                done.add(r.get("run"))
+    return done
+
+
 def _read_version(pyproject: Path):
     try:
         for line in pyproject.read_text().splitlines():
@@ -691,6 +713,8 @@ def parse_args(argv=None):
                     help="async: cudaMallocAsync, what ComfyUI's main.py selects; native: PyTorch's caching allocator")
     ap.add_argument("--reserve-vram", type=float, default=None, help="ComfyUI's --reserve-vram (GB), e.g. 0.68 to copy Windows")
     ap.add_argument("--deadline-s", type=float, default=None, help="start no run after this many seconds")
+    ap.add_argument("--skip-done", default=None, metavar="JSONL[,JSONL]",
+                    help="skip runs that already have a completed or out-of-memory record (same run and weights) there")
     ap.add_argument("--out", default=None, help="append the JSON lines to this file too")
     ap.add_argument("--av-stub", action="store_true", help="if PyAV is missing, stub it (video I/O only; see bench/_host.py)")
     ap.add_argument("--cpu", action="store_true", help="force the CPU")
@@ -738,7 +762,11 @@ def main(argv=None):
                 specs = [RunSpec(s.estimator, s.attention, s.budget_gib, RES["tiny"]) for s in specs]
         else:
             specs = [RunSpec(args.estimator, args.attention, args.vram_budget, res or default_res)]
+        done = done_runs(args.skip_done, args.weights) if args.skip_done else set()
         for i, spec in enumerate(specs):
+            if spec.label in done:
+                host.log(f"e2e run {i + 1}/{len(specs)}: {spec.label} already recorded, skipped")
+                continue
             if args.deadline_s is not None and time.perf_counter() - t_start > args.deadline_s:
                 emit({"schema": SCHEMA, "run": spec.label, "status": "skipped", "error": f"deadline {args.deadline_s:g} s"})
                 continue

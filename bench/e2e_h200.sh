@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device-side driver of the end-to-end benchmark on the H200 (docs/e2e-plan.md): setup, generate, run.
 #
-#   bash bench/e2e_h200.sh setup                 wheels -> /tmp/site; SageAttention 2.x from a carried wheel
+#   bash bench/e2e_h200.sh setup                 wheels -> /tmp/site; SageAttention 2.x from .whl-sage/ (an
+#                                                earlier call's build) when it is not importable yet
 #   (SageAttention 2.x is built on the device by a one-off command of the call, never by a
 #   file in this repository; see docs/e2e-plan.md)
 #   bash bench/e2e_h200.sh gen [gguf|fp8]        write the full-size random model files (skips what exists)
@@ -34,11 +35,8 @@ setup() {
   # sageattention-1.0.6 is in .whl too: never install it here, it would shadow the 2.x build
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
     .whl/gguf-*.whl .whl/torchsde-*.whl .whl/trampoline-*.whl || return 1
-  if ls .whl-sage/sageattention-*.whl.part* >/dev/null 2>&1 && ! python3 -c "import sageattention._qattn_sm90" 2>/dev/null; then
-    local name; name=$(ls .whl-sage/sageattention-*.whl.part* | head -1); name=${name%.part*}
-    mkdir -p /tmp/sage-wheel && cat "$name".part* > "/tmp/sage-wheel/$(basename "$name")"
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-      "/tmp/sage-wheel/$(basename "$name")" || return 1
+  if ls .whl-sage/sage-site.tgz.part* >/dev/null 2>&1 && ! python3 -c "import sageattention._qattn_sm90" 2>/dev/null; then
+    cat .whl-sage/sage-site.tgz.part* | tar xzf - -C "$SITE" || return 1   # the build of an earlier call
   fi
   python3 - <<'PY'
 import importlib

@@ -141,3 +141,14 @@ def test_ballast_reaches_the_budget_within_a_mib():
     assert cpu.nbytes == 0 and "no CUDA device" in logs[-1]
     over = e2e.Ballast(torch_like, fake, dev, 500.0, logs.append)
     assert over.nbytes == 0 and "above the free" in logs[-1]
+
+
+def test_done_runs_counts_completed_and_oom_for_the_same_weights(tmp_path):
+    import json
+    import e2e
+    rec = lambda run, status, w: json.dumps({"schema": e2e.SCHEMA, "run": run, "status": status, "config": {"weights": w}})
+    p = tmp_path / "r.jsonl"
+    p.write_text("\n".join([rec("a", "ok", "gguf"), rec("b", "oom", "gguf"), rec("c", "error", "gguf"),
+                            rec("d", "ok", "fp8"), "not json", '{"schema": "other", "run": "e", "status": "ok"}']))
+    assert e2e.done_runs(f"{p},{tmp_path / 'missing.jsonl'}", "gguf") == {"a", "b"}
+    assert e2e.done_runs(str(p), "fp8") == {"d"}
