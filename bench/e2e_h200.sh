@@ -75,7 +75,7 @@ call() {
   gen "$weights" || return 1
   local left=$(( BUDGET - ($(date +%s) - E2E_T0) - LONGEST_RUN ))
   echo "e2e call: $(( $(date +%s) - E2E_T0 )) s spent before the runs; no run starts after $left s"
-  runs "$specs" --weights "$weights" --deadline-s "$left" "$@"
+  runs "$specs" --weights "$weights" --deadline-s "$left" --warmup "$@"
 }
 
 info() {
