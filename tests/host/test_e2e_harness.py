@@ -88,7 +88,8 @@ def test_generated_files_follow_q4_k_m_layout_and_are_deterministic(e2e_rows, tm
     _, _, tmp = e2e_rows
     models = tmp / "models"
     man = json.loads((models / "manifest.json").read_text())
-    assert len(man["files"]) == 6
+    gguf_set = [n for n in man["files"] if not n.endswith("fp8_e4m3fn.safetensors")]
+    assert len(gguf_set) == 6       # 2 experts, 2 LoRAs, encoder, VAE
     f = next((models / "diffusion_models").glob("*high-noise-Q4_K_M.gguf"))
     r = gguf.GGUFReader(str(f))
     arch = r.get_field("general.architecture")
@@ -107,6 +108,17 @@ def test_generated_files_follow_q4_k_m_layout_and_are_deterministic(e2e_rows, tm
     assert g.read_bytes() == f.read_bytes()
     lora = next((tmp_path / "models" / "loras").glob("*high*"))
     assert lora.read_bytes() == next((models / "loras").glob("*high*")).read_bytes()
+
+
+def test_fp8_experts_load_through_unetloader(e2e_rows):
+    _, _, tmp = e2e_rows
+    rows, err = _run(["--weights", "fp8", "--runs", "est+sdpa@full:64x64x5", "--decode", "none"], tmp)
+    (r,) = rows
+    assert r["status"] == "ok" and r["config"]["weights"] == "fp8", r["error"]
+    assert "lora key not loaded" not in err and "unet missing" not in err
+    assert all(len(e["step_s"]) == 2 and e["reservation_source"] == "wan-sage" for e in r["experts"].values())
+    fp8 = list((tmp / "models" / "diffusion_models").glob("*fp8_e4m3fn.safetensors"))
+    assert len(fp8) == 2
 
 
 def test_full_scale_file_sizes(comfy):
