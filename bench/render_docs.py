@@ -26,7 +26,7 @@ def attention_doc():
     s1 = rows(M / "2026-11-29-bench-h200-sa1.jsonl")
     o = ["# Attention kernels against SDPA on Wan shapes (H200)\n",
          "Measured on 2026-11-29 on one NVIDIA H200 (sm90) with torch 2.11.0+cu130 and triton 3.6.0.",
-         "SageAttention 2.x was built from thu-ml/SageAttention main `d1a57a5` for sm90. PyPI's 1.0.6 and",
+         "SageAttention 2.x was built from thu-ml/SageAttention main `d1a57a5` for sm90. The packaged 1.0.6 and",
          "comfy-kitchen 0.2.40 were measured too. All runs are bf16, with q/k/v laid out the way ComfyUI's Wan model",
          "passes them. Raw results are in `docs/measurements/`.\n",
          "```bash",
