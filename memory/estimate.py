@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, replace
 from . import model as M
 from ..attention import kernels as K
 
-__all__ = ["verdict_for", "EstimateRequest", "Estimate", "estimate", "activation_bytes", "comfy_estimate_bytes",
+__all__ = ["rounding_notes", "verdict_for", "EstimateRequest", "Estimate", "estimate", "activation_bytes", "comfy_estimate_bytes",
            "attention_paths", "CALIBRATED", "GiB", "validate_request"]
 
 GiB = 1 << 30
@@ -137,14 +137,15 @@ class Estimate:
         return d
 
 
-def _rounding_notes(r: EstimateRequest, dims: M.WanDims) -> list:
+def rounding_notes(dims: M.WanDims, width: int, height: int, frames: int) -> list:
+    """How ComfyUI's Wan latent nodes round these pixel sizes, in words (empty when exact)."""
     notes = []
     st, sh, sw = dims.vae_stride
-    if (r.frames - 1) % st:
-        used = (r.frames - 1) // st * st + 1
-        notes.append(f"frames {r.frames} is not of the form {st}n+1: the latent keeps {used} frames' worth "
+    if (frames - 1) % st:
+        used = (frames - 1) // st * st + 1
+        notes.append(f"frames {frames} is not of the form {st}n+1: the latent keeps {used} frames' worth "
                      f"((frames-1)//{st}+1 latent frames), as ComfyUI's Wan latent nodes do")
-    for name, px, s in (("width", r.width, sw), ("height", r.height, sh)):
+    for name, px, s in (("width", width, sw), ("height", height, sh)):
         if px % s:
             notes.append(f"{name} {px} is not a multiple of {s}: the latent covers {px // s * s} px "
                          f"(ComfyUI floors to the VAE stride)")
@@ -192,4 +193,4 @@ def estimate(r: EstimateRequest) -> Estimate:
         latent=latent, tokens=L, rows_sequential=rows_seq, rows_batched=rows_bat,
         resident=res, partial=par, reservation_resident=res_r, reservation_partial=par_r,
         comfy_estimate=comfy, weights_bytes=r.weights_bytes, vram_bytes=r.vram_bytes,
-        verdict=verdict, offload_bytes=max(0, offload), notes=tuple(_rounding_notes(r, dims)))
+        verdict=verdict, offload_bytes=max(0, offload), notes=tuple(rounding_notes(dims, r.width, r.height, r.frames)))

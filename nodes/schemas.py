@@ -6,7 +6,7 @@ from comfy_api.latest import io, ui
 
 from ..attention import kernels
 from ..memory import model as M
-from ..memory.estimate import EstimateRequest, validate_request
+from ..memory.estimate import EstimateRequest, rounding_notes, validate_request
 from . import comfy_bridge as B
 from .estimator import POLICIES, SAGE_COUNT, Settings, apply_estimator
 from .sage_patch import apply_patch
@@ -92,12 +92,16 @@ class WanWorkingMemoryEstimator(io.ComfyNode):
         if latent is not None and "samples" in latent and latent["samples"].ndim == 5:
             shape = list(latent["samples"].shape)
         else:
+            notes = []
             if B.is_wan(model):
                 dims = B.wan_dims(model)
                 shape = list(M.latent_shape(dims, width, height, frames, batch_size))
+                notes = rounding_notes(dims, width, height, frames)
             else:
                 shape = [batch_size, 16, (frames - 1) // 4 + 1, height // 8, width // 8]
         m, nums, text = apply_estimator(model, settings, shape)
+        if nums is not None and latent is None:
+            text += "".join("\nnote: " + n for n in notes)
         if cfg != 1.0 and nums is not None:
             text += ("\ncfg %.1f: cond and uncond run as separate forwards of this size unless ComfyUI finds room "
                      "to batch them (2 rows)" % cfg)

@@ -119,3 +119,8 @@ def test_node_schemas_execute(comfy):
     m, tokens, act, sage, res, report = out.result
     assert tokens == 75600 and act > 0 and "verdict:" in report
     assert WanWorkingMemoryEstimator.validate_inputs(width=-16, height=720, frames=81, batch_size=1) != True  # noqa: E712
+    out = WanWorkingMemoryEstimator.execute(model=base, width=1283, height=720, frames=80, batch_size=1, cfg=1.0,
+                                            policy="wan-sage estimate", margin_gb=0.0, fixed_gb=10.0,
+                                            count_sage_extra="auto-detect")
+    report = out.result[5]
+    assert "4n+1" in report and "multiple of 8" in report and out.result[1] == 20 * 45 * 80
