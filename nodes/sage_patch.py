@@ -95,7 +95,10 @@ def apply_patch(model, kernel="auto", min_tokens=1024, calibrate=True, memory_ma
     if isinstance(prev, SageAttentionOverride):
         prev = prev.prev  # re-patching replaces our own earlier patch instead of stacking it
     elif prev is not None:
-        log.info("wan-sage: chaining to the attention override already on this model (%r) for declined calls", prev)
+        _warn_once(("displacing", type(prev).__qualname__),
+                   "wan-sage: this model already has an attention override (%s, e.g. from ModelAttentionBackend or "
+                   "another pack). The slot keeps only the last writer, so the Sage patch takes it and hands every "
+                   "call it declines to that override.", getattr(prev, "__qualname__", type(prev).__qualname__))
     cfg = PatchConfig(kernel=kernel, min_tokens=int(min_tokens), calibrate=bool(calibrate),
                       memory_margin_mb=int(memory_margin_mb), check_finite=bool(check_finite),
                       cache_dir=B.cache_dir(), label="Wan Sage patch" + (f" #{node_id}" if node_id else ""),

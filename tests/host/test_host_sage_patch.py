@@ -36,15 +36,20 @@ def test_pack_registers_its_nodes_with_comfyui(comfy):
 
 
 @pytest.mark.parametrize("model_type,per_block", [("t2v", 2), ("i2v", 3)])
-def test_override_reaches_every_wan_call_site_and_cpu_goes_to_sdpa(comfy, model_type, per_block):
+def test_override_reaches_every_wan_call_site_and_cpu_goes_to_sdpa(comfy, model_type, per_block, caplog):
     from wan_sage.attention import stats
     from wan_sage.nodes.sage_patch import apply_patch, find_override
     base = comfy_env.tiny_wan_patcher(num_layers=LAYERS, model_type=model_type)
     spy = Spy()
     m0 = base.clone()
     m0.model_options["transformer_options"]["optimized_attention_override"] = spy
-    m, status = apply_patch(m0)
+    import logging
+    from wan_sage.nodes import sage_patch
+    sage_patch._warned.discard(("displacing", "Spy"))
+    with caplog.at_level(logging.WARNING, logger="wan_sage"):
+        m, status = apply_patch(m0)
     assert m is not m0 and status.startswith("patched")
+    assert sum("already has an attention override" in r.getMessage() for r in caplog.records) == 1
     ov = find_override(m.model_options["transformer_options"])
     assert ov is not None and ov.prev is spy
     clip = torch.randn(1, 257, 1280) if model_type == "i2v" else None
