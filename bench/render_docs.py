@@ -97,7 +97,7 @@ def memory_doc():
         d = MM.PRESETS[P[r["model"]]]
         lat = MM.latent_shape(d, r["width"], r["height"], r["frames"])
         w = MM.Workload(L=r["tokens"], dtype=r["dtype"], self_attn="sdpa" if r["attn"] == "sdpa" else "sage2_sm90",
-                        latent_elems_per_row=lat[1] * lat[2] * (lat[3] + lat[3] % 2) * (lat[4] + lat[4] % 2))
+                        latent_elems_per_row=MM.latent_elems(lat))
         t = activation_bytes(d, w)
         p, m = t["total"], r["measured"]
         e = p / m - 1

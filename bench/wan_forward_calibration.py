@@ -114,7 +114,7 @@ def main():
                     if st and not st.get("sage_calls"):
                         self_p = cross_p = "sdpa"
                     wl = M.Workload(L=L, rows=1, dtype=dname, self_attn=self_p, cross_attn="sdpa",
-                                    latent_elems_per_row=lat[1] * lat[2] * (lat[3] + lat[3] % 2) * (lat[4] + lat[4] % 2))
+                                    latent_elems_per_row=M.latent_elems(lat))
                     pred = activation_bytes(dims, wl)
                     row = {"model": mname, "dtype": dname, "attn": attn, "width": w, "height": h, "frames": f,
                            "tokens": L, "ok": ok, "measured": rec.get("peak"), "predicted": pred["total"],

@@ -169,14 +169,14 @@ def estimate(r: EstimateRequest) -> Estimate:
     validate_request(r)
     dims = r.dims
     latent = M.latent_shape(dims, r.width, r.height, r.frames, r.batch)
-    _, C, T, H, W = latent
+    _, _C, T, H, W = latent
     L = M.tokens(dims, T, H, W)
     self_p, cross_p = attention_paths(r.attention, r.cc)
     rows_seq = r.batch
     rows_bat = r.batch * (2 if r.cfg != 1.0 else 1)
     w = M.Workload(L=L, rows=rows_seq, dtype=r.dtype, self_attn=self_p, cross_attn=cross_p,
                    img_tokens=r.img_tokens, per_frame_timesteps=T if r.per_frame_timesteps else 0,
-                   vace_streams=r.vace_streams, latent_elems_per_row=C * T * (H + H % 2) * (W + W % 2))
+                   vace_streams=r.vace_streams, latent_elems_per_row=M.latent_elems(latent))
     res = activation_bytes(dims, w, r.weights, partial=False)
     par = activation_bytes(dims, w, r.weights, partial=True)
     res_r = res["total"] + r.margin_bytes

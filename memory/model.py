@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-__all__ = ["WanDims", "PRESETS", "Workload", "latent_shape", "tokens", "phase_peaks", "forward_peak",
+__all__ = ["WanDims", "PRESETS", "Workload", "latent_shape", "latent_elems", "tokens", "phase_peaks", "forward_peak",
            "largest_block", "weight_transient", "WeightSetup", "DTYPE_BYTES"]
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -95,6 +95,12 @@ def tokens(dims: WanDims, t_lat: int, h_lat: int, w_lat: int) -> int:
     """L = T_lat * ceil(H_lat / 2) * ceil(W_lat / 2): the DiT pads H and W to the patch size."""
     pt, ph, pw = dims.patch_size
     return math.ceil(t_lat / pt) * math.ceil(h_lat / ph) * math.ceil(w_lat / pw)
+
+
+def latent_elems(latent) -> int:
+    """C*T*H*W of one row of a [B, C, T, H, W] latent, H and W padded to the 2x2 patch as the DiT does."""
+    _, C, T, H, W = (int(x) for x in latent[:5])
+    return C * T * (H + H % 2) * (W + W % 2)
 
 
 @dataclass(frozen=True)

@@ -66,12 +66,12 @@ def attention_for(model_options, settings: Settings, dev) -> tuple:
 
 
 def _workload(dims: M.WanDims, shape, dtype: str, self_p: str, cross_p: str) -> M.Workload:
-    rows, C, T, H, W = int(shape[0]), int(shape[1]), int(shape[2]), int(shape[3]), int(shape[4])
+    rows, T, H, W = int(shape[0]), int(shape[2]), int(shape[3]), int(shape[4])
     L = M.tokens(dims, T, H, W)
     return M.Workload(L=L, rows=rows, dtype=dtype, self_attn=self_p, cross_attn=cross_p,
                       img_tokens=257 if dims.has_img_emb else 0,
                       per_frame_timesteps=T if dims.latent_channels == 48 else 0,
-                      latent_elems_per_row=C * T * (H + H % 2) * (W + W % 2))
+                      latent_elems_per_row=M.latent_elems(shape))
 
 
 class MemoryRequired:

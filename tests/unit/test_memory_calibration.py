@@ -20,7 +20,7 @@ def predict(r):
     assert M.tokens(d, *lat[2:]) == r["tokens"]
     used_sage = r["attn"] == "sage" and (r.get("sage") or {}).get("sage_calls", 1) != 0
     w = M.Workload(L=r["tokens"], dtype=r["dtype"], self_attn="sage2_sm90" if used_sage else "sdpa",
-                   latent_elems_per_row=lat[1] * lat[2] * (lat[3] + lat[3] % 2) * (lat[4] + lat[4] % 2))
+                   latent_elems_per_row=M.latent_elems(lat))
     return activation_bytes(d, w)["total"]
 
 
