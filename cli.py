@@ -8,7 +8,7 @@ import sys
 
 from .attention.kernels import KERNELS
 from .memory import model as M
-from .memory.api import WEIGHT_BYTES
+from .memory.api import WEIGHT_BYTES, RequestError, weights_for_file, weights_for_key
 from .memory.estimate import EstimateRequest, GiB, estimate
 from .memory.headers import NotAWanModel, read_model_file
 
@@ -61,23 +61,15 @@ def cmd_plan(a) -> int:
             print(f"wan-sage plan: {e}", file=sys.stderr)
             return 2
         dims = info.dims
-        weights_bytes = info.weights_bytes
-        wtype = info.main_dtype
-        gguf = info.format == "gguf" and wtype not in ("F16", "BF16", "F32")
-        ws = M.WeightSetup(weight_dtype={"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F8_E4M3": "fp8",
-                                         "F8_E5M2": "fp8"}.get(wtype, wtype),
-                           gguf_bytes_per_param=info.bytes_per_param if gguf else 0.0, lora=a.lora)
+        ws, weights_bytes = weights_for_file(info, a.lora)
         notes.append(f"{info.format} file: {info.main_dtype} weights, {weights_bytes / GiB:.2f} GiB")
     else:
         dims = M.PRESETS[a.preset]
-        wkey = (a.weights or "bf16").lower()
-        if wkey not in WEIGHT_BYTES:
+        try:
+            ws, weights_bytes = weights_for_key(dims, (a.weights or "bf16").lower(), a.lora)
+        except RequestError:
             print(f"wan-sage plan: --weights must be one of {', '.join(WEIGHT_BYTES)}", file=sys.stderr)
             return 2
-        weights_bytes = int(dims.params() * WEIGHT_BYTES[wkey])
-        gguf = wkey.startswith("q")
-        ws = M.WeightSetup(weight_dtype="fp8" if wkey == "fp8" else ("bf16" if gguf else wkey),
-                           gguf_bytes_per_param=WEIGHT_BYTES[wkey] if gguf else 0.0, lora=a.lora)
     total, cc, gpu = _cuda_info()
     if a.arch:
         try:

@@ -39,6 +39,26 @@ def guess_preset(name: str) -> str | None:
     return None
 
 
+_HEADER_DTYPES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F8_E4M3": "fp8", "F8_E5M2": "fp8"}
+
+
+def weights_for_file(info, lora: bool) -> tuple:
+    """(WeightSetup, weight bytes) of a model file read by :func:`memory.headers.read_model_file`."""
+    gguf = info.format == "gguf" and info.main_dtype not in ("F16", "BF16", "F32")
+    if gguf:
+        return M.WeightSetup("gguf", gguf_bytes_per_param=info.bytes_per_param, lora=lora), info.weights_bytes
+    return M.WeightSetup(_HEADER_DTYPES.get(info.main_dtype, info.main_dtype), lora=lora), info.weights_bytes
+
+
+def weights_for_key(dims: M.WanDims, wkey: str, lora: bool) -> tuple:
+    """(WeightSetup, weight bytes) for a weight type name such as bf16, fp8 or q4_k_m."""
+    if wkey not in WEIGHT_BYTES:
+        raise RequestError("weights", f"weights must be one of {', '.join(WEIGHT_BYTES)}, got {wkey!r}")
+    gguf = wkey.startswith("q")
+    ws = M.WeightSetup("gguf" if gguf else wkey, gguf_bytes_per_param=WEIGHT_BYTES[wkey] if gguf else 0.0, lora=lora)
+    return ws, int(dims.params() * WEIGHT_BYTES[wkey])
+
+
 def weights_from_name(name: str) -> str | None:
     m = re.search(r"(q[3-8]_(?:k_m|k|0)|fp8|bf16|fp16|fp32)", name.lower())
     if not m:
@@ -96,34 +116,25 @@ def estimate_from_json(p: dict, resolve_model_file=None, default_vram_bytes=None
     if p.get("model_file"):
         name = str(p["model_file"])
         path = resolve_model_file(name) if resolve_model_file else None
-        source = ""
+        info, why = None, "was not found"
         if path:
             from .headers import NotAWanModel, read_model_file
             try:
                 info = read_model_file(path)
             except (NotAWanModel, ValueError, OSError, RuntimeError) as e:
-                info, err = None, e
-            if info is not None:
-                dims, weights_bytes = info.dims, info.weights_bytes
-                gguf = info.format == "gguf" and info.main_dtype not in ("F16", "BF16", "F32")
-                ws = M.WeightSetup("gguf" if gguf else None,
-                                   gguf_bytes_per_param=info.bytes_per_param if gguf else 0.0, lora=lora)
-                source = f"header of {name}"
-            else:
-                preset = p.get("preset") or guess_preset(name)
-                if preset is None:
-                    raise RequestError("model_file", str(err))
-                dims = M.PRESETS[preset]
-                wkey = wkey or weights_from_name(name)
-                source = f"preset {preset} (the header of {name} is unreadable: {err})"
-        if not source:
+                why = f"has an unreadable header ({e})"
+        if info is not None:
+            dims = info.dims
+            ws, weights_bytes = weights_for_file(info, lora)
+            source = f"header of {name}"
+        else:
             preset = p.get("preset") or guess_preset(name)
             if preset is None:
-                raise RequestError("model_file", f"model file {name!r} was not found and its name names no Wan "
-                                                 "model; pass 'preset'")
+                raise RequestError("model_file", f"model file {name!r} {why} and its name names no Wan model; "
+                                                 "pass 'preset'")
             dims = M.PRESETS[preset]
             wkey = wkey or weights_from_name(name)
-            source = f"preset {preset} (guessed from {name})"
+            source = f"preset {preset} (guessed from {name}, which {why})"
     elif p.get("model"):
         m = p["model"]
         if not isinstance(m, dict):
@@ -146,13 +157,7 @@ def estimate_from_json(p: dict, resolve_model_file=None, default_vram_bytes=None
         dims = M.PRESETS[preset]
         source = f"preset {preset}"
     if ws is None:
-        wkey = (wkey or "bf16").lower()
-        if wkey not in WEIGHT_BYTES:
-            raise RequestError("weights", f"weights must be one of {', '.join(WEIGHT_BYTES)}, got {wkey!r}")
-        gguf = wkey.startswith("q")
-        weights_bytes = int(dims.params() * WEIGHT_BYTES[wkey])
-        ws = M.WeightSetup("fp8" if wkey == "fp8" else None, gguf_bytes_per_param=WEIGHT_BYTES[wkey] if gguf else 0.0,
-                           lora=lora)
+        ws, weights_bytes = weights_for_key(dims, (wkey or "bf16").lower(), lora)
     attention = p.get("attention", "sdpa")
     if attention not in ("sdpa", "sage-auto", "auto", *K.KERNELS):
         raise RequestError("attention", f"attention must be sdpa, sage-auto or one of {', '.join(K.KERNELS)}")

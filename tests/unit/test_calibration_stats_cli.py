@@ -137,3 +137,11 @@ def test_estimate_api_policies():
     with pytest.raises(RequestError) as e:
         estimate_from_json({**base, "policy": "yolo"})
     assert e.value.field == "policy"
+
+
+def test_api_and_cli_count_the_same_weight_transients():
+    from wan_sage.memory.api import estimate_from_json
+    base = {"preset": "wan2.2-a14b", "width": 1280, "height": 720, "frames": 81}
+    bf16 = estimate_from_json({**base, "weights": "bf16"})["estimate"]["resident"]["weight_transient"]
+    fp8 = estimate_from_json({**base, "weights": "fp8"})["estimate"]["resident"]["weight_transient"]
+    assert bf16 == 0 and fp8 == 2 * 5120 * 13824  # fp8 weights are cast to bf16 per call
