@@ -199,6 +199,11 @@ class Ballast:
         self.blocks.clear()
 
 
+def torch_inference_mode() -> bool:
+    import torch
+    return torch.is_inference_mode_enabled()
+
+
 class ExpertProbe:
     """PREPARE_SAMPLING + SAMPLER_SAMPLE wrappers on one expert: timing, residency, memory, reservation."""
 
@@ -227,6 +232,7 @@ class ExpertProbe:
         except Exception as e:  # never disturb the run being measured
             self.d["predicted_error"] = f"{type(e).__name__}: {e}"
         self.patcher = model
+        self.d["inference_mode"] = torch_inference_mode()
         return executor(model, noise_shape, conds, *args, **kwargs)
 
     def _sampler(self, executor, model_wrap, sigmas, extra_args, callback, noise, *args, **kwargs):
@@ -289,6 +295,27 @@ def attention_summary(patch_id):
             return {k: st.get(k) for k in ("sage_calls", "sdpa_calls", "by_kernel", "reasons", "fallbacks",
                                            "head_split_calls", "saved_ms", "calibration_ms")}
     return {"sage_calls": 0, "sdpa_calls": 0, "note": "no attention calls recorded for this patch"}
+
+
+# Device memory still allocated after every model was unloaded, above which a budget run is not faithful:
+# ComfyUI does not count it (the ballast is sized from what is free after it), so the card is in effect
+# that much larger.  A CUDA context's own allocations are outside PyTorch's count; cuBLAS workspaces are
+# tens of MiB.
+INHERITED_LIMIT_GIB = 0.25
+
+
+def budget_check(inherited_gib, budget_gib, log) -> dict:
+    """``inherited_alloc_gib`` and, for a budget run, ``faithful``: False when more than
+    :data:`INHERITED_LIMIT_GIB` was still allocated before the ballast (a leak from an earlier run)."""
+    if inherited_gib is None:
+        return {"inherited_alloc_gib": None}
+    d = {"inherited_alloc_gib": _r(inherited_gib)}
+    if budget_gib is not None:
+        d["faithful"] = inherited_gib <= INHERITED_LIMIT_GIB
+        if not d["faithful"]:
+            log(f"e2e WARNING: {inherited_gib:.2f} GiB was still allocated after unloading every model; ComfyUI "
+                f"does not see it, so this run's {budget_gib:g} GiB budget is in effect {budget_gib + inherited_gib:.1f} GiB")
+    return d
 
 
 # --------------------------------------------------------------------------- the host
@@ -426,6 +453,7 @@ class Host:
         from wan_sage.nodes.sage_patch import apply_patch, find_override
         W = self.ns.patcher_extension.WrappersMP
         self.free_all()
+        inherited = mem.alloc()
         ballast = Ballast(torch, self.mm, self.dev, spec.budget_gib, self.log)
         mem.ballast = ballast.nbytes
         mem.reset()
@@ -438,7 +466,8 @@ class Host:
                           "decode": decode},
                "budget": {"free_before_gib": _r(ballast.free_before and ballast.free_before / GiB),
                           "free_seen_gib": _r(ballast.free_seen and ballast.free_seen / GiB),
-                          "ballast_gib": _r(ballast.nbytes / GiB), "note": ballast.note},
+                          "ballast_gib": _r(ballast.nbytes / GiB), "note": ballast.note,
+                          **budget_check(inherited, spec.budget_gib, self.log)},
                "status": "ok", "error": None, "failed_phase": None}
         phases, probes, extras, walls = {}, {}, {}, {}
         h = {}                      # every object of the run, cleared at the end
@@ -457,6 +486,8 @@ class Host:
                 mem.sync()
                 pa, pr = mem.peaks()
                 phases[name] = {"s": _r(time.perf_counter() - t), "peak_alloc_gib": _r(pa), "peak_reserved_gib": _r(pr)}
+        im = torch.inference_mode()     # as ComfyUI's PromptExecutor runs every node
+        im.__enter__()
         try:
             with timed("encode"):
                 h["clip"] = self.clip()
@@ -507,6 +538,8 @@ class Host:
         except Exception as e:
             row["status"], row["error"], row["failed_phase"] = "error", f"{type(e).__name__}: {e}"[:500], phase["name"]
             self.log(traceback.format_exc())
+        finally:
+            im.__exit__(None, None, None)
         row["run_s"] = _r(time.perf_counter() - t_run)
         row["experts"] = {}
         for e, p in probes.items():
@@ -553,6 +586,7 @@ class Host:
                     n["inputs"].update({"width": w, "height": h, "frames": f})
         targets = [k for k, n in prompt.items() if n["class_type"].startswith("VAEDecode")]
         self.free_all()
+        inherited = mem.alloc()
         ballast = Ballast(torch, self.mm, self.dev, budget_gib, self.log)
         mem.ballast = ballast.nbytes
         server = self.ce.StubServer()
@@ -575,7 +609,8 @@ class Host:
         utils.set_progress_bar_global_hook(hook)
         row = {"schema": SCHEMA, "run": f"workflow:{path.name}", "workflow": str(path.name), "models": mapping,
                "budget": {"requested_gib": budget_gib, "free_seen_gib": _r(ballast.free_seen and ballast.free_seen / GiB),
-                          "ballast_gib": _r(ballast.nbytes / GiB), "note": ballast.note}}
+                          "ballast_gib": _r(ballast.nbytes / GiB), "note": ballast.note,
+                          **budget_check(inherited, budget_gib, self.log)}}
         t0 = time.perf_counter()
         mem.reset()
         try:
@@ -642,7 +677,8 @@ def substitute_models(prompt: dict, names: dict, weights: str) -> dict:
 
 
 def done_runs(paths: str, weights: str) -> set:
-    """Labels of the runs with an ``ok`` or ``oom`` record for these weights in the JSONL files."""
+    """Labels of the runs with an ``ok`` or ``oom`` record for these weights in the JSONL files (a budget
+    run marked not faithful does not count: it is run again)."""
     done = set()
     for p in paths.split(","):
         p = Path(p.strip())
@@ -654,7 +690,8 @@ def done_runs(paths: str, weights: str) -> set:
             except (json.JSONDecodeError, ValueError):
                 continue
             if r.get("schema") == SCHEMA and r.get("status") in ("ok", "oom") and \
-                    (r.get("config") or {}).get("weights") == weights:
+                    (r.get("config") or {}).get("weights") == weights and \
+                    (r.get("budget") or {}).get("faithful", True) is not False:
                 done.add(r.get("run"))
     return done
 

@@ -131,8 +131,9 @@ def main():
         start = time.perf_counter()
         status = "ok"
         try:
-            comfy.sample.sample(m, noise, a.steps, 1.0, "euler", "simple", [[ctx, {}]], [[ctx, {}]],
-                                torch.zeros(lat), seed=0, callback=cb, disable_pbar=True)
+            with torch.inference_mode():     # as ComfyUI's PromptExecutor runs every node
+                comfy.sample.sample(m, noise, a.steps, 1.0, "euler", "simple", [[ctx, {}]], [[ctx, {}]],
+                                    torch.zeros(lat), seed=0, callback=cb, disable_pbar=True)
         except torch.OutOfMemoryError as e:
             status = "out of memory: " + str(e).split("\n")[0][:200]
         # The patch's own OUTER_SAMPLE wrapper closed the run window; read its summary.

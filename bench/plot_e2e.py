@@ -31,9 +31,19 @@ def load(paths) -> list[dict]:
             except json.JSONDecodeError:
                 continue
             if r.get("schema") == SCHEMA and "config" in r:
+                if not faithful(r):
+                    inh = (r.get("budget") or {}).get("inherited_alloc_gib")
+                    print(f"plot_e2e: left out {r['run']} ({r['config'].get('weights')}): {inh} GiB was still "
+                          "allocated before its ballast, so its budget was not the one named", file=sys.stderr)
+                    continue
                 key = (r["run"], r["config"].get("weights"))
                 runs[key] = r
     return list(runs.values())
+
+
+def faithful(r: dict) -> bool:
+    """False for a budget run that started with memory ComfyUI could not see (bench/e2e.py budget_check)."""
+    return (r.get("budget") or {}).get("faithful", True) is not False
 
 
 def label(r: dict) -> str:

@@ -104,8 +104,9 @@ def main():
                     if ov is not None:
                         stats.begin_run(ov.patch_id)
                     try:
-                        comfy.sample.sample(m, noise, 1, 1.0, "euler", "simple", pos, pos, torch.zeros(lat),
-                                            seed=0, disable_pbar=True)
+                        with torch.inference_mode():   # as ComfyUI's PromptExecutor runs every node
+                            comfy.sample.sample(m, noise, 1, 1.0, "euler", "simple", pos, pos, torch.zeros(lat),
+                                                seed=0, disable_pbar=True)
                         ok = True
                     except torch.OutOfMemoryError:
                         ok = False

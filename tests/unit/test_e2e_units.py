@@ -152,3 +152,24 @@ def test_done_runs_counts_completed_and_oom_for_the_same_weights(tmp_path):
                             rec("d", "ok", "fp8"), "not json", '{"schema": "other", "run": "e", "status": "ok"}']))
     assert e2e.done_runs(f"{p},{tmp_path / 'missing.jsonl'}", "gguf") == {"a", "b"}
     assert e2e.done_runs(str(p), "fp8") == {"d"}
+
+
+def test_a_budget_run_that_inherits_memory_is_marked_not_faithful_and_run_again(tmp_path):
+    import json
+    import e2e
+    import plot_e2e
+    logs = []
+    assert e2e.budget_check(None, 24.0, logs.append) == {"inherited_alloc_gib": None}       # CPU: no reading
+    assert e2e.budget_check(0.03, 24.0, logs.append) == {"inherited_alloc_gib": 0.03, "faithful": True}
+    assert e2e.budget_check(17.121, None, logs.append) == {"inherited_alloc_gib": 17.121}    # full card: no budget
+    assert not logs
+    bad = e2e.budget_check(17.121, 24.0, logs.append)
+    assert bad["faithful"] is False and "in effect 41.1 GiB" in logs[-1]
+    rec = lambda run, budget: json.dumps({"schema": e2e.SCHEMA, "run": run, "status": "ok", "budget": budget,
+                                          "config": {"weights": "gguf", "width": 64, "height": 64, "frames": 5,
+                                                     "budget_gib": 24.0, "estimator": True, "attention": "sdpa"}})
+    p = tmp_path / "r.jsonl"
+    p.write_text("\n".join([rec("kept", {"faithful": True}), rec("old", {}), rec("leaky", bad)]))
+    assert e2e.done_runs(str(p), "gguf") == {"kept", "old"}
+    assert sorted(r["run"] for r in plot_e2e.load([p])) == ["kept", "old"]
+
