@@ -31,8 +31,12 @@ patch's id, read after the patch's own OUTER_SAMPLE wrapper has closed the run w
 working memory the run reserved (``memory_required`` for one row, read in a ``PREPARE_SAMPLING``
 wrapper inside the estimator's, so it is wan-sage's figure with the estimator and ComfyUI's own
 without) against the measured working memory (peak allocated during sampling minus what was
-allocated when sampling started).  Between runs every model is unloaded and the cache emptied;
-``torch.OutOfMemoryError`` is recorded as a result, not raised.
+allocated when sampling started).  Every run executes under ``torch.inference_mode()``, as
+ComfyUI's ``PromptExecutor`` runs nodes (outside it, ComfyUI-GGUF's LoRA-patched quantised weights
+stayed on the GPU after unloading).  Between runs every model is unloaded and the cache emptied;
+what is still allocated then is recorded, and a budget run that starts with more than
+``INHERITED_LIMIT_GIB`` of it is marked ``budget.faithful: false``.  ``torch.OutOfMemoryError`` is
+recorded as a result, not raised.
 
 ``--vram-budget GB`` (CUDA only; a no-op with a message on CPU) holds a ballast allocation so
 that ``comfy.model_management.get_free_memory()`` reads GB GiB (checked, corrected to within
