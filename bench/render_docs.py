@@ -168,7 +168,7 @@ def partial_load_section() -> list:
                      f"{24.0 - r['peak_reserved_gib']:.2f} GiB | {r['status']} | {calls} |")
     o += ["\n`headroom` is the budget minus the peak reserved by the allocator (ComfyUI's 400 MiB extra reserve",
           "included). `n/a`: session A's harness read the Sage counts after the patch had closed its window (fixed",
-          "before session B; in B each expert forward made 40 Sage self-attention and 40 SDPA cross-attention",
+          "before session B; in B each forward (40 blocks) made 40 Sage self-attention and 40 SDPA cross-attention",
           "calls, the cross ones declined with reason `cross_slower`).\n",
           "Speed per step, ComfyUI's own reservation against wan-sage's (median of each configuration's runs",
           "within one session):\n",
