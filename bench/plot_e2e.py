@@ -149,6 +149,78 @@ def markdown(runs: list[dict]) -> str:
     return "\n".join(rows) + "\n"
 
 
+def _find(runs, weights, estimator, attention, budget, res):
+    for r in runs:
+        c = r["config"]
+        if (c.get("weights"), c["estimator"], c["attention"], c.get("budget_gib"), (c["width"], c["height"], c["frames"])) \
+                == (weights, estimator, attention, budget, res):
+            return r
+    return None
+
+
+def _steps_s(r):
+    """Seconds per step over both experts (the sum of the step times / the number of steps), or None."""
+    if r is None or r.get("status") != "ok":
+        return None
+    ex = [e for e in (r.get("experts") or {}).values() if e.get("step_s")]
+    n = sum(len(e["step_s"]) for e in ex)
+    return sum(sum(e["step_s"]) for e in ex) / n if n else None
+
+
+def targets(runs: list[dict], budget: float = 24.0) -> list[tuple]:
+    """Issue 5's targets from the run records: (target, measured, verdict) with verdict
+    ``met`` / ``missed`` / ``not measured``.  Speed ratios use seconds per step over both experts."""
+    out = []
+    R720, R480 = (1280, 720, 81), (832, 480, 81)
+
+    def ratio(name, slow, fast, need):
+        a, b = _steps_s(slow), _steps_s(fast)
+        if a is None or b is None:
+            why = "; ".join(f"{lab}: {'missing' if r is None else r.get('status')}" for lab, r in
+                            (("baseline", slow), ("candidate", fast)) if r is None or r.get("status") != "ok")
+            out.append((name, why or "—", "not measured"))
+        else:
+            out.append((name, f"{a:.2f} / {b:.2f} s = {a / b:.3f}×", "met" if a / b >= need else "missed"))
+    for w in sorted({r["config"].get("weights") for r in runs}):
+        tag = f"{w}: "
+        ratio(tag + f"estimator, {budget:g} GB, 720p81: Sage ≥ 1.20× SDPA",
+              _find(runs, w, True, "sdpa", budget, R720), _find(runs, w, True, "sage", budget, R720), 1.20)
+        ratio(tag + f"estimator + Sage ≥ 1.25× ComfyUI alone with SDPA, {budget:g} GB, 720p81",
+              _find(runs, w, False, "sdpa", budget, R720), _find(runs, w, True, "sage", budget, R720), 1.25)
+        ratio(tag + "full card, 720p81: Sage ≥ 1.25× SDPA (ComfyUI's reservation)",
+              _find(runs, w, False, "sdpa", None, R720), _find(runs, w, False, "sage", None, R720), 1.25)
+        ratio(tag + "full card, 720p81: estimator + Sage ≥ 1.25× SDPA (the pack's checks keep the gain)",
+              _find(runs, w, False, "sdpa", None, R720), _find(runs, w, True, "sage", None, R720), 1.25)
+        pairs = [(c, e) for c in runs for e in runs
+                 if c["config"].get("weights") == w and not c["config"]["estimator"] and e["config"]["estimator"]
+                 and {k: v for k, v in c["config"].items() if k != "estimator"}
+                 == {k: v for k, v in e["config"].items() if k != "estimator"}]
+        bad = [label(e).replace("\n", " · ") for c, e in pairs if c.get("status") == "ok" and e.get("status") != "ok"]
+        if pairs:
+            out.append((tag + "the estimator never runs out of memory where ComfyUI alone completes",
+                        f"{len(pairs)} pairs" + (f"; failed: {', '.join(bad)}" if bad else ""), "missed" if bad else "met"))
+        else:
+            out.append((tag + "the estimator never runs out of memory where ComfyUI alone completes", "no pair", "not measured"))
+        for r in runs:
+            c = r["config"]
+            if c.get("weights") != w or not c["estimator"] or r.get("status") != "ok" or c.get("budget_gib") is None:
+                continue
+            fr = [e.get("resident_frac") for e in (r.get("experts") or {}).values() if e.get("resident_frac") is not None]
+            head = c["budget_gib"] - r["peak_reserved_gib"] if r.get("peak_reserved_gib") is not None else None
+            full = all(f >= 0.9999 for f in fr) if fr else None
+            out.append((tag + f"headroom, {label(r).replace(chr(10), ' · ')}",
+                        f"resident {', '.join(f'{f:.0%}' for f in fr)}; budget − peak reserved "
+                        f"{'—' if head is None else f'{head:.2f} GiB'}",
+                        "met" if full or (head is not None and head < 1.5) else "missed"))
+    return out
+
+
+def targets_markdown(runs: list[dict], budget: float = 24.0) -> str:
+    rows = ["| target | measured | verdict |", "|---|---|---|"]
+    rows += [f"| {t} | {m} | {v if v != 'missed' else '**missed**'} |" for t, m, v in targets(runs, budget)]
+    return "\n".join(rows) + "\n"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("jsonl", nargs="+")
@@ -162,7 +234,7 @@ def main(argv=None):
         return 1
     print(plot(runs, a.out, a.title))
     if a.markdown:
-        Path(a.markdown).write_text(markdown(runs))
+        Path(a.markdown).write_text(markdown(runs) + "\n" + targets_markdown(runs))
         print(a.markdown)
     return 0
 

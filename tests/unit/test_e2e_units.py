@@ -173,3 +173,43 @@ def test_a_budget_run_that_inherits_memory_is_marked_not_faithful_and_run_again(
     assert e2e.done_runs(str(p), "gguf") == {"kept", "old"}
     assert sorted(r["run"] for r in plot_e2e.load([p])) == ["kept", "old"]
 
+
+
+def _row(est, att, budget, s_step, status="ok", res=(1280, 720, 81), weights="gguf", frac=1.0, reserved=20.0):
+    import e2e
+    ex = {e: {"step_s": [s_step, s_step], "resident_frac": frac} for e in ("high", "low")} if status == "ok" else {}
+    return {"schema": e2e.SCHEMA, "run": f"{est}{att}{budget}", "status": status, "experts": ex,
+            "peak_reserved_gib": reserved, "budget": {"faithful": True},
+            "config": {"weights": weights, "estimator": est, "attention": att, "budget_gib": budget,
+                       "width": res[0], "height": res[1], "frames": res[2]}}
+
+
+def test_issue_targets_are_computed_from_the_run_records():
+    import plot_e2e
+    runs = [_row(True, "sdpa", 24.0, 13.0), _row(True, "sage", 24.0, 10.4),        # 1.25x: met
+            _row(False, "sdpa", 24.0, 13.5), _row(False, "sage", 24.0, 11.0, status="oom"),
+            _row(False, "sdpa", None, 13.0), _row(False, "sage", None, 10.6),      # 1.226x: missed
+            _row(True, "sdpa", 24.0, 5.0, res=(832, 480, 81), frac=0.8, reserved=21.0),   # offloads, 3 GiB left
+            _row(False, "sdpa", 24.0, 5.0, res=(832, 480, 81))]
+    t = {name.split(": ", 1)[1]: (m, v) for name, m, v in plot_e2e.targets(runs)}
+    assert t["estimator, 24 GB, 720p81: Sage ≥ 1.20× SDPA"] == ("13.00 / 10.40 s = 1.250×", "met")
+    assert t["estimator + Sage ≥ 1.25× ComfyUI alone with SDPA, 24 GB, 720p81"] == ("13.50 / 10.40 s = 1.298×", "met")
+    assert t["full card, 720p81: Sage ≥ 1.25× SDPA (ComfyUI's reservation)"][1] == "missed"
+    assert t["full card, 720p81: estimator + Sage ≥ 1.25× SDPA (the pack's checks keep the gain)"] == \
+        ("candidate: missing", "not measured")
+    # ComfyUI's Sage run went out of memory where the estimator's completed: not a failure of the estimator;
+    # the 480p pair is compared too
+    assert t["the estimator never runs out of memory where ComfyUI alone completes"] == ("3 pairs", "met")
+    heads = {k: v for k, v in t.items() if k.startswith("headroom")}
+    assert len(heads) == 3
+    assert [v for k, v in heads.items() if "480p81" in k] == [("resident 80%, 80%; budget − peak reserved 3.00 GiB", "missed")]
+    runs[1]["status"] = "oom"
+    runs[1]["experts"] = {}
+    t = {name.split(": ", 1)[1]: (m, v) for name, m, v in plot_e2e.targets(runs)}
+    assert t["the estimator never runs out of memory where ComfyUI alone completes"][1] == "met"   # ComfyUI's OOMed too
+    runs[3] = _row(False, "sage", 24.0, 11.0)
+    t = {name.split(": ", 1)[1]: (m, v) for name, m, v in plot_e2e.targets(runs)}
+    assert t["the estimator never runs out of memory where ComfyUI alone completes"] == \
+        ("3 pairs; failed: 720p81 24 GB gguf · estimator + SAGE", "missed")
+    assert t["estimator, 24 GB, 720p81: Sage ≥ 1.20× SDPA"] == ("candidate: oom", "not measured")
+    assert "| **missed** |" in plot_e2e.targets_markdown(runs)
