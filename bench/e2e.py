@@ -150,6 +150,16 @@ class Mem:
     def alloc(self):
         return (self.torch.cuda.memory_allocated() - self.ballast) / GiB if self.cuda else None
 
+    def retries(self):
+        """The allocator's count of allocations that succeeded only after it freed its cache (or None):
+        a run that needed any was at the edge of its budget."""
+        if not self.cuda:
+            return None
+        try:
+            return self.torch.cuda.memory_stats().get("num_alloc_retries")
+        except RuntimeError:        # an allocator backend without statistics
+            return None
+
     def peaks(self):
         if not self.cuda:
             return None, None
@@ -490,6 +500,7 @@ class Host:
                 mem.sync()
                 pa, pr = mem.peaks()
                 phases[name] = {"s": _r(time.perf_counter() - t), "peak_alloc_gib": _r(pa), "peak_reserved_gib": _r(pr)}
+        retries0 = mem.retries()
         im = torch.inference_mode()     # as ComfyUI's PromptExecutor runs every node
         im.__enter__()
         try:
@@ -545,6 +556,8 @@ class Host:
         finally:
             im.__exit__(None, None, None)
         row["run_s"] = _r(time.perf_counter() - t_run)
+        retries1 = mem.retries()
+        row["alloc_retries"] = None if retries0 is None or retries1 is None else retries1 - retries0
         row["experts"] = {}
         for e, p in probes.items():
             row["experts"][e] = p.result(walls.get(e), attention=attention_summary(extras.get(f"patch_id_{e}")),
