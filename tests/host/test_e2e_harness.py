@@ -70,6 +70,7 @@ def test_tiny_pipeline_end_to_end_through_real_loaders(e2e_rows):
         assert set(r["phases"]) >= {"encode", "high", "low"}
         assert r["env"]["comfyui"] and r["env"]["device"] == "cpu" and r["env"]["weights"] == "gguf"
         assert r["peak_alloc_gib"] is None          # no CUDA: no memory readings, no ballast
+        assert r["alloc_retries"] is None and r["budget"]["inherited_alloc_gib"] is None
     # run 1: estimator + Sage patch (on the CPU every call goes to SDPA with reason "cpu"), decoded
     assert a["config"]["estimator"] and a["config"]["attention"] == "sage"
     assert a["decoded"] == [5, 64, 64, 3] and a["images_finite"] is True
