@@ -283,14 +283,19 @@ def write_safetensors(path: Path, specs: list[Spec], seed: int, role: str, devic
         f.write(len(hb).to_bytes(8, "little"))
         f.write(hb)
         for s in specs:
-            n = 0
-            for arr in encoded_chunks(s, seed, role, device):
-                arr.tofile(f)
-                n += arr.nbytes
-            if n != s.nbytes:
-                raise RuntimeError(f"{s.name}: wrote {n} bytes, expected {s.nbytes}")
+            write_tensor_data(f, s, seed, role, device)
     os.replace(tmp, path)
     return 8 + len(hb) + off
+
+
+def write_tensor_data(f, s: Spec, seed: int, role: str, device) -> None:
+    """Append one tensor's bytes to ``f``, chunk by chunk, and check the count against its spec."""
+    n = 0
+    for arr in encoded_chunks(s, seed, role, device):
+        arr.tofile(f)
+        n += arr.nbytes
+    if n != s.nbytes:
+        raise RuntimeError(f"{s.name}: wrote {n} bytes, expected {s.nbytes}")
 
 
 def write_gguf(path: Path, specs: list[Spec], seed: int, role: str, device, name: str) -> int:
@@ -321,12 +326,7 @@ def write_gguf(path: Path, specs: list[Spec], seed: int, role: str, device, name
     fout = w.fout[0]
     for s in specs:                      # what GGUFWriter.write_tensor_data does, one chunk at a time
         w.write_padding(fout, fout.tell())
-        n = 0
-        for arr in encoded_chunks(s, seed, role, device):
-            arr.tofile(fout)
-            n += arr.nbytes
-        if n != s.nbytes:
-            raise RuntimeError(f"{s.name}: wrote {n} bytes, expected {s.nbytes}")
+        write_tensor_data(fout, s, seed, role, device)
         w.write_padding(fout, s.nbytes)
     size = fout.tell()
     w.close()

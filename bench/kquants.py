@@ -39,9 +39,7 @@ def _fp16_bytes(x: torch.Tensor) -> torch.Tensor:
 def quantize_q4_k(x: torch.Tensor) -> torch.Tensor:
     """``x`` [..., n*256] -> uint8 [..., n*144] (one ``block_q4_K`` per 256 values, row-major)."""
     lead = x.shape[:-1]
-    nb_row = x.shape[-1] // QK_K
-    if x.shape[-1] % QK_K:
-        raise ValueError(f"Q4_K needs rows whose length is a multiple of {QK_K}")
+    nbytes = row_bytes("Q4_K", x.shape[-1])         # checks the row length
     xb = x.reshape(-1, 8, 32).float()
     mn = xb.amin(-1).clamp(max=0.0)                 # ggml keeps min <= 0
     mx = xb.amax(-1)
@@ -67,15 +65,13 @@ def quantize_q4_k(x: torch.Tensor) -> torch.Tensor:
     L = L.reshape(-1, 4, 2, 32)
     qs = (L[:, :, 0, :] | (L[:, :, 1, :] << 4)).reshape(-1, 128)
     out = torch.cat([_fp16_bytes(d16), _fp16_bytes(dmin16), sc.to(torch.uint8), qs.to(torch.uint8)], dim=1)
-    return out.reshape(*lead, nb_row * 144)
+    return out.reshape(*lead, nbytes)
 
 
 def quantize_q6_k(x: torch.Tensor) -> torch.Tensor:
     """``x`` [..., n*256] -> uint8 [..., n*210] (one ``block_q6_K`` per 256 values, row-major)."""
     lead = x.shape[:-1]
-    nb_row = x.shape[-1] // QK_K
-    if x.shape[-1] % QK_K:
-        raise ValueError(f"Q6_K needs rows whose length is a multiple of {QK_K}")
+    nbytes = row_bytes("Q6_K", x.shape[-1])         # checks the row length
     xb = x.reshape(-1, 16, 16).float()
     idx = xb.abs().argmax(-1, keepdim=True)
     peak = xb.gather(-1, idx).squeeze(-1)           # signed value of largest magnitude (nb, 16)
@@ -98,7 +94,7 @@ def quantize_q6_k(x: torch.Tensor) -> torch.Tensor:
           | ((L[:, :, 3] >> 4) << 6)).reshape(-1, 64)
     out = torch.cat([ql.to(torch.uint8), qh.to(torch.uint8),
                      sc.to(torch.int8).view(torch.uint8), _fp16_bytes(d16)], dim=1)
-    return out.reshape(*lead, nb_row * 210)
+    return out.reshape(*lead, nbytes)
 
 
 def quantize(x: torch.Tensor, qtype: str) -> torch.Tensor:
