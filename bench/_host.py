@@ -28,6 +28,15 @@ def set_allocator(kind: str) -> None:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync" if not conf else conf + ",backend:cudaMallocAsync"
 
 
+def alloc_retries(torch):
+    """The CUDA allocator's count of allocations that succeeded only after it freed its cache (a run
+    at the edge of its budget needs some), or None where the backend does not count them."""
+    try:
+        return torch.cuda.memory_stats().get("num_alloc_retries")
+    except RuntimeError:
+        return None
+
+
 def boot_comfy(cpu: bool = False):
     path = os.environ.get("COMFYUI_PATH")
     if not path:

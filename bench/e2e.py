@@ -151,14 +151,7 @@ class Mem:
         return (self.torch.cuda.memory_allocated() - self.ballast) / GiB if self.cuda else None
 
     def retries(self):
-        """The allocator's count of allocations that succeeded only after it freed its cache (or None):
-        a run that needed any was at the edge of its budget."""
-        if not self.cuda:
-            return None
-        try:
-            return self.torch.cuda.memory_stats().get("num_alloc_retries")
-        except RuntimeError:        # an allocator backend without statistics
-            return None
+        return _host.alloc_retries(self.torch) if self.cuda else None
 
     def peaks(self):
         if not self.cuda:
@@ -213,11 +206,6 @@ class Ballast:
         self.blocks.clear()
 
 
-def torch_inference_mode() -> bool:
-    import torch
-    return torch.is_inference_mode_enabled()
-
-
 class ExpertProbe:
     """PREPARE_SAMPLING + SAMPLER_SAMPLE wrappers on one expert: timing, residency, memory, reservation."""
 
@@ -246,7 +234,7 @@ class ExpertProbe:
         except Exception as e:  # never disturb the run being measured
             self.d["predicted_error"] = f"{type(e).__name__}: {e}"
         self.patcher = model
-        self.d["inference_mode"] = torch_inference_mode()
+        self.d["inference_mode"] = self.mem.torch.is_inference_mode_enabled()
         return executor(model, noise_shape, conds, *args, **kwargs)
 
     def _sampler(self, executor, model_wrap, sigmas, extra_args, callback, noise, *args, **kwargs):
@@ -330,6 +318,11 @@ def budget_check(inherited_gib, budget_gib, log) -> dict:
             log(f"e2e WARNING: {inherited_gib:.2f} GiB was still allocated after unloading every model; ComfyUI "
                 f"does not see it, so this run's {budget_gib:g} GiB budget is in effect {budget_gib + inherited_gib:.1f} GiB")
     return d
+
+
+def faithful(r: dict) -> bool:
+    """False for a budget run that started with memory ComfyUI could not see (:func:`budget_check`)."""
+    return (r.get("budget") or {}).get("faithful", True) is not False
 
 
 # --------------------------------------------------------------------------- the host
@@ -501,60 +494,57 @@ class Host:
                 pa, pr = mem.peaks()
                 phases[name] = {"s": _r(time.perf_counter() - t), "peak_alloc_gib": _r(pa), "peak_reserved_gib": _r(pr)}
         retries0 = mem.retries()
-        im = torch.inference_mode()     # as ComfyUI's PromptExecutor runs every node
-        im.__enter__()
-        try:
-            with timed("encode"):
-                h["clip"] = self.clip()
-                enc = self.N["CLIPTextEncode"]()
-                h["pos"] = enc.encode(h["clip"], PROMPT)[0]
-                h["neg"] = enc.encode(h["clip"], NEGATIVE)[0]
-            h["latent"] = self.N["EmptyHunyuanLatentVideo"]().generate(w, h_px, f, 1)[0]
-            shape = list(h["latent"]["samples"].shape)
-            for e in ("high", "low"):
-                m = self.expert(e)
-                if spec.estimator:
-                    m, nums, report = apply_estimator(m, Settings(), shape)
-                    extras[f"est_{e}"] = {k: _r(v) if isinstance(v, float) else v for k, v in (nums or {}).items()}
-                    extras[f"report_{e}"] = report
-                if spec.attention == "sage":
-                    m, status = apply_patch(m)
-                    extras[f"patch_{e}"] = status
-                ov = find_override(m.model_options.get("transformer_options", {}))
-                extras[f"patch_id_{e}"] = ov.patch_id if ov is not None else None
-                if spec.attention == "sage" and ov is None:
-                    self.log(f"e2e WARNING: the Sage patch passed the {e}-noise expert through ({status}); "
-                             "this run measures SDPA")
-                probes[e] = ExpertProbe(e, mem)
-                h[f"model_{e}"] = probes[e].install(m, W)
-                del m
-            ks = self.N["KSamplerAdvanced"]()
-            steps, half = self.args.steps, self.args.steps // 2
-            with timed("high"):
-                t = time.perf_counter()
-                h["lat"] = ks.sample(h["model_high"], "enable", self.args.seed, steps, 1.0, "euler", "simple",
-                                     h["pos"], h["neg"], h["latent"], 0, half, "enable")[0]
-                walls["high"] = time.perf_counter() - t
-            with timed("low"):
-                t = time.perf_counter()
-                h["lat"] = ks.sample(h["model_low"], "disable", self.args.seed, steps, 1.0, "euler", "simple",
-                                     h["pos"], h["neg"], h["lat"], half, steps, "disable")[0]
-                walls["low"] = time.perf_counter() - t
-            row["latent_finite"] = bool(torch.isfinite(h["lat"]["samples"]).all())
-            if decode:
-                with timed("decode"):
-                    h["images"] = self.N["VAEDecode"]().decode(self.vae(), h["lat"])[0]
-                row["decoded"] = list(h["images"].shape)
-                row["images_finite"] = bool(torch.isfinite(h["images"]).all())
-                self.decoded = True
-        except torch.OutOfMemoryError as e:
-            row["status"], row["error"], row["failed_phase"] = "oom", str(e).split("\n")[0][:300], phase["name"]
-            e.__traceback__ = None
-        except Exception as e:
-            row["status"], row["error"], row["failed_phase"] = "error", f"{type(e).__name__}: {e}"[:500], phase["name"]
-            self.log(traceback.format_exc())
-        finally:
-            im.__exit__(None, None, None)
+        with torch.inference_mode():     # as ComfyUI's PromptExecutor runs every node
+            try:
+                with timed("encode"):
+                    h["clip"] = self.clip()
+                    enc = self.N["CLIPTextEncode"]()
+                    h["pos"] = enc.encode(h["clip"], PROMPT)[0]
+                    h["neg"] = enc.encode(h["clip"], NEGATIVE)[0]
+                h["latent"] = self.N["EmptyHunyuanLatentVideo"]().generate(w, h_px, f, 1)[0]
+                shape = list(h["latent"]["samples"].shape)
+                for e in ("high", "low"):
+                    m = self.expert(e)
+                    if spec.estimator:
+                        m, nums, report = apply_estimator(m, Settings(), shape)
+                        extras[f"est_{e}"] = {k: _r(v) if isinstance(v, float) else v for k, v in (nums or {}).items()}
+                        extras[f"report_{e}"] = report
+                    if spec.attention == "sage":
+                        m, status = apply_patch(m)
+                        extras[f"patch_{e}"] = status
+                    ov = find_override(m.model_options.get("transformer_options", {}))
+                    extras[f"patch_id_{e}"] = ov.patch_id if ov is not None else None
+                    if spec.attention == "sage" and ov is None:
+                        self.log(f"e2e WARNING: the Sage patch passed the {e}-noise expert through ({status}); "
+                                 "this run measures SDPA")
+                    probes[e] = ExpertProbe(e, mem)
+                    h[f"model_{e}"] = probes[e].install(m, W)
+                    del m
+                ks = self.N["KSamplerAdvanced"]()
+                steps, half = self.args.steps, self.args.steps // 2
+                with timed("high"):
+                    t = time.perf_counter()
+                    h["lat"] = ks.sample(h["model_high"], "enable", self.args.seed, steps, 1.0, "euler", "simple",
+                                         h["pos"], h["neg"], h["latent"], 0, half, "enable")[0]
+                    walls["high"] = time.perf_counter() - t
+                with timed("low"):
+                    t = time.perf_counter()
+                    h["lat"] = ks.sample(h["model_low"], "disable", self.args.seed, steps, 1.0, "euler", "simple",
+                                         h["pos"], h["neg"], h["lat"], half, steps, "disable")[0]
+                    walls["low"] = time.perf_counter() - t
+                row["latent_finite"] = bool(torch.isfinite(h["lat"]["samples"]).all())
+                if decode:
+                    with timed("decode"):
+                        h["images"] = self.N["VAEDecode"]().decode(self.vae(), h["lat"])[0]
+                    row["decoded"] = list(h["images"].shape)
+                    row["images_finite"] = bool(torch.isfinite(h["images"]).all())
+                    self.decoded = True
+            except torch.OutOfMemoryError as e:
+                row["status"], row["error"], row["failed_phase"] = "oom", str(e).split("\n")[0][:300], phase["name"]
+                e.__traceback__ = None
+            except Exception as e:
+                row["status"], row["error"], row["failed_phase"] = "error", f"{type(e).__name__}: {e}"[:500], phase["name"]
+                self.log(traceback.format_exc())
         row["run_s"] = _r(time.perf_counter() - t_run)
         retries1 = mem.retries()
         row["alloc_retries"] = None if retries0 is None or retries1 is None else retries1 - retries0
@@ -707,8 +697,7 @@ def done_runs(paths: str, weights: str) -> set:
             except (json.JSONDecodeError, ValueError):
                 continue
             if r.get("schema") == SCHEMA and r.get("status") in ("ok", "oom") and \
-                    (r.get("config") or {}).get("weights") == weights and \
-                    (r.get("budget") or {}).get("faithful", True) is not False:
+                    (r.get("config") or {}).get("weights") == weights and faithful(r):
                 done.add(r.get("run"))
     return done
 

@@ -48,14 +48,6 @@ def random_lora(model, rank: int, seed: int = 0):
     return patches
 
 
-def _retries(torch):
-    """Allocations that succeeded only after the allocator freed its cache (None if not counted)."""
-    try:
-        return torch.cuda.memory_stats().get("num_alloc_retries")
-    except RuntimeError:
-        return None
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-gb", type=float, default=24.0)
@@ -135,8 +127,7 @@ def main():
         ctx = torch.randn(1, 512, 4096, generator=g) * 0.1
         ov = find_override(m.model_options.get("transformer_options", {}))
         torch.cuda.reset_peak_memory_stats()
-        retries0 = _retries(torch)
-        base_alloc = torch.cuda.memory_allocated()
+        retries0 = _host.alloc_retries(torch)
         start = time.perf_counter()
         status = "ok"
         try:
@@ -155,7 +146,7 @@ def main():
                "peak_alloc_gib": (torch.cuda.max_memory_allocated() - ballast.numel()) / GiB,
                "peak_reserved_gib": (torch.cuda.max_memory_reserved() - ballast.numel()) / GiB,
                "total_s": round(time.perf_counter() - start, 2),
-               "alloc_retries": None if retries0 is None else (_retries(torch) or 0) - retries0,
+               "alloc_retries": None if retries0 is None else (_host.alloc_retries(torch) or 0) - retries0,
                "sage": {k: st[k] for k in ("sage_calls", "sdpa_calls", "reasons", "fallbacks", "head_split_calls")} if st else None}
         line = json.dumps(row)
         print(line, flush=True)
