@@ -119,6 +119,7 @@ PARTIAL_RUNS = (
     ("2026-11-29-partial-720p-fp8-24gb.jsonl", "720p81 fp8", "B"),
     ("2026-11-29-partial-480p-bf16-lora64-24gb.jsonl", "480p81 bf16 + LoRA r64", "A"),
     ("2026-11-29-partial-480p-fp8-lora64-24gb.jsonl", "480p81 fp8 + LoRA r64", "B"),
+    ("2026-11-29-partial-720p-bf16-24gb-sage-abba.jsonl", "720p81 bf16", "C"),
 )
 
 
@@ -141,21 +142,22 @@ def partial_load_section() -> list:
     o = ["## Partial loading on a simulated 24 GB card\n",
          "A14B weights at real size (bf16: 26.6 GiB; fp8 e4m3: 13.3 GiB) are loaded through",
          "`comfy.sd.load_diffusion_model_state_dict`. A ballast allocation makes `get_free_memory()` read 24.0 GiB.",
-         "Each run samples 4 steps (euler, cfg 1.0) with cudaMallocAsync. Two device sessions on 2026-11-29",
-         "(A and B, each its own machine); a ratio is only ever taken between runs of one session. The harness now",
+         "Each run samples 4 steps (euler, cfg 1.0) with cudaMallocAsync. Three device sessions on 2026-11-29",
+         "(A, B and C, each its own machine); a ratio is only ever taken between runs of one session. The harness now",
          "runs `comfy.sample.sample` under `torch.inference_mode()`, as ComfyUI's executor runs every node; all rows",
-         "but the last two were measured before that change, with autograd enabled around model loading (the",
+         "of sessions A and B but the 480p81 fp8 pair were measured before that change, with autograd enabled around model loading (the",
          "sampler itself is `no_grad`, so the forward and its memory are the same). ComfyUI's fp8 LoRA patching",
          "refuses autograd (`clamp(): functions with out=... arguments don't support automatic differentiation`),",
          "which is how the gap was found: the 480p81 fp8 + LoRA rows are from after the change.",
-         "In session B the SDPA runs were ordered",
-         "ComfyUI, wan-sage, wan-sage, ComfyUI, so that drift over the session cancels.\n",
+         "In session B the SDPA runs, and in session C the Sage runs, were ordered",
+         "ComfyUI, wan-sage, wan-sage, ComfyUI (C: wan-sage first), so that drift over the session cancels.\n",
          "```bash",
          "COMFYUI_PATH=... python3 bench/partial_load.py --budget-gb 24 --res 1280x720x81 --steps 4 --configs comfy,ours,comfy+sage,ours+sage          # A",
          "COMFYUI_PATH=... python3 bench/partial_load.py --budget-gb 24 --res 1280x720x81 --steps 4 --configs comfy,ours,ours,comfy,comfy+sage,ours+sage  # B",
          "COMFYUI_PATH=... python3 bench/partial_load.py --budget-gb 24 --res 1280x720x81 --steps 4 --weights fp8 --configs comfy,ours,comfy+sage,ours+sage  # B",
          "COMFYUI_PATH=... python3 bench/partial_load.py --budget-gb 24 --res 832x480x81 --steps 4 --lora-rank 64 --configs ours+sage,comfy+sage  # A",
          "COMFYUI_PATH=... python3 bench/partial_load.py --budget-gb 24 --res 832x480x81 --steps 4 --weights fp8 --lora-rank 64 --configs ours+sage,comfy+sage  # B",
+         "COMFYUI_PATH=... python3 bench/partial_load.py --budget-gb 24 --res 1280x720x81 --steps 4 --configs ours+sage,comfy+sage,comfy+sage,ours+sage  # C",
          "```\n",
          "| session | run | reservation / row | weights resident | s/step (median of 2–4) | peak allocated | peak reserved | headroom | result | Sage / SDPA calls |",
          "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
@@ -186,8 +188,10 @@ def partial_load_section() -> list:
   keeps 9.99 GiB and streams the rest at every step.
 - **Speed.** The gain is what the extra resident gigabytes save in streaming: 3.3–3.7 GiB less copied per
   step, about 0.3–0.45 s of a 12–14.5 s step, so the ratios sit at 1.02–1.04×, the size of the run-to-run
-  spread (the reference run measured 1.02–1.05× between repeats). SDPA: 1.022× in session A (one run each), 1.033×
-  in session B (two runs each, interleaved); Sage: 1.035× in A, 1.027× in B; fp8: 1.028× (SDPA), 1.033× (Sage).
+  spread (the reference run measured 1.02–1.05× between repeats), so each attention mode was settled by
+  interleaved repeats within one session: SDPA 1.033× in session B (two runs each, 14.426 against 13.968 s),
+  Sage 1.044× in session C (two runs each, 11.986 against 11.476 s; the two runs of a configuration differ by
+  0.7 % and 0.1 %). Single pairs: SDPA 1.022× (A); Sage 1.035× (A), 1.027× (B); fp8 1.028× (SDPA), 1.033× (Sage).
 - **Sage against SDPA under wan-sage at the 24 GB budget:** 13.968 / 11.656 = 1.20× per step in session B
   (bf16), 12.430 / 9.734 = 1.28× with fp8 weights.
 """)
