@@ -192,8 +192,9 @@ def test_issue_targets_are_computed_from_the_run_records():
             _row(True, "sdpa", 24.0, 5.0, res=(832, 480, 81), frac=0.8, reserved=21.0),   # offloads, 3 GiB left
             _row(False, "sdpa", 24.0, 5.0, res=(832, 480, 81))]
     t = {name.split(": ", 1)[1]: (m, v) for name, m, v in plot_e2e.targets(runs)}
-    assert t["estimator, 24 GB, 720p81: Sage ≥ 1.20× SDPA"] == ("13.00 / 10.40 s = 1.250×", "met")
-    assert t["estimator + Sage ≥ 1.25× ComfyUI alone with SDPA, 24 GB, 720p81"] == ("13.50 / 10.40 s = 1.298×", "met")
+    assert t["estimator, 24 GB, 720p81: Sage ≥ 1.20× SDPA"] == \
+        ("all steps 13.00 / 10.40 s = 1.250×; after the first step 13.00 / 10.40 s = 1.250×", "met")
+    assert t["estimator + Sage ≥ 1.25× ComfyUI alone with SDPA, 24 GB, 720p81"][1] == "met"
     assert t["full card, 720p81: Sage ≥ 1.25× SDPA (ComfyUI's reservation)"][1] == "missed"
     assert t["full card, 720p81: estimator + Sage ≥ 1.25× SDPA (the pack's checks keep the gain)"] == \
         ("candidate: missing", "not measured")
@@ -213,3 +214,36 @@ def test_issue_targets_are_computed_from_the_run_records():
         ("3 pairs; failed: 720p81 24 GB gguf · estimator + SAGE", "missed")
     assert t["estimator, 24 GB, 720p81: Sage ≥ 1.20× SDPA"] == ("candidate: oom", "not measured")
     assert "| **missed** |" in plot_e2e.targets_markdown(runs)
+
+
+def test_a_target_met_only_without_the_runs_first_step_says_so():
+    """The first step of a run pays once-per-process costs (Triton JIT of Sage's quantisers): the verdict
+    names it instead of hiding it either way."""
+    import plot_e2e
+    sage = _row(True, "sage", 24.0, 10.4)
+    sage["experts"]["high"]["step_s"] = [13.9, 10.4]                     # the machine's first Sage call
+    runs = [_row(True, "sdpa", 24.0, 12.9), sage]
+    assert plot_e2e._steps_s(sage) == (13.9 + 3 * 10.4) / 4 and plot_e2e._steps_s(sage, True) == 10.4
+    t = {name.split(": ", 1)[1]: (m, v) for name, m, v in plot_e2e.targets(runs)}
+    m, v = t["estimator, 24 GB, 720p81: Sage ≥ 1.20× SDPA"]
+    assert v == "met after the first step" and "= 1.144×" in m and "= 1.240×" in m
+    sage["experts"]["high"]["step_s"] = [10.4, 10.4]
+    sage["experts"]["low"]["step_s"] = [10.4, 13.9]                      # a slow step later is not excused
+    t = {name.split(": ", 1)[1]: (m, v) for name, m, v in plot_e2e.targets(runs)}
+    assert t["estimator, 24 GB, 720p81: Sage ≥ 1.20× SDPA"][1] == "missed"
+    md = plot_e2e.targets_markdown(runs)
+    assert "| **missed** |" in md
+
+
+def test_the_warm_up_makes_the_first_sage_calls_when_a_measured_run_uses_sage():
+    """On the H200 the first measured Sage run paid 3.5 s in its first step (self-test and Triton JIT)
+    because the warm-up ran SDPA at 512 tokens, under the patch's threshold."""
+    import e2e
+    todo = [e2e.RunSpec.parse("est+sdpa@24:720p81"), e2e.RunSpec.parse("comfy+sage@full:720p81")]
+    w = e2e.warmup_spec(todo)
+    w_, h_, f_ = w.res
+    tokens = ((f_ - 1) // 4 + 1) * (h_ // 16) * (w_ // 16)
+    assert w.attention == "sage" and not w.estimator and w.budget_gib is None
+    assert tokens >= 1024 and tokens % 16 == 0
+    assert e2e.warmup_spec(todo[:1]).attention == "sdpa"
+    assert e2e.warmup_spec(todo, "tiny").res == e2e.RES["tiny"]
