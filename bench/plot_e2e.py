@@ -56,13 +56,21 @@ def _order(r):
             c["attention"] != "sdpa")
 
 
+def sage_text(env: dict) -> str:
+    """'sageattention 2.x (main d1a57a5)': a source build installed without metadata reads 'unknown'."""
+    v, flav, commit = env.get("sageattention"), env.get("sage_flavour"), env.get("sageattention_commit")
+    if v in (None, "unknown"):
+        v = {"sage2": "2.x", "sage1": "1.x"}.get(flav, "none" if not flav else "?")
+    return f"sageattention {v}" + (f" (commit {commit})" if commit and commit != "unknown" else "")
+
+
 def plot(runs: list[dict], out: str, title: str | None = None) -> str:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     runs = sorted(runs, key=_order)
     n = len(runs)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(10, 1.3 * n + 4), 6.5))
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(10, 0.75 * n + 3), 12))
     xs = list(range(n))
     w = 0.38
     colors = {"high": "#4C72B0", "low": "#55A868", "alloc": "#C44E52", "reserved": "#DD8452"}
@@ -105,8 +113,8 @@ def plot(runs: list[dict], out: str, title: str | None = None) -> str:
     ax1.set_title("Seconds per step, by expert")
     ax2.set_title("Peak VRAM during the run")
     env = (runs[0].get("env") or {}) if runs else {}
-    fig.suptitle(title or f"Wan 2.2 A14B end to end in ComfyUI {env.get('comfyui', '')} on {env.get('device', '?')} "
-                          f"(torch {env.get('torch', '?')}, sageattention {env.get('sageattention', '-')}, {env.get('date', '')})",
+    fig.suptitle(title or f"Wan 2.2 A14B end to end in ComfyUI {env.get('comfyui', '')} on {env.get('device', '?')}\n"
+                          f"(torch {env.get('torch', '?')}, {sage_text(env)}, {env.get('date', '')})",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
@@ -127,9 +135,9 @@ def _calls(a):
 
 def markdown(runs: list[dict]) -> str:
     """One row per run: result, residency, s/step, denoise time, peaks, predicted vs measured, calls."""
-    rows = ["| configuration | result | resident high / low | s/step high / low | denoise s | peak alloc / reserved GiB "
-            "| working GiB predicted / measured (high; low) | attention calls (high) |",
-            "|---|---|---:|---:|---:|---:|---:|---|"]
+    rows = ["| configuration | result | resident high / low | s/step high / low | s/step after the first | denoise s "
+            "| peak alloc / reserved GiB | working GiB predicted / measured (high; low) | attention calls (high) |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in sorted(runs, key=_order):
         ex = r.get("experts") or {}
         hi, lo = ex.get("high") or {}, ex.get("low") or {}
@@ -139,6 +147,7 @@ def markdown(runs: list[dict]) -> str:
             label(r).replace("\n", " · "), res,
             f"{_f(hi.get('resident_frac'), '{:.0%}')} / {_f(lo.get('resident_frac'), '{:.0%}')}",
             f"{_f(hi.get('s_per_step'))} / {_f(lo.get('s_per_step'))}",
+            _f(_steps_s(r, True), "{:.3f}"),
             _f(r.get("denoise_s"), "{:.1f}"),
             f"{_f(r.get('peak_alloc_gib'))} / {_f(r.get('peak_reserved_gib'))}",
             pm or "—", _calls(hi.get("attention"))]) + " |")
@@ -154,18 +163,26 @@ def _find(runs, weights, estimator, attention, budget, res):
     return None
 
 
-def _steps_s(r):
-    """Seconds per step over both experts (the sum of the step times / the number of steps), or None."""
+def _steps_s(r, skip_first: bool = False):
+    """Seconds per step over both experts (the sum of the step times / the number of steps), or None.
+    ``skip_first`` leaves out the run's first step (the high-noise expert's first): it pays what a process
+    pays once per kernel and shape (Triton compiling SageAttention's quantisation kernels on a machine's
+    first Sage call, cuDNN building a plan for a new sequence length), which a long-lived ComfyUI server
+    pays once and not per run."""
     if r is None or r.get("status") != "ok":
         return None
-    ex = [e for e in (r.get("experts") or {}).values() if e.get("step_s")]
-    n = sum(len(e["step_s"]) for e in ex)
-    return sum(sum(e["step_s"]) for e in ex) / n if n else None
+    ex = r.get("experts") or {}
+    steps = [t for k in ("high", "low") for t in ((ex.get(k) or {}).get("step_s") or [])]
+    steps += [t for k, e in ex.items() if k not in ("high", "low") for t in (e.get("step_s") or [])]
+    if skip_first:
+        steps = steps[1:]
+    return sum(steps) / len(steps) if steps else None
 
 
 def targets(runs: list[dict], budget: float = 24.0) -> list[tuple]:
-    """Issue 5's targets from the run records: (target, measured, verdict) with verdict
-    ``met`` / ``missed`` / ``not measured``.  Speed ratios use seconds per step over both experts."""
+    """Issue 5's targets from the run records: (target, measured, verdict) with verdict ``met``,
+    ``met after the first step`` (only when the run's first step, see ``_steps_s``, is left out),
+    ``missed`` or ``not measured``.  Speed ratios use seconds per step over both experts."""
     out = []
     R720 = (1280, 720, 81)
 
@@ -175,8 +192,12 @@ def targets(runs: list[dict], budget: float = 24.0) -> list[tuple]:
             why = "; ".join(f"{lab}: {'missing' if r is None else r.get('status')}" for lab, r in
                             (("baseline", slow), ("candidate", fast)) if r is None or r.get("status") != "ok")
             out.append((name, why or "—", "not measured"))
-        else:
-            out.append((name, f"{a:.2f} / {b:.2f} s = {a / b:.3f}×", "met" if a / b >= need else "missed"))
+            return
+        a2, b2 = _steps_s(slow, True), _steps_s(fast, True)
+        verdict = "met" if a / b >= need and a2 / b2 >= need else \
+            "met after the first step" if a2 / b2 >= need else "missed"
+        out.append((name, f"all steps {a:.2f} / {b:.2f} s = {a / b:.3f}×; after the first step "
+                          f"{a2:.2f} / {b2:.2f} s = {a2 / b2:.3f}×", verdict))
     for w in sorted({r["config"].get("weights") for r in runs}):
         tag = f"{w}: "
         ratio(tag + f"estimator, {budget:g} GB, 720p81: Sage ≥ 1.20× SDPA",
@@ -213,7 +234,7 @@ def targets(runs: list[dict], budget: float = 24.0) -> list[tuple]:
 
 def targets_markdown(runs: list[dict], budget: float = 24.0) -> str:
     rows = ["| target | measured | verdict |", "|---|---|---|"]
-    rows += [f"| {t} | {m} | {v if v != 'missed' else '**missed**'} |" for t, m, v in targets(runs, budget)]
+    rows += [f"| {t} | {m} | {v if v == 'met' else f'**{v}**'} |" for t, m, v in targets(runs, budget)]
     return "\n".join(rows) + "\n"
 
 
