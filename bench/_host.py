@@ -70,17 +70,23 @@ def unet_config(name: str) -> dict:
 
 def init_random_(module, seed: int = 0):
     """Fill weights so activations stay O(1): N(0, 1/fan_in) for matrices, ones for norm
-    scales, small modulation, zero biases."""
+    scales, small modulation, zero biases.  The same ``seed`` gives the same weights on the same
+    kind of device (one generator per device, where the parameters live)."""
     import math
     import torch
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    gens = {}
+
+    def gen(dev):
+        if dev not in gens:
+            gens[dev] = torch.Generator(device=dev).manual_seed(seed)
+        return gens[dev]
     for name, p in module.named_parameters():
         with torch.no_grad():
             if "modulation" in name:
-                p.normal_(0, 0.02)
+                p.normal_(0, 0.02, generator=gen(p.device))
             elif p.ndim >= 2:
                 fan_in = math.prod(p.shape[1:])
-                p.normal_(0, fan_in ** -0.5)
+                p.normal_(0, fan_in ** -0.5, generator=gen(p.device))
             elif "norm" in name and name.endswith("weight"):
                 p.fill_(1.0)
             else:

@@ -247,3 +247,21 @@ def test_the_warm_up_makes_the_first_sage_calls_when_a_measured_run_uses_sage():
     assert tokens >= 1024 and tokens % 16 == 0
     assert e2e.warmup_spec(todo[:1]).attention == "sdpa"
     assert e2e.warmup_spec(todo, "tiny").res == e2e.RES["tiny"]
+
+
+def test_random_weights_are_reproducible_from_the_seed():
+    """The benchmark models' random weights come from the seed (they once ignored it)."""
+    import _host
+    import torch.nn as nn
+
+    def model(seed):
+        m = nn.Module()
+        m.proj, m.norm, m.modulation = nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(4, 4, bias=False)
+        _host.init_random_(m, seed)
+        return m
+    a, b, c = model(0), model(0), model(1)
+    for (n, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), n
+        if pa.ndim >= 2:
+            assert not torch.equal(pa, pc), n
+    assert torch.equal(a.norm.weight, torch.ones(32)) and torch.equal(a.proj.bias, torch.zeros(32))
