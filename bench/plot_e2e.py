@@ -2,8 +2,8 @@
 
     python3 bench/plot_e2e.py results.jsonl [more.jsonl ...] --out docs/e2e-h200.png [--markdown table.md]
 
-Reads every line that is a ``wan-sage-e2e/1`` run record (other lines, e.g. logs, are skipped;
-the last record of a configuration wins).  Left: seconds per step of the high- and low-noise
+Reads every line that is a ``wan-sage-e2e/1`` run record (other lines, e.g. logs, are skipped; a
+repeated configuration keeps every record, shown as ``(run k)``, and the targets take the median).  Left: seconds per step of the high- and low-noise
 expert; right: peak allocated and peak reserved above the ballast, the budget as a line, and the
 predicted peak (weights resident at the start of sampling plus the reserved working memory, for
 the expert with the higher prediction) as a marker.  Runs that ran out of memory are marked OOM.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -21,25 +22,42 @@ from e2e import SCHEMA, faithful  # noqa: E402  (the run record's owner)
 
 
 def load(paths) -> list[dict]:
-    runs = {}
+    """Every faithful run record of the files, in order.  A repeated configuration keeps all its
+    records (the tables list each, the targets take the median); a line appended twice counts once."""
+    runs, seen = [], set()
     for p in paths:
         for line in Path(p).read_text().splitlines():
             line = line.strip()
-            if not line.startswith("{"):
+            if not line.startswith("{") or line in seen:
                 continue
             try:
                 r = json.loads(line)
             except json.JSONDecodeError:
                 continue
             if r.get("schema") == SCHEMA and "config" in r:
+                seen.add(line)
                 if not faithful(r):
                     inh = (r.get("budget") or {}).get("inherited_alloc_gib")
                     print(f"plot_e2e: left out {r['run']} ({r['config'].get('weights')}): {inh} GiB was still "
                           "allocated before its ballast, so its budget was not the one named", file=sys.stderr)
                     continue
-                key = (r["run"], r["config"].get("weights"))
-                runs[key] = r
-    return list(runs.values())
+                runs.append(r)
+    return runs
+
+
+def _key(r: dict) -> tuple:
+    c = r["config"]
+    return (c.get("weights"), c["estimator"], c["attention"], c.get("budget_gib"), (c["width"], c["height"], c["frames"]))
+
+
+def labels(runs: list[dict]) -> list[str]:
+    """``label`` of each run, with ``(run k)`` from the second record of a configuration on."""
+    count, out = {}, []
+    for r in runs:
+        k = _key(r)
+        count[k] = count.get(k, 0) + 1
+        out.append(label(r) + (f" (run {count[k]})" if count[k] > 1 else ""))
+    return out
 
 
 def label(r: dict) -> str:
@@ -103,7 +121,7 @@ def plot(runs: list[dict], out: str, title: str | None = None) -> str:
         ax2.text(0.5, 0.5, "no CUDA memory readings (CPU run)", transform=ax2.transAxes, ha="center")
     for ax, yl in ((ax1, "seconds per step"), (ax2, "GiB (above the ballast)")):
         ax.set_xticks(xs)
-        ax.set_xticklabels([label(r) for r in runs], rotation=60, ha="right", fontsize=8)
+        ax.set_xticklabels(labels(runs), rotation=60, ha="right", fontsize=8)
         ax.set_ylabel(yl)
         ax.grid(axis="y", alpha=0.3)
         lo, hi = ax.get_ylim()
@@ -138,13 +156,14 @@ def markdown(runs: list[dict]) -> str:
     rows = ["| configuration | result | resident high / low | s/step high / low | s/step after the first | denoise s "
             "| peak alloc / reserved GiB | working GiB predicted / measured (high; low) | attention calls (high) |",
             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
-    for r in sorted(runs, key=_order):
+    runs = sorted(runs, key=_order)
+    for r, lab in zip(runs, labels(runs)):
         ex = r.get("experts") or {}
         hi, lo = ex.get("high") or {}, ex.get("low") or {}
         res = "ok" if r.get("status") == "ok" else f"**{r.get('status')}** ({r.get('failed_phase')})"
         pm = "; ".join(f"{_f(e.get('predicted_working_gib'))} / {_f(e.get('working_gib'))}" for e in (hi, lo) if e)
         rows.append("| " + " | ".join([
-            label(r).replace("\n", " · "), res,
+            lab.replace("\n", " · "), res,
             f"{_f(hi.get('resident_frac'), '{:.0%}')} / {_f(lo.get('resident_frac'), '{:.0%}')}",
             f"{_f(hi.get('s_per_step'))} / {_f(lo.get('s_per_step'))}",
             _f(_steps_s(r, True), "{:.3f}"),
@@ -154,13 +173,9 @@ def markdown(runs: list[dict]) -> str:
     return "\n".join(rows) + "\n"
 
 
-def _find(runs, weights, estimator, attention, budget, res):
-    for r in runs:
-        c = r["config"]
-        if (c.get("weights"), c["estimator"], c["attention"], c.get("budget_gib"), (c["width"], c["height"], c["frames"])) \
-                == (weights, estimator, attention, budget, res):
-            return r
-    return None
+def _find(runs, weights, estimator, attention, budget, res) -> list:
+    """Every record of one configuration."""
+    return [r for r in runs if _key(r) == (weights, estimator, attention, budget, res)]
 
 
 def _steps_s(r, skip_first: bool = False):
@@ -186,18 +201,25 @@ def targets(runs: list[dict], budget: float = 24.0) -> list[tuple]:
     out = []
     R720 = (1280, 720, 81)
 
+    def per_step(recs, skip_first=False):
+        v = sorted(_steps_s(r, skip_first) for r in recs)
+        return statistics.median(v)
+
     def ratio(name, slow, fast, need):
-        a, b = _steps_s(slow), _steps_s(fast)
-        if a is None or b is None:
-            why = "; ".join(f"{lab}: {'missing' if r is None else r.get('status')}" for lab, r in
-                            (("baseline", slow), ("candidate", fast)) if r is None or r.get("status") != "ok")
+        ok_s = [r for r in slow if r.get("status") == "ok"]
+        ok_f = [r for r in fast if r.get("status") == "ok"]
+        if not ok_s or not ok_f:
+            why = "; ".join(f"{lab}: {'missing' if not recs else ', '.join(str(r.get('status')) for r in recs)}"
+                            for lab, recs, ok in (("baseline", slow, ok_s), ("candidate", fast, ok_f)) if not ok)
             out.append((name, why or "—", "not measured"))
             return
-        a2, b2 = _steps_s(slow, True), _steps_s(fast, True)
+        a, b = per_step(ok_s), per_step(ok_f)
+        a2, b2 = per_step(ok_s, True), per_step(ok_f, True)
         verdict = "met" if a / b >= need and a2 / b2 >= need else \
             "met after the first step" if a2 / b2 >= need else "missed"
+        n = f" (median of {len(ok_s)} / {len(ok_f)} runs)" if len(ok_s) > 1 or len(ok_f) > 1 else ""
         out.append((name, f"all steps {a:.2f} / {b:.2f} s = {a / b:.3f}×; after the first step "
-                          f"{a2:.2f} / {b2:.2f} s = {a2 / b2:.3f}×", verdict))
+                          f"{a2:.2f} / {b2:.2f} s = {a2 / b2:.3f}×{n}", verdict))
     for w in sorted({r["config"].get("weights") for r in runs}):
         tag = f"{w}: "
         ratio(tag + f"estimator, {budget:g} GB, 720p81: Sage ≥ 1.20× SDPA",
@@ -208,24 +230,25 @@ def targets(runs: list[dict], budget: float = 24.0) -> list[tuple]:
               _find(runs, w, False, "sdpa", None, R720), _find(runs, w, False, "sage", None, R720), 1.25)
         ratio(tag + "full card, 720p81: estimator + Sage ≥ 1.25× SDPA (the pack's checks keep the gain)",
               _find(runs, w, False, "sdpa", None, R720), _find(runs, w, True, "sage", None, R720), 1.25)
-        pairs = [(c, e) for c in runs for e in runs
-                 if c["config"].get("weights") == w and not c["config"]["estimator"] and e["config"]["estimator"]
-                 and {k: v for k, v in c["config"].items() if k != "estimator"}
-                 == {k: v for k, v in e["config"].items() if k != "estimator"}]
-        bad = [label(e).replace("\n", " · ") for c, e in pairs if c.get("status") == "ok" and e.get("status") != "ok"]
+        comfy_keys = {_key(r) for r in runs if r["config"].get("weights") == w and not r["config"]["estimator"]}
+        pairs = [(k, (k[0], True) + k[2:]) for k in sorted(comfy_keys, key=str)]
+        pairs = [(c, e) for c, e in pairs if _find(runs, *e)]
+        bad = [label(_find(runs, *e)[0]).replace("\n", " · ") for c, e in pairs
+               if any(r.get("status") == "ok" for r in _find(runs, *c))
+               and any(r.get("status") != "ok" for r in _find(runs, *e))]
         if pairs:
             out.append((tag + "the estimator never runs out of memory where ComfyUI alone completes",
                         f"{len(pairs)} pairs" + (f"; failed: {', '.join(bad)}" if bad else ""), "missed" if bad else "met"))
         else:
             out.append((tag + "the estimator never runs out of memory where ComfyUI alone completes", "no pair", "not measured"))
-        for r in runs:
+        for r, lab in zip(runs, labels(runs)):
             c = r["config"]
             if c.get("weights") != w or not c["estimator"] or r.get("status") != "ok" or c.get("budget_gib") is None:
                 continue
             fr = [e.get("resident_frac") for e in (r.get("experts") or {}).values() if e.get("resident_frac") is not None]
             head = c["budget_gib"] - r["peak_reserved_gib"] if r.get("peak_reserved_gib") is not None else None
             full = all(f >= 0.9999 for f in fr) if fr else None
-            out.append((tag + f"headroom, {label(r).replace(chr(10), ' · ')}",
+            out.append((tag + f"headroom, {lab.replace(chr(10), ' · ')}",
                         f"resident {', '.join(f'{f:.0%}' for f in fr)}; budget − peak reserved "
                         f"{'—' if head is None else f'{head:.2f} GiB'}",
                         "met" if full or (head is not None and head < 1.5) else "missed"))

@@ -1,5 +1,6 @@
 """Unit tier: the pure parts of the end-to-end harness (no ComfyUI): run specs, the UI-to-API
 workflow converter, and the K-quant packer's byte layout against gguf-py's numpy decoder."""
+import json
 import sys
 from pathlib import Path
 
@@ -144,7 +145,6 @@ def test_ballast_reaches_the_budget_within_a_mib():
 
 
 def test_done_runs_counts_completed_and_oom_for_the_same_weights(tmp_path):
-    import json
     import e2e
     rec = lambda run, status, w: json.dumps({"schema": e2e.SCHEMA, "run": run, "status": status, "config": {"weights": w}})
     p = tmp_path / "r.jsonl"
@@ -155,7 +155,6 @@ def test_done_runs_counts_completed_and_oom_for_the_same_weights(tmp_path):
 
 
 def test_a_budget_run_that_inherits_memory_is_marked_not_faithful_and_run_again(tmp_path):
-    import json
     import e2e
     import plot_e2e
     logs = []
@@ -265,3 +264,23 @@ def test_random_weights_are_reproducible_from_the_seed():
         if pa.ndim >= 2:
             assert not torch.equal(pa, pc), n
     assert torch.equal(a.norm.weight, torch.ones(32)) and torch.equal(a.proj.bias, torch.zeros(32))
+
+
+def test_repeated_configurations_are_all_kept_and_the_targets_take_their_median(tmp_path):
+    import plot_e2e
+    rows = [_row(True, "sdpa", 24.0, 13.0), _row(True, "sage", 24.0, 10.0), _row(True, "sage", 24.0, 11.0),
+            _row(True, "sage", 24.0, 10.6), _row(False, "sdpa", 24.0, 13.2), _row(False, "sdpa", 24.0, 13.2, status="oom")]
+    p = tmp_path / "r.jsonl"
+    lines = [json.dumps(r) for r in rows]
+    p.write_text("\n".join(lines + [lines[0]]))                           # a line appended twice counts once
+    runs = plot_e2e.load([p])
+    assert len(runs) == 6
+    assert [l.split("\n")[1] for l in plot_e2e.labels(runs)][1:4] == \
+        ["estimator + SAGE", "estimator + SAGE (run 2)", "estimator + SAGE (run 3)"]
+    t = {name.split(": ", 1)[1]: (m, v) for name, m, v in plot_e2e.targets(runs)}
+    m, v = t["estimator, 24 GB, 720p81: Sage ≥ 1.20× SDPA"]
+    assert "13.00 / 10.60 s = 1.226×" in m and "(median of 1 / 3 runs)" in m and v == "met"
+    # ComfyUI's SDPA completed once and ran out of memory once: the estimator's completed, so met
+    assert t["the estimator never runs out of memory where ComfyUI alone completes"] == ("1 pairs", "met")
+    assert sum(1 for k in t if k.startswith("headroom")) == 4
+    assert "(run 3)" in plot_e2e.markdown(runs)
