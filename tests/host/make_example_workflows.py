@@ -34,6 +34,13 @@ WAN_NEGATIVE = ("色调艳丽，过曝，静态，细节模糊不清，字幕，
                 "手指融合，静止不动的画面，杂乱的背景，三条腿，背景人很多，倒着走")
 UMT5 = "umt5_xxl_fp8_e4m3fn_scaled.safetensors"
 SAGE = {"kernel": "auto", "min_tokens": 1024, "calibrate": True, "memory_margin_mb": 256, "check_finite": True}
+ESTIMATOR = {"batch_size": 1, "policy": "wan-sage estimate", "margin_gb": 0.0, "fixed_gb": 10.0,
+             "count_sage_extra": "auto-detect"}
+
+
+def estimator_widgets(width: int, height: int, frames: int, cfg: float) -> dict:
+    """The estimator's widgets: this workflow's size and cfg, the node's defaults for the rest."""
+    return {"width": width, "height": height, "frames": frames, "cfg": cfg, **ESTIMATOR}
 
 
 # --------------------------------------------------------------------------- graph builder
@@ -128,6 +135,16 @@ class Graph:
         self.links.append([lid, o["id"], oslot, t["id"], tslot, typ])
         o["outputs"][oslot]["links"].append(lid)
         t["inputs"][tslot]["link"] = lid
+
+    def video_output(self, samples: str, vae: str, fps: float, prefix: str) -> None:
+        """VAEDecode -> CreateVideo -> SaveVideo (keys decode, video, save) from ``samples``' LATENT."""
+        self.add("decode", "VAEDecode")
+        self.add("video", "CreateVideo", {"fps": fps})
+        self.add("save", "SaveVideo", {"filename_prefix": f"video/{prefix}", "format": "auto", "codec": "auto"})
+        self.link(samples, "LATENT", "decode", "samples")
+        self.link(vae, "VAE", "decode", "vae")
+        self.link("decode", "IMAGE", "video", "images")
+        self.link("video", "VIDEO", "save", "video")
 
     def layout(self, columns: list[list[str]], x0: int = 0, y0: int = 0, gap_x: int = 60, gap_y: int = 50):
         """Columns left to right; nodes stacked top to bottom (title bar: 30 px above pos)."""
@@ -225,9 +242,7 @@ def a14b(info, width: int, height: int, label: str, prefix: str) -> dict:
               {"lora_name": f"wan2.2_t2v_lightx2v_4steps_lora_v1.1_{ex}_noise.safetensors", "strength_model": 1.0},
               title=f"Lightning 4-step LoRA: {ex} noise")
         g.add(f"shift_{ex}", "ModelSamplingSD3", {"shift": 5.0})
-        g.add(f"est_{ex}", "WanWorkingMemoryEstimator",
-              {"width": width, "height": height, "frames": 81, "batch_size": 1, "cfg": 1.0,
-               "policy": "wan-sage estimate", "margin_gb": 0.0, "fixed_gb": 10.0, "count_sage_extra": "auto-detect"},
+        g.add(f"est_{ex}", "WanWorkingMemoryEstimator", estimator_widgets(width, height, 81, 1.0),
               title=f"Wan Working-Memory Estimator: {ex} noise")
         g.add(f"sage_{ex}", "WanSageAttentionPatch", dict(SAGE), title=f"Wan 2.2 Sage Attention Patch: {ex} noise")
     g.add("clip", "CLIPLoader", {"clip_name": UMT5, "type": "wan", "device": "default"})
@@ -246,9 +261,6 @@ def a14b(info, width: int, height: int, label: str, prefix: str) -> dict:
            "sampler_name": "euler", "scheduler": "simple", "start_at_step": 2, "end_at_step": 4,
            "return_with_leftover_noise": "disable"}, title="KSampler (Advanced): low noise, steps 2-4")
     g.add("vae", "VAELoader", {"vae_name": "wan_2.1_vae.safetensors"})
-    g.add("decode", "VAEDecode")
-    g.add("video", "CreateVideo", {"fps": 16.0})
-    g.add("save", "SaveVideo", {"filename_prefix": f"video/{prefix}", "format": "auto", "codec": "auto"})
 
     for ex in ("high", "low"):
         g.link(f"unet_{ex}", "MODEL", f"lora_{ex}", "model")
@@ -263,10 +275,7 @@ def a14b(info, width: int, height: int, label: str, prefix: str) -> dict:
     g.link("clip", "CLIP", "neg", "clip")
     g.link("latent", "LATENT", "ks_high", "latent_image")
     g.link("ks_high", "LATENT", "ks_low", "latent_image")
-    g.link("ks_low", "LATENT", "decode", "samples")
-    g.link("vae", "VAE", "decode", "vae")
-    g.link("decode", "IMAGE", "video", "images")
-    g.link("video", "VIDEO", "save", "video")
+    g.video_output("ks_low", "vae", 16.0, prefix)
 
     g.layout([
         ["note"],
@@ -317,15 +326,10 @@ def ti2v_5b(info) -> dict:
         title="CLIP Text Encode (Positive Prompt)")
     g.add("neg", "CLIPTextEncode", {"text": WAN_NEGATIVE}, title="CLIP Text Encode (Negative Prompt)")
     g.add("latent", "Wan22ImageToVideoLatent", {"width": 1280, "height": 704, "length": 121, "batch_size": 1})
-    g.add("est", "WanWorkingMemoryEstimator",
-          {"width": 1280, "height": 704, "frames": 121, "batch_size": 1, "cfg": 5.0,
-           "policy": "wan-sage estimate", "margin_gb": 0.0, "fixed_gb": 10.0, "count_sage_extra": "auto-detect"})
+    g.add("est", "WanWorkingMemoryEstimator", estimator_widgets(1280, 704, 121, 5.0))
     g.add("sage", "WanSageAttentionPatch", dict(SAGE))
     g.add("ks", "KSampler", {"seed": 42, "seed:control": "randomize", "steps": 20, "cfg": 5.0,
                              "sampler_name": "uni_pc", "scheduler": "simple", "denoise": 1.0})
-    g.add("decode", "VAEDecode")
-    g.add("video", "CreateVideo", {"fps": 24.0})
-    g.add("save", "SaveVideo", {"filename_prefix": "video/wan22_ti2v_5b_704p121", "format": "auto", "codec": "auto"})
 
     g.link("unet", "MODEL", "shift", "model")
     g.link("shift", "MODEL", "est", "model")
@@ -338,10 +342,7 @@ def ti2v_5b(info) -> dict:
     g.link("pos", "CONDITIONING", "ks", "positive")
     g.link("neg", "CONDITIONING", "ks", "negative")
     g.link("latent", "LATENT", "ks", "latent_image")
-    g.link("ks", "LATENT", "decode", "samples")
-    g.link("vae", "VAE", "decode", "vae")
-    g.link("decode", "IMAGE", "video", "images")
-    g.link("video", "VIDEO", "save", "video")
+    g.video_output("ks", "vae", 24.0, "wan22_ti2v_5b_704p121")
 
     g.layout([
         ["note"],
@@ -392,15 +393,10 @@ def i2v_21(info) -> dict:
     g.add("neg", "CLIPTextEncode", {"text": WAN_NEGATIVE}, title="CLIP Text Encode (Negative Prompt)")
     g.add("cve", "CLIPVisionEncode", {"crop": "none"})
     g.add("i2v", "WanImageToVideo", {"width": 832, "height": 480, "length": 81, "batch_size": 1})
-    g.add("est", "WanWorkingMemoryEstimator",
-          {"width": 832, "height": 480, "frames": 81, "batch_size": 1, "cfg": 6.0,
-           "policy": "wan-sage estimate", "margin_gb": 0.0, "fixed_gb": 10.0, "count_sage_extra": "auto-detect"})
+    g.add("est", "WanWorkingMemoryEstimator", estimator_widgets(832, 480, 81, 6.0))
     g.add("sage", "WanSageAttentionPatch", dict(SAGE))
     g.add("ks", "KSampler", {"seed": 42, "seed:control": "randomize", "steps": 20, "cfg": 6.0,
                              "sampler_name": "uni_pc", "scheduler": "simple", "denoise": 1.0})
-    g.add("decode", "VAEDecode")
-    g.add("video", "CreateVideo", {"fps": 16.0})
-    g.add("save", "SaveVideo", {"filename_prefix": "video/wan21_i2v_480p", "format": "auto", "codec": "auto"})
 
     g.link("unet", "MODEL", "shift", "model")
     g.link("shift", "MODEL", "est", "model")
@@ -419,10 +415,7 @@ def i2v_21(info) -> dict:
     g.link("i2v", "positive", "ks", "positive")
     g.link("i2v", "negative", "ks", "negative")
     g.link("i2v", "latent", "ks", "latent_image")
-    g.link("ks", "LATENT", "decode", "samples")
-    g.link("vae", "VAE", "decode", "vae")
-    g.link("decode", "IMAGE", "video", "images")
-    g.link("video", "VIDEO", "save", "video")
+    g.video_output("ks", "vae", 16.0, "wan21_i2v_480p")
 
     g.layout([
         ["note"],
