@@ -202,8 +202,7 @@ def targets(runs: list[dict], budget: float = 24.0) -> list[tuple]:
     R720 = (1280, 720, 81)
 
     def per_step(recs, skip_first=False):
-        v = sorted(_steps_s(r, skip_first) for r in recs)
-        return statistics.median(v)
+        return statistics.median(_steps_s(r, skip_first) for r in recs)
 
     def ratio(name, slow, fast, need):
         ok_s = [r for r in slow if r.get("status") == "ok"]
