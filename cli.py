@@ -107,7 +107,7 @@ def cmd_plan(a) -> int:
         ("  of which Sage extra", _gb(est.resident["sage_extra"]), _gb(est.partial["sage_extra"])),
         ("persistent (RoPE, context)", _gb(est.resident["persistent"]), _gb(est.partial["persistent"])),
         ("weight transients", _gb(est.resident["weight_transient"]), _gb(est.partial["weight_transient"])),
-        ("streaming + fragmentation", _gb(est.resident["partial_overhead"]), _gb(est.partial["partial_overhead"])),
+        ("streaming + fragmentation", _gb(est.resident["fragmentation"]), _gb(est.partial["fragmentation"])),
         ("allocator slack", _gb(est.resident["slack"]), _gb(est.partial["slack"])),
         ("reservation per forward", _gb(est.reservation_resident), _gb(est.reservation_partial)),
         ("ComfyUI's own estimate", _gb(est.comfy_estimate), ""),

@@ -1,4 +1,4 @@
-"""The working-memory estimate: activation peak, Sage extra, partial-load overhead, verdict.
+"""The working-memory estimate: activation peak, Sage extra, allocator fragmentation, verdict.
 
 This is the one function the node's reservation, the CLI (``wan-sage plan``) and the server
 route all call.  Constants that came from measurement (allocator slack, the partial-load
@@ -12,7 +12,8 @@ from . import model as M
 from ..attention import kernels as K
 
 __all__ = ["rounding_notes", "verdict_for", "EstimateRequest", "Estimate", "estimate", "activation_bytes", "comfy_estimate_bytes",
-           "attention_paths", "CALIBRATED", "GiB", "validate_request"]
+           "attention_paths", "CALIBRATED", "GiB", "validate_request",
+           "casts_weights", "fragmentation_bytes"]
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -26,6 +27,15 @@ CALIBRATED = {
     "slack_fixed": 28 * MiB,
     "slack_rel": 0.01,
     "partial_frag_factor": 1.5,
+    # Weights stored in another dtype than the compute dtype (fp8 checkpoints, cast per Linear call),
+    # even when all are resident: the casts interleave with the activations and cudaMallocAsync's pool
+    # keeps holes.  Measured end to end on the H200 (docs/benchmarks.md; fp8 A14B + rank-64 LoRA,
+    # 1280x720x81, weights resident): peak reserved minus (weights + predicted working memory) was
+    # 1.13-3.12 GiB over 16 completed expert samplings, and one sampling at a 24 GiB budget ran out of
+    # memory holding 3.47 GiB of it (a lower bound).  The largest block there is 1.95 GiB, so the factor
+    # is at least 1.78.  GGUF's dequantisation transient already covers its 0.4-0.7 GiB.  Weights in
+    # the compute dtype (bf16 resident) make no casts and were not measured for it.
+    "cast_frag_factor": 2.0,
     "partial_fixed": 256 * MiB,
 }
 
@@ -55,6 +65,22 @@ def comfy_estimate_bytes(dims: M.WanDims, latent: tuple, dtype: str = "bf16", va
     return int(B * T * H * W * M.DTYPE_BYTES[dtype] * 0.01 * factor * MiB)
 
 
+def casts_weights(ws: M.WeightSetup, compute: str) -> bool:
+    """True when every Linear casts its stored weight to the compute dtype (fp8 checkpoints); GGUF
+    dequantises instead, and its transient is in :func:`memory.model.weight_transient`."""
+    return ws.gguf_bytes_per_param <= 0 and ws.weight_dtype not in (None, "gguf", compute)
+
+
+def fragmentation_bytes(dims: M.WanDims, w: M.Workload, ws: M.WeightSetup, partial: bool) -> int:
+    """What the allocator holds above the allocated peak: streamed layers under partial loading
+    (``partial_frag_factor``), per-call weight casts (``cast_frag_factor``), the larger of the two,
+    as a multiple of the largest activation block plus a fixed part; 0 for resident weights in the
+    compute dtype and for GGUF."""
+    factor = max(CALIBRATED["partial_frag_factor"] if partial else 0.0,
+                 CALIBRATED["cast_frag_factor"] if casts_weights(ws, w.dtype) else 0.0)
+    return int(factor * M.largest_block(dims, w)) + CALIBRATED["partial_fixed"] if factor else 0
+
+
 def activation_bytes(dims: M.WanDims, w: M.Workload, ws: M.WeightSetup | None = None,
                      partial: bool = False) -> dict:
     """Peak bytes of one forward with ``w.rows`` rows, split into named terms."""
@@ -65,12 +91,12 @@ def activation_bytes(dims: M.WanDims, w: M.Workload, ws: M.WeightSetup | None = 
     sdpa_phase, sdpa_pers, _ = M.forward_peak(dims, sdpa_w)
     transient = M.weight_transient(dims, replace(ws, streamed=ws.streamed or partial), w.dtype)
     slack = CALIBRATED["slack_fixed"] + int(CALIBRATED["slack_rel"] * base)
-    frag = (int(CALIBRATED["partial_frag_factor"] * M.largest_block(dims, w)) + CALIBRATED["partial_fixed"]) if partial else 0
+    frag = fragmentation_bytes(dims, w, ws, partial)
     total = base + transient + slack + frag
     return {
         "phase_peak": phase, "dominant_phase": top, "persistent": pers,
         "sage_extra": (phase + pers) - (sdpa_phase + sdpa_pers),
-        "weight_transient": transient, "slack": slack, "partial_overhead": frag, "total": total,
+        "weight_transient": transient, "slack": slack, "fragmentation": frag, "total": total,
     }
 
 

@@ -73,6 +73,32 @@ def test_restored_when_loading_raises(comfy, monkeypatch):
     assert "memory_required" not in base.model.__dict__
 
 
+def test_pool_is_trimmed_after_loading_on_cuda_only(comfy, monkeypatch):
+    # The trim must come after load_models_gpu (the holes it returns are the load's) and before the
+    # first step; on a CPU device there is nothing to trim.
+    from wan_sage.nodes import estimator
+    from wan_sage.nodes.estimator import Settings, apply_estimator
+    events = []
+    mm = comfy.model_management
+    real_load = mm.load_models_gpu
+    monkeypatch.setattr(mm, "load_models_gpu", lambda *a, **k: (events.append("load"), real_load(*a, **k))[1])
+    monkeypatch.setattr(mm, "soft_empty_cache", lambda *a, **k: events.append("trim"))
+    base = comfy_env.tiny_wan_patcher(num_layers=2)
+    m, _, _ = apply_estimator(base, Settings(), [1, 16, 2, 8, 8])
+
+    def step(executor, *a, **k):
+        events.append("step")
+        return executor(*a, **k)
+    m.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "step", step)
+    comfy_env.sample_tiny(m, steps=1, cfg=1.0)
+    assert "trim" not in events and "load" in events          # CPU: no trim
+    events.clear()
+    real_trim = estimator._trim_after_load
+    monkeypatch.setattr(estimator, "_trim_after_load", lambda dev: real_trim(torch.device("cuda", 0)))
+    comfy_env.sample_tiny(m, steps=1, cfg=1.0)
+    assert events.index("load") < events.index("trim") < events.index("step"), events
+
+
 def test_policies_and_sage_detection(comfy, record_loads):
     from wan_sage.nodes.estimator import POLICIES, Settings, apply_estimator, attention_for
     from wan_sage.nodes.sage_patch import apply_patch
