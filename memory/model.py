@@ -165,7 +165,8 @@ class WeightSetup:
 
     weight_dtype: str | None = None  # None: the compute dtype; else bf16, fp16, fp32, fp8 or "gguf"
     gguf_bytes_per_param: float = 0.0  # > 0 for GGUF
-    lora: bool = False  # LoRA applied at every forward (GGUF or streamed layers): fp32 transient
+    lora: bool = False  # a LoRA on the model: applied at every forward for GGUF and streamed layers (fp32
+    #                     transient), merged into resident weights of other formats at load (none)
     streamed: bool = False  # lowvram: some layers are copied to the GPU per forward
 
 
@@ -190,7 +191,7 @@ def weight_transient(dims: WanDims, ws: WeightSetup, compute: str = "bf16") -> i
         t = e * P + (wb * P if ws.streamed else 0)
     elif ws.streamed:
         t = e * P
-    if ws.lora:
+    if ws.lora and (ws.gguf_bytes_per_param > 0 or ws.streamed):  # else merged into the weights at load
         t += 8 * P
     return t
 

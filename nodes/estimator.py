@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..attention import kernels
 from ..memory import model as M
@@ -166,6 +166,18 @@ def report_from_facts(f: dict, shape) -> str:
             f"verdict: {verdict}")
 
 
+def _later_patch_note(model, shape, model_options, settings: Settings, facts: dict) -> str:
+    """What a Sage patch placed after this node would add.  The node runs before a patch further down
+    the graph, so it sees none; the reservation is decided again when sampling starts, where it does."""
+    try:
+        _fn, with_sage = plan_reservation(model, shape, model_options, replace(settings, count_sage="always"))
+        extra = (with_sage["reservation"] - facts["reservation"]) / GiB
+        return (f"Sage patch: none on the model here; a Wan 2.2 Sage Attention Patch after this node is counted "
+                f"when sampling starts ({with_sage['attention']}: reservation {extra:+.2f} GiB)")
+    except Exception:  # the note is a courtesy; never fail the node over it
+        return "Sage patch: none on the model here; one after this node is counted when sampling starts"
+
+
 def _prepare_wrapper(settings: Settings):
     def prepare_sampling(executor, model, noise_shape, conds, *args, **kwargs):
         mo = kwargs.get("model_options", args[0] if args else None) or getattr(model, "model_options", {})
@@ -242,8 +254,11 @@ def apply_estimator(model, settings: Settings, shape, model_options=None):
     W = B.wrappers_mp()
     m.add_wrapper_with_key(W.PREPARE_SAMPLING, PREPARE_KEY, _prepare_wrapper(settings))
     m.add_wrapper_with_key(W.CALC_COND_BATCH, BATCH_KEY, _cond_batch_wrapper(settings))
-    _fn, facts = plan_reservation(m, shape, model_options or m.model_options, settings)
+    mo = model_options or m.model_options
+    _fn, facts = plan_reservation(m, shape, mo, settings)
     text = report_from_facts(facts, shape)
+    if settings.count_sage == "auto-detect" and facts["attention"] == "sdpa":
+        text += "\n" + _later_patch_note(m, shape, mo, settings, facts)
     if B.is_dynamic(m):
         text += "\nmemory path: dynamic VRAM (residency managed by ComfyUI; estimate used for cond batching)"
     nums = {"tokens": facts["tokens"], "activation_gb": (facts["terms"]["phase_peak"] + facts["terms"]["persistent"]) / GiB,

@@ -123,3 +123,21 @@ def test_report_shows_tokens_peak_weights_and_verdict(comfy):
     assert nums["tokens"] == 75600
     for word in ("tokens", "activation peak", "Sage extra", "weights", "verdict"):
         assert word in text
+
+
+def test_report_says_a_sage_patch_after_the_node_is_counted_at_sampling(comfy):
+    # The H200 end-to-end graph puts the estimator before the patch: its node-time report read
+    # "Sage extra: +0.00 GiB (sdpa)" although sampling reserved Sage's bytes.
+    import re
+    from wan_sage.nodes.estimator import Settings, apply_estimator
+    from wan_sage.nodes.sage_patch import apply_patch
+    base = comfy_env.tiny_wan_patcher(num_layers=2)
+    _, _, text = apply_estimator(base, Settings(), [1, 16, 21, 90, 160])
+    note = re.search(r"Sage patch: none on the model here; .* reservation \+([0-9.]+) GiB\)", text)
+    assert note and float(note.group(1)) > 0, text
+    _, _, text = apply_estimator(base, Settings(count_sage="never"), [1, 16, 21, 90, 160])
+    assert "Sage patch:" not in text
+    patched, status = apply_patch(base)
+    assert "patched" in status, status
+    _, _, text = apply_estimator(patched, Settings(), [1, 16, 21, 90, 160])   # the patch is upstream: no note
+    assert "Sage patch:" not in text and "(sdpa)" not in text

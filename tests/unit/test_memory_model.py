@@ -140,3 +140,15 @@ def test_non_wan_and_broken_files(tmp_path):
         read_model_file(str(bad))
     with pytest.raises(FileNotFoundError):
         read_model_file(str(tmp_path / "missing.safetensors"))
+
+
+def test_lora_transient_only_where_comfyui_applies_the_lora_per_forward():
+    # GGUF (always) and streamed layers apply the LoRA in fp32 at every forward; resident fp8/bf16
+    # weights have it merged at load, so `wan-sage plan --lora` must not count it there.
+    P = A14B.dim * A14B.ffn_dim
+    fp8 = M.WeightSetup("fp8", lora=True)
+    assert M.weight_transient(A14B, fp8) == 2 * P
+    assert M.weight_transient(A14B, M.WeightSetup("fp8", lora=True, streamed=True)) == 2 * P + P + 8 * P
+    gguf = M.WeightSetup("gguf", gguf_bytes_per_param=0.6, lora=True)
+    assert M.weight_transient(A14B, gguf) == 2 * 2 * P + 8 * P
+    assert M.weight_transient(A14B, M.WeightSetup("bf16", lora=True)) == 0
