@@ -477,12 +477,14 @@ class Host:
         mem.ballast = ballast.nbytes
         mem.reset()
         w, h_px, f = spec.res
-        row = {"schema": SCHEMA, "run": spec.label,
+        row = {"schema": SCHEMA, "run": run_label(spec, self.args),
                "config": {"estimator": spec.estimator, "attention": spec.attention, "budget_gib": spec.budget_gib,
                           "width": w, "height": h_px, "frames": f, "weights": self.args.weights, "steps": self.args.steps,
                           "cfg": 1.0, "sampler": "euler", "scheduler": "simple", "shift": self.args.shift,
                           "lora_rank": self.args.lora_rank,
-                          "decode": decode},
+                          "decode": decode,
+                          **({"check_finite": False} if spec.attention == "sage" and not self.args.sage_check_finite
+                             else {})},
                "budget": {"free_before_gib": _r(ballast.free_before and ballast.free_before / GiB),
                           "free_seen_gib": _r(ballast.free_seen and ballast.free_seen / GiB),
                           "ballast_gib": _r(ballast.nbytes / GiB), "note": ballast.note,
@@ -522,7 +524,7 @@ class Host:
                         extras[f"est_{e}"] = {k: _r(v) if isinstance(v, float) else v for k, v in (nums or {}).items()}
                         extras[f"report_{e}"] = report
                     if spec.attention == "sage":
-                        m, status = apply_patch(m)
+                        m, status = apply_patch(m, check_finite=self.args.sage_check_finite)
                         extras[f"patch_{e}"] = status
                     ov = find_override(m.model_options.get("transformer_options", {}))
                     extras[f"patch_id_{e}"] = ov.patch_id if ov is not None else None
@@ -695,6 +697,16 @@ def substitute_models(prompt: dict, names: dict, weights: str) -> dict:
     return mapping
 
 
+NO_CHECK = "/no-finite-check"
+
+
+def run_label(spec, args) -> str:
+    """The record's ``run``: the spec, marked when the Sage patch ran without its NaN/Inf check, so that
+    ``--skip-done`` and the tables never take one for the other."""
+    off = spec.attention == "sage" and not getattr(args, "sage_check_finite", True)
+    return spec.label + (NO_CHECK if off else "")
+
+
 def done_runs(paths: str, weights: str) -> set:
     """Labels of the runs with an ``ok`` or ``oom`` record for these weights in the JSONL files (a budget
     run marked not faithful does not count: it is run again)."""
@@ -770,6 +782,9 @@ def parse_args(argv=None):
     ap.add_argument("--workflow", default=None, help="run a saved workflow (UI or API JSON) instead of the built-in graph")
     ap.add_argument("--allocator", choices=["async", "native"], default="async",
                     help="async: cudaMallocAsync, what ComfyUI's main.py selects; native: PyTorch's caching allocator")
+    ap.add_argument("--sage-check-finite", choices=["on", "off"], default="on",
+                    help="the Sage patch's per-call NaN/Inf check (default on, as the node); off measures its cost "
+                         "(recorded as config.check_finite: false)")
     ap.add_argument("--reserve-vram", type=float, default=None, help="ComfyUI's --reserve-vram (GB), e.g. 0.68 to copy Windows")
     ap.add_argument("--deadline-s", type=float, default=None, help="start no run after this many seconds")
     ap.add_argument("--skip-done", default=None, metavar="JSONL[,JSONL]",
@@ -779,6 +794,7 @@ def parse_args(argv=None):
     ap.add_argument("--cpu", action="store_true", help="force the CPU")
     ap.add_argument("--quiet", action="store_true", help="ComfyUI logs at WARNING")
     a = ap.parse_args(argv)
+    a.sage_check_finite = a.sage_check_finite == "on"
     if a.work_dir is None:
         a.work_dir = str(Path(a.models_dir).resolve().parent / "e2e-work")
     return a
@@ -822,14 +838,14 @@ def main(argv=None):
         else:
             specs = [RunSpec(args.estimator, args.attention, args.vram_budget, res or default_res)]
         done = done_runs(args.skip_done, args.weights) if args.skip_done else set()
-        todo = [s for s in specs if s.label not in done]
+        todo = [s for s in specs if run_label(s, args) not in done]
         if args.warmup and todo and not (args.deadline_s is not None and time.perf_counter() - t_start > args.deadline_s):
             ws = warmup_spec(todo, args.scale)
             w = host.run(ws, decode=False)
             host.log(f"e2e warm-up ({ws.label}): {w['status']} in {w['run_s']} s (not recorded)")
         for i, spec in enumerate(specs):
-            if spec.label in done:
-                host.log(f"e2e run {i + 1}/{len(specs)}: {spec.label} already recorded, skipped")
+            if run_label(spec, args) in done:
+                host.log(f"e2e run {i + 1}/{len(specs)}: {run_label(spec, args)} already recorded, skipped")
                 continue
             if args.deadline_s is not None and time.perf_counter() - t_start > args.deadline_s:
                 emit({"schema": SCHEMA, "run": spec.label, "status": "skipped", "error": f"deadline {args.deadline_s:g} s"})

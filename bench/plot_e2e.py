@@ -59,7 +59,8 @@ def sessions_of(runs: list[dict]) -> list[str]:
 
 def _key(r: dict) -> tuple:
     c = r["config"]
-    return (c.get("weights"), c["estimator"], c["attention"], c.get("budget_gib"), (c["width"], c["height"], c["frames"]))
+    att = c["attention"] + ("-nocheck" if c.get("check_finite") is False else "")
+    return (c.get("weights"), c["estimator"], att, c.get("budget_gib"), (c["width"], c["height"], c["frames"]))
 
 
 def labels(runs: list[dict]) -> list[str]:
@@ -79,7 +80,8 @@ def label(r: dict) -> str:
     res = f"{c['width']}x{c['height']}x{c['frames']}"
     res = {"1280x720x81": "720p81", "832x480x81": "480p81"}.get(res, res)
     b = "full" if c.get("budget_gib") is None else f"{c['budget_gib']:g} GB"
-    return f"{res} {b} {c.get('weights', '')}\n{'estimator' if c['estimator'] else 'ComfyUI'} + {c['attention'].upper()}"
+    nocheck = " (no finite check)" if c.get("check_finite") is False else ""
+    return f"{res} {b} {c.get('weights', '')}\n{'estimator' if c['estimator'] else 'ComfyUI'} + {c['attention'].upper()}{nocheck}"
 
 
 def _sorted(runs: list[dict]) -> list[dict]:

@@ -125,6 +125,18 @@ def test_fp8_experts_load_through_unetloader(e2e_rows):
     assert len(fp8) == 2
 
 
+def test_sage_without_its_finite_check_is_a_run_of_its_own(e2e_rows):
+    # --sage-check-finite off measures what the per-call NaN/Inf check costs; its record must never
+    # pass for (or be skipped as) the default configuration's.
+    _, _, tmp = e2e_rows
+    rows, err = _run(["--runs", "est+sage@full:64x64x5,comfy+sdpa@24:64x64x5", "--decode", "none",
+                      "--sage-check-finite", "off", "--skip-done", str(tmp / "runs.jsonl")], tmp)
+    assert "comfy+sdpa@24:64x64x5 already recorded, skipped" in err        # SDPA: the same run as before
+    (r,) = [r for r in rows if r.get("status") != "skipped"]
+    assert r["run"] == "est+sage@full:64x64x5/no-finite-check" and r["config"]["check_finite"] is False
+    assert r["status"] == "ok", r["error"]
+
+
 def test_full_scale_file_sizes(comfy):
     import e2e_models as EM
     q = sum(s.nbytes for s in EM.wan_specs("full", "gguf"))

@@ -311,3 +311,19 @@ def test_ratios_stay_within_a_session_and_out_of_memory_is_checked_across_sessio
     assert "session B, estimator" in out.read_text() and "[B] 720p81" in out.read_text()
     with pytest.raises(SystemExit):
         plot_e2e.main(["--session", "no-equals-sign"])
+
+
+def test_runs_without_the_finite_check_are_labelled_and_kept_apart():
+    import argparse
+    import e2e
+    import plot_e2e
+    spec = [e2e.RunSpec.parse("est+sage@24:720p81"), e2e.RunSpec.parse("est+sdpa@24:720p81")]
+    off, on = argparse.Namespace(sage_check_finite=False), argparse.Namespace(sage_check_finite=True)
+    assert [e2e.run_label(s, off) for s in spec] == ["est+sage@24:1280x720x81/no-finite-check", "est+sdpa@24:1280x720x81"]
+    assert [e2e.run_label(s, on) for s in spec] == ["est+sage@24:1280x720x81", "est+sdpa@24:1280x720x81"]
+    a = _row(True, "sage", 24.0, 10.0)
+    b = _row(True, "sage", 24.0, 9.9)
+    b["config"]["check_finite"] = False
+    assert plot_e2e._key(a) != plot_e2e._key(b) and "(no finite check)" in plot_e2e.label(b)
+    t = {name.split(": ", 1)[1]: (m, v) for name, m, v in plot_e2e.targets([_row(True, "sdpa", 24.0, 12.5), a, b])}
+    assert "12.50 / 10.00 s" in t["estimator, 24 GB, 720p81: Sage ≥ 1.20× SDPA"][0]    # the default run only
