@@ -483,8 +483,7 @@ class Host:
                           "cfg": 1.0, "sampler": "euler", "scheduler": "simple", "shift": self.args.shift,
                           "lora_rank": self.args.lora_rank,
                           "decode": decode,
-                          **({"check_finite": False} if spec.attention == "sage" and not self.args.sage_check_finite
-                             else {})},
+                          **({"check_finite": False} if finite_check_off(spec, self.args) else {})},
                "budget": {"free_before_gib": _r(ballast.free_before and ballast.free_before / GiB),
                           "free_seen_gib": _r(ballast.free_seen and ballast.free_seen / GiB),
                           "ballast_gib": _r(ballast.nbytes / GiB), "note": ballast.note,
@@ -700,11 +699,15 @@ def substitute_models(prompt: dict, names: dict, weights: str) -> dict:
 NO_CHECK = "/no-finite-check"
 
 
+def finite_check_off(spec, args) -> bool:
+    """The Sage patch runs without its per-call NaN/Inf check in this run (``--sage-check-finite off``)."""
+    return spec.attention == "sage" and not args.sage_check_finite
+
+
 def run_label(spec, args) -> str:
     """The record's ``run``: the spec, marked when the Sage patch ran without its NaN/Inf check, so that
     ``--skip-done`` and the tables never take one for the other."""
-    off = spec.attention == "sage" and not getattr(args, "sage_check_finite", True)
-    return spec.label + (NO_CHECK if off else "")
+    return spec.label + (NO_CHECK if finite_check_off(spec, args) else "")
 
 
 def done_runs(paths: str, weights: str) -> set:
@@ -844,11 +847,12 @@ def main(argv=None):
             w = host.run(ws, decode=False)
             host.log(f"e2e warm-up ({ws.label}): {w['status']} in {w['run_s']} s (not recorded)")
         for i, spec in enumerate(specs):
-            if run_label(spec, args) in done:
-                host.log(f"e2e run {i + 1}/{len(specs)}: {run_label(spec, args)} already recorded, skipped")
+            run = run_label(spec, args)
+            if run in done:
+                host.log(f"e2e run {i + 1}/{len(specs)}: {run} already recorded, skipped")
                 continue
             if args.deadline_s is not None and time.perf_counter() - t_start > args.deadline_s:
-                emit({"schema": SCHEMA, "run": spec.label, "status": "skipped", "error": f"deadline {args.deadline_s:g} s"})
+                emit({"schema": SCHEMA, "run": run, "status": "skipped", "error": f"deadline {args.deadline_s:g} s"})
                 continue
             decode = args.decode == "all" or (args.decode == "first" and not host.decoded)
             host.log(f"e2e run {i + 1}/{len(specs)}: {spec.label}")

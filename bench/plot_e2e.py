@@ -224,6 +224,7 @@ def targets(runs: list[dict], budget: float = 24.0) -> list[tuple]:
     out = []
     R720 = (1280, 720, 81)
     names = sessions_of(runs)
+    labs = labels(runs)
 
     def per_step(recs, skip_first=False):
         return statistics.median(_steps_s(r, skip_first) for r in recs)
@@ -261,19 +262,17 @@ def targets(runs: list[dict], budget: float = 24.0) -> list[tuple]:
         comfy_keys = {_key(r) for r in runs if r["config"].get("weights") == w and not r["config"]["estimator"]}
         pairs = [(k, (k[0], True) + k[2:]) for k in sorted(comfy_keys, key=str)]
         pairs = [(c, e) for c, e in pairs if _find(runs, *e)]
-        bad = [label(_find(runs, *e)[0]).replace("\n", " · ") for c, e in pairs
-               if any(r.get("status") == "ok" for r in _find(runs, *c))
-               and any(r.get("status") != "ok" for r in _find(runs, *e))]
+        failed = [r for c, e in pairs if any(x.get("status") == "ok" for x in _find(runs, *c))
+                  for r in _find(runs, *e) if r.get("status") != "ok"]
+        bad = list(dict.fromkeys(label(r).replace("\n", " · ") for r in failed))
         name = tag + "the estimator never runs out of memory where ComfyUI alone completes"
         if pairs:
-            n_bad = sum(1 for c, e in pairs for r in _find(runs, *e) if r.get("status") != "ok"
-                        and any(x.get("status") == "ok" for x in _find(runs, *c)))
             n_est = sum(len(_find(runs, *e)) for _c, e in pairs)
             out.append((name, f"{len(pairs)} pair{'s' * (len(pairs) != 1)}, {n_est} estimator run{'s' * (n_est != 1)}" +
-                        (f"; out of memory in {n_bad}: {', '.join(bad)}" if bad else ""), "missed" if bad else "met"))
+                        (f"; out of memory in {len(failed)}: {', '.join(bad)}" if bad else ""), "missed" if bad else "met"))
         else:
             out.append((name, "no pair", "not measured"))
-        for r, lab in zip(runs, labels(runs)):
+        for r, lab in zip(runs, labs):
             c = r["config"]
             if c.get("weights") != w or not c["estimator"] or r.get("status") != "ok" or c.get("budget_gib") is None:
                 continue

@@ -13,7 +13,7 @@ from ..attention import kernels as K
 
 __all__ = ["rounding_notes", "verdict_for", "EstimateRequest", "Estimate", "estimate", "activation_bytes", "comfy_estimate_bytes",
            "attention_paths", "CALIBRATED", "GiB", "validate_request",
-           "casts_weights", "fragmentation_bytes"]
+           "fragmentation_bytes"]
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -65,19 +65,13 @@ def comfy_estimate_bytes(dims: M.WanDims, latent: tuple, dtype: str = "bf16", va
     return int(B * T * H * W * M.DTYPE_BYTES[dtype] * 0.01 * factor * MiB)
 
 
-def casts_weights(ws: M.WeightSetup, compute: str) -> bool:
-    """True when every Linear casts its stored weight to the compute dtype (fp8 checkpoints); GGUF
-    dequantises instead, and its transient is in :func:`memory.model.weight_transient`."""
-    return ws.gguf_bytes_per_param <= 0 and ws.weight_dtype not in (None, "gguf", compute)
-
-
 def fragmentation_bytes(dims: M.WanDims, w: M.Workload, ws: M.WeightSetup, partial: bool) -> int:
     """What the allocator holds above the allocated peak: streamed layers under partial loading
     (``partial_frag_factor``), per-call weight casts (``cast_frag_factor``), the larger of the two,
     as a multiple of the largest activation block plus a fixed part; 0 for resident weights in the
     compute dtype and for GGUF."""
     factor = max(CALIBRATED["partial_frag_factor"] if partial else 0.0,
-                 CALIBRATED["cast_frag_factor"] if casts_weights(ws, w.dtype) else 0.0)
+                 CALIBRATED["cast_frag_factor"] if ws.casts_to(w.dtype) else 0.0)
     return int(factor * M.largest_block(dims, w)) + CALIBRATED["partial_fixed"] if factor else 0
 
 

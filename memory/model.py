@@ -169,6 +169,14 @@ class WeightSetup:
     #                     transient), merged into resident weights of other formats at load (none)
     streamed: bool = False  # lowvram: some layers are copied to the GPU per forward
 
+    @property
+    def gguf(self) -> bool:
+        return self.gguf_bytes_per_param > 0
+
+    def casts_to(self, compute: str) -> bool:
+        """Every Linear casts its stored weight to the compute dtype (fp8 checkpoints); GGUF dequantises."""
+        return not self.gguf and self.weight_dtype not in (None, "gguf", compute)
+
 
 def weight_transient(dims: WanDims, ws: WeightSetup, compute: str = "bf16") -> int:
     """Bytes a single Linear adds while it runs, for the largest layer (the FFN, d x f).
@@ -184,14 +192,14 @@ def weight_transient(dims: WanDims, ws: WeightSetup, compute: str = "bf16") -> i
     e = DTYPE_BYTES[compute]
     P = dims.dim * dims.ffn_dim
     t = 0
-    if ws.gguf_bytes_per_param > 0:
+    if ws.gguf:
         t = 2 * e * P + (int(ws.gguf_bytes_per_param * P) if ws.streamed else 0)
-    elif ws.weight_dtype not in (None, compute):
+    elif ws.casts_to(compute):
         wb = {"fp8": 1, "fp16": 2, "bf16": 2, "fp32": 4}.get(ws.weight_dtype, 2)
         t = e * P + (wb * P if ws.streamed else 0)
     elif ws.streamed:
         t = e * P
-    if ws.lora and (ws.gguf_bytes_per_param > 0 or ws.streamed):  # else merged into the weights at load
+    if ws.lora and (ws.gguf or ws.streamed):  # else merged into the weights at load
         t += 8 * P
     return t
 

@@ -72,7 +72,8 @@ def wan_dims(model) -> M.WanDims:
 
 
 def weight_setup(model, partial: bool) -> M.WeightSetup:
-    """GGUF, fp8 or plain weights; LoRA applied per forward (GGUF always, else when streamed)."""
+    """GGUF, fp8 or plain weights, and whether a LoRA is on the model (memory.model.weight_transient
+    decides where ComfyUI applies it per forward)."""
     base = model.model
     gguf = type(model).__name__.startswith("GGUF") or any(
         type(p).__name__ == "GGMLTensor" for p in list(base.parameters())[:64])
@@ -83,7 +84,7 @@ def weight_setup(model, partial: bool) -> M.WeightSetup:
         size = model.model_size() or 1
         numel = sum(getattr(p, "tensor_shape", p.shape).numel() for p in base.parameters()) or 1
         return M.WeightSetup("gguf", gguf_bytes_per_param=size / numel, lora=lora, streamed=partial)
-    return M.WeightSetup(name, lora=lora and partial, streamed=partial)
+    return M.WeightSetup(name, lora=lora, streamed=partial)
 
 
 def device_of(model) -> torch.device:

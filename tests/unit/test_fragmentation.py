@@ -11,7 +11,7 @@ import pytest
 
 from wan_sage.memory import model as M
 from wan_sage.memory.api import weights_for_key
-from wan_sage.memory.estimate import (CALIBRATED, COMFY_EXTRA_RESERVED, EstimateRequest, GiB, casts_weights,
+from wan_sage.memory.estimate import (CALIBRATED, COMFY_EXTRA_RESERVED, EstimateRequest, GiB,
                                       estimate, fragmentation_bytes)
 
 A14B = M.PRESETS["wan2.2-a14b"]
@@ -26,8 +26,8 @@ def _ws(key, lora=True):
 def test_only_cast_weights_get_the_term_when_resident():
     largest = M.largest_block(A14B, W720)
     fixed = CALIBRATED["partial_fixed"]
-    assert casts_weights(_ws("fp8"), "bf16") and not casts_weights(_ws("bf16"), "bf16")
-    assert not casts_weights(_ws("q4_k_m"), "bf16") and not casts_weights(M.WeightSetup(), "bf16")
+    assert _ws("fp8").casts_to("bf16") and not _ws("bf16").casts_to("bf16")
+    assert not _ws("q4_k_m").casts_to("bf16") and not M.WeightSetup().casts_to("bf16")
     assert fragmentation_bytes(A14B, W720, _ws("bf16"), False) == 0
     assert fragmentation_bytes(A14B, W720, _ws("q4_k_m"), False) == 0
     assert fragmentation_bytes(A14B, W720, _ws("fp8"), False) == int(CALIBRATED["cast_frag_factor"] * largest) + fixed
