@@ -7,7 +7,7 @@ import json
 import sys
 
 from .attention.kernels import KERNELS
-from .memory import model as M
+from .memory import activation_model
 from .memory.api import WEIGHT_BYTES, RequestError, weights_for_file, weights_for_key
 from .memory.estimate import EstimateRequest, GiB, estimate
 from .memory.headers import NotAWanModel, read_model_file
@@ -22,7 +22,7 @@ def _plan_parser(sub):
     p = sub.add_parser("plan", help="estimate the working memory of a Wan denoise (no GPU needed)",
                        description="Estimate a Wan denoise's activation memory and what a card must offload.")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--preset", choices=sorted(M.PRESETS), help="a known Wan model")
+    src.add_argument("--preset", choices=sorted(activation_model.PRESETS), help="a known Wan model")
     src.add_argument("--model", metavar="FILE", help="a Wan DiT .safetensors or .gguf file (header only is read)")
     p.add_argument("--width", type=int, default=1280)
     p.add_argument("--height", type=int, default=720)
@@ -64,7 +64,7 @@ def cmd_plan(a) -> int:
         ws, weights_bytes = weights_for_file(info, a.lora)
         notes.append(f"{info.format} file: {info.main_dtype} weights, {weights_bytes / GiB:.2f} GiB")
     else:
-        dims = M.PRESETS[a.preset]
+        dims = activation_model.PRESETS[a.preset]
         try:
             ws, weights_bytes = weights_for_key(dims, (a.weights or "bf16").lower(), a.lora)
         except RequestError:
@@ -138,8 +138,8 @@ def _bench_parser(sub):
 
 
 def cmd_bench(a) -> int:
-    from .attention import bench
-    return bench.main(a)
+    from .attention import kernel_compare
+    return kernel_compare.main(a)
 
 
 def main(argv=None) -> int:

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from . import calibration, kernels, memory, policy, selftest, stats
+from . import kernel_bytes, kernels, policy, selftest, stats, timing
 from .sdpa import attention_sdpa
 
 __all__ = ["PatchConfig", "SageAttentionOverride", "Plan", "reset_state"]
@@ -119,12 +119,12 @@ def _log_once(key, level, msg, *args) -> None:
     log.log(level, msg, *args)
 
 
-def _store(cache_dir: str | None) -> calibration.CalibrationStore:
-    key = cache_dir or str(calibration.default_dir())
+def _store(cache_dir: str | None) -> timing.CalibrationStore:
+    key = cache_dir or str(timing.default_dir())
     st = _stores.get(key)
     if st is None:
         with _lock:
-            st = _stores.setdefault(key, calibration.CalibrationStore(key))
+            st = _stores.setdefault(key, timing.CalibrationStore(key))
     return st
 
 
@@ -305,7 +305,7 @@ class SageAttentionOverride:
         dt = "bf16" if dtype == torch.bfloat16 else "fp16"
         best, best_ms, sdpa_ms, missing = None, math.inf, None, []
         for name in cands:
-            e = store.get(calibration.make_key(d.gpu, d.cc, name, _kernel_version(name), dt, H, D, Nq, Nk))
+            e = store.get(timing.make_key(d.gpu, d.cc, name, _kernel_version(name), dt, H, D, Nq, Nk))
             if e is None:
                 missing.append(name)
                 continue
@@ -317,14 +317,14 @@ class SageAttentionOverride:
             plan.calibrate = tuple(missing)
             plan.kernel = missing[0]
         elif best is not None and not missing:
-            if best_ms < calibration.FASTER_BY * sdpa_ms:
+            if best_ms < timing.FASTER_BY * sdpa_ms:
                 plan.kernel, plan.saved_ms = best, sdpa_ms - best_ms
             else:
                 plan.reason = "cross_slower" if cross else "slower"
                 _decided[dkey] = (None, plan.reason, 0.0, d.cc)
                 return plan
             _decided[dkey] = (plan.kernel, None, plan.saved_ms, d.cc)
-        elif best is not None and best_ms < calibration.FASTER_BY * sdpa_ms:
+        elif best is not None and best_ms < timing.FASTER_BY * sdpa_ms:
             plan.kernel, plan.saved_ms = best, sdpa_ms - best_ms
         else:
             # No measurement (calibration off or over budget): cross-attention stays on SDPA,
@@ -354,9 +354,9 @@ class SageAttentionOverride:
         kern = kernels.KERNELS[plan.kernel]
         out_copy = s * plan.B * plan.H * plan.Nq * plan.D if (plan.layout == "HND" or plan.kernel == "ck_int8") else 0
         margin = self.config.memory_margin_mb << 20
-        shape = memory.AttnShape(plan.B, plan.H, plan.Nq, plan.Nk, plan.D, s, None, dtype == torch.bfloat16)
+        shape = kernel_bytes.AttnShape(plan.B, plan.H, plan.Nq, plan.Nk, plan.D, s, None, dtype == torch.bfloat16)
         path = kern.memory_path(plan.cc)
-        need = memory.with_margin(memory.extra_bytes(path, shape)) + out_copy + margin
+        need = kernel_bytes.with_margin(kernel_bytes.extra_bytes(path, shape)) + out_copy + margin
         if plan.calibrate:
             need += s * plan.B * plan.H * plan.Nq * plan.D  # one kept output while timing the next
             if not _free_bytes(dev, need, self.free_memory):
@@ -372,7 +372,7 @@ class SageAttentionOverride:
             hg = -(-plan.H // g)
             if g > 2 and hg == -(-plan.H // (g - 1)):
                 continue
-            need_g = out_full + memory.with_margin(memory.extra_bytes(path, shape.with_heads(hg))) + margin
+            need_g = out_full + kernel_bytes.with_margin(kernel_bytes.extra_bytes(path, shape.with_heads(hg))) + margin
             if _free_bytes(dev, need_g, self.free_memory):
                 plan.groups, plan.need = -(-plan.H // hg), need_g
                 return plan
@@ -469,7 +469,7 @@ class SageAttentionOverride:
             def call(name=name):
                 holder["o"] = kernels.run(name, q4, k4, v4, plan.layout, scale, plan.cc)
                 return None
-            ms = calibration.time_cuda(call)
+            ms = timing.time_cuda(call)
             results[name] = ms
             if ms < best_ms:
                 best_name, best_ms, best_out = name, ms, holder.pop("o")
@@ -481,9 +481,9 @@ class SageAttentionOverride:
         def sdpa_call():
             sdpa_holder["o"] = self.sdpa(*args, **sdpa_kwargs)
             return None
-        sdpa_ms = calibration.time_cuda(sdpa_call)
+        sdpa_ms = timing.time_cuda(sdpa_call)
         for name, ms in results.items():
-            store.put(calibration.make_key(d.gpu, d.cc, name, _kernel_version(name), dt, plan.H, plan.D,
+            store.put(timing.make_key(d.gpu, d.cc, name, _kernel_version(name), dt, plan.H, plan.D,
                                            plan.Nq, plan.Nk), ms, sdpa_ms, plan.Nq, plan.Nk, save=False)
         store.save()
         spent = time.perf_counter() - t0
@@ -492,6 +492,6 @@ class SageAttentionOverride:
         log.info("wan-sage: calibrated %s on %s for [B=%d, H=%d, Nq=%d, Nk=%d, D=%d] in %.2f s: SDPA %.2f ms, %s",
                  dt, d.gpu, plan.B, plan.H, plan.Nq, plan.Nk, plan.D, spent, sdpa_ms,
                  ", ".join(f"{n} {m:.2f} ms" for n, m in results.items()))
-        if best_ms < calibration.FASTER_BY * sdpa_ms:
+        if best_ms < timing.FASTER_BY * sdpa_ms:
             return best_name, best_out, spent * 1000, sdpa_ms - best_ms
         return None, sdpa_holder.pop("o"), spent * 1000, 0.0

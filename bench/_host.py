@@ -111,12 +111,12 @@ def wan_state_dict(name: str, dtype, device="cuda", seed=0):
     """A random state dict with ComfyUI Wan key names and real sizes (built on ``device``)."""
     import math
     import torch
-    import comfy.ldm.wan.model as W
+    import comfy.ldm.wan.model as comfy_wan
     import comfy.ops
     cfg = unet_config(name)
     kw = {k: v for k, v in cfg.items() if k not in ("image_model",)}
     with torch.device("meta"):
-        m = W.WanModel(**kw, operations=comfy.ops.disable_weight_init, dtype=dtype)
+        m = comfy_wan.WanModel(**kw, operations=comfy.ops.disable_weight_init, dtype=dtype)
     g = torch.Generator(device=device).manual_seed(seed)
     sd = {}
     for k, t in m.state_dict().items():

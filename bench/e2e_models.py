@@ -107,14 +107,14 @@ def te_config(scale: str) -> dict | None:
 # --------------------------------------------------------------------------- specs from ComfyUI modules
 
 def wan_specs(scale: str, weights: str) -> list[Spec]:
-    import comfy.ldm.wan.model as W
+    import comfy.ldm.wan.model as comfy_wan
     import comfy.ops
     d = SCALES[scale]["wan"]
     kw = dict(model_type="t2v", patch_size=(1, 2, 2), text_len=512, in_dim=16, dim=d["dim"], ffn_dim=d["ffn_dim"],
               freq_dim=256, text_dim=4096, out_dim=16, num_heads=d["dim"] // 128, num_layers=d["num_layers"],
               window_size=(-1, -1), qk_norm=True, cross_attn_norm=True, eps=1e-6)
     with torch.device("meta"):
-        m = W.WanModel(**kw, device="meta", dtype=torch.float32, operations=comfy.ops.disable_weight_init)
+        m = comfy_wan.WanModel(**kw, device="meta", dtype=torch.float32, operations=comfy.ops.disable_weight_init)
     specs = []
     for k, t in m.state_dict().items():
         shape = tuple(t.shape)
@@ -180,9 +180,9 @@ def umt5_specs(scale: str, te_dtype: str, tokenizer: bytes) -> list[Spec]:
 
 
 def vae_specs() -> list[Spec]:
-    import comfy.ldm.wan.vae as V
+    import comfy.ldm.wan.vae as comfy_wan_vae
     with torch.device("meta"):
-        vae = V.WanVAE(dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+        vae = comfy_wan_vae.WanVAE(dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
                        temperal_downsample=[False, True, True], dropout=0.0)
     specs = []
     for k, v in vae.state_dict().items():

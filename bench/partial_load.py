@@ -68,8 +68,8 @@ def main():
     import comfy.sample
     import comfy.sd
     from wan_sage.attention import stats
-    from wan_sage.memory import model as M
-    from wan_sage.nodes import estimator as E
+    from wan_sage.memory import activation_model
+    from wan_sage.nodes import estimator
     from wan_sage.nodes.sage_patch import apply_patch, find_override
 
     dev = mm.get_torch_device()
@@ -85,8 +85,8 @@ def main():
     if a.lora_rank:
         base_patcher = base_patcher.clone()
         base_patcher.add_patches(random_lora(base_patcher, a.lora_rank), 1.0)
-    dims = M.PRESETS["wan2.2-a14b" if a.model == "a14b" else "wan2.1-1.3b"]
-    lat = list(M.latent_shape(dims, w, h, f, 1))
+    dims = activation_model.PRESETS["wan2.2-a14b" if a.model == "a14b" else "wan2.1-1.3b"]
+    lat = list(activation_model.latent_shape(dims, w, h, f, 1))
     head = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "allocator": a.allocator,
             "alloc_backend": torch.cuda.memory.get_allocator_backend(), "weights": a.weights,
             "weights_gib": base_patcher.model_size() / GiB, "latent": lat, "budget_gib": a.budget_gb,
@@ -107,11 +107,11 @@ def main():
             m, _status = apply_patch(m, calibrate=False)
         reservation = None
         if kind == "ours":
-            m, nums, report = E.apply_estimator(m, E.Settings(), lat)
+            m, nums, report = estimator.apply_estimator(m, estimator.Settings(), lat)
             reservation = nums["reservation_gb"] if nums else None
         elif kind.startswith("fixed:"):
             R = float(kind.split(":")[1])
-            m, nums, report = E.apply_estimator(m, E.Settings(policy=E.POLICIES[2], fixed_gb=R), lat)
+            m, nums, report = estimator.apply_estimator(m, estimator.Settings(policy=estimator.POLICIES[2], fixed_gb=R), lat)
             reservation = R
         else:
             reservation = m.model.memory_required(lat) / GiB

@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import _host  # noqa: E402
 
 _host.load_pack()
-from wan_sage.memory import model as MM  # noqa: E402
+from wan_sage.memory import activation_model  # noqa: E402
 from wan_sage.memory.estimate import activation_bytes  # noqa: E402
 
 GiB = 2 ** 30
@@ -38,7 +38,7 @@ def attention_doc():
          "```\n",
          "## Every kernel on every Wan shape\n",
          "The ms column is the median of 5. The extra column is `max_memory_allocated` above the inputs, for the same",
-         "call the dispatcher makes. The formula column comes from `attention/memory.py`. rel-L2 is against an fp32",
+         "call the dispatcher makes. The formula column comes from `attention/kernel_bytes.py`. rel-L2 is against an fp32",
          "reference on the first 1024 queries.\n",
          "| shape | backend | ms | × SDPA | extra MB | formula MB | error | rel-L2 |",
          "|---|---|---:|---:|---:|---:|---:|---:|"]
@@ -95,10 +95,10 @@ def memory_doc():
          "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     lo, hi = 1.0, -1.0
     for r in c:
-        d = MM.PRESETS[P[r["model"]]]
-        lat = MM.latent_shape(d, r["width"], r["height"], r["frames"])
-        w = MM.Workload(L=r["tokens"], dtype=r["dtype"], self_attn="sdpa" if r["attn"] == "sdpa" else "sage2_sm90",
-                        latent_elems_per_row=MM.latent_elems(lat))
+        d = activation_model.PRESETS[P[r["model"]]]
+        lat = activation_model.latent_shape(d, r["width"], r["height"], r["frames"])
+        w = activation_model.Workload(L=r["tokens"], dtype=r["dtype"], self_attn="sdpa" if r["attn"] == "sdpa" else "sage2_sm90",
+                        latent_elems_per_row=activation_model.latent_elems(lat))
         t = activation_bytes(d, w)
         p, m = t["total"], r["measured"]
         e = p / m - 1

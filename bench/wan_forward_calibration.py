@@ -46,10 +46,10 @@ def main():
     import comfy.model_management as mm
     import comfy.patcher_extension as pe
     import comfy.sample
-    from comfy.ldm.modules import attention as A
+    from comfy.ldm.modules import attention as comfy_attention
     from wan_sage.attention.dispatch import PatchConfig, SageAttentionOverride
     from wan_sage.attention import stats
-    from wan_sage.memory import model as M
+    from wan_sage.memory import activation_model
     from wan_sage.memory.estimate import activation_bytes, attention_paths
     from wan_sage.attention import kernels
 
@@ -66,7 +66,7 @@ def main():
             t0 = time.time()
             patcher = _host.build_wan(mname, dts[dname], dev)
             mm.load_models_gpu([patcher])
-            dims = M.PRESETS[PRESET[mname]]
+            dims = activation_model.PRESETS[PRESET[mname]]
             print(f"# built {mname} {dname} in {time.time() - t0:.1f}s; weights {patcher.model_size() / 2**30:.2f} GiB", flush=True)
             for attn in a.attn.split(","):
                 m = patcher.clone()
@@ -89,14 +89,14 @@ def main():
                 ov = None
                 if attn == "sage":
                     ov = SageAttentionOverride(PatchConfig(calibrate=False, cache_dir="/tmp/wan_sage_calib"),
-                                               sdpa=A.attention_pytorch.__wrapped__)
+                                               sdpa=comfy_attention.attention_pytorch.__wrapped__)
                     m.model_options["transformer_options"]["optimized_attention_override"] = ov
                 sizes = SIZES[mname][: int(a.sizes)] if a.sizes else SIZES[mname]
                 if a.size:
                     sizes = [tuple(int(x) for x in a.size.split("x"))]
                 for (w, h, f) in sizes:
-                    lat = M.latent_shape(dims, w, h, f, 1)
-                    L = M.tokens(dims, *lat[2:])
+                    lat = activation_model.latent_shape(dims, w, h, f, 1)
+                    L = activation_model.tokens(dims, *lat[2:])
                     g = torch.Generator().manual_seed(0)
                     noise = torch.randn(lat, generator=g)
                     ctx = torch.randn(1, 512, 4096, generator=g) * 0.1
@@ -114,8 +114,8 @@ def main():
                     self_p, cross_p = attention_paths("sdpa" if attn == "sdpa" else "sage-auto", cc)
                     if st and not st.get("sage_calls"):
                         self_p = cross_p = "sdpa"
-                    wl = M.Workload(L=L, rows=1, dtype=dname, self_attn=self_p, cross_attn="sdpa",
-                                    latent_elems_per_row=M.latent_elems(lat))
+                    wl = activation_model.Workload(L=L, rows=1, dtype=dname, self_attn=self_p, cross_attn="sdpa",
+                                    latent_elems_per_row=activation_model.latent_elems(lat))
                     pred = activation_bytes(dims, wl)
                     row = {"model": mname, "dtype": dname, "attn": attn, "width": w, "height": h, "frames": f,
                            "tokens": L, "ok": ok, "measured": rec.get("peak"), "predicted": pred["total"],

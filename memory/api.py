@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import re
 
-from . import model as M
+from . import activation_model
 from .estimate import EstimateRequest, GiB, estimate
-from ..attention import kernels as K
+from ..attention import kernels
 
 # The estimator node's reservation policies (nodes/estimator.py uses the same strings).
 POLICIES = ("wan-sage estimate", "max(wan-sage, ComfyUI)", "fixed GB per row")
@@ -46,16 +46,16 @@ def weights_for_file(info, lora: bool) -> tuple:
     """(WeightSetup, weight bytes) of a model file read by :func:`memory.headers.read_model_file`."""
     gguf = info.format == "gguf" and info.main_dtype not in ("F16", "BF16", "F32")
     if gguf:
-        return M.WeightSetup("gguf", gguf_bytes_per_param=info.bytes_per_param, lora=lora), info.weights_bytes
-    return M.WeightSetup(_HEADER_DTYPES.get(info.main_dtype, info.main_dtype), lora=lora), info.weights_bytes
+        return activation_model.WeightSetup("gguf", gguf_bytes_per_param=info.bytes_per_param, lora=lora), info.weights_bytes
+    return activation_model.WeightSetup(_HEADER_DTYPES.get(info.main_dtype, info.main_dtype), lora=lora), info.weights_bytes
 
 
-def weights_for_key(dims: M.WanDims, wkey: str, lora: bool) -> tuple:
+def weights_for_key(dims: activation_model.WanDims, wkey: str, lora: bool) -> tuple:
     """(WeightSetup, weight bytes) for a weight type name such as bf16, fp8 or q4_k_m."""
     if wkey not in WEIGHT_BYTES:
         raise RequestError("weights", f"weights must be one of {', '.join(WEIGHT_BYTES)}, got {wkey!r}")
     gguf = wkey.startswith("q")
-    ws = M.WeightSetup("gguf" if gguf else wkey, gguf_bytes_per_param=WEIGHT_BYTES[wkey] if gguf else 0.0, lora=lora)
+    ws = activation_model.WeightSetup("gguf" if gguf else wkey, gguf_bytes_per_param=WEIGHT_BYTES[wkey] if gguf else 0.0, lora=lora)
     return ws, int(dims.params() * WEIGHT_BYTES[wkey])
 
 
@@ -132,7 +132,7 @@ def estimate_from_json(p: dict, resolve_model_file=None, default_vram_bytes=None
             if preset is None:
                 raise RequestError("model_file", f"model file {name!r} {why} and its name names no Wan model; "
                                                  "pass 'preset'")
-            dims = M.PRESETS[preset]
+            dims = activation_model.PRESETS[preset]
             wkey = wkey or weights_from_name(name)
             source = f"preset {preset} (guessed from {name}, which {why})"
     elif p.get("model"):
@@ -140,7 +140,7 @@ def estimate_from_json(p: dict, resolve_model_file=None, default_vram_bytes=None
         if not isinstance(m, dict):
             raise RequestError("model", "model must be an object of Wan dims")
         try:
-            dims = M.WanDims(name=str(m.get("name", "custom Wan")), dim=int(m["dim"]), ffn_dim=int(m["ffn_dim"]),
+            dims = activation_model.WanDims(name=str(m.get("name", "custom Wan")), dim=int(m["dim"]), ffn_dim=int(m["ffn_dim"]),
                              num_heads=int(m.get("num_heads", int(m["dim"]) // 128)),
                              num_layers=int(m.get("num_layers", 40)), in_dim=int(m.get("in_dim", 16)),
                              out_dim=int(m.get("out_dim", 16)), latent_channels=int(m.get("latent_channels", 16)),
@@ -152,15 +152,15 @@ def estimate_from_json(p: dict, resolve_model_file=None, default_vram_bytes=None
         source = "given dims"
     else:
         preset = p.get("preset", "wan2.2-a14b")
-        if preset not in M.PRESETS:
-            raise RequestError("preset", f"preset must be one of {', '.join(M.PRESETS)}, got {preset!r}")
-        dims = M.PRESETS[preset]
+        if preset not in activation_model.PRESETS:
+            raise RequestError("preset", f"preset must be one of {', '.join(activation_model.PRESETS)}, got {preset!r}")
+        dims = activation_model.PRESETS[preset]
         source = f"preset {preset}"
     if ws is None:
         ws, weights_bytes = weights_for_key(dims, (wkey or "bf16").lower(), lora)
     attention = p.get("attention", "sdpa")
-    if attention not in ("sdpa", "sage-auto", "auto", *K.KERNELS):
-        raise RequestError("attention", f"attention must be sdpa, sage-auto or one of {', '.join(K.KERNELS)}")
+    if attention not in ("sdpa", "sage-auto", "auto", *kernels.KERNELS):
+        raise RequestError("attention", f"attention must be sdpa, sage-auto or one of {', '.join(kernels.KERNELS)}")
     cc = default_cc
     if p.get("arch"):
         try:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from . import model as M
-from ..attention import kernels as K
+from . import activation_model
+from ..attention import kernels
 
 __all__ = ["rounding_notes", "verdict_for", "EstimateRequest", "Estimate", "estimate", "activation_bytes", "comfy_estimate_bytes",
            "attention_paths", "CALIBRATED", "GiB", "validate_request",
@@ -44,46 +44,46 @@ COMFY_EXTRA_RESERVED = 400 * MiB
 
 
 def attention_paths(attention: str, cc: int | None = None) -> tuple:
-    """(self-attention path, cross-attention path) of attention.memory for an --attention choice."""
+    """(self-attention path, cross-attention path) of attention.kernel_bytes for an --attention choice."""
     if attention == "sdpa":
         return "sdpa", "sdpa"
     if attention in ("sage-auto", "auto", "sage"):
-        order = K.AUTO_ORDER.get(cc or 90, K.AUTO_ORDER[90])
+        order = kernels.AUTO_ORDER.get(cc or 90, kernels.AUTO_ORDER[90])
         name = order[0]
-    elif attention in K.KERNELS:
+    elif attention in kernels.KERNELS:
         name = attention
     else:
-        raise ValueError(f"attention must be sdpa, sage-auto or one of {', '.join(K.KERNELS)}; got {attention!r}")
-    path = K.KERNELS[name].memory_path(cc or 90)
+        raise ValueError(f"attention must be sdpa, sage-auto or one of {', '.join(kernels.KERNELS)}; got {attention!r}")
+    path = kernels.KERNELS[name].memory_path(cc or 90)
     return path, path
 
 
-def comfy_estimate_bytes(dims: M.WanDims, latent: tuple, dtype: str = "bf16", vace: bool = False) -> int:
+def comfy_estimate_bytes(dims: activation_model.WanDims, latent: tuple, dtype: str = "bf16", vace: bool = False) -> int:
     """ComfyUI 0.3.64's own figure: latent area x dtype bytes x 0.01 x dim/2222 MiB."""
     B, _C, T, H, W = latent
     factor = dims.dim / 2222 * (1.2 if vace else 1.0)
-    return int(B * T * H * W * M.DTYPE_BYTES[dtype] * 0.01 * factor * MiB)
+    return int(B * T * H * W * activation_model.DTYPE_BYTES[dtype] * 0.01 * factor * MiB)
 
 
-def fragmentation_bytes(dims: M.WanDims, w: M.Workload, ws: M.WeightSetup, partial: bool) -> int:
+def fragmentation_bytes(dims: activation_model.WanDims, w: activation_model.Workload, ws: activation_model.WeightSetup, partial: bool) -> int:
     """What the allocator holds above the allocated peak: streamed layers under partial loading
     (``partial_frag_factor``), per-call weight casts (``cast_frag_factor``), the larger of the two,
     as a multiple of the largest activation block plus a fixed part; 0 for resident weights in the
     compute dtype and for GGUF."""
     factor = max(CALIBRATED["partial_frag_factor"] if partial else 0.0,
                  CALIBRATED["cast_frag_factor"] if ws.casts_to(w.dtype) else 0.0)
-    return int(factor * M.largest_block(dims, w)) + CALIBRATED["partial_fixed"] if factor else 0
+    return int(factor * activation_model.largest_block(dims, w)) + CALIBRATED["partial_fixed"] if factor else 0
 
 
-def activation_bytes(dims: M.WanDims, w: M.Workload, ws: M.WeightSetup | None = None,
+def activation_bytes(dims: activation_model.WanDims, w: activation_model.Workload, ws: activation_model.WeightSetup | None = None,
                      partial: bool = False) -> dict:
     """Peak bytes of one forward with ``w.rows`` rows, split into named terms."""
-    ws = ws or M.WeightSetup()
-    phase, pers, top = M.forward_peak(dims, w)
+    ws = ws or activation_model.WeightSetup()
+    phase, pers, top = activation_model.forward_peak(dims, w)
     base = phase + pers
     sdpa_w = replace(w, self_attn="sdpa", cross_attn="sdpa")
-    sdpa_phase, sdpa_pers, _ = M.forward_peak(dims, sdpa_w)
-    transient = M.weight_transient(dims, replace(ws, streamed=ws.streamed or partial), w.dtype)
+    sdpa_phase, sdpa_pers, _ = activation_model.forward_peak(dims, sdpa_w)
+    transient = activation_model.weight_transient(dims, replace(ws, streamed=ws.streamed or partial), w.dtype)
     slack = CALIBRATED["slack_fixed"] + int(CALIBRATED["slack_rel"] * base)
     frag = fragmentation_bytes(dims, w, ws, partial)
     total = base + transient + slack + frag
@@ -96,7 +96,7 @@ def activation_bytes(dims: M.WanDims, w: M.Workload, ws: M.WeightSetup | None = 
 
 @dataclass(frozen=True)
 class EstimateRequest:
-    dims: M.WanDims
+    dims: activation_model.WanDims
     width: int
     height: int
     frames: int
@@ -107,7 +107,7 @@ class EstimateRequest:
     cc: int | None = None
     vram_bytes: int | None = None  # what the model may use: free VRAM plus evictable models
     weights_bytes: int | None = None
-    weights: M.WeightSetup = field(default_factory=M.WeightSetup)
+    weights: activation_model.WeightSetup = field(default_factory=activation_model.WeightSetup)
     img_tokens: int = 0
     vace_streams: int = 0
     per_frame_timesteps: bool = False
@@ -125,8 +125,8 @@ def validate_request(r: EstimateRequest) -> None:
             raise ValueError(f"{name} must be between {lo} and {hi}, got {val}")
     if not (0.0 <= float(r.cfg) <= 100.0):
         raise ValueError(f"cfg must be between 0 and 100, got {r.cfg}")
-    if r.dtype not in M.DTYPE_BYTES:
-        raise ValueError(f"dtype must be one of {', '.join(M.DTYPE_BYTES)}, got {r.dtype!r}")
+    if r.dtype not in activation_model.DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {', '.join(activation_model.DTYPE_BYTES)}, got {r.dtype!r}")
     if r.vram_bytes is not None and r.vram_bytes <= 0:
         raise ValueError(f"vram must be positive, got {r.vram_bytes / GiB:.2f} GB")
     if r.margin_bytes < 0:
@@ -157,7 +157,7 @@ class Estimate:
         return d
 
 
-def rounding_notes(dims: M.WanDims, width: int, height: int, frames: int) -> list:
+def rounding_notes(dims: activation_model.WanDims, width: int, height: int, frames: int) -> list:
     """How ComfyUI's Wan latent nodes round these pixel sizes, in words (empty when exact)."""
     notes = []
     st, sh, sw = dims.vae_stride
@@ -188,15 +188,15 @@ def verdict_for(weights: int, resident_need: int, partial_need: int, room: int) 
 def estimate(r: EstimateRequest) -> Estimate:
     validate_request(r)
     dims = r.dims
-    latent = M.latent_shape(dims, r.width, r.height, r.frames, r.batch)
+    latent = activation_model.latent_shape(dims, r.width, r.height, r.frames, r.batch)
     _, _C, T, H, W = latent
-    L = M.tokens(dims, T, H, W)
+    L = activation_model.tokens(dims, T, H, W)
     self_p, cross_p = attention_paths(r.attention, r.cc)
     rows_seq = r.batch
     rows_bat = r.batch * (2 if r.cfg != 1.0 else 1)
-    w = M.Workload(L=L, rows=rows_seq, dtype=r.dtype, self_attn=self_p, cross_attn=cross_p,
+    w = activation_model.Workload(L=L, rows=rows_seq, dtype=r.dtype, self_attn=self_p, cross_attn=cross_p,
                    img_tokens=r.img_tokens, per_frame_timesteps=T if r.per_frame_timesteps else 0,
-                   vace_streams=r.vace_streams, latent_elems_per_row=M.latent_elems(latent))
+                   vace_streams=r.vace_streams, latent_elems_per_row=activation_model.latent_elems(latent))
     res = activation_bytes(dims, w, r.weights, partial=False)
     par = activation_bytes(dims, w, r.weights, partial=True)
     res_r = res["total"] + r.margin_bytes

@@ -9,7 +9,7 @@ import struct
 from collections import Counter
 from dataclasses import dataclass
 
-from .model import WanDims
+from .activation_model import WanDims
 
 __all__ = ["ModelFileInfo", "read_model_file", "dims_from_shapes", "NotAWanModel"]
 

@@ -11,7 +11,7 @@ import weakref
 
 import torch
 
-from ..memory import model as M
+from ..memory import activation_model
 
 log = logging.getLogger("wan_sage")
 
@@ -50,14 +50,14 @@ def compute_dtype(model) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dt, "fp32")
 
 
-def wan_dims(model) -> M.WanDims:
+def wan_dims(model) -> activation_model.WanDims:
     """(ModelPatcher or BaseModel) The real config of the loaded Wan model (ComfyUI's detected unet_config plus the module)."""
     dm = diffusion_model(model)
     base = base_model(model)
     cfg = getattr(getattr(base, "model_config", None), "unet_config", {}) or {}
     latent_ch = getattr(getattr(base, "latent_format", None), "latent_channels", 16)
     dim = int(getattr(dm, "dim", cfg.get("dim", 5120)))
-    return M.WanDims(
+    return activation_model.WanDims(
         name=f"Wan {cfg.get('model_type', getattr(dm, 'model_type', 't2v'))} dim {dim}",
         dim=dim, ffn_dim=int(getattr(dm, "ffn_dim", cfg.get("ffn_dim", 4 * dim))),
         num_heads=int(getattr(dm, "num_heads", cfg.get("num_heads", dim // 128))),
@@ -71,8 +71,8 @@ def wan_dims(model) -> M.WanDims:
         vace_layers=len(getattr(dm, "vace_blocks", ()) or ()))
 
 
-def weight_setup(model, partial: bool) -> M.WeightSetup:
-    """GGUF, fp8 or plain weights, and whether a LoRA is on the model (memory.model.weight_transient
+def weight_setup(model, partial: bool) -> activation_model.WeightSetup:
+    """GGUF, fp8 or plain weights, and whether a LoRA is on the model (memory.activation_model.weight_transient
     decides where ComfyUI applies it per forward)."""
     base = model.model
     gguf = type(model).__name__.startswith("GGUF") or any(
@@ -83,8 +83,8 @@ def weight_setup(model, partial: bool) -> M.WeightSetup:
     if gguf:
         size = model.model_size() or 1
         numel = sum(getattr(p, "tensor_shape", p.shape).numel() for p in base.parameters()) or 1
-        return M.WeightSetup("gguf", gguf_bytes_per_param=size / numel, lora=lora, streamed=partial)
-    return M.WeightSetup(name, lora=lora, streamed=partial)
+        return activation_model.WeightSetup("gguf", gguf_bytes_per_param=size / numel, lora=lora, streamed=partial)
+    return activation_model.WeightSetup(name, lora=lora, streamed=partial)
 
 
 def device_of(model) -> torch.device:
@@ -133,10 +133,10 @@ def aimdo_enabled() -> bool:
 def raw_sdpa():
     """ComfyUI's own PyTorch attention, unwrapped so it never re-enters an override."""
     try:
-        from comfy.ldm.modules import attention as A
+        from comfy.ldm.modules import attention as comfy_attention
     except Exception:
         return None
-    fn = getattr(A, "attention_pytorch", None)
+    fn = getattr(comfy_attention, "attention_pytorch", None)
     return getattr(fn, "__wrapped__", fn)
 
 

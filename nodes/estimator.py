@@ -19,10 +19,10 @@ import logging
 from dataclasses import dataclass, replace
 
 from ..attention import kernels
-from ..memory import model as M
+from ..memory import activation_model
 from ..memory.api import POLICIES  # one list for the node, the route and the panel
 from ..memory.estimate import GiB, activation_bytes, verdict_for
-from . import comfy_bridge as B
+from . import comfy_bridge
 from .sage_patch import find_override
 
 log = logging.getLogger("wan_sage")
@@ -65,13 +65,13 @@ def attention_for(model_options, settings: Settings, dev) -> tuple:
     return path, path, name
 
 
-def _workload(dims: M.WanDims, shape, dtype: str, self_p: str, cross_p: str) -> M.Workload:
+def _workload(dims: activation_model.WanDims, shape, dtype: str, self_p: str, cross_p: str) -> activation_model.Workload:
     rows, T, H, W = int(shape[0]), int(shape[2]), int(shape[3]), int(shape[4])
-    L = M.tokens(dims, T, H, W)
-    return M.Workload(L=L, rows=rows, dtype=dtype, self_attn=self_p, cross_attn=cross_p,
+    L = activation_model.tokens(dims, T, H, W)
+    return activation_model.Workload(L=L, rows=rows, dtype=dtype, self_attn=self_p, cross_attn=cross_p,
                       img_tokens=257 if dims.has_img_emb else 0,
                       per_frame_timesteps=T if dims.latent_channels == 48 else 0,
-                      latent_elems_per_row=M.latent_elems(shape))
+                      latent_elems_per_row=activation_model.latent_elems(shape))
 
 
 class MemoryRequired:
@@ -132,17 +132,17 @@ def _orig(base):
 
 def plan_reservation(model, noise_shape, model_options, settings: Settings):
     """(MemoryRequired, facts for the report) for this model and latent shape."""
-    dims = B.wan_dims(model)
-    dtype = B.compute_dtype(model)
-    dev = B.device_of(model)
+    dims = comfy_bridge.wan_dims(model)
+    dtype = comfy_bridge.compute_dtype(model)
+    dev = comfy_bridge.device_of(model)
     self_p, cross_p, attn = attention_for(model_options, settings, dev)
     weights = int(model.model_size())
-    cap = B.capacity(model)
-    reserved = B.extra_reserved()
-    res_fn = MemoryRequired(dims, dtype, self_p, cross_p, B.weight_setup(model, False), False, settings, _orig(model.model))
+    cap = comfy_bridge.capacity(model)
+    reserved = comfy_bridge.extra_reserved()
+    res_fn = MemoryRequired(dims, dtype, self_p, cross_p, comfy_bridge.weight_setup(model, False), False, settings, _orig(model.model))
     need_res = res_fn(list(noise_shape))
     partial = weights + need_res + reserved > cap
-    fn = res_fn if not partial else MemoryRequired(dims, dtype, self_p, cross_p, B.weight_setup(model, True), True,
+    fn = res_fn if not partial else MemoryRequired(dims, dtype, self_p, cross_p, comfy_bridge.weight_setup(model, True), True,
                                                     settings, _orig(model.model))
     facts = {"dims": dims, "dtype": dtype, "attention": attn, "weights": weights, "capacity": cap,
              "reserved": reserved, "partial": partial, "reservation": fn(list(noise_shape)), "resident_need": need_res,
@@ -188,7 +188,7 @@ def _prepare_wrapper(settings: Settings):
             log.warning("wan-sage: working-memory estimate failed (%s: %s); using ComfyUI's own.", type(e).__name__, e)
             return executor(model, noise_shape, conds, *args, **kwargs)
         text = report_from_facts(facts, noise_shape)
-        if B.is_dynamic(model):
+        if comfy_bridge.is_dynamic(model):
             log.info("wan-sage estimate (dynamic VRAM: residency managed by ComfyUI; the estimate informs cond "
                      "batching only):\n%s", text)
             total = facts["capacity"] + facts["weights"]
@@ -205,7 +205,7 @@ def _prepare_wrapper(settings: Settings):
             out = executor(model, noise_shape, conds, *args, **kwargs)
         finally:
             _restore(base, prev)
-        _trim_after_load(B.device_of(model))
+        _trim_after_load(comfy_bridge.device_of(model))
         return out
     return prepare_sampling
 
@@ -228,11 +228,11 @@ def _cond_batch_wrapper(settings: Settings):
     def calc_cond_batch(executor, model, conds, x_in, timestep, model_options, *args, **kwargs):
         base = model  # BaseModel here
         try:
-            dims = B.wan_dims(base)
-            dtype = B.compute_dtype(base)
+            dims = comfy_bridge.wan_dims(base)
+            dtype = comfy_bridge.compute_dtype(base)
             self_p, cross_p, _ = attention_for(model_options, settings, x_in.device)
             partial = bool(getattr(base, "model_lowvram", False))
-            fn = MemoryRequired(dims, dtype, self_p, cross_p, M.WeightSetup(streamed=partial), partial, settings,
+            fn = MemoryRequired(dims, dtype, self_p, cross_p, activation_model.WeightSetup(streamed=partial), partial, settings,
                                 _orig(base))
         except Exception:
             return executor(model, conds, x_in, timestep, model_options, *args, **kwargs)
@@ -246,12 +246,12 @@ def _cond_batch_wrapper(settings: Settings):
 
 def apply_estimator(model, settings: Settings, shape, model_options=None):
     """(clone with wrappers, numbers dict, report text).  Non-Wan models pass through."""
-    if not B.is_wan(model):
+    if not comfy_bridge.is_wan(model):
         log.warning("wan-sage: the Working-Memory Estimator got a model that is not a Wan video model; "
                     "it is passed through unchanged.")
         return model, None, "not a Wan model: passed through unchanged (ComfyUI's own estimate applies)"
     m = model.clone()
-    W = B.wrappers_mp()
+    W = comfy_bridge.wrappers_mp()
     m.add_wrapper_with_key(W.PREPARE_SAMPLING, PREPARE_KEY, _prepare_wrapper(settings))
     m.add_wrapper_with_key(W.CALC_COND_BATCH, BATCH_KEY, _cond_batch_wrapper(settings))
     mo = model_options or m.model_options
@@ -259,7 +259,7 @@ def apply_estimator(model, settings: Settings, shape, model_options=None):
     text = report_from_facts(facts, shape)
     if settings.count_sage == "auto-detect" and facts["attention"] == "sdpa":
         text += "\n" + _later_patch_note(m, shape, mo, settings, facts)
-    if B.is_dynamic(m):
+    if comfy_bridge.is_dynamic(m):
         text += "\nmemory path: dynamic VRAM (residency managed by ComfyUI; estimate used for cond batching)"
     nums = {"tokens": facts["tokens"], "activation_gb": (facts["terms"]["phase_peak"] + facts["terms"]["persistent"]) / GiB,
             "sage_extra_gb": facts["terms"]["sage_extra"] / GiB, "reservation_gb": facts["reservation"] / GiB}

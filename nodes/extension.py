@@ -1,7 +1,7 @@
 """ComfyUI entry point: the extension that lists wan-sage's nodes (V3 ``comfy_entrypoint``)."""
 from comfy_api.latest import ComfyExtension, io
 
-from ..attention import calibration
+from ..attention import timing
 from . import comfy_bridge, routes
 from .schemas import WanSageAttentionPatch, WanWorkingMemoryEstimator
 
@@ -14,6 +14,6 @@ class WanSageExtension(ComfyExtension):
 
 
 async def comfy_entrypoint() -> WanSageExtension:
-    calibration.set_host_dir(comfy_bridge.cache_dir())
+    timing.set_host_dir(comfy_bridge.cache_dir())
     routes.register()
     return WanSageExtension()

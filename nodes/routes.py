@@ -8,7 +8,7 @@ import logging
 
 from ..attention import kernels, stats
 from ..memory.api import RequestError, estimate_from_json
-from . import comfy_bridge as B
+from . import comfy_bridge
 
 log = logging.getLogger("wan_sage")
 

@@ -6,7 +6,7 @@ import logging
 
 from ..attention import kernels, stats
 from ..attention.dispatch import PatchConfig, SageAttentionOverride
-from . import comfy_bridge as B
+from . import comfy_bridge
 
 log = logging.getLogger("wan_sage")
 _warned: set = set()
@@ -23,7 +23,7 @@ def _warn_once(key, msg, *args):
 
 def find_override(transformer_options) -> SageAttentionOverride | None:
     """Our override in the slot, also when another override chains to it through ``prev``."""
-    ov = (transformer_options or {}).get(B.OVERRIDE_KEY)
+    ov = (transformer_options or {}).get(comfy_bridge.OVERRIDE_KEY)
     seen = 0
     while ov is not None and seen < 8:
         if isinstance(ov, SageAttentionOverride):
@@ -49,7 +49,7 @@ def _stats_wrapper(patch_id: str, label: str, node_id: str | None = None):
             summary = stats.end_run(patch_id)
             if summary.get("sage_calls", 0) + summary.get("sdpa_calls", 0):
                 log.info("wan-sage %s: %s", label or patch_id, stats.format_summary(summary))
-                B.send_event(STATS_EVENT, {"patch_id": patch_id, "node_id": node_id, "summary": summary,
+                comfy_bridge.send_event(STATS_EVENT, {"patch_id": patch_id, "node_id": node_id, "summary": summary,
                                            "text": stats.format_summary(summary)})
     return outer_sample
 
@@ -76,7 +76,7 @@ def status_text(kernel: str) -> str:
 def apply_patch(model, kernel="auto", min_tokens=1024, calibrate=True, memory_margin_mb=256,
                 check_finite=True, node_id=None):
     """Returns (patched clone or the input model, report text)."""
-    if not B.is_wan(model):
+    if not comfy_bridge.is_wan(model):
         _warn_once("notwan", "wan-sage: the Sage Attention Patch got a model that is not a Wan video model; "
                    "it is passed through unchanged.")
         return model, "not a Wan model: passed through unchanged"
@@ -91,7 +91,7 @@ def apply_patch(model, kernel="auto", min_tokens=1024, calibrate=True, memory_ma
             _warn_once(("kernel", kernel), "wan-sage: kernel %r is unavailable: %s. Calls will use SDPA.", kernel, why)
     m = model.clone()
     to = m.model_options.setdefault("transformer_options", {})
-    prev = to.get(B.OVERRIDE_KEY)
+    prev = to.get(comfy_bridge.OVERRIDE_KEY)
     if isinstance(prev, SageAttentionOverride):
         prev = prev.prev  # re-patching replaces our own earlier patch instead of stacking it
     elif prev is not None:
@@ -101,10 +101,10 @@ def apply_patch(model, kernel="auto", min_tokens=1024, calibrate=True, memory_ma
                    "call it declines to that override.", getattr(prev, "__qualname__", type(prev).__qualname__))
     cfg = PatchConfig(kernel=kernel, min_tokens=int(min_tokens), calibrate=bool(calibrate),
                       memory_margin_mb=int(memory_margin_mb), check_finite=bool(check_finite),
-                      cache_dir=B.cache_dir(), label="Wan Sage patch" + (f" #{node_id}" if node_id else ""),
+                      cache_dir=comfy_bridge.cache_dir(), label="Wan Sage patch" + (f" #{node_id}" if node_id else ""),
                       node_id=None if node_id is None else str(node_id))
-    free_fn = B.PatcherFreeMemory(m.model) if (B.is_dynamic(m) or B.aimdo_enabled()) else None
-    ov = SageAttentionOverride(cfg, prev=prev, sdpa=B.raw_sdpa(), free_memory=free_fn)
-    to[B.OVERRIDE_KEY] = ov
-    m.add_wrapper_with_key(B.wrappers_mp().OUTER_SAMPLE, OUTER_KEY, _stats_wrapper(ov.patch_id, cfg.label, cfg.node_id))
+    free_fn = comfy_bridge.PatcherFreeMemory(m.model) if (comfy_bridge.is_dynamic(m) or comfy_bridge.aimdo_enabled()) else None
+    ov = SageAttentionOverride(cfg, prev=prev, sdpa=comfy_bridge.raw_sdpa(), free_memory=free_fn)
+    to[comfy_bridge.OVERRIDE_KEY] = ov
+    m.add_wrapper_with_key(comfy_bridge.wrappers_mp().OUTER_SAMPLE, OUTER_KEY, _stats_wrapper(ov.patch_id, cfg.label, cfg.node_id))
     return m, f"patched (id {ov.patch_id}); " + status_text(kernel)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from comfy_api.latest import io, ui
 
 from ..attention import kernels
-from ..memory import model as M
+from ..memory import activation_model
 from ..memory.estimate import EstimateRequest, rounding_notes, validate_request
-from . import comfy_bridge as B
+from . import comfy_bridge
 from .estimator import POLICIES, SAGE_COUNT, Settings, apply_estimator
 from .sage_patch import apply_patch
 
@@ -87,7 +87,7 @@ class WanWorkingMemoryEstimator(io.ComfyNode):
     @classmethod
     def validate_inputs(cls, width=1280, height=720, frames=81, batch_size=1, cfg=1.0, **kw):
         try:
-            validate_request(EstimateRequest(dims=M.PRESETS["wan2.2-a14b"], width=width, height=height,
+            validate_request(EstimateRequest(dims=activation_model.PRESETS["wan2.2-a14b"], width=width, height=height,
                                              frames=frames, batch=batch_size, cfg=cfg))
         except ValueError as e:
             return str(e)
@@ -101,9 +101,9 @@ class WanWorkingMemoryEstimator(io.ComfyNode):
             shape = list(latent["samples"].shape)
         else:
             notes = []
-            if B.is_wan(model):
-                dims = B.wan_dims(model)
-                shape = list(M.latent_shape(dims, width, height, frames, batch_size))
+            if comfy_bridge.is_wan(model):
+                dims = comfy_bridge.wan_dims(model)
+                shape = list(activation_model.latent_shape(dims, width, height, frames, batch_size))
                 notes = rounding_notes(dims, width, height, frames)
             else:
                 shape = [batch_size, 16, (frames - 1) // 4 + 1, height // 8, width // 8]

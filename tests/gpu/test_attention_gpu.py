@@ -10,7 +10,7 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     pytest.skip("gpu tier: no CUDA device (run on the GPU machine)", allow_module_level=True)
 
-from wan_sage.attention import dispatch, kernels, memory, stats  # noqa: E402
+from wan_sage.attention import dispatch, kernel_bytes, kernels, stats  # noqa: E402
 from wan_sage.attention.dispatch import PatchConfig, SageAttentionOverride  # noqa: E402
 from wan_sage.attention.sdpa import attention_sdpa  # noqa: E402
 
@@ -59,7 +59,7 @@ def test_accuracy_and_exact_extra_bytes(name, shape):
     o = kernels.run(name, q4, k4, v4, "NHD", None, CC)
     torch.cuda.synchronize()
     measured = torch.cuda.max_memory_allocated() - base
-    formula = memory.extra_bytes(kernels.KERNELS[name].memory_path(CC), memory.AttnShape(B, H, NQ, NK, D))
+    formula = kernel_bytes.extra_bytes(kernels.KERNELS[name].memory_path(CC), kernel_bytes.AttnShape(B, H, NQ, NK, D))
     assert abs(measured - formula) <= 0.01 * formula, (measured, formula)
     ref = ref_slice(q, k, v, H)
     out = o.reshape(B, NQ, H * D)[:, :ref.shape[1]].float()

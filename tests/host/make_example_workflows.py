@@ -22,7 +22,7 @@ ROOT = HERE.parents[1]
 OUT_DIR = ROOT / "example_workflows"
 sys.path.insert(0, str(HERE))
 
-import workflow_check as W  # noqa: E402
+import workflow_check  # noqa: E402
 
 FRONTEND_VERSION = "1.27.10"
 NOTE_COLOR, NOTE_BGCOLOR = "#432", "#653"          # the frontend's "yellow" node colour
@@ -56,7 +56,7 @@ class Graph:
         info = self.info[node_type]
         widgets = dict(widgets or {})
         values = []
-        for spec, role in W.widget_layout(info):
+        for spec, role in workflow_check.widget_layout(info):
             if role == "value":
                 if spec.name in widgets:
                     v = widgets.pop(spec.name)
@@ -76,7 +76,7 @@ class Graph:
         if widgets:
             raise KeyError(f"{key}: {node_type} has no widgets {sorted(widgets)}")
         inputs = []
-        for e in W.expected_inputs(info):
+        for e in workflow_check.expected_inputs(info):
             d = {"localized_name": e["name"], "name": e["name"], "type": e["type"]}
             if e["optional"]:
                 d["shape"] = 7  # RenderShape.HollowCircle
@@ -85,7 +85,7 @@ class Graph:
             d["link"] = None
             inputs.append(d)
         outputs = [{"localized_name": n, "name": n, "type": t, "links": [], "slot_index": i}
-                   for i, (n, t) in enumerate(W.outputs_of(info))]
+                   for i, (n, t) in enumerate(workflow_check.outputs_of(info))]
         node = {"id": len(self.nodes) + 1, "type": node_type, "pos": [0, 0],
                 "size": list(size or self._size(info, node_type)), "flags": {}, "order": 0, "mode": 0,
                 "inputs": inputs, "outputs": outputs, "properties": {"Node name for S&R": node_type},
@@ -106,10 +106,10 @@ class Graph:
 
     @staticmethod
     def _size(info, node_type):
-        specs = W.input_specs(info)
+        specs = workflow_check.input_specs(info)
         sockets = sum(1 for s in specs if not s.is_widget)
-        widgets = len(W.widget_layout(info))
-        rows = max(sockets, len(W.outputs_of(info)))
+        widgets = len(workflow_check.widget_layout(info))
+        rows = max(sockets, len(workflow_check.outputs_of(info)))
         width = 330
         height = rows * 20 + widgets * 24 + 16
         if node_type == "CLIPTextEncode":
@@ -492,19 +492,19 @@ def thumbnail(wf: dict, path: Path, info: dict | None = None, width: int = 768) 
         bx1, by1 = P(n["pos"][0] + n["size"][0], n["pos"][1] + n["size"][1])
         title_h = 30 * s
         color = n.get("color", "#353535")
-        bg = n.get("bgcolor", "#353535" if n["type"] not in W.NOTE_TYPES else NOTE_BGCOLOR)
+        bg = n.get("bgcolor", "#353535" if n["type"] not in workflow_check.NOTE_TYPES else NOTE_BGCOLOR)
         d.rounded_rectangle([bx0, by0, bx1, by1], radius=max(2, int(8 * s)), fill=bg, outline="#111111")
         d.rounded_rectangle([bx0, by0, bx1, by0 + title_h], radius=max(2, int(8 * s)),
                             fill=color if n.get("color") else "#2b2b2b")
         title = n.get("title") or info.get(n["type"], {}).get("display_name") or n["type"]
-        if n["type"] in W.NOTE_TYPES:
+        if n["type"] in workflow_check.NOTE_TYPES:
             title = n["widgets_values"][0].lstrip("# ").splitlines()[0]
         title = title.replace("×", "x").replace("·", "-")  # glyphs the default font may lack
         while title and d.textlength(title, font=font) > (bx1 - bx0) - 6:
             title = title[:-2] + "…" if len(title) > 2 else ""
         d.text((bx0 + 4, by0 + (title_h - font.size if hasattr(font, "size") else 0) / 2), title,
                fill="#DDDDDD", font=font)
-    note = next((n for n in nodes.values() if n["type"] in W.NOTE_TYPES), None)
+    note = next((n for n in nodes.values() if n["type"] in workflow_check.NOTE_TYPES), None)
     if note is not None:
         caption = note["widgets_values"][0].lstrip("# ").splitlines()[0].replace("×", "x").replace("·", "|")
         try:
@@ -521,17 +521,17 @@ def thumbnail(wf: dict, path: Path, info: dict | None = None, width: int = 768) 
 
 def _host_info():
     import comfy_env
-    reason = comfy_env.skip_reason() or W.gguf_skip_reason()
+    reason = comfy_env.skip_reason() or workflow_check.gguf_skip_reason()
     if reason:
         raise SystemExit(f"cannot build the workflows: {reason}")
     comfy_env.boot(cpu=True)
     comfy_env.init_extra_nodes()
-    comfy_env.load_custom_node(W.gguf_path())
+    comfy_env.load_custom_node(workflow_check.gguf_path())
     comfy_env.load_custom_node(ROOT)
     ns = comfy_env.boot()
-    with W.probe_file_lists(ns.folder_paths) as probes:
-        info = W.object_info(ns.nodes)
-        return info, W.file_combos(info, probes)
+    with workflow_check.probe_file_lists(ns.folder_paths) as probes:
+        info = workflow_check.object_info(ns.nodes)
+        return info, workflow_check.file_combos(info, probes)
 
 
 def dumps(wf: dict) -> str:
@@ -547,7 +547,7 @@ def main(argv=None) -> int:
     stale = []
     OUT_DIR.mkdir(exist_ok=True)
     for name, wf in build_all(info).items():
-        problems = W.check_workflow(wf, info, files)
+        problems = workflow_check.check_workflow(wf, info, files)
         if problems:
             raise SystemExit(f"{name}: " + "; ".join(problems))
         path = OUT_DIR / f"{name}.json"

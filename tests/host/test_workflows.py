@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import comfy_env
-import workflow_check as W
+import workflow_check
 
 if comfy_env.skip_reason():
     pytest.skip(f"host tier: {comfy_env.skip_reason()}", allow_module_level=True)
@@ -38,15 +38,15 @@ LATENT_NODES = {"EmptyHunyuanLatentVideo": ("width", "height", "length"),
 
 @pytest.fixture(scope="module")
 def host(comfy):
-    reason = W.gguf_skip_reason()
+    reason = workflow_check.gguf_skip_reason()
     if reason:
         pytest.skip(f"ComfyUI-GGUF: {reason}")
     comfy_env.init_extra_nodes()
-    comfy_env.load_custom_node(W.gguf_path())
+    comfy_env.load_custom_node(workflow_check.gguf_path())
     comfy_env.load_custom_node(ROOT)
-    with W.probe_file_lists(comfy.folder_paths) as probes:
-        info = W.object_info(comfy.nodes)
-        yield type("Host", (), {"ns": comfy, "info": info, "files": W.file_combos(info, probes)})
+    with workflow_check.probe_file_lists(comfy.folder_paths) as probes:
+        info = workflow_check.object_info(comfy.nodes)
+        yield type("Host", (), {"ns": comfy, "info": info, "files": workflow_check.file_combos(info, probes)})
 
 
 def load(name: str) -> dict:
@@ -54,7 +54,7 @@ def load(name: str) -> dict:
 
 
 def widgets(node: dict, info: dict) -> dict:
-    return {s.name: v for (s, role), v in zip(W.widget_layout(info[node["type"]]), node["widgets_values"])
+    return {s.name: v for (s, role), v in zip(workflow_check.widget_layout(info[node["type"]]), node["widgets_values"])
             if role == "value"}
 
 
@@ -93,25 +93,25 @@ def test_file_combos_take_any_model_file_name_but_only_model_files(host):
     vae, unet, image = _node(wf, "VAELoader"), _node(wf, "UNETLoader"), _node(wf, "LoadImage")
     for v in ("pixel_space", "wan/wan_2.1_vae.safetensors", "WAN_2.1_VAE.SFT"):
         vae["widgets_values"][0] = v
-        assert W.check_workflow(wf, host.info, host.files) == [], v
+        assert workflow_check.check_workflow(wf, host.info, host.files) == [], v
     image["widgets_values"][0] = "pasted/image (3).png [input]"
     unet["widgets_values"][0] = "wan2.1_i2v_480p_14B_Q4_K_M.gguf"  # UNETLoader cannot load GGUF
     vae["widgets_values"][0] = "wan_2.1_vae"
-    problems = W.check_workflow(wf, host.info, host.files)
+    problems = workflow_check.check_workflow(wf, host.info, host.files)
     assert len(problems) == 2 and "UNETLoader" in problems[0] + problems[1], problems
 
 
 @pytest.mark.parametrize("name", WORKFLOWS)
 def test_workflow_matches_the_node_definitions(host, name):
-    problems = W.check_workflow(load(name), host.info, host.files)
+    problems = workflow_check.check_workflow(load(name), host.info, host.files)
     assert problems == [], "\n".join(problems)
 
 
 @pytest.mark.parametrize("name", WORKFLOWS)
 def test_workflow_passes_comfyui_validate_prompt(host, name):
-    prompt = W.to_api_prompt(load(name), host.info)
+    prompt = workflow_check.to_api_prompt(load(name), host.info)
     assert {n["class_type"] for n in prompt.values()} >= {"WanWorkingMemoryEstimator", "WanSageAttentionPatch"}
-    ok, error, outputs, node_errors = W.validate_prompt(host.ns.execution, W.with_probe_files(prompt, host.files))
+    ok, error, outputs, node_errors = workflow_check.validate_prompt(host.ns.execution, workflow_check.with_probe_files(prompt, host.files))
     assert ok, f"{error}\n{json.dumps(node_errors, indent=1, default=str)[:4000]}"
     assert outputs, "no output node validated"
 
@@ -194,7 +194,7 @@ def _relink(wf, link_id, origin_node, origin_slot):
 
 def test_validator_reports_each_problem_of_a_broken_workflow(host):
     good = load("wan22_t2v_a14b_gguf_lightning_720p81")
-    assert W.check_workflow(good, host.info, host.files) == []
+    assert workflow_check.check_workflow(good, host.info, host.files) == []
     wf = copy.deepcopy(good)
 
     # 1. a link whose recorded type is wrong (VAE -> VAEDecode labelled MODEL)
@@ -238,7 +238,7 @@ def test_validator_reports_each_problem_of_a_broken_workflow(host):
             if gone in (o.get("links") or []):
                 o["links"].remove(gone)
 
-    problems = W.check_workflow(wf, host.info, host.files)
+    problems = workflow_check.check_workflow(wf, host.info, host.files)
     text = "\n".join(problems)
 
     def has(*parts):
@@ -265,8 +265,8 @@ def test_comfyui_validate_prompt_rejects_what_the_validator_rejects(host):
     """The API conversion is faithful: a bad combo / a bad link reaches ComfyUI's own validation."""
     wf = load("wan21_i2v_480p")
     _node(wf, "KSampler")["widgets_values"][4] = "euler_typo"
-    prompt = W.with_probe_files(W.to_api_prompt(wf, host.info), host.files)
-    ok, error, _outputs, node_errors = W.validate_prompt(host.ns.execution, prompt)
+    prompt = workflow_check.with_probe_files(workflow_check.to_api_prompt(wf, host.info), host.files)
+    ok, error, _outputs, node_errors = workflow_check.validate_prompt(host.ns.execution, prompt)
     assert not ok
     ks_id = str(_node(wf, "KSampler")["id"])
     assert any(e["type"] == "value_not_in_list" for e in node_errors[ks_id]["errors"]), node_errors
@@ -274,8 +274,8 @@ def test_comfyui_validate_prompt_rejects_what_the_validator_rejects(host):
     wf = load("wan21_i2v_480p")
     ks = _node(wf, "KSampler")
     _relink(wf, next(i["link"] for i in ks["inputs"] if i["name"] == "model"), _node(wf, "VAELoader"), 0)
-    prompt = W.with_probe_files(W.to_api_prompt(wf, host.info), host.files)
-    ok, _error, _outputs, node_errors = W.validate_prompt(host.ns.execution, prompt)
+    prompt = workflow_check.with_probe_files(workflow_check.to_api_prompt(wf, host.info), host.files)
+    ok, _error, _outputs, node_errors = workflow_check.validate_prompt(host.ns.execution, prompt)
     assert not ok
     assert any(e["type"] == "return_type_mismatch" for e in node_errors[str(ks["id"])]["errors"]), node_errors
 
@@ -293,7 +293,7 @@ def test_api_conversion_follows_reroutes_and_skips_notes(host):
     wf["nodes"].append(rr)
     wf["links"].append([60, vae["id"], 0, 50, 0, "VAE"])
     wf["last_node_id"], wf["last_link_id"] = 60, 60
-    assert W.check_workflow(wf, host.info, host.files) == []
-    prompt = W.to_api_prompt(wf, host.info)
+    assert workflow_check.check_workflow(wf, host.info, host.files) == []
+    prompt = workflow_check.to_api_prompt(wf, host.info)
     assert prompt[str(decode["id"])]["inputs"]["vae"] == [str(vae["id"]), 0]
-    assert not any(n["class_type"] in W.FRONTEND_ONLY for n in prompt.values())
+    assert not any(n["class_type"] in workflow_check.FRONTEND_ONLY for n in prompt.values())

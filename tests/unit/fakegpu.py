@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 class FakeGPU:
     def __init__(self, monkeypatch, tmp_path, candidates=("sage2_sm90",), cc=90):
-        from wan_sage.attention import calibration, dispatch, kernels, policy, selftest
+        from wan_sage.attention import dispatch, kernels, policy, selftest, timing
         self.dispatch = dispatch
         dispatch.reset_state()
         self.free = 1 << 40
@@ -21,7 +21,7 @@ class FakeGPU:
         monkeypatch.setattr(dispatch, "_free_bytes", lambda dev, need, fn: need <= self.free)
         monkeypatch.setattr(selftest, "self_test", lambda name, dev, dtype, cc: self.self_test_result)
         monkeypatch.setattr(kernels, "run", self.run)
-        monkeypatch.setattr(calibration, "time_cuda", self.time_cuda)
+        monkeypatch.setattr(timing, "time_cuda", self.time_cuda)
         monkeypatch.setattr(dispatch, "_kernel_version", lambda name: "test")
 
     def run(self, name, q, k, v, layout, scale, cc):

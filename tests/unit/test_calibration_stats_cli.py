@@ -7,40 +7,40 @@ import threading
 import pytest
 
 from wan_sage import cli
-from wan_sage.attention import calibration, stats
+from wan_sage.attention import stats, timing
 
 
 def test_bucket_is_quarter_octave():
-    assert calibration.bucket(75600) == calibration.bucket(76000)
-    assert calibration.bucket(75600) != calibration.bucket(32760)
-    assert calibration.bucket(512) != calibration.bucket(257)
+    assert timing.bucket(75600) == timing.bucket(76000)
+    assert timing.bucket(75600) != timing.bucket(32760)
+    assert timing.bucket(512) != timing.bucket(257)
 
 
 def test_store_roundtrip_merge_and_corruption(tmp_path):
-    a = calibration.CalibrationStore(tmp_path)
-    b = calibration.CalibrationStore(tmp_path)
+    a = timing.CalibrationStore(tmp_path)
+    b = timing.CalibrationStore(tmp_path)
     a.put("k1", 7.0, 10.0, 100, 100)
     b.put("k2", 3.0, 2.0, 50, 50)  # another process writes: merged, not lost
-    c = calibration.CalibrationStore(tmp_path)
+    c = timing.CalibrationStore(tmp_path)
     assert set(c.entries()) == {"k1", "k2"} and c.get("k1")["kernel_ms"] == 7.0
-    (tmp_path / calibration.FILE_NAME).write_text("{not json")
-    d = calibration.CalibrationStore(tmp_path)
+    (tmp_path / timing.FILE_NAME).write_text("{not json")
+    d = timing.CalibrationStore(tmp_path)
     assert d.get("k1") is None and "ignored unreadable" in d.load_error
     d.put("k3", 1.0, 1.0, 1, 1)
-    assert json.loads((tmp_path / calibration.FILE_NAME).read_text())["entries"].keys() == {"k3"}
+    assert json.loads((tmp_path / timing.FILE_NAME).read_text())["entries"].keys() == {"k3"}
 
 
 def test_store_is_thread_safe(tmp_path):
-    s = calibration.CalibrationStore(tmp_path)
+    s = timing.CalibrationStore(tmp_path)
     ts = [threading.Thread(target=lambda i=i: s.put(f"k{i}", i, i + 1, 1, 1)) for i in range(16)]
     [t.start() for t in ts]
     [t.join() for t in ts]
-    assert len(calibration.CalibrationStore(tmp_path).entries()) == 16
+    assert len(timing.CalibrationStore(tmp_path).entries()) == 16
 
 
 def test_default_dir_env_override(monkeypatch, tmp_path):
     monkeypatch.setenv("WAN_SAGE_CACHE_DIR", str(tmp_path))
-    assert calibration.default_dir() == tmp_path
+    assert timing.default_dir() == tmp_path
 
 
 def test_stats_window_and_summary():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fakegpu import qkv
-from wan_sage.attention import calibration, stats
+from wan_sage.attention import stats, timing
 from wan_sage.attention.dispatch import PatchConfig, SageAttentionOverride
 from wan_sage.attention.sdpa import attention_sdpa
 
@@ -59,7 +59,7 @@ def test_self_attention_uses_kernel_after_calibration_and_caches_it(fake_gpu):
     stats.begin_run(o.patch_id)
     out = o(raw_func, q, k, v, heads=4)
     assert close(out, attention_sdpa(q, k, v, 4))
-    store = calibration.CalibrationStore(fake_gpu.cache_dir)
+    store = timing.CalibrationStore(fake_gpu.cache_dir)
     entries = store.entries()
     assert len(entries) == 1
     (key, e), = entries.items()

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from wan_sage.memory import model as M
+from wan_sage.memory import activation_model
 from wan_sage.memory.api import weights_for_key
 from wan_sage.memory.estimate import (CALIBRATED, COMFY_EXTRA_RESERVED, EstimateRequest, GiB,
                                       estimate, fragmentation_bytes)
 
-A14B = M.PRESETS["wan2.2-a14b"]
+A14B = activation_model.PRESETS["wan2.2-a14b"]
 ROOT = Path(__file__).resolve().parents[2]
-W720 = M.Workload(L=75600, self_attn="sdpa")
+W720 = activation_model.Workload(L=75600, self_attn="sdpa")
 
 
 def _ws(key, lora=True):
@@ -24,10 +24,10 @@ def _ws(key, lora=True):
 
 
 def test_only_cast_weights_get_the_term_when_resident():
-    largest = M.largest_block(A14B, W720)
+    largest = activation_model.largest_block(A14B, W720)
     fixed = CALIBRATED["partial_fixed"]
     assert _ws("fp8").casts_to("bf16") and not _ws("bf16").casts_to("bf16")
-    assert not _ws("q4_k_m").casts_to("bf16") and not M.WeightSetup().casts_to("bf16")
+    assert not _ws("q4_k_m").casts_to("bf16") and not activation_model.WeightSetup().casts_to("bf16")
     assert fragmentation_bytes(A14B, W720, _ws("bf16"), False) == 0
     assert fragmentation_bytes(A14B, W720, _ws("q4_k_m"), False) == 0
     assert fragmentation_bytes(A14B, W720, _ws("fp8"), False) == int(CALIBRATED["cast_frag_factor"] * largest) + fixed
@@ -87,4 +87,4 @@ def test_gguf_and_bf16_reservations_are_unchanged_by_the_term():
                                        weights_bytes=wbytes))
         assert est.resident["fragmentation"] == 0
         assert est.partial["fragmentation"] == pytest.approx(
-            CALIBRATED["partial_frag_factor"] * M.largest_block(A14B, W720) + CALIBRATED["partial_fixed"], abs=1)
+            CALIBRATED["partial_frag_factor"] * activation_model.largest_block(A14B, W720) + CALIBRATED["partial_fixed"], abs=1)

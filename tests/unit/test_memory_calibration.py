@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from wan_sage.memory import model as M
+from wan_sage.memory import activation_model
 from wan_sage.memory.estimate import activation_bytes
 
 TABLE = Path(__file__).resolve().parents[2] / "memory" / "calibration" / "h200_forward.jsonl"
@@ -15,12 +15,12 @@ ROWS = [json.loads(line) for line in TABLE.read_text().splitlines() if line.stri
 
 
 def predict(r):
-    d = M.PRESETS[PRESET[r["model"]]]
-    lat = M.latent_shape(d, r["width"], r["height"], r["frames"])
-    assert M.tokens(d, *lat[2:]) == r["tokens"]
+    d = activation_model.PRESETS[PRESET[r["model"]]]
+    lat = activation_model.latent_shape(d, r["width"], r["height"], r["frames"])
+    assert activation_model.tokens(d, *lat[2:]) == r["tokens"]
     used_sage = r["attn"] == "sage" and (r.get("sage") or {}).get("sage_calls", 1) != 0
-    w = M.Workload(L=r["tokens"], dtype=r["dtype"], self_attn="sage2_sm90" if used_sage else "sdpa",
-                   latent_elems_per_row=M.latent_elems(lat))
+    w = activation_model.Workload(L=r["tokens"], dtype=r["dtype"], self_attn="sage2_sm90" if used_sage else "sdpa",
+                   latent_elems_per_row=activation_model.latent_elems(lat))
     return activation_bytes(d, w)["total"]
 
 

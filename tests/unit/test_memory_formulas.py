@@ -1,7 +1,7 @@
-"""attention.memory: the exact extra-bytes formulas against the H200 reference table."""
+"""attention.kernel_bytes: the exact extra-bytes formulas against the H200 reference table."""
 import pytest
 
-from wan_sage.attention.memory import AttnShape, extra_bytes, with_margin
+from wan_sage.attention.kernel_bytes import AttnShape, extra_bytes, with_margin
 
 # (shape, path, predicted bytes from the notes' table, measured on the H200 reference run)
 H200 = [

@@ -5,20 +5,20 @@ import struct
 import pytest
 import torch
 
-from wan_sage.memory import model as M
+from wan_sage.memory import activation_model
 from wan_sage.memory.estimate import EstimateRequest, GiB, activation_bytes, comfy_estimate_bytes, estimate
 from wan_sage.memory.headers import NotAWanModel, read_model_file
 
-A14B = M.PRESETS["wan2.2-a14b"]
+A14B = activation_model.PRESETS["wan2.2-a14b"]
 
 
 @pytest.mark.parametrize("preset,size,tokens", [
     ("wan2.2-a14b", (1280, 720, 81), 75600), ("wan2.2-a14b", (832, 480, 81), 32760),
     ("wan2.2-ti2v-5b", (1280, 704, 121), 27280), ("wan2.1-1.3b", (832, 480, 81), 32760)])
 def test_tokens(preset, size, tokens):
-    d = M.PRESETS[preset]
-    lat = M.latent_shape(d, *size)
-    assert M.tokens(d, *lat[2:]) == tokens
+    d = activation_model.PRESETS[preset]
+    lat = activation_model.latent_shape(d, *size)
+    assert activation_model.tokens(d, *lat[2:]) == tokens
 
 
 def test_phase_model_reproduces_the_h200_a14b_forward_peaks():
@@ -26,23 +26,23 @@ def test_phase_model_reproduces_the_h200_a14b_forward_peaks():
     # 2.88 / 3.04 GiB at 480p81 (cond only, bf16, weights resident).
     for L, sdpa, sage in ((75600, 6.57, 6.94), (32760, 2.88, 3.04)):
         for path, measured in (("sdpa", sdpa), ("sage2_sm90", sage)):
-            phase, pers, _ = M.forward_peak(A14B, M.Workload(L=L, self_attn=path))
+            phase, pers, _ = activation_model.forward_peak(A14B, activation_model.Workload(L=L, self_attn=path))
             assert (phase + pers) / GiB == pytest.approx(measured, rel=0.02)
-            total = activation_bytes(A14B, M.Workload(L=L, self_attn=path))["total"] / GiB
+            total = activation_bytes(A14B, activation_model.Workload(L=L, self_attn=path))["total"] / GiB
             assert measured <= total <= 1.10 * measured
-    t = activation_bytes(A14B, M.Workload(L=75600))
+    t = activation_bytes(A14B, activation_model.Workload(L=75600))
     assert t["dominant_phase"] == "rope"
-    t = activation_bytes(A14B, M.Workload(L=75600, self_attn="sage2_sm90"))
+    t = activation_bytes(A14B, activation_model.Workload(L=75600, self_attn="sage2_sm90"))
     assert t["dominant_phase"] == "attn" and t["sage_extra"] / GiB == pytest.approx(0.37, abs=0.02)
 
 
 def test_ffn_dominates_small_models():
     for p in ("wan2.1-1.3b", "wan2.2-ti2v-5b"):
-        assert activation_bytes(M.PRESETS[p], M.Workload(L=30000))["dominant_phase"] == "ffn"
+        assert activation_bytes(activation_model.PRESETS[p], activation_model.Workload(L=30000))["dominant_phase"] == "ffn"
 
 
 def test_comfy_estimate_matches_comfyui_formula():
-    lat = M.latent_shape(A14B, 1280, 720, 81)
+    lat = activation_model.latent_shape(A14B, 1280, 720, 81)
     assert comfy_estimate_bytes(A14B, lat) / GiB == pytest.approx(13.61, abs=0.01)
     assert comfy_estimate_bytes(A14B, (2,) + lat[1:]) / GiB == pytest.approx(27.22, abs=0.01)
 
@@ -82,11 +82,11 @@ def test_rounding_is_explained_like_comfyui_does_it():
 
 
 def test_weight_transients():
-    assert M.weight_transient(A14B, M.WeightSetup()) == 0
+    assert activation_model.weight_transient(A14B, activation_model.WeightSetup()) == 0
     P = 5120 * 13824
-    assert M.weight_transient(A14B, M.WeightSetup("fp8")) == 2 * P
-    assert M.weight_transient(A14B, M.WeightSetup(lora=True, streamed=True)) == 2 * P + 8 * P
-    assert M.weight_transient(A14B, M.WeightSetup("gguf", gguf_bytes_per_param=0.56, streamed=True)) > 4 * P
+    assert activation_model.weight_transient(A14B, activation_model.WeightSetup("fp8")) == 2 * P
+    assert activation_model.weight_transient(A14B, activation_model.WeightSetup(lora=True, streamed=True)) == 2 * P + 8 * P
+    assert activation_model.weight_transient(A14B, activation_model.WeightSetup("gguf", gguf_bytes_per_param=0.56, streamed=True)) > 4 * P
 
 
 def _wan_shapes(dim=256, ffn=512, layers=3, in_dim=16, out_dim=16, i2v=False):
@@ -146,9 +146,9 @@ def test_lora_transient_only_where_comfyui_applies_the_lora_per_forward():
     # GGUF (always) and streamed layers apply the LoRA in fp32 at every forward; resident fp8/bf16
     # weights have it merged at load, so `wan-sage plan --lora` must not count it there.
     P = A14B.dim * A14B.ffn_dim
-    fp8 = M.WeightSetup("fp8", lora=True)
-    assert M.weight_transient(A14B, fp8) == 2 * P
-    assert M.weight_transient(A14B, M.WeightSetup("fp8", lora=True, streamed=True)) == 2 * P + P + 8 * P
-    gguf = M.WeightSetup("gguf", gguf_bytes_per_param=0.6, lora=True)
-    assert M.weight_transient(A14B, gguf) == 2 * 2 * P + 8 * P
-    assert M.weight_transient(A14B, M.WeightSetup("bf16", lora=True)) == 0
+    fp8 = activation_model.WeightSetup("fp8", lora=True)
+    assert activation_model.weight_transient(A14B, fp8) == 2 * P
+    assert activation_model.weight_transient(A14B, activation_model.WeightSetup("fp8", lora=True, streamed=True)) == 2 * P + P + 8 * P
+    gguf = activation_model.WeightSetup("gguf", gguf_bytes_per_param=0.6, lora=True)
+    assert activation_model.weight_transient(A14B, gguf) == 2 * 2 * P + 8 * P
+    assert activation_model.weight_transient(A14B, activation_model.WeightSetup("bf16", lora=True)) == 0

@@ -10,9 +10,9 @@ import torch
 from fakegpu import qkv
 from wan_sage.attention import stats
 from wan_sage.attention.dispatch import PatchConfig, SageAttentionOverride
-from wan_sage.nodes import comfy_bridge as B
-from wan_sage.nodes import estimator as E
-from wan_sage.nodes import sage_patch as S
+from wan_sage.nodes import comfy_bridge
+from wan_sage.nodes import estimator
+from wan_sage.nodes import sage_patch
 
 
 class Base:
@@ -54,8 +54,8 @@ class Patcher:
 
 @pytest.fixture
 def roomy(monkeypatch):
-    monkeypatch.setattr(B, "capacity", lambda model: 200 << 30)
-    monkeypatch.setattr(B, "extra_reserved", lambda: 400 << 20)
+    monkeypatch.setattr(comfy_bridge, "capacity", lambda model: 200 << 30)
+    monkeypatch.setattr(comfy_bridge, "extra_reserved", lambda: 400 << 20)
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
@@ -67,21 +67,21 @@ def test_prepare_wrapper_forwards_new_kwargs_and_swaps_only_on_the_legacy_path(r
         seen["args"], seen["kwargs"] = args, kwargs
         seen["mr"] = model.model.__dict__.get("memory_required")
         return "loaded"
-    w = E._prepare_wrapper(E.Settings())
+    w = estimator._prepare_wrapper(estimator.Settings())
     out = w(executor, m, [1, 16, 21, 90, 160], {}, {"transformer_options": {}}, force_full_load=True, force_offload=False)
     assert out == "loaded"
     assert seen["kwargs"] == {"force_full_load": True, "force_offload": False} and len(seen["args"]) == 1
     if dynamic:
         assert seen["mr"] is None
     else:
-        assert isinstance(seen["mr"], E.MemoryRequired)
+        assert isinstance(seen["mr"], estimator.MemoryRequired)
         assert 6.5 * (1 << 30) < seen["mr"](input_shape=[1, 16, 21, 90, 160]) < 8 * (1 << 30)
     assert "memory_required" not in m.model.__dict__
 
 
 def test_memory_required_accepts_keyword_input_shape_and_extra_kwargs(roomy):
     m = Patcher()
-    fn, facts = E.plan_reservation(m, [1, 16, 21, 90, 160], m.model_options, E.Settings(policy=E.POLICIES[1]))
+    fn, facts = estimator.plan_reservation(m, [1, 16, 21, 90, 160], m.model_options, estimator.Settings(policy=estimator.POLICIES[1]))
     assert fn(input_shape=[1, 16, 21, 90, 160], memory_efficient_attention=True) >= facts["reservation"]
     assert facts["comfy"] == 123
 
@@ -89,7 +89,7 @@ def test_memory_required_accepts_keyword_input_shape_and_extra_kwargs(roomy):
 def test_patcher_free_memory_reads_the_current_patcher():
     base = Base()
     base.current_patcher = SimpleNamespace(get_free_memory=lambda dev: 77)
-    f = B.PatcherFreeMemory(base)
+    f = comfy_bridge.PatcherFreeMemory(base)
     assert f(torch.device("cpu")) == 77
     import copy
     assert copy.deepcopy(f) is f
@@ -110,7 +110,7 @@ def test_chains_to_a_model_attention_backend_closure():
 
 def test_outer_sample_wrapper_warns_once_when_displaced_and_closes_the_window(caplog):
     ov = SageAttentionOverride(PatchConfig())
-    wrapper = S._stats_wrapper(ov.patch_id, "t")
+    wrapper = sage_patch._stats_wrapper(ov.patch_id, "t")
     guider = SimpleNamespace(model_options={"transformer_options": {"optimized_attention_override": lambda *a, **k: None}})
     executor = SimpleNamespace(class_obj=guider)
 
@@ -126,5 +126,5 @@ def test_outer_sample_wrapper_warns_once_when_displaced_and_closes_the_window(ca
     assert sum("replaced the Sage attention override" in r.getMessage() for r in caplog.records) == 1
     assert stats.last_runs()[ov.patch_id]["reasons"] == {"cpu": 1}
     guider.model_options["transformer_options"]["optimized_attention_override"] = ov
-    assert S.find_override(guider.model_options["transformer_options"]) is ov
+    assert sage_patch.find_override(guider.model_options["transformer_options"]) is ov
     del executor

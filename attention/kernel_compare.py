@@ -11,7 +11,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from . import calibration, kernels, memory
+from . import kernel_bytes, kernels, timing
 from .dispatch import PatchConfig, SageAttentionOverride, _kernel_version
 from .sdpa import attention_sdpa
 
@@ -106,7 +106,7 @@ def run_bench(shapes, kernel_names, dtype=torch.bfloat16, iters=5, accuracy=True
     dev = torch.device("cuda", torch.cuda.current_device())
     cc = kernels.device_cc(dev)
     gpu = torch.cuda.get_device_name(dev)
-    store = calibration.CalibrationStore(cache_dir)
+    store = timing.CalibrationStore(cache_dir)
     dt = "bf16" if dtype == torch.bfloat16 else "fp16"
     rows = []
     override = SageAttentionOverride(PatchConfig(cache_dir=cache_dir, calibration_budget_s=600.0), patch_id="bench")
@@ -123,7 +123,7 @@ def run_bench(shapes, kernel_names, dtype=torch.bfloat16, iters=5, accuracy=True
         o, sdpa_extra = _peak_extra(sdpa)
         row0 = {"shape": sname, "B": B, "H": H, "Nq": NQ, "Nk": NK, "D": D, "dtype": dt, "backend": "sdpa",
                 "ms": sdpa_ms, "ms_min": sdpa_min, "ratio": 1.0, "extra_bytes": sdpa_extra,
-                "formula_bytes": memory.extra_bytes("sdpa", memory.AttnShape(B, H, NQ, NK, D, 2, None, dtype == torch.bfloat16))}
+                "formula_bytes": kernel_bytes.extra_bytes("sdpa", kernel_bytes.AttnShape(B, H, NQ, NK, D, 2, None, dtype == torch.bfloat16))}
         if ref is not None:
             row0["rel_l2"], row0["cos"] = _acc(o, ref)
         del o
@@ -146,15 +146,15 @@ def run_bench(shapes, kernel_names, dtype=torch.bfloat16, iters=5, accuracy=True
                 rows.append(r)
                 emit(json.dumps(r))
                 continue
-            shape = memory.AttnShape(B, H, NQ, NK, D, 2, None, dtype == torch.bfloat16)
-            formula = memory.extra_bytes(kernels.KERNELS[name].memory_path(cc), shape)
+            shape = kernel_bytes.AttnShape(B, H, NQ, NK, D, 2, None, dtype == torch.bfloat16)
+            formula = kernel_bytes.extra_bytes(kernels.KERNELS[name].memory_path(cc), shape)
             r = {"shape": sname, "B": B, "H": H, "Nq": NQ, "Nk": NK, "D": D, "dtype": dt, "backend": name,
                  "ms": ms, "ms_min": ms_min, "ratio": sdpa_ms / ms, "extra_bytes": extra,
                  "formula_bytes": formula, "formula_err": (extra - formula) / formula}
             if ref is not None:
                 r["rel_l2"], r["cos"] = _acc(o.reshape(B, NQ, H * D), ref)
             del o
-            store.put(calibration.make_key(gpu, cc, name, _kernel_version(name), dt, H, D, NQ, NK), ms, sdpa_ms,
+            store.put(timing.make_key(gpu, cc, name, _kernel_version(name), dt, H, D, NQ, NK), ms, sdpa_ms,
                       NQ, NK, save=False)
             rows.append(r)
             emit(json.dumps(r))
@@ -223,7 +223,7 @@ def main(a) -> int:
     p = kernels.probe()
     print(f"wan-sage bench: {torch.cuda.get_device_name()} (sm{cc}), torch {torch.__version__}, "
           f"sageattention {p.sage_version or 'not installed'}, comfy-kitchen {p.ck_version or 'not installed'}; "
-          f"cache {calibration.CalibrationStore(a.cache_dir).path}", flush=True)
+          f"cache {timing.CalibrationStore(a.cache_dir).path}", flush=True)
     out = open(a.json, "w") if a.json else None
 
     def emit(line):

@@ -13,7 +13,7 @@ call's argument alive until the callee returns, so each sub-module's input stays
   ``x_`` and ``x_out`` of ``apply_rope1`` and its ``type_as`` result: ``5 e d T + 8 d T``.
   (18 bytes per token per dim at bf16, the A14B peak measured on an H200.)
 * ``attn``: the attention call.  ``x``, input, q, k, v (``5 e d T``) plus the backend's extra
-  bytes, taken from :func:`attention.memory.extra_bytes` (SDPA: its output).
+  bytes, taken from :func:`attention.kernel_bytes.extra_bytes` (SDPA: its output).
 * ``cross``: the block's input (the caller still holds it), ``x``, ``norm3(x)``, ``q``, ``o``
   (+ the image branch's output for I2V): ``(5 + img) e d T`` plus the backend's extra bytes.
 * ``ffn``: the block's input, ``x``, the FFN input, the first Linear's output and the GELU
@@ -110,7 +110,7 @@ class Workload:
     L: int
     rows: int = 1
     dtype: str = "bf16"
-    self_attn: str = "sdpa"  # a memory path of attention.memory
+    self_attn: str = "sdpa"  # a memory path of attention.kernel_bytes
     cross_attn: str = "sdpa"
     img_tokens: int = 0  # CLIP image tokens in cross-attention (257, or 514 for FLF2V)
     text_tokens: int = 512
@@ -120,7 +120,7 @@ class Workload:
 
 
 def _attn_extra(path: str, rows: int, heads: int, nq: int, nk: int, hd: int, e: int) -> int:
-    from ..attention.memory import AttnShape, extra_bytes
+    from ..attention.kernel_bytes import AttnShape, extra_bytes
     return extra_bytes(path, AttnShape(rows, heads, nq, nk, hd, e, None, True))
 
 
