@@ -83,19 +83,18 @@ def _timing_context(ov, info, names, dtype, shape):
     cfg = ov.config
     B, H, Nq, Nk, D, layout, out_layout = shape
     store = STATE.store(cfg.cache_dir or str(timing.default_dir()), timing.CalibrationStore)
-    env = timing.environment()
     dtype_name = DTYPE_NAMES.get(dtype, str(dtype))
-    keys = {n: timing.make_key(info.gpu, info.cc, n, planning.kernel_build(n), dtype_name, H, D, Nq, Nk, env)
-            for n in names}
+    keys = {n: planning.timing_key(info.gpu, info.cc, n, dtype_name, H, D, Nq, Nk) for n in names}
     aspec = planning.attn_shape(shape, dtype)
     groups = {n: planning.mode_groups(n, info.cc, aspec, cfg.memory_mode,
                                       planning.output_copy(n, layout, out_layout)).groups for n in names}
     return store, keys, groups
 
 
-def _settle(ov, device, index: int, dtype, shape: tuple, key: tuple):
+def _settle(ov, device, index: int, dtype, shape: tuple, key: tuple, claim: bool):
     """First call of a shape: a settled Bucket, or a calibration Plan when the shape is to be
-    measured now (claimed once per process, within the budget)."""
+    measured now (within the budget; with ``claim``, the calibration is claimed: once per shape
+    and process, whether it then succeeds or not)."""
     cfg = ov.config
     margin = cfg.memory_margin_mb << 20
     info = planning.device_info(device, index, cfg.kernel)
@@ -114,7 +113,8 @@ def _settle(ov, device, index: int, dtype, shape: tuple, key: tuple):
     entries = {n: store.get(keys[n]) for n in names}
     to_time = tuple(n for n in names if entries[n] is None
                     or (not timing.trusted(entries[n]) and keys[n] not in STATE.timed_here))
-    if to_time and cfg.calibrate and _budget_left(ov, shape, to_time, groups) and STATE.claim_calibration(key):
+    if to_time and cfg.calibrate and _budget_left(ov, shape, to_time, groups) and (
+            not claim or STATE.claim_calibration(key)):
         return Plan(to_time[0], None, layout, B, H, Nq, Nk, D, 1, to_time, 0.0, info.cc, 0, out_layout, False, key)
     choice = planning.choose(names, {n: e for n, e in entries.items() if e is not None}, groups, cross) \
         or planning.default_choice(names, cross, groups)
@@ -137,14 +137,15 @@ def _budget_left(ov, shape: tuple, names: tuple, groups: dict) -> bool:
     return False
 
 
-def decide(ov, q, shape: tuple) -> Plan:
-    """The plan for one call (no kernel runs here, except a kernel's one-time self-test)."""
+def decide(ov, q, shape: tuple, claim: bool = True) -> Plan:
+    """The plan for one call (no kernel runs here, except a kernel's one-time self-test).
+    ``claim=False`` reports a pending calibration without claiming it (a dry run)."""
     device = q.device
     index = device.index if device.index is not None else kernels.device_index(device)
     key = (ov.config_key, index, q.dtype) + shape
     bucket = STATE.buckets.get(key)
     if bucket is None:
-        bucket = _settle(ov, device, index, q.dtype, shape, key)
+        bucket = _settle(ov, device, index, q.dtype, shape, key, claim)
         if isinstance(bucket, Plan):
             return bucket
     if bucket.kernel is None:
@@ -257,9 +258,11 @@ def _remember_failure(plan: Plan, index: int, dtype, name: str, text: str) -> No
                     name, text)
 
 
-def run_attention(ov, q, k, v, heads: int, skip_reshape: bool, skip_output_reshape: bool, scale):
-    """The output of one statically eligible call, in the caller's layout (contiguous)."""
-    shape = policy.call_shape(q, k, heads, skip_reshape, skip_output_reshape)
+def run_attention(ov, q, k, v, heads: int, skip_reshape: bool, skip_output_reshape: bool, scale, shape=None):
+    """The output of one statically eligible call, in the caller's layout (contiguous).
+    ``shape``: the call's :func:`.policy.call_shape`, when the caller has it already."""
+    if shape is None:
+        shape = policy.call_shape(q, k, heads, skip_reshape, skip_output_reshape)
     plan = decide(ov, q, shape)
     if plan.calibrate:
         return _calibrate(ov, plan, q, k, v, heads, skip_reshape, skip_output_reshape, scale)

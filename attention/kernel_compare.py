@@ -119,7 +119,6 @@ def run_bench(shapes, kernel_names, dtype=torch.bfloat16, iters=5, accuracy=True
     cc = kernels.device_cc(dev)
     gpu = torch.cuda.get_device_name(dev)
     store = timing.CalibrationStore(cache_dir)
-    env = timing.environment()
     dt = "bf16" if dtype == torch.bfloat16 else "fp16"
     rows = []
     budget = {"calibration_budget_s": 600.0, "cache_dir": cache_dir}
@@ -181,7 +180,7 @@ def run_bench(shapes, kernel_names, dtype=torch.bfloat16, iters=5, accuracy=True
                 emit(json.dumps(r))
             if measured:
                 grouped = measured.get(split.groups) if split.groups > 1 else None
-                store.put(timing.make_key(gpu, cc, name, planning.kernel_build(name), dt, H, D, NQ, NK, env),
+                store.put(planning.timing_key(gpu, cc, name, dt, H, D, NQ, NK),
                           measured.get(1), sdpa_ms, NQ, NK, save=False, grouped_ms=grouped, groups=split.groups,
                           repeats=iters)
         store.save()

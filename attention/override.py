@@ -76,7 +76,7 @@ class SageAttentionOverride:
 
     # ------------------------------------------------------------------ the traced part
     def _static(self, args, kwargs):
-        """(q, k, v, heads, skip_reshape, skip_output_reshape, reason or None) of a call."""
+        """(q, k, v, heads, skip_reshape, skip_output_reshape, call shape, reason or None)."""
         q, k, v = args[0], args[1], args[2]
         heads = kwargs["heads"] if "heads" in kwargs else args[3]
         mask = kwargs["mask"] if "mask" in kwargs else (args[4] if len(args) > 4 else None)
@@ -84,16 +84,17 @@ class SageAttentionOverride:
         skip_out = kwargs["skip_output_reshape"] if "skip_output_reshape" in kwargs else (
             args[7] if len(args) > 7 else False)
         reason = policy.static_reason(q, k, v, mask, kwargs)
+        shape = None
         if reason is None:
             shape = policy.call_shape(q, k, heads, skip_reshape, skip_out)
             if isinstance(shape, str):
                 reason = shape
             elif shape[2] < self.config.min_tokens:
                 reason = "short"
-        return q, k, v, heads, bool(skip_reshape), bool(skip_out), reason
+        return q, k, v, heads, bool(skip_reshape), bool(skip_out), shape, reason
 
     def __call__(self, func, *args, **kwargs):
-        q, k, v, heads, skip_reshape, skip_out, reason = self._static(args, kwargs)
+        q, k, v, heads, skip_reshape, skip_out, shape, reason = self._static(args, kwargs)
         if reason is not None:
             if not _is_compiling():
                 stats.record(self.patch_id, reason=reason)
@@ -104,14 +105,14 @@ class SageAttentionOverride:
         scale = None if scale is None else float(scale)
         if _is_compiling():
             return op.call_attention(q, k, v, heads, skip_reshape, skip_out, scale, self.patch_id)
-        return execution.run_attention(self, q, k, v, heads, skip_reshape, skip_out, scale)
+        return execution.run_attention(self, q, k, v, heads, skip_reshape, skip_out, scale, shape)
 
     def plan(self, q, k, v, heads, args=(), kwargs=None) -> Plan:
         """What a call would do, without running a kernel (except a kernel's one-time self-test):
         the static checks plus the run-time decision, including the free-memory check."""
         kwargs = dict(kwargs or {})
         kwargs.setdefault("heads", heads)
-        q, k, v, heads, skip_reshape, skip_out, reason = self._static(tuple(args) or (q, k, v), kwargs)
+        q, k, v, heads, skip_reshape, skip_out, shape, reason = self._static(tuple(args) or (q, k, v), kwargs)
         if reason is not None:
             return Plan(None, reason)
-        return execution.decide(self, q, policy.call_shape(q, k, heads, skip_reshape, skip_out))
+        return execution.decide(self, q, shape, claim=False)

@@ -16,7 +16,7 @@ from .policy import DTYPE_NAMES
 from .registry import KERNELS
 from .state import STATE
 
-__all__ = ["Plan", "DeviceInfo", "Choice", "device_info", "kernel_build", "candidates", "attn_shape",
+__all__ = ["Plan", "DeviceInfo", "Choice", "device_info", "kernel_build", "timing_key", "candidates", "attn_shape",
            "output_copy", "mode_groups", "need_bytes", "more_groups", "choose", "default_choice",
            "calibration_estimate_s"]
 
@@ -102,6 +102,13 @@ def kernel_build(name: str) -> str:
     return kernels.build_identity(KERNELS[name].package)
 
 
+def timing_key(gpu: str, cc: int, name: str, dtype_name: str, heads: int, head_dim: int, nq: int, nk: int) -> str:
+    """The timing-cache key of kernel ``name`` on a shape, as the node and ``wan-sage bench`` both
+    write and read it: the kernel's build identity and this process's torch/CUDA/cuDNN included."""
+    return timing.make_key(gpu, cc, name, kernel_build(name), dtype_name, heads, head_dim, nq, nk,
+                           timing.environment())
+
+
 def _passes_self_test(name: str, device, index: int, dtype, info: DeviceInfo) -> bool:
     key = (index, name, dtype)
     ticket = STATE.begin_self_test(key)
@@ -171,11 +178,12 @@ def need_bytes(name: str, cc: int, shape: kernel_bytes.AttnShape, groups: int, c
 def more_groups(name: str, cc: int, shape: kernel_bytes.AttnShape, groups: int, available: int,
                 margin: int) -> tuple | None:
     """(groups, need) of the fewest groups above ``groups`` whose need fits in ``available``."""
-    limit = int((available - margin - (4 << 20)) / 1.001)
-    found = head_groups.fewest_groups_within(KERNELS[name].memory_path(cc), shape, limit, groups + 1)
-    if found is None:
-        return None
-    return found[0], need_bytes(name, cc, shape, found[0], False, margin)
+    for count in head_groups.group_counts(shape.Hq):
+        if count > groups:
+            need = need_bytes(name, cc, shape, count, False, margin)
+            if need <= available:
+                return count, need
+    return None
 
 
 def _variant_ms(entry: dict, groups: int) -> tuple:

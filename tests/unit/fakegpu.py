@@ -1,5 +1,7 @@
 """A fake accelerator for the unit tier: injected kernels on the CPU, controlled free VRAM and
 timings.  Used only to test wan-sage's dispatch logic; real kernels are tested in tests/gpu."""
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -15,6 +17,8 @@ class FakeGPU:
     def __init__(self, monkeypatch, tmp_path, candidates=("sage2_sm90",), cc=90):
         from wan_sage.attention import execution, kernels, planning, policy, selftest, timing
         from wan_sage.attention.override import reset_state
+        from wan_sage.attention.state import STATE
+        self.state = STATE
         self.reset_state = reset_state
         reset_state()
         self.free = 1 << 40
@@ -26,6 +30,9 @@ class FakeGPU:
         self.group_cost = 0.01
         self.self_test_result = None
         self.self_tests = []
+        self.lock_held_in_self_test = []
+        self.self_test_delay_s = 0.0
+        self.finite_checks = 0
         self.cache_dir = str(tmp_path / "cache")
         self._in_timing = None
         monkeypatch.setattr(policy, "ACCEL_DEVICE_TYPES", ("cuda", "cpu"))
@@ -37,9 +44,22 @@ class FakeGPU:
         monkeypatch.setattr(kernels, "run", self.run)
         monkeypatch.setattr(timing, "time_cuda", self.time_cuda)
         monkeypatch.setattr(planning, "kernel_build", lambda name: "test")
+        all_finite = execution._all_finite
+
+        def counted_all_finite(t):
+            self.finite_checks += 1
+            return all_finite(t)
+        monkeypatch.setattr(execution, "_all_finite", counted_all_finite)
+
+    def spent_s(self) -> float:
+        """Calibration seconds charged to the budget so far."""
+        return self.state.calibration_spent_s
 
     def _self_test(self, name, dev, dtype, cc):
         self.self_tests.append(name)
+        self.lock_held_in_self_test.append(self.state.lock.locked())
+        if self.self_test_delay_s:
+            time.sleep(self.self_test_delay_s)  # lets other threads reach the same shape meanwhile
         return self.self_test_result
 
     def run(self, name, q, k, v, layout, scale, cc):
