@@ -365,7 +365,10 @@ def _calibrate(ov, plan: Plan, q, k, v, heads, skip_reshape, skip_output_reshape
     source = result.output_from
     if source is None:
         failures = [t.failure for t in result.trials if t.failure in ("oom", "error")]
-        reason = choice.reason if choice.kernel is None else (failures[0] if failures else "memory")
+        if failures:
+            reason = failures[0]
+        else:
+            reason = choice.reason if choice.kernel is None else "memory"
         return _sdpa_output(ov, result.output.contiguous(), reason, failures[0] if failures else None, calibration_ms)
     out = result.output
     if cfg.check_finite and _finite_check_due(source.kernel, plan.call_key) and not _all_finite(out):
