@@ -7,7 +7,7 @@ fallbacks, the NaN/Inf guard), :mod:`.timing` (calibration and its cache), :mod:
 mutable state), :mod:`.op` (the custom op) and :mod:`.override` (the callable).
 """
 from .config import PatchConfig
-from .override import SageAttentionOverride, reset_state, self_test_failures
+from .override import SageAttentionOverride, reset_state, self_test_failures, settled_shapes
 from .planning import Plan
 
-__all__ = ["PatchConfig", "SageAttentionOverride", "Plan", "reset_state", "self_test_failures"]
+__all__ = ["PatchConfig", "SageAttentionOverride", "Plan", "reset_state", "self_test_failures", "settled_shapes"]

@@ -27,7 +27,7 @@ from .planning import Plan
 from .sdpa import attention_sdpa
 from .state import STATE
 
-__all__ = ["SageAttentionOverride", "PatchConfig", "Plan", "reset_state", "self_test_failures"]
+__all__ = ["SageAttentionOverride", "PatchConfig", "Plan", "reset_state", "self_test_failures", "settled_shapes"]
 
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or torch._dynamo.is_compiling
 
@@ -40,6 +40,22 @@ def reset_state() -> None:
 def self_test_failures() -> dict:
     """{kernel name: why its numerical self-test failed} for the kernels disabled this session."""
     return STATE.self_test_failures()
+
+
+def settled_shapes() -> list:
+    """The decisions this process has settled, one per call shape: the kernel (None: SDPA, with
+    the reason) and the head groups it runs in, with the exact extra bytes checked before each
+    call.  What the working-memory estimate can read to model the memory mode as it runs (where
+    calibration measured the split too costly, a shape runs ungrouped)."""
+    with STATE.lock:
+        items = list(STATE.buckets.items())
+    shapes = []
+    for key, bucket in items:
+        B, H, Nq, Nk, D, layout, out_layout = key[3:]
+        shapes.append({"device_index": key[1], "dtype": str(key[2]).replace("torch.", ""), "B": B, "H": H, "Nq": Nq,
+                       "Nk": Nk, "D": D, "layout": layout, "kernel": bucket.kernel, "reason": bucket.reason,
+                       "groups": bucket.groups, "need_bytes": bucket.need})
+    return shapes
 
 
 class SageAttentionOverride:

@@ -4,7 +4,7 @@ import torch
 
 from fakegpu import qkv
 from wan_sage.attention import execution, head_groups, kernel_bytes, stats, timing
-from wan_sage.attention.dispatch import PatchConfig, SageAttentionOverride
+from wan_sage.attention.dispatch import PatchConfig, SageAttentionOverride, settled_shapes
 from wan_sage.attention.sdpa import attention_sdpa
 
 SHAPE = kernel_bytes.AttnShape(1, 4, 2048, 2048, 64)
@@ -110,3 +110,14 @@ def test_grouped_and_ungrouped_runs_give_the_same_output_in_every_layout(fake_gp
     for out in outs:
         assert out.shape == expect and out.is_contiguous()
         assert torch.equal(out, outs[0])
+
+
+def test_settled_shapes_report_the_groups_in_force(fake_gpu, two_groups):
+    fake_gpu.group_cost = 0.05  # the split is measured too costly: this shape runs ungrouped
+    q, k, v = qkv()
+    o = ov(fake_gpu)
+    o(raw_func, q, k, v, heads=4)
+    (shape,) = settled_shapes()
+    assert (shape["kernel"], shape["groups"], shape["Nq"], shape["H"], shape["dtype"]) == ("sage2_sm90", 1, 2048, 4,
+                                                                                           "bfloat16")
+    assert shape["need_bytes"] == kernel_bytes.with_margin(head_groups.split_bytes("sage2_sm90", SHAPE, 1)) + MARGIN
