@@ -81,9 +81,9 @@ class DynamoWatch:
         try:
             from torch._dynamo.utils import compile_times
             names, values = compile_times(repr="csv", aggregate=True)
-            return float(values[names.index("_compile.compile_inner")])
-        except Exception:
+        except Exception:        # a torch without these timers
             return None
+        return float(values[names.index("_compile.compile_inner")]) if "_compile.compile_inner" in names else 0.0
 
     def frames(self) -> int:
         """Frames dynamo has tried to compile (``fullgraph=True`` compiles do not count here)."""
