@@ -18,7 +18,9 @@ Configurations, ``{eager|compile}-{sdpa|sage[-grouped|-ungrouped]}[-fullgraph]``
   they need no more memory than SDPA); ``sage-ungrouped``: ``memory_mode="fastest"``; plain ``sage``:
   PatchConfig's default.  The mode goes straight into ``PatchConfig``; a checkout whose PatchConfig
   lacks the field runs ``sdpa`` and ``sage-ungrouped`` (today's behaviour) and stops at once, with a
-  message, when a grouped configuration is asked for.
+  message, when a grouped configuration is asked for.  The record has the mode asked for
+  (``memory_mode``) and the one the override's PatchConfig holds (``memory_mode_in_force``; None
+  without the field).
 * ``-fullgraph``: compile with ``fullgraph=True`` (an error is recorded when dynamo must break the graph).
 
 One JSON line per configuration on stdout and appended to ``--out`` as soon as it is measured;
@@ -45,9 +47,10 @@ import _host  # noqa: E402
 
 SCHEMA = "wan-sage-compile/1"
 GiB = 1 << 30
+# In priority order: the six of the table, then fullgraph (SDPA's last: it has no graph break to find).
 ALL_CONFIGS = ("eager-sdpa", "eager-sage-grouped", "eager-sage-ungrouped", "compile-sdpa", "compile-sage-grouped",
-               "compile-sage-ungrouped", "compile-sdpa-fullgraph", "compile-sage-grouped-fullgraph",
-               "compile-sage-ungrouped-fullgraph")
+               "compile-sage-ungrouped", "compile-sage-grouped-fullgraph", "compile-sage-ungrouped-fullgraph",
+               "compile-sdpa-fullgraph")
 DTYPES = ("bf16", "fp16")
 
 
@@ -273,7 +276,8 @@ def main(argv=None):
         settings = _compile.compile_blocks(model, a.backend, fullgraph=cfg.fullgraph) if cfg.compiled else None
         row = {"schema": SCHEMA, "config": cfg.name, **key, "width": a.width, "height": a.height, "frames": a.frames,
                "tokens": tokens, "repeats": a.repeats, "compiled": cfg.compiled, "attention": cfg.attention,
-               "memory_mode": cfg.memory_mode, "fullgraph": cfg.fullgraph, "compile": settings,
+               "memory_mode": cfg.memory_mode, "memory_mode_in_force": getattr(override and override.config, "memory_mode", None),
+               "fullgraph": cfg.fullgraph, "compile": settings,
                "recompile_limit": limit if cfg.compiled else None, "ok": True, "error": None}
         runs = []
         try:

@@ -6,7 +6,9 @@ override in each ``--memory-modes`` mode), and each size of the size set, it run
 step (comfy.sample.sample) and measures ``torch.cuda.max_memory_allocated`` around the
 diffusion-model forward through a DIFFUSION_MODEL wrapper.  It prints one JSON line per run with
 the wan-sage prediction and ComfyUI's own estimate beside the measurement, and everything needed to
-recompute the prediction later (dims, latent, attention paths, mode, compiled).
+recompute the prediction later (dims, latent, attention paths, compiled, and the Sage patch's memory
+mode: ``memory_mode`` as asked, None for PatchConfig's default, and ``memory_mode_in_force`` as its
+config holds it, None where PatchConfig has no such field).
 
 Size sets: ``fit`` (the sizes the memory model was fitted on, ``memory/calibration/h200_forward.jsonl``)
 and ``heldout`` (sizes the fit never saw: other aspect ratios, portrait, longer clips, other frame
@@ -161,6 +163,19 @@ def done_rows(paths: str | None) -> set:
     return done
 
 
+def summary_line(r: dict) -> str:
+    """One readable line per row, after its JSON line (``# row ...``)."""
+    gib = 1 << 30
+    what = f"{r['model']} {r['dtype']} {r['attn']}" + (f"/{r['memory_mode']}" if r.get("memory_mode") else "") + \
+        (" compiled" if r.get("compiled") else "") + f" {r['width']}x{r['height']}x{r['frames']} ({r['tokens']} tokens)"
+    if not r["ok"]:
+        return f"# row {what}: FAILED {(r.get('error') or 'out of memory').splitlines()[0][:160]}"
+    measured = "-" if r["measured"] is None else f"{r['measured'] / gib:.3f}"
+    err = "" if r.get("err") is None else f" ({r['err']:+.1%})"
+    sec = "-" if r.get("sec") is None else f"{r['sec']:.2f}"
+    return f"# row {what}: measured {measured} GiB, predicted {r['predicted'] / gib:.3f} GiB{err}, {sec} s/forward"
+
+
 def _sizes(text: str) -> list[tuple]:
     return [tuple(int(x) for x in s.lower().split("x")) for s in text.split(",") if s.strip()]
 
@@ -169,7 +184,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="a14b,ti2v5b,1.3b")
-    ap.add_argument("--dtypes", default=None, help="default: bf16,fp16 for the fit set, bf16 for the held-out set")
+    ap.add_argument("--dtypes", default=None, help="default: bf16,fp16 for the fit set, bf16 for the held-out set "
+                                                   "and for compiled rows")
     ap.add_argument("--attn", default="sdpa,sage")
     ap.add_argument("--memory-modes", default="default",
                     help="the Sage patch's memory modes, comma list: default (PatchConfig's own), sdpa (grouped), "
@@ -187,7 +203,7 @@ def parse_args(argv=None):
     ap.add_argument("--estimate-only", action="store_true", help="print the plan's estimated time and exit")
     ap.add_argument("--cpu", action="store_true", help="smoke-run the harness on the CPU (no peaks)")
     a = ap.parse_args(argv)
-    a.dtypes = a.dtypes or ("bf16,fp16" if a.sizeset == "fit" else "bf16")
+    a.dtypes = a.dtypes or ("bf16,fp16" if a.sizeset == "fit" and not a.compile else "bf16")
     a.modes = [None if m.strip() == "default" else m.strip() for m in a.memory_modes.split(",") if m.strip()]
     bad = [m for m in a.modes if m not in (None, *_host.MEMORY_MODES.values())]
     if bad:
@@ -370,6 +386,7 @@ def main(argv=None):
                                     "vae_stride": list(dims.vae_stride), "latent": list(lat),
                                     "self_attn_path": self_p, "cross_attn_path": "sdpa", "memory_mode": mode,
                                     "memory_mode_field": mode_field,
+                                    "memory_mode_in_force": getattr(ov and ov.config, "memory_mode", None),
                                     "compiled": a.compile, "compile": settings,
                                     "measured_reserved": rec.get("peak_reserved") if ok else None,
                                     "weights_bytes": int(patcher.model_size()), "gpu": gpu,
@@ -380,6 +397,7 @@ def main(argv=None):
                             row["graph_break_reasons"] = watch.break_reasons(5)
                             row["error"] = error
                         emit(row)
+                        log(summary_line(row))
                         slow.append((time.perf_counter() - t_row) / max(need, 1e-3))
                     del m
             mm.unload_all_models()
