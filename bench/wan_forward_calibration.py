@@ -214,6 +214,7 @@ def parse_args(argv=None):
 def main(argv=None):
     t_start = time.perf_counter()
     a = parse_args(argv)
+    _host.set_allocator(a.allocator)        # before anything imports torch
 
     def log(msg):
         print(msg, flush=True)
@@ -240,7 +241,6 @@ def main(argv=None):
     if a.estimate_only:
         return 0
     _host.check_memory_modes(a.modes if "sage" in a.attn.split(",") else [])
-    _host.set_allocator(a.allocator)
     _host.boot_comfy(cpu=a.cpu, pytorch_attention=a.cpu and a.compile)
     import torch
     import comfy.model_management as mm
