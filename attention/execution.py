@@ -82,7 +82,7 @@ def _timing_context(ov, info, names, dtype, shape):
     """(store, {kernel: cache key}, {kernel: memory-mode groups}) for the candidates of a shape."""
     cfg = ov.config
     B, H, Nq, Nk, D, layout, out_layout = shape
-    store = STATE.store(cfg.cache_dir or str(timing.default_dir()), timing.CalibrationStore)
+    store = planning.timing_store(cfg.cache_dir)
     dtype_name = DTYPE_NAMES.get(dtype, str(dtype))
     keys = {n: planning.timing_key(info.gpu, info.cc, n, dtype_name, H, D, Nq, Nk) for n in names}
     aspec = planning.attn_shape(shape, dtype)

@@ -118,7 +118,7 @@ def run_bench(shapes, kernel_names, dtype=torch.bfloat16, iters=5, accuracy=True
     dev = torch.device("cuda", torch.cuda.current_device())
     cc = kernels.device_cc(dev)
     gpu = torch.cuda.get_device_name(dev)
-    store = timing.CalibrationStore(cache_dir)
+    store = planning.timing_store(cache_dir)  # the store the overrides below read
     dt = "bf16" if dtype == torch.bfloat16 else "fp16"
     rows = []
     budget = {"calibration_budget_s": 600.0, "cache_dir": cache_dir}

@@ -16,7 +16,7 @@ from .policy import DTYPE_NAMES
 from .registry import KERNELS
 from .state import STATE
 
-__all__ = ["Plan", "DeviceInfo", "Choice", "device_info", "kernel_build", "timing_key", "candidates", "attn_shape",
+__all__ = ["Plan", "DeviceInfo", "Choice", "device_info", "kernel_build", "timing_store", "timing_key", "candidates", "attn_shape",
            "output_copy", "mode_groups", "need_bytes", "more_groups", "choose", "default_choice",
            "calibration_estimate_s"]
 
@@ -100,6 +100,12 @@ def device_info(device, index: int, choice: str) -> DeviceInfo:
 def kernel_build(name: str) -> str:
     """The build identity of the package that provides kernel ``name`` (for cache keys and logs)."""
     return kernels.build_identity(KERNELS[name].package)
+
+
+def timing_store(cache_dir: str | None) -> timing.CalibrationStore:
+    """The process's one timing store for ``cache_dir`` (None: the default directory), shared by
+    every patch and by ``wan-sage bench`` in the same process."""
+    return STATE.store(cache_dir or str(timing.default_dir()), timing.CalibrationStore)
 
 
 def timing_key(gpu: str, cc: int, name: str, dtype_name: str, heads: int, head_dim: int, nq: int, nk: int) -> str:
