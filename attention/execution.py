@@ -118,10 +118,8 @@ def _settle(ov, device, index: int, dtype, shape: tuple, key: tuple, claim: bool
         return Plan(to_time[0], None, layout, B, H, Nq, Nk, D, 1, to_time, 0.0, info.cc, 0, out_layout, False, key)
     choice = planning.choose(names, {n: e for n, e in entries.items() if e is not None}, groups, cross) \
         or planning.default_choice(names, cross, groups)
-    bucket = _bucket(choice, info.cc, shape, dtype, margin)
-    with STATE.lock:  # a calibration finishing in another thread wins over this unmeasured choice
-        bucket = STATE.buckets.setdefault(key, bucket)
-    return bucket
+    # A calibration finishing in another thread wins over this unmeasured choice.
+    return STATE.settle_if_absent(key, _bucket(choice, info.cc, shape, dtype, margin))
 
 
 def _budget_left(ov, shape: tuple, names: tuple, groups: dict) -> bool:
@@ -297,28 +295,70 @@ def run_attention(ov, q, k, v, heads: int, skip_reshape: bool, skip_output_resha
 
 
 # ------------------------------------------------------------------ calibration
-def _calibrate(ov, plan: Plan, q, k, v, heads, skip_reshape, skip_output_reshape, scale):
-    """Time the unmeasured kernels (ungrouped, and in the memory mode's head groups) and SDPA on
-    this call, cache the timings, settle the shape, and return the fastest output seen.  The
-    time spent is charged to the budget whatever happens; a kernel that raises is charged to
-    itself; a variant that would not fit in free memory is not timed."""
+def _variants(ov, plan: Plan, groups: dict, q4, k4, v4, scale) -> list:
+    """What calibration times per kernel: the ungrouped call, and the memory mode's split."""
     cfg = ov.config
-    index, dtype = plan.call_key[1], q.dtype
-    shape = plan.call_key[3:]
-    margin = cfg.memory_margin_mb << 20
-    info = planning.device_info(q.device, index, cfg.kernel)
-    store, keys, groups = _timing_context(ov, info, plan.calibrate, dtype, shape)
-    aspec = planning.attn_shape(shape, dtype)
-    kept = aspec.s * plan.B * plan.H * plan.Nq * plan.D  # the best output so far stays alive while timing
-    q4, k4, v4 = _views(q, k, v, plan)
+    aspec = planning.attn_shape(plan.call_key[3:], q4.dtype)
+    kept = aspec.s * plan.B * plan.H * plan.Nq * plan.D  # the output kept meanwhile (SDPA's or a kernel's)
     variants = []
     for name in plan.calibrate:
         counts = [1] + ([groups[name]] if cfg.memory_mode == "sdpa" and groups[name] > 1 else [])
         for count in counts:
             copy = count == 1 and planning.output_copy(name, plan.layout, plan.out_layout)
-            need = planning.need_bytes(name, plan.cc, aspec, count, copy, margin) + kept
+            need = planning.need_bytes(name, plan.cc, aspec, count, copy, cfg.memory_margin_mb << 20) + kept
             variants.append(timing.Variant(name, count, need, lambda n=name, c=count: run_kernel(
                 n, q4, k4, v4, plan.layout, plan.out_layout, c, scale, plan.cc)))
+    return variants
+
+
+def _record(ov, plan: Plan, result: timing.Calibration, variants: list, store, keys: dict, groups: dict, device,
+            dtype) -> None:
+    """Charge errors to the kernels that raised, cache the timings, and remember an out-of-memory
+    error when no variant could be timed."""
+    measured = {}
+    for trial in result.trials:
+        if trial.failure == "error":
+            _remember_failure(plan, plan.call_key[1], dtype, trial.kernel, trial.error)
+        elif trial.ms is not None:
+            measured.setdefault(trial.kernel, {})[trial.groups] = trial.ms
+    for name, times in measured.items():
+        count, grouped_ms = next(((c, ms) for c, ms in times.items() if c > 1), (groups[name], None))
+        store.put(keys[name], times.get(1), result.sdpa_ms, plan.Nq, plan.Nk, save=False, grouped_ms=grouped_ms,
+                  groups=count)
+    store.save()
+    STATE.add_timed(keys[n] for n in measured)
+    ran_out = {(t.kernel, t.groups) for t in result.trials if t.failure == "oom"}
+    if ran_out and not measured:
+        need = min(v.need for v in variants if (v.kernel, v.groups) in ran_out)
+        STATE.remember_oom(plan.call_key, OomMemory(available_bytes(device, ov.free_memory), need))
+
+
+def _settle_measured(ov, plan: Plan, info, device, dtype) -> planning.Choice:
+    """Settle the shape from every candidate that may still run and its cache entry, old or new."""
+    cfg = ov.config
+    shape = plan.call_key[3:]
+    names, why = planning.candidates(info, device, plan.call_key[1], dtype, plan.D, cfg.self_test)
+    if names:
+        store, keys, groups = _timing_context(ov, info, names, dtype, shape)
+        entries = {n: e for n in names if (e := store.get(keys[n])) is not None}
+        cross = policy.is_cross(plan.Nq, plan.Nk)
+        choice = planning.choose(names, entries, groups, cross) or planning.default_choice(names, cross, groups)
+    else:
+        choice = planning.Choice(None, reason=why)
+    STATE.settle(plan.call_key, _bucket(choice, plan.cc, shape, dtype, cfg.memory_margin_mb << 20))
+    return choice
+
+
+def _calibrate(ov, plan: Plan, q, k, v, heads, skip_reshape, skip_output_reshape, scale):
+    """Time the unmeasured kernels (ungrouped, and in the memory mode's head groups) and SDPA on
+    this call, cache the timings, settle the shape, and return the output that the settling rule
+    favours (SDPA's unless a kernel beat it).  The time spent is charged to the budget whatever
+    happens; a kernel that raises is charged to itself; a variant that would not fit in free
+    memory is not timed."""
+    cfg = ov.config
+    info = planning.device_info(q.device, plan.call_key[1], cfg.kernel)
+    store, keys, groups = _timing_context(ov, info, plan.calibrate, q.dtype, plan.call_key[3:])
+    variants = _variants(ov, plan, groups, *_views(q, k, v, plan), scale)
     sdpa_kwargs = {"skip_reshape": skip_reshape, "skip_output_reshape": skip_output_reshape}
     if scale is not None:
         sdpa_kwargs["scale"] = scale
@@ -330,58 +370,26 @@ def _calibrate(ov, plan: Plan, q, k, v, heads, skip_reshape, skip_output_reshape
     finally:
         spent = time.perf_counter() - t0
         STATE.charge_calibration(spent)
-    measured = {}
-    for trial in result.trials:
-        if trial.failure == "error":
-            _remember_failure(plan, index, dtype, trial.kernel, trial.error)
-        elif trial.ms is not None:
-            measured.setdefault(trial.kernel, {})[trial.groups] = trial.ms
-    for name, times in measured.items():
-        grouped = {c: ms for c, ms in times.items() if c > 1}
-        count, grouped_ms = next(iter(grouped.items()), (groups[name], None))
-        store.put(keys[name], times.get(1), result.sdpa_ms, plan.Nq, plan.Nk, save=False, grouped_ms=grouped_ms,
-                  groups=count)
-    store.save()
-    STATE.add_timed(keys[n] for n in measured)
-    ooms = [t for t in result.trials if t.failure == "oom"]
-    if ooms and not measured:
-        need = min(v.need for v in variants if (v.kernel, v.groups) in {(t.kernel, t.groups) for t in ooms})
-        STATE.remember_oom(plan.call_key, OomMemory(available_bytes(q.device, ov.free_memory), need))
+    _record(ov, plan, result, variants, store, keys, groups, q.device, q.dtype)
     log.info("wan-sage: calibrated %s on %s for [B=%d, H=%d, Nq=%d, Nk=%d, D=%d] in %.2f s: SDPA %.2f ms, %s",
-             DTYPE_NAMES.get(dtype), info.gpu, plan.B, plan.H, plan.Nq, plan.Nk, plan.D, spent, result.sdpa_ms,
+             DTYPE_NAMES.get(q.dtype), info.gpu, plan.B, plan.H, plan.Nq, plan.Nk, plan.D, spent, result.sdpa_ms,
              ", ".join(f"{t.kernel}/{t.groups} " + (f"{t.ms:.2f} ms" if t.ms is not None else t.failure)
                        for t in result.trials) or "no kernel timed")
-    # Settle with every candidate that still may run (their cache entries, old and new).
-    names, why = planning.candidates(info, q.device, index, dtype, plan.D, cfg.self_test)
-    store_all, keys_all, groups_all = _timing_context(ov, info, names, dtype, shape)
-    entries = {n: e for n in names if (e := store_all.get(keys_all[n])) is not None}
-    cross = policy.is_cross(plan.Nq, plan.Nk)
-    if names:
-        choice = planning.choose(names, entries, groups_all, cross) or planning.default_choice(names, cross, groups_all)
-    else:
-        choice = planning.Choice(None, reason=why)
-    STATE.settle(plan.call_key, _bucket(choice, plan.cc, shape, dtype, margin))
+    choice = _settle_measured(ov, plan, info, q.device, q.dtype)
     calibration_ms = spent * 1000
     source = result.output_from
     if source is None:
         failures = [t.failure for t in result.trials if t.failure in ("oom", "error")]
-        if failures:
-            reason = failures[0]
-        else:
-            reason = choice.reason if choice.kernel is None else "memory"
-        return _sdpa_output(ov, result.output.contiguous(), reason, failures[0] if failures else None, calibration_ms)
+        reason = failures[0] if failures else (choice.reason if choice.kernel is None else "memory")
+        stats.record(ov.patch_id, reason=reason, fallback=failures[0] if failures else None,
+                     calibration_ms=calibration_ms)
+        return result.output.contiguous()
     out = result.output
     if cfg.check_finite and _finite_check_due(source.kernel, plan.call_key) and not _all_finite(out):
         out = None
         _nonfinite(ov, plan, source.kernel)
         return _sdpa(ov, q, k, v, heads, skip_reshape, skip_output_reshape, scale, "nonfinite", fallback="nonfinite",
                      calibration_ms=calibration_ms)
-    saved = max(0.0, result.sdpa_ms - source.ms)
-    stats.record(ov.patch_id, kernel=source.kernel, split=source.groups > 1, saved_ms=saved,
-                 calibration_ms=calibration_ms)
-    return out
-
-
-def _sdpa_output(ov, out, reason, fallback, calibration_ms):
-    stats.record(ov.patch_id, reason=reason, fallback=fallback, calibration_ms=calibration_ms)
+    stats.record(ov.patch_id, kernel=source.kernel, split=source.groups > 1,
+                 saved_ms=max(0.0, result.sdpa_ms - source.ms), calibration_ms=calibration_ms)
     return out

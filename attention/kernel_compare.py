@@ -225,8 +225,9 @@ def table(rows) -> str:
         er = f"{100 * r['formula_err']:6.2f}" if "formula_err" in r else f"{'':>6}"
         rl = f"{r['rel_l2']:7.4f}" if "rel_l2" in r else f"{'':>7}"
         if r["backend"] == "auto":
-            note = (f"chose {r['chosen']}; memory mode fastest: {r['fastest_groups']} group(s) x{r['ratio_fastest']:.3f} "
-                    f"{r['extra_bytes_fastest'] / 1e6:.0f} MB; without finite check x{r['ratio_no_finite_check']:.3f}; "
+            note = (f"chose {r['chosen']}; memory mode fastest: {r['fastest_groups']} group(s) "
+                    f"x{r['ratio_fastest']:.3f} {r['extra_bytes_fastest'] / 1e6:.0f} MB; "
+                    f"without finite check x{r['ratio_no_finite_check']:.3f}; "
                     f"decision {r['decision_us']:.1f} us")
         elif "grouping_cost" in r:
             note = f"grouping costs {100 * r['grouping_cost']:+.1f} % against ungrouped"

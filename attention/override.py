@@ -88,7 +88,8 @@ class SageAttentionOverride:
         return (SageAttentionOverride, (self.config, self.prev, self.sdpa, self.free_memory, self.patch_id))
 
     def __repr__(self):
-        return f"SageAttentionOverride(id={self.patch_id}, kernel={self.config.kernel}, chained={self.prev is not None})"
+        return (f"SageAttentionOverride(id={self.patch_id}, kernel={self.config.kernel}, "
+                f"chained={self.prev is not None})")
 
     # ------------------------------------------------------------------ the traced part
     def _static(self, args, kwargs):

@@ -16,9 +16,9 @@ from .policy import DTYPE_NAMES
 from .registry import KERNELS
 from .state import STATE
 
-__all__ = ["Plan", "DeviceInfo", "Choice", "device_info", "kernel_build", "timing_store", "timing_key", "candidates", "attn_shape",
-           "output_copy", "mode_groups", "need_bytes", "more_groups", "choose", "default_choice",
-           "calibration_estimate_s"]
+__all__ = ["Plan", "DeviceInfo", "Choice", "device_info", "kernel_build", "timing_store", "timing_key",
+           "candidates", "attn_shape", "output_copy", "mode_groups", "need_bytes", "more_groups", "choose",
+           "default_choice", "calibration_estimate_s"]
 
 log = logging.getLogger("wan_sage")
 

@@ -132,6 +132,11 @@ class DispatchState:
         with self.lock:
             self.buckets[call_key] = bucket
 
+    def settle_if_absent(self, call_key, bucket: Bucket) -> Bucket:
+        """Settle ``call_key`` unless it is settled already; returns the bucket in force."""
+        with self.lock:
+            return self.buckets.setdefault(call_key, bucket)
+
     def forget(self, call_key) -> None:
         with self.lock:
             self.buckets.pop(call_key, None)

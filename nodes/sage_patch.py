@@ -99,11 +99,13 @@ def apply_patch(model, kernel="auto", min_tokens=1024, calibrate=True, memory_ma
     elif prev is not None:
         _warn_once(("displacing", type(prev).__qualname__),
                    "wan-sage: this model already has an attention override (%s, e.g. from ModelAttentionBackend or "
-                   "another pack). The slot keeps only the last writer, so the Sage patch takes it and hands the calls it "
-                   "cannot take (CPU, masks, short sequences, dtypes the kernels lack) to that override; calls it takes "
-                   "but then serves on SDPA (slower, memory, errors) use PyTorch SDPA.", getattr(prev, "__qualname__", type(prev).__qualname__))
+                   "another pack). The slot keeps only the last writer, so the Sage patch takes it and hands "
+                   "the calls it cannot take (CPU, masks, short sequences, dtypes the kernels lack) to that "
+                   "override; calls it takes but then serves on SDPA (slower, memory, errors) use PyTorch SDPA.",
+                   getattr(prev, "__qualname__", type(prev).__qualname__))
     cfg = PatchConfig(kernel=kernel, min_tokens=int(min_tokens), calibrate=bool(calibrate),
-                      memory_margin_mb=int(memory_margin_mb), check_finite=bool(check_finite), memory_mode=memory_mode,
+                      memory_margin_mb=int(memory_margin_mb), check_finite=bool(check_finite),
+                      memory_mode=memory_mode,
                       cache_dir=comfy_bridge.cache_dir(), label="Wan Sage patch" + (f" #{node_id}" if node_id else ""),
                       node_id=None if node_id is None else str(node_id))
     free_fn = comfy_bridge.PatcherFreeMemory(m.model) if (comfy_bridge.is_dynamic(m) or comfy_bridge.aimdo_enabled()) else None

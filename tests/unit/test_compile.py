@@ -87,7 +87,8 @@ def test_fullgraph_compile_runs_the_kernel_and_matches_eager(setup, fake_gpu, ba
         assert torch.allclose(got.float(), expect.float(), atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.parametrize("skip_reshape,skip_output_reshape", [(False, False), (True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("skip_reshape,skip_output_reshape",
+                         [(False, False), (True, True), (True, False), (False, True)])
 def test_the_op_passes_opcheck_in_every_layout(fake_gpu, skip_reshape, skip_output_reshape):
     override = SageAttentionOverride(PatchConfig(cache_dir=fake_gpu.cache_dir, calibrate=False))
     q, k, v = qkv(N=1024)

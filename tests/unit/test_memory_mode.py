@@ -45,7 +45,8 @@ def test_the_split_is_used_when_it_costs_at_most_two_percent(fake_gpu, two_group
     assert s["by_kernel"] == {"sage2_sm90": 1} and s["head_split_calls"] == 1
     plan = o.plan(q, k, v, 4)
     assert plan.groups == 2
-    assert plan.need == kernel_bytes.with_margin(head_groups.head_groups("sage2_sm90", SHAPE, "sdpa").extra_bytes) + MARGIN
+    rule = head_groups.head_groups("sage2_sm90", SHAPE, "sdpa")
+    assert plan.need == kernel_bytes.with_margin(rule.extra_bytes) + MARGIN
 
 
 def test_a_shape_where_the_split_costs_more_runs_ungrouped(fake_gpu, two_groups):
