@@ -7,7 +7,9 @@ out-of-memory errors, finite-check counters, the timing stores, the registry of 
 
 Rules: every write holds :attr:`DispatchState.lock`; reads on the hot path are single dict
 lookups without it; nothing here runs GPU work, and callers never run GPU work (self-tests,
-timing, kernels) while holding the lock.  Torch-free.
+timing, kernels) while holding the lock.  (A timing store, :class:`.timing.CalibrationStore`, is
+also used on its own by ``wan-sage bench``; it guards its entries and file writes with a lock of its
+own.)  Torch-free.
 """
 from __future__ import annotations
 
@@ -136,10 +138,6 @@ class DispatchState:
         """Settle ``call_key`` unless it is settled already; returns the bucket in force."""
         with self.lock:
             return self.buckets.setdefault(call_key, bucket)
-
-    def forget(self, call_key) -> None:
-        with self.lock:
-            self.buckets.pop(call_key, None)
 
     def claim_calibration(self, call_key) -> bool:
         """True for the first caller (it calibrates); False when this shape was claimed before."""
