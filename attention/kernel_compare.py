@@ -114,6 +114,30 @@ def _decision_us(override, q, k, v, H, n=2000) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
+def _call_overhead_us(override, q, k, v, H, n=2000) -> float | None:
+    """CPU microseconds per call of a settled shape for everything but the kernel: the call as
+    ComfyUI makes it, with the chosen kernel's entry point swapped for one that returns its q
+    (the views, head split and copies, finite-check sample and stats included).  None when the
+    shape runs on SDPA."""
+    plan = override.plan(q, k, v, H)
+    if plan.kernel is None:
+        return None
+    real = kernels.entry_point(plan.kernel)
+    kernels.install_test_kernel(plan.kernel, lambda q, k, v, **options: q)
+    try:
+        call = lambda: override(attention_sdpa, q, k, v, heads=H, transformer_options={})  # noqa: E731
+        call()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            call()
+        elapsed = time.perf_counter() - t0
+        torch.cuda.synchronize()
+    finally:
+        kernels.install_test_kernel(plan.kernel, real)
+    return elapsed / n * 1e6
+
+
 def run_bench(shapes, kernel_names, dtype=torch.bfloat16, iters=5, accuracy=True, cache_dir=None, emit=print):
     dev = torch.device("cuda", torch.cuda.current_device())
     cc = kernels.device_cc(dev)
@@ -204,7 +228,8 @@ def run_bench(shapes, kernel_names, dtype=torch.bfloat16, iters=5, accuracy=True
              "fastest_groups": plan_fastest.groups, "ms_fastest": ms_fastest, "ratio_fastest": sdpa_ab / ms_fastest,
              "extra_bytes_fastest": fastest_extra,
              "ms_no_finite_check": ms_nf, "ratio_no_finite_check": sdpa_ab / ms_nf,
-             "decision_us": _decision_us(overrides["auto"], q, k, v, H)}
+             "decision_us": _decision_us(overrides["auto"], q, k, v, H),
+             "call_overhead_us": _call_overhead_us(overrides["auto"], q, k, v, H)}
         rows.append(r)
         emit(json.dumps(r))
         del q, k, v, q4, k4, v4, ref
@@ -228,7 +253,8 @@ def table(rows) -> str:
             note = (f"chose {r['chosen']}; memory mode fastest: {r['fastest_groups']} group(s) "
                     f"x{r['ratio_fastest']:.3f} {r['extra_bytes_fastest'] / 1e6:.0f} MB; "
                     f"without finite check x{r['ratio_no_finite_check']:.3f}; "
-                    f"decision {r['decision_us']:.1f} us")
+                    f"decision {r['decision_us']:.1f} us"
+                    + (f", call without the kernel {r['call_overhead_us']:.1f} us" if r["call_overhead_us"] else ""))
         elif "grouping_cost" in r:
             note = f"grouping costs {100 * r['grouping_cost']:+.1f} % against ungrouped"
         else:
