@@ -1,0 +1,225 @@
+"""memory/headers.py on broken, foreign and hostile files: one ModelFileError naming the file, never
+another exception; and a fuzz over random, truncated and mutated headers."""
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from wan_sage.memory import headers
+from wan_sage.memory.headers import ModelFileError, NotAWanModel, read_model_file
+
+
+def wan_shapes(dim=256, ffn=8, layers=2, in_dim=16, out_dim=16):
+    s = {"head.modulation": [1, 2, dim], "patch_embedding.weight": [dim, in_dim, 1, 2, 2],
+         "head.head.weight": [out_dim * 4, dim]}
+    for i in range(layers):
+        s[f"blocks.{i}.ffn.0.weight"] = [ffn, dim]
+    return s
+
+
+def st_bytes(shapes: dict, dtype="F16", overrides=None) -> bytes:
+    """A safetensors file with zero data for {name: shape}; ``overrides`` replaces header entries."""
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        n = int(np.prod(shape)) * 2
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    header.update(overrides or {})
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + b"\0" * offset
+
+
+def gguf_bytes(tmp_path, shapes: dict, orig_shapes: dict | None = None) -> bytes:
+    import gguf
+    p = tmp_path / "_w.gguf"
+    w = gguf.GGUFWriter(str(p), "wan")
+    for name, dims in (orig_shapes or {}).items():
+        w.add_array(f"comfy.gguf.orig_shape.{name}", list(dims))
+    for name, shape in shapes.items():
+        w.add_tensor(name, np.zeros(shape, dtype=np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return p.read_bytes()
+
+
+def write(tmp_path, name, data: bytes) -> str:
+    p = tmp_path / name
+    p.write_bytes(data)
+    return str(p)
+
+
+def test_valid_files_are_read(tmp_path):
+    info = read_model_file(write(tmp_path, "ok.safetensors", st_bytes(wan_shapes())))
+    assert (info.format, info.dims.dim, info.dims.num_layers, info.dims.num_heads, info.main_dtype) == \
+        ("safetensors", 256, 2, 2, "F16")
+    info = read_model_file(write(tmp_path, "ok.gguf", gguf_bytes(tmp_path, wan_shapes(dim=384, layers=3))))
+    assert (info.format, info.dims.dim, info.dims.num_layers, info.dims.num_heads) == ("gguf", 384, 3, 3)
+
+
+def test_gguf_orig_shape_metadata_gives_the_patch_embedding_its_5d_shape(tmp_path):
+    # ComfyUI-GGUF's convert.py stores tensors whose last dim is not a multiple of 256 as (n/256, 256)
+    # and records the real shape; in_dim (36 here, an I2V model) comes from that shape.
+    shapes = wan_shapes(in_dim=36)
+    real = shapes.pop("patch_embedding.weight")
+    shapes["patch_embedding.weight"] = [int(np.prod(real)) // 256, 256]
+    info = read_model_file(write(tmp_path, "i2v.gguf", gguf_bytes(tmp_path, shapes, {"patch_embedding.weight": real})))
+    assert info.dims.in_dim == 36
+
+
+@pytest.mark.parametrize("data,msg", [
+    (b"GGUF", "truncated GGUF header"),
+    (b"GG", "truncated GGUF header"),
+    (os.urandom(64).replace(b"GGUF", b"XXXX"), "not a GGUF file"),
+    (b"GGUF" + struct.pack("<I", 9) + b"\0" * 40, "unsupported GGUF version 9"),
+    (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 3) + b"key" + struct.pack("<I", 99), "unknown value type 99"),
+])
+def test_broken_gguf(tmp_path, data, msg):
+    with pytest.raises(ModelFileError, match=msg):
+        read_model_file(write(tmp_path, "x.gguf", data))
+
+
+@pytest.mark.parametrize("cut", [10, 24, 60, 200, "header_end"])
+def test_gguf_cut_inside_its_header_or_data(tmp_path, cut):
+    full = gguf_bytes(tmp_path, wan_shapes())
+    n = len(full) - 100 if cut == "header_end" else cut
+    with pytest.raises(ModelFileError, match="truncated" if cut != "header_end" else "is truncated: tensor"):
+        read_model_file(write(tmp_path, "cut.gguf", full[:n]))
+
+
+def test_random_bytes_named_gguf_are_not_called_safetensors(tmp_path):
+    with pytest.raises(ModelFileError) as e:
+        read_model_file(write(tmp_path, "x.gguf", b"\x17" * 4096))
+    assert "not a GGUF file" in str(e.value) and "safetensors" not in str(e.value)
+
+
+BAD_SAFETENSORS = [
+    (lambda: struct.pack("<Q", 2) + b"[]", "is a JSON list"),
+    (lambda: st_bytes(wan_shapes(), overrides={"head.modulation": {"dtype": "F16", "data_offsets": [0, 0]}}),
+     "header entry 'head.modulation' has no shape"),
+    (lambda: st_bytes(wan_shapes(), overrides={"head.modulation": {"dtype": "F16", "shape": "1,2,256",
+                                                                   "data_offsets": [0, 1024]}}), "not a list of sizes"),
+    (lambda: st_bytes(wan_shapes(), overrides={"head.modulation": {"dtype": "F16", "shape": [1, -2, 256],
+                                                                   "data_offsets": [0, 1024]}}), "negative size -2"),
+    (lambda: st_bytes(wan_shapes(), overrides={"head.modulation": {"dtype": "F16", "shape": [1, 2, 10 ** 20],
+                                                                   "data_offsets": [0, 1024]}}), "impossible size"),
+    (lambda: st_bytes(wan_shapes(), overrides={"head.modulation": {"dtype": "F16", "shape": [1, 2, 256],
+                                                                   "data_offsets": [1024, 0]}}), "bad data_offsets"),
+    (lambda: st_bytes(wan_shapes(), overrides={"head.modulation": {"dtype": "F16", "shape": [1, 2, 256],
+                                                                   "data_offsets": ["0", "x"]}}), "bad data_offsets"),
+    (lambda: st_bytes(wan_shapes(), overrides={"head.modulation": {"dtype": "F16", "shape": [1, 2, 256],
+                                                                   "data_offsets": [0, 7]}}), "spans 7 bytes"),
+    (lambda: st_bytes(wan_shapes(), overrides={"head.modulation": {"dtype": "Q9", "shape": [1],
+                                                                   "data_offsets": [0, 2]}}), "unknown dtype"),
+    (lambda: st_bytes(wan_shapes(), overrides={"__metadata__": [1]}), "__metadata__"),
+    (lambda: struct.pack("<Q", 5) + b"\xff\xfe{}}", "not UTF-8"),
+    (lambda: struct.pack("<Q", 4) + b"{no}", "not JSON"),
+    (lambda: struct.pack("<Q", 1 << 40) + b"{}", "not a safetensors file"),
+    (lambda: b"\0\0\0", "too short"),
+    (lambda: st_bytes(wan_shapes())[:-8], "is truncated: tensor"),
+]
+
+
+@pytest.mark.parametrize("make,msg", BAD_SAFETENSORS, ids=[m for _f, m in BAD_SAFETENSORS])
+def test_broken_safetensors(tmp_path, make, msg):
+    with pytest.raises(ModelFileError, match=msg) as e:
+        read_model_file(write(tmp_path, "bad.safetensors", make()))
+    assert "bad.safetensors" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_truncated_safetensors_header_names_the_file(tmp_path):
+    full = st_bytes(wan_shapes())
+    with pytest.raises(ModelFileError, match="truncated safetensors header") as e:
+        read_model_file(write(tmp_path, "half.safetensors", full[:200]))
+    assert "half.safetensors" in str(e.value)
+
+
+@pytest.mark.parametrize("shapes,msg", [
+    ({**wan_shapes(), "head.modulation": []}, "head.modulation has shape"),
+    (wan_shapes(dim=64), "dim 64 is not a Wan model"),
+    (wan_shapes(dim=200), "dim 200 is not a Wan model"),
+    ({**wan_shapes(), "head.head.weight": [20, 256]}, "head.head.weight has 20 outputs"),
+    ({k: v for k, v in wan_shapes().items() if k != "patch_embedding.weight"}, "lacks the tensor 'patch_embedding.weight'"),
+    ({"input_blocks.0.0.weight": [4, 4]}, "not a Wan diffusion model"),
+])
+def test_not_wan_models(tmp_path, shapes, msg):
+    with pytest.raises(NotAWanModel, match=msg):
+        read_model_file(write(tmp_path, "m.safetensors", st_bytes(shapes)))
+
+
+def test_missing_directory_empty_fifo_and_unreadable(tmp_path, monkeypatch):
+    with pytest.raises(ModelFileError, match="no such file"):
+        read_model_file(str(tmp_path / "missing.safetensors"))
+    (tmp_path / "dir.safetensors").mkdir()
+    with pytest.raises(ModelFileError, match="is a directory"):
+        read_model_file(str(tmp_path / "dir.safetensors"))
+    with pytest.raises(ModelFileError, match="is empty"):
+        read_model_file(write(tmp_path, "empty.gguf", b""))
+    os.mkfifo(tmp_path / "pipe.safetensors")
+    with pytest.raises(ModelFileError, match="not a regular file"):
+        read_model_file(str(tmp_path / "pipe.safetensors"))
+    path = write(tmp_path, "locked.safetensors", st_bytes(wan_shapes()))
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(headers, "open", denied, raising=False)
+    with pytest.raises(ModelFileError, match="cannot be read \\(permission denied\\)"):
+        read_model_file(path)
+
+
+def test_messages_show_the_given_name_not_the_path(tmp_path):
+    with pytest.raises(ModelFileError) as e:
+        read_model_file(write(tmp_path, "x.gguf", b"GGUF"), shown="x.gguf")
+    assert str(tmp_path) not in str(e.value) and str(e.value).startswith("x.gguf")
+
+
+# ------------------------------------------------------------------ fuzz
+
+def _check(path: str):
+    """A valid result, or a one-line ModelFileError; anything else fails the test."""
+    try:
+        info = read_model_file(path)
+    except ModelFileError as e:
+        assert str(e) and "\n" not in str(e) and len(str(e)) <= 300
+        return None
+    d = info.dims
+    assert d.dim >= 128 and d.dim % 128 == 0 and d.num_layers >= 1 and d.num_heads >= 1
+    assert d.latent_channels in (16, 48) and info.weights_bytes >= 0 and info.main_dtype
+    return info
+
+
+@pytest.fixture(scope="module")
+def fuzz_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fuzz")
+    return d, st_bytes(wan_shapes()), gguf_bytes(d, wan_shapes())
+
+
+FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@FUZZ
+@given(data=st.binary(max_size=2048), name=st.sampled_from(["f.gguf", "f.safetensors", "f.bin"]),
+       magic=st.sampled_from([b"", b"GGUF", b"GGUF\x03\x00\x00\x00"]))
+def test_fuzz_random_bytes(fuzz_dir, data, name, magic):
+    d, _st, _gg = fuzz_dir
+    _check(write(d, name, magic + data))
+
+
+@FUZZ
+@given(which=st.sampled_from(["st", "gguf"]), cut=st.integers(min_value=0, max_value=4096),
+       flips=st.lists(st.tuples(st.integers(min_value=0, max_value=2047), st.integers(min_value=0, max_value=255)),
+                      max_size=6))
+def test_fuzz_truncated_and_mutated_headers(fuzz_dir, which, cut, flips):
+    d, st_full, gguf_full = fuzz_dir
+    data = bytearray(st_full if which == "st" else gguf_full)
+    for pos, val in flips:
+        if pos < len(data):
+            data[pos] = val
+    if cut:
+        data = data[:cut]
+    _check(write(d, "m.gguf" if which == "gguf" else "m.safetensors", bytes(data)))
