@@ -257,7 +257,20 @@ def main(argv=None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return _closed_pipe()
     return cmd_bench(a)
+
+
+def _closed_pipe() -> int:
+    """The reader of our output went away (``wan-sage plan | head``): stop quietly, as Unix tools do.
+    stdout is pointed at devnull so that the interpreter's final flush raises nothing either."""
+    import os
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 if __name__ == "__main__":

@@ -135,3 +135,25 @@ def test_one_unit_everywhere(capsys):
     with pytest.raises(SystemExit):
         cli.main(["plan", "--help"])
     assert "GiB the model may use" in capsys.readouterr().out
+
+
+def test_plan_into_a_closed_pipe_prints_no_traceback(tmp_path):
+    """``wan-sage plan | head -3``: the reader leaves early; the CLI must not print a BrokenPipeError."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    code = ("import sys, importlib.util\n"
+            f"spec = importlib.util.spec_from_file_location('wan_sage', {str(root / '__init__.py')!r}, "
+            f"submodule_search_locations=[{str(root)!r}])\n"
+            "m = importlib.util.module_from_spec(spec); sys.modules['wan_sage'] = m; spec.loader.exec_module(m)\n"
+            "from wan_sage.cli import main\n"
+            "sys.exit(main(['plan', '--preset', 'wan2.2-a14b', '--vram', '24', '--cfg', '5']))\n")
+    p = subprocess.run(f"{sys.executable} -c {_shell_quote(code)} | head -c 10", shell=True, capture_output=True,
+                       text=True, timeout=120)
+    assert "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr
+
+
+def _shell_quote(s):
+    import shlex
+    return shlex.quote(s)
