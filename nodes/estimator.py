@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from ..attention import kernels, registry
 from ..memory import activation_model
 from ..memory.api import POLICIES  # one list for the node, the route and the panel
-from ..memory.estimate import GiB, activation_bytes, verdict_for
+from ..memory.estimate import DEFAULT_CC, GiB, activation_bytes, verdict_for
 from . import comfy_bridge
 from .sage_patch import find_override
 
@@ -52,20 +52,26 @@ def _cc(dev) -> int | None:
 
 
 def attention_for(model_options, settings: Settings, dev) -> tuple:
-    """(self path, cross path, label) for the memory model, detecting the Sage patch."""
+    """(self path, cross path, label) for the memory model, detecting the Sage patch.
+
+    Counted as the dispatcher runs the calls: self-attention on the patch's kernel (for ``auto``,
+    the first available kernel of this GPU's auto order in the registry), cross-attention on SDPA
+    (the dispatcher keeps it there, reason ``cross_slower``); a kernel that does not run on this
+    GPU leaves both on SDPA."""
     ov = find_override((model_options or {}).get("transformer_options", {}))
     if settings.count_sage == "never" or (settings.count_sage == "auto-detect" and ov is None):
         return "sdpa", "sdpa", "sdpa"
-    cc = _cc(dev) or 90
+    cc = _cc(dev) or DEFAULT_CC
     name = ov.config.kernel if ov is not None else "auto"
     if name == "auto":
         cands = kernels.auto_candidates(cc) if _cc(dev) else ()
         order = cands or registry.auto_order(cc)
         if not order:
-            return "sdpa", "sdpa", "sdpa"
+            return "sdpa", "sdpa", f"sdpa (no kernel runs on sm{cc})"
         name = order[0]
-    path = registry.memory_path(name, cc)
-    return path, path, name
+    elif name not in registry.KERNELS or not registry.KERNELS[name].runs_on(cc):
+        return "sdpa", "sdpa", f"sdpa ({name} does not run on sm{cc})"
+    return registry.memory_path(name, cc), "sdpa", name
 
 
 def _workload(dims: activation_model.WanDims, shape, dtype: str, self_p: str, cross_p: str) -> activation_model.Workload:
@@ -158,10 +164,11 @@ def report_from_facts(f: dict, shape) -> str:
     t = f["terms"]
     verdict, _ = verdict_for(f["weights"], f["resident_need"], f["reservation"], f["capacity"] - f["reserved"])
     d = f["dims"]
-    return (f"Wan dim {d.dim} x {d.num_layers} layers ({d.model_type}), latent {list(shape)}, {f['dtype']}\n"
+    cross = "; cross-attention on SDPA" if f["attention"] in registry.KERNELS else ""
+    return (f"Wan dim {d.dim} x {d.num_layers} layers ({d.model_type}), latent {list(shape)}, {f['dtype']} compute\n"
             f"tokens: {f['tokens']:,} per row, {int(shape[0])} row(s) per forward\n"
             f"activation peak: {(t['phase_peak'] + t['persistent']) / GiB:.2f} GiB ({t['dominant_phase']}); "
-            f"Sage extra: {t['sage_extra'] / GiB:+.2f} GiB ({f['attention']})\n"
+            f"Sage extra: {t['sage_extra'] / GiB:+.2f} GiB ({f['attention']}{cross})\n"
             f"reservation: {f['reservation'] / GiB:.2f} GiB (weights {'partly offloaded' if f['partial'] else 'resident'}"
             f"{'; ' + ('streaming + ' if f['partial'] else '') + 'fragmentation ' + format(t['fragmentation'] / GiB, '.2f') + ' GiB' if t['fragmentation'] else ''}); "
             f"ComfyUI's own estimate: {f['comfy'] / GiB:.2f} GiB\n"
