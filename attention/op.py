@@ -72,9 +72,14 @@ def _define():
     unsafe = getattr(getattr(torch, "Tag", None), "cudagraph_unsafe", None)
     if unsafe is not None and "tags" in inspect.signature(custom_op).parameters:
         options["tags"] = (unsafe,)
-    definition = custom_op(f"{NAMESPACE}::{name}", run_registered, **options)
-    definition.register_fake(_fake)
-    return getattr(getattr(torch.ops, NAMESPACE), name), name
+    try:
+        definition = custom_op(f"{NAMESPACE}::{name}", run_registered, **options)
+        definition.register_fake(_fake)
+        return getattr(getattr(torch.ops, NAMESPACE), name), name
+    except (RuntimeError, TypeError, ValueError) as e:  # a torch whose custom-op API differs
+        log.warning("wan-sage: could not register the %s::%s custom op (%s: %s); under torch.compile each Sage "
+                    "call is kept out of the graph instead.", NAMESPACE, name, type(e).__name__, e)
+        return None, None
 
 
 OP, OP_NAME = _define()
