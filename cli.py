@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from .attention.kernels import KERNELS
+from .attention.registry import KERNELS
 from .memory import activation_model
 from .memory.api import WEIGHT_BYTES, RequestError, weights_for_file, weights_for_key
 from .memory.estimate import EstimateRequest, GiB, estimate

@@ -1,5 +1,3 @@
-"""Attention core of wan-sage: kernels, exact memory formulas, eligibility, calibration, the
-override callable, and run statistics.  Imports no ComfyUI, so it is testable on a CPU."""
-from .dispatch import PatchConfig, SageAttentionOverride, reset_state  # noqa: F401
-from .kernel_bytes import AttnShape, extra_bytes  # noqa: F401
-from . import kernels, stats, timing, policy  # noqa: F401
+"""Attention core of wan-sage: the kernel registry, exact kernel byte formulas, eligibility,
+timing, the override callable and run statistics.  Imports no ComfyUI; importing the package
+itself imports nothing (not even torch), so the CLI's memory estimate runs without torch."""

@@ -11,7 +11,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from . import kernel_bytes, kernels, timing
+from . import kernel_bytes, kernels, registry, timing
 from .dispatch import PatchConfig, SageAttentionOverride, _kernel_version
 from .sdpa import attention_sdpa
 
@@ -215,7 +215,7 @@ def main(a) -> int:
             shapes[n] = WAN_SHAPES[n]
     cc = kernels.device_cc(torch.device("cuda"))
     if a.kernels == "auto":
-        names = list(kernels.AUTO_ORDER.get(cc, ("ck_int8",)))
+        names = list(registry.auto_order(cc))
     elif a.kernels == "all":
         names = list(kernels.KERNELS)
     else:

@@ -1,108 +1,40 @@
-"""Registry of quantised attention kernels: what each needs, and how to call it.
+"""What the kernel packages offer on this machine: import them once, find each registered
+kernel's entry point, say why a kernel cannot run, and call it.
 
-Modelled on a backend registry with declared constraints: every :class:`Kernel` states the
-architectures, dtypes and head dims it supports, whether it takes a mask, and which memory
-formula in :mod:`.memory` describes it.  Packages are imported lazily and probed once.
-Nothing here decides *whether* to use a kernel; that is :mod:`.policy` and :mod:`.dispatch`.
+The declarations (archs, dtypes, head dims, formulas, runners) live in :mod:`.registry`; this
+module only looks at what is installed.  Packages and torch are imported lazily, on the first
+:func:`probe`.  Nothing here decides *whether* to use a kernel: that is the dispatcher's job.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.metadata
+import logging
+import os
 import threading
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
+from . import registry
+from .registry import KERNELS, install_hint
 
 __all__ = [
-    "Kernel", "KERNELS", "AUTO_ORDER", "probe", "available", "unavailable_reason",
-    "auto_candidates", "device_cc", "install_hint",
+    "KERNELS", "probe", "available", "unavailable_reason", "auto_candidates", "device_cc", "install_hint",
+    "run", "build_identity", "Probe",
 ]
 
-INSTALL_HINT = (
-    "Install SageAttention 2.x from source (a build of thu-ml/SageAttention main at or after "
-    "commit ff71e1e; `pip install --no-build-isolation .` in its checkout, with nvcc >= 12.3 for "
-    "Hopper), or `pip install sageattention==1.0.6` (Triton only; slower than PyTorch SDPA on "
-    "Hopper, so wan-sage will mostly keep SDPA there)."
-)
-
-
-def install_hint() -> str:
-    return INSTALL_HINT
-
-
-@dataclass(frozen=True)
-class Kernel:
-    """One attention kernel and its declared constraints."""
-
-    name: str
-    label: str
-    package: str  # "sageattention" or "comfy_kitchen"
-    flavour: str  # "sage1", "sage2" or "ck"
-    min_cc: int  # lowest compute capability, as major*10+minor
-    archs: frozenset | None  # exact archs the kernel targets (None: any >= min_cc)
-    head_dims: tuple  # (lowest, highest) or an explicit tuple of allowed sizes
-    explicit_head_dims: bool
-    supports_fp32: bool
-    mutates_k: bool
-    layouts: tuple  # "NHD" and/or "HND" accepted natively
-
-    def memory_path(self, cc: int) -> str:
-        if self.name == "sage2_fp8_cuda" and cc >= 120:
-            return "sage2_fp8_cuda_perwarp"
-        return self.name
-
-    def head_dim_ok(self, d: int) -> bool:
-        if self.explicit_head_dims:
-            return d in self.head_dims
-        lo, hi = self.head_dims
-        return lo <= d <= hi
-
-    def arch_ok(self, cc: int) -> bool:
-        if cc < self.min_cc:
-            return False
-        return self.archs is None or cc in self.archs
-
-
-KERNELS: dict[str, Kernel] = {k.name: k for k in (
-    Kernel("sage2_sm90", "SageAttention 2 INT8-QK/FP8-PV (sm90 wgmma)", "sageattention", "sage2",
-           90, frozenset({90}), (1, 128), False, False, False, ("NHD", "HND")),
-    Kernel("sage2_fp8_cuda", "SageAttention 2 INT8-QK/FP8-PV (sm89/sm120)", "sageattention", "sage2",
-           89, frozenset({89, 90, 120, 121}), (1, 128), False, False, False, ("NHD", "HND")),
-    Kernel("sage2_fp16_cuda", "SageAttention 2 INT8-QK/FP16-PV CUDA (sm80+)", "sageattention", "sage2",
-           80, None, (1, 128), False, False, False, ("NHD", "HND")),
-    Kernel("sage2_fp16_triton", "SageAttention 2 INT8-QK/FP16-PV Triton", "sageattention", "sage2",
-           80, None, (1, 128), False, False, False, ("NHD", "HND")),
-    Kernel("sage1", "SageAttention 1.0.6 (Triton)", "sageattention", "sage1",
-           80, None, (64, 96, 128), True, True, True, ("NHD", "HND")),
-    Kernel("ck_int8", "comfy-kitchen int8_attention", "comfy_kitchen", "ck",
-           75, None, (1, 256), False, False, False, ("HND",)),
-)}
-
-# The preferred order per architecture for "auto".  Calibration, not this order, decides
-# which of the available candidates (or SDPA) serves a given shape; the first available one
-# is used when calibration is off or over budget.
-AUTO_ORDER = {
-    90: ("sage2_sm90", "ck_int8", "sage1"),
-    89: ("sage2_fp8_cuda", "ck_int8", "sage2_fp16_cuda", "sage1"),
-    120: ("sage2_fp8_cuda", "ck_int8", "sage1"),
-    121: ("sage2_fp8_cuda", "ck_int8", "sage1"),
-    80: ("sage2_fp16_cuda", "ck_int8", "sage1"),
-    86: ("sage2_fp16_triton", "ck_int8", "sage1"),
-    87: ("sage2_fp16_triton", "ck_int8", "sage1"),
-}
-_AUTO_DEFAULT = ("ck_int8",)
+log = logging.getLogger("wan_sage")
 
 
 @dataclass(frozen=True)
 class Probe:
-    """What is importable: sageattention (version, flavour, functions) and comfy-kitchen."""
+    """What is importable: sageattention (version, flavour, entry points) and comfy-kitchen."""
 
     sage_version: str | None
     sage_flavour: str | None  # "sage1" / "sage2" / None
     sage_error: str | None
-    sage_functions: frozenset
+    sage_functions: frozenset  # registered kernel names whose sageattention entry point exists
     sm90_binding_broken: bool
     ck_available: bool
     ck_version: str | None
@@ -112,13 +44,16 @@ class Probe:
 _lock = threading.Lock()
 _probe: Probe | None = None
 _fns: dict[str, Callable] = {}
+_identity: dict[str, str] = {}
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+def _version(dists) -> str | None:
+    for dist in dists:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def _sm90_binding_broken(mod) -> bool:
@@ -131,7 +66,7 @@ def _sm90_binding_broken(mod) -> bool:
     """
     try:
         sc = importlib.import_module(mod.__name__ + ".sm90_compile")
-    except Exception:
+    except ImportError:
         return False
     op = getattr(sc, "qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf", None)
     if op is None:
@@ -140,58 +75,86 @@ def _sm90_binding_broken(mod) -> bool:
     return isinstance(op, types.FunctionType)
 
 
+def _import(package: str):
+    """(module, None) or (None, "ExceptionType: message")."""
+    try:
+        return importlib.import_module(registry.PACKAGES[package].module), None
+    except Exception as e:  # ImportError, or a broken extension raising anything at import
+        return None, f"{type(e).__name__}: {e}"
+
+
 def probe(refresh: bool = False) -> Probe:
-    """Import sageattention and comfy_kitchen once and describe what they offer."""
+    """Import the kernel packages once and find every registered kernel's entry point."""
     global _probe
     with _lock:
         if _probe is not None and not refresh:
             return _probe
         _fns.clear()
-        sage_version = sage_flavour = sage_error = None
-        fns: set[str] = set()
+        _identity.clear()
+        sage, sage_error = _import("sageattention")
+        sage_version = sage_flavour = None
         broken = False
-        try:
-            mod = importlib.import_module("sageattention")
-            sage_version = _version("sageattention") or getattr(mod, "__version__", None) or "unknown"
-            explicit = {
-                "sage2_sm90": "sageattn_qk_int8_pv_fp8_cuda_sm90",
-                "sage2_fp8_cuda": "sageattn_qk_int8_pv_fp8_cuda",
-                "sage2_fp16_cuda": "sageattn_qk_int8_pv_fp16_cuda",
-                "sage2_fp16_triton": "sageattn_qk_int8_pv_fp16_triton",
-            }
-            found = {k: getattr(mod, v) for k, v in explicit.items() if callable(getattr(mod, v, None))}
+        if sage is not None:
+            sage_version = _version(registry.PACKAGES["sageattention"].dists) or getattr(sage, "__version__", None) \
+                or "unknown"
+            found = {k.name: getattr(sage, k.entry) for k in KERNELS.values()
+                     if k.package == "sageattention" and k.flavour == "sage2" and callable(getattr(sage, k.entry, None))}
             if found:
                 sage_flavour = "sage2"
-                _fns.update(found)
-                fns.update(found)
-                broken = "sage2_sm90" in found and _sm90_binding_broken(mod)
-            elif callable(getattr(mod, "sageattn", None)):
+                broken = "sage2_sm90" in found and _sm90_binding_broken(sage)
+            elif callable(getattr(sage, KERNELS["sage1"].entry, None)):
                 sage_flavour = "sage1"
-                _fns["sage1"] = mod.sageattn
-                fns.add("sage1")
+                found = {"sage1": getattr(sage, KERNELS["sage1"].entry)}
             else:
                 sage_error = "sageattention imported but exposes no known kernel"
-        except Exception as e:  # ImportError, or a broken extension raising at import
-            sage_error = f"{type(e).__name__}: {e}"
-        ck_ok, ck_error = False, None
-        ck_version = _version("comfy-kitchen") or _version("comfy_kitchen")
-        try:
-            ck = importlib.import_module("comfy_kitchen")
-            fn = getattr(ck, "int8_attention", None)
+            _fns.update(found)
+        ck, ck_error = _import("comfy_kitchen")
+        ck_version = _version(registry.PACKAGES["comfy_kitchen"].dists)
+        ck_ok = False
+        if ck is not None:
+            fn = getattr(ck, KERNELS["ck_int8"].entry, None)
             if callable(fn):
                 _fns["ck_int8"] = fn
                 ck_ok = True
             else:
                 ck_error = "comfy_kitchen has no int8_attention"
-        except Exception as e:
-            ck_error = f"{type(e).__name__}: {e}"
-        _probe = Probe(sage_version, sage_flavour, sage_error, frozenset(fns), broken,
+        _probe = Probe(sage_version, sage_flavour, sage_error,
+                       frozenset(n for n in _fns if KERNELS[n].package == "sageattention"), broken,
                        ck_ok, ck_version, ck_error)
         return _probe
 
 
+def build_identity(package: str) -> str:
+    """The installed build of a kernel package: its version plus a short hash of its compiled
+    extension files (every source build of SageAttention reports the same version)."""
+    probe()
+    with _lock:
+        if package in _identity:
+            return _identity[package]
+    spec = registry.PACKAGES[package]
+    version = _version(spec.dists) or "none"
+    digest = hashlib.blake2b(digest_size=6)
+    try:
+        mod = importlib.import_module(spec.module)
+        roots = list(getattr(mod, "__path__", [])) or [os.path.dirname(getattr(mod, "__file__", "") or ".")]
+        files = sorted(os.path.join(d, f) for root in roots for d, _dirs, names in os.walk(root)
+                       for f in names if f.endswith((".so", ".pyd", ".dylib")))
+        for path in files:
+            digest.update(os.path.basename(path).encode())
+            with open(path, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    digest.update(chunk)
+        ident = f"{version}+{digest.hexdigest()}" if files else version
+    except (ImportError, OSError) as e:
+        log.debug("wan-sage: no build identity for %s: %s", package, e)
+        ident = version
+    with _lock:
+        _identity[package] = ident
+    return ident
+
+
 def install_test_kernel(name: str, fn: Callable | None) -> None:
-    """Replace (or with ``None`` remove) a kernel's callable.  For tests and the gpu tier's
+    """Replace (or with ``None`` remove) a kernel's entry point.  For tests and the gpu tier's
     broken-build simulation only; production code never calls this."""
     probe()
     with _lock:
@@ -206,7 +169,8 @@ def any_kernel_importable() -> bool:
     return bool(p.sage_functions) or p.ck_available
 
 
-def device_cc(device: torch.device) -> int:
+def device_cc(device) -> int:
+    import torch
     major, minor = torch.cuda.get_device_capability(device)
     return major * 10 + minor
 
@@ -220,10 +184,10 @@ def unavailable_reason(name: str, cc: int | None = None) -> str | None:
     if name not in _fns:
         if k.package == "sageattention":
             if p.sage_flavour is None:
-                return f"sageattention is not importable ({p.sage_error}). {INSTALL_HINT}"
+                return f"sageattention is not importable ({p.sage_error}). {install_hint()}"
             if p.sage_flavour == "sage1" and k.flavour == "sage2":
                 return (f"sageattention {p.sage_version} is the 1.x Triton release; {name} needs a "
-                        f"2.x build. {INSTALL_HINT}")
+                        f"2.x build. {install_hint()}")
             if p.sage_flavour == "sage2" and k.flavour == "sage1":
                 return f"sageattention {p.sage_version} is 2.x; the 1.0.6 kernel is not installed"
             return f"sageattention {p.sage_version} was built without {name}"
@@ -231,15 +195,17 @@ def unavailable_reason(name: str, cc: int | None = None) -> str | None:
     if name == "sage2_sm90" and p.sm90_binding_broken:
         return (f"sageattention {p.sage_version} is a broken 2.2.0 build (Oct-Dec 2025): its sm90 op "
                 f"never launches and returns uninitialised memory. Rebuild from main at or after ff71e1e.")
-    if cc is not None and not k.arch_ok(cc):
+    if cc is not None and not k.runs_on(cc):
         return f"{name} does not support compute capability {cc // 10}.{cc % 10}"
-    if cc is not None and name == "ck_int8":
+    if cc is not None and k.package == "comfy_kitchen":
+        import comfy_kitchen
+        check = getattr(comfy_kitchen, "int8_attention_is_available", None)
         try:
-            import comfy_kitchen
-            if not comfy_kitchen.int8_attention_is_available():
-                return "comfy-kitchen's CUDA extension is not available on this GPU"
-        except Exception as e:
-            return f"comfy-kitchen availability check failed: {e}"
+            usable = check is None or check()
+        except Exception as e:  # a broken extension must not break dispatch: it is reported instead
+            return f"comfy-kitchen's availability check failed: {type(e).__name__}: {e}"
+        if not usable:
+            return "comfy-kitchen's CUDA extension is not available on this GPU"
     return None
 
 
@@ -248,38 +214,11 @@ def available(name: str, cc: int | None = None) -> bool:
 
 
 def auto_candidates(cc: int) -> tuple:
-    """Available kernels for this architecture, in preference order."""
-    return tuple(n for n in AUTO_ORDER.get(cc, _AUTO_DEFAULT) if available(n, cc))
+    """Available kernels for this architecture, in the registry's auto order."""
+    return tuple(n for n in registry.auto_order(cc) if available(n, cc))
 
 
-def run(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str,
-        sm_scale: float | None, cc: int) -> torch.Tensor:
-    """Call kernel ``name`` on q, k, v in ``layout`` ("NHD" [B,N,H,D] or "HND" [B,H,N,D]).
-
-    Returns the output in the same layout.  Every option is passed by keyword, because
-    ``sageattn``-style entry points silently drop unknown kwargs.
-    """
-    fn = _fns[name]
-    if name == "sage2_sm90":
-        return fn(q, k, v, tensor_layout=layout, is_causal=False, qk_quant_gran="per_thread",
-                  sm_scale=sm_scale, pv_accum_dtype="fp32+fp32", smooth_k=True, return_lse=False)
-    if name == "sage2_fp8_cuda":
-        gran = "per_warp" if cc >= 120 else "per_thread"
-        return fn(q, k, v, tensor_layout=layout, is_causal=False, qk_quant_gran=gran,
-                  sm_scale=sm_scale, pv_accum_dtype="fp32+fp16", smooth_k=True, return_lse=False)
-    if name == "sage2_fp16_cuda":
-        return fn(q, k, v, tensor_layout=layout, is_causal=False, qk_quant_gran="per_thread",
-                  sm_scale=sm_scale, pv_accum_dtype="fp32", smooth_k=True, return_lse=False)
-    if name == "sage2_fp16_triton":
-        return fn(q, k, v, tensor_layout=layout, quantization_backend="triton", is_causal=False,
-                  sm_scale=sm_scale, smooth_k=True, return_lse=False)
-    if name == "sage1":
-        # 1.0.6 subtracts the K mean from its argument in place: give it a private copy.
-        return fn(q, k.clone(), v, tensor_layout=layout, is_causal=False, sm_scale=sm_scale,
-                  smooth_k=True)
-    if name == "ck_int8":
-        if layout == "NHD":
-            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-            return fn(q, k, v, scale=sm_scale).transpose(1, 2)
-        return fn(q, k, v, scale=sm_scale)
-    raise KeyError(name)
+def run(name: str, q, k, v, layout: str, sm_scale: float | None, cc: int):
+    """Call kernel ``name`` on q, k, v in ``layout`` ("NHD" [B,N,H,D] or "HND" [B,H,N,D]);
+    returns the output in the same layout."""
+    return KERNELS[name].run(_fns[name], q, k, v, layout, sm_scale, cc)

@@ -57,25 +57,45 @@ def attention_doc():
         if r["backend"] == "auto":
             o.append(f"| {r['shape']} | {r['chosen']} | {r['ratio']:.3f} | {r['ratio_no_finite_check']:.3f} | "
                      f"{r['decision_us']:.1f} µs |")
-    o.append("""
+    o += attention_reading(a, ab, s1)
+    (ROOT / "docs" / "attention-bench.md").write_text("\n".join(o) + "\n")
+
+
+def attention_reading(a, ab, s1) -> list:
+    """The reading under the kernel tables: every figure is taken from the records."""
+    def ratios(rs, backends, cross):
+        return [r["ratio"] for r in rs if r["backend"] in backends and "ratio" in r
+                and ("cross" in r["shape"]) == cross]
+    sm90_ab = {r["shape"]: r["ratio"] for r in ab if r["backend"] == "sage2_sm90"}
+    others = [x for sh, x in sm90_ab.items() if "self" in sh and sh != "a14b_720p81_self"]
+    at720 = {r["backend"]: r["ratio"] for r in a + s1 if r["shape"] == "a14b_720p81_self" and "ratio" in r}
+    fp16pv = [at720[n] for n in ("sage2_fp16_triton", "sage2_fp16_cuda", "sage1")]
+    quant = [b for b in {r["backend"] for r in a + s1} if b not in ("sdpa", "auto")]
+    auto_cross = [(r["ratio"], r["shape"]) for r in ab if r["backend"] == "auto" and "cross" in r["shape"]]
+    worst = min(auto_cross)
+    errs = [r["formula_err"] for r in a + s1 if "formula_err" in r]
+    checks = [(r["ratio_no_finite_check"] / r["ratio"] - 1, r) for r in ab if r["backend"] == "auto"
+              and "self" in r["shape"]]
+    cost, at = max(checks, key=lambda x: x[0])
+    sage1_auto = [r for r in s1 if r["backend"] == "auto"]
+    return [f"""
 ## Reading
 
-- On Hopper only the sm90 kernel of SageAttention 2.x beats cuDNN SDPA: 1.41× on A14B 720p81 self-attention
-  and 1.31–1.38× on the other self-attention shapes.
-- These all lose to SDPA on Hopper:
-  - the FP16-PV kernels: 2.x Triton, 2.x fp16_cuda, and 1.0.6 at 0.80×;
-  - the sm89 FP8 kernel, at 0.67×;
-  - comfy-kitchen's int8 attention, at 0.74–0.83×.
+- On Hopper only the sm90 kernel of SageAttention 2.x beats cuDNN SDPA: {sm90_ab["a14b_720p81_self"]:.2f}× on A14B 720p81
+  self-attention and {_span(others)}× on the other self-attention shapes.
+- These all lose to SDPA on Hopper (A14B 720p81 self-attention unless a range is given):
+  - the FP16-PV kernels: 2.x Triton, 2.x fp16_cuda, and 1.0.6 at {_span(fp16pv)}×;
+  - the sm89 FP8 kernel, at {at720["sage2_fp8_cuda"]:.2f}×;
+  - comfy-kitchen's int8 attention, at {_span(ratios(a, ("ck_int8",), False))}× over the self-attention shapes.
 
   `auto` therefore keeps SDPA wherever one of them would be the only option. With only 1.0.6 installed it
-  chose SDPA for all three shapes measured.
-- Every quantised kernel loses on cross-attention (0.38–0.63×), so `auto` keeps SDPA there (`cross_slower`).
-  The worst `auto` shape is 1.3B 480p cross-attention, at 0.987× SDPA.
-- The measured extra bytes match the formulas within +0.21 % for every kernel and shape.
+  chose SDPA for {sum(r["chosen"].startswith("sdpa") for r in sage1_auto)} of the {len(sage1_auto)} shapes measured.
+- Every quantised kernel loses on cross-attention ({_span(ratios(a + s1, quant, True))}×), so `auto` keeps SDPA there
+  (`cross_slower`). The worst `auto` shape is {worst[1]}, at {worst[0]:.3f}× SDPA.
+- The measured extra bytes match the formulas within {100 * max(errs):+.2f} % for every kernel and shape.
 - The per-call NaN/Inf check costs one host sync. At 720p that is invisible. On shorter self-attention shapes
-  it costs up to 4 % (1.229× against 1.269× at 480p81).
-""")
-    (ROOT / "docs" / "attention-bench.md").write_text("\n".join(o) + "\n")
+  it costs up to {100 * cost:.1f} % ({at["ratio"]:.3f}× against {at["ratio_no_finite_check"]:.3f}× on {at["shape"]}).
+"""]
 
 
 def memory_doc():
@@ -106,8 +126,9 @@ def memory_doc():
         o.append(f"| {r['model']} | {r['dtype']} | {r['attn']} | {r['width']}×{r['height']}×{r['frames']} | "
                  f"{r['tokens']:,} | {m / GiB:.3f} | {p / GiB:.3f} | {100 * e:+.1f} % | {r['comfy'] / GiB:.2f} | "
                  f"{r['comfy'] / m:.2f}× | {t['dominant_phase']} |")
+    comfy = {m: [r["comfy"] / r["measured"] for r in c if r["model"] == m] for m in P}
     o.append(f"\nOver all {len(c)} rows the error runs from {100 * lo:+.1f} % to {100 * hi:+.1f} %. ComfyUI's own figure"
-             f" is 2.07× the measured peak for A14B at 720p81.\n")
+             " is " + "; ".join(f"{_span(v)}× the measured peak for {m}" for m, v in comfy.items()) + ".\n")
     o += partial_load_section()
     (ROOT / "docs" / "memory-calibration.md").write_text("\n".join(o) + "\n")
 
@@ -136,6 +157,74 @@ def partial_ratios():
                 mc, mw = statistics.median(c), statistics.median(w)
                 out.append((lab, ses, att, mc, mw, mc / mw, min(len(c), len(w))))
     return out
+
+
+def _runs(label=None, session=None, config=None):
+    """The partial-load records, filtered by run label, device session and configuration."""
+    out = []
+    for f, lab, ses in PARTIAL_RUNS:
+        if (label is None or lab == label) and (session is None or ses == session):
+            out += [r for r in rows(M / f) if config is None or r["config"] == config]
+    return out
+
+
+def _span(values, fmt="{:.2f}", sep="–"):
+    lo, hi = min(values), max(values)
+    return fmt.format(lo) if fmt.format(lo) == fmt.format(hi) else fmt.format(lo) + sep + fmt.format(hi)
+
+
+def partial_reading() -> list:
+    """The reading under the partial-load tables: every figure is taken from the records."""
+    ref = rows(M / "2026-11-29-reference-budget.jsonl")
+    edge_ok = min(r["reservation_gib_per_row"] for r in ref if r["status"] == "ok" and r["policy"] == "fixed")
+    edge_oom = max(r["reservation_gib_per_row"] for r in ref if r["status"] == "oom")
+    rep = {r["policy"]: r["median_2_4_s"] for r in ref if r["source"] == "reference run repeat"}
+    ref_ratios = [c / w for c in rep["comfy"] for w in rep["fixed"]]
+    bf16 = [r for r in _runs("720p81 bf16") if r["status"] == "ok"]
+    fp8 = [r for r in _runs("720p81 fp8") if r["status"] == "ok"]
+    ours_sdpa = [r for r in bf16 if r["config"] == "ours"]
+    ours_sage = [r for r in bf16 if r["config"] == "ours+sage"]
+    comfy_bf16 = [r for r in bf16 if r["config"].startswith("comfy")]
+    comfy_fp8 = [r for r in fp8 if r["config"].startswith("comfy")]
+    res_sdpa = statistics.median(r["reservation_gib_per_row"] for r in ours_sdpa)
+    res_sage = statistics.median(r["reservation_gib_per_row"] for r in ours_sage)
+    top = max(ours_sdpa, key=lambda r: r["peak_reserved_gib"])
+    ratios = {(ses, att): (mc, mw, x, n) for lab, ses, att, mc, mw, x, n in partial_ratios() if lab == "720p81 bf16"}
+    singles = [(lab, ses, att, x) for lab, ses, att, mc, mw, x, n in partial_ratios() if n == 1]
+    streamed = [r2["weights_resident_gib"] - r1["weights_resident_gib"] for r1 in comfy_bf16 + comfy_fp8
+                for r2 in bf16 + fp8 if r2["config"].startswith("ours") and r2["weights_total_gib"] == r1["weights_total_gib"]
+                and r2["config"].endswith("+sage") == r1["config"].endswith("+sage")]
+    saved = [mc - mw for (ses, att), (mc, mw, x, n) in ratios.items()]
+    fix = [e for r in rows(M / "e2e-h200-fp8-fix.jsonl") if r["status"] == "ok" for e in r["experts"].values()]
+    b = ratios[("B", "SDPA")]
+    c = ratios[("C", "Sage")]
+    sage_b = [r for r in _runs("720p81 bf16", "B") if r["status"] == "ok"]
+    fp8_ours = {r["config"]: r["median_2_4_s"] for r in fp8 if r["config"].startswith("ours")}
+    one = lambda ses, att: next(f"{x:.3f}×" for lab, s, a, x in singles if s == ses and a == att and lab == "720p81 bf16")
+    fp8_ratio = {att: x for lab, ses, att, mc, mw, x, n in partial_ratios() if lab == "720p81 fp8"}
+    sdpa_b = statistics.median(r["median_2_4_s"] for r in sage_b if r["config"] == "ours")
+    sage_b_s = statistics.median(r["median_2_4_s"] for r in sage_b if r["config"] == "ours+sage")
+    return [f"""
+- **Never out of memory.** No wan-sage run ran out of memory: bf16 and fp8, 720p81 and 480p81 with a
+  rank-64 LoRA, SDPA and Sage. The reference run put the edge between {edge_oom:.1f} GiB per row (out of memory) and
+  {edge_ok:.1f} GiB (safe); wan-sage reserves {res_sdpa:.2f} GiB (SDPA) and {res_sage:.2f} GiB (Sage) there, and its SDPA runs peak at
+  {top["peak_reserved_gib"]:.2f} of the 24 GiB reserved by the allocator: it sits {24.0 - top["peak_reserved_gib"]:.2f} GiB inside the edge.
+- **Weights resident.** At 720p81 bf16 wan-sage keeps {_span([r["weights_resident_gib"] for r in ours_sdpa])} GiB (SDPA) and {_span([r["weights_resident_gib"] for r in ours_sage])} GiB (Sage) of the {bf16[0]["weights_total_gib"]:.1f} GiB
+  resident, where ComfyUI keeps {_span([r["weights_resident_gib"] for r in comfy_bf16])} GiB. With fp8 weights it kept {_span([r["weights_resident_gib"] for r in fp8 if r["config"].startswith("ours")])} GiB resident (all of them), where ComfyUI
+  keeps {_span([r["weights_resident_gib"] for r in comfy_fp8])} GiB and streams the rest at every step. That was too close: the same fp8 configuration
+  with the Sage patch later ran out of memory in the end-to-end benchmark (allocator holes around the per-call
+  fp8 casts, docs/benchmarks.md). The estimate now reserves room for those holes with fp8 weights
+  (`cast_frag_factor`), and the end-to-end run with that reservation kept {_span([e["resident_gib"] for e in fix], "{:.1f}")} of the {fix[0]["weights_gib"]:.2f} GiB
+  resident; the fp8 rows above are from before that change.
+- **Speed.** The gain is what the extra resident gigabytes save in streaming: {_span(streamed, "{:.1f}")} GiB less copied per
+  step, about {_span(saved, "{:.2f}")} s of a {_span([r["median_2_4_s"] for r in bf16], "{:.1f}")} s step, so the ratios sit near the size of the run-to-run
+  spread (the reference run measured {_span(ref_ratios, "{:.2f}")}× between repeats). Each attention mode was therefore settled by
+  interleaved repeats within one session: SDPA {b[2]:.3f}× in session B ({b[3]} runs each, {b[0]:.3f} against {b[1]:.3f} s),
+  Sage {c[2]:.3f}× in session C ({c[3]} runs each, {c[0]:.3f} against {c[1]:.3f} s). Single pairs: SDPA {one("A", "SDPA")} (A); Sage
+  {one("A", "Sage")} (A), {one("B", "Sage")} (B); fp8 {fp8_ratio["SDPA"]:.3f}× (SDPA), {fp8_ratio["Sage"]:.3f}× (Sage).
+- **Sage against SDPA under wan-sage at the 24 GB budget:** {sdpa_b:.3f} / {sage_b_s:.3f} = {sdpa_b / sage_b_s:.2f}× per step in session B
+  (bf16), {fp8_ours["ours"]:.3f} / {fp8_ours["ours+sage"]:.3f} = {fp8_ours["ours"] / fp8_ours["ours+sage"]:.2f}× with fp8 weights.
+"""]
 
 
 def partial_load_section() -> list:
@@ -178,27 +267,7 @@ def partial_load_section() -> list:
           "|---|---|---|---:|---:|---:|---:|"]
     for lab, ses, att, mc, mw, ratio, n in partial_ratios():
         o.append(f"| {ses} | {lab} | {att} | {mc:.3f} | {mw:.3f} | {ratio:.3f}× | {n} |")
-    o.append("""
-- **Never out of memory.** No wan-sage run ran out of memory: bf16 and fp8, 720p81 and 480p81 with a
-  rank-64 LoRA, SDPA and Sage. The reference run put the edge between 8.5 GiB per row (out of memory) and
-  9.5 GiB (safe); wan-sage reserves 9.96 GiB (SDPA) and 10.33 GiB (Sage) there, and its SDPA runs peak at
-  23.26 of the 24 GiB reserved by the allocator: it sits 0.74 GiB inside the edge.
-- **Weights resident.** At 720p81 bf16 wan-sage keeps 13.63 GiB (SDPA) and 13.28 GiB (Sage) of the 26.6 GiB
-  resident, where ComfyUI keeps 9.97 GiB. With fp8 weights it kept all 13.31 GiB resident, where ComfyUI
-  keeps 9.99 GiB and streams the rest at every step. That was too close: the same fp8 configuration
-  with the Sage patch later ran out of memory in the end-to-end benchmark (3.5 GiB of the allocator's
-  pool held in holes around the per-call fp8 casts, docs/benchmarks.md). Since commit 1976500 the
-  estimate reserves room for those holes with fp8 weights (`cast_frag_factor`), and keeps about 11.5 of
-  the 13.31 GiB resident; the fp8 rows above are from before that change.
-- **Speed.** The gain is what the extra resident gigabytes save in streaming: 3.3–3.7 GiB less copied per
-  step, about 0.3–0.45 s of a 12–14.5 s step, so the ratios sit at 1.02–1.04×, the size of the run-to-run
-  spread (the reference run measured 1.02–1.05× between repeats), so each attention mode was settled by
-  interleaved repeats within one session: SDPA 1.033× in session B (two runs each, 14.426 against 13.968 s),
-  Sage 1.044× in session C (two runs each, 11.986 against 11.476 s; the two runs of a configuration differ by
-  0.7 % and 0.1 %). Single pairs: SDPA 1.022× (A); Sage 1.035× (A), 1.027× (B); fp8 1.028× (SDPA), 1.033× (Sage).
-- **Sage against SDPA under wan-sage at the 24 GB budget:** 13.968 / 11.656 = 1.20× per step in session B
-  (bf16), 12.430 / 9.734 = 1.28× with fp8 weights.
-""")
+    o += partial_reading()
     return o
 
 

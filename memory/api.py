@@ -6,7 +6,7 @@ import re
 
 from . import activation_model
 from .estimate import EstimateRequest, GiB, estimate
-from ..attention import kernels
+from ..attention import registry
 
 # The estimator node's reservation policies (nodes/estimator.py uses the same strings).
 POLICIES = ("wan-sage estimate", "max(wan-sage, ComfyUI)", "fixed GB per row")
@@ -159,8 +159,8 @@ def estimate_from_json(p: dict, resolve_model_file=None, default_vram_bytes=None
     if ws is None:
         ws, weights_bytes = weights_for_key(dims, (wkey or "bf16").lower(), lora)
     attention = p.get("attention", "sdpa")
-    if attention not in ("sdpa", "sage-auto", "auto", *kernels.KERNELS):
-        raise RequestError("attention", f"attention must be sdpa, sage-auto or one of {', '.join(kernels.KERNELS)}")
+    if attention not in ("sdpa", "sage-auto", "auto", *registry.KERNELS):
+        raise RequestError("attention", f"attention must be sdpa, sage-auto or one of {', '.join(registry.KERNELS)}")
     cc = default_cc
     if p.get("arch"):
         try:

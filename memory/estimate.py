@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from . import activation_model
-from ..attention import kernels
+from ..attention import registry
 
 __all__ = ["rounding_notes", "verdict_for", "EstimateRequest", "Estimate", "estimate", "activation_bytes", "comfy_estimate_bytes",
            "attention_paths", "CALIBRATED", "GiB", "validate_request",
@@ -48,13 +48,15 @@ def attention_paths(attention: str, cc: int | None = None) -> tuple:
     if attention == "sdpa":
         return "sdpa", "sdpa"
     if attention in ("sage-auto", "auto", "sage"):
-        order = kernels.AUTO_ORDER.get(cc or 90, kernels.AUTO_ORDER[90])
+        order = registry.auto_order(cc or 90)
+        if not order:
+            return "sdpa", "sdpa"
         name = order[0]
-    elif attention in kernels.KERNELS:
+    elif attention in registry.KERNELS:
         name = attention
     else:
-        raise ValueError(f"attention must be sdpa, sage-auto or one of {', '.join(kernels.KERNELS)}; got {attention!r}")
-    path = kernels.KERNELS[name].memory_path(cc or 90)
+        raise ValueError(f"attention must be sdpa, sage-auto or one of {', '.join(registry.KERNELS)}; got {attention!r}")
+    path = registry.memory_path(name, cc or 90)
     return path, path
 
 

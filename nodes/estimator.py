@@ -18,7 +18,7 @@ import inspect
 import logging
 from dataclasses import dataclass, replace
 
-from ..attention import kernels
+from ..attention import kernels, registry
 from ..memory import activation_model
 from ..memory.api import POLICIES  # one list for the node, the route and the panel
 from ..memory.estimate import GiB, activation_bytes, verdict_for
@@ -62,8 +62,11 @@ def attention_for(model_options, settings: Settings, dev) -> tuple:
     name = ov.config.kernel if ov is not None else "auto"
     if name == "auto":
         cands = kernels.auto_candidates(cc) if _cc(dev) else ()
-        name = cands[0] if cands else kernels.AUTO_ORDER.get(cc, kernels.AUTO_ORDER[90])[0]
-    path = kernels.KERNELS[name].memory_path(cc)
+        order = cands or registry.auto_order(cc)
+        if not order:
+            return "sdpa", "sdpa", "sdpa"
+        name = order[0]
+    path = registry.memory_path(name, cc)
     return path, path, name
 
 

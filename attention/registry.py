@@ -1,0 +1,211 @@
+"""The kernel registry: every quantised attention kernel wan-sage can use, declared once.
+
+Each :class:`KernelSpec` states, in one place, the package and entry point it comes from, the
+GPU architectures it runs on and its preference on each, the dtypes, head dims and tensor layouts
+it takes, the exact extra-bytes formula (a name in :mod:`.kernel_bytes`), and how to call it (its
+runner).  Everything else derives from these entries:
+
+* the ``auto`` order of an architecture (:func:`auto_order`), including "none, so SDPA";
+* which architectures wan-sage knows (:func:`known_archs`, for validating ``--arch``);
+* the memory formula of a kernel on an architecture (:func:`memory_path`), which the dispatcher's
+  VRAM check and the working-memory estimate both use;
+* how a call is made (:func:`KernelSpec.run`).
+
+Adding a kernel means adding one entry here and its formula in :mod:`.kernel_bytes`.
+Importing this module imports neither torch nor any kernel package: it is pure data, so
+``wan-sage plan`` and the estimate work without them.  :mod:`.kernels` probes the packages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+__all__ = ["KernelSpec", "PackageSpec", "KERNELS", "PACKAGES", "KNOWN_ARCHS", "auto_order", "known_archs",
+           "memory_path", "parse_arch", "arch_name", "kernel_names", "install_hint"]
+
+INSTALL_HINT = (
+    "Install SageAttention 2.x from source (a build of thu-ml/SageAttention main at or after "
+    "commit ff71e1e; `pip install --no-build-isolation .` in its checkout, with nvcc >= 12.3 for "
+    "Hopper), or `pip install sageattention==1.0.6` (Triton only; slower than PyTorch SDPA on "
+    "Hopper, so wan-sage will mostly keep SDPA there)."
+)
+
+
+def install_hint() -> str:
+    return INSTALL_HINT
+
+
+# Compute capabilities (major * 10 + minor) of the NVIDIA GPUs ComfyUI users run, Volta onwards.
+# An architecture here with no kernel in its auto order runs everything on SDPA.
+KNOWN_ARCHS = (70, 72, 75, 80, 86, 87, 89, 90, 100, 101, 103, 110, 120, 121)
+
+
+@dataclass(frozen=True)
+class PackageSpec:
+    """A package that provides kernels: how to import it and how to name its version."""
+
+    module: str  # import name
+    dists: tuple  # distribution names for importlib.metadata, first found wins
+    flavours: tuple  # what the probe may find: kernel flavours this package can provide
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One attention kernel and everything wan-sage needs to know about it."""
+
+    name: str
+    label: str
+    package: str  # a key of PACKAGES
+    flavour: str  # "sage1", "sage2" or "ck": the package generation the entry point belongs to
+    entry: str  # attribute of the package module that is called
+    min_cc: int  # lowest compute capability it runs on
+    archs: frozenset | None  # exact archs it runs on (None: every arch >= min_cc)
+    auto_rank: dict  # arch -> rank in that arch's auto order (lower runs first); absent: not auto there
+    auto_rank_elsewhere: int | None = None  # rank on runnable archs that auto_rank does not list
+    head_dims: tuple = (1, 128)  # (lowest, highest), or the allowed sizes when explicit_head_dims
+    explicit_head_dims: bool = False
+    dtypes: tuple = ("fp16", "bf16")
+    layouts: tuple = ("NHD", "HND")  # layouts the entry point takes natively; others are transposed
+    mutates_k: bool = False  # the entry point writes into k: the runner hands it a private copy
+    memory: str = ""  # formula name in kernel_bytes (defaults to ``name``)
+    memory_by_arch: dict = field(default_factory=dict)  # arch floor -> formula name, for arch-specific paths
+    call: Callable | None = None  # (fn, q, k, v, layout, sm_scale, cc) -> output in ``layout``
+
+    def runs_on(self, cc: int) -> bool:
+        if cc < self.min_cc:
+            return False
+        return self.archs is None or cc in self.archs
+
+    def rank(self, cc: int) -> int | None:
+        """This kernel's place in ``cc``'s auto order, or None when auto never picks it there."""
+        if not self.runs_on(cc):
+            return None
+        return self.auto_rank.get(cc, self.auto_rank_elsewhere)
+
+    def head_dim_ok(self, d: int) -> bool:
+        if self.explicit_head_dims:
+            return d in self.head_dims
+        lo, hi = self.head_dims
+        return lo <= d <= hi
+
+    def dtype_ok(self, dtype_name: str) -> bool:
+        return dtype_name in self.dtypes
+
+    def memory_path(self, cc: int | None) -> str:
+        """The kernel_bytes formula that describes this kernel on ``cc``."""
+        path = self.memory or self.name
+        for floor in sorted(self.memory_by_arch):
+            if cc is not None and cc >= floor:
+                path = self.memory_by_arch[floor]
+        return path
+
+    def run(self, fn, q, k, v, layout: str, sm_scale, cc: int):
+        """Call the entry point ``fn`` on q, k, v in ``layout`` ("NHD" [B,N,H,D] or "HND"
+        [B,H,N,D]); the output comes back in the same layout."""
+        if self.mutates_k:
+            k = k.clone()
+        if layout not in self.layouts:
+            native = self.layouts[0]
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            return self.call(fn, q, k, v, native, sm_scale, cc).transpose(1, 2)
+        return self.call(fn, q, k, v, layout, sm_scale, cc)
+
+
+# ------------------------------------------------------------------ runners
+# Every option is passed by keyword: ``sageattn``-style entry points silently drop unknown kwargs.
+
+def _sage2_sm90(fn, q, k, v, layout, sm_scale, cc):
+    return fn(q, k, v, tensor_layout=layout, is_causal=False, qk_quant_gran="per_thread", sm_scale=sm_scale,
+              pv_accum_dtype="fp32+fp32", smooth_k=True, return_lse=False)
+
+
+def _sage2_fp8_cuda(fn, q, k, v, layout, sm_scale, cc):
+    return fn(q, k, v, tensor_layout=layout, is_causal=False, qk_quant_gran="per_warp" if cc >= 120 else "per_thread",
+              sm_scale=sm_scale, pv_accum_dtype="fp32+fp16", smooth_k=True, return_lse=False)
+
+
+def _sage2_fp16_cuda(fn, q, k, v, layout, sm_scale, cc):
+    return fn(q, k, v, tensor_layout=layout, is_causal=False, qk_quant_gran="per_thread", sm_scale=sm_scale,
+              pv_accum_dtype="fp32", smooth_k=True, return_lse=False)
+
+
+def _sage2_fp16_triton(fn, q, k, v, layout, sm_scale, cc):
+    return fn(q, k, v, tensor_layout=layout, quantization_backend="triton", is_causal=False, sm_scale=sm_scale,
+              smooth_k=True, return_lse=False)
+
+
+def _sage1(fn, q, k, v, layout, sm_scale, cc):
+    return fn(q, k, v, tensor_layout=layout, is_causal=False, sm_scale=sm_scale, smooth_k=True)
+
+
+def _ck_int8(fn, q, k, v, layout, sm_scale, cc):
+    return fn(q, k, v, scale=sm_scale)
+
+
+PACKAGES = {
+    "sageattention": PackageSpec("sageattention", ("sageattention",), ("sage1", "sage2")),
+    "comfy_kitchen": PackageSpec("comfy_kitchen", ("comfy-kitchen", "comfy_kitchen"), ("ck",)),
+}
+
+# Auto ranks: on each arch the fastest measured Sage kernel first, then comfy-kitchen's int8
+# kernel, then the others.  Calibration, not this order, decides which available candidate (or
+# SDPA) serves a shape; the order decides only when nothing has been measured.
+_ALL_SAGE1 = {80: 2, 86: 2, 87: 2, 89: 3, 90: 2, 120: 2, 121: 2}
+
+KERNELS: dict = {k.name: k for k in (
+    KernelSpec("sage2_sm90", "SageAttention 2 INT8-QK/FP8-PV (sm90 wgmma)", "sageattention", "sage2",
+               "sageattn_qk_int8_pv_fp8_cuda_sm90", 90, frozenset({90}), {90: 0}, call=_sage2_sm90),
+    KernelSpec("sage2_fp8_cuda", "SageAttention 2 INT8-QK/FP8-PV (sm89/sm120)", "sageattention", "sage2",
+               "sageattn_qk_int8_pv_fp8_cuda", 89, frozenset({89, 90, 120, 121}), {89: 0, 120: 0, 121: 0},
+               memory_by_arch={120: "sage2_fp8_cuda_perwarp"}, call=_sage2_fp8_cuda),
+    KernelSpec("sage2_fp16_cuda", "SageAttention 2 INT8-QK/FP16-PV CUDA (sm80+)", "sageattention", "sage2",
+               "sageattn_qk_int8_pv_fp16_cuda", 80, None, {80: 0, 89: 2}, call=_sage2_fp16_cuda),
+    KernelSpec("sage2_fp16_triton", "SageAttention 2 INT8-QK/FP16-PV Triton", "sageattention", "sage2",
+               "sageattn_qk_int8_pv_fp16_triton", 80, None, {86: 0, 87: 0}, call=_sage2_fp16_triton),
+    KernelSpec("sage1", "SageAttention 1.0.6 (Triton)", "sageattention", "sage1", "sageattn", 80, None,
+               _ALL_SAGE1, head_dims=(64, 96, 128), explicit_head_dims=True, mutates_k=True, call=_sage1),
+    KernelSpec("ck_int8", "comfy-kitchen int8_attention", "comfy_kitchen", "ck", "int8_attention", 75, None,
+               {cc: 1 for cc in (80, 86, 87, 89, 90, 120, 121)}, auto_rank_elsewhere=0, head_dims=(1, 256),
+               layouts=("HND",), call=_ck_int8),
+)}
+
+
+def kernel_names() -> tuple:
+    return tuple(KERNELS)
+
+
+def known_archs() -> tuple:
+    return KNOWN_ARCHS
+
+
+def auto_order(cc: int | None) -> tuple:
+    """The kernels ``auto`` would try on ``cc``, in order, before availability is checked.
+    Empty for an architecture where no kernel runs (then everything runs on SDPA)."""
+    if cc is None:
+        return ()
+    ranked = [(k.rank(cc), i, k.name) for i, k in enumerate(KERNELS.values()) if k.rank(cc) is not None]
+    return tuple(name for _r, _i, name in sorted(ranked))
+
+
+def memory_path(name: str, cc: int | None) -> str:
+    """The kernel_bytes formula of kernel ``name`` on ``cc`` ("sdpa" for SDPA)."""
+    if name == "sdpa":
+        return "sdpa"
+    return KERNELS[name].memory_path(cc)
+
+
+def arch_name(cc: int) -> str:
+    return f"sm{cc}"
+
+
+def parse_arch(text) -> int:
+    """``"sm90"``, ``"90"`` or ``90`` -> 90; ValueError naming the known archs otherwise."""
+    known = ", ".join(arch_name(c) for c in KNOWN_ARCHS)
+    if isinstance(text, bool) or not isinstance(text, (str, int)):
+        raise ValueError(f"arch must be a GPU architecture such as sm90 (known: {known})")
+    s = str(text).strip().lower()
+    digits = s[3:] if s.startswith("sm_") else s[2:] if s.startswith("sm") else s
+    if not (digits.isascii() and digits.isdigit()) or len(digits) > 3 or int(digits) not in KNOWN_ARCHS:
+        shown = s if len(s) <= 12 else s[:12] + "..."
+        raise ValueError(f"arch {shown!r} is not a known GPU architecture; use one of {known}")
+    return int(digits)
