@@ -23,6 +23,7 @@ from ..memory import activation_model
 from ..memory.api import POLICIES  # one list for the node, the route and the panel
 from ..memory.estimate import DEFAULT_CC, GiB, activation_bytes, verdict_for
 from . import comfy_bridge
+from .log_once import reason, warn_once
 from .sage_patch import find_override
 
 log = logging.getLogger("wan_sage")
@@ -42,13 +43,14 @@ class Settings:
 
 
 def _cc(dev) -> int | None:
+    if dev is None or getattr(dev, "type", None) != "cuda":
+        return None
     try:
-        import torch
-        if dev is not None and getattr(dev, "type", None) == "cuda":
-            return kernels.device_cc(dev)
-    except Exception:
-        pass
-    return None
+        return kernels.device_cc(dev)
+    except (RuntimeError, AssertionError) as e:  # a CUDA device torch cannot query
+        warn_once(("cc", type(e).__name__), "wan-sage: the compute capability of %s could not be read (%s); the "
+                  "estimate assumes sm90's Sage kernel.", dev, reason(e))
+        return None
 
 
 def attention_for(model_options, settings: Settings, dev) -> tuple:
@@ -184,7 +186,9 @@ def _later_patch_note(model, shape, model_options, settings: Settings, facts: di
         extra = (with_sage["reservation"] - facts["reservation"]) / GiB
         return (f"Sage patch: none on the model here; a Wan 2.2 Sage Attention Patch after this node is counted "
                 f"when sampling starts ({with_sage['attention']}: reservation {extra:+.2f} GiB)")
-    except Exception:  # the note is a courtesy; never fail the node over it
+    except Exception as e:  # the note is a courtesy: the node never fails over it, and the reason is logged once
+        warn_once(("later-patch-note", type(e).__name__), "wan-sage: estimating what a Sage patch after the "
+                  "Working-Memory Estimator adds failed (%s); the report leaves the figure out.", reason(e))
         return "Sage patch: none on the model here; one after this node is counted when sampling starts"
 
 
@@ -230,8 +234,9 @@ def _trim_after_load(dev) -> None:
     try:
         import comfy.model_management as mm
         mm.soft_empty_cache()
-    except Exception as e:  # never fail a sampling over a cache trim
-        log.debug("wan-sage: cache trim after loading failed: %s", e)
+    except Exception as e:  # never fail a sampling over a cache trim; the reason is logged once
+        warn_once(("trim", type(e).__name__), "wan-sage: emptying the allocator cache after loading failed (%s); "
+                  "sampling goes on with the cached blocks.", reason(e))
 
 
 def _cond_batch_wrapper(settings: Settings):
@@ -244,7 +249,9 @@ def _cond_batch_wrapper(settings: Settings):
             partial = bool(getattr(base, "model_lowvram", False))
             fn = MemoryRequired(dims, dtype, self_p, cross_p, activation_model.WeightSetup(streamed=partial), partial, settings,
                                 _orig(base))
-        except Exception:
+        except Exception as e:  # never block sampling on the estimate; the reason is logged once
+            warn_once(("cond-batch", type(e).__name__), "wan-sage: the working-memory estimate for cond/uncond "
+                      "batching failed (%s); ComfyUI's own estimate decides the batching.", reason(e))
             return executor(model, conds, x_in, timestep, model_options, *args, **kwargs)
         prev = _swap(base, fn)
         try:
