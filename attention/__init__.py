@@ -1,3 +1,22 @@
-"""Attention core of wan-sage: the kernel registry, exact kernel byte formulas, eligibility,
-timing, the override callable and run statistics.  Imports no ComfyUI; importing the package
-itself imports nothing (not even torch), so the CLI's memory estimate runs without torch."""
+"""Attention core of wan-sage.  Imports no ComfyUI; importing the package itself imports nothing
+(not even torch), so the CLI's memory estimate runs without torch.
+
+registry       the kernels, declared once (torch-free)
+kernel_bytes   exact extra bytes of each kernel's call (torch-free)
+head_groups    the memory mode's head-group count and its bytes (torch-free)
+kernels        what the installed packages offer; calling a kernel
+policy         static eligibility (traceable) and the reason codes
+planning       candidates, self-test, the choice from timings
+execution      one call at run time: memory fit, head split, run, fallbacks, NaN/Inf guard
+timing         calibration on a real call and the timing cache
+file_lock      the cross-process lock of the timing cache (torch-free)
+state          all mutable state, behind one lock (torch-free)
+op             the wan_sage::attention custom op torch.compile sees
+override       the callable ComfyUI calls (SageAttentionOverride)
+config         PatchConfig, the patch's options
+stats          per-patch run statistics
+selftest       the numerical self-test of a kernel
+sdpa           PyTorch SDPA with ComfyUI's attention signature
+dispatch       the public names, re-exported
+kernel_compare the ``wan-sage bench`` command
+"""

@@ -1,6 +1,8 @@
-"""``wan-sage bench``: time every available kernel against SDPA on Wan attention shapes, check
-accuracy against an fp32 reference and measured extra bytes against the formula, run the
-"auto" override end to end, and write the timings into the calibration cache the node reads."""
+"""``wan-sage bench``: time every available kernel against SDPA on Wan attention shapes, ungrouped
+and split into the memory mode's head groups (the cost of running Sage at SDPA's memory); check
+accuracy against an fp32 reference and measured extra bytes against the formulas; run the "auto"
+override end to end in both memory modes, with and without the NaN/Inf check, and measure its
+per-call decision cost; write the timings into the calibration cache the node reads."""
 from __future__ import annotations
 
 import json
@@ -11,8 +13,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from . import kernel_bytes, kernels, registry, timing
-from .dispatch import PatchConfig, SageAttentionOverride, _kernel_version
+from . import execution, head_groups, kernel_bytes, kernels, planning, registry, timing
+from .dispatch import PatchConfig, SageAttentionOverride
 from .sdpa import attention_sdpa
 
 # name: (B, H, Nq, Nk, D) as ComfyUI's Wan model calls attention (q/k/v [B, N, H*D]).
@@ -102,28 +104,66 @@ def _acc(o, ref):
     return rel, cos
 
 
+def _decision_us(override, q, k, v, H, n=2000) -> float:
+    """CPU microseconds per call of a settled shape: the override's static checks and the
+    run-time decision with its free-memory check (everything a call does besides the kernel)."""
+    override.plan(q, k, v, H)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        override.plan(q, k, v, H)
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def _call_overhead_us(override, q, k, v, H, n=2000) -> float | None:
+    """CPU microseconds per call of a settled shape for everything but the kernel: the call as
+    ComfyUI makes it, with the chosen kernel's entry point swapped for one that returns its q
+    (the views, head split and copies, finite-check sample and stats included).  None when the
+    shape runs on SDPA."""
+    plan = override.plan(q, k, v, H)
+    if plan.kernel is None:
+        return None
+    real = kernels.entry_point(plan.kernel)
+    kernels.install_test_kernel(plan.kernel, lambda q, k, v, **options: q)
+    try:
+        call = lambda: override(attention_sdpa, q, k, v, heads=H, transformer_options={})  # noqa: E731
+        call()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            call()
+        elapsed = time.perf_counter() - t0
+        torch.cuda.synchronize()
+    finally:
+        kernels.install_test_kernel(plan.kernel, real)
+    return elapsed / n * 1e6
+
+
 def run_bench(shapes, kernel_names, dtype=torch.bfloat16, iters=5, accuracy=True, cache_dir=None, emit=print):
     dev = torch.device("cuda", torch.cuda.current_device())
     cc = kernels.device_cc(dev)
     gpu = torch.cuda.get_device_name(dev)
-    store = timing.CalibrationStore(cache_dir)
+    store = planning.timing_store(cache_dir)  # the store the overrides below read
     dt = "bf16" if dtype == torch.bfloat16 else "fp16"
     rows = []
-    override = SageAttentionOverride(PatchConfig(cache_dir=cache_dir, calibration_budget_s=600.0), patch_id="bench")
-    nofinite = SageAttentionOverride(PatchConfig(cache_dir=cache_dir, calibration_budget_s=600.0, check_finite=False),
-                                     patch_id="bench-nofinite")
+    budget = {"calibration_budget_s": 600.0, "cache_dir": cache_dir}
+    overrides = {
+        "auto": SageAttentionOverride(PatchConfig(**budget), patch_id="bench"),
+        "fastest": SageAttentionOverride(PatchConfig(memory_mode="fastest", **budget), patch_id="bench-fastest"),
+        "no_finite_check": SageAttentionOverride(PatchConfig(check_finite=False, **budget), patch_id="bench-nofinite"),
+    }
     for sname, (B, H, NQ, NK, D) in shapes.items():
         gen = torch.Generator(device=dev).manual_seed(1)
         q = torch.randn(B, NQ, H * D, device=dev, dtype=dtype, generator=gen)
         k = torch.randn(B, NK, H * D, device=dev, dtype=dtype, generator=gen)
         v = torch.randn(B, NK, H * D, device=dev, dtype=dtype, generator=gen)
         ref = _reference(q, k, v, H) if accuracy else None
+        shape = kernel_bytes.AttnShape(B, H, NQ, NK, D, 2, None, dtype == torch.bfloat16)
         sdpa = lambda: attention_sdpa(q, k, v, H)  # noqa: E731
         sdpa_ms, sdpa_min = _time(sdpa, iters)
         o, sdpa_extra = _peak_extra(sdpa)
         row0 = {"shape": sname, "B": B, "H": H, "Nq": NQ, "Nk": NK, "D": D, "dtype": dt, "backend": "sdpa",
                 "ms": sdpa_ms, "ms_min": sdpa_min, "ratio": 1.0, "extra_bytes": sdpa_extra,
-                "formula_bytes": kernel_bytes.extra_bytes("sdpa", kernel_bytes.AttnShape(B, H, NQ, NK, D, 2, None, dtype == torch.bfloat16))}
+                "formula_bytes": kernel_bytes.extra_bytes("sdpa", shape)}
         if ref is not None:
             row0["rel_l2"], row0["cos"] = _acc(o, ref)
         del o
@@ -137,46 +177,59 @@ def run_bench(shapes, kernel_names, dtype=torch.bfloat16, iters=5, accuracy=True
                 rows.append(r)
                 emit(json.dumps(r))
                 continue
-            fn = lambda: kernels.run(name, q4, k4, v4, "NHD", None, cc)  # noqa: E731
-            try:
-                ms, ms_min = _time(fn, iters)
-                o, extra = _peak_extra(fn)
-            except Exception as e:
-                r = {"shape": sname, "backend": name, "error": f"{type(e).__name__}: {e}"[:300]}
+            path = kernels.KERNELS[name].memory_path(cc)
+            split = head_groups.head_groups(path, shape, "sdpa")
+            measured = {}
+            for groups in sorted({1, split.groups}):
+                fn = lambda g=groups: execution.run_kernel(name, q4, k4, v4, "NHD", "NHD", g, None, cc)  # noqa: E731
+                try:
+                    ms, ms_min = _time(fn, iters)
+                    o, extra = _peak_extra(fn)
+                except Exception as e:
+                    r = {"shape": sname, "backend": name, "groups": groups, "error": f"{type(e).__name__}: {e}"[:300]}
+                    rows.append(r)
+                    emit(json.dumps(r))
+                    continue
+                formula = head_groups.split_bytes(path, shape, groups)
+                r = {"shape": sname, "B": B, "H": H, "Nq": NQ, "Nk": NK, "D": D, "dtype": dt, "backend": name,
+                     "groups": groups, "ms": ms, "ms_min": ms_min, "ratio": sdpa_ms / ms, "extra_bytes": extra,
+                     "formula_bytes": formula, "formula_err": (extra - formula) / formula}
+                if groups > 1 and 1 in measured:
+                    r["grouping_cost"] = ms / measured[1] - 1
+                if ref is not None:
+                    r["rel_l2"], r["cos"] = _acc(o, ref)
+                del o
+                measured[groups] = ms
                 rows.append(r)
                 emit(json.dumps(r))
-                continue
-            shape = kernel_bytes.AttnShape(B, H, NQ, NK, D, 2, None, dtype == torch.bfloat16)
-            formula = kernel_bytes.extra_bytes(kernels.KERNELS[name].memory_path(cc), shape)
-            r = {"shape": sname, "B": B, "H": H, "Nq": NQ, "Nk": NK, "D": D, "dtype": dt, "backend": name,
-                 "ms": ms, "ms_min": ms_min, "ratio": sdpa_ms / ms, "extra_bytes": extra,
-                 "formula_bytes": formula, "formula_err": (extra - formula) / formula}
-            if ref is not None:
-                r["rel_l2"], r["cos"] = _acc(o.reshape(B, NQ, H * D), ref)
-            del o
-            store.put(timing.make_key(gpu, cc, name, _kernel_version(name), dt, H, D, NQ, NK), ms, sdpa_ms,
-                      NQ, NK, save=False)
-            rows.append(r)
-            emit(json.dumps(r))
+            if measured:
+                grouped = measured.get(split.groups) if split.groups > 1 else None
+                store.put(planning.timing_key(gpu, cc, name, dt, H, D, NQ, NK),
+                          measured.get(1), sdpa_ms, NQ, NK, save=False, grouped_ms=grouped, groups=split.groups,
+                          repeats=iters)
         store.save()
         # The override end to end, as ComfyUI calls it, after the cache holds this bucket,
         # interleaved with plain SDPA so that clock drift cancels.
-        call = lambda: override(attention_sdpa, q, k, v, heads=H, transformer_options={})  # noqa: E731
-        call()
-        sdpa_ab, ms = _ab(sdpa, call)
-        nf = lambda: nofinite(attention_sdpa, q, k, v, heads=H, transformer_options={})  # noqa: E731
-        nf()
-        _, ms_nf = _ab(sdpa, nf, rounds=3)
-        plan = override.plan(q, k, v, H, (q, k, v), {"heads": H})
-        n = 2000
-        t0 = time.perf_counter()
-        for _ in range(n):
-            override.plan(q, k, v, H, (q, k, v), {"heads": H})
-        plan_us = (time.perf_counter() - t0) / n * 1e6
+        calls = {}
+        for label, override in overrides.items():
+            call = lambda o=override: o(attention_sdpa, q, k, v, heads=H, transformer_options={})  # noqa: E731
+            call()
+            calls[label] = call
+        sdpa_ab, ms = _ab(sdpa, calls["auto"])
+        _, ms_fastest = _ab(sdpa, calls["fastest"], rounds=3)
+        _, ms_nf = _ab(sdpa, calls["no_finite_check"], rounds=3)
+        plan = overrides["auto"].plan(q, k, v, H)
+        plan_fastest = overrides["fastest"].plan(q, k, v, H)
+        _, auto_extra = _peak_extra(calls["auto"])
+        _, fastest_extra = _peak_extra(calls["fastest"])
         r = {"shape": sname, "B": B, "H": H, "Nq": NQ, "Nk": NK, "D": D, "dtype": dt, "backend": "auto",
              "chosen": plan.kernel or f"sdpa ({plan.reason})", "groups": plan.groups, "ms": ms,
-             "sdpa_ms_interleaved": sdpa_ab, "ratio": sdpa_ab / ms, "ms_no_finite_check": ms_nf,
-             "ratio_no_finite_check": sdpa_ab / ms_nf, "decision_us": plan_us}
+             "sdpa_ms_interleaved": sdpa_ab, "ratio": sdpa_ab / ms, "extra_bytes": auto_extra,
+             "fastest_groups": plan_fastest.groups, "ms_fastest": ms_fastest, "ratio_fastest": sdpa_ab / ms_fastest,
+             "extra_bytes_fastest": fastest_extra,
+             "ms_no_finite_check": ms_nf, "ratio_no_finite_check": sdpa_ab / ms_nf,
+             "decision_us": _decision_us(overrides["auto"], q, k, v, H),
+             "call_overhead_us": _call_overhead_us(overrides["auto"], q, k, v, H)}
         rows.append(r)
         emit(json.dumps(r))
         del q, k, v, q4, k4, v4, ref
@@ -185,19 +238,30 @@ def run_bench(shapes, kernel_names, dtype=torch.bfloat16, iters=5, accuracy=True
 
 
 def table(rows) -> str:
-    lines = [f"{'shape':<26} {'backend':<18} {'ms':>9} {'x SDPA':>7} {'extra MB':>9} {'formula MB':>10} {'err %':>6} {'rel-L2':>7}  note"]
+    lines = [f"{'shape':<26} {'backend':<18} {'groups':>6} {'ms':>9} {'x SDPA':>7} {'extra MB':>9} {'formula MB':>10} "
+             f"{'err %':>6} {'rel-L2':>7}  note"]
     for r in rows:
         if "skipped" in r or "error" in r:
-            lines.append(f"{r['shape']:<26} {r['backend']:<18} {'-':>9} {'-':>7} {'-':>9} {'-':>10} {'-':>6} {'-':>7}  "
-                         + (r.get("skipped") or r.get("error"))[:70])
+            lines.append(f"{r['shape']:<26} {r['backend']:<18} {r.get('groups', '-'):>6} {'-':>9} {'-':>7} {'-':>9} "
+                         f"{'-':>10} {'-':>6} {'-':>7}  " + (r.get("skipped") or r.get("error"))[:70])
             continue
         ex = f"{r['extra_bytes'] / 1e6:9.1f}" if "extra_bytes" in r else f"{'':>9}"
         fo = f"{r['formula_bytes'] / 1e6:10.1f}" if "formula_bytes" in r else f"{'':>10}"
         er = f"{100 * r['formula_err']:6.2f}" if "formula_err" in r else f"{'':>6}"
         rl = f"{r['rel_l2']:7.4f}" if "rel_l2" in r else f"{'':>7}"
-        note = (f"chose {r['chosen']}, decision {r['decision_us']:.1f} us, without finite check "
-                f"x{r['ratio_no_finite_check']:.3f}" if r["backend"] == "auto" else "")
-        lines.append(f"{r['shape']:<26} {r['backend']:<18} {r['ms']:9.2f} {r['ratio']:7.3f} {ex} {fo} {er} {rl}  {note}")
+        if r["backend"] == "auto":
+            note = (f"chose {r['chosen']}; memory mode fastest: {r['fastest_groups']} group(s) "
+                    f"x{r['ratio_fastest']:.3f} {r['extra_bytes_fastest'] / 1e6:.0f} MB; "
+                    f"without finite check x{r['ratio_no_finite_check']:.3f}; "
+                    f"decision {r['decision_us']:.1f} us"
+                    + (f", call without the kernel {r['call_overhead_us']:.1f} us" if r["call_overhead_us"] else ""))
+        elif "grouping_cost" in r:
+            note = f"grouping costs {100 * r['grouping_cost']:+.1f} % against ungrouped"
+        else:
+            note = ""
+        groups = r.get("groups", "")
+        lines.append(f"{r['shape']:<26} {r['backend']:<18} {groups:>6} {r['ms']:9.2f} {r['ratio']:7.3f} {ex} {fo} {er} "
+                     f"{rl}  {note}")
     return "\n".join(lines)
 
 

@@ -3,7 +3,8 @@ kernel's entry point, say why a kernel cannot run, and call it.
 
 The declarations (archs, dtypes, head dims, formulas, runners) live in :mod:`.registry`; this
 module only looks at what is installed.  Packages and torch are imported lazily, on the first
-:func:`probe`.  Nothing here decides *whether* to use a kernel: that is the dispatcher's job.
+:func:`probe`; what the probe finds is kept in :mod:`.state`.  Nothing here decides *whether* to
+use a kernel: that is the dispatcher's job.
 """
 from __future__ import annotations
 
@@ -12,16 +13,17 @@ import importlib
 import importlib.metadata
 import logging
 import os
-import threading
 from dataclasses import dataclass
 from typing import Callable
 
 from . import registry
 from .registry import KERNELS, install_hint
+from .state import STATE
 
 __all__ = [
     "KERNELS", "probe", "available", "unavailable_reason", "auto_candidates", "device_cc", "install_hint",
-    "run", "build_identity", "Probe",
+    "run", "build_identity", "Probe", "entry_point", "install_test_kernel", "out_of_memory_error",
+    "device_index",
 ]
 
 log = logging.getLogger("wan_sage")
@@ -39,12 +41,6 @@ class Probe:
     ck_available: bool
     ck_version: str | None
     ck_error: str | None
-
-
-_lock = threading.Lock()
-_probe: Probe | None = None
-_fns: dict[str, Callable] = {}
-_identity: dict[str, str] = {}
 
 
 def _version(dists) -> str | None:
@@ -76,7 +72,8 @@ def _sm90_binding_broken(mod) -> bool:
 
 
 def _import(package: str):
-    """(module, None) or (None, "ExceptionType: message")."""
+    """(module, None) or (None, "ExceptionType: message"); the message is what the UI and the
+    log show as the reason the package's kernels are unavailable."""
     try:
         return importlib.import_module(registry.PACKAGES[package].module), None
     except Exception as e:  # ImportError, or a broken extension raising anything at import
@@ -85,52 +82,56 @@ def _import(package: str):
 
 def probe(refresh: bool = False) -> Probe:
     """Import the kernel packages once and find every registered kernel's entry point."""
-    global _probe
-    with _lock:
-        if _probe is not None and not refresh:
-            return _probe
-        _fns.clear()
-        _identity.clear()
-        sage, sage_error = _import("sageattention")
-        sage_version = sage_flavour = None
-        broken = False
-        if sage is not None:
-            sage_version = _version(registry.PACKAGES["sageattention"].dists) or getattr(sage, "__version__", None) \
-                or "unknown"
-            found = {k.name: getattr(sage, k.entry) for k in KERNELS.values()
-                     if k.package == "sageattention" and k.flavour == "sage2" and callable(getattr(sage, k.entry, None))}
-            if found:
-                sage_flavour = "sage2"
-                broken = "sage2_sm90" in found and _sm90_binding_broken(sage)
-            elif callable(getattr(sage, KERNELS["sage1"].entry, None)):
-                sage_flavour = "sage1"
-                found = {"sage1": getattr(sage, KERNELS["sage1"].entry)}
-            else:
-                sage_error = "sageattention imported but exposes no known kernel"
-            _fns.update(found)
-        ck, ck_error = _import("comfy_kitchen")
-        ck_version = _version(registry.PACKAGES["comfy_kitchen"].dists)
-        ck_ok = False
-        if ck is not None:
-            fn = getattr(ck, KERNELS["ck_int8"].entry, None)
-            if callable(fn):
-                _fns["ck_int8"] = fn
-                ck_ok = True
-            else:
-                ck_error = "comfy_kitchen has no int8_attention"
-        _probe = Probe(sage_version, sage_flavour, sage_error,
-                       frozenset(n for n in _fns if KERNELS[n].package == "sageattention"), broken,
-                       ck_ok, ck_version, ck_error)
-        return _probe
+    found_probe = STATE.probe
+    if found_probe is not None and not refresh:
+        return found_probe
+    fns: dict[str, Callable] = {}
+    sage, sage_error = _import("sageattention")
+    sage_version = sage_flavour = None
+    broken = False
+    if sage is not None:
+        sage_version = _version(registry.PACKAGES["sageattention"].dists) or getattr(sage, "__version__", None) \
+            or "unknown"
+        found = {k.name: getattr(sage, k.entry) for k in KERNELS.values()
+                 if k.package == "sageattention" and k.flavour == "sage2" and callable(getattr(sage, k.entry, None))}
+        if found:
+            sage_flavour = "sage2"
+            broken = "sage2_sm90" in found and _sm90_binding_broken(sage)
+        elif callable(getattr(sage, KERNELS["sage1"].entry, None)):
+            sage_flavour = "sage1"
+            found = {"sage1": getattr(sage, KERNELS["sage1"].entry)}
+        else:
+            sage_error = "sageattention imported but exposes no known kernel"
+        fns.update(found)
+    ck, ck_error = _import("comfy_kitchen")
+    ck_version = _version(registry.PACKAGES["comfy_kitchen"].dists)
+    ck_ok = False
+    if ck is not None:
+        fn = getattr(ck, KERNELS["ck_int8"].entry, None)
+        if callable(fn):
+            fns["ck_int8"] = fn
+            ck_ok = True
+        else:
+            ck_error = "comfy_kitchen has no int8_attention"
+    found_probe = Probe(sage_version, sage_flavour, sage_error,
+                        frozenset(n for n in fns if KERNELS[n].package == "sageattention"), broken,
+                        ck_ok, ck_version, ck_error)
+    with STATE.lock:
+        if STATE.probe is not None and not refresh:
+            return STATE.probe
+        STATE.entry_points = fns
+        STATE.build_ids = {}
+        STATE.probe = found_probe
+    return found_probe
 
 
 def build_identity(package: str) -> str:
     """The installed build of a kernel package: its version plus a short hash of its compiled
     extension files (every source build of SageAttention reports the same version)."""
     probe()
-    with _lock:
-        if package in _identity:
-            return _identity[package]
+    known = STATE.build_ids.get(package)
+    if known is not None:
+        return known
     spec = registry.PACKAGES[package]
     version = _version(spec.dists) or "none"
     digest = hashlib.blake2b(digest_size=6)
@@ -148,8 +149,8 @@ def build_identity(package: str) -> str:
     except (ImportError, OSError) as e:
         log.debug("wan-sage: no build identity for %s: %s", package, e)
         ident = version
-    with _lock:
-        _identity[package] = ident
+    with STATE.lock:
+        STATE.build_ids[package] = ident
     return ident
 
 
@@ -157,11 +158,19 @@ def install_test_kernel(name: str, fn: Callable | None) -> None:
     """Replace (or with ``None`` remove) a kernel's entry point.  For tests and the gpu tier's
     broken-build simulation only; production code never calls this."""
     probe()
-    with _lock:
+    with STATE.lock:
+        fns = dict(STATE.entry_points)
         if fn is None:
-            _fns.pop(name, None)
+            fns.pop(name, None)
         else:
-            _fns[name] = fn
+            fns[name] = fn
+        STATE.entry_points = fns
+
+
+def entry_point(name: str) -> Callable | None:
+    """The installed entry point of kernel ``name`` (None when it is not installed)."""
+    probe()
+    return STATE.entry_points.get(name)
 
 
 def any_kernel_importable() -> bool:
@@ -175,13 +184,29 @@ def device_cc(device) -> int:
     return major * 10 + minor
 
 
+def device_index(device) -> int:
+    """One normalised index per device: CUDA's current device when the index is unset."""
+    if device.index is not None:
+        return device.index
+    if device.type == "cuda":
+        import torch
+        return torch.cuda.current_device()
+    return 0
+
+
+def out_of_memory_error() -> type:
+    """torch's out-of-memory exception (``torch.OutOfMemoryError`` exists from torch 2.5)."""
+    import torch
+    return getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+
+
 def unavailable_reason(name: str, cc: int | None = None) -> str | None:
     """None if ``name`` can run (on ``cc`` when given), else a sentence saying why not."""
     k = KERNELS.get(name)
     if k is None:
         return f"unknown kernel {name!r}; choose one of: auto, {', '.join(KERNELS)}"
     p = probe()
-    if name not in _fns:
+    if name not in STATE.entry_points:
         if k.package == "sageattention":
             if p.sage_flavour is None:
                 return f"sageattention is not importable ({p.sage_error}). {install_hint()}"
@@ -221,4 +246,4 @@ def auto_candidates(cc: int) -> tuple:
 def run(name: str, q, k, v, layout: str, sm_scale: float | None, cc: int):
     """Call kernel ``name`` on q, k, v in ``layout`` ("NHD" [B,N,H,D] or "HND" [B,H,N,D]);
     returns the output in the same layout."""
-    return KERNELS[name].run(_fns[name], q, k, v, layout, sm_scale, cc)
+    return KERNELS[name].run(STATE.entry_points[name], q, k, v, layout, sm_scale, cc)

@@ -1,4 +1,9 @@
-"""Eligibility rules: which attention calls may leave SDPA, and the named reason when not.
+"""Static eligibility: which attention calls may leave SDPA, judged from the call alone, and the
+named reason for every refusal.
+
+Everything here reads only tensor attributes (device type, dtype, ndim, shape, requires_grad),
+the call's kwargs and the patch's options, so ``torch.compile`` traces it without a graph break;
+the rest of the decision is made at run time inside the custom op (:mod:`.execution`).
 
 Every refusal has a short reason code that the stats count and the UI shows:
 
@@ -7,25 +12,36 @@ cpu                the tensors are not on a CUDA device
 mask               an attention mask is present (the Sage entry points ignore masks)
 low_precision_off  the call site passed ``low_precision_attention=False``
 gqa                grouped-query attention / k-v heads differ from q heads
-dtype              not fp16 or bf16
+dtype              not a dtype any registered kernel takes (fp16, bf16)
+grad               autograd is recording through q, k or v (the kernels have no backward)
 layout             q is not [B, N, H*D] or [B, H, N, D]
-head_dim           no available kernel supports this head dim
 short              fewer query tokens than the patch's threshold
+head_dim           no available kernel supports this head dim (or dtype)
 cross_slower       cross-attention (short K: 512 text, 257+512 with an image) where SDPA is faster
 slower             calibration measured SDPA as faster for this shape bucket
 no_kernel          no kernel is usable on this device (the log says why, once)
 disabled           the kernel failed its numerical self-test
 failed             the kernel raised on this (device, dtype, head dim) before; not retried
-memory             not even one head group fits in free VRAM
+memory             not even one head group fits in free VRAM (checked, or learnt from an
+                   out-of-memory error on this shape until free memory grows by what it needs)
 oom / error / nonfinite   the kernel ran out of memory, raised, or returned NaN/Inf; redone on SDPA
 =================  ==========================================================================
+
+The first eight are static (the override hands those calls to the previous override or SDPA);
+the rest are decided at run time (the op runs SDPA itself).
 """
 from __future__ import annotations
 
-__all__ = ["static_reason", "is_cross", "REASONS", "CROSS_MAX_NK"]
+import torch
 
-REASONS = ("cpu", "mask", "low_precision_off", "gqa", "dtype", "layout", "head_dim", "short",
-           "cross_slower", "slower", "no_kernel", "disabled", "failed", "memory", "oom", "error", "nonfinite")
+from .registry import KERNELS
+
+__all__ = ["static_reason", "call_shape", "is_cross", "REASONS", "STATIC_REASONS", "CROSS_MAX_NK",
+           "ELIGIBLE_DTYPES", "DTYPE_NAMES"]
+
+STATIC_REASONS = ("cpu", "mask", "low_precision_off", "gqa", "dtype", "grad", "layout", "short")
+REASONS = STATIC_REASONS + ("head_dim", "cross_slower", "slower", "no_kernel", "disabled", "failed", "memory",
+                            "oom", "error", "nonfinite")
 
 # Wan's text context is 512 tokens (T5 min_length) and CLIP image context 257 (514 for FLF2V);
 # anything up to 2048 keys against a much longer query is treated as cross-attention.
@@ -35,9 +51,14 @@ CROSS_MAX_NK = 2048
 # logic with injected kernels on a CPU.)
 ACCEL_DEVICE_TYPES = ("cuda",)
 
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+# Dtypes at least one registered kernel declares; each kernel's own list is checked at run time.
+ELIGIBLE_DTYPES = tuple(dtype for dtype, name in DTYPE_NAMES.items()
+                        if any(name in spec.dtypes for spec in KERNELS.values()))
 
-def static_reason(q, k, v, mask, kwargs, fp_dtypes) -> str | None:
-    """Reasons that need no shape or device knowledge beyond the tensors' own attributes."""
+
+def static_reason(q, k, v, mask, kwargs) -> str | None:
+    """Reasons that need nothing beyond the tensors' own attributes and the kwargs."""
     if q.device.type not in ACCEL_DEVICE_TYPES:
         return "cpu"
     if mask is not None:
@@ -46,9 +67,33 @@ def static_reason(q, k, v, mask, kwargs, fp_dtypes) -> str | None:
         return "low_precision_off"
     if kwargs.get("enable_gqa", False):
         return "gqa"
-    if q.dtype not in fp_dtypes or k.dtype != q.dtype or v.dtype != q.dtype:
+    if q.dtype not in ELIGIBLE_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return "dtype"
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return "grad"
     return None
+
+
+def call_shape(q, k, heads: int, skip_reshape: bool, skip_output_reshape: bool):
+    """(B, H, Nq, Nk, D, layout, out_layout) of a call in either of ComfyUI's layouts, or the
+    reason code when the shapes do not make one attention call.  ``layout`` is how q/k/v arrive
+    ("NHD": [B, N, H*D], possibly k/v 4-D as in Wan's Animate face block; "HND": [B, H, N, D]),
+    ``out_layout`` how the caller wants the output ("NHD": [B, N, H*D]; "HND": [B, H, N, D])."""
+    out_layout = "HND" if skip_output_reshape else "NHD"
+    if skip_reshape:
+        if q.ndim != 4 or k.ndim != 4:
+            return "layout"
+        B, H, Nq, D = q.shape
+        if k.shape[1] != H:
+            return "gqa"
+        return (B, H, Nq, k.shape[2], D, "HND", out_layout)
+    if q.ndim != 3 or q.shape[-1] % heads:
+        return "layout"
+    B, Nq, H = q.shape[0], q.shape[1], heads
+    D = q.shape[-1] // heads
+    if k.numel() % (B * H * D) or (k.ndim == 3 and k.shape[-1] != H * D) or (k.ndim == 4 and k.shape[-2] != H):
+        return "gqa"
+    return (B, H, Nq, k.numel() // (B * H * D), D, "NHD", out_layout)
 
 
 def is_cross(nq: int, nk: int) -> bool:

@@ -99,13 +99,19 @@ class KernelSpec:
                 path = self.memory_by_arch[floor]
         return path
 
+    def native_layout(self, layout: str) -> str:
+        """The layout the entry point computes in when handed ``layout``: ``layout`` itself when
+        it takes it natively, else its first layout (the runner transposes to it and back, and the
+        output's memory stays in the native layout)."""
+        return layout if layout in self.layouts else self.layouts[0]
+
     def run(self, fn, q, k, v, layout: str, sm_scale, cc: int):
         """Call the entry point ``fn`` on q, k, v in ``layout`` ("NHD" [B,N,H,D] or "HND"
         [B,H,N,D]); the output comes back in the same layout."""
         if self.mutates_k:
             k = k.clone()
-        if layout not in self.layouts:
-            native = self.layouts[0]
+        native = self.native_layout(layout)
+        if native != layout:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             return self.call(fn, q, k, v, native, sm_scale, cc).transpose(1, 2)
         return self.call(fn, q, k, v, layout, sm_scale, cc)

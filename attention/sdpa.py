@@ -5,7 +5,6 @@ this implementation serves the CLI, the tests, and hosts whose raw function is n
 """
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
 __all__ = ["attention_sdpa"]

@@ -1,20 +1,21 @@
 """Per-patch attention statistics: counts by backend and reason, fallbacks, time saved.
 
-Counters are kept per patch id in a module-level registry (thread-safe), so a patch's
-callable can stay immutable and be shared or deep-copied freely.  A sampling run opens a
-window with :func:`begin_run` and closes it with :func:`end_run`, which returns the summary
-the node logs once and the server later serves.  Nothing is logged per call.
+Counters are kept per patch id in :mod:`.state` (under its lock), so a patch's callable can stay
+immutable and be shared or deep-copied freely.  A sampling run opens a window with
+:func:`begin_run` and closes it with :func:`end_run`, which returns the summary the node logs
+once and the server later serves.  Nothing is logged per call.  Under ``torch.compile`` the calls
+the override declines statically (see :mod:`.policy`) are not counted: they run as part of the
+compiled graph; every call that reaches the custom op is.
 """
 from __future__ import annotations
 
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-__all__ = ["record", "begin_run", "end_run", "snapshot", "last_runs", "RunStats", "format_summary"]
+from .state import STATE
 
-_lock = threading.Lock()
+__all__ = ["record", "begin_run", "end_run", "snapshot", "last_runs", "RunStats", "format_summary"]
 
 
 @dataclass
@@ -42,14 +43,10 @@ class RunStats:
         }
 
 
-_current: dict[str, RunStats] = {}
-_last: dict[str, dict] = {}
-
-
 def _get(patch_id: str) -> RunStats:
-    st = _current.get(patch_id)
+    st = STATE.runs_current.get(patch_id)
     if st is None:
-        st = _current[patch_id] = RunStats(patch_id)
+        st = STATE.runs_current[patch_id] = RunStats(patch_id)
     return st
 
 
@@ -57,7 +54,7 @@ def record(patch_id: str, *, kernel: str | None = None, reason: str | None = Non
            fallback: str | None = None, split: bool = False, saved_ms: float = 0.0,
            calibration_ms: float = 0.0) -> None:
     """Count one call: ``kernel`` set means it ran on that kernel, else on SDPA for ``reason``."""
-    with _lock:
+    with STATE.lock:
         st = _get(patch_id)
         if kernel is not None:
             st.sage_calls += 1
@@ -74,30 +71,30 @@ def record(patch_id: str, *, kernel: str | None = None, reason: str | None = Non
 
 
 def begin_run(patch_id: str, label: str = "") -> None:
-    with _lock:
-        _current[patch_id] = RunStats(patch_id, label)
+    with STATE.lock:
+        STATE.runs_current[patch_id] = RunStats(patch_id, label)
 
 
 def end_run(patch_id: str) -> dict:
     """Close the run window and return its summary (also kept for :func:`last_runs`)."""
-    with _lock:
-        st = _current.pop(patch_id, None) or RunStats(patch_id)
+    with STATE.lock:
+        st = STATE.runs_current.pop(patch_id, None) or RunStats(patch_id)
         st.ended = time.time()
         d = st.as_dict()
-        _last[patch_id] = d
+        STATE.runs_last[patch_id] = d
         return d
 
 
 def snapshot(patch_id: str) -> dict:
-    with _lock:
-        st = _current.get(patch_id)
-        return st.as_dict() if st else dict(_last.get(patch_id, {}))
+    with STATE.lock:
+        st = STATE.runs_current.get(patch_id)
+        return st.as_dict() if st else dict(STATE.runs_last.get(patch_id, {}))
 
 
 def last_runs() -> dict:
     """The last finished run per patch id (what the server's stats route serves)."""
-    with _lock:
-        return {k: dict(v) for k, v in _last.items()}
+    with STATE.lock:
+        return {k: dict(v) for k, v in STATE.runs_last.items()}
 
 
 def format_summary(d: dict) -> str:

@@ -1,31 +1,53 @@
-"""Measured speed of each kernel against SDPA per shape bucket, cached on disk.
+"""Kernel timings against SDPA: measuring them on a real call (calibration) and the cache that
+keeps them per shape bucket.
 
-Key: (GPU name, compute capability, kernel + package version, dtype, heads, head dim, Nq
-bucket, Nk bucket).  Buckets are quarter octaves of the token count, so 720p and 704p land
-in different buckets only when their lengths differ by more than ~19 %.  The store is one
-JSON file, written atomically (temp file + rename) and merged with what is on disk, so two
-processes (ComfyUI and ``wan-sage bench``) can share it.  The directory is ComfyUI's user
-directory when the node pack runs inside ComfyUI, else a per-user cache directory.
+Cache key: GPU name, compute capability, kernel with its package build identity (version plus a
+hash of the compiled extension files), the software environment (torch, CUDA and cuDNN
+versions), dtype, heads, head dim, and the Nq and Nk buckets (quarter octaves of the token count,
+so 720p and 704p share a bucket unless their lengths differ by more than ~19 %).
+
+Entry: the ungrouped kernel time, the grouped time with its group count (the memory mode's
+split), SDPA's time and how many measurements were merged into it (``repeats``; times are the
+minimum over them).  An entry measured once is provisional: a later process that meets the bucket
+first measures it again before it is trusted for good.
+
+The store is one JSON file.  Writes merge this process's new measurements into what is on disk,
+under a cross-process file lock (:mod:`.file_lock`), and replace the file atomically (temp file
+plus rename), so ComfyUI and ``wan-sage bench`` can share it.  A corrupt or unwritable file is
+reported once in the log; the store then rebuilds it, or keeps its entries in memory.  The
+directory is ComfyUI's user directory when the pack runs inside ComfyUI, else a per-user cache.
 """
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-__all__ = ["bucket", "make_key", "CalibrationStore", "default_dir", "set_host_dir", "time_cuda",
-           "FASTER_BY"]
+from .file_lock import file_lock
+
+__all__ = ["bucket", "make_key", "environment", "CalibrationStore", "default_dir", "set_host_dir", "time_cuda",
+           "trusted", "calibrate", "Variant", "Trial", "Calibration", "FASTER_BY", "GROUPING_MAX_COST",
+           "TRUSTED_REPEATS", "FILE_NAME"]
+
+log = logging.getLogger("wan_sage")
 
 FILE_NAME = "attention_calibration.json"
-FORMAT = 1
+FORMAT = 2
 # A kernel replaces SDPA only when it is at least this much faster (ratio of times): noise in a
 # single timing must not turn "equal" into "slower".
 FASTER_BY = 0.98
+# The memory mode's head split is used when it costs at most this much against ungrouped.
+GROUPING_MAX_COST = 1.02
+# Measurements merged into an entry before it is trusted without measuring again.
+TRUSTED_REPEATS = 2
 
 _host_dir: str | None = None
 
@@ -56,42 +78,96 @@ def bucket(n: int) -> int:
     return int(round(4 * math.log2(max(1, n))))
 
 
-def make_key(gpu: str, cc: int, kernel: str, kernel_version: str, dtype: str, heads: int,
-             head_dim: int, nq: int, nk: int) -> str:
-    return "|".join((gpu, f"sm{cc}", f"{kernel}={kernel_version}", dtype, f"h{heads}",
-                     f"d{head_dim}", f"q{bucket(nq)}", f"k{bucket(nk)}"))
+def environment() -> str:
+    """The software a timing depends on besides the kernel build: torch, CUDA and cuDNN."""
+    import torch
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return f"torch {torch.__version__}, cuda {torch.version.cuda}, cudnn {cudnn}"
+
+
+def make_key(gpu: str, cc: int, kernel: str, build: str, dtype: str, heads: int, head_dim: int, nq: int,
+             nk: int, env: str) -> str:
+    return "|".join((gpu, f"sm{cc}", f"{kernel}={build}", env, dtype, f"h{heads}", f"d{head_dim}",
+                     f"q{bucket(nq)}", f"k{bucket(nk)}"))
+
+
+def trusted(entry: dict) -> bool:
+    return entry.get("repeats", 1) >= TRUSTED_REPEATS
+
+
+def _min_known(a, b):
+    known = [x for x in (a, b) if x is not None]
+    return min(known) if known else None
+
+
+def _merge(old: dict | None, new: dict) -> dict:
+    """One more measurement of a bucket: times are the minimum, repeats add up."""
+    if old is None:
+        return dict(new)
+    merged = dict(new)
+    merged["repeats"] = old.get("repeats", 1) + new.get("repeats", 1)
+    merged["sdpa_ms"] = min(old["sdpa_ms"], new["sdpa_ms"])
+    merged["kernel_ms"] = _min_known(old.get("kernel_ms"), new.get("kernel_ms"))
+    if old.get("groups", 1) == new.get("groups", 1):
+        merged["grouped_ms"] = _min_known(old.get("grouped_ms"), new.get("grouped_ms"))
+    elif new.get("grouped_ms") is None:
+        merged["groups"], merged["grouped_ms"] = old.get("groups", 1), old.get("grouped_ms")
+    return merged
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
+
+def _valid(entry) -> bool:
+    if not isinstance(entry, dict) or not _number(entry.get("sdpa_ms")):
+        return False
+    times = [entry.get("kernel_ms"), entry.get("grouped_ms")]
+    if not any(_number(t) for t in times) or any(t is not None and not _number(t) for t in times):
+        return False
+    repeats, groups = entry.get("repeats", 1), entry.get("groups", 1)
+    return isinstance(repeats, int) and repeats >= 1 and isinstance(groups, int) and groups >= 1
 
 
 class CalibrationStore:
-    """Thread-safe JSON cache of {key: {"kernel_ms", "sdpa_ms", "nq", "nk", "when"}}."""
+    """Thread-safe JSON cache of {key: {"kernel_ms", "grouped_ms", "groups", "sdpa_ms", "repeats",
+    "nq", "nk", "when"}}."""
 
     def __init__(self, directory: str | os.PathLike | None = None):
         self._dir = Path(directory) if directory else None
         self._lock = threading.Lock()
         self._entries: dict[str, dict] | None = None
+        self._pending: dict[str, list] = {}  # measurements not yet written
+        self._reported: set = set()
         self.load_error: str | None = None
 
     @property
     def path(self) -> Path:
         return (self._dir or default_dir()) / FILE_NAME
 
-    def _read_disk(self) -> dict:
+    def _report(self, kind: str, text: str) -> None:
+        self.load_error = text
+        if kind not in self._reported:
+            self._reported.add(kind)
+            log.warning("wan-sage: %s", text)
+
+    def _read_disk(self) -> dict | None:
+        """The entries on disk; {} when there is no file; None when it is unreadable (reported)."""
         try:
             data = json.loads(self.path.read_text())
         except FileNotFoundError:
             return {}
         except (OSError, ValueError) as e:
-            self.load_error = f"ignored unreadable calibration cache {self.path}: {e}"
-            return {}
+            self._report("read", f"ignored unreadable calibration cache {self.path}: {e}; it is rebuilt")
+            return None
         if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("entries"), dict):
-            self.load_error = f"ignored calibration cache {self.path} of an unknown format"
-            return {}
-        return {k: v for k, v in data["entries"].items() if isinstance(v, dict)
-                and isinstance(v.get("kernel_ms"), (int, float)) and isinstance(v.get("sdpa_ms"), (int, float))}
+            self._report("read", f"ignored calibration cache {self.path} of an unknown or older format; it is rebuilt")
+            return None
+        return {k: v for k, v in data["entries"].items() if _valid(v)}
 
     def _ensure(self) -> dict:
         if self._entries is None:
-            self._entries = self._read_disk()
+            self._entries = self._read_disk() or {}
         return self._entries
 
     def get(self, key: str) -> dict | None:
@@ -101,36 +177,66 @@ class CalibrationStore:
                 e = self._ensure()
         return e.get(key)
 
-    def put(self, key: str, kernel_ms: float, sdpa_ms: float, nq: int, nk: int, save: bool = True) -> dict:
-        entry = {"kernel_ms": round(float(kernel_ms), 4), "sdpa_ms": round(float(sdpa_ms), 4),
-                 "nq": int(nq), "nk": int(nk), "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    def put(self, key: str, kernel_ms: float | None, sdpa_ms: float, nq: int, nk: int, save: bool = True, *,
+            grouped_ms: float | None = None, groups: int = 1, repeats: int = 1) -> dict:
+        """Merge one measurement (``repeats`` timings of it) into the entry of ``key``."""
+        new = {"kernel_ms": None if kernel_ms is None else round(float(kernel_ms), 4),
+               "grouped_ms": None if grouped_ms is None else round(float(grouped_ms), 4),
+               "groups": int(groups), "sdpa_ms": round(float(sdpa_ms), 4), "repeats": int(repeats),
+               "nq": int(nq), "nk": int(nk), "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        if not _valid(new):
+            raise ValueError(f"not a timing: {new}")
         with self._lock:
-            self._ensure()[key] = entry
+            entries = self._ensure()
+            entries[key] = _merge(entries.get(key), new)
+            self._pending.setdefault(key, []).append(new)
             if save:
                 self._save_locked()
-        return entry
+            return dict(entries[key])
 
     def save(self) -> None:
         with self._lock:
             self._save_locked()
 
     def _save_locked(self) -> None:
-        merged = self._read_disk()
-        merged.update(self._entries or {})
-        self._entries = merged
+        if not self._pending:
+            return
         path = self.path
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".calib-", suffix=".json")
-            with os.fdopen(fd, "w") as f:
-                json.dump({"format": FORMAT, "entries": merged}, f, indent=1, sort_keys=True)
-            os.replace(tmp, path)
-        except OSError as e:  # a read-only home must not break sampling
-            self.load_error = f"could not write calibration cache {path}: {e}"
+            with file_lock(path) as held:
+                if not held:
+                    self._report("lock", f"calibration cache {path} stayed locked by another process; "
+                                 "writing without the lock")
+                disk = self._read_disk()
+                if disk is None:  # unreadable: rebuilt from what this process knows
+                    merged = dict(self._entries or {})
+                else:
+                    merged = disk
+                    for key, measurements in self._pending.items():
+                        entry = merged.get(key)
+                        for m in measurements:
+                            entry = _merge(entry, m)
+                        merged[key] = entry
+                fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".calib-", suffix=".json")
+                try:
+                    with os.fdopen(fd, "w") as f:
+                        json.dump({"format": FORMAT, "entries": merged}, f, indent=1, sort_keys=True)
+                    os.replace(tmp, path)
+                except BaseException:
+                    try:
+                        os.unlink(tmp)
+                    except OSError:
+                        pass
+                    raise
+            self._entries = merged
+        except OSError as e:  # a read-only home must not break sampling: keep the timings in memory
+            self._report("write", f"could not write calibration cache {path}: {e}; timings are kept in memory")
+        self._pending.clear()
 
     def entries(self) -> dict:
         with self._lock:
-            return dict(self._ensure())
+            return {k: dict(v) for k, v in self._ensure().items()}
 
 
 def time_cuda(fn, repeats: int = 1) -> float:
@@ -146,3 +252,70 @@ def time_cuda(fn, repeats: int = 1) -> float:
         del out
         best = min(best, start.elapsed_time(end))
     return best
+
+
+# ------------------------------------------------------------------ calibration on a real call
+@dataclass(frozen=True)
+class Variant:
+    """One way to run the call on a kernel: ungrouped (``groups`` 1) or split into head groups."""
+
+    kernel: str
+    groups: int
+    need: int  # bytes that must be free to time it (its peak, margins, and the output kept meanwhile)
+    run: Callable[[], object]  # runs the call, returns its output
+
+
+@dataclass(frozen=True)
+class Trial:
+    kernel: str
+    groups: int
+    ms: float | None = None
+    failure: str | None = None  # "memory" (not tried: it would not fit), "oom" or "error"
+    error: str | None = None  # what it raised (text only: a kept exception would keep its tensors alive)
+
+
+@dataclass
+class Calibration:
+    sdpa_ms: float
+    trials: list
+    output: object  # the fastest output seen (SDPA's or a variant's)
+    output_from: Trial | None  # None: SDPA's
+
+
+def calibrate(variants, run_sdpa: Callable[[], object], fits: Callable[[int], bool], oom_error: type,
+              time_fn: Callable | None = None) -> Calibration:
+    """Time SDPA and each variant once after a warm-up run (JIT, autotune), keeping one output:
+    SDPA's, until a variant beats SDPA by :data:`FASTER_BY` (the rule that decides the shape),
+    then the fastest such variant's.  A variant that would not fit in free memory is not run; one that runs
+    out of memory or raises is recorded and skipped (after an error, that kernel's other variants
+    are skipped too).  SDPA's own errors propagate: there is nothing to fall back to."""
+    time_fn = time_fn or time_cuda
+    holder: dict = {}
+    run_sdpa()
+    sdpa_ms = time_fn(lambda: holder.__setitem__("out", run_sdpa()))
+    best_out, best_ms, best_trial = holder.pop("out"), sdpa_ms, None
+    trials, raised = [], set()
+    for variant in variants:
+        if variant.kernel in raised:
+            continue
+        if not fits(variant.need):
+            trials.append(Trial(variant.kernel, variant.groups, failure="memory"))
+            continue
+        try:
+            variant.run()
+            ms = time_fn(lambda v=variant: holder.__setitem__("out", v.run()))
+        except oom_error:
+            holder.clear()
+            trials.append(Trial(variant.kernel, variant.groups, failure="oom"))
+            continue
+        except Exception as e:  # recorded against this kernel by the caller
+            holder.clear()
+            raised.add(variant.kernel)
+            trials.append(Trial(variant.kernel, variant.groups, failure="error", error=f"{type(e).__name__}: {e}"))
+            continue
+        trial = Trial(variant.kernel, variant.groups, ms=ms)
+        trials.append(trial)
+        if ms < FASTER_BY * sdpa_ms and ms < best_ms:
+            best_out, best_ms, best_trial = holder.pop("out"), ms, trial
+        holder.clear()
+    return Calibration(sdpa_ms, trials, best_out, best_trial)

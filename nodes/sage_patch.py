@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 
 from ..attention import kernels, stats
-from ..attention.dispatch import PatchConfig, SageAttentionOverride
+from ..attention.config import PatchConfig
+from ..attention.override import SageAttentionOverride
 from . import comfy_bridge
 from .log_once import reason, warn_once
 
@@ -71,8 +72,9 @@ def status_text(kernel: str) -> str:
 
 
 def apply_patch(model, kernel="auto", min_tokens=1024, calibrate=True, memory_margin_mb=256,
-                check_finite=True, node_id=None):
-    """Returns (patched clone or the input model, report text)."""
+                check_finite=True, node_id=None, memory_mode="sdpa"):
+    """Returns (patched clone or the input model, report text).  ``memory_mode``: "sdpa" (Sage
+    split into head groups to need about SDPA's memory where that costs <= 2 %) or "fastest"."""
     if not comfy_bridge.is_wan(model):
         warn_once("notwan", "wan-sage: the Sage Attention Patch got a model that is not a Wan video model; "
                   "it is passed through unchanged.")
@@ -94,10 +96,13 @@ def apply_patch(model, kernel="auto", min_tokens=1024, calibrate=True, memory_ma
     elif prev is not None:
         warn_once(("displacing", type(prev).__qualname__),
                   "wan-sage: this model already has an attention override (%s, e.g. from ModelAttentionBackend or "
-                  "another pack). The slot keeps only the last writer, so the Sage patch takes it and hands every "
-                  "call it declines to that override.", getattr(prev, "__qualname__", type(prev).__qualname__))
+                  "another pack). The slot keeps only the last writer, so the Sage patch takes it and hands the "
+                  "calls it cannot take (CPU, masks, short sequences, dtypes the kernels lack) to that override; "
+                  "calls it takes but then serves on SDPA (slower, memory, errors) use PyTorch SDPA.",
+                  getattr(prev, "__qualname__", type(prev).__qualname__))
     cfg = PatchConfig(kernel=kernel, min_tokens=int(min_tokens), calibrate=bool(calibrate),
                       memory_margin_mb=int(memory_margin_mb), check_finite=bool(check_finite),
+                      memory_mode=memory_mode,
                       cache_dir=comfy_bridge.cache_dir(), label="Wan Sage patch" + (f" #{node_id}" if node_id else ""),
                       node_id=None if node_id is None else str(node_id))
     free_fn = comfy_bridge.PatcherFreeMemory(m.model) if (comfy_bridge.is_dynamic(m) or comfy_bridge.aimdo_enabled()) else None

@@ -1,5 +1,7 @@
 """gpu tier: real kernels at real Wan shapes (accuracy, exact extra bytes, head-split under a
-VRAM cap, SDPA fallback, broken-build detection).  Speed is reported by `wan-sage bench`."""
+VRAM cap, SDPA fallback, broken-build detection).  Speed is reported by `wan-sage bench`.
+Dispatch v2 (memory mode, failure paths on real kernels, compile) is in test_dispatch_gpu.py and
+test_compile_gpu.py."""
 import gc
 import logging
 
@@ -70,7 +72,7 @@ def test_accuracy_and_exact_extra_bytes(name, shape):
 def test_head_split_keeps_sage_running_under_a_vram_cap(ballast, tmp_path):
     B, H, NQ, NK, D = SHAPES["a14b_720p81_self"]
     q, k, v = make(B, H, NQ, NK, D)
-    o = SageAttentionOverride(PatchConfig(calibrate=False, cache_dir=str(tmp_path)))
+    o = SageAttentionOverride(PatchConfig(calibrate=False, memory_mode="fastest", cache_dir=str(tmp_path)))
     full = o.plan(q, k, v, H)  # also runs the self-test, before the cap is set
     assert full.kernel is not None and full.groups == 1
     ref = ref_slice(q, k, v, H)  # the fp32 reference needs more than the cap leaves
@@ -100,7 +102,7 @@ def test_sdpa_when_no_head_group_fits(ballast, tmp_path):
 
 def test_broken_build_is_detected_by_the_self_test(tmp_path, caplog):
     name = kernels.auto_candidates(CC)[0]
-    real = kernels._fns[name]
+    real = kernels.entry_point(name)
     kernels.install_test_kernel(name, lambda q, k, v, **kw: torch.empty_like(q))
     try:
         dispatch.reset_state()
@@ -118,7 +120,7 @@ def test_broken_build_is_detected_by_the_self_test(tmp_path, caplog):
 
 def test_oom_from_the_kernel_is_redone_on_sdpa(tmp_path):
     name = kernels.auto_candidates(CC)[0]
-    real = kernels._fns[name]
+    real = kernels.entry_point(name)
 
     def oom(q, k, v, **kw):
         _ = torch.empty(1 << 50, device=q.device)  # a real allocator OutOfMemoryError

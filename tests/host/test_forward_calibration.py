@@ -49,4 +49,4 @@ def test_eager_and_compiled_rows_carry_what_the_prediction_needs(tmp_path):
         assert r["compile"]["blocks"] == 2 and r["error"] is None
         # the first run compiles, the measured one reuses the graphs
         assert r["dynamo"]["compile"]["unique_graphs"] >= 1 and r["dynamo"]["measure"]["unique_graphs"] == 0
-    assert compiled[1]["sage"]["reasons"] == {"cpu": 4}
+    assert compiled[1]["sage"]["reasons"] == {}  # static CPU declines are part of the compiled graph, not counted

@@ -11,4 +11,4 @@ def fake_gpu(monkeypatch, tmp_path):
     from fakegpu import FakeGPU
     g = FakeGPU(monkeypatch, tmp_path)
     yield g
-    g.dispatch.reset_state()
+    g.reset_state()

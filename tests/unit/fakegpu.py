@@ -1,36 +1,76 @@
 """A fake accelerator for the unit tier: injected kernels on the CPU, controlled free VRAM and
 timings.  Used only to test wan-sage's dispatch logic; real kernels are tested in tests/gpu."""
+import time
+
 import torch
 import torch.nn.functional as F
 
 
 class FakeGPU:
+    """Makes CPU tensors eligible and replaces the kernels, the device facts, free memory, the
+    self-test and the timer.
+
+    ``mode`` (all kernels) or ``modes[name]``: "ok", "oom", "raise", "nan".  ``nan_from``: every
+    kernel call from that call number on returns NaN.  ``times[name]``: ms of an ungrouped call;
+    a call split into head groups takes ``1 + group_cost`` times as long."""
+
     def __init__(self, monkeypatch, tmp_path, candidates=("sage2_sm90",), cc=90):
-        from wan_sage.attention import dispatch, kernels, policy, selftest, timing
-        self.dispatch = dispatch
-        dispatch.reset_state()
+        from wan_sage.attention import execution, kernels, planning, policy, selftest, timing
+        from wan_sage.attention.override import reset_state
+        from wan_sage.attention.state import STATE
+        self.state = STATE
+        self.reset_state = reset_state
+        reset_state()
         self.free = 1 << 40
-        self.mode = "ok"  # ok | oom | nan | raise | empty
+        self.mode = "ok"
+        self.modes = {}
+        self.nan_from = None
         self.calls = []
-        self.times = {"sdpa": 10.0, "sage2_sm90": 7.0, "sage1": 12.0, "ck_int8": 8.0}
+        self.times = {"sdpa": 10.0, "sage2_sm90": 7.0, "sage1": 12.0, "ck_int8": 8.0, "sage2_fp16_cuda": 9.0}
+        self.group_cost = 0.01
         self.self_test_result = None
+        self.self_tests = []
+        self.lock_held_in_self_test = []
+        self.self_test_delay_s = 0.0
+        self.finite_checks = 0
         self.cache_dir = str(tmp_path / "cache")
-        self._last = {}
+        self._in_timing = None
         monkeypatch.setattr(policy, "ACCEL_DEVICE_TYPES", ("cuda", "cpu"))
-        monkeypatch.setattr(dispatch, "_device", lambda dev, choice: dispatch._Device(cc, "FakeGPU", tuple(candidates), None))
-        monkeypatch.setattr(dispatch, "_free_bytes", lambda dev, need, fn: need <= self.free)
-        monkeypatch.setattr(selftest, "self_test", lambda name, dev, dtype, cc: self.self_test_result)
+        monkeypatch.setattr(planning, "device_info",
+                            lambda device, index, choice: planning.DeviceInfo(cc, "FakeGPU", tuple(candidates), None))
+        monkeypatch.setattr(execution, "fits", lambda device, need, free_fn: need <= self.free)
+        monkeypatch.setattr(execution, "available_bytes", lambda device, free_fn: self.free)
+        monkeypatch.setattr(selftest, "self_test", self._self_test)
         monkeypatch.setattr(kernels, "run", self.run)
         monkeypatch.setattr(timing, "time_cuda", self.time_cuda)
-        monkeypatch.setattr(dispatch, "_kernel_version", lambda name: "test")
+        monkeypatch.setattr(planning, "kernel_build", lambda name: "test")
+        all_finite = execution._all_finite
+
+        def counted_all_finite(t):
+            self.finite_checks += 1
+            return all_finite(t)
+        monkeypatch.setattr(execution, "_all_finite", counted_all_finite)
+
+    def spent_s(self) -> float:
+        """Calibration seconds charged to the budget so far."""
+        return self.state.calibration_spent_s
+
+    def _self_test(self, name, dev, dtype, cc):
+        self.self_tests.append(name)
+        self.lock_held_in_self_test.append(self.state.lock.locked())
+        if self.self_test_delay_s:
+            time.sleep(self.self_test_delay_s)  # lets other threads reach the same shape meanwhile
+        return self.self_test_result
 
     def run(self, name, q, k, v, layout, scale, cc):
         self.calls.append((name, tuple(q.shape)))
-        self._last["name"] = name
-        if self.mode == "oom":
+        if self._in_timing is not None:
+            self._in_timing.append(name)
+        mode = self.modes.get(name, self.mode)
+        if mode == "oom":
             raise torch.OutOfMemoryError("fake out of memory")
-        if self.mode == "raise":
-            raise RuntimeError("fake kernel failure")
+        if mode == "raise":
+            raise RuntimeError(f"fake failure of {name}")
         if layout == "NHD":
             q4, k4, v4 = (t.transpose(1, 2).float() for t in (q, k, v))
         else:
@@ -39,15 +79,25 @@ class FakeGPU:
         o = o.to(q.dtype)
         if layout == "NHD":
             o = o.transpose(1, 2).contiguous()
-        if self.mode == "nan":
+        if mode == "nan" or (self.nan_from is not None and len(self.calls) >= self.nan_from):
             o = o.clone()
             o.view(-1)[0] = float("nan")
         return o
 
     def time_cuda(self, fn, repeats=1):
-        self._last.clear()
-        fn()
-        return self.times[self._last.get("name", "sdpa")]
+        self._in_timing = []
+        try:
+            fn()
+            names = self._in_timing
+        finally:
+            self._in_timing = None
+        if not names:
+            return self.times["sdpa"]
+        base = self.times[names[-1]]
+        return base * (1 + self.group_cost) if len(names) > 1 else base
+
+    def kernel_calls(self, name=None):
+        return sum(1 for n, _ in self.calls if name is None or n == name)
 
 
 def qkv(B=1, N=2048, H=4, D=64, Nk=None, dtype=torch.bfloat16, seed=0):

@@ -1,0 +1,395 @@
+"""Run one attention call that passed the static checks, at run time: settle its decision, check
+free memory, split it into head groups, run the kernel, fall back to SDPA, guard the output
+against NaN/Inf, and count it.
+
+The custom op (:mod:`.op`) calls :func:`run_attention` under ``torch.compile``; in eager mode the
+override calls it directly.  Every call that does not run on a kernel runs SDPA here (the
+override's ``sdpa``, ComfyUI's own ``attention_pytorch`` inside ComfyUI), with its reason counted.
+
+Decisions are kept per call shape (patch options, device, dtype, B, H, Nq, Nk, D, layouts) and
+settled on the first call, so a shape does the same thing step after step; per call only free
+memory is checked.  The rules that change a settled shape:
+
+* **free memory short**: the call splits into more head groups (the fewest that fit), and keeps
+  that count from then on; when not even one head per group fits, that call runs on SDPA.
+* **out of memory**: the call is redone on SDPA and the shape remembers the memory available
+  after the error and what the kernel needed; later calls run on SDPA (reason ``memory``) until
+  the available memory has grown by more than that need, then the kernel is tried again.
+* **error**: the kernel is not used again on that (device, dtype, head dim); the shape plans
+  again without it.
+* **NaN/Inf**: the first :data:`FINITE_FIRST_CALLS` calls of each (kernel, shape) and every
+  :data:`FINITE_EVERY`-th after that are checked (one host sync each; the rest never sync); a
+  non-finite output is redone on SDPA and the shape stays on SDPA.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import torch
+
+from . import kernels, planning, policy, stats, timing
+from .planning import Plan
+from .policy import DTYPE_NAMES
+from .state import STATE, Bucket, OomMemory
+
+__all__ = ["run_attention", "decide", "run_kernel", "FINITE_FIRST_CALLS", "FINITE_EVERY", "fits", "available_bytes"]
+
+log = logging.getLogger("wan_sage")
+
+FINITE_FIRST_CALLS = 4
+FINITE_EVERY = 64
+
+
+# ------------------------------------------------------------------ free memory
+def fits(device, need: int, free_memory) -> bool:
+    """Does ``need`` fit?  The driver's free memory first (cheap); torch's cached-but-unused
+    memory only when that is not enough."""
+    if free_memory is not None:
+        return free_memory(device) >= need
+    free, _total = torch.cuda.mem_get_info(device)
+    if free >= need:
+        return True
+    return available_bytes(device, None) >= need
+
+
+def available_bytes(device, free_memory) -> int:
+    """Memory a kernel could use: the driver's free memory plus torch's cached-but-unused."""
+    if free_memory is not None:
+        return int(free_memory(device))
+    free, _total = torch.cuda.mem_get_info(device)
+    allocator = torch.cuda.memory_stats(device)
+    return free + allocator.get("reserved_bytes.all.current", 0) - allocator.get("allocated_bytes.all.current", 0)
+
+
+# ------------------------------------------------------------------ decisions
+def _plan(bucket: Bucket, shape: tuple, key: tuple) -> Plan:
+    B, H, Nq, Nk, D, layout, out_layout = shape
+    return Plan(bucket.kernel, bucket.reason, layout, B, H, Nq, Nk, D, bucket.groups, (), bucket.saved_ms,
+                bucket.cc, bucket.need, out_layout, bucket.output_copy, key)
+
+
+def _bucket(choice: planning.Choice, cc: int, shape: tuple, dtype, margin: int) -> Bucket:
+    if choice.kernel is None:
+        return Bucket(None, choice.reason, cc=cc)
+    copy = choice.groups == 1 and planning.output_copy(choice.kernel, shape[5], shape[6])
+    need = planning.need_bytes(choice.kernel, cc, planning.attn_shape(shape, dtype), choice.groups, copy, margin)
+    return Bucket(choice.kernel, None, choice.groups, need, choice.saved_ms, cc, copy)
+
+
+def _timing_context(ov, info, names, dtype, shape):
+    """(store, {kernel: cache key}, {kernel: memory-mode groups}) for the candidates of a shape."""
+    cfg = ov.config
+    B, H, Nq, Nk, D, layout, out_layout = shape
+    store = planning.timing_store(cfg.cache_dir)
+    dtype_name = DTYPE_NAMES.get(dtype, str(dtype))
+    keys = {n: planning.timing_key(info.gpu, info.cc, n, dtype_name, H, D, Nq, Nk) for n in names}
+    aspec = planning.attn_shape(shape, dtype)
+    groups = {n: planning.mode_groups(n, info.cc, aspec, cfg.memory_mode,
+                                      planning.output_copy(n, layout, out_layout)).groups for n in names}
+    return store, keys, groups
+
+
+def _settle(ov, device, index: int, dtype, shape: tuple, key: tuple, claim: bool):
+    """First call of a shape: a settled Bucket, or a calibration Plan when the shape is to be
+    measured now (within the budget; with ``claim``, the calibration is claimed: once per shape
+    and process, whether it then succeeds or not)."""
+    cfg = ov.config
+    margin = cfg.memory_margin_mb << 20
+    info = planning.device_info(device, index, cfg.kernel)
+    if info.reason:
+        bucket = Bucket(None, "no_kernel", cc=info.cc)
+        STATE.settle(key, bucket)
+        return bucket
+    B, H, Nq, Nk, D, layout, out_layout = shape
+    names, why = planning.candidates(info, device, index, dtype, D, cfg.self_test)
+    if not names:
+        bucket = Bucket(None, why, cc=info.cc)
+        STATE.settle(key, bucket)
+        return bucket
+    cross = policy.is_cross(Nq, Nk)
+    store, keys, groups = _timing_context(ov, info, names, dtype, shape)
+    entries = {n: store.get(keys[n]) for n in names}
+    to_time = tuple(n for n in names if entries[n] is None
+                    or (not timing.trusted(entries[n]) and keys[n] not in STATE.timed_here))
+    if to_time and cfg.calibrate and _budget_left(ov, shape, to_time, groups) and (
+            not claim or STATE.claim_calibration(key)):
+        return Plan(to_time[0], None, layout, B, H, Nq, Nk, D, 1, to_time, 0.0, info.cc, 0, out_layout, False, key)
+    choice = planning.choose(names, {n: e for n, e in entries.items() if e is not None}, groups, cross) \
+        or planning.default_choice(names, cross, groups)
+    # A calibration finishing in another thread wins over this unmeasured choice.
+    return STATE.settle_if_absent(key, _bucket(choice, info.cc, shape, dtype, margin))
+
+
+def _budget_left(ov, shape: tuple, names: tuple, groups: dict) -> bool:
+    cfg = ov.config
+    runs = 2 * (1 + sum(1 + (cfg.memory_mode == "sdpa" and groups[n] > 1) for n in names))
+    estimate = planning.calibration_estimate_s(*shape[:5], runs)
+    if estimate <= cfg.calibration_budget_s - STATE.calibration_spent_s:
+        return True
+    if STATE.log_once(("budget", cfg.calibration_budget_s)):
+        log.info("wan-sage: calibration budget (%.0f s) used up; unmeasured shapes use the default rule (Sage "
+                 "for self-attention, SDPA for cross-attention). `wan-sage bench` measures the Wan shapes ahead "
+                 "of time.", cfg.calibration_budget_s)
+    return False
+
+
+def decide(ov, q, shape: tuple, claim: bool = True) -> Plan:
+    """The plan for one call (no kernel runs here, except a kernel's one-time self-test).
+    ``claim=False`` reports a pending calibration without claiming it (a dry run)."""
+    device = q.device
+    index = device.index if device.index is not None else kernels.device_index(device)
+    key = (ov.config_key, index, q.dtype) + shape
+    bucket = STATE.buckets.get(key)
+    if bucket is None:
+        bucket = _settle(ov, device, index, q.dtype, shape, key, claim)
+        if isinstance(bucket, Plan):
+            return bucket
+    if bucket.kernel is None:
+        return _plan(bucket, shape, key)
+    return _fit_memory(ov, device, key, bucket, shape, q.dtype)
+
+
+def _fit_memory(ov, device, key, bucket: Bucket, shape: tuple, dtype) -> Plan:
+    oom = STATE.ooms.get(key)
+    if oom is not None:
+        if available_bytes(device, ov.free_memory) < oom.available + oom.need:
+            return _plan(Bucket(None, "memory", cc=bucket.cc), shape, key)
+        STATE.forget_oom(key)
+    if fits(device, bucket.need, ov.free_memory):
+        return _plan(bucket, shape, key)
+    margin = ov.config.memory_margin_mb << 20
+    found = planning.more_groups(bucket.kernel, bucket.cc, planning.attn_shape(shape, dtype), bucket.groups,
+                                 available_bytes(device, ov.free_memory), margin)
+    if found is None:
+        return _plan(Bucket(None, "memory", cc=bucket.cc), shape, key)
+    groups, need = found
+    bucket = dataclasses.replace(bucket, groups=groups, need=need, output_copy=False)
+    STATE.settle(key, bucket)
+    return _plan(bucket, shape, key)
+
+
+# ------------------------------------------------------------------ running
+def _views(q, k, v, plan: Plan):
+    if plan.layout == "NHD":
+        return (q.reshape(plan.B, plan.Nq, plan.H, plan.D), k.reshape(plan.B, plan.Nk, plan.H, plan.D),
+                v.reshape(plan.B, plan.Nk, plan.H, plan.D))
+    return q, k, v
+
+
+def _to_caller_layout(out, layout: str, out_layout: str):
+    B, H, Nq, D = (out.shape[0], out.shape[2], out.shape[1], out.shape[3]) if layout == "NHD" else out.shape
+    if layout != out_layout:
+        out = out.transpose(1, 2)
+    out = out.contiguous()
+    if out_layout == "NHD":
+        return out.reshape(B, Nq, H * D)
+    return out
+
+
+def _run_split(name: str, q4, k4, v4, layout: str, out_layout: str, groups: int, scale, cc: int):
+    """The call in ``groups`` head groups.  The full output is allocated once, in the caller's
+    layout, and each group's output is copied into it and freed: peak = full output + one
+    group's kernel bytes (:func:`.head_groups.split_bytes`)."""
+    if layout == "NHD":
+        B, Nq, H, D = q4.shape
+    else:
+        B, H, Nq, D = q4.shape
+    full = (B, Nq, H, D) if out_layout == "NHD" else (B, H, Nq, D)
+    out = torch.empty(full, dtype=q4.dtype, device=q4.device)
+    target = out if layout == out_layout else out.transpose(1, 2)
+    head_dim = 2 if layout == "NHD" else 1
+    per_group = -(-H // groups)
+    for h0 in range(0, H, per_group):
+        index = [slice(None)] * 4
+        index[head_dim] = slice(h0, min(H, h0 + per_group))
+        index = tuple(index)
+        part = kernels.run(name, q4[index], k4[index], v4[index], layout, scale, cc)
+        target[index].copy_(part)
+        del part
+    if out_layout == "NHD":
+        return out.reshape(B, Nq, H * D)
+    return out
+
+
+def run_kernel(name: str, q4, k4, v4, layout: str, out_layout: str, groups: int, scale, cc: int):
+    """Kernel ``name`` on q4/k4/v4 (``layout`` "NHD" [B, N, H, D] or "HND" [B, H, N, D]) in
+    ``groups`` head groups (1: one direct call); the output in the caller's ``out_layout``
+    ("NHD": [B, N, H*D]; "HND": [B, H, N, D]), contiguous."""
+    if groups <= 1:
+        return _to_caller_layout(kernels.run(name, q4, k4, v4, layout, scale, cc), layout, out_layout)
+    return _run_split(name, q4, k4, v4, layout, out_layout, groups, scale, cc)
+
+
+def _sdpa(ov, q, k, v, heads, skip_reshape, skip_output_reshape, scale, reason, fallback=None, calibration_ms=0.0):
+    stats.record(ov.patch_id, reason=reason, fallback=fallback, calibration_ms=calibration_ms)
+    extra = {"skip_reshape": skip_reshape, "skip_output_reshape": skip_output_reshape}
+    if scale is not None:
+        extra["scale"] = scale
+    return ov.sdpa(q, k, v, heads, **extra).contiguous()
+
+
+def _all_finite(t) -> bool:
+    """NaN/Inf check by one min/max reduction: no tensor of the output's size is allocated
+    (``isfinite(t).all()`` would add a bool copy of the whole output); one host sync."""
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(torch.stack((lo, hi))).all())
+
+
+def _finite_check_due(name: str, key: tuple) -> bool:
+    n = STATE.count_call((name, key))
+    return n <= FINITE_FIRST_CALLS or n % FINITE_EVERY == 0
+
+
+def _nonfinite(ov, plan: Plan, name: str) -> None:
+    STATE.settle(plan.call_key, Bucket(None, "nonfinite", cc=plan.cc))
+    if STATE.log_once(("nonfinite", plan.call_key)):
+        log.warning("wan-sage: %s returned NaN/Inf for attention [B=%d, H=%d, Nq=%d, Nk=%d, D=%d]; that call was "
+                    "redone on SDPA and this shape stays on SDPA.", name, plan.B, plan.H, plan.Nq, plan.Nk, plan.D)
+
+
+def _remember_failure(plan: Plan, index: int, dtype, name: str, text: str) -> None:
+    STATE.mark_failed((index, name, dtype, plan.D), text)
+    if STATE.log_once(("error", index, name, dtype, plan.D)):
+        log.warning("wan-sage: %s raised %s; SDPA serves its shapes with this dtype and head dim from now on.",
+                    name, text)
+
+
+def run_attention(ov, q, k, v, heads: int, skip_reshape: bool, skip_output_reshape: bool, scale, shape=None):
+    """The output of one statically eligible call, in the caller's layout (contiguous).
+    ``shape``: the call's :func:`.policy.call_shape`, when the caller has it already."""
+    if shape is None:
+        shape = policy.call_shape(q, k, heads, skip_reshape, skip_output_reshape)
+    plan = decide(ov, q, shape)
+    if plan.calibrate:
+        return _calibrate(ov, plan, q, k, v, heads, skip_reshape, skip_output_reshape, scale)
+    if plan.kernel is None:
+        return _sdpa(ov, q, k, v, heads, skip_reshape, skip_output_reshape, scale, plan.reason)
+    name = plan.kernel
+    q4, k4, v4 = _views(q, k, v, plan)
+    oom_error = kernels.out_of_memory_error()
+    failure = None
+    try:
+        out = run_kernel(name, q4, k4, v4, plan.layout, plan.out_layout, plan.groups, scale, plan.cc)
+    except oom_error:
+        failure = "oom"
+    except Exception as e:  # charged to this kernel on this (device, dtype, head dim)
+        failure = "error"
+        _remember_failure(plan, plan.call_key[1], q.dtype, name, f"{type(e).__name__}: {e}")
+    if failure == "oom":
+        out = None
+        STATE.remember_oom(plan.call_key, OomMemory(available_bytes(q.device, ov.free_memory), plan.need))
+        if STATE.log_once(("oom", plan.call_key)):
+            log.warning("wan-sage: %s ran out of memory on attention [B=%d, H=%d, Nq=%d, Nk=%d, D=%d]; the call was "
+                        "redone on SDPA, and SDPA serves this shape until free memory grows by what the kernel "
+                        "needs (%.2f GiB).", name, plan.B, plan.H, plan.Nq, plan.Nk, plan.D, plan.need / 2**30)
+    if failure:
+        return _sdpa(ov, q, k, v, heads, skip_reshape, skip_output_reshape, scale, failure, fallback=failure)
+    if ov.config.check_finite and _finite_check_due(name, plan.call_key) and not _all_finite(out):
+        out = None
+        _nonfinite(ov, plan, name)
+        return _sdpa(ov, q, k, v, heads, skip_reshape, skip_output_reshape, scale, "nonfinite", fallback="nonfinite")
+    stats.record(ov.patch_id, kernel=name, split=plan.groups > 1, saved_ms=plan.saved_ms)
+    return out
+
+
+# ------------------------------------------------------------------ calibration
+def _variants(ov, plan: Plan, groups: dict, q4, k4, v4, scale) -> list:
+    """What calibration times per kernel: the ungrouped call, and the memory mode's split."""
+    cfg = ov.config
+    aspec = planning.attn_shape(plan.call_key[3:], q4.dtype)
+    kept = aspec.s * plan.B * plan.H * plan.Nq * plan.D  # the output kept meanwhile (SDPA's or a kernel's)
+    variants = []
+    for name in plan.calibrate:
+        counts = [1] + ([groups[name]] if cfg.memory_mode == "sdpa" and groups[name] > 1 else [])
+        for count in counts:
+            copy = count == 1 and planning.output_copy(name, plan.layout, plan.out_layout)
+            need = planning.need_bytes(name, plan.cc, aspec, count, copy, cfg.memory_margin_mb << 20) + kept
+            variants.append(timing.Variant(name, count, need, lambda n=name, c=count: run_kernel(
+                n, q4, k4, v4, plan.layout, plan.out_layout, c, scale, plan.cc)))
+    return variants
+
+
+def _record(ov, plan: Plan, result: timing.Calibration, variants: list, store, keys: dict, groups: dict, device,
+            dtype) -> None:
+    """Charge errors to the kernels that raised, cache the timings, and remember an out-of-memory
+    error when no variant could be timed."""
+    measured = {}
+    for trial in result.trials:
+        if trial.failure == "error":
+            _remember_failure(plan, plan.call_key[1], dtype, trial.kernel, trial.error)
+        elif trial.ms is not None:
+            measured.setdefault(trial.kernel, {})[trial.groups] = trial.ms
+    for name, times in measured.items():
+        count, grouped_ms = next(((c, ms) for c, ms in times.items() if c > 1), (groups[name], None))
+        store.put(keys[name], times.get(1), result.sdpa_ms, plan.Nq, plan.Nk, save=False, grouped_ms=grouped_ms,
+                  groups=count)
+    store.save()
+    STATE.add_timed(keys[n] for n in measured)
+    ran_out = {(t.kernel, t.groups) for t in result.trials if t.failure == "oom"}
+    if ran_out and not measured:
+        need = min(v.need for v in variants if (v.kernel, v.groups) in ran_out)
+        STATE.remember_oom(plan.call_key, OomMemory(available_bytes(device, ov.free_memory), need))
+
+
+def _settle_measured(ov, plan: Plan, info, device, dtype) -> planning.Choice:
+    """Settle the shape from every candidate that may still run and its cache entry, old or new."""
+    cfg = ov.config
+    shape = plan.call_key[3:]
+    names, why = planning.candidates(info, device, plan.call_key[1], dtype, plan.D, cfg.self_test)
+    if names:
+        store, keys, groups = _timing_context(ov, info, names, dtype, shape)
+        entries = {n: e for n in names if (e := store.get(keys[n])) is not None}
+        cross = policy.is_cross(plan.Nq, plan.Nk)
+        choice = planning.choose(names, entries, groups, cross) or planning.default_choice(names, cross, groups)
+    else:
+        choice = planning.Choice(None, reason=why)
+    STATE.settle(plan.call_key, _bucket(choice, plan.cc, shape, dtype, cfg.memory_margin_mb << 20))
+    return choice
+
+
+def _calibrate(ov, plan: Plan, q, k, v, heads, skip_reshape, skip_output_reshape, scale):
+    """Time the unmeasured kernels (ungrouped, and in the memory mode's head groups) and SDPA on
+    this call, cache the timings, settle the shape, and return the output that the settling rule
+    favours (SDPA's unless a kernel beat it).  The time spent is charged to the budget whatever
+    happens; a kernel that raises is charged to itself; a variant that would not fit in free
+    memory is not timed."""
+    cfg = ov.config
+    info = planning.device_info(q.device, plan.call_key[1], cfg.kernel)
+    store, keys, groups = _timing_context(ov, info, plan.calibrate, q.dtype, plan.call_key[3:])
+    variants = _variants(ov, plan, groups, *_views(q, k, v, plan), scale)
+    sdpa_kwargs = {"skip_reshape": skip_reshape, "skip_output_reshape": skip_output_reshape}
+    if scale is not None:
+        sdpa_kwargs["scale"] = scale
+    t0 = time.perf_counter()
+    try:
+        result = timing.calibrate(variants, lambda: ov.sdpa(q, k, v, heads, **sdpa_kwargs),
+                                  lambda need: fits(q.device, need, ov.free_memory), kernels.out_of_memory_error(),
+                                  timing.time_cuda)
+    finally:
+        spent = time.perf_counter() - t0
+        STATE.charge_calibration(spent)
+    _record(ov, plan, result, variants, store, keys, groups, q.device, q.dtype)
+    log.info("wan-sage: calibrated %s on %s for [B=%d, H=%d, Nq=%d, Nk=%d, D=%d] in %.2f s: SDPA %.2f ms, %s",
+             DTYPE_NAMES.get(q.dtype), info.gpu, plan.B, plan.H, plan.Nq, plan.Nk, plan.D, spent, result.sdpa_ms,
+             ", ".join(f"{t.kernel}/{t.groups} " + (f"{t.ms:.2f} ms" if t.ms is not None else t.failure)
+                       for t in result.trials) or "no kernel timed")
+    choice = _settle_measured(ov, plan, info, q.device, q.dtype)
+    calibration_ms = spent * 1000
+    source = result.output_from
+    if source is None:
+        failures = [t.failure for t in result.trials if t.failure in ("oom", "error")]
+        reason = failures[0] if failures else (choice.reason if choice.kernel is None else "memory")
+        stats.record(ov.patch_id, reason=reason, fallback=failures[0] if failures else None,
+                     calibration_ms=calibration_ms)
+        return result.output.contiguous()
+    out = result.output
+    if cfg.check_finite and _finite_check_due(source.kernel, plan.call_key) and not _all_finite(out):
+        out = None
+        _nonfinite(ov, plan, source.kernel)
+        return _sdpa(ov, q, k, v, heads, skip_reshape, skip_output_reshape, scale, "nonfinite", fallback="nonfinite",
+                     calibration_ms=calibration_ms)
+    stats.record(ov.patch_id, kernel=source.kernel, split=source.groups > 1,
+                 saved_ms=max(0.0, result.sdpa_ms - source.ms), calibration_ms=calibration_ms)
+    return out

@@ -1,0 +1,93 @@
+"""The custom op ``wan_sage::attention``: under ``torch.compile`` every statically eligible
+attention call is one node of the graph, and everything decided at run time (device and kernel
+resolution, self-test, timing cache, calibration, the VRAM check, head split, the kernel, every
+fallback, the stats) happens inside it, in :func:`.execution.run_attention`.
+
+Its arguments are tensors, ints, bools, a float and the patch id; the implementation finds the
+patch's override in the registry of live patches (:attr:`.state.DispatchState.patches`, filled
+when an override is made or unpickled).  The fake implementation returns the output's shape:
+``[B, N, H*D]``, or ``[B, H, N, D]`` with ``skip_output_reshape``, contiguous, in q's dtype; the
+real one returns exactly that layout.  The op is tagged ``cudagraph_unsafe`` where torch has the
+tag, so CUDA-graph modes leave it outside their graphs (its decisions and checks run on the host).
+
+On a torch without ``torch.library.custom_op`` (< 2.4), :func:`call_attention` runs the same
+implementation wrapped in ``torch.compiler.disable`` instead (one graph break per call).
+
+Each copy of the package in a process registers its own op: the first is
+``wan_sage::attention``; another copy (ComfyUI loading the pack while a test or tool imports it
+as ``wan_sage``) gets ``wan_sage::attention_<its module name>``.
+"""
+import inspect
+import logging
+import re
+
+import torch
+
+from . import execution
+from .sdpa import attention_sdpa
+from .state import STATE
+
+__all__ = ["call_attention", "run_registered", "OP_NAME", "SCHEMA"]
+
+log = logging.getLogger("wan_sage")
+
+NAMESPACE = "wan_sage"
+SCHEMA = ("(Tensor q, Tensor k, Tensor v, int heads, bool skip_reshape, bool skip_output_reshape, float? scale, "
+          "str patch_id) -> Tensor")
+
+
+def run_registered(q, k, v, heads, skip_reshape, skip_output_reshape, scale, patch_id):
+    """The op's implementation: the call run by the override registered under ``patch_id``."""
+    override = STATE.patches.get(patch_id)
+    if override is None:  # the patch was garbage-collected while a compiled graph still names it
+        if STATE.log_once(("unknown_patch", patch_id)):
+            log.warning("wan-sage: attention patch %s is gone; its compiled calls run on SDPA.", patch_id)
+        return attention_sdpa(q, k, v, heads, skip_reshape=skip_reshape, skip_output_reshape=skip_output_reshape,
+                              **({} if scale is None else {"scale": scale})).contiguous()
+    return execution.run_attention(override, q, k, v, heads, skip_reshape, skip_output_reshape, scale)
+
+
+def _fake(q, k, v, heads, skip_reshape, skip_output_reshape, scale, patch_id):
+    B = q.shape[0]
+    if skip_reshape:
+        H, Nq, D = q.shape[1], q.shape[2], q.shape[3]
+    else:
+        H, Nq, D = heads, q.shape[1], q.shape[2] // heads
+    return q.new_empty((B, H, Nq, D) if skip_output_reshape else (B, Nq, H * D))
+
+
+def _op_name() -> str:
+    package = __name__.rsplit(".attention.op", 1)[0]
+    if not hasattr(getattr(torch.ops, NAMESPACE), "attention"):
+        return "attention"
+    return "attention_" + re.sub(r"\W", "_", package)
+
+
+def _define():
+    custom_op = getattr(getattr(torch, "library", None), "custom_op", None)
+    if custom_op is None:
+        return None, None
+    name = _op_name()
+    options = {"mutates_args": (), "schema": SCHEMA}
+    unsafe = getattr(getattr(torch, "Tag", None), "cudagraph_unsafe", None)
+    if unsafe is not None and "tags" in inspect.signature(custom_op).parameters:
+        options["tags"] = (unsafe,)
+    try:
+        definition = custom_op(f"{NAMESPACE}::{name}", run_registered, **options)
+        definition.register_fake(_fake)
+        return getattr(getattr(torch.ops, NAMESPACE), name), name
+    except (RuntimeError, TypeError, ValueError) as e:  # a torch whose custom-op API differs
+        log.warning("wan-sage: could not register the %s::%s custom op (%s: %s); under torch.compile each Sage "
+                    "call is kept out of the graph instead.", NAMESPACE, name, type(e).__name__, e)
+        return None, None
+
+
+OP, OP_NAME = _define()
+_RUN_UNTRACED = torch.compiler.disable(run_registered) if OP is None else None
+
+
+def call_attention(q, k, v, heads: int, skip_reshape: bool, skip_output_reshape: bool, scale, patch_id: str):
+    """What the override calls while being compiled: the registered op, one node in the graph."""
+    if OP is not None:
+        return OP(q, k, v, heads, skip_reshape, skip_output_reshape, scale, patch_id)
+    return _RUN_UNTRACED(q, k, v, heads, skip_reshape, skip_output_reshape, scale, patch_id)

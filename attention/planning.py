@@ -1,0 +1,238 @@
+"""Which kernel serves a call shape, and in how many head groups: the kernels a device offers,
+the candidates the registry's declared constraints (dtypes, head dims) and the self-test allow,
+the memory mode's group count, and the choice from measured timings (or the default rule).
+
+Nothing here runs a kernel except the one-time self-test, which runs outside the state lock.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from . import head_groups, kernel_bytes, kernels, selftest, timing
+from .policy import DTYPE_NAMES
+from .registry import KERNELS
+from .state import STATE
+
+__all__ = ["Plan", "DeviceInfo", "Choice", "device_info", "kernel_build", "timing_store", "timing_key",
+           "candidates", "attn_shape", "output_copy", "mode_groups", "need_bytes", "more_groups", "choose",
+           "default_choice", "calibration_estimate_s"]
+
+log = logging.getLogger("wan_sage")
+
+# How long a thread waits for another thread's self-test of the same kernel before it treats
+# the kernel as unusable for its call.
+SELF_TEST_WAIT_S = 120.0
+
+
+@dataclass
+class Plan:
+    """What one call will do: a kernel with its head groups, or SDPA for ``reason``, or a
+    calibration of ``calibrate`` (kernel names) against SDPA."""
+
+    kernel: str | None  # None: SDPA
+    reason: str | None = None
+    layout: str = "NHD"
+    B: int = 0
+    H: int = 0
+    Nq: int = 0
+    Nk: int = 0
+    D: int = 0
+    groups: int = 1
+    calibrate: tuple = ()
+    saved_ms: float = 0.0
+    cc: int = 0
+    need: int = 0  # bytes checked free before the call
+    out_layout: str = "NHD"
+    output_copy: bool = False
+    call_key: tuple = ()
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    cc: int
+    gpu: str
+    candidates: tuple  # available kernel names, auto order (self-test pending)
+    reason: str | None  # why there is none
+
+
+@dataclass(frozen=True)
+class Choice:
+    kernel: str | None
+    groups: int = 1
+    saved_ms: float = 0.0
+    reason: str | None = None
+
+
+def device_info(device, index: int, choice: str) -> DeviceInfo:
+    """The kernels ``choice`` ("auto" or a kernel name) can use on a CUDA device, found once."""
+    key = (index, choice)
+    found = STATE.devices.get(key)
+    if found is not None:
+        return found
+    cc = kernels.device_cc(device)
+    gpu = torch.cuda.get_device_name(device)
+    probe = kernels.probe()
+    if choice == "auto":
+        names = kernels.auto_candidates(cc)
+        reason = None if names else (
+            f"no quantised attention kernel is usable on {gpu} (sm{cc}): "
+            f"sageattention: {probe.sage_error or probe.sage_version}; comfy-kitchen: "
+            f"{probe.ck_error or 'no kernel for this GPU'}. " + kernels.install_hint())
+    else:
+        why = kernels.unavailable_reason(choice, cc)
+        names, reason = ((), why) if why else ((choice,), None)
+    info = DeviceInfo(cc, gpu, names, reason)
+    STATE.set_device(key, info)
+    if reason:
+        if STATE.log_once(("nokernel", key)):
+            log.warning("wan-sage: kernel %r unavailable on cuda:%s: %s. Attention runs on PyTorch SDPA.",
+                        choice, index, reason)
+    else:
+        log.info("wan-sage: %s (sm%d) on cuda:%s: attention kernels %s (sageattention %s, comfy-kitchen %s)",
+                 gpu, cc, index, ", ".join(names), probe.sage_version or "not installed",
+                 probe.ck_version or "not installed")
+    return info
+
+
+def kernel_build(name: str) -> str:
+    """The build identity of the package that provides kernel ``name`` (for cache keys and logs)."""
+    return kernels.build_identity(KERNELS[name].package)
+
+
+def timing_store(cache_dir: str | None) -> timing.CalibrationStore:
+    """The process's one timing store for ``cache_dir`` (None: the default directory), shared by
+    every patch and by ``wan-sage bench`` in the same process."""
+    return STATE.store(cache_dir or str(timing.default_dir()), timing.CalibrationStore)
+
+
+def timing_key(gpu: str, cc: int, name: str, dtype_name: str, heads: int, head_dim: int, nq: int, nk: int) -> str:
+    """The timing-cache key of kernel ``name`` on a shape, as the node and ``wan-sage bench`` both
+    write and read it: the kernel's build identity and this process's torch/CUDA/cuDNN included."""
+    return timing.make_key(gpu, cc, name, kernel_build(name), dtype_name, heads, head_dim, nq, nk,
+                           timing.environment())
+
+
+def _passes_self_test(name: str, device, index: int, dtype, info: DeviceInfo) -> bool:
+    key = (index, name, dtype)
+    ticket = STATE.begin_self_test(key)
+    if ticket is None:
+        return STATE.self_tests[key] is None
+    if not ticket.run:
+        ticket.done.wait(SELF_TEST_WAIT_S)
+        return STATE.self_tests.get(key, "pending") is None
+    verdict = "the self-test did not finish"
+    try:
+        verdict = selftest.self_test(name, device, dtype, info.cc)
+    except Exception as e:  # the test itself failed (e.g. out of memory for its reference)
+        verdict = f"the self-test could not run: {type(e).__name__}: {e}"
+    finally:
+        STATE.finish_self_test(key, verdict)
+    if verdict:
+        log.error("wan-sage: SageAttention kernel %s (%s) failed its self-test on %s: %s. It is disabled for "
+                  "this session; attention runs on PyTorch SDPA. If you built SageAttention 2.2.0 between "
+                  "2025-10-08 and 2025-12-22, its Hopper kernel is broken: rebuild from thu-ml/SageAttention main "
+                  "at or after commit ff71e1e (pip install --no-build-isolation . in the checkout).",
+                  name, kernel_build(name), info.gpu, verdict)
+    return verdict is None
+
+
+def candidates(info: DeviceInfo, device, index: int, dtype, head_dim: int, self_test: bool) -> tuple:
+    """(kernels that may serve the call, reason when there are none).  The registry's declared
+    dtypes and head dims decide first; then kernels that raised here before and kernels that fail
+    their self-test (run once per device and dtype) drop out."""
+    dtype_name = DTYPE_NAMES.get(dtype, str(dtype))
+    names, why = [], "head_dim"
+    for name in info.candidates:
+        spec = KERNELS[name]
+        if not (spec.dtype_ok(dtype_name) and spec.head_dim_ok(head_dim)):
+            continue
+        if (index, name, dtype, head_dim) in STATE.failed:
+            why = "failed"
+            continue
+        if self_test and not _passes_self_test(name, device, index, dtype, info):
+            why = "disabled"
+            continue
+        names.append(name)
+    return tuple(names), why
+
+
+def attn_shape(shape: tuple, dtype) -> kernel_bytes.AttnShape:
+    B, H, Nq, Nk, D = shape[:5]
+    itemsize = 4 if dtype == torch.float32 else 2
+    return kernel_bytes.AttnShape(B, H, Nq, Nk, D, itemsize, None, dtype == torch.bfloat16)
+
+
+def output_copy(name: str, layout: str, out_layout: str) -> bool:
+    """Whether an ungrouped call's output must be copied into the caller's layout."""
+    return KERNELS[name].native_layout(layout) != out_layout
+
+
+def mode_groups(name: str, cc: int, shape: kernel_bytes.AttnShape, mode: str, copy: bool) -> head_groups.HeadGroups:
+    return head_groups.head_groups(KERNELS[name].memory_path(cc), shape, mode, copy)
+
+
+def need_bytes(name: str, cc: int, shape: kernel_bytes.AttnShape, groups: int, copy: bool, margin: int) -> int:
+    """Bytes that must be free to run ``name`` in ``groups`` groups: the exact peak, the
+    allocator's rounding and the patch's margin."""
+    peak = head_groups.split_bytes(KERNELS[name].memory_path(cc), shape, groups, copy)
+    return kernel_bytes.with_margin(peak) + margin
+
+
+def more_groups(name: str, cc: int, shape: kernel_bytes.AttnShape, groups: int, available: int,
+                margin: int) -> tuple | None:
+    """(groups, need) of the fewest groups above ``groups`` whose need fits in ``available``."""
+    for count in head_groups.group_counts(shape.Hq):
+        if count > groups:
+            need = need_bytes(name, cc, shape, count, False, margin)
+            if need <= available:
+                return count, need
+    return None
+
+
+def _variant_ms(entry: dict, groups: int) -> tuple:
+    """(groups, ms) the kernel runs with, given its entry and the memory mode's ``groups``: the
+    split when it costs at most GROUPING_MAX_COST against ungrouped (or was the only variant
+    measured), else ungrouped."""
+    ungrouped = entry.get("kernel_ms")
+    grouped = entry.get("grouped_ms") if entry.get("groups", 1) == groups else None
+    if groups > 1:
+        if grouped is not None and ungrouped is not None:
+            return (groups, grouped) if grouped <= timing.GROUPING_MAX_COST * ungrouped else (1, ungrouped)
+        return groups, grouped if grouped is not None else ungrouped
+    return 1, ungrouped if ungrouped is not None else entry.get("grouped_ms")
+
+
+def choose(names, entries: dict, groups: dict, cross: bool) -> Choice | None:
+    """The fastest measured kernel in the group count it runs with, if it beats SDPA by the
+    hysteresis; else SDPA.  None when no candidate has an entry."""
+    best, sdpa_ms = None, None
+    for name in names:
+        entry = entries.get(name)
+        if entry is None:
+            continue
+        sdpa_ms = entry["sdpa_ms"] if sdpa_ms is None else min(sdpa_ms, entry["sdpa_ms"])
+        run_groups, ms = _variant_ms(entry, groups[name])
+        if best is None or ms < best[2]:
+            best = (name, run_groups, ms)
+    if best is None:
+        return None
+    name, run_groups, ms = best
+    if ms < timing.FASTER_BY * sdpa_ms:
+        return Choice(name, run_groups, sdpa_ms - ms)
+    return Choice(None, reason="cross_slower" if cross else "slower")
+
+
+def default_choice(names, cross: bool, groups: dict) -> Choice:
+    """Without a measurement: cross-attention stays on SDPA, where every measured Sage path
+    loses; self-attention uses the first candidate in the memory mode's group count."""
+    if cross or not names:
+        return Choice(None, reason="cross_slower" if cross else "no_kernel")
+    return Choice(names[0], groups[names[0]])
+
+
+def calibration_estimate_s(B: int, H: int, Nq: int, Nk: int, D: int, runs: int) -> float:
+    """Rough seconds of ``runs`` attention calls (SDPA-class speed, 100 TFLOP/s) plus overhead."""
+    return runs * (4.0 * B * H * Nq * Nk * D / 100e12 + 0.025)

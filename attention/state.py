@@ -1,0 +1,200 @@
+"""All mutable state of wan-sage's attention dispatch, in one object behind one lock.
+
+What the process has learnt lives here: the kernels each device offers, self-test verdicts,
+kernels that raised, settled decisions per call shape, calibration spend, remembered
+out-of-memory errors, finite-check counters, the timing stores, the registry of live patches
+(looked up by the custom op), the probe of installed kernel packages and the run statistics.
+
+Rules: every write holds :attr:`DispatchState.lock`; reads on the hot path are single dict
+lookups without it; nothing here runs GPU work, and callers never run GPU work (self-tests,
+timing, kernels) while holding the lock.  (A timing store, :class:`.timing.CalibrationStore`, is
+also used on its own by ``wan-sage bench``; it guards its entries and file writes with a lock of its
+own.)  Torch-free.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+
+__all__ = ["DispatchState", "STATE", "Bucket", "OomMemory", "SelfTestTicket"]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """The settled decision for one call shape (config, device, dtype, B, H, Nq, Nk, D, layouts)."""
+
+    kernel: str | None  # None: SDPA for ``reason``
+    reason: str | None = None
+    groups: int = 1  # head groups in force: the memory mode's (or calibration's) count, raised when VRAM is short
+    need: int = 0  # bytes that must be free before a call with ``groups`` (formula, margins, output copy)
+    saved_ms: float = 0.0  # measured SDPA time minus kernel time (0 when not measured)
+    cc: int = 0
+    output_copy: bool = False  # the ungrouped kernel output needs a copy into the caller's layout
+
+
+@dataclass(frozen=True)
+class OomMemory:
+    """A kernel ran out of memory on a call shape: what was available then and what it needed."""
+
+    available: int
+    need: int
+
+
+class SelfTestTicket:
+    """Handed out by :meth:`DispatchState.begin_self_test`: ``run`` is True for the one caller
+    that must run the test; the others wait on ``done``."""
+
+    __slots__ = ("run", "done")
+
+    def __init__(self, run: bool, done: threading.Event):
+        self.run = run
+        self.done = done
+
+
+class DispatchState:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.patches = weakref.WeakValueDictionary()  # patch id -> live SageAttentionOverride
+        self.runs_current: dict = {}  # patch id -> stats.RunStats (open window)
+        self.runs_last: dict = {}  # patch id -> summary of the last closed window
+        self.probe = None  # kernels.Probe of the installed packages
+        self.entry_points: dict = {}  # kernel name -> callable entry point
+        self.build_ids: dict = {}  # package -> build identity
+        self.config_keys: dict = {}  # PatchConfig -> small int used in call keys
+        self._clear_decisions()
+
+    def _clear_decisions(self) -> None:
+        self.devices: dict = {}  # (device index, kernel choice) -> planning.DeviceInfo
+        self.self_tests: dict = {}  # (device index, kernel, dtype) -> None (passed) | failure text
+        self.self_tests_pending: dict = {}  # same key -> threading.Event while a test runs
+        self.self_test_names: dict = {}  # kernel -> failure text of its last failed self-test
+        self.failed: dict = {}  # (device index, kernel, dtype, head dim) -> what it raised
+        self.stores: dict = {}  # cache directory -> timing.CalibrationStore
+        self.calibration_spent_s = 0.0
+        self.logged: set = set()
+        self.buckets: dict = {}  # call key -> Bucket
+        self.calibration_claimed: set = set()  # call keys whose calibration has started (once per process)
+        self.timed_here: set = set()  # timing-cache keys this process measured
+        self.ooms: dict = {}  # call key -> OomMemory
+        self.calls: dict = {}  # (kernel, call key) -> calls run (finite-check sampling)
+
+    def reset(self) -> None:
+        """Forget every decision (tests; after reinstalling a kernel).  Live patches, the package
+        probe and run statistics stay."""
+        with self.lock:
+            self._clear_decisions()
+
+    # ---------------------------------------------------------------- small writes
+    def config_key(self, config) -> int:
+        key = self.config_keys.get(config)
+        if key is None:
+            with self.lock:
+                key = self.config_keys.setdefault(config, len(self.config_keys))
+        return key
+
+    def log_once(self, key) -> bool:
+        """True the first time ``key`` is seen (the caller logs), False afterwards."""
+        if key in self.logged:
+            return False
+        with self.lock:
+            if key in self.logged:
+                return False
+            self.logged.add(key)
+            return True
+
+    def set_device(self, key, info) -> None:
+        with self.lock:
+            self.devices[key] = info
+
+    def store(self, directory: str, factory):
+        found = self.stores.get(directory)
+        if found is None:
+            with self.lock:
+                found = self.stores.get(directory)
+                if found is None:
+                    found = self.stores[directory] = factory(directory)
+        return found
+
+    def charge_calibration(self, seconds: float) -> None:
+        with self.lock:
+            self.calibration_spent_s += seconds
+
+    def mark_failed(self, key, text: str) -> None:
+        """A kernel raised on (device, kernel, dtype, head dim): never retried there; decisions
+        that used it are forgotten so that their shapes plan again without it."""
+        kernel = key[1]
+        with self.lock:
+            self.failed[key] = text
+            for call_key, bucket in list(self.buckets.items()):
+                if bucket.kernel == kernel:
+                    del self.buckets[call_key]
+
+    def settle(self, call_key, bucket: Bucket) -> None:
+        with self.lock:
+            self.buckets[call_key] = bucket
+
+    def settle_if_absent(self, call_key, bucket: Bucket) -> Bucket:
+        """Settle ``call_key`` unless it is settled already; returns the bucket in force."""
+        with self.lock:
+            return self.buckets.setdefault(call_key, bucket)
+
+    def claim_calibration(self, call_key) -> bool:
+        """True for the first caller (it calibrates); False when this shape was claimed before."""
+        with self.lock:
+            if call_key in self.calibration_claimed:
+                return False
+            self.calibration_claimed.add(call_key)
+            return True
+
+    def add_timed(self, keys) -> None:
+        with self.lock:
+            self.timed_here.update(keys)
+
+    def remember_oom(self, call_key, memory: OomMemory) -> None:
+        with self.lock:
+            self.ooms[call_key] = memory
+
+    def forget_oom(self, call_key) -> None:
+        with self.lock:
+            self.ooms.pop(call_key, None)
+
+    def count_call(self, key) -> int:
+        """Count one kernel call of (kernel, call key); returns the count including this one."""
+        with self.lock:
+            n = self.calls.get(key, 0) + 1
+            self.calls[key] = n
+            return n
+
+    # ---------------------------------------------------------------- self-tests
+    def begin_self_test(self, key) -> SelfTestTicket | None:
+        """None when the verdict is known; else a ticket (run it, or wait for the one who does)."""
+        with self.lock:
+            if key in self.self_tests:
+                return None
+            event = self.self_tests_pending.get(key)
+            if event is not None:
+                return SelfTestTicket(False, event)
+            event = self.self_tests_pending[key] = threading.Event()
+            return SelfTestTicket(True, event)
+
+    def finish_self_test(self, key, verdict: str | None) -> None:
+        with self.lock:
+            self.self_tests[key] = verdict
+            if verdict is not None:
+                self.self_test_names[key[1]] = verdict
+            event = self.self_tests_pending.pop(key, None)
+        if event is not None:
+            event.set()
+
+    def self_test_failures(self) -> dict:
+        with self.lock:
+            return dict(self.self_test_names)
+
+    # ---------------------------------------------------------------- patches
+    def register_patch(self, patch_id: str, override) -> None:
+        with self.lock:
+            self.patches[patch_id] = override
+
+
+STATE = DispatchState()

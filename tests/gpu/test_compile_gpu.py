@@ -1,0 +1,139 @@
+"""gpu tier: a real Wan block at real dims (A14B: dim 5120, 40 heads, ffn 13824; 480p81, 32,760
+tokens) built by ComfyUI, compiled with ``fullgraph=True`` with the Sage patch active: no graph
+break, the custom op in the graph, compiled against eager numerics, and the memory mode's grouped
+run against the ungrouped one.  Needs ``COMFYUI_PATH`` (a ComfyUI 0.3.64 tree); skips without it."""
+import gc
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    pytest.skip("gpu tier: no CUDA device (run on the GPU machine)", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "host"))
+import comfy_env  # noqa: E402
+
+if comfy_env.skip_reason():
+    pytest.skip(f"gpu tier compile: {comfy_env.skip_reason()} (a ComfyUI 0.3.64 tree builds the Wan block)",
+                allow_module_level=True)
+
+from wan_sage.attention import dispatch, kernels, stats  # noqa: E402
+from wan_sage.attention.dispatch import PatchConfig, SageAttentionOverride  # noqa: E402
+
+CC = kernels.device_cc(torch.device("cuda"))
+AUTO = kernels.auto_candidates(CC)
+if not AUTO:
+    pytest.skip("no SageAttention / comfy-kitchen kernel for this GPU in the auto order", allow_module_level=True)
+KERNEL = AUTO[0]
+LATENT_480P81 = (1, 16, 21, 60, 104)  # 832x480, 81 frames -> 21 x 30 x 52 = 32,760 tokens
+
+
+@pytest.fixture(scope="module")
+def wan_block():
+    """The first block of a one-block Wan A14B (random weights, bf16, on the GPU) and the exact
+    inputs a real forward gives it."""
+    comfy = comfy_env.boot(cpu=False, attention="pytorch")
+    dims = dict(dim=5120, ffn_dim=13824, num_layers=1)
+    state = comfy_env.tiny_wan_state_dict(**dims, seed=0)
+    kw = comfy_env._wan_kwargs(dims["dim"], dims["ffn_dim"], 1, "t2v", None, 16, comfy_env.WAN_TEXT_DIM)
+    model = comfy.wan_model.WanModel(**kw, device="cuda", dtype=torch.bfloat16,
+                                     operations=comfy.ops.disable_weight_init)
+    model.load_state_dict({k: v.to(torch.bfloat16) for k, v in state.items()})
+    del state
+    model.eval()
+    captured = {}
+
+    def grab(module, args, kwargs):
+        captured["args"], captured["kwargs"] = args, kwargs
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(LATENT_480P81, device="cuda", dtype=torch.bfloat16, generator=g)
+    context = 0.1 * torch.randn(1, 512, comfy_env.WAN_TEXT_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+    handle = model.blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
+    with torch.no_grad():
+        model(x, torch.tensor([500.0], device="cuda"), context, transformer_options={})
+    handle.remove()
+    yield comfy, model.blocks[0], captured["args"], captured["kwargs"]
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def run_block(block, args, kwargs, override):
+    options = dict(kwargs.get("transformer_options") or {})
+    options["optimized_attention_override"] = override
+    return block(*args, **{**kwargs, "transformer_options": options})
+
+
+def rel_l2(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    dispatch.reset_state()
+    torch._dynamo.reset()
+    yield
+    dispatch.reset_state()
+    torch._dynamo.reset()
+
+
+def test_fullgraph_compile_of_a_real_wan_block_has_no_graph_break(wan_block, tmp_path):
+    comfy, block, args, kwargs = wan_block
+    override = SageAttentionOverride(PatchConfig(cache_dir=str(tmp_path)),
+                                     sdpa=comfy.attention.attention_pytorch.__wrapped__)
+    with torch.no_grad():
+        eager = run_block(block, args, kwargs, override)  # calibrates and settles both shapes
+        explained = torch._dynamo.explain(run_block)(block, args, kwargs, override)
+        assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+        assert any("wan_sage.attention" in g.code for g in explained.graphs)
+        torch._dynamo.reset()
+        compiled = torch.compile(run_block, fullgraph=True, backend="inductor")
+        stats.begin_run(override.patch_id)
+        got = compiled(block, args, kwargs, override)
+        got_again = compiled(block, args, kwargs, override)
+        s = stats.end_run(override.patch_id)
+    assert s["by_kernel"].get(KERNEL, 0) >= 2, s  # self-attention on Sage in both compiled runs
+    assert rel_l2(got_again, got) < 1e-3  # settled: the second compiled run does what the first did
+    assert torch.isfinite(got).all()
+    err = rel_l2(got, eager)
+    print(f"\ncompiled vs eager block output: rel-L2 {err:.2e}; stats {s}")
+    assert err < 1e-2
+
+
+def test_grouped_and_ungrouped_blocks_agree_compiled_and_eager(wan_block, tmp_path):
+    comfy, block, args, kwargs = wan_block
+    raw = comfy.attention.attention_pytorch.__wrapped__
+    grouped = SageAttentionOverride(PatchConfig(calibrate=False, cache_dir=str(tmp_path)), sdpa=raw)
+    ungrouped = SageAttentionOverride(PatchConfig(calibrate=False, memory_mode="fastest", cache_dir=str(tmp_path)),
+                                      sdpa=raw)
+    with torch.no_grad():
+        q = torch.empty(1, 32760, 5120, device="cuda", dtype=torch.bfloat16)
+        assert grouped.plan(q, q, q, 40).groups > 1 and ungrouped.plan(q, q, q, 40).groups == 1
+        del q
+        outs = {}
+        for name, override in (("grouped", grouped), ("ungrouped", ungrouped)):
+            outs[name] = run_block(block, args, kwargs, override)
+            torch._dynamo.reset()
+            outs[name + "_compiled"] = torch.compile(run_block, fullgraph=True, backend="inductor")(
+                block, args, kwargs, override)
+    if KERNEL == "sage2_sm90":
+        assert torch.equal(outs["grouped"], outs["ungrouped"])  # per-head kernel: bit-identical split
+    else:
+        assert rel_l2(outs["grouped"], outs["ungrouped"]) < 1e-3
+    assert rel_l2(outs["grouped_compiled"], outs["ungrouped_compiled"]) < 1e-3
+    assert rel_l2(outs["grouped_compiled"], outs["grouped"]) < 1e-2
+
+
+def test_the_patched_block_matches_sdpa(wan_block, tmp_path):
+    comfy, block, args, kwargs = wan_block
+    override = SageAttentionOverride(PatchConfig(calibrate=False, cache_dir=str(tmp_path)),
+                                     sdpa=comfy.attention.attention_pytorch.__wrapped__)
+    with torch.no_grad():
+        sage = run_block(block, args, kwargs, override).float()
+        sdpa = block(*args, **kwargs).float()
+    cos = F.cosine_similarity(sage.flatten(), sdpa.flatten(), dim=0).item()
+    print(f"\npatched block vs SDPA block: cos {cos:.5f}")
+    assert cos > 0.99

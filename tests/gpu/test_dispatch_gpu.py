@@ -1,0 +1,227 @@
+"""gpu tier, dispatch v2 on real kernels: the split path's bytes against the formula, grouped
+against ungrouped numerics, Sage at SDPA's memory, and the failure paths forced on real kernels
+(an injected raising kernel, a real out-of-memory error under a VRAM ballast, NaN appearing
+later).  The decision cost is printed (``-s``), not asserted; ``wan-sage bench`` reports it."""
+import gc
+import logging
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    pytest.skip("gpu tier: no CUDA device (run on the GPU machine)", allow_module_level=True)
+
+from wan_sage.attention import dispatch, execution, head_groups, kernel_bytes, kernels, planning, stats  # noqa: E402
+from wan_sage.attention.dispatch import PatchConfig, SageAttentionOverride  # noqa: E402
+from wan_sage.attention.sdpa import attention_sdpa  # noqa: E402
+from wan_sage.attention.state import STATE  # noqa: E402
+
+DEV = torch.device("cuda")
+CC = kernels.device_cc(DEV)
+AUTO = kernels.auto_candidates(CC)
+if not AUTO:
+    pytest.skip("no SageAttention / comfy-kitchen kernel for this GPU in the auto order", allow_module_level=True)
+KERNEL = AUTO[0]
+PATH = kernels.KERNELS[KERNEL].memory_path(CC)
+A14B_720P = (1, 40, 75600, 75600, 128)
+A14B_480P = (1, 40, 32760, 32760, 128)
+GiB = 1 << 30
+
+
+def make(B, H, NQ, NK, D, dtype=torch.bfloat16, seed=1):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return tuple(torch.randn(B, n, H * D, device=DEV, dtype=dtype, generator=g) for n in (NQ, NK, NK))
+
+
+def peak_extra(fn):
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, torch.cuda.max_memory_allocated() - base
+
+
+class Counting:
+    """Wraps the installed entry point: counts calls, and can raise or return NaN."""
+
+    def __init__(self, real):
+        self.real = real
+        self.calls = 0
+        self.nan_from = None
+        self.error = None
+
+    def __call__(self, q, k, v, **kw):
+        self.calls += 1
+        if self.error is not None:
+            raise self.error
+        out = self.real(q, k, v, **kw)
+        if self.nan_from is not None and self.calls >= self.nan_from:
+            out = torch.full_like(out, float("nan"))
+        return out
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    dispatch.reset_state()
+    yield
+    dispatch.reset_state()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture
+def counting():
+    real = kernels.entry_point(KERNEL)
+    wrapper = Counting(real)
+    kernels.install_test_kernel(KERNEL, wrapper)
+    yield wrapper
+    kernels.install_test_kernel(KERNEL, real)
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4, 7, 8])
+def test_the_split_path_allocates_what_the_formula_says(groups):
+    B, H, NQ, NK, D = A14B_720P
+    q, k, v = make(B, H, NQ, NK, D)
+    q4, k4, v4 = (t.view(B, -1, H, D) for t in (q, k, v))
+    run = lambda: execution.run_kernel(KERNEL, q4, k4, v4, "NHD", "NHD", groups, None, CC)  # noqa: E731
+    run()  # warm-up (JIT, autotune)
+    out, measured = peak_extra(run)
+    formula = head_groups.split_bytes(PATH, kernel_bytes.AttnShape(B, H, NQ, NK, D), groups)
+    assert measured <= formula * 1.01 + (8 << 20), (groups, measured, formula)
+    assert measured >= formula * 0.95, (groups, measured, formula)
+    assert out.shape == q.shape and out.is_contiguous()
+
+
+def test_grouped_and_ungrouped_outputs_agree():
+    B, H, NQ, NK, D = A14B_480P
+    q, k, v = make(B, H, NQ, NK, D)
+    q4, k4, v4 = (t.view(B, -1, H, D) for t in (q, k, v))
+    outs = {g: execution.run_kernel(KERNEL, q4, k4, v4, "NHD", "NHD", g, None, CC) for g in (1, 5, 7, 8)}
+    for g, out in outs.items():
+        if CC == 90 and KERNEL == "sage2_sm90":
+            assert torch.equal(out, outs[1]), g  # per-head kernel: bit-identical (group_probe.py on the H200)
+        else:
+            assert torch.allclose(out.float(), outs[1].float(), atol=1e-2, rtol=1e-2), g
+
+
+def test_the_memory_mode_keeps_a_sage_call_within_sdpa_plus_half_a_gib(tmp_path):
+    B, H, NQ, NK, D = A14B_720P
+    q, k, v = make(B, H, NQ, NK, D)
+    sdpa_out, sdpa_extra = peak_extra(lambda: attention_sdpa(q, k, v, H))
+    del sdpa_out
+    results = {}
+    for mode in ("sdpa", "fastest"):
+        o = SageAttentionOverride(PatchConfig(calibrate=False, memory_mode=mode, cache_dir=str(tmp_path)))
+        plan = o.plan(q, k, v, H)
+        assert plan.kernel == KERNEL
+        o(attention_sdpa, q, k, v, heads=H)  # warm-up; its finite check is one of the first calls
+        stats.begin_run(o.patch_id)
+        out, extra = peak_extra(lambda o=o: o(attention_sdpa, q, k, v, heads=H))
+        s = stats.end_run(o.patch_id)
+        assert s["by_kernel"] == {KERNEL: 1}, s
+        results[mode] = (plan.groups, extra)
+        del out
+    expected = head_groups.head_groups(PATH, kernel_bytes.AttnShape(B, H, NQ, NK, D), "sdpa").groups
+    print(f"\nA14B 720p81 self-attention extra bytes: SDPA {sdpa_extra / 1e9:.3f} GB; Sage {KERNEL} "
+          f"memory mode sdpa {results['sdpa'][0]} groups {results['sdpa'][1] / 1e9:.3f} GB; "
+          f"fastest {results['fastest'][0]} group {results['fastest'][1] / 1e9:.3f} GB")
+    assert results["sdpa"][0] == expected > 1 and results["fastest"][0] == 1
+    assert results["sdpa"][1] <= sdpa_extra + head_groups.SDPA_SLACK_BYTES + (32 << 20)
+    assert results["fastest"][1] > results["sdpa"][1]
+
+
+def test_calibration_times_the_split_and_settles_the_shape(tmp_path):
+    B, H, NQ, NK, D = A14B_480P
+    q, k, v = make(B, H, NQ, NK, D)
+    o = SageAttentionOverride(PatchConfig(cache_dir=str(tmp_path)))
+    o(attention_sdpa, q, k, v, heads=H)
+    info = planning.device_info(DEV, kernels.device_index(DEV), "auto")
+    key = planning.timing_key(info.gpu, CC, KERNEL, "bf16", H, D, NQ, NK)
+    entry = STATE.stores[str(tmp_path)].get(key)
+    assert entry is not None and entry["repeats"] == 1 and entry["sdpa_ms"] > 0
+    groups = head_groups.head_groups(PATH, kernel_bytes.AttnShape(B, H, NQ, NK, D), "sdpa").groups
+    assert entry["groups"] == groups and entry["grouped_ms"] and entry["kernel_ms"]
+    cost = entry["grouped_ms"] / entry["kernel_ms"] - 1
+    plan = o.plan(q, k, v, H)
+    print(f"\nA14B 480p81: ungrouped {entry['kernel_ms']:.2f} ms, {groups} groups {entry['grouped_ms']:.2f} ms "
+          f"({100 * cost:+.1f} %), SDPA {entry['sdpa_ms']:.2f} ms; runs with {plan.groups} group(s)")
+    assert plan.groups == (groups if cost <= 0.02 else 1)
+    n = 2000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        o.plan(q, k, v, H)
+    print(f"decision cost of a settled shape: {(time.perf_counter() - t0) / n * 1e6:.1f} us per call")
+
+
+def test_an_error_is_charged_to_the_kernel_that_raised_and_not_retried(counting, tmp_path, caplog):
+    B, H, NQ, NK, D = A14B_480P
+    q, k, v = make(B, H, NQ, NK, D)
+    counting.error = RuntimeError("injected kernel failure")
+    o = SageAttentionOverride(PatchConfig(kernel=KERNEL, self_test=False, cache_dir=str(tmp_path)))
+    stats.begin_run(o.patch_id)
+    with caplog.at_level(logging.WARNING, logger="wan_sage"):
+        for _ in range(3):
+            out = o(attention_sdpa, q, k, v, heads=H)
+    s = stats.end_run(o.patch_id)
+    assert counting.calls == 1  # raised during calibration; charged; never tried again
+    assert (kernels.device_index(DEV), KERNEL, torch.bfloat16, D) in STATE.failed
+    assert any(r.getMessage().startswith(f"wan-sage: {KERNEL} raised") for r in caplog.records)
+    assert s["sage_calls"] == 0 and s["reasons"] == {"error": 1, "failed": 2} and s["fallbacks"] == {"error": 1}
+    assert STATE.calibration_spent_s > 0
+    assert torch.equal(out, attention_sdpa(q, k, v, H))
+
+
+def test_a_real_out_of_memory_is_remembered_until_free_memory_grows(counting, ballast, tmp_path):
+    B, H, NQ, NK, D = A14B_720P
+    q, k, v = make(B, H, NQ, NK, D)
+    reported = {"free": 1 << 40}  # the memory check is told there is room, so the kernel really runs out
+    o = SageAttentionOverride(PatchConfig(kernel=KERNEL, calibrate=False, memory_mode="fastest", self_test=False,
+                                          cache_dir=str(tmp_path)),
+                              free_memory=lambda dev: reported["free"])
+    need = o.plan(q, k, v, H).need
+    assert ballast(2 * q.numel() * 2 + (512 << 20)) > 0  # room for SDPA's output, not for the kernel's buffers
+    stats.begin_run(o.patch_id)
+    for _ in range(3):
+        assert torch.equal(o(attention_sdpa, q, k, v, heads=H), attention_sdpa(q, k, v, H))
+    s = stats.end_run(o.patch_id)
+    assert counting.calls == 1  # remembered: not retried on every call
+    assert s["fallbacks"] == {"oom": 1} and s["reasons"] == {"oom": 1, "memory": 2}
+    ballast.release()
+    reported["free"] += need // 2  # grown, but by less than the kernel needs
+    o(attention_sdpa, q, k, v, heads=H)
+    assert counting.calls == 1
+    reported["free"] += need  # grown by more than it needs: tried again, and it fits now
+    stats.begin_run(o.patch_id)
+    o(attention_sdpa, q, k, v, heads=H)
+    s = stats.end_run(o.patch_id)
+    assert counting.calls == 2 and s["by_kernel"] == {KERNEL: 1}
+
+
+def test_nan_appearing_later_is_caught_within_one_sampling_interval(counting, tmp_path):
+    B, H, NQ, NK, D = 1, 40, 4096, 4096, 128
+    q, k, v = make(B, H, NQ, NK, D)
+    counting.nan_from = 20
+    o = SageAttentionOverride(PatchConfig(kernel=KERNEL, calibrate=False, self_test=False, cache_dir=str(tmp_path)))
+    stats.begin_run(o.patch_id)
+    bad = 0
+    for _ in range(200):
+        bad += not bool(torch.isfinite(o(attention_sdpa, q, k, v, heads=H)).all())
+    s = stats.end_run(o.patch_id)
+    assert s["fallbacks"] == {"nonfinite": 1}
+    assert 0 < bad <= execution.FINITE_EVERY
+    assert counting.calls < 200
+
+
+def test_the_real_self_test_passes_and_the_kernel_serves(tmp_path):
+    B, H, NQ, NK, D = A14B_480P
+    q, k, v = make(B, H, NQ, NK, D)
+    o = SageAttentionOverride(PatchConfig(calibrate=False, cache_dir=str(tmp_path)))
+    assert o.plan(q, k, v, H).kernel == KERNEL
+    assert dispatch.self_test_failures() == {}
+    assert STATE.self_tests[(kernels.device_index(DEV), KERNEL, torch.bfloat16)] is None
+    got = o(attention_sdpa, q, k, v, heads=H)[:, :512].float()
+    ref = attention_sdpa(q.float(), k.float(), v.float(), H)[:, :512]
+    assert F.cosine_similarity(got.flatten(), ref.flatten(), dim=0).item() > 0.995

@@ -1,0 +1,183 @@
+"""The Sage patch under torch.compile inside a real ComfyUI, on the CPU: run in a fresh process by
+``test_host_compile.py`` (dynamo and ComfyUI's attention choice are process-wide), it prints one
+JSON report.
+
+ComfyUI is booted with ``--use-pytorch-cross-attention`` (on the CPU it would pick sub-quadratic
+attention, which dynamo cannot trace), so Wan's ``optimized_attention`` is SDPA as on CUDA.  The
+pack runs with a stand-in kernel installed under ``sage2_sm90`` through
+``kernels.install_test_kernel`` (SDPA in fp32 behind the real registry runner), CPU tensors made
+eligible, and the device facts, free memory, self-test and timer replaced, so every eligible call
+goes through the custom op onto the "kernel".
+
+    COMFYUI_PATH=... python3 tests/host/compile_check.py
+"""
+import importlib.util
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+
+import comfy_env  # noqa: E402
+
+comfy = comfy_env.boot(cpu=True, attention="pytorch")
+
+import torch  # noqa: E402
+import torch._dynamo  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
+
+spec = importlib.util.spec_from_file_location("wan_sage", ROOT / "__init__.py", submodule_search_locations=[str(ROOT)])
+pack = importlib.util.module_from_spec(spec)
+sys.modules["wan_sage"] = pack
+spec.loader.exec_module(pack)
+
+from wan_sage.attention import execution, kernels, planning, policy, selftest, stats, timing  # noqa: E402
+from wan_sage.attention.dispatch import PatchConfig, SageAttentionOverride  # noqa: E402
+
+from comfy_api.torch_helpers import set_torch_compile_wrapper  # noqa: E402
+
+KERNEL_CALLS = []
+
+
+def stand_in_sm90(q, k, v, tensor_layout="HND", sm_scale=None, **options):
+    """What SageAttention's sm90 entry point computes, in fp32 SDPA, in its NHD/HND layouts."""
+    KERNEL_CALLS.append(tuple(q.shape))
+    if tensor_layout == "NHD":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=sm_scale).to(q.dtype)
+    return out.transpose(1, 2).contiguous() if tensor_layout == "NHD" else out
+
+
+def fake_timer(fn, repeats=1):
+    before = len(KERNEL_CALLS)
+    fn()
+    return 7.0 if len(KERNEL_CALLS) > before else 10.0
+
+
+policy.ACCEL_DEVICE_TYPES = ("cuda", "cpu")
+planning.device_info = lambda device, index, choice: planning.DeviceInfo(90, "FakeGPU", ("sage2_sm90",), None)
+planning.kernel_build = lambda name: "stand-in"
+execution.fits = lambda device, need, free_memory: True
+execution.available_bytes = lambda device, free_memory: 1 << 40
+selftest.self_test = lambda name, device, dtype, cc: None
+timing.time_cuda = fake_timer
+kernels.install_test_kernel("sage2_sm90", stand_in_sm90)
+torch._dynamo.config.cache_size_limit = 64
+
+CACHE = tempfile.mkdtemp(prefix="wan-sage-compile-")
+report = {}
+
+
+def patched(model):
+    m = model.clone()
+    override = SageAttentionOverride(PatchConfig(min_tokens=0, cache_dir=CACHE),
+                                     sdpa=comfy.attention.attention_pytorch.__wrapped__)
+    m.model_options["transformer_options"]["optimized_attention_override"] = override
+    return m, override
+
+
+def breaks() -> dict:
+    return {str(k)[:160]: v for k, v in counters["graph_break"].items()}
+
+
+def check(name, fn):
+    try:
+        report[name] = fn()
+    except Exception as e:  # reported to the test, which names the failing check
+        report[name] = {"error": f"{type(e).__name__}: {e}"[:1500]}
+
+
+# bf16 weights computed in bf16, as on a GPU (on the CPU ComfyUI would cast to fp32, which Sage
+# does not take).
+base = comfy_env.tiny_wan_patcher(num_layers=2, dtype=torch.bfloat16)
+base.model.manual_cast_dtype = None
+report["wan_attention"] = comfy.wan_model.optimized_attention.__name__
+
+
+def block_fullgraph():
+    """A real WanAttentionBlock with the inputs of a real forward, compiled with fullgraph."""
+    m, override = patched(base)
+    block = m.model.diffusion_model.blocks[0]
+    captured = {}
+
+    def grab(module, args, kwargs):
+        captured.setdefault("args", args)
+        captured.setdefault("kwargs", kwargs)
+    handle = block.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        eager_latent = comfy_env.sample_tiny(m, steps=1, cfg=1.0)
+    finally:
+        handle.remove()
+    args, kwargs = captured["args"], captured["kwargs"]
+    out = {"latent_finite": bool(torch.isfinite(eager_latent).all())}
+    with torch.no_grad():
+        expect = block(*args, **kwargs)
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(block)(*args, **kwargs)
+        out["explain_graph_breaks"] = explained.graph_break_count
+        out["explain_graphs"] = explained.graph_count
+        out["explain_reasons"] = [str(r.reason)[:300] for r in explained.break_reasons]
+        out["op_in_graph"] = any("wan_sage.attention" in g.code for g in explained.graphs)
+        for backend in ("eager", "inductor"):
+            torch._dynamo.reset()
+            stats.begin_run(override.patch_id)
+            got = torch.compile(block, fullgraph=True, backend=backend)(*args, **kwargs)
+            s = stats.end_run(override.patch_id)
+            out[backend] = {"sage_calls": s["sage_calls"], "sdpa_calls": s["sdpa_calls"],
+                            "max_abs_diff": float((got.float() - expect.float()).abs().max()),
+                            "equal": bool(torch.equal(got, expect))}
+    return out
+
+
+def optimized_attention_fullgraph():
+    """ComfyUI's optimized_attention (its wrapper and the override) compiled with fullgraph."""
+    m, override = patched(base)
+    options = m.model_options["transformer_options"]
+    attention = comfy.attention.optimized_attention
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 300, 256, generator=g).bfloat16() for _ in range(3))
+    ctx = torch.randn(1, 512, 256, generator=g).bfloat16()
+
+    def call(q, k, v, ctx):
+        a = attention(q, k, v, heads=2, transformer_options=options)
+        return attention(a, ctx, ctx, heads=2, transformer_options=options)
+    with torch.no_grad():
+        expect = call(q, k, v, ctx)
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(call)(q, k, v, ctx)
+        torch._dynamo.reset()
+        stats.begin_run(override.patch_id)
+        got = torch.compile(call, fullgraph=True, backend="eager")(q, k, v, ctx)
+        s = stats.end_run(override.patch_id)
+    return {"explain_graph_breaks": explained.graph_break_count, "explain_graphs": explained.graph_count,
+            "sage_calls": s["sage_calls"], "equal": bool(torch.equal(got, expect))}
+
+
+def torch_compile_model(keys):
+    """ComfyUI's TorchCompileModel path (set_torch_compile_wrapper), sampling the tiny model."""
+    m, override = patched(base)
+    stats.begin_run(override.patch_id)
+    expect = comfy_env.sample_tiny(m, steps=2, cfg=5.0)
+    stats.end_run(override.patch_id)
+    torch._dynamo.reset()
+    counters.clear()
+    set_torch_compile_wrapper(m, backend="eager", fullgraph=True, keys=keys)
+    stats.begin_run(override.patch_id)
+    got = comfy_env.sample_tiny(m, steps=2, cfg=5.0)
+    s = stats.end_run(override.patch_id)
+    graph_breaks = breaks()
+    return {"sage_calls": s["sage_calls"], "sdpa_calls": s["sdpa_calls"], "equal": bool(torch.equal(got, expect)),
+            "graph_breaks": sum(graph_breaks.values()), "graph_break_reasons": graph_breaks,
+            "pack_graph_breaks": sum(v for k, v in graph_breaks.items() if "wan_sage" in k or "attention/" in k)}
+
+
+check("block", block_fullgraph)
+check("optimized_attention", optimized_attention_fullgraph)
+check("compile_model_whole", lambda: torch_compile_model(["diffusion_model"]))
+check("compile_model_per_block", lambda: torch_compile_model(
+    [f"diffusion_model.blocks.{i}" for i in range(len(base.model.diffusion_model.blocks))]))
+print("REPORT " + json.dumps(report), flush=True)

@@ -1,0 +1,133 @@
+"""Failure paths of the dispatch settle (issue 12, Must 6 and 7), on injected fake kernels."""
+import logging
+import threading
+
+import torch
+
+from fakegpu import FakeGPU, qkv
+from wan_sage.attention import kernel_bytes, stats
+from wan_sage.attention.dispatch import PatchConfig, SageAttentionOverride
+from wan_sage.attention.sdpa import attention_sdpa
+
+
+def raw_func(*a, **k):  # stands for ComfyUI's `func`; never called without a previous override
+    raise AssertionError("func must not be called when there is no previous override")
+
+
+def ov(fake, **cfg):
+    cfg.setdefault("cache_dir", fake.cache_dir)
+    return SageAttentionOverride(PatchConfig(**cfg))
+
+
+def margin_need(path, shape):
+    return kernel_bytes.with_margin(kernel_bytes.extra_bytes(path, shape)) + (256 << 20)
+
+
+def test_out_of_memory_during_calibration_is_cached_and_charged_to_the_budget(fake_gpu):
+    fake_gpu.modes["sage2_sm90"] = "oom"
+    q, k, v = qkv()
+    o = ov(fake_gpu)
+    stats.begin_run(o.patch_id)
+    for _ in range(3):
+        assert torch.equal(o(raw_func, q, k, v, heads=4), attention_sdpa(q, k, v, 4))
+    s = stats.end_run(o.patch_id)
+    assert fake_gpu.kernel_calls("sage2_sm90") == 1  # one calibration attempt, not one per call
+    assert fake_gpu.spent_s() > 0
+    assert s["sdpa_calls"] == 3 and s["fallbacks"] == {"oom": 1}
+
+
+def test_an_error_during_calibration_is_charged_to_the_kernel_that_raised(monkeypatch, tmp_path, caplog):
+    fake = FakeGPU(monkeypatch, tmp_path, candidates=("sage2_sm90", "sage1"))
+    fake.modes["sage1"] = "raise"
+    q, k, v = qkv()
+    o = ov(fake)
+    with caplog.at_level(logging.WARNING, logger="wan_sage"):
+        o(raw_func, q, k, v, heads=4)
+        stats.begin_run(o.patch_id)
+        o(raw_func, q, k, v, heads=4)
+        s = stats.end_run(o.patch_id)
+    assert s["by_kernel"] == {"sage2_sm90": 1}  # the healthy kernel keeps serving
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any(m.startswith("wan-sage: sage1 raised") for m in warnings)
+    assert not any(m.startswith("wan-sage: sage2_sm90 raised") for m in warnings)
+    fake.reset_state()
+
+
+def test_calibration_times_only_the_candidates_that_fit_in_free_memory(monkeypatch, tmp_path):
+    fake = FakeGPU(monkeypatch, tmp_path, candidates=("sage2_sm90", "sage1"))
+    q, k, v = qkv()
+    shape = kernel_bytes.AttnShape(1, 4, 2048, 2048, 64)
+    assert margin_need("sage1", shape) > margin_need("sage2_sm90", shape)
+    fake.free = margin_need("sage2_sm90", shape) + 2 * q.numel()  # sm90 with one output kept; sage1 not
+    o = ov(fake)
+    o(raw_func, q, k, v, heads=4)
+    assert fake.kernel_calls("sage1") == 0 and fake.kernel_calls("sage2_sm90") == 2  # warm-up and timing
+    fake.reset_state()
+
+
+def test_a_steady_out_of_memory_is_remembered_until_free_memory_grows_by_the_need(fake_gpu):
+    q, k, v = qkv()
+    need = margin_need("sage2_sm90", kernel_bytes.AttnShape(1, 4, 2048, 2048, 64))
+    o = ov(fake_gpu, calibrate=False)
+    fake_gpu.free = 1 << 34
+    fake_gpu.mode = "oom"
+    stats.begin_run(o.patch_id)
+    for _ in range(4):
+        assert torch.equal(o(raw_func, q, k, v, heads=4), attention_sdpa(q, k, v, 4))
+    assert fake_gpu.kernel_calls() == 1
+    fake_gpu.free += need // 2  # grown, but by less than the kernel needs
+    o(raw_func, q, k, v, heads=4)
+    assert fake_gpu.kernel_calls() == 1
+    fake_gpu.free += need  # grown by more than it needs: tried again
+    fake_gpu.mode = "ok"
+    o(raw_func, q, k, v, heads=4)
+    o(raw_func, q, k, v, heads=4)
+    s = stats.end_run(o.patch_id)
+    assert fake_gpu.kernel_calls() == 3
+    assert s["fallbacks"] == {"oom": 1} and s["by_kernel"] == {"sage2_sm90": 2}
+    assert s["reasons"] == {"oom": 1, "memory": 4}
+
+
+def test_the_self_test_runs_once_and_outside_the_state_lock(fake_gpu):
+    fake_gpu.self_test_delay_s = 0.2
+    q, k, v = qkv()
+    o = ov(fake_gpu, calibrate=False)
+    outs = []
+    threads = [threading.Thread(target=lambda: outs.append(o(raw_func, q, k, v, heads=4))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(outs) == 4
+    assert fake_gpu.self_tests == ["sage2_sm90"] and fake_gpu.lock_held_in_self_test == [False]
+
+
+def test_steady_state_calls_are_not_each_checked_for_nan(fake_gpu):
+    q, k, v = qkv(N=64, H=2)
+    o = ov(fake_gpu, calibrate=False, min_tokens=0)
+    for _ in range(200):
+        o(raw_func, q, k, v, heads=2)
+    assert 1 <= fake_gpu.finite_checks <= 10  # the first calls and a sample, not 200 host syncs
+
+
+def test_a_kernel_that_starts_returning_nan_later_is_caught_and_its_shape_moves_to_sdpa(fake_gpu):
+    fake_gpu.nan_from = 101
+    q, k, v = qkv(N=64, H=2)
+    o = ov(fake_gpu, calibrate=False, min_tokens=0)
+    stats.begin_run(o.patch_id)
+    bad = 0
+    for _ in range(300):
+        bad += not bool(torch.isfinite(o(raw_func, q, k, v, heads=2)).all())
+    s = stats.end_run(o.patch_id)
+    assert s["fallbacks"] == {"nonfinite": 1}
+    assert 0 < bad <= 64  # outputs between two sampled checks
+    assert s["reasons"]["nonfinite"] == 300 - s["sage_calls"]
+    assert fake_gpu.kernel_calls() == s["sage_calls"] + 1
+
+
+def test_check_finite_off_never_checks(fake_gpu):
+    q, k, v = qkv(N=64, H=2)
+    o = ov(fake_gpu, calibrate=False, check_finite=False, min_tokens=0)
+    for _ in range(10):
+        o(raw_func, q, k, v, heads=2)
+    assert fake_gpu.finite_checks == 0

@@ -1,0 +1,157 @@
+"""The kernel timing cache: what its key holds, repeat counts and re-timing, and safe writes."""
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from fakegpu import qkv
+from wan_sage.attention import kernels, planning, registry, timing
+from wan_sage.attention.dispatch import PatchConfig, SageAttentionOverride
+from wan_sage.attention.file_lock import file_lock, lock_path
+from wan_sage.attention.state import STATE
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def raw_func(*a, **k):
+    raise AssertionError("func must not be called when there is no previous override")
+
+
+def test_the_key_holds_the_kernel_build_and_the_software(fake_gpu, monkeypatch):
+    monkeypatch.setattr(planning, "kernel_build", lambda name: "2.2.0+5f0c1e2a9b3d")
+    q, k, v = qkv()
+    SageAttentionOverride(PatchConfig(cache_dir=fake_gpu.cache_dir))(raw_func, q, k, v, heads=4)
+    (key,) = timing.CalibrationStore(fake_gpu.cache_dir).entries()
+    assert "sage2_sm90=2.2.0+5f0c1e2a9b3d" in key
+    assert timing.environment() in key and torch.__version__ in timing.environment()
+    assert "cuda" in timing.environment() and "cudnn" in timing.environment()
+
+
+def test_build_identity_hashes_the_extension_files(tmp_path, monkeypatch):
+    package = tmp_path / "fake_sage_build"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    extension = package / "_qattn_sm90.so"
+    extension.write_bytes(b"build one")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(registry.PACKAGES, "fake_sage_build",
+                        registry.PackageSpec("fake_sage_build", ("fake_sage_build",), ("sage2",)))
+    first = kernels.build_identity("fake_sage_build")
+    with STATE.lock:
+        STATE.build_ids.pop("fake_sage_build", None)
+    extension.write_bytes(b"build two")
+    second = kernels.build_identity("fake_sage_build")
+    assert first.startswith("none+") and second.startswith("none+") and first != second
+    with STATE.lock:
+        STATE.build_ids.pop("fake_sage_build", None)
+
+
+def test_a_bucket_timed_once_is_timed_again_by_the_next_process_then_trusted(fake_gpu):
+    q, k, v = qkv()
+    o = SageAttentionOverride(PatchConfig(cache_dir=fake_gpu.cache_dir))
+    o(raw_func, q, k, v, heads=4)  # this process measures the bucket
+    (entry,) = timing.CalibrationStore(fake_gpu.cache_dir).entries().values()
+    assert entry["repeats"] == 1
+    o(raw_func, q, k, v, heads=4)
+    first = fake_gpu.kernel_calls()
+    assert first == 3  # warm-up, timing, then one plain call: not timed twice in one process
+    fake_gpu.reset_state()  # the next process: the same cache file, nothing learnt in memory
+    o(raw_func, q, k, v, heads=4)
+    assert fake_gpu.kernel_calls() == first + 2
+    (entry,) = timing.CalibrationStore(fake_gpu.cache_dir).entries().values()
+    assert entry["repeats"] == 2
+    fake_gpu.reset_state()  # trusted now: a later process only runs the call
+    o(raw_func, q, k, v, heads=4)
+    assert fake_gpu.kernel_calls() == first + 3
+
+
+def test_what_the_bench_writes_is_what_the_node_reads(fake_gpu):
+    key = planning.timing_key("FakeGPU", 90, "sage2_sm90", "bf16", 4, 64, 2048, 2048)
+    timing.CalibrationStore(fake_gpu.cache_dir).put(key, 7.0, 10.0, 2048, 2048, repeats=5)
+    q, k, v = qkv()
+    SageAttentionOverride(PatchConfig(cache_dir=fake_gpu.cache_dir))(raw_func, q, k, v, heads=4)
+    assert fake_gpu.kernel_calls() == 1  # no calibration: the bench's timing is trusted
+
+
+LOADER = (
+    "import importlib.util, sys\n"
+    "spec = importlib.util.spec_from_file_location('wan_sage', {init!r}, submodule_search_locations=[{root!r}])\n"
+    "mod = importlib.util.module_from_spec(spec); sys.modules['wan_sage'] = mod; spec.loader.exec_module(mod)\n"
+    "from wan_sage.attention import timing\n")
+
+
+def test_processes_writing_at_once_keep_every_measurement(tmp_path):
+    code = LOADER.format(init=str(ROOT / "__init__.py"), root=str(ROOT)) + (
+        "store = timing.CalibrationStore(sys.argv[1])\n"
+        "for i in range(25):\n"
+        "    store.put(f'{sys.argv[2]}-{i}', 1.0 + i, 2.0, 1, 1)\n"
+        "    store.put('shared', 1.0, 2.0, 1, 1)\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), f"p{n}"]) for n in range(4)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0, 0]
+    entries = timing.CalibrationStore(tmp_path).entries()
+    assert len(entries) == 4 * 25 + 1
+    assert entries["shared"]["repeats"] == 100
+    assert not list(tmp_path.glob(".calib-*"))  # no temp file left behind
+
+
+def test_a_corrupt_cache_is_reported_once_and_rebuilt(tmp_path, caplog):
+    (tmp_path / timing.FILE_NAME).write_text("{not json")
+    store = timing.CalibrationStore(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="wan_sage"):
+        store.put("a", 1.0, 2.0, 1, 1)
+        store.put("b", 1.0, 2.0, 1, 1)
+    assert sum("calibration cache" in r.getMessage() for r in caplog.records) == 1
+    assert json.loads((tmp_path / timing.FILE_NAME).read_text())["entries"].keys() == {"a", "b"}
+
+
+def test_an_unwritable_cache_is_reported_once_and_kept_in_memory(tmp_path, caplog):
+    blocker = tmp_path / "not_a_directory"
+    blocker.write_text("")
+    store = timing.CalibrationStore(blocker / "cache")
+    with caplog.at_level(logging.WARNING, logger="wan_sage"):
+        store.put("a", 1.0, 2.0, 1, 1)
+        store.put("a", 0.5, 2.0, 1, 1)
+    assert sum("could not write calibration cache" in r.getMessage() for r in caplog.records) == 1
+    assert store.get("a")["kernel_ms"] == 0.5 and store.get("a")["repeats"] == 2
+
+
+def test_entries_merge_minimum_times_and_add_repeats(tmp_path):
+    store = timing.CalibrationStore(tmp_path)
+    store.put("k", 7.0, 10.0, 5, 5, grouped_ms=7.2, groups=7)
+    store.put("k", 7.4, 9.8, 5, 5, grouped_ms=7.1, groups=7, repeats=3)
+    e = timing.CalibrationStore(tmp_path).get("k")
+    assert (e["kernel_ms"], e["sdpa_ms"], e["grouped_ms"], e["groups"], e["repeats"]) == (7.0, 9.8, 7.1, 7, 4)
+    assert timing.trusted(e)
+
+
+def test_the_portable_lock_file_excludes_and_is_taken_over_when_stale(tmp_path):
+    path = tmp_path / "cache.json"
+    with file_lock(path, portable=True) as held:
+        assert held
+        with file_lock(path, timeout=0.05, portable=True) as second:
+            assert not second
+    assert not lock_path(path).exists()
+    lock_path(path).write_text("")  # left by a process that died holding it
+    old = time.time() - 120
+    os.utime(lock_path(path), (old, old))
+    with file_lock(path, stale_s=60, portable=True) as held:
+        assert held
+
+
+def test_the_os_lock_excludes_another_process(tmp_path):
+    path = tmp_path / "cache.json"
+    code = LOADER.format(init=str(ROOT / "__init__.py"), root=str(ROOT)) + (
+        "from wan_sage.attention.file_lock import file_lock\n"
+        "with file_lock(__import__('pathlib').Path(sys.argv[1]), timeout=0.05) as held:\n"
+        "    print(held)\n")
+    with file_lock(path) as held:
+        assert held
+        p = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60,
+                           check=False)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == "False"
