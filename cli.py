@@ -51,6 +51,12 @@ def _plan_parser(sub):
     p.add_argument("--vram", default=None, help="GiB the model may use (default: this GPU's total)")
     p.add_argument("--weights", default=None, help="weight type of a preset (default bf16): " + ", ".join(WEIGHT_BYTES))
     p.add_argument("--lora", action="store_true", help="a LoRA applied at forward time (GGUF or offloaded layers)")
+    p.add_argument("--compiled", action="store_true",
+                   help="the model runs under torch.compile (e.g. ComfyUI's TorchCompileModel): fused RoPE and FFN "
+                        "lower the peak")
+    p.add_argument("--sage-grouped", action="store_true",
+                   help="the Sage patch splits self-attention into head groups (its memory mode, where the split "
+                        "costs <= 2 %%); without it the estimate assumes the ungrouped call, which needs more")
     p.add_argument("--margin", default="0", help="GiB added to the reservation")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -148,7 +154,8 @@ def cmd_plan(a) -> int:
     est = estimate(EstimateRequest(
         dims=dims, **size, cfg=cfg, dtype=weights.compute, attention=a.attention, cc=cc, vram_bytes=vram,
         weights_bytes=weights.nbytes, weights=weights.setup, margin_bytes=int(margin_gib * GiB),
-        img_tokens=257 if dims.has_img_emb else 0, per_frame_timesteps=False))
+        img_tokens=257 if dims.has_img_emb else 0, per_frame_timesteps=False, compiled=a.compiled,
+        sage_grouped=a.sage_grouped))
     if a.json:
         d = est.as_dict()
         d["notes"] = list(est.notes) + notes
@@ -178,7 +185,9 @@ def _attention_text(est) -> str:
         return "SDPA"
     if r["kernel"] is None:
         return f"{r['attention']} on sm{r['cc']}: SDPA"
-    return f"{r['attention']} on sm{r['cc']}: {r['kernel']} for self-attention, SDPA for cross-attention"
+    groups = r.get("sage_head_groups", 1)
+    split = f" in {groups} head groups" if groups > 1 else ""
+    return f"{r['attention']} on sm{r['cc']}: {r['kernel']}{split} for self-attention, SDPA for cross-attention"
 
 
 def _print_table(a, est, info, weights, gpu, notes) -> None:
@@ -186,7 +195,8 @@ def _print_table(a, est, info, weights, gpu, notes) -> None:
     print(f"wan-sage plan: {r['model']}, {r['width']}x{r['height']}x{r['frames']}, batch {r['batch']}, cfg {r['cfg']:g}")
     if info is not None:
         print(f"  model file: {a.model}: {_described(info)}")
-    print(f"  compute: {weights.compute}; weights held as {weights.held}; attention: {_attention_text(est)}")
+    print(f"  compute: {weights.compute}; weights held as {weights.held}; attention: {_attention_text(est)}"
+          + ("; blocks compiled (torch.compile)" if r.get("compiled") else ""))
     res, par = est.resident, est.partial
     rows = [
         ("latent [B,C,T,H,W]", str(list(est.latent)), ""),

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-__all__ = ["WanDims", "PRESETS", "Workload", "latent_shape", "latent_elems", "tokens", "phase_peaks", "forward_peak",
+__all__ = ["WanDims", "PRESETS", "COMPILED", "Workload", "latent_shape", "latent_elems", "tokens", "phase_peaks", "forward_peak",
            "largest_block", "weight_transient", "WeightSetup", "DTYPE_BYTES"]
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -117,11 +117,32 @@ class Workload:
     per_frame_timesteps: int = 0  # latent frames when TI2V's per-frame timestep is active
     vace_streams: int = 0
     latent_elems_per_row: int = 0  # C*T*H*W of the (padded) latent, for the fp32 embed copy
+    compiled: bool = False  # the blocks run under torch.compile (inductor): see COMPILED
+    self_attn_groups: int = 1  # head groups the self-attention kernel call runs in (attention.head_groups)
 
 
-def _attn_extra(path: str, rows: int, heads: int, nq: int, nk: int, hd: int, e: int) -> int:
+# The blocks under torch.compile (inductor), per block as ComfyUI's set_torch_compile_wrapper
+# compiles them.  Measured on the H200 with ComfyUI 0.3.64's WanModel (bench/wan_forward_calibration.py
+# --compile, bench/compile_table.py; docs/memory-calibration.md):
+# * RoPE fuses into one pass in the compute dtype: no fp32 temporaries, so its phase is at most the
+#   attention call's inputs (5 e d T).  Structural, from the fused kernels; no constant.
+# * "ffn_f_buffers": the FFN holds ONE ffn_dim-wide buffer (inductor writes the GELU in place of the
+#   first Linear's output) instead of eager's two.  Set from the compiled fit rows
+#   (memory/calibration/h200_forward_compiled.jsonl: TI2V-5B and 1.3B, where the FFN decides the peak),
+#   checked on the held-out compiled rows (h200_forward_compiled_heldout.jsonl).
+# * "op_d_buffers": around the patch's opaque attention op inductor has freed the block's normed
+#   input, leaving the residual and q, k, v (4 e d T) where eager keeps 5.  Set from the compile
+#   table's Sage rows (docs/measurements/2026-12-01-compile-table*-h200.jsonl: A14B 1280x720x81,
+#   grouped and ungrouped); not yet checked on rows it was not set from.
+# SDPA inside the compiled graph keeps eager's 5 e d T (the compiled SDPA rows).
+COMPILED = {"ffn_f_buffers": 1, "op_d_buffers": 4}
+
+
+def _attn_extra(path: str, rows: int, heads: int, nq: int, nk: int, hd: int, e: int, groups: int = 1) -> int:
+    from ..attention.head_groups import split_bytes
     from ..attention.kernel_bytes import AttnShape, extra_bytes
-    return extra_bytes(path, AttnShape(rows, heads, nq, nk, hd, e, None, True))
+    shape = AttnShape(rows, heads, nq, nk, hd, e, None, True)
+    return split_bytes(path, shape, groups) if groups > 1 else extra_bytes(path, shape)
 
 
 def phase_peaks(dims: WanDims, w: Workload) -> dict:
@@ -130,14 +151,20 @@ def phase_peaks(dims: WanDims, w: Workload) -> dict:
     d, f, T = dims.dim, dims.ffn_dim, w.rows * w.L
     hd, H = dims.head_dim, dims.num_heads
     img = 1 if w.img_tokens else 0
+    self_extra = _attn_extra(w.self_attn, w.rows, H, w.L, w.L, hd, e, w.self_attn_groups)
     phases = {
         "embed": (4 + e) * d * T + 4 * w.rows * w.latent_elems_per_row,
         "modulation": (6 if w.per_frame_timesteps else 3) * e * d * T,
         "rope": 5 * e * d * T + 8 * d * T,
-        "attn": 5 * e * d * T + _attn_extra(w.self_attn, w.rows, H, w.L, w.L, hd, e),
+        "attn": 5 * e * d * T + self_extra,
         "cross": (5 + img) * e * d * T + _attn_extra(w.cross_attn, w.rows, H, w.L, w.text_tokens, hd, e),
         "ffn": 3 * e * d * T + 2 * e * f * T,
     }
+    if w.compiled:
+        phases["rope"] = 5 * e * d * T
+        phases["ffn"] = 3 * e * d * T + COMPILED["ffn_f_buffers"] * e * f * T
+        if w.self_attn != "sdpa":
+            phases["attn"] = COMPILED["op_d_buffers"] * e * d * T + self_extra
     return phases
 
 

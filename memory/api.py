@@ -257,7 +257,8 @@ def estimate_from_json(p, resolve_model_file=None, default_vram_bytes=None, defa
     Fields: ``preset`` | ``model_file`` | ``model`` (dims), ``width``, ``height``, ``frames``,
     ``batch``, ``cfg``, ``dtype`` (``auto``: as ComfyUI picks for the weights), ``attention``,
     ``arch``, ``vram_gib``, ``weights``, ``lora`` (a boolean), ``margin_gib``, ``policy``,
-    ``fixed_gib``.  ``resolve_model_file(name)`` returns a path or None (the server passes
+    ``fixed_gib``, ``compiled`` (a boolean: the blocks run under torch.compile) and ``sage_grouped``
+    (a boolean: the Sage patch's memory mode splits self-attention into head groups).  ``resolve_model_file(name)`` returns a path or None (the server passes
     ComfyUI's folder lookup); a file found there is read from its header, and a name that cannot be
     read falls back to a guess from the name, marked ``detected.guessed``.
     """
@@ -280,6 +281,8 @@ def estimate_from_json(p, resolve_model_file=None, default_vram_bytes=None, defa
     fixed = _number(p, "fixed_gib", 10.0, 0.0, MARGIN_GIB_MAX, unit=" (GiB)")
     policy = _choice(p, "policy", POLICIES, POLICIES[0])
     lora = _flag(p, "lora")
+    compiled = _flag(p, "compiled")
+    sage_grouped = _flag(p, "sage_grouped")
     compute = None if dtype == "auto" else dtype
     weights = {"lora": lora, "compute": compute, "cc": cc, "vram_bytes": vram_bytes}
     dims, plan, source, detected, model_notes = _model(p, resolve_model_file, weights)
@@ -291,7 +294,7 @@ def estimate_from_json(p, resolve_model_file=None, default_vram_bytes=None, defa
     req = EstimateRequest(dims=dims, width=width, height=height, frames=frames, batch=batch, cfg=cfg,
                           dtype=plan.compute, attention=attention, cc=cc, vram_bytes=vram_bytes,
                           weights_bytes=plan.nbytes, weights=plan.setup, img_tokens=257 if dims.has_img_emb else 0,
-                          margin_bytes=int(margin * GiB))
+                          margin_bytes=int(margin * GiB), compiled=compiled, sage_grouped=sage_grouped)
     try:
         est = estimate(req)
     except ValueError as e:  # every field was checked above; this names what the estimate refused

@@ -137,6 +137,33 @@ def is_dynamic(model) -> bool:
         return False
 
 
+COMPILE_WRAPPER_KEY = "torch.compile"  # comfy_api.torch_helpers' APPLY_MODEL wrapper key
+COMPILE_KWARGS_KEY = "torch_compile_kwargs"  # where set_torch_compile_wrapper keeps its arguments
+
+
+def _compiled_module(obj) -> bool:
+    return type(obj).__name__ == "OptimizedModule" and hasattr(obj, "_orig_mod")
+
+
+def compiled_by(model, model_options=None) -> str | None:
+    """How this model's blocks are compiled, or None when they run eagerly: ComfyUI's
+    ``TorchCompileModel`` (``set_torch_compile_wrapper``: its kwargs in ``model_options`` and its
+    ``APPLY_MODEL`` wrapper), or compiled block modules put in place by an object patch or by hand."""
+    options = model_options if model_options is not None else getattr(model, "model_options", {}) or {}
+    if options.get(COMPILE_KWARGS_KEY):
+        return "torch.compile (ComfyUI's compile wrapper)"
+    wrappers = getattr(model, "wrappers", None) or {}
+    if any(COMPILE_WRAPPER_KEY in (keys or {}) for keys in wrappers.values()):
+        return "torch.compile (ComfyUI's compile wrapper)"
+    patches = getattr(model, "object_patches", None) or {}
+    if any(k.startswith("diffusion_model") and _compiled_module(v) for k, v in patches.items()):
+        return "torch.compile (compiled blocks patched in)"
+    dm = diffusion_model(model)
+    if _compiled_module(dm) or any(_compiled_module(b) for b in getattr(dm, "blocks", ()) or ()):
+        return "torch.compile (compiled blocks)"
+    return None
+
+
 def aimdo_enabled() -> bool:
     try:
         import comfy.memory_management as mem

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from ..attention import kernels, registry
 from ..memory import activation_model
 from ..memory.api import POLICIES  # one list for the node, the route and the panel
-from ..memory.estimate import DEFAULT_CC, GiB, activation_bytes, verdict_for
+from ..memory.estimate import DEFAULT_CC, GiB, activation_bytes, sage_groups, verdict_for
 from . import comfy_bridge
 from .log_once import reason, warn_once
 from .sage_patch import find_override
@@ -76,29 +76,57 @@ def attention_for(model_options, settings: Settings, dev) -> tuple:
     return registry.memory_path(name, cc), "sdpa", name
 
 
-def _workload(dims: activation_model.WanDims, shape, dtype: str, self_p: str, cross_p: str) -> activation_model.Workload:
+@dataclass(frozen=True)
+class RunMode:
+    """How the forward runs, beyond the attention paths: compiled blocks, and whether the Sage patch
+    runs self-attention in its memory mode's head groups."""
+
+    compiled: bool = False
+    sage_grouped: bool = False
+
+
+def _workload(dims: activation_model.WanDims, shape, dtype: str, self_p: str, cross_p: str,
+              mode: RunMode = RunMode()) -> activation_model.Workload:
     rows, T, H, W = int(shape[0]), int(shape[2]), int(shape[3]), int(shape[4])
     L = activation_model.tokens(dims, T, H, W)
     return activation_model.Workload(L=L, rows=rows, dtype=dtype, self_attn=self_p, cross_attn=cross_p,
                       img_tokens=257 if dims.has_img_emb else 0,
                       per_frame_timesteps=T if dims.latent_channels == 48 else 0,
-                      latent_elems_per_row=activation_model.latent_elems(shape))
+                      latent_elems_per_row=activation_model.latent_elems(shape), compiled=mode.compiled,
+                      self_attn_groups=sage_groups(dims, self_p, rows, L, dtype) if mode.sage_grouped else 1)
+
+
+def run_mode(model, model_options, dims: activation_model.WanDims, shape) -> RunMode:
+    """The model's compile state, and whether the patch on it runs this shape's self-attention grouped.
+
+    Grouping is counted only where the dispatcher has settled this call shape grouped in this
+    process (its memory mode runs the split where calibration measured it at most 2 % slower); until
+    then the ungrouped call, which needs more, is reserved for."""
+    compiled = comfy_bridge.compiled_by(model, model_options) is not None
+    ov = find_override((model_options or {}).get("transformer_options", {}))
+    if ov is None or getattr(ov.config, "memory_mode", "fastest") == "fastest":
+        return RunMode(compiled, False)
+    from ..attention.override import settled_shapes
+    L = activation_model.tokens(dims, int(shape[2]), int(shape[3]), int(shape[4]))
+    grouped = any(s["kernel"] and s["groups"] > 1 and s["Nq"] == s["Nk"] == L and s["H"] == dims.num_heads
+                  and s["D"] == dims.head_dim for s in settled_shapes())
+    return RunMode(compiled, grouped)
 
 
 class MemoryRequired:
     """Stand-in for ``BaseModel.memory_required(input_shape, cond_shapes={}, **kw)``.  Immutable."""
 
-    __slots__ = ("dims", "dtype", "self_p", "cross_p", "ws", "partial", "settings", "orig")
+    __slots__ = ("dims", "dtype", "self_p", "cross_p", "ws", "partial", "settings", "orig", "mode")
 
-    def __init__(self, dims, dtype, self_p, cross_p, ws, partial, settings, orig):
-        for k, v in zip(self.__slots__, (dims, dtype, self_p, cross_p, ws, partial, settings, orig)):
+    def __init__(self, dims, dtype, self_p, cross_p, ws, partial, settings, orig, mode: RunMode = RunMode()):
+        for k, v in zip(self.__slots__, (dims, dtype, self_p, cross_p, ws, partial, settings, orig, mode)):
             object.__setattr__(self, k, v)
 
     def __deepcopy__(self, memo):
         return self
 
     def terms(self, input_shape) -> dict:
-        w = _workload(self.dims, input_shape, self.dtype, self.self_p, self.cross_p)
+        w = _workload(self.dims, input_shape, self.dtype, self.self_p, self.cross_p, self.mode)
         return activation_bytes(self.dims, w, self.ws, self.partial)
 
     def __call__(self, input_shape, cond_shapes={}, **kwargs):
@@ -150,12 +178,15 @@ def plan_reservation(model, noise_shape, model_options, settings: Settings):
     weights = int(model.model_size())
     cap = comfy_bridge.capacity(model)
     reserved = comfy_bridge.extra_reserved()
-    res_fn = MemoryRequired(dims, dtype, self_p, cross_p, comfy_bridge.weight_setup(model, False), False, settings, _orig(model.model))
+    mode = run_mode(model, model_options, dims, noise_shape)
+    res_fn = MemoryRequired(dims, dtype, self_p, cross_p, comfy_bridge.weight_setup(model, False), False, settings,
+                            _orig(model.model), mode)
     need_res = res_fn(list(noise_shape))
     partial = weights + need_res + reserved > cap
     fn = res_fn if not partial else MemoryRequired(dims, dtype, self_p, cross_p, comfy_bridge.weight_setup(model, True), True,
-                                                    settings, _orig(model.model))
-    facts = {"dims": dims, "dtype": dtype, "attention": attn, "weights": weights, "capacity": cap,
+                                                    settings, _orig(model.model), mode)
+    facts = {"dims": dims, "dtype": dtype, "attention": attn, "weights": weights, "capacity": cap, "mode": mode,
+             "compiled_by": comfy_bridge.compiled_by(model, model_options), "dynamic": comfy_bridge.is_dynamic(model),
              "reserved": reserved, "partial": partial, "reservation": fn(list(noise_shape)), "resident_need": need_res,
              "terms": fn.terms(list(noise_shape)), "tokens": _workload(dims, noise_shape, dtype, "sdpa", "sdpa").L,
              "comfy": int(_orig(model.model)(list(noise_shape)))}
@@ -167,15 +198,23 @@ def report_from_facts(f: dict, shape) -> str:
     verdict, _ = verdict_for(f["weights"], f["resident_need"], f["reservation"], f["capacity"] - f["reserved"])
     d = f["dims"]
     cross = "; cross-attention on SDPA" if f["attention"] in registry.KERNELS else ""
-    return (f"Wan dim {d.dim} x {d.num_layers} layers ({d.model_type}), latent {list(shape)}, {f['dtype']} compute\n"
+    mode = f.get("mode") or RunMode()
+    groups = "; self-attention in head groups (memory mode)" if mode.sage_grouped else ""
+    compiled = f"; blocks compiled: {f['compiled_by']}" if f.get("compiled_by") else ""
+    return (f"Wan dim {d.dim} x {d.num_layers} layers ({d.model_type}), latent {list(shape)}, {f['dtype']} compute{compiled}\n"
             f"tokens: {f['tokens']:,} per row, {int(shape[0])} row(s) per forward\n"
             f"activation peak: {(t['phase_peak'] + t['persistent']) / GiB:.2f} GiB ({t['dominant_phase']}); "
-            f"Sage extra: {t['sage_extra'] / GiB:+.2f} GiB ({f['attention']}{cross})\n"
+            f"Sage extra: {t['sage_extra'] / GiB:+.2f} GiB ({f['attention']}{cross}{groups})\n"
             f"reservation: {f['reservation'] / GiB:.2f} GiB (weights {'partly offloaded' if f['partial'] else 'resident'}"
             f"{'; ' + ('streaming + ' if f['partial'] else '') + 'fragmentation ' + format(t['fragmentation'] / GiB, '.2f') + ' GiB' if t['fragmentation'] else ''}); "
             f"ComfyUI's own estimate: {f['comfy'] / GiB:.2f} GiB\n"
             f"weights: {f['weights'] / GiB:.2f} GiB; VRAM for this model (free + evictable): {f['capacity'] / GiB:.2f} GiB\n"
-            f"verdict: {verdict}")
+            f"verdict: {verdict}" + (DYNAMIC_NOTE if f.get("dynamic") else ""))
+
+
+DYNAMIC_NOTE = ("\nmemory path: dynamic VRAM. ComfyUI keeps or evicts this model's weights on demand, so the reservation "
+                "does not change which weights stay on the GPU; the estimate above is information, and it decides "
+                "whether cond and uncond run batched")
 
 
 def _later_patch_note(model, shape, model_options, settings: Settings, facts: dict) -> str:
@@ -276,8 +315,6 @@ def apply_estimator(model, settings: Settings, shape, model_options=None):
     text = report_from_facts(facts, shape)
     if settings.count_sage == "auto-detect" and facts["attention"] == "sdpa":
         text += "\n" + _later_patch_note(m, shape, mo, settings, facts)
-    if comfy_bridge.is_dynamic(m):
-        text += "\nmemory path: dynamic VRAM (residency managed by ComfyUI; estimate used for cond batching)"
     nums = {"tokens": facts["tokens"], "activation_gb": (facts["terms"]["phase_peak"] + facts["terms"]["persistent"]) / GiB,
             "sage_extra_gb": facts["terms"]["sage_extra"] / GiB, "reservation_gb": facts["reservation"] / GiB}
     return m, nums, text
