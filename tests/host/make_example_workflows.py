@@ -468,9 +468,9 @@ def i2v_21(info, ids) -> dict:
 # The file names are the templates' titles: ComfyUI's GET /workflow_templates lists only the file
 # names of example_workflows/, and the Templates dialog (frontend 1.27 and 1.58) shows a custom
 # pack's template under its file name, and that name again as its description.
-A14B_720P = "Wan 2.2 A14B text to video 720p (GGUF, 4 steps)"
-A14B_480P = "Wan 2.2 A14B text to video 480p (GGUF, 4 steps)"
-TI2V_5B = "Wan 2.2 TI2V 5B text to video 704p"
+A14B_720P = "Wan 2.2 A14B text to video 720p"
+A14B_480P = "Wan 2.2 A14B text to video 480p"
+TI2V_5B = "Wan 2.2 5B text to video 704p"
 I2V_21 = "Wan 2.1 image to video 480p"
 
 
