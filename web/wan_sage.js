@@ -430,7 +430,7 @@ class SagePanel extends Panel {
   }
 
   lineCount() {
-    let n = 1; // the status line
+    let n = this.status.hidden ? 0 : 1;
     if (!this.sage.hidden) n += this.sage.style.whiteSpace === "normal" ? 2 : 1;
     if (!this.hint.hidden) n += 2;
     if (!this.table.hidden) n += this.tableRows;
@@ -456,12 +456,16 @@ class SagePanel extends Panel {
     this.hint.title = v.detail;
     if (v.link) this.link.setAttribute("href", v.link);
     show(this.hint, warn);
+    // Without a usable kernel no call counts will come: the placeholder would promise them.
+    if (this.status.textContent === STATS_PLACEHOLDER) show(this.status, !warn);
   }
 
   onExecuted(text) {
     if (text === null) return;
     this.status.textContent = text;
     this.status.title = text;
+    show(this.status, true);
+    this.fit();
   }
 
   onStats(detail) {

@@ -145,6 +145,7 @@ describe("web/wan_sage.js in a fake frontend", () => {
     for (const f of ["assumption", "model", "source", "report", "error"]) assert.equal(field(estRoot, f).hidden, true, f);
     assert.equal(field(estRoot, "tokens").parentNode.parentNode.hidden, true, "no table of dashes");
     assert.match(field(sageRoot, "status").textContent, /appear here after a sampling run/);
+    assert.equal(field(sageRoot, "status").hidden, true, "no call counts will come without SageAttention");
   });
 
   it("says SageAttention is not installed before any run, with the install hint and the README link", () => {
@@ -294,6 +295,7 @@ describe("web/wan_sage.js in a fake frontend", () => {
     assert.ok(est.size[1] > before, "the node grew by the new line");
     api.emit("executed", { node: "4", output: { text: ["patched (id ab12); kernel: auto"] } });
     assert.equal(field(sageRoot, "status").textContent, "patched (id ab12); kernel: auto");
+    assert.equal(field(sageRoot, "status").hidden, false);
   });
 
   it("fills the Sage panel from wan_sage.stats for its node id, and the node fits its content", () => {
