@@ -2,8 +2,11 @@
 in-process from COMFYUI_PATH (no server), as ComfyUI's ``main.py`` would for the GPU."""
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import importlib.util
 import os
+import pkgutil
 import sys
 from pathlib import Path
 
@@ -37,7 +40,11 @@ def alloc_retries(torch):
         return None
 
 
-def boot_comfy(cpu: bool = False):
+def boot_comfy(cpu: bool = False, pytorch_attention: bool = False):
+    """``pytorch_attention``: ComfyUI's ``--use-pytorch-cross-attention``, set before
+    ``comfy.ldm.modules.attention`` picks ``optimized_attention`` at import.  On the CPU ComfyUI
+    otherwise picks sub-quadratic attention, which dynamo cannot trace; on CUDA it picks PyTorch's
+    attention by itself."""
     path = os.environ.get("COMFYUI_PATH")
     if not path:
         raise SystemExit("set COMFYUI_PATH to a ComfyUI checkout")
@@ -47,6 +54,10 @@ def boot_comfy(cpu: bool = False):
     comfy.options.enable_args_parsing(False)
     import comfy.cli_args
     comfy.cli_args.args.cpu = cpu
+    if pytorch_attention:
+        if "comfy.ldm.modules.attention" in sys.modules:
+            raise RuntimeError("comfy.ldm.modules.attention was imported before boot_comfy(pytorch_attention=True)")
+        comfy.cli_args.args.use_pytorch_cross_attention = True
     import comfy.model_management  # noqa: F401  (reads args)
     import comfy.sample  # noqa: F401
     import comfy.samplers  # noqa: F401
@@ -58,7 +69,22 @@ WAN_CONFIGS = {
     "a14b": dict(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40, in_dim=16, out_dim=16),
     "ti2v5b": dict(dim=3072, ffn_dim=14336, num_heads=24, num_layers=30, in_dim=48, out_dim=48),
     "1.3b": dict(dim=1536, ffn_dim=8960, num_heads=12, num_layers=30, in_dim=16, out_dim=16),
+    # for CPU smoke runs of the harness only: the Wan 2.1 T2V layout at head dim 128, two blocks
+    "tiny": dict(dim=256, ffn_dim=256, num_heads=2, num_layers=2, in_dim=16, out_dim=16),
 }
+# The wan-sage memory preset of each model above (``tiny`` has none: see :func:`wan_dims`).
+PRESET = {"a14b": "wan2.2-a14b", "1.3b": "wan2.1-1.3b", "ti2v5b": "wan2.2-ti2v-5b"}
+
+
+def wan_dims(name: str):
+    """The memory model's ``WanDims`` of a model of :data:`WAN_CONFIGS`: its preset, or for ``tiny``
+    one made from the config (the TI2V-5B latent layout follows ``in_dim`` 48)."""
+    from wan_sage.memory import activation_model
+    if name in PRESET:
+        return activation_model.PRESETS[PRESET[name]]
+    c = WAN_CONFIGS[name]
+    return activation_model.WanDims(name, c["dim"], c["ffn_dim"], c["num_heads"], c["num_layers"],
+                                    in_dim=c["in_dim"], out_dim=c["out_dim"])
 
 
 def unet_config(name: str) -> dict:
@@ -105,6 +131,65 @@ def build_wan(name: str, dtype, device):
     init_random_(model.diffusion_model)
     patcher = comfy.model_patcher.ModelPatcher(model, load_device=device, offload_device=torch.device("cpu"))
     return patcher
+
+
+# --------------------------------------------------------------------------- the Sage patch's config
+
+# The patch's memory modes (dispatch v2, issue 12): "sdpa" splits Sage calls into head groups so that
+# Sage needs no more memory than SDPA ("grouped"); "fastest" runs them whole unless VRAM is short
+# ("ungrouped").  Today's dispatch has no such field and behaves as "fastest".
+MEMORY_MODES = {"grouped": "sdpa", "ungrouped": "fastest"}
+
+
+def patch_classes():
+    """(PatchConfig, SageAttentionOverride) of the loaded pack: from ``attention.dispatch``, else from
+    whichever module of ``attention`` defines both (the dispatch is being split up)."""
+    load_pack()
+    package = importlib.import_module("wan_sage.attention")
+    names = ["dispatch"] + sorted(m.name for m in pkgutil.iter_modules(package.__path__) if m.name != "dispatch")
+    for name in names:
+        try:
+            mod = importlib.import_module(f"wan_sage.attention.{name}")
+        except ImportError:
+            continue
+        if hasattr(mod, "PatchConfig") and hasattr(mod, "SageAttentionOverride"):
+            return mod.PatchConfig, mod.SageAttentionOverride
+    raise SystemExit("wan_sage.attention defines no PatchConfig / SageAttentionOverride")
+
+
+def has_memory_mode() -> bool:
+    """Whether the installed dispatch's PatchConfig has the ``memory_mode`` field."""
+    config_class, _ = patch_classes()
+    return "memory_mode" in {f.name for f in dataclasses.fields(config_class)}
+
+
+def check_memory_modes(modes) -> None:
+    """Stop before any work when a requested mode needs the ``memory_mode`` field and the installed
+    dispatch lacks it.  "fastest" is today's behaviour, so it runs without the field."""
+    missing = sorted({m for m in modes if m not in (None, "fastest")})
+    if missing and not has_memory_mode():
+        raise SystemExit(f"memory mode {', '.join(missing)} asked for, but this checkout's PatchConfig has no "
+                         "memory_mode field (dispatch v2 adds it). Without it only SDPA and the ungrouped Sage "
+                         "patch (mode 'fastest', today's behaviour) can run.")
+
+
+def patch_config(memory_mode: str | None = None, **kwargs):
+    """A PatchConfig with ``memory_mode`` passed straight through; None leaves PatchConfig's default.
+    "fastest" on a dispatch without the field is today's behaviour, so the field is left out there."""
+    config_class, _ = patch_classes()
+    if memory_mode is not None:
+        check_memory_modes([memory_mode])
+        if has_memory_mode():
+            kwargs["memory_mode"] = memory_mode
+    return config_class(**kwargs)
+
+
+def sage_override(memory_mode: str | None = None, **kwargs):
+    """The Sage patch's override as the node installs it, around ComfyUI's own PyTorch attention."""
+    from comfy.ldm.modules import attention as comfy_attention
+    _, override_class = patch_classes()
+    sdpa = getattr(comfy_attention.attention_pytorch, "__wrapped__", comfy_attention.attention_pytorch)
+    return override_class(patch_config(memory_mode, **kwargs), sdpa=sdpa)
 
 
 def wan_state_dict(name: str, dtype, device="cuda", seed=0):

@@ -62,9 +62,22 @@ that ``comfy.model_management.get_free_memory()`` reads GB GiB (checked, correct
   cannot be reproduced on Linux: where this harness reports out of memory, a Windows card with
   the fallback on would run slowly instead.
 
-Run specs: ``{est|comfy}+{sdpa|sage}@{GB|full}:{WxHxF|720p81|480p81}``, e.g.
+Run specs: ``{est|comfy}+{sdpa|sage}[+compile]@{GB|full}:{WxHxF|720p81|480p81}``, e.g.
 ``est+sage@24:720p81``.  ``--matrix`` runs the issue's 16 combinations for ``--weights`` in
 priority order (24 GB 720p81 first); ``--deadline-s`` stops starting runs after that many seconds.
+
+``+compile`` adds ComfyUI's own ``TorchCompileModel`` node (``comfy_extras/nodes_torch_compile.py``)
+to each expert after the Sage patch, so the compiled model carries the override.  In ComfyUI 0.3.64
+that node clones the model and calls ``set_torch_compile_wrapper(model, backend)`` with its default
+keys, ``["diffusion_model"]``: the whole diffusion model is one ``torch.compile`` (fullgraph False,
+dynamic None, mode None; backend ``inductor`` or ``cudagraphs``, ``--compile-backend``), swapped in by
+an APPLY_MODEL wrapper for each call.  The compile happens in each expert's first step, so that step
+carries it (``plot_e2e.py`` leaves each expert's first step out of its "after the first step"
+column for these runs).  Each compiled run starts from ``torch._dynamo.reset()``, as a fresh
+ComfyUI process would; its record has ``config.compile`` and, under ``compile``, what dynamo did
+(graph breaks and their reasons, graphs, recompiles, compile seconds).  ``--sage-memory-mode``
+passes the Sage patch's memory mode (``sdpa``: head groups at SDPA's memory, ``fastest``) to the
+node's wiring; the run's label then ends in ``/memory-MODE``.
 """
 from __future__ import annotations
 
@@ -99,27 +112,30 @@ class RunSpec:
     attention: str            # sdpa | sage
     budget_gib: float | None  # None: the whole card
     res: tuple
+    compile: bool = False     # ComfyUI's TorchCompileModel node after the Sage patch
 
     @classmethod
     def parse(cls, s: str) -> "RunSpec":
         try:
             head, _, res = s.partition(":")
             kind, _, budget = head.partition("@")
-            est, _, att = kind.partition("+")
-            if est not in ("est", "comfy") or att not in ("sdpa", "sage"):
+            est, att, *extra = kind.split("+")
+            if est not in ("est", "comfy") or att not in ("sdpa", "sage") or extra not in ([], ["compile"]):
                 raise ValueError
             b = None if budget in ("", "full") else float(budget)
             r = RES.get(res) or tuple(int(x) for x in res.split("x"))
             if len(r) != 3:
                 raise ValueError
-            return cls(est == "est", att, b, r)
+            return cls(est == "est", att, b, r, extra == ["compile"])
         except ValueError:
-            raise SystemExit(f"bad run spec {s!r}: expected {{est|comfy}}+{{sdpa|sage}}@{{GB|full}}:{{WxHxF|720p81|480p81}}")
+            raise SystemExit(f"bad run spec {s!r}: expected "
+                             "{est|comfy}+{sdpa|sage}[+compile]@{GB|full}:{WxHxF|720p81|480p81}")
 
     @property
     def label(self) -> str:
         b = "full" if self.budget_gib is None else f"{self.budget_gib:g}"
-        return f"{'est' if self.estimator else 'comfy'}+{self.attention}@{b}:{'x'.join(map(str, self.res))}"
+        return (f"{'est' if self.estimator else 'comfy'}+{self.attention}{'+compile' if self.compile else ''}"
+                f"@{b}:{'x'.join(map(str, self.res))}")
 
 
 WARMUP_RES = (384, 384, 5)   # 2 x 24 x 24 = 1,152 tokens: above the patch's 1,024-token threshold, a multiple of 16
@@ -376,9 +392,17 @@ class Host:
             fp.add_model_folder_path(key, str(root / sub), is_default=True)
         self.cache = {}
         self.decoded = False
+        self._dynamo = None
 
     def log(self, msg):
         print(msg, file=sys.stderr, flush=True)
+
+    def dynamo(self):
+        """The dynamo watch of the compiled runs (made at the first, as it switches dynamo's recompile log on)."""
+        if self._dynamo is None:
+            import _compile
+            self._dynamo = _compile.DynamoWatch(self.torch)
+        return self._dynamo
 
     # ------------------------------------------------------------------ environment
     def env(self) -> dict:
@@ -477,13 +501,19 @@ class Host:
         mem.ballast = ballast.nbytes
         mem.reset()
         w, h_px, f = spec.res
+        if spec.compile:
+            self.dynamo().reset()       # a fresh process's compile state; the experts' modules are kept between runs
+            dynamo0 = self.dynamo().reading()
         row = {"schema": SCHEMA, "run": run_label(spec, self.args),
                "config": {"estimator": spec.estimator, "attention": spec.attention, "budget_gib": spec.budget_gib,
                           "width": w, "height": h_px, "frames": f, "weights": self.args.weights, "steps": self.args.steps,
                           "cfg": 1.0, "sampler": "euler", "scheduler": "simple", "shift": self.args.shift,
                           "lora_rank": self.args.lora_rank,
                           "decode": decode,
-                          **({"check_finite": False} if finite_check_off(spec, self.args) else {})},
+                          **({"check_finite": False} if finite_check_off(spec, self.args) else {}),
+                          **({"memory_mode": self.args.sage_memory_mode} if memory_mode_set(spec, self.args) else {}),
+                          **({"compile": {"node": "TorchCompileModel", "backend": self.args.compile_backend,
+                                          "keys": ["diffusion_model"]}} if spec.compile else {})},
                "budget": {"free_before_gib": _r(ballast.free_before and ballast.free_before / GiB),
                           "free_seen_gib": _r(ballast.free_seen and ballast.free_seen / GiB),
                           "ballast_gib": _r(ballast.nbytes / GiB), "note": ballast.note,
@@ -523,8 +553,11 @@ class Host:
                         extras[f"est_{e}"] = {k: _r(v) if isinstance(v, float) else v for k, v in (nums or {}).items()}
                         extras[f"report_{e}"] = report
                     if spec.attention == "sage":
-                        m, status = apply_patch(m, check_finite=self.args.sage_check_finite)
+                        m, status = apply_patch(m, check_finite=self.args.sage_check_finite, **patch_kwargs(self.args))
                         extras[f"patch_{e}"] = status
+                    if spec.compile:            # after the patch, so the compiled model carries the override
+                        m = self.N["TorchCompileModel"].execute(model=m, backend=self.args.compile_backend)[0]
+                        extras[f"compile_{e}"] = dict(m.model_options.get("torch_compile_kwargs") or {})
                     ov = find_override(m.model_options.get("transformer_options", {}))
                     extras[f"patch_id_{e}"] = ov.patch_id if ov is not None else None
                     if spec.attention == "sage" and ov is None:
@@ -578,6 +611,13 @@ class Host:
         row["patch_status"] = {e: extras.get(f"patch_{e}") for e in ("high", "low") if f"patch_{e}" in extras} or None
         row["sage_active"] = spec.attention == "sage" and all(extras.get(f"patch_id_{e}") for e in ("high", "low"))
         row["estimator_report"] = {e: extras.get(f"report_{e}") for e in ("high", "low") if f"report_{e}" in extras} or None
+        if spec.compile:              # what dynamo did in this run (the node leaves the recompile limit as it is)
+            import _compile
+            watch = self.dynamo()
+            row["compile"] = {"kwargs": {e: extras.get(f"compile_{e}") for e in ("high", "low")},
+                              **watch.delta(watch.reading(), dynamo0),
+                              "graph_break_reasons": watch.break_reasons(), "recompile_reasons": watch.recompile_reasons(),
+                              "recompile_limit": _compile.set_recompile_limit(torch, None)}
         # free everything before the next run (unload first, while the run's patchers are alive)
         self.mm.unload_all_models()
         h.clear()
@@ -697,6 +737,7 @@ def substitute_models(prompt: dict, names: dict, weights: str) -> dict:
 
 
 NO_CHECK = "/no-finite-check"
+MEMORY_MODE = "/memory-"
 
 
 def finite_check_off(spec, args) -> bool:
@@ -704,10 +745,34 @@ def finite_check_off(spec, args) -> bool:
     return spec.attention == "sage" and not args.sage_check_finite
 
 
+def memory_mode_set(spec, args) -> bool:
+    """The Sage patch runs in the memory mode named by ``--sage-memory-mode`` (not its default)."""
+    return spec.attention == "sage" and getattr(args, "sage_memory_mode", None) is not None
+
+
+def patch_kwargs(args) -> dict:
+    """The Sage patch's options beyond the node's defaults: the memory mode, when one is named."""
+    mode = getattr(args, "sage_memory_mode", None)
+    return {} if mode is None else {"memory_mode": mode}
+
+
+def check_sage_memory_mode(mode) -> None:
+    """Stop before any work when ``--sage-memory-mode`` names a mode the pack's node wiring
+    (``apply_patch``) cannot take."""
+    if mode is None:
+        return
+    import inspect
+    from wan_sage.nodes.sage_patch import apply_patch
+    if "memory_mode" not in inspect.signature(apply_patch).parameters:
+        raise SystemExit(f"--sage-memory-mode {mode}: this checkout's Sage patch (nodes/sage_patch.apply_patch) takes "
+                         "no memory_mode (dispatch v2 adds it); leave the option out to run the patch's default")
+
+
 def run_label(spec, args) -> str:
-    """The record's ``run``: the spec, marked when the Sage patch ran without its NaN/Inf check, so that
-    ``--skip-done`` and the tables never take one for the other."""
-    return spec.label + (NO_CHECK if finite_check_off(spec, args) else "")
+    """The record's ``run``: the spec, marked when the Sage patch ran without its NaN/Inf check or in a
+    named memory mode, so that ``--skip-done`` and the tables never take one for the other."""
+    return (spec.label + (NO_CHECK if finite_check_off(spec, args) else "")
+            + (MEMORY_MODE + args.sage_memory_mode if memory_mode_set(spec, args) else ""))
 
 
 def done_runs(paths: str, weights: str) -> set:
@@ -788,6 +853,12 @@ def parse_args(argv=None):
     ap.add_argument("--sage-check-finite", choices=["on", "off"], default="on",
                     help="the Sage patch's per-call NaN/Inf check (default on, as the node); off measures its cost "
                          "(recorded as config.check_finite: false)")
+    ap.add_argument("--sage-memory-mode", choices=["sdpa", "fastest"], default=None,
+                    help="the Sage patch's memory mode (dispatch v2): sdpa = head groups at SDPA's memory, fastest = "
+                         "whole calls; default: the node's own (recorded as config.memory_mode and /memory-MODE)")
+    ap.add_argument("--compile-backend", default="inductor",
+                    help="TorchCompileModel's backend for +compile runs: inductor or cudagraphs, as the node offers "
+                         "(eager: CPU smoke runs only)")
     ap.add_argument("--reserve-vram", type=float, default=None, help="ComfyUI's --reserve-vram (GB), e.g. 0.68 to copy Windows")
     ap.add_argument("--deadline-s", type=float, default=None, help="start no run after this many seconds")
     ap.add_argument("--skip-done", default=None, metavar="JSONL[,JSONL]",
@@ -813,6 +884,10 @@ def main(argv=None):
                          f"example_workflows/ ({', '.join(have) if have else 'none there yet'}).")
     Path(args.work_dir).mkdir(parents=True, exist_ok=True)
     host = Host(args)
+    check_sage_memory_mode(args.sage_memory_mode)
+    if args.runs and "+compile" in args.runs and "TorchCompileModel" not in host.N:
+        raise SystemExit("+compile runs need ComfyUI's TorchCompileModel node (comfy_extras/nodes_torch_compile.py), "
+                         "which did not load: see ComfyUI's import log")
     if args.generate_only:
         print(json.dumps({"schema": SCHEMA, "generated": {k: str(v) for k, v in host.files.items() if k != "names"}}))
         return 0

@@ -32,7 +32,7 @@ BUDGET=${E2E_CALL_BUDGET_S:-570}
 LONGEST_RUN=${E2E_LONGEST_RUN_S:-100}     # a 720p81 run, fp8 at 24 GB, with margin
 
 setup() {
-  # sageattention-1.0.6 is in .whl too: never install it here, it would shadow the 2.x build
+  # only these three: a sageattention-1.0.6 wheel in .whl (the host tier's) would shadow the 2.x build
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
     .whl/gguf-*.whl .whl/torchsde-*.whl .whl/trampoline-*.whl || return 1
   if ls .whl-sage/sage-site.tgz.part* >/dev/null 2>&1 && ! python3 -c "import sageattention._qattn_sm90" 2>/dev/null; then

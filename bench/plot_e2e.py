@@ -57,10 +57,16 @@ def sessions_of(runs: list[dict]) -> list[str]:
     return list(dict.fromkeys(r.get("_session", "") for r in runs))
 
 
+def _attention_key(c: dict) -> str:
+    """The attention part of a configuration's key: ``sdpa`` / ``sage``, with ``-nocheck`` (no NaN/Inf
+    check), ``-memory-MODE`` (a named memory mode) and ``+compile`` (TorchCompileModel) where they apply."""
+    return (c["attention"] + ("-nocheck" if c.get("check_finite") is False else "")
+            + (f"-memory-{c['memory_mode']}" if c.get("memory_mode") else "") + ("+compile" if c.get("compile") else ""))
+
+
 def _key(r: dict) -> tuple:
     c = r["config"]
-    att = c["attention"] + ("-nocheck" if c.get("check_finite") is False else "")
-    return (c.get("weights"), c["estimator"], att, c.get("budget_gib"), (c["width"], c["height"], c["frames"]))
+    return (c.get("weights"), c["estimator"], _attention_key(c), c.get("budget_gib"), (c["width"], c["height"], c["frames"]))
 
 
 def labels(runs: list[dict]) -> list[str]:
@@ -81,7 +87,10 @@ def label(r: dict) -> str:
     res = {"1280x720x81": "720p81", "832x480x81": "480p81"}.get(res, res)
     b = "full" if c.get("budget_gib") is None else f"{c['budget_gib']:g} GB"
     nocheck = " (no finite check)" if c.get("check_finite") is False else ""
-    return f"{res} {b} {c.get('weights', '')}\n{'estimator' if c['estimator'] else 'ComfyUI'} + {c['attention'].upper()}{nocheck}"
+    mode = f" (memory {c['memory_mode']})" if c.get("memory_mode") else ""
+    compiled = " + compile" if c.get("compile") else ""
+    return (f"{res} {b} {c.get('weights', '')}\n{'estimator' if c['estimator'] else 'ComfyUI'} + "
+            f"{c['attention'].upper()}{nocheck}{mode}{compiled}")
 
 
 def _sorted(runs: list[dict]) -> list[dict]:
@@ -93,7 +102,7 @@ def _sorted(runs: list[dict]) -> list[dict]:
 def _order(r):
     c = r["config"]
     return (c.get("weights", ""), -(c["width"] * c["height"]), c.get("budget_gib") is None, not c["estimator"],
-            c["attention"] != "sdpa")
+            bool(c.get("compile")), c["attention"] != "sdpa")
 
 
 def sage_text(env: dict) -> str:
@@ -205,13 +214,17 @@ def _steps_s(r, skip_first: bool = False):
     ``skip_first`` leaves out the run's first step (the high-noise expert's first): it pays what a process
     pays once per kernel and shape (Triton compiling SageAttention's quantisation kernels on a machine's
     first Sage call, cuDNN building a plan for a new sequence length), which a long-lived ComfyUI server
-    pays once and not per run."""
+    pays once and not per run.  In a compiled run (``config.compile``) each expert compiles its own model
+    in its first step, so ``skip_first`` leaves out each expert's first step."""
     if r is None or r.get("status") != "ok":
         return None
     ex = r.get("experts") or {}
-    steps = [t for k in ("high", "low") for t in ((ex.get(k) or {}).get("step_s") or [])]
-    steps += [t for k, e in ex.items() if k not in ("high", "low") for t in (e.get("step_s") or [])]
-    if skip_first:
+    per_expert = [(ex.get(k) or {}).get("step_s") or [] for k in ("high", "low")]
+    per_expert += [e.get("step_s") or [] for k, e in ex.items() if k not in ("high", "low")]
+    if skip_first and (r.get("config") or {}).get("compile"):
+        per_expert = [s[1:] for s in per_expert]
+    steps = [t for s in per_expert for t in s]
+    if skip_first and not (r.get("config") or {}).get("compile"):
         steps = steps[1:]
     return sum(steps) / len(steps) if steps else None
 

@@ -137,6 +137,29 @@ def test_sage_without_its_finite_check_is_a_run_of_its_own(e2e_rows):
     assert r["status"] == "ok", r["error"]
 
 
+def test_compiled_runs_add_comfyuis_compile_node_after_the_patch(e2e_rows):
+    # +compile: ComfyUI's TorchCompileModel node (whole diffusion model) after the Sage patch, dynamo's eager
+    # backend on the CPU; a run of its own for --skip-done, with what dynamo did in the record
+    _, _, tmp = e2e_rows
+    rows, err = _run(["--runs", "comfy+sdpa@24:64x64x5,comfy+sdpa+compile@full:64x64x5,est+sage+compile@full:64x64x5",
+                      "--compile-backend", "eager", "--decode", "none", "--skip-done", str(tmp / "runs.jsonl")], tmp)
+    assert "comfy+sdpa@24:64x64x5 already recorded, skipped" in err
+    sdpa, sage = rows
+    assert (sdpa["run"], sage["run"]) == ("comfy+sdpa+compile@full:64x64x5", "est+sage+compile@full:64x64x5")
+    for r in rows:
+        assert r["status"] == "ok", r["error"]
+        assert r["config"]["compile"] == {"node": "TorchCompileModel", "backend": "eager", "keys": ["diffusion_model"]}
+        c = r["compile"]
+        assert c["kwargs"]["high"] == {"backend": "eager", "options": None, "mode": None, "fullgraph": False,
+                                       "dynamic": None}
+        assert c["unique_graphs"] >= 1 and c["frames"] >= 1 and c["recompile_limit"] >= 1
+        assert all(len(e["step_s"]) == 2 for e in r["experts"].values())
+    # the compiled model still carries the patch: every call went through it (to SDPA on the CPU)
+    if sage["sage_active"]:
+        assert all(e["attention"]["reasons"] == {"cpu": 8} for e in sage["experts"].values())
+        assert sage["experts"]["high"]["reservation_source"] == "wan-sage"
+
+
 def test_full_scale_file_sizes(comfy):
     import e2e_models as EM
     q = sum(s.nbytes for s in EM.wan_specs("full", "gguf"))

@@ -327,3 +327,41 @@ def test_runs_without_the_finite_check_are_labelled_and_kept_apart():
     assert plot_e2e._key(a) != plot_e2e._key(b) and "(no finite check)" in plot_e2e.label(b)
     t = {name.split(": ", 1)[1]: (m, v) for name, m, v in plot_e2e.targets([_row(True, "sdpa", 24.0, 12.5), a, b])}
     assert "12.50 / 10.00 s" in t["estimator, 24 GB, 720p81: Sage ≥ 1.20× SDPA"][0]    # the default run only
+
+
+def test_compiled_runs_and_memory_modes_are_labelled_and_kept_apart(tmp_path):
+    import argparse
+    import e2e
+    import plot_e2e
+    s = e2e.RunSpec.parse("est+sage+compile@full:720p81")
+    assert (s.estimator, s.attention, s.budget_gib, s.compile) == (True, "sage", None, True)
+    assert s.label == "est+sage+compile@full:1280x720x81" and e2e.RunSpec.parse(s.label) == s
+    assert e2e.RunSpec.parse("comfy+sdpa+compile@24:720p81").label == "comfy+sdpa+compile@24:1280x720x81"
+    assert not e2e.RunSpec.parse("comfy+sdpa@24:720p81").compile
+    for bad in ("est+compile@24:720p81", "est+sage+compile+compile@24:720p81", "est+sage+jit@24:720p81"):
+        with pytest.raises(SystemExit):
+            e2e.RunSpec.parse(bad)
+    args = argparse.Namespace(sage_check_finite=True, sage_memory_mode="sdpa")
+    assert e2e.run_label(s, args) == "est+sage+compile@full:1280x720x81/memory-sdpa"
+    assert e2e.run_label(e2e.RunSpec.parse("est+sdpa+compile@full:720p81"), args) == "est+sdpa+compile@full:1280x720x81"
+    assert e2e.patch_kwargs(args) == {"memory_mode": "sdpa"}
+    assert e2e.patch_kwargs(argparse.Namespace(sage_memory_mode=None)) == {}
+    # --skip-done tells a compiled run from the eager one
+    p = tmp_path / "r.jsonl"
+    p.write_text(json.dumps({"schema": e2e.SCHEMA, "run": "est+sage@full:1280x720x81", "status": "ok",
+                             "config": {"weights": "gguf"}}) + "\n")
+    assert e2e.done_runs(str(p), "gguf") == {"est+sage@full:1280x720x81"}
+    # plot_e2e: a compiled run is its own configuration; its "after the first step" leaves out each expert's first
+    eager = _row(False, "sage", None, 10.0)
+    compiled = _row(False, "sage", None, 9.0)
+    compiled["config"]["compile"] = {"node": "TorchCompileModel", "backend": "inductor", "keys": ["diffusion_model"]}
+    compiled["experts"] = {"high": {"step_s": [40.0, 9.0], "resident_frac": 1.0},
+                           "low": {"step_s": [20.0, 9.0], "resident_frac": 1.0}}
+    moded = _row(False, "sage", None, 10.0)
+    moded["config"]["memory_mode"] = "sdpa"
+    assert len({plot_e2e._key(r) for r in (eager, compiled, moded)}) == 3
+    assert plot_e2e.label(compiled).endswith("SAGE + compile") and "(memory sdpa)" in plot_e2e.label(moded)
+    assert plot_e2e._steps_s(compiled) == pytest.approx(19.5) and plot_e2e._steps_s(compiled, True) == pytest.approx(9.0)
+    assert plot_e2e._steps_s(eager, True) == pytest.approx(10.0)
+    t = {name.split(": ", 1)[1]: (m, v) for name, m, v in plot_e2e.targets([_row(False, "sdpa", None, 12.5), eager, compiled])}
+    assert "12.50 / 10.00 s" in t["full card, 720p81: Sage ≥ 1.25× SDPA (ComfyUI's reservation)"][0]   # the eager run only

@@ -1,0 +1,124 @@
+"""torch.compile in the benchmark harness: per-block compile through ComfyUI's own wrapper, and a
+watch on what dynamo did between two readings (graph breaks and their reasons, graphs, frames
+compiled, recompiles and their reasons, compile seconds)."""
+from __future__ import annotations
+
+import logging
+
+# Per-block compile nodes commonly raise dynamo's recompile limit to 64 (the default 8 can be hit when
+# each block or each graph-break resume needs its own entry); the compile probe of 2026-12-01 did too.
+BLOCK_RECOMPILE_LIMIT = 64
+
+
+def block_keys(patcher) -> list[str]:
+    """ComfyUI's compile keys of every transformer block of a Wan model: ``diffusion_model.blocks.N``."""
+    return [f"diffusion_model.blocks.{i}" for i in range(len(patcher.model.diffusion_model.blocks))]
+
+
+def compile_blocks(patcher, backend: str = "inductor", fullgraph: bool = False, dynamic=None) -> dict:
+    """Compile each transformer block on its own, as users usually compile Wan: ComfyUI's
+    ``set_torch_compile_wrapper`` with one key per block (an APPLY_MODEL wrapper that swaps the
+    compiled blocks in for the call).  Returns the settings, for the record."""
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+    keys = block_keys(patcher)
+    set_torch_compile_wrapper(patcher, backend, fullgraph=fullgraph, dynamic=dynamic, keys=keys)
+    return {"how": "per block (set_torch_compile_wrapper, keys diffusion_model.blocks.N)", "blocks": len(keys),
+            "backend": backend, "fullgraph": fullgraph, "dynamic": dynamic}
+
+
+def set_recompile_limit(torch, limit: int | None) -> int:
+    """Set dynamo's recompile limit (``cache_size_limit`` before torch 2.6) when ``limit`` is given;
+    returns the limit in force."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    if limit is not None:
+        setattr(config, name, limit)
+    return getattr(config, name)
+
+
+def _short(text: str, n: int = 200) -> str:
+    """The first two lines of a dynamo message (the reason and its explanation), on one line."""
+    lines = [x.strip() for x in str(text).splitlines() if x.strip()]
+    return " | ".join(lines[:2])[:n]
+
+
+class DynamoWatch:
+    """What dynamo did since :meth:`reset`: read :meth:`reading` before and after a stretch of work and
+    subtract (:meth:`delta`).  Recompiles are counted from dynamo's own ``recompiles`` log records (one
+    per recompiled frame, with the guard that failed), which :meth:`__init__` switches on."""
+
+    def __init__(self, torch):
+        self.torch = torch
+        from torch._dynamo.utils import counters
+        self.counters = counters
+        self.recompiles: list[str] = []
+        self._compile_s0 = 0.0
+        watch = self
+
+        class _Recompiles(logging.Handler):
+            def emit(self, record):
+                if record.name.endswith("__recompiles"):
+                    watch.recompiles.append(record.getMessage())
+        self.handler = _Recompiles(level=logging.DEBUG)
+        try:
+            torch._logging.set_logs(recompiles=True)
+        except Exception:        # an older torch without the artifact: recompiles stay uncounted
+            pass
+        logging.getLogger("torch._dynamo").addHandler(self.handler)
+
+    def close(self):
+        logging.getLogger("torch._dynamo").removeHandler(self.handler)
+
+    def reset(self):
+        """Forget every compiled graph (a fresh process's state) and every count."""
+        self.torch._dynamo.reset()
+        self.counters.clear()
+        self.recompiles.clear()
+        self._compile_s0 = self.compile_seconds_total() or 0.0
+
+    def compile_seconds_total(self) -> float | None:
+        """Dynamo's own cumulative compile time (its ``_compile.compile_inner`` timer, backend included)."""
+        try:
+            from torch._dynamo.utils import compile_times
+            names, values = compile_times(repr="csv", aggregate=True)
+        except Exception:        # a torch without these timers
+            return None
+        return float(values[names.index("_compile.compile_inner")]) if "_compile.compile_inner" in names else 0.0
+
+    def frames(self) -> int:
+        """Frames dynamo has tried to compile (``fullgraph=True`` compiles do not count here)."""
+        return int(self.counters["frames"]["total"])
+
+    def graphs(self) -> int:
+        """Graphs dynamo has handed to the backend."""
+        return int(self.counters["stats"]["unique_graphs"])
+
+    def reading(self) -> dict:
+        total = self.compile_seconds_total()
+        return {"graph_breaks": int(sum(self.counters["graph_break"].values())),
+                "unique_graphs": self.graphs(),
+                "frames": self.frames(), "recompiles": len(self.recompiles),
+                "compile_s": None if total is None else round(total - self._compile_s0, 3)}
+
+    @staticmethod
+    def delta(after: dict, before: dict) -> dict:
+        return {k: (None if after[k] is None or before[k] is None else round(after[k] - before[k], 3)) for k in after}
+
+    def break_reasons(self, n: int = 10) -> dict:
+        """The most frequent graph-break reasons (first line and explanation) with their counts."""
+        out: dict = {}
+        for key, count in self.counters["graph_break"].items():
+            k = _short(key)
+            out[k] = out.get(k, 0) + count
+        return dict(sorted(out.items(), key=lambda kv: -kv[1])[:n])
+
+    def recompile_reasons(self, n: int = 8) -> list[str]:
+        """The distinct guard failures that caused recompiles (the first one named in each record)."""
+        out = []
+        for msg in self.recompiles:
+            lines = [x.strip() for x in msg.splitlines()]
+            fails = [x[2:] for x in lines if x.startswith("- ") and "User stack" not in x]
+            text = _short(lines[0] + (": " + fails[0] if fails else ""), 240)
+            if text not in out:
+                out.append(text)
+        return out[:n]

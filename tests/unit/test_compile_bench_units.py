@@ -1,0 +1,120 @@
+"""Unit tier: the pure parts of the compile harness (no ComfyUI): configuration names, the deadline's
+estimates, resuming from records, the held-out size set and the memory mode passed to PatchConfig."""
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))
+import _host  # noqa: E402
+import compile_table  # noqa: E402
+
+
+def test_configuration_names():
+    parse = compile_table.Config.parse
+    assert parse("eager-sdpa") == compile_table.Config("eager-sdpa", False, "sdpa", None, False)
+    assert parse("compile-sage-grouped") == compile_table.Config("compile-sage-grouped", True, "sage", "sdpa", False)
+    assert parse("compile-sage-ungrouped-fullgraph").memory_mode == "fastest"
+    assert parse("compile-sage-ungrouped-fullgraph").fullgraph
+    assert parse("eager-sage").memory_mode is None
+    for bad in ("eager-sdpa-fullgraph", "compile-sdpa-grouped", "compile-sage-halved", "jit-sdpa", "sdpa"):
+        with pytest.raises(SystemExit):
+            parse(bad)
+    assert len({parse(c) for c in compile_table.ALL_CONFIGS}) == 9
+
+
+def test_the_deadline_estimates_from_what_was_measured():
+    parse = compile_table.Config.parse
+    eager, comp = parse("eager-sdpa"), parse("compile-sdpa")
+    assert compile_table.estimate_s(eager, [], 60) is None
+    assert compile_table.estimate_s(comp, [(eager, 50.0)], 60) == pytest.approx(115.0)
+    assert compile_table.estimate_s(comp, [(eager, 50.0), (comp, 70.0)], 60) == pytest.approx(77.0)
+    assert compile_table.estimate_s(parse("eager-sage-grouped"), [(eager, 50.0), (comp, 90.0)], 60) == pytest.approx(55.0)
+
+
+def test_done_configs_match_model_size_dtype_steps_and_backend(tmp_path):
+    key = {"model": "a14b", "size": "1280x720x81", "dtype": "bf16", "steps": 2, "backend": "inductor"}
+    rows = [dict(key, schema=compile_table.SCHEMA, config="eager-sdpa", ok=True),
+            dict(key, schema=compile_table.SCHEMA, config="compile-sdpa", ok=False),
+            dict(key, schema=compile_table.SCHEMA, config="compile-sage-grouped", ok=True, size="832x480x81"),
+            dict(key, schema="other", config="eager-sage-grouped", ok=True)]
+    p = tmp_path / "t.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in rows) + "\nnot json\n")
+    assert compile_table.done_configs(str(p), key) == {"eager-sdpa"}
+    assert compile_table.done_configs(f"{p},{tmp_path / 'missing.jsonl'}", key) == {"eager-sdpa"}
+
+
+def test_memory_mode_goes_straight_into_patch_config(monkeypatch):
+    config_class, _ = _host.patch_classes()
+    fields = {f.name for f in dataclasses.fields(config_class)}
+    # PatchConfig's default, and "fastest" (today's behaviour) always run
+    assert _host.patch_config(None, calibrate=False).calibrate is False
+    _host.check_memory_modes([None, "fastest"])
+    if "memory_mode" in fields:
+        assert _host.patch_config("sdpa").memory_mode == "sdpa"
+        assert _host.patch_config("fastest").memory_mode == "fastest"
+    else:
+        with pytest.raises(SystemExit, match="no memory_mode field"):
+            _host.check_memory_modes(["sdpa"])
+        with pytest.raises(SystemExit, match="no memory_mode field"):
+            _host.patch_config("sdpa")
+
+    @dataclasses.dataclass(frozen=True)
+    class WithMode:                     # a dispatch that has the field
+        memory_mode: str = "sdpa"
+        calibrate: bool = True
+    monkeypatch.setattr(_host, "patch_classes", lambda: (WithMode, object))
+    assert _host.patch_config("fastest", calibrate=False) == WithMode("fastest", False)
+    assert _host.patch_config(None) == WithMode()
+    _host.check_memory_modes(["sdpa", "fastest"])
+
+
+def test_heldout_sizes_are_sizes_the_fit_never_saw():
+    import wan_forward_calibration as calibration
+    from wan_sage.memory import activation_model
+    for model, sizes in calibration.HELDOUT.items():
+        fit = set(calibration.SIZES[model])
+        dims = _host.wan_dims(model)
+        cell = dims.vae_stride[1] * dims.patch_size[1]           # pixels per token side: 16, or 32 for TI2V-5B
+        assert sizes and not fit & set(sizes), model
+        for w, h, f in sizes:
+            assert w % cell == 0 and h % cell == 0 and (f - 1) % 4 == 0, (model, w, h, f)
+        assert any(h > w for w, h, _ in sizes), f"{model}: no portrait size"
+        assert any(w == h for w, h, _ in sizes), f"{model}: no square size"
+        assert any(abs(w / h - 16 / 9) < 0.01 and (w, h) not in {(1280, 720), (1280, 704)} for w, h, _ in sizes)
+        frames = {f for _, _, f in sizes}
+        assert {25, 65, 97} <= frames and max(frames) >= 161, model
+        fit_tokens = {activation_model.tokens(dims, *activation_model.latent_shape(dims, *s)[2:]) for s in fit}
+        new_tokens = {activation_model.tokens(dims, *activation_model.latent_shape(dims, *s)[2:]) for s in sizes}
+        assert len(new_tokens - fit_tokens) >= len(sizes) - 3, model      # mostly token counts the fit never saw
+
+
+def test_heldout_pass_is_estimated_under_five_minutes_from_the_fitted_table(capsys):
+    import wan_forward_calibration as calibration
+    fits = calibration.forward_cost_model()
+    assert {("a14b", "sdpa"), ("a14b", "sage"), ("1.3b", "sdpa"), ("ti2v5b", "sage")} <= set(fits)
+    plan = calibration.plan_rows(["a14b", "ti2v5b", "1.3b"], ["bf16"], ["sdpa", "sage"], [None],
+                                 lambda m: calibration.HELDOUT[m])
+    assert len(plan) == 2 * sum(len(s) for s in calibration.HELDOUT.values())
+    total = calibration.print_estimate(plan, fits, False, print)
+    assert 60 < total < 300
+    assert "estimate total" in capsys.readouterr().out
+    # a compiled run costs two forwards and the compile allowance
+    row = plan[0]
+    assert calibration.run_estimate_s(row, fits, True) == pytest.approx(
+        2 * calibration.run_estimate_s(row, fits, False) + calibration.COMPILE_ALLOWANCE_S)
+
+
+def test_calibration_rows_resume_by_model_dtype_attention_mode_compiled_and_size(tmp_path):
+    import wan_forward_calibration as calibration
+    base = {"model": "a14b", "dtype": "bf16", "attn": "sage", "width": 832, "height": 480, "frames": 81, "ok": True}
+    rows = [base, dict(base, memory_mode="sdpa"), dict(base, compiled=True, memory_mode="fastest"),
+            dict(base, frames=49, ok=False), {"gpu": "H200"}]
+    p = tmp_path / "rows.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in rows) + "\n# built a14b\n")
+    assert calibration.done_rows(str(p)) == {("a14b", "bf16", "sage", None, False, 832, 480, 81),
+                                             ("a14b", "bf16", "sage", "sdpa", False, 832, 480, 81),
+                                             ("a14b", "bf16", "sage", "fastest", True, 832, 480, 81)}
