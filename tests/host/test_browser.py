@@ -242,6 +242,12 @@ def test_the_sage_panel_says_sageattention_is_missing(case):
         assert m["detail"]["before"]["sages"][0]["status"] is None, "no promise of call counts that will not come"
 
 
+def test_the_templates_dialog_shows_whole_titles(case):
+    """Both frontends title a pack's templates with their file names; none may be cut off."""
+    _fe, _mode, r, _m = case
+    assert r["templates"] == {p.stem: {"cut": False} for p in WORKFLOWS}, r["templates"]
+
+
 def test_the_pack_triggers_no_deprecation_warning(case):
     _fe, _mode, r, _m = case
     assert r["deprecations"] == [], r["deprecations"][:3]

@@ -174,8 +174,34 @@ async function shot(page, path, clip = null) {
 }
 const VIEW_H = 1100;
 
+/** The Templates dialog on the pack's category: each template's title, and whether it is cut. */
+async function templates(page, names, path) {
+  await page.evaluate(async () => {
+    const app = window.app ?? window.comfyAPI.app.app;
+    await app.extensionManager.command.execute("Comfy.BrowseTemplates");
+  });
+  await page.waitForTimeout(2500);
+  await page.evaluate(() => {
+    const el = [...document.querySelectorAll("li, button, a, span, div")]
+      .find((e) => e.children.length === 0 && e.textContent.trim() === "wan-sage" && e.offsetParent !== null);
+    el?.click();
+  });
+  await page.waitForTimeout(2500);
+  const titles = await page.evaluate((names) => {
+    const out = {};
+    for (const name of names) {
+      const el = [...document.querySelectorAll("[role=dialog] *")]
+        .find((e) => e.children.length === 0 && e.textContent.trim() === name && e.offsetParent !== null);
+      out[name] = el ? { cut: el.scrollWidth > el.clientWidth + 1 || el.scrollHeight > el.clientHeight + 1 } : null;
+    }
+    return out;
+  }, names);
+  await shot(page, path);
+  return titles;
+}
+
 const browser = await launch();
-const result = { frontendVersion: null, modes: {}, errors: [], deprecations: [] };
+const result = { frontendVersion: null, modes: {}, errors: [], deprecations: [], templates: null };
 try {
   for (const mode of cfg.modes) {
     await setSetting(cfg.url, "Comfy.VueNodes.Enabled", mode === "vue");
@@ -233,6 +259,7 @@ try {
     inst.afterAll = await inspect(page);
     inst.screenshotAfter = await shot(page, join(dir, "installed-after.png"));
     out.installed = inst;
+    result.templates ??= await templates(page, cfg.workflows.map((w) => w.name), join(cfg.outDir, "templates.png"));
     await page.close();
   }
 } finally {
