@@ -210,7 +210,10 @@ def test_without_the_latent_the_widgets_drive_the_size(case):
 def test_panels_fit_their_content_and_no_node_overlaps(case):
     _fe, mode, _r, m = case
     below = 48  # canvas px between a panel and its node's bottom: the widget margin (classic), the badge row (Nodes 2.0)
-    for when, state in {**_states(m), **{f"workflow {k}": v for k, v in m["workflows"].items()}}.items():
+    states = {**_states(m), **{f"{k}, before": v for k, v in m["workflows"].items()},
+              **{f"{k}, after a run": v["after"] for k, v in m["workflows"].items() if "after" in v}}
+    assert len(states) == 6 + 2 * len(WORKFLOWS) - 1
+    for when, state in states.items():
         assert state["overlaps"] == [], (when, state["overlaps"])
         for p in state["estimators"] + state["sages"]:
             f = p["fit"]

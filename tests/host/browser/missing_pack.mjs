@@ -19,7 +19,7 @@ try {
   for (const item of items) {
     const [name, path] = [item.slice(0, item.indexOf("=")), item.slice(item.indexOf("=") + 1)];
     const page = await openApp(browser, url);
-    await loadWorkflow(page, JSON.parse(readFileSync(path, "utf8")));
+    await loadWorkflow(page, JSON.parse(readFileSync(path, "utf8")), { closeDialogs: false });
     await page.waitForTimeout(2500);
     // 1.58 shows a short warning with "View details"; the details list the missing packs.
     await page.evaluate(() => {

@@ -25,8 +25,8 @@ export async function setSetting(url, id, value) {
  */
 export async function openApp(browser, url, { errors = [], deprecations = [], routes = {} } = {}) {
   const page = await browser.newPage({ viewport: VIEWPORT });
-  page.on("pageerror", (e) => errors.push(String(e)));
-  page.on("console", (m) => { if (m.type() === "error") errors.push(m.text()); });
+  page.on("pageerror", (e) => errors.push(e.stack ?? String(e)));
+  page.on("console", (m) => { if (m.type() === "error") errors.push(`${m.text()} (${m.location()?.url ?? ""})`); });
   await page.exposeFunction("__wanSageDeprecation", (text) => deprecations.push(text));
   await page.addInitScript((part) => {
     const warn = console.warn.bind(console);
@@ -43,8 +43,9 @@ export async function openApp(browser, url, { errors = [], deprecations = [], ro
   await page.waitForFunction(() => {
     const lg = window.LiteGraph ?? window.comfyAPI?.litegraph?.LiteGraph;
     const app = window.app ?? window.comfyAPI?.app?.app;
-    return app?.graph && lg?.registered_node_types?.KSampler;
+    return app?.graph && app.canvas?.canvas && lg?.registered_node_types?.KSampler;
   }, null, { timeout: 90000 });
+  await page.waitForTimeout(1000); // 1.58 loads a graph into its canvas store a moment after the canvas exists
   await page.evaluate((part) => {
     const lg = window.LiteGraph ?? window.comfyAPI?.litegraph?.LiteGraph;
     if (!Array.isArray(lg?.onDeprecationWarning)) return;
@@ -57,11 +58,16 @@ export async function openApp(browser, url, { errors = [], deprecations = [], ro
   return page;
 }
 
-export async function loadWorkflow(page, data) {
+/** Load a workflow; close a dialog it opened (e.g. 1.27's missing models), unless told not to. */
+export async function loadWorkflow(page, data, { closeDialogs = true } = {}) {
   await page.evaluate(async (graph) => {
     const app = window.app ?? window.comfyAPI.app.app;
     await app.loadGraphData(graph);
   }, data);
+  await page.waitForTimeout(500);
+  if (!closeDialogs) return;
+  const dialog = await page.evaluate(() => [...document.querySelectorAll("[role=dialog]")].some((d) => d.offsetParent !== null));
+  if (dialog) await page.keyboard.press("Escape");
 }
 
 /**

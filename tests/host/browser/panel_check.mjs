@@ -218,7 +218,6 @@ try {
       result.frontendVersion ??= await page.evaluate(() => window.__COMFYUI_FRONTEND_VERSION__ ?? null);
       const data = JSON.parse(readFileSync(wf.path, "utf8"));
       await loadWorkflow(page, data);
-      await page.keyboard.press("Escape");
       await waitPanels(page, data);
       await frame(page, await packIds(page));
       const state = await inspect(page);
@@ -237,6 +236,12 @@ try {
         d.screenshotAfter = await shot(page, join(dir, `${wf.name}-after.png`));
         Object.assign(d, await unlinkLatent(page));
         out.detail = d;
+      } else {
+        // A run with the Sage table: the tallest the panels get.
+        await simulateRun(page, { estimatorText: cfg.run.estimatorText, sageText: cfg.run.installedText, stats: cfg.run.stats });
+        await frame(page, await packIds(page));
+        state.after = await inspect(page);
+        state.screenshotAfter = await shot(page, join(dir, `${wf.name}-after.png`));
       }
       await page.close();
     }
@@ -246,7 +251,6 @@ try {
     const page = await openApp(browser, cfg.url, { ...opts, routes: { "**/wan_sage/stats": { runs: [], sage_status: cfg.run.installedStatus } } });
     const data = JSON.parse(readFileSync(wf.path, "utf8"));
     await loadWorkflow(page, data);
-    await page.keyboard.press("Escape");
     await waitPanels(page, data);
     const ids = await closeupIds(page);
     const inst = {};
