@@ -8,7 +8,8 @@ repeated configuration keeps every record, shown as ``(run k)``, and the targets
 expert; right: peak allocated and peak reserved above the ballast, the budget as a line, and the
 predicted peak (weights resident at the start of sampling plus the reserved working memory, for
 the expert with the higher prediction) as a marker.  Runs that ran out of memory are marked OOM.
-``--markdown`` also writes the results as a Markdown table (for docs/benchmarks.md).
+``--markdown`` also writes the results as a Markdown table (for docs/benchmarks.md); given without
+``--out``, it writes only the table, which needs no matplotlib.
 
 A session is the records of one device machine.  Speed ratios are only taken within a session (the
 issue asks for ratios of runs of one session); whether the estimator ran out of memory where ComfyUI
@@ -17,6 +18,7 @@ alone completed is checked over all sessions, since that is not a ratio.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import sys
@@ -317,7 +319,8 @@ def main(argv=None):
     ap.add_argument("jsonl", nargs="*", help="record files of one session")
     ap.add_argument("--session", type=_session_arg, action="append", default=[], metavar="NAME=FILE[,FILE...]",
                     help="the record files of one named session (repeat for several; ratios stay within one)")
-    ap.add_argument("--out", default="e2e.png")
+    ap.add_argument("--out", default=None,
+                    help="the PNG to draw; needs matplotlib (default: e2e.png, none when only --markdown is given)")
     ap.add_argument("--title", default=None)
     ap.add_argument("--markdown", default=None, help="also write the results as a Markdown table to this file")
     a = ap.parse_args(argv)
@@ -329,7 +332,13 @@ def main(argv=None):
     if not runs:
         print("no wan-sage-e2e/1 run records found", file=sys.stderr)
         return 1
-    print(plot(runs, a.out, a.title))
+    out = a.out or (None if a.markdown else "e2e.png")
+    if out and importlib.util.find_spec("matplotlib") is None:
+        print(f"plot_e2e: drawing {out} needs matplotlib (pip install matplotlib); "
+              "--markdown FILE without --out writes the tables without it", file=sys.stderr)
+        return 2
+    if out:
+        print(plot(runs, out, a.title))
     if a.markdown:
         Path(a.markdown).write_text(markdown(runs) + "\n" + targets_markdown(runs))
         print(a.markdown)

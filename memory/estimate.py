@@ -12,8 +12,8 @@ from . import activation_model
 from ..attention import registry
 
 __all__ = ["rounding_notes", "verdict_for", "EstimateRequest", "Estimate", "estimate", "activation_bytes", "comfy_estimate_bytes",
-           "attention_paths", "CALIBRATED", "GiB", "validate_request",
-           "fragmentation_bytes"]
+           "attention_paths", "attention_plan", "CALIBRATED", "GiB", "validate_request", "fragmentation_bytes",
+           "SIZE_LIMITS", "CFG_LIMITS", "DEFAULT_CC"]
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -42,22 +42,45 @@ CALIBRATED = {
 # ComfyUI keeps this much free on top of a model's reservation (EXTRA_RESERVED_VRAM, Linux).
 COMFY_EXTRA_RESERVED = 400 * MiB
 
+# The GPU assumed when none is given or found.
+DEFAULT_CC = 90
 
-def attention_paths(attention: str, cc: int | None = None) -> tuple:
-    """(self-attention path, cross-attention path) of attention.kernel_bytes for an --attention choice."""
+# Bounds of the request sizes: (lowest, highest).  The CLI, the route and the estimate share them.
+SIZE_LIMITS = {"width": (16, 16384), "height": (16, 16384), "frames": (1, 4097), "batch": (1, 64)}
+CFG_LIMITS = (0.0, 100.0)
+
+
+def attention_plan(attention: str, cc: int | None = None) -> tuple:
+    """(self-attention path, cross-attention path, kernel name or None, note or None): the
+    attention.kernel_bytes formulas the dispatcher's calls run on, for an --attention choice on
+    compute capability ``cc`` (None: sm90).
+
+    Cross-attention (Wan's 512 text keys, plus 257 image keys) stays on SDPA: the dispatcher
+    keeps it there (reason ``cross_slower``) unless a measurement shows Sage faster, and none has
+    on a Wan cross shape.  ``sage-auto`` takes the first kernel of the arch's auto order in the
+    kernel registry, or SDPA when no kernel runs there; a named kernel that does not run on the
+    arch leaves every call on SDPA, as the dispatcher does."""
+    arch = cc or DEFAULT_CC
     if attention == "sdpa":
-        return "sdpa", "sdpa"
+        return "sdpa", "sdpa", None, None
     if attention in ("sage-auto", "auto", "sage"):
-        order = registry.auto_order(cc or 90)
+        order = registry.auto_order(arch)
         if not order:
-            return "sdpa", "sdpa"
+            return "sdpa", "sdpa", None, f"no kernel runs on sm{arch}: attention stays on SDPA"
         name = order[0]
     elif attention in registry.KERNELS:
         name = attention
+        if not registry.KERNELS[name].runs_on(arch):
+            return "sdpa", "sdpa", None, f"{name} does not run on sm{arch}: attention stays on SDPA"
     else:
-        raise ValueError(f"attention must be sdpa, sage-auto or one of {', '.join(registry.KERNELS)}; got {attention!r}")
-    path = registry.memory_path(name, cc or 90)
-    return path, path
+        raise ValueError(f"attention must be sdpa, sage-auto or one of {', '.join(registry.KERNELS)}")
+    return registry.memory_path(name, arch), "sdpa", name, None
+
+
+def attention_paths(attention: str, cc: int | None = None) -> tuple:
+    """(self-attention path, cross-attention path) of :func:`attention_plan`."""
+    self_path, cross_path, _name, _note = attention_plan(attention, cc)
+    return self_path, cross_path
 
 
 def comfy_estimate_bytes(dims: activation_model.WanDims, latent: tuple, dtype: str = "bf16", vace: bool = False) -> int:
@@ -118,19 +141,21 @@ class EstimateRequest:
 
 
 def validate_request(r: EstimateRequest) -> None:
-    """Clear errors for impossible sizes; each names the field and the fix."""
-    for name, val, lo, hi in (("width", r.width, 16, 16384), ("height", r.height, 16, 16384),
-                              ("frames", r.frames, 1, 4097), ("batch", r.batch, 1, 64)):
+    """Clear errors for impossible sizes; each names the field and the allowed range."""
+    for name, (lo, hi) in SIZE_LIMITS.items():
+        val = getattr(r, name)
         if not isinstance(val, int) or isinstance(val, bool):
-            raise ValueError(f"{name} must be an integer, got {val!r}")
+            raise ValueError(f"{name} must be an integer, got {val!r:.40}")
         if not lo <= val <= hi:
-            raise ValueError(f"{name} must be between {lo} and {hi}, got {val}")
-    if not (0.0 <= float(r.cfg) <= 100.0):
-        raise ValueError(f"cfg must be between 0 and 100, got {r.cfg}")
+            raise ValueError(f"{name} must be between {lo} and {hi}, got {val:.3g}" if abs(val) >= 1e6 else
+                             f"{name} must be between {lo} and {hi}, got {val}")
+    lo, hi = CFG_LIMITS
+    if isinstance(r.cfg, bool) or not isinstance(r.cfg, (int, float)) or not lo <= r.cfg <= hi:
+        raise ValueError(f"cfg must be a number between {lo:g} and {hi:g}, got {r.cfg!r:.40}")
     if r.dtype not in activation_model.DTYPE_BYTES:
-        raise ValueError(f"dtype must be one of {', '.join(activation_model.DTYPE_BYTES)}, got {r.dtype!r}")
+        raise ValueError(f"dtype must be one of {', '.join(activation_model.DTYPE_BYTES)}, got {r.dtype!r:.40}")
     if r.vram_bytes is not None and r.vram_bytes <= 0:
-        raise ValueError(f"vram must be positive, got {r.vram_bytes / GiB:.2f} GB")
+        raise ValueError(f"vram must be positive, got {r.vram_bytes / GiB:.2f} GiB")
     if r.margin_bytes < 0:
         raise ValueError("margin must be >= 0")
 
@@ -146,6 +171,8 @@ class Estimate:
     partial: dict  # the same with weights partly offloaded
     reservation_resident: int
     reservation_partial: int
+    reservation_batched_resident: int | None  # the same for cond and uncond batched (rows_batched rows)
+    reservation_batched_partial: int | None  # None when cfg 1 leaves one row per sample
     comfy_estimate: int
     weights_bytes: int | None
     vram_bytes: int | None
@@ -176,15 +203,28 @@ def rounding_notes(dims: activation_model.WanDims, width: int, height: int, fram
     return notes
 
 
-def verdict_for(weights: int, resident_need: int, partial_need: int, room: int) -> tuple:
-    """(verdict text, bytes of weights offloaded) for a model given the VRAM ``room`` it may use."""
+# What a reservation with streamed weights holds, in the order of the CLI's table.
+WORKING_MEMORY_PARTS = "activations, weight transients, streaming, fragmentation and allocator slack"
+
+
+def verdict_for(weights: int, resident_need: int, partial_need: int, room: int, margin: int = 0) -> tuple:
+    """(verdict text, bytes of weights offloaded) for a model given the VRAM ``room`` it may use.
+    ``resident_need`` and ``partial_need`` are the reservations (working memory plus ``margin``)
+    with every weight resident and with weights streamed."""
     if weights + resident_need <= room:
         return "fits: all weights resident", 0
     if partial_need <= room:
         off = weights - (room - partial_need)
-        return f"offloads {off / GiB:.1f} GB of weights", off
-    return (f"cannot fit even fully offloaded: needs {partial_need / GiB:.1f} GB for activations, "
-            f"{room / GiB:.1f} GB available"), weights
+        return f"offloads {off / GiB:.1f} GiB of weights", off
+    parts = WORKING_MEMORY_PARTS + (" plus the margin" if margin else "")
+    return (f"cannot fit even fully offloaded: needs {partial_need / GiB:.1f} GiB of working memory ({parts}), "
+            f"{max(room, 0) / GiB:.1f} GiB available"), weights
+
+
+def _reservations(dims, r: EstimateRequest, w: activation_model.Workload) -> tuple:
+    res = activation_bytes(dims, w, r.weights, partial=False)
+    par = activation_bytes(dims, w, r.weights, partial=True)
+    return res, par, res["total"] + r.margin_bytes, par["total"] + r.margin_bytes
 
 
 def estimate(r: EstimateRequest) -> Estimate:
@@ -193,26 +233,29 @@ def estimate(r: EstimateRequest) -> Estimate:
     latent = activation_model.latent_shape(dims, r.width, r.height, r.frames, r.batch)
     _, _C, T, H, W = latent
     L = activation_model.tokens(dims, T, H, W)
-    self_p, cross_p = attention_paths(r.attention, r.cc)
+    self_p, cross_p, _kernel, attention_note = attention_plan(r.attention, r.cc)
     rows_seq = r.batch
     rows_bat = r.batch * (2 if r.cfg != 1.0 else 1)
     w = activation_model.Workload(L=L, rows=rows_seq, dtype=r.dtype, self_attn=self_p, cross_attn=cross_p,
                    img_tokens=r.img_tokens, per_frame_timesteps=T if r.per_frame_timesteps else 0,
                    vace_streams=r.vace_streams, latent_elems_per_row=activation_model.latent_elems(latent))
-    res = activation_bytes(dims, w, r.weights, partial=False)
-    par = activation_bytes(dims, w, r.weights, partial=True)
-    res_r = res["total"] + r.margin_bytes
-    par_r = par["total"] + r.margin_bytes
+    res, par, res_r, par_r = _reservations(dims, r, w)
+    bat_res = bat_par = None
+    if rows_bat != rows_seq:
+        _res, _par, bat_res, bat_par = _reservations(dims, r, activation_model.with_rows(w, rows_bat))
     comfy = comfy_estimate_bytes(dims, latent, r.dtype, vace=r.vace_streams > 0)
     verdict, offload = "unknown (no VRAM given)", 0
     if r.vram_bytes is not None and r.weights_bytes is not None:
-        verdict, offload = verdict_for(r.weights_bytes, res_r, par_r, r.vram_bytes - r.reserved_bytes)
+        verdict, offload = verdict_for(r.weights_bytes, res_r, par_r, r.vram_bytes - r.reserved_bytes, r.margin_bytes)
     elif r.vram_bytes is not None:
         verdict = "fits" if par_r <= r.vram_bytes - r.reserved_bytes else "cannot fit even fully offloaded"
+    notes = rounding_notes(dims, r.width, r.height, r.frames) + ([attention_note] if attention_note else [])
     return Estimate(
         request={"model": dims.name, "width": r.width, "height": r.height, "frames": r.frames,
-                 "batch": r.batch, "cfg": r.cfg, "dtype": r.dtype, "attention": r.attention},
+                 "batch": r.batch, "cfg": r.cfg, "dtype": r.dtype, "attention": r.attention,
+                 "kernel": _kernel, "cc": r.cc or DEFAULT_CC},
         latent=latent, tokens=L, rows_sequential=rows_seq, rows_batched=rows_bat,
         resident=res, partial=par, reservation_resident=res_r, reservation_partial=par_r,
+        reservation_batched_resident=bat_res, reservation_batched_partial=bat_par,
         comfy_estimate=comfy, weights_bytes=r.weights_bytes, vram_bytes=r.vram_bytes,
-        verdict=verdict, offload_bytes=max(0, offload), notes=tuple(rounding_notes(dims, r.width, r.height, r.frames)))
+        verdict=verdict, offload_bytes=max(0, offload), notes=tuple(notes))

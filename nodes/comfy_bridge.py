@@ -12,6 +12,7 @@ import weakref
 import torch
 
 from ..memory import activation_model
+from .log_once import reason, warn_once
 
 log = logging.getLogger("wan_sage")
 
@@ -28,17 +29,27 @@ def diffusion_model(obj):
     if hasattr(obj, "get_model_object"):
         try:
             return obj.get_model_object("diffusion_model")
-        except Exception:
+        except AttributeError:  # a patcher whose model has no diffusion_model: not a diffusion model
             pass
     return getattr(base_model(obj), "diffusion_model", None)
 
 
-def is_wan(model) -> bool:
+def wan_model_class():
+    """ComfyUI's ``WanModel`` class, or None (logged once with the reason) when it cannot be imported."""
     try:
         from comfy.ldm.wan.model import WanModel
-    except Exception:
-        return False
-    return isinstance(diffusion_model(model), WanModel)
+    except Exception as e:  # any failure inside ComfyUI's module: reported, and no model counts as Wan
+        warn_once(("wan-import", type(e).__name__),
+                  "wan-sage: ComfyUI's WanModel could not be imported (%s), so no model is recognised as a Wan "
+                  "model and both wan-sage nodes pass models through unchanged. Update ComfyUI (0.3.60 or newer), "
+                  "or fix what this error names.", reason(e))
+        return None
+    return WanModel
+
+
+def is_wan(model) -> bool:
+    wan_model = wan_model_class()
+    return wan_model is not None and isinstance(diffusion_model(model), wan_model)
 
 
 def compute_dtype(model) -> str:
@@ -105,7 +116,7 @@ def capacity(model) -> int:
         try:
             if lm.device == dev:
                 total += int(lm.model_loaded_memory())
-        except Exception:
+        except AttributeError:  # a LoadedModel whose patcher was freed (its weak reference is dead): no weights
             pass
     return total
 
@@ -116,25 +127,33 @@ def extra_reserved() -> int:
 
 
 def is_dynamic(model) -> bool:
+    """Whether ComfyUI manages this model's residency itself (dynamic VRAM, newer releases)."""
     try:
         return bool(getattr(model, "is_dynamic", lambda: False)())
-    except Exception:
+    except Exception as e:  # a newer ComfyUI's check failing: reported, and the legacy memory path is used
+        warn_once(("is-dynamic", type(e).__name__),
+                  "wan-sage: asking the model whether dynamic VRAM is on failed (%s); the legacy memory path "
+                  "is assumed.", reason(e))
         return False
 
 
 def aimdo_enabled() -> bool:
     try:
         import comfy.memory_management as mem
-        return bool(getattr(mem, "aimdo_enabled", False))
-    except Exception:
+    except ImportError:  # ComfyUI before dynamic VRAM (0.3.64 has no comfy.memory_management)
         return False
+    return bool(getattr(mem, "aimdo_enabled", False))
 
 
 def raw_sdpa():
-    """ComfyUI's own PyTorch attention, unwrapped so it never re-enters an override."""
+    """ComfyUI's own PyTorch attention, unwrapped so it never re-enters an override; None (logged once)
+    when it cannot be imported, and the patch then uses wan-sage's own SDPA call."""
     try:
         from comfy.ldm.modules import attention as comfy_attention
-    except Exception:
+    except Exception as e:  # any failure inside ComfyUI's module: reported, with the fallback named
+        warn_once(("raw-sdpa", type(e).__name__),
+                  "wan-sage: ComfyUI's attention module could not be imported (%s); the calls the Sage patch "
+                  "declines run on wan-sage's own PyTorch SDPA call.", reason(e))
         return None
     fn = getattr(comfy_attention, "attention_pytorch", None)
     return getattr(fn, "__wrapped__", fn)
@@ -160,12 +179,21 @@ class PatcherFreeMemory:
         return free_memory(dev)
 
 
+CACHE_ENV = "WAN_SAGE_CACHE_DIR"
+
+
 def cache_dir() -> str | None:
+    """Where the node keeps the kernel timing cache: ``$WAN_SAGE_CACHE_DIR`` when set (as for
+    ``wan-sage bench``), else ComfyUI's user directory + ``wan_sage``; None outside ComfyUI (the
+    timing cache then picks its own default)."""
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return os.path.expanduser(env)
     try:
         import folder_paths
-        return os.path.join(folder_paths.get_user_directory(), "wan_sage")
-    except Exception:
+    except ImportError:  # not running inside ComfyUI
         return None
+    return os.path.join(folder_paths.get_user_directory(), "wan_sage")
 
 
 def wrappers_mp():
@@ -174,10 +202,17 @@ def wrappers_mp():
 
 
 def send_event(event: str, data: dict) -> None:
+    """Send ``event`` to the web panel; nothing without a ComfyUI server, and a failed send is logged
+    once (the panel then misses the stats; sampling never fails over it)."""
     try:
         from server import PromptServer
-        inst = getattr(PromptServer, "instance", None)
-        if inst is not None:
-            inst.send_sync(event, data)
-    except Exception:
-        pass
+    except ImportError:  # no ComfyUI server in this process (CLI, tests)
+        return
+    inst = getattr(PromptServer, "instance", None)
+    if inst is None:
+        return
+    try:
+        inst.send_sync(event, data)
+    except Exception as e:  # the server's event loop is closing or gone
+        warn_once(("send-event", type(e).__name__),
+                  "wan-sage: sending %r to the web panel failed (%s); the panel misses this update.", event, reason(e))

@@ -21,8 +21,9 @@ from dataclasses import dataclass, replace
 from ..attention import kernels, registry
 from ..memory import activation_model
 from ..memory.api import POLICIES  # one list for the node, the route and the panel
-from ..memory.estimate import GiB, activation_bytes, verdict_for
+from ..memory.estimate import DEFAULT_CC, GiB, activation_bytes, verdict_for
 from . import comfy_bridge
+from .log_once import reason, warn_once
 from .sage_patch import find_override
 
 log = logging.getLogger("wan_sage")
@@ -42,30 +43,37 @@ class Settings:
 
 
 def _cc(dev) -> int | None:
+    if dev is None or getattr(dev, "type", None) != "cuda":
+        return None
     try:
-        import torch
-        if dev is not None and getattr(dev, "type", None) == "cuda":
-            return kernels.device_cc(dev)
-    except Exception:
-        pass
-    return None
+        return kernels.device_cc(dev)
+    except (RuntimeError, AssertionError) as e:  # a CUDA device torch cannot query
+        warn_once(("cc", type(e).__name__), "wan-sage: the compute capability of %s could not be read (%s); the "
+                  "estimate assumes sm90's Sage kernel.", dev, reason(e))
+        return None
 
 
 def attention_for(model_options, settings: Settings, dev) -> tuple:
-    """(self path, cross path, label) for the memory model, detecting the Sage patch."""
+    """(self path, cross path, label) for the memory model, detecting the Sage patch.
+
+    Counted as the dispatcher runs the calls: self-attention on the patch's kernel (for ``auto``,
+    the first available kernel of this GPU's auto order in the registry), cross-attention on SDPA
+    (the dispatcher keeps it there, reason ``cross_slower``); a kernel that does not run on this
+    GPU leaves both on SDPA."""
     ov = find_override((model_options or {}).get("transformer_options", {}))
     if settings.count_sage == "never" or (settings.count_sage == "auto-detect" and ov is None):
         return "sdpa", "sdpa", "sdpa"
-    cc = _cc(dev) or 90
+    cc = _cc(dev) or DEFAULT_CC
     name = ov.config.kernel if ov is not None else "auto"
     if name == "auto":
         cands = kernels.auto_candidates(cc) if _cc(dev) else ()
         order = cands or registry.auto_order(cc)
         if not order:
-            return "sdpa", "sdpa", "sdpa"
+            return "sdpa", "sdpa", f"sdpa (no kernel runs on sm{cc})"
         name = order[0]
-    path = registry.memory_path(name, cc)
-    return path, path, name
+    elif name not in registry.KERNELS or not registry.KERNELS[name].runs_on(cc):
+        return "sdpa", "sdpa", f"sdpa ({name} does not run on sm{cc})"
+    return registry.memory_path(name, cc), "sdpa", name
 
 
 def _workload(dims: activation_model.WanDims, shape, dtype: str, self_p: str, cross_p: str) -> activation_model.Workload:
@@ -158,10 +166,11 @@ def report_from_facts(f: dict, shape) -> str:
     t = f["terms"]
     verdict, _ = verdict_for(f["weights"], f["resident_need"], f["reservation"], f["capacity"] - f["reserved"])
     d = f["dims"]
-    return (f"Wan dim {d.dim} x {d.num_layers} layers ({d.model_type}), latent {list(shape)}, {f['dtype']}\n"
+    cross = "; cross-attention on SDPA" if f["attention"] in registry.KERNELS else ""
+    return (f"Wan dim {d.dim} x {d.num_layers} layers ({d.model_type}), latent {list(shape)}, {f['dtype']} compute\n"
             f"tokens: {f['tokens']:,} per row, {int(shape[0])} row(s) per forward\n"
             f"activation peak: {(t['phase_peak'] + t['persistent']) / GiB:.2f} GiB ({t['dominant_phase']}); "
-            f"Sage extra: {t['sage_extra'] / GiB:+.2f} GiB ({f['attention']})\n"
+            f"Sage extra: {t['sage_extra'] / GiB:+.2f} GiB ({f['attention']}{cross})\n"
             f"reservation: {f['reservation'] / GiB:.2f} GiB (weights {'partly offloaded' if f['partial'] else 'resident'}"
             f"{'; ' + ('streaming + ' if f['partial'] else '') + 'fragmentation ' + format(t['fragmentation'] / GiB, '.2f') + ' GiB' if t['fragmentation'] else ''}); "
             f"ComfyUI's own estimate: {f['comfy'] / GiB:.2f} GiB\n"
@@ -177,7 +186,9 @@ def _later_patch_note(model, shape, model_options, settings: Settings, facts: di
         extra = (with_sage["reservation"] - facts["reservation"]) / GiB
         return (f"Sage patch: none on the model here; a Wan 2.2 Sage Attention Patch after this node is counted "
                 f"when sampling starts ({with_sage['attention']}: reservation {extra:+.2f} GiB)")
-    except Exception:  # the note is a courtesy; never fail the node over it
+    except Exception as e:  # the note is a courtesy: the node never fails over it, and the reason is logged once
+        warn_once(("later-patch-note", type(e).__name__), "wan-sage: estimating what a Sage patch after the "
+                  "Working-Memory Estimator adds failed (%s); the report leaves the figure out.", reason(e))
         return "Sage patch: none on the model here; one after this node is counted when sampling starts"
 
 
@@ -223,8 +234,9 @@ def _trim_after_load(dev) -> None:
     try:
         import comfy.model_management as mm
         mm.soft_empty_cache()
-    except Exception as e:  # never fail a sampling over a cache trim
-        log.debug("wan-sage: cache trim after loading failed: %s", e)
+    except Exception as e:  # never fail a sampling over a cache trim; the reason is logged once
+        warn_once(("trim", type(e).__name__), "wan-sage: emptying the allocator cache after loading failed (%s); "
+                  "sampling goes on with the cached blocks.", reason(e))
 
 
 def _cond_batch_wrapper(settings: Settings):
@@ -237,7 +249,9 @@ def _cond_batch_wrapper(settings: Settings):
             partial = bool(getattr(base, "model_lowvram", False))
             fn = MemoryRequired(dims, dtype, self_p, cross_p, activation_model.WeightSetup(streamed=partial), partial, settings,
                                 _orig(base))
-        except Exception:
+        except Exception as e:  # never block sampling on the estimate; the reason is logged once
+            warn_once(("cond-batch", type(e).__name__), "wan-sage: the working-memory estimate for cond/uncond "
+                      "batching failed (%s); ComfyUI's own estimate decides the batching.", reason(e))
             return executor(model, conds, x_in, timestep, model_options, *args, **kwargs)
         prev = _swap(base, fn)
         try:

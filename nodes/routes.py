@@ -1,58 +1,94 @@
 """Server routes: ``POST /wan_sage/estimate`` (the memory estimate for given model info or a
 preset) and ``GET /wan_sage/stats`` (the last sampling run's attention stats per patch).
-Bad JSON or values answer 400 with the offending field; nothing here raises a 500."""
+
+A client error answers 4xx with ``{"error": one line, "field": the field's name}``: the body is
+read with a size cap and its nesting depth checked before it is parsed, and every field is
+checked by :mod:`memory.api`.  Client errors are not logged; only a fault of the estimator itself
+answers 500, and it is logged with its traceback once per kind of fault.
+"""
 from __future__ import annotations
 
-import json
 import logging
 
 from ..attention import kernels, stats
 from ..memory.api import RequestError, estimate_from_json
-from . import comfy_bridge
+from ..memory.json_body import MAX_BODY_BYTES, BodyError, parse_body
 
 log = logging.getLogger("wan_sage")
 
 MODEL_FOLDERS = ("diffusion_models", "unet_gguf", "unet", "checkpoints")
+_logged_faults: set = set()
+_logged_device = []
 
 
 def resolve_model_file(name: str):
+    """The path of ``name`` in ComfyUI's model folders, or None (not found, or no ComfyUI)."""
     try:
         import folder_paths
-    except Exception:
+    except ImportError:
         return None
     for folder in MODEL_FOLDERS:
-        try:
-            p = folder_paths.get_full_path(folder, name)
-        except Exception:
-            p = None
+        p = folder_paths.get_full_path(folder, name)
         if p:
             return p
     return None
 
 
 def _device_defaults():
+    """(total VRAM bytes, compute capability) of ComfyUI's device, or (None, None) off CUDA."""
     try:
-        import torch
         import comfy.model_management as mm
         dev = mm.get_torch_device()
         if dev.type == "cuda":
-            cc = kernels.device_cc(dev)
-            return int(mm.get_total_memory(dev)), cc
-    except Exception:
-        pass
+            return int(mm.get_total_memory(dev)), kernels.device_cc(dev)
+    except ImportError:
+        return None, None
+    except (RuntimeError, AssertionError) as e:  # CUDA initialisation errors
+        if not _logged_device:
+            _logged_device.append(e)
+            log.warning("wan-sage: the estimate route cannot read the GPU (%s: %s); it assumes none.",
+                        type(e).__name__, e)
     return None, None
 
 
 def handle_estimate(payload) -> tuple:
-    """(status, body dict): what the route answers, testable without a server."""
+    """(status, body dict) for a parsed JSON payload: what the route answers, testable without a server."""
     try:
         vram, cc = _device_defaults()
         return 200, estimate_from_json(payload, resolve_model_file, vram, cc)
     except RequestError as e:
         return 400, {"error": str(e), "field": e.field}
-    except Exception as e:  # never a 500 for a request the estimator cannot handle
-        log.exception("wan-sage: estimate route failed")
-        return 400, {"error": f"{type(e).__name__}: {e}", "field": "body"}
+    except Exception as e:  # a fault of the estimator, not of the request: logged once per kind
+        kind = (type(e).__name__, str(e)[:100])
+        if kind not in _logged_faults:
+            _logged_faults.add(kind)
+            log.exception("wan-sage: the estimate route failed on a valid request")
+        return 500, {"error": f"the estimator failed ({type(e).__name__}); the ComfyUI log has the details",
+                     "field": "body"}
+
+
+def handle_estimate_body(raw: bytes) -> tuple:
+    """(status, body dict) for the raw request body."""
+    try:
+        payload = parse_body(raw)
+    except BodyError as e:
+        return e.status, {"error": str(e), "field": "body"}
+    return handle_estimate(payload)
+
+
+async def _read_capped(request) -> bytes | None:
+    """The request body, or None when it is longer than MAX_BODY_BYTES (read no further)."""
+    if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+        return None
+    chunks, size = [], 0
+    while True:
+        chunk = await request.content.read(MAX_BODY_BYTES + 1 - size)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            return None
 
 
 def stats_body() -> dict:
@@ -83,18 +119,18 @@ def register(server=None) -> bool:
         if server is None:
             from server import PromptServer
             server = getattr(PromptServer, "instance", None)
-    except Exception:
+    except ImportError:
         return False
     if server is None or getattr(server, "_wan_sage_routes", False):
         return False
 
     @server.routes.post("/wan_sage/estimate")
     async def estimate_route(request):
-        try:
-            payload = await request.json()
-        except (json.JSONDecodeError, ValueError, UnicodeDecodeError):
-            return web.json_response({"error": "the body is not valid JSON", "field": "body"}, status=400)
-        status, body = handle_estimate(payload)
+        raw = await _read_capped(request)
+        if raw is None:
+            return web.json_response({"error": f"the request body is larger than {MAX_BODY_BYTES} bytes",
+                                      "field": "body"}, status=413)
+        status, body = handle_estimate_body(raw)
         return web.json_response(body, status=status)
 
     @server.routes.get("/wan_sage/stats")

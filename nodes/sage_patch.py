@@ -7,18 +7,12 @@ import logging
 from ..attention import kernels, stats
 from ..attention.dispatch import PatchConfig, SageAttentionOverride
 from . import comfy_bridge
+from .log_once import reason, warn_once
 
 log = logging.getLogger("wan_sage")
-_warned: set = set()
 
 STATS_EVENT = "wan_sage.stats"
 OUTER_KEY = "wan_sage_attention_stats"
-
-
-def _warn_once(key, msg, *args):
-    if key not in _warned:
-        _warned.add(key)
-        log.warning(msg, *args)
 
 
 def find_override(transformer_options) -> SageAttentionOverride | None:
@@ -39,9 +33,9 @@ def _stats_wrapper(patch_id: str, label: str, node_id: str | None = None):
         mo = getattr(guider, "model_options", None) or {}
         found = find_override(mo.get("transformer_options", {}))
         if found is None or found.patch_id != patch_id:
-            _warn_once(("displaced", patch_id), "wan-sage: another node replaced the Sage attention override on "
-                       "this model after the Wan 2.2 Sage Attention Patch (the slot keeps only the last writer). "
-                       "Put the patch after that node to use SageAttention.")
+            warn_once(("displaced", patch_id), "wan-sage: another node replaced the Sage attention override on "
+                      "this model after the Wan 2.2 Sage Attention Patch (the slot keeps only the last writer). "
+                      "Put the patch after that node to use SageAttention.")
         stats.begin_run(patch_id, label)
         try:
             return executor(*args, **kwargs)
@@ -58,18 +52,21 @@ def status_text(kernel: str) -> str:
     p = kernels.probe()
     parts = [f"kernel: {kernel}", f"sageattention: {p.sage_version or 'not installed'}",
              f"comfy-kitchen int8: {'yes' if p.ck_available else 'no'}"]
+    import torch
     try:
-        import torch
-        if torch.cuda.is_available():
-            cc = kernels.device_cc(torch.device("cuda"))
-            if kernel == "auto":
-                c = kernels.auto_candidates(cc)
-                parts.append(f"sm{cc} candidates: {', '.join(c) if c else 'none'}")
-            else:
-                why = kernels.unavailable_reason(kernel, cc)
-                parts.append(f"sm{cc}: {'available' if why is None else why}")
-    except Exception:
-        pass
+        cc = kernels.device_cc(torch.device("cuda")) if torch.cuda.is_available() else None
+    except (RuntimeError, AssertionError) as e:  # a CUDA torch that cannot reach its GPU
+        warn_once(("status-cuda", type(e).__name__), "wan-sage: the GPU's compute capability could not be read "
+                  "for the Sage patch's status (%s).", reason(e))
+        parts.append(f"GPU: unreadable ({reason(e)})")
+        return "; ".join(parts)
+    if cc is not None:
+        if kernel == "auto":
+            c = kernels.auto_candidates(cc)
+            parts.append(f"sm{cc} candidates: {', '.join(c) if c else 'none'}")
+        else:
+            why = kernels.unavailable_reason(kernel, cc)
+            parts.append(f"sm{cc}: {'available' if why is None else why}")
     return "; ".join(parts)
 
 
@@ -77,28 +74,28 @@ def apply_patch(model, kernel="auto", min_tokens=1024, calibrate=True, memory_ma
                 check_finite=True, node_id=None):
     """Returns (patched clone or the input model, report text)."""
     if not comfy_bridge.is_wan(model):
-        _warn_once("notwan", "wan-sage: the Sage Attention Patch got a model that is not a Wan video model; "
-                   "it is passed through unchanged.")
+        warn_once("notwan", "wan-sage: the Sage Attention Patch got a model that is not a Wan video model; "
+                  "it is passed through unchanged.")
         return model, "not a Wan model: passed through unchanged"
     if not kernels.any_kernel_importable():
         p = kernels.probe()
-        _warn_once("nosage", "wan-sage: SageAttention is not installed (%s), so the Sage Attention Patch passes "
-                   "the model through. %s", p.sage_error, kernels.install_hint())
+        warn_once("nosage", "wan-sage: SageAttention is not installed (%s), so the Sage Attention Patch passes "
+                  "the model through. %s", p.sage_error, kernels.install_hint())
         return model, "SageAttention not installed: passed through. " + kernels.install_hint()
     if kernel != "auto":
         why = kernels.unavailable_reason(kernel)
         if why:
-            _warn_once(("kernel", kernel), "wan-sage: kernel %r is unavailable: %s. Calls will use SDPA.", kernel, why)
+            warn_once(("kernel", kernel), "wan-sage: kernel %r is unavailable: %s. Calls will use SDPA.", kernel, why)
     m = model.clone()
     to = m.model_options.setdefault("transformer_options", {})
     prev = to.get(comfy_bridge.OVERRIDE_KEY)
     if isinstance(prev, SageAttentionOverride):
         prev = prev.prev  # re-patching replaces our own earlier patch instead of stacking it
     elif prev is not None:
-        _warn_once(("displacing", type(prev).__qualname__),
-                   "wan-sage: this model already has an attention override (%s, e.g. from ModelAttentionBackend or "
-                   "another pack). The slot keeps only the last writer, so the Sage patch takes it and hands every "
-                   "call it declines to that override.", getattr(prev, "__qualname__", type(prev).__qualname__))
+        warn_once(("displacing", type(prev).__qualname__),
+                  "wan-sage: this model already has an attention override (%s, e.g. from ModelAttentionBackend or "
+                  "another pack). The slot keeps only the last writer, so the Sage patch takes it and hands every "
+                  "call it declines to that override.", getattr(prev, "__qualname__", type(prev).__qualname__))
     cfg = PatchConfig(kernel=kernel, min_tokens=int(min_tokens), calibrate=bool(calibrate),
                       memory_margin_mb=int(memory_margin_mb), check_finite=bool(check_finite),
                       cache_dir=comfy_bridge.cache_dir(), label="Wan Sage patch" + (f" #{node_id}" if node_id else ""),

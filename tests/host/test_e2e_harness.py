@@ -46,6 +46,7 @@ def e2e_rows(tmp_path_factory):
     return rows, err, tmp
 
 
+@pytest.mark.needs_sage
 def test_tiny_pipeline_end_to_end_through_real_loaders(e2e_rows):
     rows, err, tmp = e2e_rows
     assert len(rows) == 2
@@ -172,6 +173,7 @@ def test_full_scale_file_sizes(comfy):
     assert len(lora) == 40 * 10 * 3 and 0.55e9 < sum(s.nbytes for s in lora) < 0.7e9
 
 
+@pytest.mark.needs_sage
 def test_saved_workflow_ui_format_runs_through_prompt_executor(e2e_rows, tmp_path):
     _, _, tmp = e2e_rows
     wf = tmp_path / "wan22_tiny.json"
@@ -187,6 +189,7 @@ def test_saved_workflow_ui_format_runs_through_prompt_executor(e2e_rows, tmp_pat
     assert len(runs) == 2 and all(x["reasons"] == {"cpu": 8} for x in runs)
 
 
+@pytest.mark.needs_sage
 @pytest.mark.parametrize("name", ["Wan 2.2 A14B text to video 720p.json"])
 def test_the_packs_saved_a14b_workflow_runs_at_tiny_scale(e2e_rows, name):
     path = ROOT / "example_workflows" / name
@@ -327,8 +330,10 @@ def tiny_ui_workflow():
             "extra": {}, "version": 0.4}
 
 
+@pytest.mark.needs_sage
 def test_plot_and_table_from_the_json_lines(e2e_rows, tmp_path):
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed: only bench/plot_e2e.py's PNG needs it "
+                                             "(pip install matplotlib)")
     _, _, tmp = e2e_rows
     import plot_e2e
     runs = plot_e2e.load([tmp / "runs.jsonl"])

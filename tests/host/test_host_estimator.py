@@ -99,6 +99,7 @@ def test_pool_is_trimmed_after_loading_on_cuda_only(comfy, monkeypatch):
     assert events.index("load") < events.index("trim") < events.index("step"), events
 
 
+@pytest.mark.needs_sage
 def test_policies_and_sage_detection(comfy, record_loads):
     from wan_sage.nodes.estimator import POLICIES, Settings, apply_estimator, attention_for
     from wan_sage.nodes.sage_patch import apply_patch
@@ -125,6 +126,7 @@ def test_report_shows_tokens_peak_weights_and_verdict(comfy):
         assert word in text
 
 
+@pytest.mark.needs_sage
 def test_report_says_a_sage_patch_after_the_node_is_counted_at_sampling(comfy):
     # The H200 end-to-end graph puts the estimator before the patch: its node-time report read
     # "Sage extra: +0.00 GiB (sdpa)" although sampling reserved Sage's bytes.

@@ -35,6 +35,7 @@ def test_pack_registers_its_nodes_with_comfyui(comfy):
     assert comfy.nodes.NODE_DISPLAY_NAME_MAPPINGS["WanSageAttentionPatch"] == "Wan 2.2 Sage Attention Patch"
 
 
+@pytest.mark.needs_sage
 @pytest.mark.parametrize("model_type,per_block", [("t2v", 2), ("i2v", 3)])
 def test_override_reaches_every_wan_call_site_and_cpu_goes_to_sdpa(comfy, model_type, per_block, caplog):
     from wan_sage.attention import stats
@@ -44,8 +45,8 @@ def test_override_reaches_every_wan_call_site_and_cpu_goes_to_sdpa(comfy, model_
     m0 = base.clone()
     m0.model_options["transformer_options"]["optimized_attention_override"] = spy
     import logging
-    from wan_sage.nodes import sage_patch
-    sage_patch._warned.discard(("displacing", "Spy"))
+    from wan_sage.nodes import log_once
+    log_once.warned.discard(("displacing", "Spy"))
     with caplog.at_level(logging.WARNING, logger="wan_sage"):
         m, status = apply_patch(m0)
     assert m is not m0 and status.startswith("patched")
@@ -78,6 +79,7 @@ def test_unpatched_model_stays_bit_identical(comfy):
     assert "optimized_attention_override" not in base.model_options["transformer_options"]
 
 
+@pytest.mark.needs_sage
 def test_patched_model_samples_like_sdpa_on_cpu(comfy):
     from wan_sage.nodes.sage_patch import apply_patch
     base = comfy_env.tiny_wan_patcher(num_layers=LAYERS)
@@ -90,6 +92,7 @@ def test_patched_model_samples_like_sdpa_on_cpu(comfy):
     assert torch.equal(out, expect)
 
 
+@pytest.mark.needs_sage
 def test_repatching_replaces_instead_of_stacking_and_survives_clones(comfy):
     from wan_sage.nodes.sage_patch import apply_patch, find_override
     base = comfy_env.tiny_wan_patcher(num_layers=LAYERS)
@@ -112,6 +115,7 @@ def test_non_wan_model_passes_through(comfy):
     assert m is other and nums is None and "not a Wan model" in text
 
 
+@pytest.mark.needs_sage
 def test_node_schemas_execute(comfy):
     from wan_sage.nodes.schemas import WanSageAttentionPatch, WanWorkingMemoryEstimator
     base = comfy_env.tiny_wan_patcher(num_layers=LAYERS)

@@ -98,12 +98,12 @@ def test_bench_without_gpu_names_the_alternative(capsys):
 
 def test_estimate_api_json_and_field_errors():
     from wan_sage.memory.api import RequestError, estimate_from_json, guess_preset
-    r = estimate_from_json({"preset": "wan2.2-a14b", "width": 1280, "height": 720, "frames": 81, "vram_gb": 24,
+    r = estimate_from_json({"preset": "wan2.2-a14b", "width": 1280, "height": 720, "frames": 81, "vram_gib": 24,
                             "attention": "sage-auto", "arch": "sm90"})
     assert r["summary"]["tokens"] == 75600 and r["summary"]["level"] == "offloads"
-    assert 9.5 < r["summary"]["reservation_gb"] < 11 and r["summary"]["sage_extra_gb"] > 0.3
+    assert 9.5 < r["summary"]["reservation_gib"] < 11 and r["summary"]["sage_extra_gib"] > 0.3
     r = estimate_from_json({"model_file": "wan2.2_t2v_high_noise_14B_Q4_K_M.gguf", "width": 832, "height": 480,
-                            "frames": 81, "vram_gb": 24})
+                            "frames": 81, "vram_gib": 24})
     assert r["summary"]["tokens"] == 32760 and "guessed" in r["summary"]["source"]
     assert guess_preset("wan2.2_ti2v_5B_fp16.safetensors") == "wan2.2-ti2v-5b"
     for payload, field in (({"width": "x", "height": 720, "frames": 81}, "width"),
@@ -111,7 +111,7 @@ def test_estimate_api_json_and_field_errors():
                            ({"width": 1280, "height": 720}, "frames"),
                            ({"preset": "sd15", "width": 1280, "height": 720, "frames": 81}, "preset"),
                            ({"width": 1280, "height": 720, "frames": 81, "attention": "xformers"}, "attention"),
-                           ({"width": 1280, "height": 720, "frames": 81, "vram_gb": -2}, "vram_gb"),
+                           ({"width": 1280, "height": 720, "frames": 81, "vram_gib": -2}, "vram_gib"),
                            ({"model_file": "mystery.safetensors", "width": 1280, "height": 720, "frames": 81}, "model_file"),
                            ([1, 2], "body")):
         with pytest.raises(RequestError) as e:
@@ -129,10 +129,10 @@ def test_route_handler_answers_400_not_500():
 
 def test_estimate_api_policies():
     from wan_sage.memory.api import RequestError, estimate_from_json
-    base = {"preset": "wan2.2-a14b", "width": 1280, "height": 720, "frames": 81, "vram_gb": 24}
-    ours = estimate_from_json(base)["summary"]["reservation_gb"]
-    assert estimate_from_json({**base, "policy": "fixed GB per row", "fixed_gb": 9.5})["summary"]["reservation_gb"] == 9.5
-    assert estimate_from_json({**base, "policy": "max(wan-sage, ComfyUI)"})["summary"]["reservation_gb"] == pytest.approx(13.61, abs=0.01)
+    base = {"preset": "wan2.2-a14b", "width": 1280, "height": 720, "frames": 81, "vram_gib": 24}
+    ours = estimate_from_json(base)["summary"]["reservation_gib"]
+    assert estimate_from_json({**base, "policy": "fixed GB per row", "fixed_gib": 9.5})["summary"]["reservation_gib"] == 9.5
+    assert estimate_from_json({**base, "policy": "max(wan-sage, ComfyUI)"})["summary"]["reservation_gib"] == pytest.approx(13.61, abs=0.01)
     assert ours < 11
     with pytest.raises(RequestError) as e:
         estimate_from_json({**base, "policy": "yolo"})

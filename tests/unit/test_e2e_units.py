@@ -306,11 +306,39 @@ def test_ratios_stay_within_a_session_and_out_of_memory_is_checked_across_sessio
     assert t["all sessions, the estimator never runs out of memory where ComfyUI alone completes"] == \
         ("1 pair, 2 estimator runs; out of memory in 1: 720p81 24 GB gguf · estimator + SAGE", "missed")
     out = tmp_path / "t.md"
-    assert plot_e2e.main(["--session", f"A={pa}", "--session", f"B={pb}", "--out", str(tmp_path / "p.png"),
-                          "--markdown", str(out)]) == 0
+    assert plot_e2e.main(["--session", f"A={pa}", "--session", f"B={pb}", "--markdown", str(out)]) == 0
     assert "session B, estimator" in out.read_text() and "[B] 720p81" in out.read_text()
+    assert not (tmp_path / "e2e.png").exists()                # --markdown alone draws no PNG
     with pytest.raises(SystemExit):
         plot_e2e.main(["--session", "no-equals-sign"])
+
+
+def _two_session_records(tmp_path):
+    pa, pb = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    pa.write_text(json.dumps(_row(True, "sdpa", 24.0, 13.0)))
+    pb.write_text(json.dumps(_row(True, "sage", 24.0, 10.4)))
+    return ["--session", f"A={pa}", "--session", f"B={pb}"]
+
+
+def test_the_png_without_matplotlib_is_one_clear_line_and_the_tables_need_none(tmp_path, monkeypatch, capsys):
+    import plot_e2e
+    monkeypatch.setitem(sys.modules, "matplotlib", None)      # as if it were not installed
+    args = _two_session_records(tmp_path)
+    assert plot_e2e.main(args + ["--out", str(tmp_path / "p.png"), "--markdown", str(tmp_path / "t.md")]) == 2
+    err = capsys.readouterr().err
+    assert "needs matplotlib (pip install matplotlib)" in err and "--markdown FILE without --out" in err
+    assert not (tmp_path / "t.md").exists() and not (tmp_path / "p.png").exists()
+    assert plot_e2e.main(args + ["--markdown", str(tmp_path / "t.md")]) == 0
+    assert "estimator + SAGE" in (tmp_path / "t.md").read_text()
+
+
+def test_the_png_is_drawn_with_the_tables(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed: only bench/plot_e2e.py's PNG needs it "
+                                             "(pip install matplotlib); the tables are tested without it")
+    import plot_e2e
+    png, md = tmp_path / "p.png", tmp_path / "t.md"
+    assert plot_e2e.main(_two_session_records(tmp_path) + ["--out", str(png), "--markdown", str(md)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "[B] 720p81" in md.read_text()
 
 
 def test_runs_without_the_finite_check_are_labelled_and_kept_apart():

@@ -20,7 +20,7 @@ W720 = activation_model.Workload(L=75600, self_attn="sdpa")
 
 
 def _ws(key, lora=True):
-    return weights_for_key(A14B, key, lora)[0]
+    return weights_for_key(A14B, key, lora, compute="bf16").setup
 
 
 def test_only_cast_weights_get_the_term_when_resident():
@@ -47,7 +47,8 @@ def _fp8_records():
 
 
 def _request(c, vram_gib=None):
-    ws, wbytes = weights_for_key(A14B, "fp8", True)
+    plan = weights_for_key(A14B, "fp8", True, compute="bf16")
+    ws, wbytes = plan.setup, plan.nbytes
     return EstimateRequest(dims=A14B, width=c["width"], height=c["height"], frames=c["frames"],
                            attention="sage-auto" if c["attention"] == "sage" else "sdpa", cc=90, weights=ws,
                            weights_bytes=wbytes, vram_bytes=None if vram_gib is None else int(vram_gib * GiB))
@@ -82,7 +83,8 @@ def test_the_fp8_run_that_ran_out_of_memory_now_offloads():
 
 def test_gguf_and_bf16_reservations_are_unchanged_by_the_term():
     for key in ("q4_k_m", "bf16"):
-        ws, wbytes = weights_for_key(A14B, key, True)
+        plan = weights_for_key(A14B, key, True, compute="bf16")
+        ws, wbytes = plan.setup, plan.nbytes
         est = estimate(EstimateRequest(dims=A14B, width=1280, height=720, frames=81, attention="sdpa", weights=ws,
                                        weights_bytes=wbytes))
         assert est.resident["fragmentation"] == 0

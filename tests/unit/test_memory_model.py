@@ -7,7 +7,7 @@ import torch
 
 from wan_sage.memory import activation_model
 from wan_sage.memory.estimate import EstimateRequest, GiB, activation_bytes, comfy_estimate_bytes, estimate
-from wan_sage.memory.headers import NotAWanModel, read_model_file
+from wan_sage.memory.headers import ModelFileError, NotAWanModel, read_model_file
 
 A14B = activation_model.PRESETS["wan2.2-a14b"]
 
@@ -138,7 +138,7 @@ def test_non_wan_and_broken_files(tmp_path):
     bad.write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
     with pytest.raises(ValueError, match="not a safetensors"):
         read_model_file(str(bad))
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(ModelFileError, match="no such file"):
         read_model_file(str(tmp_path / "missing.safetensors"))
 
 

@@ -1,0 +1,64 @@
+"""Attention counted as the dispatcher runs it: cross-attention on SDPA, self-attention on the
+first kernel of the arch's auto order in the registry, SDPA where no kernel runs."""
+import pytest
+
+from wan_sage.attention import registry
+from wan_sage.memory import activation_model
+from wan_sage.memory.estimate import EstimateRequest, attention_plan, estimate
+
+A14B = activation_model.PRESETS["wan2.2-a14b"]
+
+
+@pytest.mark.parametrize("cc,kernel", [(90, "sage2_sm90"), (89, "sage2_fp8_cuda"), (120, "sage2_fp8_cuda"),
+                                       (75, "ck_int8"), (100, "ck_int8"), (70, None)])
+def test_sage_auto_uses_the_registry_order_of_each_arch(cc, kernel):
+    self_path, cross_path, name, note = attention_plan("sage-auto", cc)
+    assert name == kernel and cross_path == "sdpa"
+    if kernel is None:
+        assert self_path == "sdpa" and note == "no kernel runs on sm70: attention stays on SDPA"
+    else:
+        assert self_path == registry.memory_path(kernel, cc) and note is None
+
+
+def test_a_kernel_that_does_not_run_on_the_arch_leaves_sdpa():
+    assert attention_plan("sage2_sm90", 89)[:3] == ("sdpa", "sdpa", None)
+    assert "does not run on sm89" in attention_plan("sage2_sm90", 89)[3]
+
+
+def _phases(attention, cc):
+    e = estimate(EstimateRequest(A14B, 1280, 720, 81, attention=attention, cc=cc))
+    w = activation_model.Workload(L=e.tokens, self_attn=attention_plan(attention, cc)[0],
+                                  cross_attn=attention_plan(attention, cc)[1])
+    return e, activation_model.phase_peaks(A14B, w)
+
+
+def test_cross_attention_is_counted_on_sdpa():
+    _e, sdpa = _phases("sdpa", 90)
+    _e, sage = _phases("sage-auto", 90)
+    assert sage["cross"] == sdpa["cross"] and sage["attn"] > sdpa["attn"]
+
+
+def test_arch_changes_the_attention_phase():
+    _e, sdpa = _phases("sdpa", 90)
+    _e, sm90 = _phases("sage-auto", 90)
+    _e, sm75 = _phases("sage-auto", 75)
+    sm70, at70 = _phases("sage-auto", 70)
+    assert sm90["attn"] > sm75["attn"] > sdpa["attn"] == at70["attn"]
+    assert sm70.resident["sage_extra"] == 0
+    assert "no kernel runs on sm70: attention stays on SDPA" in sm70.notes
+
+
+def test_the_node_counts_cross_attention_on_sdpa(monkeypatch):
+    from wan_sage.attention.dispatch import PatchConfig, SageAttentionOverride
+    from wan_sage.nodes import comfy_bridge, estimator
+    monkeypatch.setattr(estimator.kernels, "auto_candidates", lambda cc: ())
+    mo = {"transformer_options": {comfy_bridge.OVERRIDE_KEY: SageAttentionOverride(PatchConfig())}}
+    for cc, kernel in ((90, "sage2_sm90"), (75, "ck_int8"), (100, "ck_int8")):
+        monkeypatch.setattr(estimator, "_cc", lambda dev, cc=cc: cc)
+        self_path, cross_path, label = estimator.attention_for(mo, estimator.Settings(), None)
+        assert (self_path, cross_path, label) == (registry.memory_path(kernel, cc), "sdpa", kernel)
+    monkeypatch.setattr(estimator, "_cc", lambda dev: 70)
+    assert estimator.attention_for(mo, estimator.Settings(), None)[:2] == ("sdpa", "sdpa")
+    forced = {"transformer_options": {comfy_bridge.OVERRIDE_KEY: SageAttentionOverride(PatchConfig(kernel="sage2_sm90"))}}
+    monkeypatch.setattr(estimator, "_cc", lambda dev: 89)
+    assert estimator.attention_for(forced, estimator.Settings(), None)[:2] == ("sdpa", "sdpa")

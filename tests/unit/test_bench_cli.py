@@ -1,0 +1,73 @@
+"""``wan-sage bench`` writes where the node reads (--comfyui, --cache-dir, $WAN_SAGE_CACHE_DIR) and
+says how to install torch when it is missing; no GPU needed (the comparison itself is stubbed)."""
+import sys
+
+import pytest
+
+from wan_sage import cli
+from wan_sage.attention import kernel_compare
+
+
+@pytest.fixture
+def bench_dirs(monkeypatch):
+    """The cache directory ``wan-sage bench`` hands to the comparison, one per call."""
+    seen = []
+
+    def main(a):
+        seen.append(a.cache_dir)
+        return 0
+    monkeypatch.setattr(kernel_compare, "main", main)
+    monkeypatch.delenv("WAN_SAGE_CACHE_DIR", raising=False)
+    return seen
+
+
+def _comfyui(tmp_path):
+    root = tmp_path / "ComfyUI"
+    root.mkdir()
+    (root / "folder_paths.py").write_text("")
+    return root
+
+
+def test_comfyui_writes_into_its_user_folder(bench_dirs, tmp_path, capsys):
+    root = _comfyui(tmp_path)
+    assert cli.main(["bench", "--comfyui", str(root)]) == 0
+    assert bench_dirs == [str(root / "user" / "wan_sage")]
+    assert capsys.readouterr().err == ""
+
+
+def test_cache_dir_and_the_default(bench_dirs, tmp_path):
+    assert cli.main(["bench", "--cache-dir", str(tmp_path / "c")]) == 0
+    assert cli.main(["bench"]) == 0
+    assert bench_dirs == [str(tmp_path / "c"), None]        # None: $WAN_SAGE_CACHE_DIR, else ~/.cache/wan-sage
+
+
+def test_comfyui_that_is_not_comfyui_is_one_line(bench_dirs, tmp_path, capsys):
+    assert cli.main(["bench", "--comfyui", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--comfyui" in err and "is not a ComfyUI folder (it has no folder_paths.py)" in err
+    assert bench_dirs == []
+
+
+def test_comfyui_and_cache_dir_together_are_refused(bench_dirs, tmp_path, capsys):
+    assert cli.main(["bench", "--comfyui", str(_comfyui(tmp_path)), "--cache-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "not allowed with argument" in err and err.startswith("wan-sage bench:") and len(err.splitlines()) == 1
+
+
+def test_comfyui_with_the_environment_variable_set_says_which_the_node_reads(bench_dirs, tmp_path, monkeypatch,
+                                                                            capsys):
+    monkeypatch.setenv("WAN_SAGE_CACHE_DIR", str(tmp_path / "env-cache"))
+    root = _comfyui(tmp_path)
+    assert cli.main(["bench", "--comfyui", str(root)]) == 0
+    assert bench_dirs == [str(root / "user" / "wan_sage")]
+    assert f"WAN_SAGE_CACHE_DIR is set; a ComfyUI started with it reads {tmp_path / 'env-cache'}" in \
+        capsys.readouterr().err
+
+
+def test_without_torch_bench_says_how_to_install_it(bench_dirs, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch", None)          # as if torch were not installed
+    assert cli.main(["bench"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "needs PyTorch" in err and 'pip install "wan-sage[bench]"' in err
+    assert bench_dirs == []
