@@ -150,7 +150,7 @@ class Panel {
   }
 }
 
-/** The frontend's LiteGraph object: a global in 1.27, under comfyAPI in later frontends. */
+/** The frontend's LiteGraph object: window.LiteGraph, else the one under window.comfyAPI. */
 const liteGraph = () => globalThis.LiteGraph ?? globalThis.comfyAPI?.litegraph?.LiteGraph ?? null;
 
 const isVueMode = () => liteGraph()?.vueNodesMode === true;
