@@ -39,7 +39,7 @@ const LINE_PX = 16; // every line of the panels is one 16 px line box
 const PAD_PX = 4; // the panel's vertical padding, each side
 const MARGIN_PX = 4; // the DOM widget's margin inside the node, each side
 const ESTIMATOR_EMPTY = "Memory estimate: waiting for the graph";
-const STATS_PLACEHOLDER = "Call counts and time saved appear here after a sampling run.";
+const STATS_PLACEHOLDER = "Call counts and time saved appear after a run.";
 const WARN_COLOUR = LEVEL_COLOURS.offloads;
 
 const panels = new Set();
@@ -236,7 +236,7 @@ class EstimatorPanel extends Panel {
       style: { color: LEVEL_COLOURS.unknown } }, ESTIMATOR_EMPTY);
     this.headline.append(this.assumption, this.verdict);
     this.size = h("div", { "data-field": "size", "data-from": "", style: { ...MUTED, ...ONE_LINE } }, "");
-    this.model = h("div", { "data-field": "model", "data-guessed": "false", style: { ...MUTED, ...ONE_LINE } }, "");
+    this.model = h("div", { "data-field": "model", "data-guessed": "false", style: { ...MUTED } }, "");
     const { table, cells, rows } = rowsTable(estimateRows(null, null));
     this.table = table;
     this.tableRows = rows;
@@ -257,7 +257,8 @@ class EstimatorPanel extends Panel {
   lineCount() {
     const visible = (el) => !el.hidden;
     let n = 1; // the verdict
-    for (const el of [this.assumption, this.size, this.model, this.source, this.report]) n += visible(el) ? 1 : 0;
+    for (const el of [this.assumption, this.size, this.source, this.report]) n += visible(el) ? 1 : 0;
+    if (visible(this.model)) n += 2; // type, dim, layers, heads and weights wrap to a second line
     if (visible(this.table)) n += this.tableRows;
     if (visible(this.error)) n += Math.max(1, this.error.textContent.split("\n").length);
     return n;

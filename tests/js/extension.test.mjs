@@ -144,7 +144,7 @@ describe("web/wan_sage.js in a fake frontend", () => {
     assert.equal(field(estRoot, "verdict").textContent, "Memory estimate: waiting for the graph");
     for (const f of ["assumption", "model", "source", "report", "error"]) assert.equal(field(estRoot, f).hidden, true, f);
     assert.equal(field(estRoot, "tokens").parentNode.parentNode.hidden, true, "no table of dashes");
-    assert.match(field(sageRoot, "status").textContent, /appear here after a sampling run/);
+    assert.match(field(sageRoot, "status").textContent, /appear after a run/);
     assert.equal(field(sageRoot, "status").hidden, true, "no call counts will come without SageAttention");
   });
 
