@@ -83,16 +83,12 @@ def frontend_root(fe: str) -> tuple:
     return ("--front-end-root", str(static)), None
 
 
-def _estimate_summary():
-    from wan_sage.memory.api import estimate_from_json
-    return estimate_from_json({"model_file": "wan2.2_t2v_high_noise_14B_Q4_K_M.gguf", "width": 1280, "height": 720,
-                               "frames": 81, "attention": "sage-auto"})["summary"]
-
-
 def _run_texts() -> dict:
-    """What the nodes send after a run: the estimator's report (its verdict line is what the panel
-    shows) and the Sage patch's status, without SageAttention and with it."""
-    s = _estimate_summary()
+    """What the nodes send after a run on a 24 GiB card: the estimator's report (its verdict line is
+    what the panel shows) and the Sage patch's status, without SageAttention and with it."""
+    from wan_sage.memory.api import estimate_from_json
+    s = estimate_from_json({"model_file": "wan2.2_t2v_high_noise_14B_Q4_K_M.gguf", "width": 1280, "height": 720,
+                            "frames": 81, "attention": "sage-auto", "vram_gib": 24.0})["summary"]
     return {"estimatorText": f"tokens: {s['tokens']:,} per row, 1 row(s) per forward\nverdict: {s['verdict']}",
             "sageText": "SageAttention not installed: passed through. Install SageAttention 2.x from source.",
             "installedText": "patched (id 5a9e01); kernel: auto; sageattention: 2.2.0; comfy-kitchen int8: no",
@@ -257,10 +253,14 @@ def test_the_pack_triggers_no_deprecation_warning(case):
 
 
 def test_a14b_720p_panel_numbers_and_model(case):
-    """The panel shows the route's figures (GiB keys), the model it detected, and, since the test
-    server's model files are empty placeholders, that the model was guessed from its name."""
+    """The panel shows the route's figures (GiB keys) for the request it sent, the verdict as the
+    server words it, the model it detected, and, since the test server's model files are empty
+    placeholders, that the model was guessed from its name."""
+    from wan_sage.memory.api import estimate_from_json
     _fe, _mode, _r, m = case
-    expect = _estimate_summary()
+    sent = [p for p in m["detail"]["posts"] if p and "high_noise" in p.get("model_file", "") and p["width"] == 1280]
+    assert sent and "vram_gib" in sent[-1], m["detail"]["posts"]
+    expect = estimate_from_json(sent[-1])["summary"]
     panel = next(e for e in m["detail"]["before"]["estimators"] if _num(e["fields"]["tokens"]) == 75600)
     assert abs(_num(panel["fields"]["activation_gib"]) - expect["activation_gib"]) < 0.01
     assert abs(_num(panel["fields"]["sage_extra_gib"]) - expect["sage_extra_gib"]) < 0.01

@@ -215,6 +215,8 @@ try {
       // A fresh page per workflow: the 1.27 frontend can report core nodes as missing when graphs
       // are loaded back to back before its node definitions settle.
       const page = await openApp(browser, cfg.url, opts);
+      const posts = []; // the estimate requests the panels send
+      page.on("request", (r) => { if (r.url().endsWith("/wan_sage/estimate")) posts.push(JSON.parse(r.postData() ?? "null")); });
       result.frontendVersion ??= await page.evaluate(() => window.__COMFYUI_FRONTEND_VERSION__ ?? null);
       const data = JSON.parse(readFileSync(wf.path, "utf8"));
       await loadWorkflow(page, data);
@@ -224,7 +226,7 @@ try {
       state.screenshot = await shot(page, join(dir, `${wf.name}.png`));
       out.workflows[wf.name] = state;
       if (wf.name === cfg.detail) {
-        const d = { before: state };
+        const d = { before: state, posts };
         const ids = await closeupIds(page);
         d.closeupBefore = await shot(page, join(dir, "closeup-missing-before.jpg"), await frame(page, ids));
         d.before = await inspect(page);
