@@ -188,6 +188,19 @@ def test_node_list_names_the_nodes_comfyui_loads_from_the_pack(host):
     assert set(json.loads((ROOT / "node_list.json").read_text(encoding="utf-8"))) == ours
 
 
+def test_every_input_and_output_of_the_pack_has_a_tooltip(host):
+    """What the frontend shows on hover, from GET /object_info: no input or output without one."""
+    ours = json.loads((ROOT / "node_list.json").read_text(encoding="utf-8"))
+    for node_type in ours:
+        info = host.info[node_type]
+        for group in ("required", "optional"):
+            for name, spec in info["input"].get(group, {}).items():
+                extra = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
+                assert extra.get("tooltip"), f"{node_type} input {name} has no tooltip"
+        tips = info.get("output_tooltips") or []
+        assert len(tips) == len(info["output"]) and all(tips), f"{node_type} outputs: {tips}"
+
+
 def test_templates_are_served_like_comfyui_serves_them(host):
     """``GET /workflow_templates`` lists the pack's workflows and ``/api/workflow_templates/<pack>/`` serves them."""
     from aiohttp import web
