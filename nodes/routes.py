@@ -92,8 +92,24 @@ async def _read_capped(request) -> bytes | None:
 
 
 def stats_body() -> dict:
+    """GET /wan_sage/stats: the last runs' attention stats, and ``sage_status``: what the Sage panel
+    says before any run (the installed SageAttention, its import error, and the kernels the
+    self-test turned off, ``{kernel: reason}``)."""
+    from ..attention import dispatch
+
     p = kernels.probe()
-    return {"runs": stats.last_runs(), "sageattention": p.sage_version, "comfy_kitchen": p.ck_version}
+    failures = {}
+    read_failures = getattr(dispatch, "self_test_failures", None)
+    if callable(read_failures):
+        try:
+            failures = {str(k): str(v) for k, v in (read_failures() or {}).items()}
+        except Exception:  # the status is informative; never fail the route over it
+            log.exception("wan-sage: reading the self-test failures failed")
+    status = {"sage_version": p.sage_version, "sage_error": p.sage_error,
+              "sm90_binding_broken": bool(p.sm90_binding_broken), "ck_available": bool(p.ck_available),
+              "self_test_failures": failures}
+    return {"runs": stats.last_runs(), "sageattention": p.sage_version, "comfy_kitchen": p.ck_version,
+            "sage_status": status}
 
 
 def register(server=None) -> bool:

@@ -20,9 +20,11 @@ class WanSageAttentionPatch(io.ComfyNode):
             display_name="Wan 2.2 Sage Attention Patch",
             category="model_patches/wan-sage",
             description=("Runs this Wan model's long self-attention on SageAttention where it is measured faster "
-                         "and fits in free VRAM, and every other call on PyTorch SDPA. Scoped to this model."),
+                         "and fits in free VRAM, and every other call on PyTorch SDPA. Scoped to this model. "
+                         "Without SageAttention installed it passes the model through unchanged."),
             inputs=[
-                io.Model.Input("model"),
+                io.Model.Input("model", tooltip="the Wan 2.1/2.2 model to patch (from the loader, LoRA, "
+                                                "ModelSampling or the Working-Memory Estimator)"),
                 io.Combo.Input("kernel", options=["auto", *kernels.KERNELS], default="auto",
                                tooltip="auto: the best kernel for this GPU, chosen per shape by measurement"),
                 io.Int.Input("min_tokens", default=1024, min=0, max=1 << 20, step=64,
@@ -35,7 +37,11 @@ class WanSageAttentionPatch(io.ComfyNode):
                 io.Boolean.Input("check_finite", default=True,
                                  tooltip="recompute NaN/Inf outputs on SDPA"),
             ],
-            outputs=[io.Model.Output(), io.String.Output(display_name="status")],
+            outputs=[io.Model.Output(tooltip="the same model with Sage attention, for the sampler; unchanged "
+                                             "when SageAttention is not installed or the model is not Wan"),
+                     io.String.Output(display_name="status",
+                                      tooltip="what the patch did: the kernel, the installed SageAttention and "
+                                              "the candidates for this GPU")],
             hidden=[io.Hidden.unique_id],
         )
 
@@ -54,34 +60,48 @@ class WanWorkingMemoryEstimator(io.ComfyNode):
             display_name="Wan Working-Memory Estimator",
             category="model_patches/wan-sage",
             description=("Predicts the activation memory of a Wan denoise from the model's config and the latent "
-                         "size, and reserves it before sampling so ComfyUI offloads just enough weights."),
+                         "size, and reserves it before sampling so ComfyUI offloads just enough weights. With the "
+                         "latent connected its size comes from the latent; otherwise from the size widgets."),
             inputs=[
-                io.Model.Input("model"),
+                io.Model.Input("model", tooltip="the Wan 2.1/2.2 model to sample; its config (layers, width, "
+                                                "weights) sets the estimate"),
                 io.Int.Input("width", default=1280, min=16, max=16384, step=16,
                              tooltip="video width in pixels, as in the latent node (ignored when latent is connected)"),
                 io.Int.Input("height", default=720, min=16, max=16384, step=16,
                              tooltip="video height in pixels (ignored when latent is connected)"),
                 io.Int.Input("frames", default=81, min=1, max=4097, step=4,
                              tooltip="frames; Wan uses 4n+1 (others are rounded as ComfyUI rounds them, and "
-                                     "the report says how)"),
+                                     "the report says how); ignored when latent is connected"),
                 io.Int.Input("batch_size", default=1, min=1, max=64,
                              tooltip="videos per batch (ignored when latent is connected)"),
                 io.Float.Input("cfg", default=1.0, min=0.0, max=100.0, step=0.1,
                                tooltip="cfg != 1 runs cond and uncond (two rows when batched)"),
                 io.Combo.Input("policy", options=list(POLICIES), default=POLICIES[0],
                                tooltip="what ComfyUI reserves per forward row: wan-sage's estimate; the larger of "
-                                       "it and ComfyUI's own (about 2x, offloads more); or fixed_gb"),
-                io.Float.Input("margin_gb", default=0.0, min=0.0, max=64.0, step=0.1,
-                               tooltip="added to wan-sage's estimate per row (e.g. for other nodes' VRAM use)"),
-                io.Float.Input("fixed_gb", default=10.0, min=0.0, max=256.0, step=0.1,
-                               tooltip="per row, used by the 'fixed GB per row' policy"),
+                                       "it and ComfyUI's own (about 2x, offloads more); or fixed_gib"),
+                io.Float.Input("margin_gb", display_name="margin_gib", default=0.0, min=0.0, max=64.0, step=0.1,
+                               tooltip="GiB added to wan-sage's estimate per row (e.g. for other nodes' VRAM use)"),
+                io.Float.Input("fixed_gb", display_name="fixed_gib", default=10.0, min=0.0, max=256.0, step=0.1,
+                               tooltip="GiB reserved per row by the fixed policy"),
                 io.Combo.Input("count_sage_extra", options=list(SAGE_COUNT), default=SAGE_COUNT[0],
                                tooltip="auto-detect: counted when the Sage patch is on this model"),
-                io.Latent.Input("latent", optional=True, tooltip="when connected, its size replaces width/height/frames/batch"),
+                io.Latent.Input("latent", optional=True,
+                                tooltip="the video latent the sampler gets (e.g. EmptyHunyuanLatentVideo); when "
+                                        "connected its size replaces width/height/frames/batch_size, which are "
+                                        "then greyed out"),
             ],
-            outputs=[io.Model.Output(), io.Int.Output(display_name="tokens"),
-                     io.Float.Output(display_name="activation_gb"), io.Float.Output(display_name="sage_extra_gb"),
-                     io.Float.Output(display_name="reservation_gb"), io.String.Output(display_name="report")],
+            outputs=[io.Model.Output(tooltip="the same model with the reservation attached, for the Sage patch "
+                                             "or the sampler"),
+                     io.Int.Output(display_name="tokens", tooltip="video tokens per forward row (latent frames x "
+                                                                  "height/16 x width/16 for Wan 2.1/A14B)"),
+                     io.Float.Output(display_name="activation_gib",
+                                     tooltip="predicted activation peak of one forward, in GiB"),
+                     io.Float.Output(display_name="sage_extra_gib",
+                                     tooltip="SageAttention's extra bytes on top of it, in GiB (0 on SDPA)"),
+                     io.Float.Output(display_name="reservation_gib",
+                                     tooltip="what ComfyUI is told to keep free per forward row, in GiB"),
+                     io.String.Output(display_name="report",
+                                      tooltip="the estimate as text: tokens, peak by phase, reservation, verdict")],
         )
 
     @classmethod

@@ -1,40 +1,50 @@
 // wan-sage web extension: a live memory panel on every "Wan Working-Memory Estimator" node and a
-// run-stats panel on every "Wan 2.2 Sage Attention Patch" node.
+// status and run-stats panel on every "Wan 2.2 Sage Attention Patch" node.
 //
 // One DOM widget per node (node.addDOMWidget), so the same element shows in the classic
 // LiteGraph canvas and in Nodes 2.0.  No node prototype is patched: results arrive through
 // api.addEventListener("executed" | "wan_sage.stats") filtered by node id, and the estimate
 // follows widget and link changes by comparing the request it would send (polled, and checked
-// at once on "graphChanged"), debounced.  The pure logic lives in ./lib (tested under node).
+// at once on "graphChanged"), debounced.  Each panel is as tall as its content: the widget asks
+// for the content's height, and on the classic canvas the node is resized to fit whenever that
+// height changes.  The pure logic lives in ./lib (tested under node).
 //
 // DOM contract (read by the browser test): the estimator panel is [data-testid="wan-sage-panel"]
-// with [data-field] tokens, activation_gb, sage_extra_gb, reservation_gb, comfy_gb, vram,
-// verdict (with data-level fits|offloads|cannot|unknown|error), source, error, report; its
+// with [data-field] assumption, verdict (with data-level fits|offloads|cannot|unknown|error),
+// size (with data-from latent|latent-unread|widgets), model (with data-guessed), tokens,
+// activation_gib, sage_extra_gib, reservation_gib, comfy_gib, vram, error, source, report; its
 // data-state is idle|pending|ok|error.  The Sage panel is [data-testid="wan-sage-stats"] with
-// [data-field] status, sage_calls, sdpa_calls, by_kernel, reasons, fallbacks,
-// head_split_calls, saved, calibration, text; its data-state is empty|ok.  Both carry
-// data-node-id.
+// [data-field] sage (with data-state missing|rejected|ok|unknown), hint, link, status,
+// sage_calls, sdpa_calls, by_kernel, reasons, fallbacks, head_split_calls, saved, calibration;
+// its data-state is empty|ok.  Both carry data-node-id and data-content-height (px).
 
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { changeWatcher, sequencer } from "./lib/debounce.js";
 import {
-  errorMessage, estimateRows, execIdMatches, executedText, LEVEL_COLOURS, sourceLine, statsRows,
-  verdictOf, vramFromSystemStats,
+  assumptionOf, detectedModel, errorMessage, estimateRows, execIdMatches, executedText, lastRunLine,
+  LEVEL_COLOURS, sizeLine, sourceLine, statsRows, verdictOf, vramFromSystemStats,
 } from "./lib/format.js";
 import { ESTIMATOR_TYPE, SAGE_TYPE } from "./lib/graph.js";
 import { liteGraphView, nodeClass } from "./lib/litegraph.js";
-import { buildEstimatePayload } from "./lib/payload.js";
+import { buildEstimatePayload, SIZE_WIDGETS } from "./lib/payload.js";
+import { sageStatusView } from "./lib/sage_status.js";
 
 const EXTENSION = "wan_sage.panel";
 const WIDGET = "wan_sage_panel";
 const DEBOUNCE_MS = 300;
 const POLL_MS = 400;
 const VRAM_TTL_MS = 10000;
-const STATS_PLACEHOLDER = "attention stats appear after a sampling run";
+const LINE_PX = 16; // every line of the panels is one 16 px line box
+const PAD_PX = 4; // the panel's vertical padding, each side
+const MARGIN_PX = 4; // the DOM widget's margin inside the node, each side
+const ESTIMATOR_EMPTY = "Memory estimate: waiting for the graph";
+const STATS_PLACEHOLDER = "Call counts and time saved appear after a run.";
+const WARN_COLOUR = LEVEL_COLOURS.offloads;
 
 const panels = new Set();
 const vram = { settled: false, value: null, at: 0, loading: null };
+const sage = { status: null, loading: null };
 let ticker = null;
 
 // ---------------------------------------------------------------- DOM helpers
@@ -50,45 +60,110 @@ function h(tag, attrs = {}, text = null) {
 }
 
 const ROOT_STYLE = {
-  boxSizing: "border-box", width: "100%", height: "100%", overflow: "auto", padding: "4px 6px",
-  font: "12px/1.35 system-ui, sans-serif", color: "var(--input-text, #ddd)",
+  boxSizing: "border-box", width: "100%", height: "100%", overflow: "hidden",
+  font: `12px/${LINE_PX}px system-ui, sans-serif`, color: "var(--input-text, #ddd)",
   background: "var(--comfy-input-bg, #222)", borderRadius: "6px",
 };
+const INNER_STYLE = { padding: `${PAD_PX}px 6px` };
 const MUTED = { color: "var(--descrip-text, #999)", fontSize: "11px" };
+const ONE_LINE = { whiteSpace: "nowrap", overflow: "hidden", textOverflow: "ellipsis" };
 
 function rowsTable(rows) {
   const table = h("table", { style: { width: "100%", borderCollapse: "collapse" } });
   const cells = {};
   for (const r of rows) {
     const tr = h("tr");
-    tr.appendChild(h("td", { style: { ...MUTED, paddingRight: "8px", whiteSpace: "nowrap" } }, r.label));
-    const td = h("td", { "data-field": r.field, style: { textAlign: "right", fontVariantNumeric: "tabular-nums" } },
-      r.value);
+    tr.appendChild(h("td", { style: { ...MUTED, padding: "0 8px 0 0", whiteSpace: "nowrap" } }, r.label));
+    const td = h("td", { "data-field": r.field, style: { padding: "0", textAlign: "right",
+      fontVariantNumeric: "tabular-nums" } }, r.value);
     tr.appendChild(td);
     table.appendChild(tr);
     cells[r.field] = td;
   }
-  return { table, cells };
+  return { table, cells, rows: rows.length };
 }
 
-function addPanelWidget(node, element, minHeight) {
-  const widget = node.addDOMWidget(WIDGET, WIDGET, element, {
-    serialize: false, // not part of the prompt
-    hideOnZoom: true,
-    getValue: () => "",
-    setValue: () => {},
-    getMinHeight: minHeight,
-  });
-  if (widget) widget.serialize = false; // not part of widgets_values in the saved workflow
-  return widget;
+function show(el, on) {
+  el.hidden = !on;
+  el.style.display = on ? "" : "none";
 }
 
-/** Grow the node (never shrink it) when its panel needs more room; the canvas redraws. */
+// ---------------------------------------------------------------- panel base: size to content
+
+class Panel {
+  constructor(node, testid, state) {
+    this.node = node;
+    this.height = 0;
+    this.vue = null;
+    this.measured = false;
+    this.root = h("div", { "data-testid": testid, "data-state": state, style: ROOT_STYLE });
+    this.inner = h("div", { style: INNER_STYLE });
+    this.root.appendChild(this.inner);
+  }
+
+  /** Add the DOM widget once the content exists. */
+  mount() {
+    this.height = this.contentHeight();
+    const widget = this.node.addDOMWidget(WIDGET, WIDGET, this.root, {
+      serialize: false, // not part of the prompt
+      hideOnZoom: true,
+      margin: MARGIN_PX,
+      getValue: () => "",
+      setValue: () => {},
+      getMinHeight: () => this.height + 2 * MARGIN_PX,
+      getMaxHeight: () => this.height + 2 * MARGIN_PX,
+    });
+    if (widget) widget.serialize = false; // not part of widgets_values in the saved workflow
+    this.widget = widget;
+    this.root.setAttribute("data-content-height", String(this.height));
+  }
+
+  /**
+   * The content's height: measured while it is laid out; while it is not (hidden when zoomed out,
+   * or not attached yet) the last measurement, or before any, its lines counted.
+   */
+  contentHeight() {
+    const measured = this.inner.offsetHeight;
+    if (typeof measured === "number" && measured > 0) {
+      this.measured = true;
+      return Math.ceil(measured);
+    }
+    return this.measured ? this.height : this.lineCount() * LINE_PX + 2 * PAD_PX;
+  }
+
+  /**
+   * Ask for the content's height again and resize the node to it.  In Nodes 2.0 the panel is a
+   * grid row that would stretch to the node's height, so it gets the content's height itself.
+   */
+  fit() {
+    const vue = isVueMode();
+    if (vue !== this.vue) {
+      this.vue = vue;
+      Object.assign(this.root.style, vue ? { flex: "0 0 auto" } : { flex: "", height: "100%" });
+    }
+    const hgt = this.contentHeight();
+    if (vue) this.root.style.height = `${hgt}px`;
+    if (hgt === this.height) return;
+    this.height = hgt;
+    this.root.setAttribute("data-content-height", String(hgt));
+    fitNode(this.node);
+  }
+}
+
+/** The frontend's LiteGraph object: window.LiteGraph, else the one under window.comfyAPI. */
+const liteGraph = () => globalThis.LiteGraph ?? globalThis.comfyAPI?.litegraph?.LiteGraph ?? null;
+
+const isVueMode = () => liteGraph()?.vueNodesMode === true;
+
+/**
+ * Resize the node to what its widgets ask for; the canvas redraws.  (Nodes 2.0 never draws a node
+ * smaller than its content, so the same call shrinks it to the content there.)
+ */
 function fitNode(node) {
   try {
     if (typeof node.computeSize === "function" && typeof node.setSize === "function" && node.size) {
-      const [w, hgt] = node.computeSize();
-      if (hgt > node.size[1]) node.setSize([Math.max(node.size[0], w), hgt]);
+      const [, hgt] = node.computeSize();
+      if (Number.isFinite(hgt) && hgt > 0 && Math.abs(hgt - node.size[1]) > 0.5) node.setSize([node.size[0], hgt]);
     }
     node.setDirtyCanvas?.(true, true);
   } catch {
@@ -105,7 +180,7 @@ function matches(node, ...ids) {
   return ids.some((id) => execIdMatches(id, node.id, isNested(node)));
 }
 
-// ---------------------------------------------------------------- VRAM (GET /system_stats)
+// ---------------------------------------------------------------- server state
 
 function refreshVram(force = false) {
   if (vram.loading) return vram.loading;
@@ -127,29 +202,66 @@ function refreshVram(force = false) {
   return vram.loading;
 }
 
+/** GET /wan_sage/stats for the installed SageAttention (its sage_status). */
+function refreshSageStatus() {
+  if (sage.loading) return sage.loading;
+  sage.loading = (async () => {
+    try {
+      const r = await api.fetchApi("/wan_sage/stats");
+      const body = r.ok ? await r.json() : null;
+      if (body && typeof body.sage_status === "object") sage.status = body.sage_status;
+    } catch {
+      // keep the last status
+    } finally {
+      sage.loading = null;
+    }
+    for (const p of panels) p.showSageStatus?.();
+    return sage.status;
+  })();
+  return sage.loading;
+}
+
 // ---------------------------------------------------------------- estimator panel
 
-class EstimatorPanel {
+class EstimatorPanel extends Panel {
   constructor(node) {
-    this.node = node;
+    super(node, "wan-sage-panel", "idle");
     this.summary = null;
+    this.info = null;
+    this.disabledSize = false;
     this.seq = sequencer();
-    this.root = h("div", { "data-testid": "wan-sage-panel", "data-state": "idle", style: ROOT_STYLE });
+    this.headline = h("div", { style: { fontWeight: "600" } });
+    this.assumption = h("div", { "data-field": "assumption", style: { color: WARN_COLOUR } }, "");
     this.verdict = h("div", { "data-field": "verdict", "data-level": "unknown",
-      style: { fontWeight: "600", color: LEVEL_COLOURS.unknown, marginBottom: "2px" } }, "waiting for the graph");
-    const { table, cells } = rowsTable(estimateRows(null, null));
+      style: { color: LEVEL_COLOURS.unknown } }, ESTIMATOR_EMPTY);
+    this.headline.append(this.assumption, this.verdict);
+    this.size = h("div", { "data-field": "size", "data-from": "", style: { ...MUTED, ...ONE_LINE } }, "");
+    this.model = h("div", { "data-field": "model", "data-guessed": "false", style: { ...MUTED } }, "");
+    const { table, cells, rows } = rowsTable(estimateRows(null, null));
+    this.table = table;
+    this.tableRows = rows;
     this.cells = cells;
-    this.source = h("div", { "data-field": "source", style: { ...MUTED, marginTop: "3px", overflow: "hidden",
-      display: "-webkit-box", WebkitBoxOrient: "vertical", WebkitLineClamp: "2", wordBreak: "break-word" } }, "");
     this.error = h("div", { "data-field": "error", style: { color: LEVEL_COLOURS.error, whiteSpace: "pre-wrap" } }, "");
-    this.error.hidden = true;
-    this.report = h("pre", { "data-field": "report", style: {
-      ...MUTED, whiteSpace: "pre-wrap", margin: "4px 0 0", borderTop: "1px solid var(--border-color, #444)",
-      paddingTop: "3px", font: "11px/1.3 ui-monospace, monospace" } }, "");
-    this.report.hidden = true;
-    this.root.append(this.verdict, table, this.error, this.source, this.report);
-    this.widget = addPanelWidget(node, this.root, () => (this.report.hidden ? 200 : 320));
-    this.watcher = changeWatcher({ read: () => this.read(), onChange: (r) => this.estimate(r), wait: DEBOUNCE_MS });
+    this.source = h("div", { "data-field": "source", style: { ...MUTED, ...ONE_LINE } }, "");
+    this.report = h("div", { "data-field": "report", style: { ...MUTED, ...ONE_LINE,
+      borderTop: "1px solid var(--border-color, #444)", marginTop: "2px" } }, "");
+    for (const el of [this.assumption, this.size, this.model, this.table, this.error, this.source, this.report]) {
+      show(el, false);
+    }
+    this.inner.append(this.headline, this.size, this.model, this.table, this.error, this.source, this.report);
+    this.mount();
+    this.current = { waiting: true };
+    this.watcher = changeWatcher({ read: () => this.current, onChange: (r) => this.estimate(r), wait: DEBOUNCE_MS });
+  }
+
+  lineCount() {
+    const visible = (el) => !el.hidden;
+    let n = 1; // the verdict
+    for (const el of [this.assumption, this.size, this.source, this.report]) n += visible(el) ? 1 : 0;
+    if (visible(this.model)) n += 2; // type, dim, layers, heads and weights wrap to a second line
+    if (visible(this.table)) n += this.tableRows;
+    if (visible(this.error)) n += Math.max(1, this.error.textContent.split("\n").length);
+    return n;
   }
 
   read() {
@@ -157,12 +269,53 @@ class EstimatorPanel {
     if (!vram.settled || !node.graph || node.id === null || node.id === undefined || node.id === -1) {
       return { waiting: true };
     }
-    return buildEstimatePayload(liteGraphView(node.graph, WIDGET), node.id, { vramGb: vram.value?.totalGb });
+    return buildEstimatePayload(liteGraphView(node.graph, WIDGET), node.id, { vramGib: vram.value?.totalGib });
   }
 
   check() {
     this.root.setAttribute("data-node-id", String(this.node.id));
+    this.current = this.read();
     this.watcher.check();
+    if (!this.current.waiting) this.showSize(this.current.info);
+    this.fit();
+  }
+
+  /** The size line, and the size widgets disabled while the latent sets the size. */
+  showSize(info) {
+    this.info = info;
+    const line = sizeLine(info);
+    if (this.size.textContent !== line.text) this.size.textContent = line.text;
+    this.size.title = line.title;
+    this.size.setAttribute("data-from", info?.sizeFrom ?? "");
+    show(this.size, !!line.text);
+    this.setSizeWidgetsDisabled(info?.sizeFrom === "latent");
+  }
+
+  setSizeWidgetsDisabled(off) {
+    if (off !== this.disabledSize) {
+      this.disabledSize = off;
+      for (const w of this.node.widgets ?? []) {
+        if (w && SIZE_WIDGETS.includes(w.name)) w.disabled = off;
+      }
+      this.node.setDirtyCanvas?.(true, true);
+    }
+    this.dimVueRows(off);
+  }
+
+  /**
+   * Nodes 2.0 marks a disabled number widget only by greying its +/- buttons, so its rows (in the
+   * node's own element, which holds this panel there) are dimmed as a whole as well.
+   */
+  dimVueRows(off) {
+    const nodeEl = typeof this.root.closest === "function" ? this.root.closest(".lg-node") : null;
+    if (!nodeEl) return;
+    for (const name of SIZE_WIDGETS) {
+      const row = nodeEl.querySelector(`[data-widget-name="${name}"]`);
+      if (!row) continue;
+      const opacity = off ? "0.4" : "";
+      if (row.style.opacity !== opacity) row.style.opacity = opacity;
+      row.title = off ? "set by the connected latent" : "";
+    }
   }
 
   showVram() {
@@ -197,80 +350,134 @@ class EstimatorPanel {
     if (!this.seq.isCurrent(token)) return; // a newer request was sent meanwhile
     if (status === 200 && body?.summary) this.showEstimate(body, r.info);
     else this.showError(errorMessage(status, body), r.info);
+    this.fit();
   }
 
   showEstimate(body, info) {
-    this.summary = body.summary;
-    for (const row of estimateRows(body.summary, vram.value)) {
+    const s = body.summary;
+    this.summary = s;
+    for (const row of estimateRows(s, vram.value)) {
       if (this.cells[row.field]) this.cells[row.field].textContent = row.value;
     }
-    const v = verdictOf(body.summary);
+    show(this.table, true);
+    const assumed = assumptionOf(info, s);
+    this.assumption.textContent = assumed ?? "";
+    show(this.assumption, !!assumed);
+    const v = verdictOf(s);
     this.verdict.textContent = v.text;
     this.verdict.setAttribute("data-level", v.level);
     this.verdict.style.color = v.colour;
-    this.verdict.title = (body.summary.notes ?? []).join("\n");
-    this.error.hidden = true;
+    this.verdict.title = (s.notes ?? []).join("\n");
+    const m = detectedModel(s);
+    this.model.textContent = m ? `Model ${m.text || m.name}${m.guessed ? " (guessed)" : ""}` : "";
+    this.model.title = m ? `${m.name}${m.guessed ? ": guessed from the file name or preset, not read from a model file" : ""}` : "";
+    this.model.setAttribute("data-guessed", String(!!m?.guessed));
+    show(this.model, !!m);
     this.error.textContent = "";
-    this.source.textContent = sourceLine(info, body.summary);
+    show(this.error, false);
+    this.source.textContent = sourceLine(info, s);
     this.source.title = [this.source.textContent, body.text ?? ""].join("\n");
+    show(this.source, true);
     this.setState("ok");
   }
 
   showError(message, info) {
     this.summary = null;
     for (const row of estimateRows(null, vram.value)) this.cells[row.field].textContent = row.value;
+    show(this.table, false);
+    show(this.assumption, false);
+    show(this.model, false);
     this.verdict.textContent = "no estimate";
     this.verdict.setAttribute("data-level", "error");
     this.verdict.style.color = LEVEL_COLOURS.error;
     this.error.textContent = message;
-    this.error.hidden = false;
+    show(this.error, true);
     this.source.textContent = sourceLine(info, null);
+    show(this.source, !!this.source.textContent);
     this.setState("error");
   }
 
   onExecuted(text) {
     if (text === null) return;
-    const first = this.report.hidden;
-    this.report.textContent = `last run:\n${text}`;
-    this.report.hidden = false;
-    if (first) fitNode(this.node);
+    this.report.textContent = `Last run: ${lastRunLine(text)}`;
+    this.report.title = `last run:\n${text}`;
+    show(this.report, true);
+    this.fit();
   }
 }
 
 // ---------------------------------------------------------------- Sage patch panel
 
-class SagePanel {
+class SagePanel extends Panel {
   constructor(node) {
-    this.node = node;
-    this.root = h("div", { "data-testid": "wan-sage-stats", "data-state": "empty", style: ROOT_STYLE });
-    this.status = h("div", { "data-field": "status", style: { ...MUTED, whiteSpace: "pre-wrap" } }, STATS_PLACEHOLDER);
-    const { table, cells } = rowsTable(statsRows(null));
+    super(node, "wan-sage-stats", "empty");
+    this.sage = h("div", { "data-field": "sage", "data-state": "unknown", style: { ...MUTED, ...ONE_LINE } }, "");
+    this.hint = h("div", { "data-field": "hint", style: { ...MUTED } }, "");
+    this.hintText = h("span", {}, "");
+    this.link = h("a", { "data-field": "link", target: "_blank", rel: "noopener noreferrer",
+      style: { color: "var(--p-primary-color, #58a6ff)", marginLeft: "4px" } }, "Getting SageAttention (README)");
+    this.hint.append(this.hintText, this.link);
+    this.status = h("div", { "data-field": "status", style: { ...MUTED, ...ONE_LINE } }, STATS_PLACEHOLDER);
+    const { table, cells, rows } = rowsTable(statsRows(null));
     this.cells = cells;
     this.table = table;
-    this.table.hidden = true;
-    this.text = h("div", { "data-field": "text", style: { ...MUTED, marginTop: "3px" } }, "");
-    this.root.append(this.status, table, this.text);
-    this.widget = addPanelWidget(node, this.root, () => (this.table.hidden ? 56 : 190));
+    this.tableRows = rows;
+    show(this.sage, false);
+    show(this.hint, false);
+    show(this.table, false);
+    this.inner.append(this.sage, this.hint, this.status, table);
+    this.mount();
+    this.showSageStatus();
+  }
+
+  lineCount() {
+    let n = this.status.hidden ? 0 : 1;
+    if (!this.sage.hidden) n += this.sage.style.whiteSpace === "normal" ? 2 : 1;
+    if (!this.hint.hidden) n += 2;
+    if (!this.table.hidden) n += this.tableRows;
+    return n;
   }
 
   check() {
     this.root.setAttribute("data-node-id", String(this.node.id));
+    this.fit();
+  }
+
+  showSageStatus() {
+    const v = sageStatusView(sage.status);
+    this.sage.setAttribute("data-state", v.state);
+    this.sage.textContent = v.headline;
+    this.sage.title = [v.headline, v.detail].filter(Boolean).join("\n");
+    const warn = v.state === "missing" || v.state === "rejected";
+    Object.assign(this.sage.style, warn
+      ? { color: WARN_COLOUR, fontWeight: "600", fontSize: "12px", whiteSpace: "normal" }
+      : { ...MUTED, fontWeight: "", ...ONE_LINE });
+    show(this.sage, !!v.headline);
+    this.hintText.textContent = v.hint;
+    this.hint.title = v.detail;
+    if (v.link) this.link.setAttribute("href", v.link);
+    show(this.hint, warn);
+    // Without a usable kernel no call counts will come: the placeholder would promise them.
+    if (this.status.textContent === STATS_PLACEHOLDER) show(this.status, !warn);
   }
 
   onExecuted(text) {
-    if (text !== null) this.status.textContent = text;
+    if (text === null) return;
+    this.status.textContent = text;
+    this.status.title = text;
+    show(this.status, true);
+    this.fit();
   }
 
   onStats(detail) {
-    if (this.status.textContent === STATS_PLACEHOLDER) this.status.textContent = "last sampling run:";
+    if (this.status.textContent === STATS_PLACEHOLDER) this.status.textContent = "Last sampling run:";
     for (const row of statsRows(detail.summary)) {
       if (this.cells[row.field]) this.cells[row.field].textContent = row.value;
     }
-    const first = this.table.hidden;
-    this.table.hidden = false;
-    if (first) fitNode(this.node);
-    this.text.textContent = typeof detail.text === "string" ? detail.text : "";
+    this.table.title = typeof detail.text === "string" ? detail.text : "";
+    show(this.table, true);
     this.root.setAttribute("data-state", "ok");
+    this.fit();
   }
 }
 
@@ -293,10 +500,10 @@ function tick() {
 
 function attach(node) {
   const cls = nodeClass(node);
-  const Panel = cls === ESTIMATOR_TYPE ? EstimatorPanel : cls === SAGE_TYPE ? SagePanel : null;
-  if (!Panel || typeof node.addDOMWidget !== "function") return;
+  const Kind = cls === ESTIMATOR_TYPE ? EstimatorPanel : cls === SAGE_TYPE ? SagePanel : null;
+  if (!Kind || typeof node.addDOMWidget !== "function") return;
   if (node.widgets?.some((w) => w?.name === WIDGET)) return; // one panel per node
-  const panel = new Panel(node);
+  const panel = new Kind(node);
   panels.add(panel);
   const prev = node.onRemoved; // instance callback, chained (addDOMWidget chains its own too)
   node.onRemoved = function (...args) {
@@ -317,11 +524,12 @@ function onExecuted(event) {
 function onStats(event) {
   const d = event?.detail;
   if (!d || typeof d !== "object") return;
-  const sage = [...panels].filter((p) => p instanceof SagePanel);
+  const sagePanels = [...panels].filter((p) => p instanceof SagePanel);
   const hit = d.node_id === null || d.node_id === undefined
-    ? (sage.length === 1 ? sage : [])
-    : sage.filter((p) => matches(p.node, d.node_id));
+    ? (sagePanels.length === 1 ? sagePanels : [])
+    : sagePanels.filter((p) => matches(p.node, d.node_id));
   for (const p of hit) p.onStats(d);
+  void refreshSageStatus(); // a run may have self-tested a kernel
 }
 
 function start() {
@@ -331,6 +539,7 @@ function start() {
   api.addEventListener("graphChanged", tick);
   ticker = setInterval(tick, POLL_MS);
   void refreshVram(true);
+  void refreshSageStatus();
 }
 
 const extension = {

@@ -40,14 +40,16 @@ def _model_names() -> set:
 
 
 class Server:
-    def __init__(self, work: Path, comfy_path: str, with_gguf: bool = True):
+    def __init__(self, work: Path, comfy_path: str, with_gguf: bool = True, with_pack: bool = True,
+                 extra_args: tuple = ()):
         self.work = Path(work)
         self.comfy = comfy_path
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cn = self.work / "custom_nodes"
         cn.mkdir(parents=True, exist_ok=True)
-        (cn / "wan-sage").symlink_to(ROOT, target_is_directory=True)
+        if with_pack:
+            (cn / "wan-sage").symlink_to(ROOT, target_is_directory=True)
         g = gguf_path(comfy_path) if with_gguf else None
         if g:
             (cn / "ComfyUI-GGUF").symlink_to(Path(g).resolve(), target_is_directory=True)
@@ -67,7 +69,7 @@ class Server:
             [sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
              "--extra-model-paths-config", str(cfg), "--output-directory", str(self.work / "out"),
              "--temp-directory", str(self.work / "temp"), "--user-directory", str(self.work / "user"),
-             "--input-directory", str(self.work / "input"), "--disable-auto-launch"],
+             "--input-directory", str(self.work / "input"), "--disable-auto-launch", *extra_args],
             cwd=comfy_path, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def wait(self, timeout: float = 180.0) -> "Server":

@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
+import tomllib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -28,6 +30,12 @@ FRONTEND_VERSION = "1.27.10"
 NOTE_COLOR, NOTE_BGCOLOR = "#432", "#653"          # the frontend's "yellow" node colour
 PACK_COLOR, PACK_BGCOLOR = "#223", "#335"          # "blue": the wan-sage nodes stand out
 PACK_TYPES = ("WanWorkingMemoryEstimator", "WanSageAttentionPatch")
+PACK_ID = "wan-sage"                               # the pack's id in the Comfy Registry
+GGUF_ID = "comfyui-gguf"                           # ComfyUI-GGUF's id in the Comfy Registry
+CORE_ID = "comfy-core"
+# Room each wan-sage node keeps below it in the layout: its height after a run in Nodes 2.0 (whose
+# widgets are taller than the classic canvas's), where the panel has grown by its run lines.
+AFTER_RUN_HEIGHT = {"WanWorkingMemoryEstimator": 700, "WanSageAttentionPatch": 540}
 
 WAN_NEGATIVE = ("色调艳丽，过曝，静态，细节模糊不清，字幕，风格，作品，画作，画面，静止，整体发灰，最差质量，低质量，"
                 "JPEG压缩残留，丑陋的，残缺的，多余的手指，画得不好的手部，画得不好的脸部，畸形的，毁容的，形态畸形的肢体，"
@@ -45,9 +53,33 @@ def estimator_widgets(width: int, height: int, frames: int, cfg: float) -> dict:
 
 # --------------------------------------------------------------------------- graph builder
 
+def version_of_pyproject(path: Path) -> str:
+    return tomllib.loads(path.read_text(encoding="utf-8"))["project"]["version"]
+
+
+def comfy_version(comfy_path: str) -> str:
+    text = Path(comfy_path, "comfyui_version.py").read_text(encoding="utf-8")
+    return re.search(r"__version__\s*=\s*[\"']([^\"']+)", text).group(1)
+
+
+def pack_ids(info_by_type: dict, comfy_path: str, gguf_path: str) -> dict:
+    """{node type: {"cnr_id", "ver"}}, as the current frontend saves them in each node's properties:
+    this pack's nodes carry its id and version, ComfyUI-GGUF's nodes its own, ComfyUI's nodes
+    "comfy-core" and the ComfyUI version."""
+    core = {"cnr_id": CORE_ID, "ver": comfy_version(comfy_path)}
+    gguf = {"cnr_id": GGUF_ID, "ver": version_of_pyproject(Path(gguf_path, "pyproject.toml"))}
+    ours = {"cnr_id": PACK_ID, "ver": version_of_pyproject(ROOT / "pyproject.toml")}
+    ids = {}
+    for t, info in info_by_type.items():
+        module = str(info.get("python_module", "nodes"))
+        ids[t] = ours if t in PACK_TYPES else gguf if module.startswith("custom_nodes.") else core
+    return ids
+
+
 class Graph:
-    def __init__(self, info_by_type: dict):
+    def __init__(self, info_by_type: dict, ids: dict):
         self.info = info_by_type
+        self.ids = ids
         self.nodes: dict[str, dict] = {}
         self.links: list[list] = []
 
@@ -88,7 +120,8 @@ class Graph:
                    for i, (n, t) in enumerate(workflow_check.outputs_of(info))]
         node = {"id": len(self.nodes) + 1, "type": node_type, "pos": [0, 0],
                 "size": list(size or self._size(info, node_type)), "flags": {}, "order": 0, "mode": 0,
-                "inputs": inputs, "outputs": outputs, "properties": {"Node name for S&R": node_type},
+                "inputs": inputs, "outputs": outputs,
+                "properties": {"Node name for S&R": node_type, **self.ids[node_type]},
                 "widgets_values": values}
         if title:
             node["title"] = title
@@ -119,9 +152,9 @@ class Graph:
         elif node_type == "LoadImage":
             width, height = 330, 360
         elif node_type == "WanWorkingMemoryEstimator":
-            width, height = 360, height + 330  # room for the live memory panel (web/wan_sage.js)
+            width, height = 360, height + 220  # the live memory panel (web/wan_sage.js) before a run
         elif node_type == "WanSageAttentionPatch":
-            width, height = 360, height + 200  # room for the run-stats panel
+            width, height = 360, height + 80  # the status panel before a run
         return width, max(height, 46)
 
     def link(self, src: str, out: str | int, dst: str, inp: str) -> None:
@@ -147,7 +180,9 @@ class Graph:
         self.link("video", "VIDEO", "save", "video")
 
     def layout(self, columns: list[list[str]], x0: int = 0, y0: int = 0, gap_x: int = 60, gap_y: int = 50):
-        """Columns left to right; nodes stacked top to bottom (title bar: 30 px above pos)."""
+        """Columns left to right; nodes stacked top to bottom (title bar: 30 px above pos).  Below a
+        wan-sage node the column keeps its height after a run (``AFTER_RUN_HEIGHT``), so a panel
+        that grows never covers the node under it."""
         x = x0
         for col in columns:
             y = y0
@@ -158,7 +193,7 @@ class Graph:
                     continue
                 n = self.nodes[key]
                 n["pos"] = [x, y + 30]
-                y += 30 + n["size"][1] + gap_y
+                y += max(30 + n["size"][1], AFTER_RUN_HEIGHT.get(n["type"], 0)) + gap_y
                 width = max(width, n["size"][0])
             x += width + gap_x
 
@@ -212,7 +247,8 @@ Wan 2.2 Sage Attention Patch → KSamplerAdvanced**.
   (ComfyUI's own Wan figure is about 2× the real peak), so ComfyUI keeps more of each expert's
   weights on the GPU and offloads only the rest. It also counts what ComfyUI leaves out: GGUF
   dequantisation, the LoRA patches and Sage's buffers. Its `latent` input is connected to the empty
-  latent, so its report matches this video; at sampling time it always uses the real latent.
+  latent, so the size comes from there: set the video size on **EmptyHunyuanLatentVideo** only (the
+  estimator's width/height/frames/batch_size widgets are greyed out while the latent is connected).
 - **Wan 2.2 Sage Attention Patch** runs the long self-attention on SageAttention where it was
   measured faster on your GPU and fits in free VRAM; every other call stays on PyTorch SDPA.
   Without SageAttention installed the model passes through unchanged.
@@ -232,8 +268,8 @@ The same estimate without ComfyUI or a GPU:
 """
 
 
-def a14b(info, width: int, height: int, label: str, prefix: str) -> dict:
-    g = Graph(info)
+def a14b(info, ids, width: int, height: int, label: str, prefix: str) -> dict:
+    g = Graph(info, ids)
     g.note("note", _note_a14b(width, height, label), size=(470, 760))
     for ex in ("high", "low"):
         g.add(f"unet_{ex}", "UnetLoaderGGUF", {"unet_name": f"wan2.2_t2v_{ex}_noise_14B_Q4_K_M.gguf"},
@@ -299,8 +335,8 @@ KSampler**, one model, 20 steps at cfg 5.
 - **Wan Working-Memory Estimator** reserves the activation memory the 5B model really needs for this
   latent (48 channels, 16× spatial compression: 31×44×80 latent, 27 280 tokens) instead of
   ComfyUI's own figure, about 2× too high, so more of the model stays on the GPU. Its `latent`
-  input is connected to the latent node, and its `cfg` matches the sampler's (cfg ≠ 1 runs cond and
-  uncond).
+  input is connected to the latent node, which sets the size (the estimator's own size widgets are
+  greyed out meanwhile); its `cfg` matches the sampler's (cfg ≠ 1 runs cond and uncond).
 - **Wan 2.2 Sage Attention Patch** runs the long self-attention on SageAttention where it was
   measured faster and fits in free VRAM; every other call stays on PyTorch SDPA.
 - Text to video as it stands. For image to video, connect a `Load Image` to the latent node's
@@ -313,8 +349,8 @@ KSampler**, one model, 20 steps at cfg 5.
 """
 
 
-def ti2v_5b(info) -> dict:
-    g = Graph(info)
+def ti2v_5b(info, ids) -> dict:
+    g = Graph(info, ids)
     g.note("note", NOTE_5B, size=(470, 560))
     g.add("unet", "UNETLoader", {"unet_name": "wan2.2_ti2v_5B_fp16.safetensors", "weight_dtype": "default"})
     g.add("clip", "CLIPLoader", {"clip_name": UMT5, "type": "wan", "device": "default"})
@@ -364,7 +400,8 @@ KSampler**; the start image goes to CLIP Vision and to `WanImageToVideo`.
 - **Wan Working-Memory Estimator** reads the I2V model's real config (36 input channels, the 257
   CLIP-vision tokens of its image cross-attention) and reserves what this denoise needs, instead of
   ComfyUI's own figure, about 2× too high. Its `latent` input is connected to `WanImageToVideo`'s
-  latent, and its `cfg` matches the sampler's.
+  latent, which sets the size (the estimator's own size widgets are greyed out meanwhile); its `cfg`
+  matches the sampler's.
 - **Wan 2.2 Sage Attention Patch** works on Wan 2.1 too: the long self-attention runs on
   SageAttention where it was measured faster and fits in free VRAM; every other call, the text
   and image cross-attention included, stays on PyTorch SDPA.
@@ -378,8 +415,8 @@ KSampler**; the start image goes to CLIP Vision and to `WanImageToVideo`.
 """
 
 
-def i2v_21(info) -> dict:
-    g = Graph(info)
+def i2v_21(info, ids) -> dict:
+    g = Graph(info, ids)
     g.note("note", NOTE_I2V, size=(470, 560))
     g.add("unet", "UNETLoader", {"unet_name": "wan2.1_i2v_480p_14B_fp8_e4m3fn.safetensors", "weight_dtype": "default"})
     g.add("clip", "CLIPLoader", {"clip_name": UMT5, "type": "wan", "device": "default"})
@@ -428,16 +465,26 @@ def i2v_21(info) -> dict:
     return g.to_json()
 
 
-def build_all(info) -> dict:
+# The file names are the templates' titles: ComfyUI's GET /workflow_templates lists only the file
+# names of example_workflows/, and the Templates dialog (frontend 1.27 and 1.58) shows a custom
+# pack's template under its file name, and that name again as its description.
+A14B_720P = "Wan 2.2 A14B text to video 720p"
+A14B_480P = "Wan 2.2 A14B text to video 480p"
+TI2V_5B = "Wan 2.2 5B text to video 704p"
+I2V_21 = "Wan 2.1 image to video 480p"
+
+
+def build_all(info, ids) -> dict:
     return {
-        "wan22_t2v_a14b_gguf_lightning_720p81": a14b(
-            info, 1280, 720, "The motivating case for wan-sage: Wan 2.2 A14B at 720p, 81 frames, on a 24 GB card.",
+        A14B_720P: a14b(
+            info, ids, 1280, 720, "The motivating case for wan-sage: Wan 2.2 A14B at 720p, 81 frames, on a 24 GB card.",
             "wan22_a14b_720p81"),
-        "wan22_t2v_a14b_gguf_lightning_480p81": a14b(
-            info, 832, 480, "The 720p example at 832×480: 32 760 tokens instead of 75 600, for drafts or smaller cards.",
+        A14B_480P: a14b(
+            info, ids, 832, 480,
+            "The 720p example at 832×480: 32 760 tokens instead of 75 600, for drafts or smaller cards.",
             "wan22_a14b_480p81"),
-        "wan22_ti2v_5b_704p121": ti2v_5b(info),
-        "wan21_i2v_480p": i2v_21(info),
+        TI2V_5B: ti2v_5b(info, ids),
+        I2V_21: i2v_21(info, ids),
     }
 
 
@@ -531,7 +578,8 @@ def _host_info():
     ns = comfy_env.boot()
     with workflow_check.probe_file_lists(ns.folder_paths) as probes:
         info = workflow_check.object_info(ns.nodes)
-        return info, workflow_check.file_combos(info, probes)
+        ids = pack_ids(info, comfy_env.comfy_path(), workflow_check.gguf_path())
+        return info, ids, workflow_check.file_combos(info, probes)
 
 
 def dumps(wf: dict) -> str:
@@ -543,10 +591,14 @@ def main(argv=None) -> int:
     ap.add_argument("--no-thumbnails", action="store_true")
     ap.add_argument("--check", action="store_true", help="exit 1 if a committed file would change")
     a = ap.parse_args(argv)
-    info, files = _host_info()
+    info, ids, files = _host_info()
     stale = []
     OUT_DIR.mkdir(exist_ok=True)
-    for name, wf in build_all(info).items():
+    built = build_all(info, ids)
+    if a.check:
+        stale += [f"{p.relative_to(ROOT)} (not written by this script)"
+                  for p in sorted(OUT_DIR.glob("*.json")) if p.stem not in built]
+    for name, wf in built.items():
         problems = workflow_check.check_workflow(wf, info, files)
         if problems:
             raise SystemExit(f"{name}: " + "; ".join(problems))

@@ -23,12 +23,11 @@ if comfy_env.skip_reason():
 
 ROOT = Path(__file__).resolve().parents[2]
 WF_DIR = ROOT / "example_workflows"
-EXPECTED = {
-    "wan22_t2v_a14b_gguf_lightning_720p81": (1280, 720, 81),
-    "wan22_t2v_a14b_gguf_lightning_480p81": (832, 480, 81),
-    "wan22_ti2v_5b_704p121": (1280, 704, 121),
-    "wan21_i2v_480p": (832, 480, 81),
-}
+A14B_720P = "Wan 2.2 A14B text to video 720p"
+A14B_480P = "Wan 2.2 A14B text to video 480p"
+TI2V_5B = "Wan 2.2 5B text to video 704p"
+I2V_21 = "Wan 2.1 image to video 480p"
+EXPECTED = {A14B_720P: (1280, 720, 81), A14B_480P: (832, 480, 81), TI2V_5B: (1280, 704, 121), I2V_21: (832, 480, 81)}
 WORKFLOWS = sorted(p.stem for p in WF_DIR.glob("*.json"))
 SAMPLERS = ("KSampler", "KSamplerAdvanced")
 LATENT_NODES = {"EmptyHunyuanLatentVideo": ("width", "height", "length"),
@@ -77,6 +76,15 @@ def test_the_four_example_workflows_are_there():
             assert thumb.read_bytes()[:3] == b"\xff\xd8\xff", f"{thumb.name} is not a JPEG"
 
 
+def test_template_titles_are_human():
+    """The Templates dialog shows a pack's template under its file name (and again as its
+    description), so the names read as titles: words, no underscores, short enough for a card."""
+    for name in WORKFLOWS:
+        assert "_" not in name and name[0].isupper() and " " in name, name
+        assert len(name) <= 31, f"{name!r} is {len(name)} characters; frontend 1.58 cuts a card title after about 31"
+        assert not set(name) & set('<>:"/\\|?*'), f"{name!r} is not a portable file name"
+
+
 def test_probes_find_the_model_file_combos(host):
     f = host.files
     assert ".gguf" in f[("UnetLoaderGGUF", "unet_name")].extensions
@@ -89,7 +97,7 @@ def test_probes_find_the_model_file_combos(host):
 
 
 def test_file_combos_take_any_model_file_name_but_only_model_files(host):
-    wf = load("wan21_i2v_480p")
+    wf = load(I2V_21)
     vae, unet, image = _node(wf, "VAELoader"), _node(wf, "UNETLoader"), _node(wf, "LoadImage")
     for v in ("pixel_space", "wan/wan_2.1_vae.safetensors", "WAN_2.1_VAE.SFT"):
         vae["widgets_values"][0] = v
@@ -122,7 +130,7 @@ def test_every_sampler_gets_its_model_through_estimator_then_sage_patch(host, na
     width, height, frames = EXPECTED[name]
     samplers = [n for n in wf["nodes"] if n["type"] in SAMPLERS]
     assert samplers
-    if "a14b" in name:
+    if "A14B" in name:
         assert len(samplers) == 2 and sum(n["type"] == "UnetLoaderGGUF" for n in wf["nodes"]) == 2
     latents = [n for n in wf["nodes"] if n["type"] in LATENT_NODES]
     assert len(latents) == 1
@@ -137,7 +145,7 @@ def test_every_sampler_gets_its_model_through_estimator_then_sage_patch(host, na
         ew, kw = widgets(est, host.info), widgets(ks, host.info)
         assert (ew["width"], ew["height"], ew["frames"]) == (width, height, frames)
         assert ew["cfg"] == kw["cfg"], "estimator cfg differs from the sampler's"
-    if "a14b" in name:
+    if "A14B" in name:
         hi, lo = sorted(samplers, key=lambda n: widgets(n, host.info)["start_at_step"])
         h, low = widgets(hi, host.info), widgets(lo, host.info)
         assert (h["add_noise"], h["return_with_leftover_noise"], h["start_at_step"], h["end_at_step"]) == \
@@ -148,6 +156,49 @@ def test_every_sampler_gets_its_model_through_estimator_then_sage_patch(host, na
         names = {widgets(upstream(wf, upstream(wf, upstream(wf, upstream(wf, s, "model"), "model"), "model"),
                                   "model"), host.info)["lora_name"] for s in samplers}
         assert len(names) == 2 and all("4steps" in n for n in names)
+
+
+def test_every_node_names_its_pack_and_version(host):
+    """properties.cnr_id / ver as the current frontend saves them: "wan-sage" with the version in
+    pyproject.toml on this pack's nodes, "comfy-core" with ComfyUI's version on ComfyUI's; a
+    frontend opening the workflow without the pack installed names it as the missing pack."""
+    import tomllib
+
+    import comfyui_version  # ComfyUI's own, importable once comfy_env has booted it
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["version"]
+    comfy = comfyui_version.__version__
+    ours = set(json.loads((ROOT / "node_list.json").read_text(encoding="utf-8")))
+    for name in WORKFLOWS:
+        for n in load(name)["nodes"]:
+            if n["type"] in workflow_check.FRONTEND_ONLY:
+                continue
+            props = n["properties"]
+            if n["type"] in ours:
+                assert (props.get("cnr_id"), props.get("ver")) == ("wan-sage", version), (name, n["id"], props)
+            elif not str(host.info[n["type"]].get("python_module", "nodes")).startswith("custom_nodes."):
+                assert (props.get("cnr_id"), props.get("ver")) == ("comfy-core", comfy), (name, n["id"], props)
+            else:
+                assert props.get("cnr_id") == "comfyui-gguf" and props.get("ver"), (name, n["id"], props)
+
+
+def test_node_list_names_the_nodes_comfyui_loads_from_the_pack(host):
+    """node_list.json (for ComfyUI-Manager's missing-node lookup) against the live registry."""
+    ours = {t for t, i in host.info.items()
+            if i.get("category", "").startswith("model_patches/wan-sage")}
+    assert set(json.loads((ROOT / "node_list.json").read_text(encoding="utf-8"))) == ours
+
+
+def test_every_input_and_output_of_the_pack_has_a_tooltip(host):
+    """What the frontend shows on hover, from GET /object_info: no input or output without one."""
+    ours = json.loads((ROOT / "node_list.json").read_text(encoding="utf-8"))
+    for node_type in ours:
+        info = host.info[node_type]
+        for group in ("required", "optional"):
+            for name, spec in info["input"].get(group, {}).items():
+                extra = spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
+                assert extra.get("tooltip"), f"{node_type} input {name} has no tooltip"
+        tips = info.get("output_tooltips") or []
+        assert len(tips) == len(info["output"]) and all(tips), f"{node_type} outputs: {tips}"
 
 
 def test_templates_are_served_like_comfyui_serves_them(host):
@@ -193,7 +244,7 @@ def _relink(wf, link_id, origin_node, origin_slot):
 
 
 def test_validator_reports_each_problem_of_a_broken_workflow(host):
-    good = load("wan22_t2v_a14b_gguf_lightning_720p81")
+    good = load(A14B_720P)
     assert workflow_check.check_workflow(good, host.info, host.files) == []
     wf = copy.deepcopy(good)
 
@@ -228,7 +279,10 @@ def test_validator_reports_each_problem_of_a_broken_workflow(host):
     save = _node(wf, "SaveVideo")
     save_in = save["inputs"][0]["link"]
     save["inputs"][0]["link"] = vae_link
-    # 9. a required socket left unconnected
+    # 9. a node without its pack id, and a core node claiming a custom pack
+    del _node(wf, "VAEDecode")["properties"]["cnr_id"]
+    _node(wf, "CLIPLoader")["properties"]["cnr_id"] = "wan-sage"
+    # 10. a required socket left unconnected
     est2 = _node(wf, "WanWorkingMemoryEstimator", 1)
     gone = next(i for i in est2["inputs"] if i["name"] == "model")["link"]
     next(i for i in est2["inputs"] if i["name"] == "model")["link"] = None
@@ -259,11 +313,13 @@ def test_validator_reports_each_problem_of_a_broken_workflow(host):
     assert has("CreateVideo", "link 999 is not in 'links'"), text
     assert has(f"link {save_in}:", "SaveVideo", f"has link {vae_link}, not {save_in}"), text
     assert has(f"node {est2['id']} (WanWorkingMemoryEstimator)", "required input 'model'", "not connected"), text
+    assert has("(VAEDecode)", "properties['cnr_id'] missing"), text
+    assert has("(CLIPLoader)", "'wan-sage'", "'comfy-core'"), text
 
 
 def test_comfyui_validate_prompt_rejects_what_the_validator_rejects(host):
     """The API conversion is faithful: a bad combo / a bad link reaches ComfyUI's own validation."""
-    wf = load("wan21_i2v_480p")
+    wf = load(I2V_21)
     _node(wf, "KSampler")["widgets_values"][4] = "euler_typo"
     prompt = workflow_check.with_probe_files(workflow_check.to_api_prompt(wf, host.info), host.files)
     ok, error, _outputs, node_errors = workflow_check.validate_prompt(host.ns.execution, prompt)
@@ -271,7 +327,7 @@ def test_comfyui_validate_prompt_rejects_what_the_validator_rejects(host):
     ks_id = str(_node(wf, "KSampler")["id"])
     assert any(e["type"] == "value_not_in_list" for e in node_errors[ks_id]["errors"]), node_errors
 
-    wf = load("wan21_i2v_480p")
+    wf = load(I2V_21)
     ks = _node(wf, "KSampler")
     _relink(wf, next(i["link"] for i in ks["inputs"] if i["name"] == "model"), _node(wf, "VAELoader"), 0)
     prompt = workflow_check.with_probe_files(workflow_check.to_api_prompt(wf, host.info), host.files)
@@ -281,7 +337,7 @@ def test_comfyui_validate_prompt_rejects_what_the_validator_rejects(host):
 
 
 def test_api_conversion_follows_reroutes_and_skips_notes(host):
-    wf = load("wan22_ti2v_5b_704p121")
+    wf = load(TI2V_5B)
     decode = _node(wf, "VAEDecode")
     vae = _node(wf, "VAELoader")
     lid = next(i["link"] for i in decode["inputs"] if i["name"] == "vae")

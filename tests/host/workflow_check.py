@@ -395,6 +395,7 @@ def check_workflow(wf: dict, info_by_type: dict, files: dict | None = None) -> l
             continue
         if (n.get("properties") or {}).get("Node name for S&R") != t:
             p(f"{_ref(n)}: properties['Node name for S&R'] should be {t!r}")
+        _check_pack_id(n, info, p)
         _check_slots(n, info, p)
         _check_widgets(n, info, files, p)
 
@@ -468,6 +469,23 @@ def check_workflow(wf: dict, info_by_type: dict, files: dict | None = None) -> l
             if "slot_index" in out and out["slot_index"] != i:
                 p(f"{_ref(n)} output {i}: slot_index {out['slot_index']}")
     return problems
+
+
+def _check_pack_id(n: dict, info: dict, p) -> None:
+    """``properties.cnr_id`` / ``ver`` as the current frontend saves them: the node's pack in the
+    Comfy Registry ("comfy-core" for ComfyUI's own nodes) and its version; the frontend names the
+    pack of a missing node from them."""
+    props = n.get("properties") or {}
+    cnr, ver = props.get("cnr_id"), props.get("ver")
+    core = not str(info.get("python_module", "nodes")).startswith("custom_nodes.")
+    if not (isinstance(cnr, str) and cnr):
+        p(f"{_ref(n)}: properties['cnr_id'] missing (the pack that defines the node)")
+    elif core and cnr != "comfy-core":
+        p(f"{_ref(n)}: properties['cnr_id'] is {cnr!r}; a ComfyUI node's is 'comfy-core'")
+    elif not core and cnr == "comfy-core":
+        p(f"{_ref(n)}: properties['cnr_id'] is 'comfy-core' for a custom node ({info.get('python_module')})")
+    if not (isinstance(ver, str) and ver):
+        p(f"{_ref(n)}: properties['ver'] missing (the pack's version)")
 
 
 def _check_slots(n: dict, info: dict, p) -> None:

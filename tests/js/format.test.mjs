@@ -2,15 +2,17 @@ import assert from "node:assert/strict";
 import { describe, it } from "node:test";
 
 import {
-  DASH, GiB, LEVEL_COLOURS, bytesToGiB, errorMessage, estimateRows, execIdMatches, executedText, fmtCounts,
-  fmtGiB, fmtInt, fmtSeconds, fmtSignedGiB, fmtVram, sourceLine, statsRows, verdictOf, verdictStyle,
-  vramFromSystemStats,
+  DASH, GiB, LEVEL_COLOURS, assumptionOf, bytesToGiB, detectedModel, errorMessage, estimateRows, execIdMatches,
+  executedText, fmtCounts, fmtGiB, fmtInt, fmtSeconds, fmtSignedGiB, fmtVram, lastRunLine, sizeLine, sourceLine,
+  statsRows, verdictOf, verdictStyle, vramFromSystemStats,
 } from "../../web/lib/format.js";
 
+const DETECTED = { model: "x.gguf", model_type: "t2v", dim: 5120, num_layers: 40, num_heads: 40, weight_dtype: "q4_k_m",
+  guessed: false };
 const SUMMARY = {
-  tokens: 75600, activation_gb: 12.3456, sage_extra_gb: 0.4, reservation_gb: 13.1, comfy_gb: 26.02, weights_gb: 13.3,
-  vram_gb: 24, verdict: "offloads 2.4 GB of weights", level: "offloads", offload_gb: 2.4, dominant_phase: "ffn",
-  notes: [], source: "header of x.gguf",
+  tokens: 75600, activation_gib: 12.3456, sage_extra_gib: 0.4, reservation_gib: 13.1, comfy_gib: 26.02, weights_gib: 13.3,
+  vram_gib: 24, verdict: "offloads 2.4 GiB of weights", level: "offloads", offload_gib: 2.4, dominant_phase: "ffn",
+  notes: [], source: "header of x.gguf", policy: "wan-sage estimate", detected: DETECTED,
 };
 
 describe("numbers", () => {
@@ -55,7 +57,7 @@ describe("verdict", () => {
   });
 
   it("uses the route's verdict text, or the level", () => {
-    assert.deepEqual(verdictOf(SUMMARY), { text: "offloads 2.4 GB of weights", level: "offloads", colour: LEVEL_COLOURS.offloads });
+    assert.deepEqual(verdictOf(SUMMARY), { text: "offloads 2.4 GiB of weights", level: "offloads", colour: LEVEL_COLOURS.offloads });
     assert.equal(verdictOf({ level: "fits" }).text, "fits");
     assert.equal(verdictOf(null).level, "unknown");
   });
@@ -63,15 +65,15 @@ describe("verdict", () => {
 
 describe("estimate rows", () => {
   it("lists the contract fields in order with formatted values", () => {
-    const vram = { totalGb: 24, freeGb: 18.2 };
+    const vram = { totalGib: 24, freeGib: 18.2 };
     const rows = estimateRows(SUMMARY, vram);
-    assert.deepEqual(rows.map((r) => r.field), ["tokens", "activation_gb", "sage_extra_gb", "reservation_gb", "comfy_gb", "vram"]);
+    assert.deepEqual(rows.map((r) => r.field), ["tokens", "activation_gib", "sage_extra_gib", "reservation_gib", "comfy_gib", "vram"]);
     assert.deepEqual(rows.map((r) => r.value), ["75,600", "12.35 GiB", "+0.40 GiB", "13.10 GiB", "26.02 GiB", "18.2 free / 24.0 GiB"]);
     assert.ok(estimateRows(null, null).every((r) => r.value === DASH || r.value === "no GPU"));
   });
 
   it("formats VRAM from system_stats, without a free figure, from the summary, or none", () => {
-    assert.equal(fmtVram({ totalGb: 80, freeGb: null }), "80.0 GiB");
+    assert.equal(fmtVram({ totalGib: 80, freeGib: null }), "80.0 GiB");
     assert.equal(fmtVram(null, 24), "24.0 GiB");
     assert.equal(fmtVram(null, null), "no GPU");
   });
@@ -79,9 +81,9 @@ describe("estimate rows", () => {
   it("reads the first device of /system_stats, a CPU device's RAM included", () => {
     const cuda = { devices: [{ name: "cuda:0 NVIDIA H200", type: "cuda", vram_total: 140 * GiB, vram_free: 100 * GiB },
       { type: "cuda", vram_total: 1 }] };
-    assert.deepEqual(vramFromSystemStats(cuda), { totalGb: 140, freeGb: 100, name: "cuda:0 NVIDIA H200", type: "cuda" });
+    assert.deepEqual(vramFromSystemStats(cuda), { totalGib: 140, freeGib: 100, name: "cuda:0 NVIDIA H200", type: "cuda" });
     const cpu = vramFromSystemStats({ devices: [{ name: "cpu", type: "cpu", vram_total: 64 * GiB, vram_free: 40 * GiB }] });
-    assert.deepEqual(cpu, { totalGb: 64, freeGb: 40, name: "cpu", type: "cpu" });
+    assert.deepEqual(cpu, { totalGib: 64, freeGib: 40, name: "cpu", type: "cpu" });
     assert.equal(fmtVram(cpu), "40.0 free / 64.0 GiB (CPU RAM)");
     assert.equal(vramFromSystemStats({ devices: [] }), null);
     assert.equal(vramFromSystemStats(null), null);
@@ -95,14 +97,72 @@ describe("estimate rows", () => {
     assert.equal(errorMessage(502, null), "estimate failed (HTTP 502)");
   });
 
-  it("says where the inputs came from", () => {
-    const info = { modelFile: "a.gguf", attention: "sage-auto", lora: true, latent: { id: 5, type: "EmptyHunyuanLatentVideo" } };
-    assert.equal(sourceLine(info, SUMMARY),
-      "model: header of x.gguf \u00b7 attention sage-auto \u00b7 LoRA \u00b7 size from EmptyHunyuanLatentVideo #5");
+  it("says which attention, LoRA and model source the estimate used", () => {
+    const info = { modelFile: "a.gguf", attention: "sage-auto", lora: true };
+    assert.equal(sourceLine(info, SUMMARY), "attention sage-auto \u00b7 LoRA \u00b7 model: header of x.gguf");
     assert.equal(sourceLine({ modelFile: null, attention: "sdpa" }, { source: "preset wan2.2-a14b" }),
-      "no model loader found \u00b7 model: preset wan2.2-a14b \u00b7 attention sdpa");
-    assert.equal(sourceLine({ modelFile: "a.gguf" }, null), "model a.gguf \u00b7 attention sdpa");
+      "attention sdpa \u00b7 model: preset wan2.2-a14b");
+    assert.equal(sourceLine({ modelFile: "a.gguf" }, null), "attention sdpa \u00b7 model a.gguf");
     assert.equal(sourceLine(null, null), "");
+  });
+});
+
+describe("the model and its assumptions", () => {
+  it("describes the detected model, and marks a guess", () => {
+    assert.deepEqual(detectedModel(SUMMARY),
+      { name: "x.gguf", text: "t2v \u00b7 dim 5120 \u00b7 40 layers \u00b7 40 heads \u00b7 q4_k_m weights", guessed: false });
+    const guessed = detectedModel({ detected: { ...DETECTED, model: "wan2.2-a14b", weight_dtype: "bf16", guessed: true } });
+    assert.equal(guessed.guessed, true);
+    assert.equal(guessed.name, "wan2.2-a14b");
+    assert.equal(detectedModel({ detected: { model: "m", dim: "5120" } }).text, "", "only numbers count as numbers");
+    assert.equal(detectedModel({}), null);
+    assert.equal(detectedModel(null), null);
+  });
+
+  it("puts the assumed model in the headline without a loader, or a guessed one", () => {
+    const preset = { ...SUMMARY, source: "preset wan2.2-a14b", detected: { ...DETECTED, model: "wan2.2-a14b", guessed: true } };
+    assert.equal(assumptionOf({ modelFile: null }, preset), "Assumed model: wan2.2-a14b (no model loader upstream)");
+    assert.equal(assumptionOf({ modelFile: "a.gguf" }, preset), "Model guessed from its name: wan2.2-a14b");
+    assert.equal(assumptionOf({ modelFile: "a.gguf" }, SUMMARY), null, "a header read is no assumption");
+    assert.equal(assumptionOf({ modelFile: null }, { source: "preset wan2.1-1.3b" }),
+      "Assumed model: preset wan2.1-1.3b (no model loader upstream)");
+    assert.equal(assumptionOf(null, null), "Assumed model: a preset (no model loader upstream)");
+  });
+});
+
+describe("the size line", () => {
+  const size = { width: 1280, height: 720, frames: 81, batch: 1 };
+
+  it("says the latent sets the size and the widgets are not used", () => {
+    const l = sizeLine({ sizeFrom: "latent", size, latent: { id: 15, type: "EmptyHunyuanLatentVideo" } });
+    assert.equal(l.text, "Size 1280\u00d7720, 81 frames \u00b7 from the latent (#15)");
+    assert.match(l.title, /EmptyHunyuanLatentVideo #15/);
+    assert.match(l.title, /widgets are not used/);
+  });
+
+  it("says the widgets set it when nothing is connected, with the batch when it is more than one", () => {
+    const l = sizeLine({ sizeFrom: "widgets", size: { ...size, batch: 2 } });
+    assert.equal(l.text, "Size 2 \u00d7 1280\u00d7720, 81 frames \u00b7 from the widgets");
+    assert.match(l.title, /Connect the video latent/);
+  });
+
+  it("says a latent it cannot read sets the size at run time", () => {
+    const l = sizeLine({ sizeFrom: "latent-unread", size });
+    assert.equal(l.text, "Size from the latent when it runs \u00b7 preview: 1280\u00d7720, 81 frames");
+    assert.deepEqual(sizeLine(null), { text: "", title: "" });
+    assert.equal(sizeLine({ sizeFrom: "widgets", size: { width: null, height: 720, frames: null } }).text,
+      "Size ?\u00d7?, ? frames \u00b7 from the widgets");
+  });
+});
+
+describe("the last run", () => {
+  it("shows the report's verdict line, else its last line", () => {
+    assert.equal(lastRunLine("tokens: 75,600\nreservation: 7.8 GiB\nverdict: fits: all weights resident\nnote: x"),
+      "fits: all weights resident");
+    assert.equal(lastRunLine("not a Wan model: passed through unchanged"), "not a Wan model: passed through unchanged");
+    assert.equal(lastRunLine("a\n\nb\n"), "b");
+    assert.equal(lastRunLine(""), "");
+    assert.equal(lastRunLine(null), "");
   });
 });
 

@@ -5,16 +5,19 @@ import { graphFromSpec } from "../../web/lib/graph.js";
 import { attentionFor, buildEstimatePayload } from "../../web/lib/payload.js";
 import { GGUF_FILE, WAN_FILE, wanGraph } from "./fixtures/graphs.mjs";
 
-const build = (opts, vramGb) => buildEstimatePayload(graphFromSpec(wanGraph(opts)), 3, { vramGb });
+const build = (opts, vramGib) => buildEstimatePayload(graphFromSpec(wanGraph(opts)), 3, { vramGib });
 
 describe("buildEstimatePayload", () => {
   it("takes the size from the upstream latent node over the estimator's widgets", () => {
     const { payload, info } = build({ widgets: { cfg: 3.5, margin_gb: 0.5 } }, 24);
     assert.deepEqual(payload, {
-      width: 832, height: 480, frames: 33, batch: 2, cfg: 3.5, attention: "sage-auto", margin_gb: 0.5,
-      model_file: WAN_FILE, lora: true, vram_gb: 24,
+      width: 832, height: 480, frames: 33, batch: 2, cfg: 3.5, attention: "sage-auto", margin_gib: 0.5,
+      model_file: WAN_FILE, lora: true, vram_gib: 24,
     });
     assert.deepEqual(info.latent, { id: 5, type: "EmptyHunyuanLatentVideo" });
+    assert.equal(info.latentLinked, true);
+    assert.equal(info.sizeFrom, "latent");
+    assert.deepEqual(info.size, { width: 832, height: 480, frames: 33, batch: 2 });
     assert.equal(info.sage, 4);
     assert.equal(info.loaderType, "UNETLoader");
     assert.deepEqual(info.missing, []);
@@ -23,8 +26,22 @@ describe("buildEstimatePayload", () => {
   it("uses the estimator's widgets without a latent", () => {
     const { payload, info } = build({ latent: false, widgets: { width: 1280, height: 720, frames: 81, batch_size: 1 } });
     assert.equal(info.latent, null);
+    assert.equal(info.latentLinked, false);
+    assert.equal(info.sizeFrom, "widgets");
     assert.deepEqual([payload.width, payload.height, payload.frames, payload.batch], [1280, 720, 81, 1]);
-    assert.equal("vram_gb" in payload, false, "no VRAM: the server decides");
+    assert.equal("vram_gib" in payload, false, "no VRAM: the server decides");
+  });
+
+  it("says whether a connected latent sets the size, is an image latent, or cannot be read", () => {
+    const viaImage = wanGraph();
+    viaImage.find((n) => n.id === 5).widgets = { width: 512, height: 512, batch_size: 1 }; // EmptyLatentImage-like
+    const image = buildEstimatePayload(graphFromSpec(viaImage), 3, {});
+    assert.deepEqual([image.info.latentLinked, image.info.sizeFrom, image.payload.width], [true, "widgets", 1280]);
+    const viaEncode = wanGraph();
+    viaEncode.find((n) => n.id === 5).widgets = {}; // e.g. a VAE encode of a video
+    const unread = buildEstimatePayload(graphFromSpec(viaEncode), 3, {});
+    assert.deepEqual([unread.info.latentLinked, unread.info.sizeFrom, unread.info.latent], [true, "latent-unread", null]);
+    assert.equal(unread.payload.width, 1280, "the panel previews the widgets");
   });
 
   it("falls back to a widget when the latent node's value is not a number", () => {
@@ -57,12 +74,12 @@ describe("buildEstimatePayload", () => {
 
   it("omits model_file without a loader and rounds VRAM", () => {
     const spec = wanGraph().filter((n) => n.id !== 1 && n.id !== 2);
-    const { payload, info } = buildEstimatePayload(graphFromSpec(spec), 3, { vramGb: 23.99999 });
+    const { payload, info } = buildEstimatePayload(graphFromSpec(spec), 3, { vramGib: 23.99999 });
     assert.equal("model_file" in payload, false);
     assert.equal(info.modelFile, null);
     assert.equal(payload.lora, undefined);
-    assert.equal(payload.vram_gb, 24);
-    assert.equal(buildEstimatePayload(graphFromSpec(spec), 3, { vramGb: 0 }).payload.vram_gb, undefined);
+    assert.equal(payload.vram_gib, 24);
+    assert.equal(buildEstimatePayload(graphFromSpec(spec), 3, { vramGib: 0 }).payload.vram_gib, undefined);
   });
 
   it("coerces numeric strings, defaults cfg to 1, and reports missing sizes", () => {
@@ -93,10 +110,12 @@ describe("attentionFor", () => {
   });
 });
 
-it("sends a non-default policy with the request", () => {
+it("sends a non-default policy with the request, the widgets' GB values as *_gib fields", () => {
   const { payload } = build({ widgets: { cfg: 1.0, policy: "fixed GB per row", fixed_gb: 9.5 } }, 24);
   assert.equal(payload.policy, "fixed GB per row");
-  assert.equal(payload.fixed_gb, 9.5);
+  assert.equal(payload.fixed_gib, 9.5);
+  assert.deepEqual(Object.keys(payload).filter((k) => /_gb$/.test(k)), [], "no *_gb field is sent");
   const d = build({ widgets: { cfg: 1.0, policy: "wan-sage estimate", fixed_gb: 9.5 } }, 24).payload;
   assert.equal(d.policy, undefined);
+  assert.equal(d.fixed_gib, undefined);
 });

@@ -52,7 +52,7 @@ export function verdictStyle(level) {
 }
 
 /**
- * {totalGb, freeGb, name, type} of the first device in GET /system_stats, or null without one.
+ * {totalGib, freeGib, name, type} of the first device in GET /system_stats, or null without one.
  * On a CPU device ComfyUI reports system RAM as its "VRAM", and plans model loading against it,
  * so that figure is used too (fmtVram labels it).
  */
@@ -60,8 +60,8 @@ export function vramFromSystemStats(stats) {
   const d = stats?.devices?.[0];
   if (!d || !isNum(d.vram_total) || d.vram_total <= 0) return null;
   return {
-    totalGb: d.vram_total / GiB,
-    freeGb: isNum(d.vram_free) ? d.vram_free / GiB : null,
+    totalGib: d.vram_total / GiB,
+    freeGib: isNum(d.vram_free) ? d.vram_free / GiB : null,
     name: typeof d.name === "string" ? d.name : "",
     type: d.type ?? "",
   };
@@ -71,13 +71,13 @@ export function vramFromSystemStats(stats) {
  * "18.2 free / 24.0 GiB", "24.0 GiB" without a free figure, "... (CPU RAM)" on a CPU device,
  * "no GPU" without a device.
  */
-export function fmtVram(vram, summaryVramGb = null) {
-  if (vram && isNum(vram.totalGb)) {
-    const s = isNum(vram.freeGb) ? `${vram.freeGb.toFixed(1)} free / ${vram.totalGb.toFixed(1)} GiB`
-      : `${vram.totalGb.toFixed(1)} GiB`;
+export function fmtVram(vram, summaryVramGib = null) {
+  if (vram && isNum(vram.totalGib)) {
+    const s = isNum(vram.freeGib) ? `${vram.freeGib.toFixed(1)} free / ${vram.totalGib.toFixed(1)} GiB`
+      : `${vram.totalGib.toFixed(1)} GiB`;
     return vram.type === "cpu" ? `${s} (CPU RAM)` : s;
   }
-  if (isNum(summaryVramGb) && summaryVramGb > 0) return `${summaryVramGb.toFixed(1)} GiB`;
+  if (isNum(summaryVramGib) && summaryVramGib > 0) return `${summaryVramGib.toFixed(1)} GiB`;
   return "no GPU";
 }
 
@@ -89,19 +89,88 @@ export function estimateRows(summary, vram) {
   const s = summary ?? {};
   return [
     { field: "tokens", label: "Tokens", value: fmtInt(s.tokens) },
-    { field: "activation_gb", label: "Predicted peak", value: fmtGiB(s.activation_gb) },
-    { field: "sage_extra_gb", label: "Sage extra", value: fmtSignedGiB(s.sage_extra_gb) },
-    { field: "reservation_gb", label: "Reservation", value: fmtGiB(s.reservation_gb) },
-    { field: "comfy_gb", label: "ComfyUI estimate", value: fmtGiB(s.comfy_gb) },
-    { field: "vram", label: "VRAM", value: fmtVram(vram, s.vram_gb) },
+    { field: "activation_gib", label: "Predicted peak", value: fmtGiB(s.activation_gib) },
+    { field: "sage_extra_gib", label: "Sage extra", value: fmtSignedGiB(s.sage_extra_gib) },
+    { field: "reservation_gib", label: "Reservation", value: fmtGiB(s.reservation_gib) },
+    { field: "comfy_gib", label: "ComfyUI estimate", value: fmtGiB(s.comfy_gib) },
+    { field: "vram", label: "VRAM", value: fmtVram(vram, s.vram_gib) },
   ];
 }
 
-/** The verdict line: {text, level, colour}. */
+/** The verdict line: {text, level, colour}; the text is the server's, as it sends it. */
 export function verdictOf(summary) {
   const { level, colour } = verdictStyle(summary?.level);
   const text = typeof summary?.verdict === "string" && summary.verdict ? summary.verdict : level;
   return { text, level, colour };
+}
+
+const str = (v) => (typeof v === "string" && v.trim() ? v.trim() : null);
+
+/**
+ * The model the estimate is for, as the route's ``summary.detected`` describes it:
+ * {name, text, guessed}.  ``name``: the model (file or preset name); ``text``: "t2v · dim 5120 ·
+ * 40 layers · 40 heads · bf16 weights" (the parts the server sent); ``guessed``: the server
+ * guessed it from a name or preset instead of reading a model file's header.  Null without
+ * ``detected``.
+ */
+export function detectedModel(summary) {
+  const d = summary?.detected;
+  if (!d || typeof d !== "object") return null;
+  const parts = [];
+  if (str(d.model_type)) parts.push(str(d.model_type));
+  if (isNum(d.dim)) parts.push(`dim ${d.dim}`);
+  if (isNum(d.num_layers)) parts.push(`${d.num_layers} layers`);
+  if (isNum(d.num_heads)) parts.push(`${d.num_heads} heads`);
+  if (str(d.weight_dtype)) parts.push(`${str(d.weight_dtype)} weights`);
+  return { name: str(d.model) ?? "", text: parts.join(" \u00b7 "), guessed: d.guessed === true };
+}
+
+/**
+ * What the estimate assumes about the model, for the panel's headline, or null when it read the
+ * model file.  No loader upstream: "Assumed model: <name> (no model loader upstream)"; a loader
+ * whose file header could not be read: "Model guessed from its name: <name>".
+ */
+export function assumptionOf(info, summary) {
+  const m = detectedModel(summary);
+  const name = m?.name || str(summary?.source) || "a preset";
+  if (!info?.modelFile) return `Assumed model: ${name} (no model loader upstream)`;
+  if (m?.guessed) return `Model guessed from its name: ${name}`;
+  return null;
+}
+
+const fmtSize = (s) => {
+  const frames = isNum(s?.frames) ? `${s.frames} frames` : "? frames";
+  const wh = isNum(s?.width) && isNum(s?.height) ? `${s.width}\u00d7${s.height}` : "?\u00d7?";
+  return `${isNum(s?.batch) && s.batch > 1 ? `${s.batch} \u00d7 ` : ""}${wh}, ${frames}`;
+};
+
+/**
+ * The one line that says where the video size comes from: {text, title}.  ``info`` is
+ * buildEstimatePayload's.  With the latent connected the widgets are not used (the panel disables
+ * them); the title carries the longer explanation.
+ */
+export function sizeLine(info) {
+  if (!info || !info.size) return { text: "", title: "" };
+  const size = fmtSize(info.size);
+  if (info.sizeFrom === "latent") {
+    return {
+      text: `Size ${size} \u00b7 from the latent (#${info.latent.id})`,
+      title: `The size comes from the connected latent (${info.latent.type} #${info.latent.id}); `
+        + "this node's width, height, frames and batch_size widgets are not used while it is connected.",
+    };
+  }
+  if (info.sizeFrom === "latent-unread") {
+    return {
+      text: `Size from the latent when it runs \u00b7 preview: ${size}`,
+      title: "The latent input is connected to a node whose size the panel cannot read. The node uses the "
+        + "latent's size when it runs; until then the panel previews the widgets' size.",
+    };
+  }
+  return {
+    text: `Size ${size} \u00b7 from the widgets`,
+    title: "Nothing is connected to the latent input, so this node's width, height, frames and batch_size "
+      + "widgets set the size. Connect the video latent to follow it instead.",
+  };
 }
 
 /** The message of a failed estimate: the route's 400 body, or the status. */
@@ -159,14 +228,20 @@ export function executedText(detail) {
   return typeof v === "string" ? v : null;
 }
 
-/** What the panel says about where its inputs came from (model, attention, size source). */
+/** The panel's source line: the attention counted, a LoRA, and the server's model source. */
 export function sourceLine(info, summary) {
   if (!info) return "";
-  const parts = [];
-  if (!info.modelFile) parts.push("no model loader found");
-  parts.push(summary?.source ? `model: ${summary.source}` : info.modelFile ? `model ${info.modelFile}` : "");
-  parts.push(`attention ${info.attention ?? "sdpa"}`);
+  const parts = [`attention ${info.attention ?? "sdpa"}`];
   if (info.lora) parts.push("LoRA");
-  if (info.latent) parts.push(`size from ${info.latent.type} #${info.latent.id}`);
-  return parts.filter(Boolean).join(" \u00b7 ");
+  const src = str(summary?.source) ?? (info.modelFile ? `model ${info.modelFile}` : null);
+  if (src) parts.push(src.startsWith("model") ? src : `model: ${src}`);
+  return parts.join(" \u00b7 ");
+}
+
+/** The line of an estimator report to show after a run: its "verdict: ..." line, else its last. */
+export function lastRunLine(text) {
+  if (typeof text !== "string" || !text.trim()) return "";
+  const lines = text.split("\n").map((l) => l.trim()).filter(Boolean);
+  const v = lines.find((l) => /^verdict:/i.test(l));
+  return (v ? v.replace(/^verdict:\s*/i, "") : lines.at(-1)) ?? "";
 }

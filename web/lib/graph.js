@@ -135,34 +135,52 @@ export function widgetValue(view, node, name) {
 export const FRAME_WIDGETS = Object.freeze(["length", "frames", "num_frames", "video_frames"]);
 
 /**
- * The video size set by the node behind ``startNode``'s LATENT input: {node, width, height,
- * frames, batch_size} or null.  Follows LATENT inputs of nodes that carry no size of their own
- * (e.g. a latent batch repeat) up to a few steps.  Only nodes with a frame-count widget count:
- * an image latent (4-D) makes the estimator use its own widgets, so the panel does too.
+ * What feeds ``startNode``'s LATENT input: null when nothing is connected, else
+ * {kind: "video", source} (``source`` as latentSource returns it), {kind: "image", node} (a node
+ * with width and height but no frame count: a 4-D image latent, for which the estimator uses its
+ * own widgets) or {kind: "unknown", node} (no size the panel can read, e.g. an encoded video).
+ * Follows LATENT inputs of nodes that carry no size of their own (e.g. a latent batch repeat) up
+ * to a few steps.
  */
-export function latentSource(view, startNode) {
+export function latentOrigin(view, startNode) {
   let input = findInput(startNode, "latent", "LATENT");
+  if (!input?.link) return null;
   const seen = new Set([startNode.id]);
+  let last = null;
   for (let step = 0; input && step < 8; step++) {
     const o = originOf(view, input);
-    if (!o || seen.has(o.node.id)) return null;
+    if (!o || seen.has(o.node.id)) break;
     seen.add(o.node.id);
     const n = o.node;
+    last = n;
     const w = n.widgets ?? {};
     if ("width" in w && "height" in w) {
       const fw = FRAME_WIDGETS.find((f) => f in w);
-      if (!fw) return null;
+      if (!fw) return { kind: "image", node: n };
       return {
-        node: n,
-        width: widgetValue(view, n, "width"),
-        height: widgetValue(view, n, "height"),
-        frames: widgetValue(view, n, fw),
-        batch_size: "batch_size" in w ? widgetValue(view, n, "batch_size") : undefined,
+        kind: "video",
+        source: {
+          node: n,
+          width: widgetValue(view, n, "width"),
+          height: widgetValue(view, n, "height"),
+          frames: widgetValue(view, n, fw),
+          batch_size: "batch_size" in w ? widgetValue(view, n, "batch_size") : undefined,
+        },
       };
     }
     input = (n.inputs ?? []).find((i) => typeIs(i.type, "LATENT") && i.link) ?? null;
   }
-  return null;
+  return { kind: "unknown", node: last };
+}
+
+/**
+ * The video size set by the node behind ``startNode``'s LATENT input: {node, width, height,
+ * frames, batch_size} or null.  Only nodes with a frame-count widget count: an image latent (4-D)
+ * makes the estimator use its own widgets, so the panel does too.
+ */
+export function latentSource(view, startNode) {
+  const o = latentOrigin(view, startNode);
+  return o?.kind === "video" ? o.source : null;
 }
 
 /**
