@@ -300,7 +300,10 @@ def estimate_from_json(p, resolve_model_file=None, default_vram_bytes=None, defa
     except ValueError as e:  # every field was checked above; this names what the estimate refused
         raise RequestError("body", str(e)) from None
     s = summary_of(est)
-    s["notes"] = model_notes + s["notes"] + list(plan.notes)
+    s["notes"] = model_notes + s["notes"] + list(plan.notes) + (
+        ["torch.compile on the model chain: the estimate is the compiled forward's (fused RoPE and FFN)"]
+        if compiled else [])
+    s["compiled"] = compiled
     s["source"] = source
     s["policy"] = policy
     s["detected"] = detected

@@ -119,3 +119,25 @@ it("sends a non-default policy with the request, the widgets' GB values as *_gib
   assert.equal(d.policy, undefined);
   assert.equal(d.fixed_gib, undefined);
 });
+
+describe("buildEstimatePayload and torch.compile", () => {
+  it("sends compiled when a compile node is on the model chain, upstream or downstream", () => {
+    for (const at of ["before", "after"]) {
+      const spec = wanGraph();
+      const est = spec.find((n) => n.id === 3);
+      const compile = { id: 40, type: "TorchCompileModel", widgets: { backend: "inductor" },
+        outputs: [{ name: "MODEL", type: "MODEL" }] };
+      if (at === "before") {
+        compile.inputs = [{ name: "model", type: "MODEL", from: est.inputs[0].from }];
+        est.inputs[0].from = [40, 0];
+      } else {
+        compile.inputs = [{ name: "model", type: "MODEL", from: [3, 0] }];
+      }
+      spec.push(compile);
+      const { payload, info } = buildEstimatePayload(graphFromSpec(spec), 3, {});
+      assert.equal(payload.compiled, true, at);
+      assert.equal(info.compiled, true, at);
+    }
+    assert.equal("compiled" in build({}).payload, false, "no compile node: the field is left out");
+  });
+});

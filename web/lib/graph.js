@@ -114,7 +114,9 @@ export function modelChain(view, startNode) {
   }
   const sage = [...upstream, ...downstream].find((n) => n.type === SAGE_TYPE && isActive(n)) ?? null;
   const lora = upstream.some((n) => isActive(n) && /lora/i.test(n.type));
-  return { loader, modelFile: loader ? loaderFile(loader) : null, upstream, downstream, sage, lora };
+  // ComfyUI's TorchCompileModel, and the compile nodes of other packs, named alike.
+  const compiled = [...upstream, ...downstream].some((n) => isActive(n) && /torchcompile/i.test(n.type));
+  return { loader, modelFile: loader ? loaderFile(loader) : null, upstream, downstream, sage, lora, compiled };
 }
 
 /**

@@ -67,6 +67,7 @@ export function buildEstimatePayload(view, estimatorId, opts = {}) {
     sage: chain.sage ? chain.sage.id : null,
     attention,
     lora: chain.lora,
+    compiled: chain.compiled,
     latent: latent ? { id: latent.node.id, type: latent.node.type } : null,
     latentLinked,
     sizeFrom: latent ? "latent" : origin?.kind === "unknown" ? "latent-unread" : "widgets",
@@ -88,6 +89,7 @@ export function buildEstimatePayload(view, estimatorId, opts = {}) {
   const wd = chain.loader?.widgets?.weight_dtype;
   if (typeof wd === "string" && wd.startsWith("fp8")) payload.weights = "fp8";
   if (chain.lora) payload.lora = true;
+  if (chain.compiled) payload.compiled = true;
   const vram = toNum(opts.vramGib);
   if (vram !== null && vram > 0) payload.vram_gib = Math.round(vram * 1000) / 1000;
   return { payload, info };

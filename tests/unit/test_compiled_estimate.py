@@ -1,0 +1,91 @@
+"""The estimate under torch.compile and with the Sage patch's head groups: the CLI flags, the route
+fields and the node's detection of a compiled model and of a shape the dispatcher runs grouped."""
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from wan_sage import cli
+from wan_sage.memory import activation_model
+from wan_sage.memory.api import RequestError, estimate_from_json
+from wan_sage.memory.estimate import EstimateRequest, GiB, estimate
+from wan_sage.nodes import comfy_bridge, estimator
+
+A14B = activation_model.PRESETS["wan2.2-a14b"]
+MEASURED_COMPILED_SDPA_720P81 = 4.412  # GiB, docs/measurements/2026-12-01-compile-table-h200.jsonl
+
+
+def _plan_json(capsys, *args):
+    assert cli.main(["plan", "--preset", "wan2.2-a14b", "--width", "1280", "--height", "720", "--frames", "81",
+                     "--vram", "24", "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_compiled_sdpa_is_within_0_to_10_percent_of_the_measured_compiled_peak(capsys):
+    d = _plan_json(capsys, "--compiled", "--attention", "sdpa")
+    reservation = d["reservation_resident"] / GiB
+    assert MEASURED_COMPILED_SDPA_720P81 <= reservation <= 1.10 * MEASURED_COMPILED_SDPA_720P81
+    assert d["request"]["compiled"] is True
+
+
+def test_compile_lowers_the_estimate_and_grouping_lowers_it_further_with_sage(capsys):
+    eager = _plan_json(capsys, "--attention", "sage-auto")["reservation_resident"]
+    compiled = _plan_json(capsys, "--attention", "sage-auto", "--compiled")["reservation_resident"]
+    grouped = _plan_json(capsys, "--attention", "sage-auto", "--compiled", "--sage-grouped")
+    assert grouped["reservation_resident"] < compiled < eager
+    assert grouped["request"]["sage_head_groups"] == 7
+
+
+def test_grouping_does_nothing_for_sdpa():
+    a = estimate(EstimateRequest(dims=A14B, width=1280, height=720, frames=81, attention="sdpa", sage_grouped=True))
+    b = estimate(EstimateRequest(dims=A14B, width=1280, height=720, frames=81, attention="sdpa"))
+    assert a.reservation_resident == b.reservation_resident and a.request["sage_head_groups"] == 1
+
+
+def test_route_takes_compiled_and_sage_grouped_as_booleans():
+    base = {"preset": "wan2.2-a14b", "width": 1280, "height": 720, "frames": 81, "attention": "sage-auto", "arch": "sm90"}
+    eager = estimate_from_json(base)["summary"]
+    comp = estimate_from_json({**base, "compiled": True, "sage_grouped": True})["summary"]
+    assert comp["compiled"] is True and comp["activation_gib"] < eager["activation_gib"]
+    for field in ("compiled", "sage_grouped"):
+        with pytest.raises(RequestError) as e:
+            estimate_from_json({**base, field: "yes"})
+        assert e.value.field == field
+
+
+class _Block(torch.nn.Module):
+    pass
+
+
+def test_compiled_by_finds_comfys_compile_wrapper_its_kwargs_and_compiled_blocks():
+    dm = SimpleNamespace(blocks=[_Block()])
+    plain = SimpleNamespace(model=SimpleNamespace(diffusion_model=dm), model_options={}, wrappers={}, object_patches={})
+    assert comfy_bridge.compiled_by(plain) is None
+    kwargs = SimpleNamespace(**vars(plain))
+    kwargs.model_options = {"torch_compile_kwargs": {"backend": "inductor"}}
+    assert comfy_bridge.compiled_by(kwargs)
+    wrapped = SimpleNamespace(**vars(plain))
+    wrapped.wrappers = {"apply_model": {"torch.compile": [object()]}}
+    assert comfy_bridge.compiled_by(wrapped)
+    blocks = SimpleNamespace(**vars(plain))
+    blocks.model = SimpleNamespace(diffusion_model=SimpleNamespace(blocks=[torch.compile(_Block(), backend="eager")]))
+    assert comfy_bridge.compiled_by(blocks)
+
+
+def test_the_node_counts_groups_only_for_a_shape_the_dispatcher_settled_grouped(monkeypatch):
+    from wan_sage.attention import override as override_module
+    from wan_sage.attention.dispatch import PatchConfig, SageAttentionOverride
+    ov = SageAttentionOverride(PatchConfig(memory_mode="sdpa"))
+    options = {"transformer_options": {"optimized_attention_override": ov}}
+    model = SimpleNamespace(model=SimpleNamespace(diffusion_model=SimpleNamespace(blocks=[])), model_options=options,
+                            wrappers={}, object_patches={})
+    shape = [1, 16, 21, 90, 160]  # 75,600 tokens
+    settled = []
+    monkeypatch.setattr(override_module, "settled_shapes", lambda: settled)
+    assert estimator.run_mode(model, options, A14B, shape) == estimator.RunMode(False, False)
+    settled.append({"kernel": "sage2_sm90", "groups": 7, "Nq": 75600, "Nk": 75600, "H": 40, "D": 128})
+    assert estimator.run_mode(model, options, A14B, shape) == estimator.RunMode(False, True)
+    fastest = SageAttentionOverride(PatchConfig(memory_mode="fastest"))
+    options_fast = {"transformer_options": {"optimized_attention_override": fastest}}
+    assert estimator.run_mode(model, options_fast, A14B, shape).sage_grouped is False
