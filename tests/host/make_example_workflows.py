@@ -41,7 +41,8 @@ WAN_NEGATIVE = ("色调艳丽，过曝，静态，细节模糊不清，字幕，
                 "JPEG压缩残留，丑陋的，残缺的，多余的手指，画得不好的手部，画得不好的脸部，畸形的，毁容的，形态畸形的肢体，"
                 "手指融合，静止不动的画面，杂乱的背景，三条腿，背景人很多，倒着走")
 UMT5 = "umt5_xxl_fp8_e4m3fn_scaled.safetensors"
-SAGE = {"kernel": "auto", "min_tokens": 1024, "calibrate": True, "memory_margin_mb": 256, "check_finite": True}
+SAGE = {"kernel": "auto", "min_tokens": 1024, "calibrate": True, "memory_margin_mb": 256, "check_finite": True,
+        "memory_mode": "sdpa"}
 ESTIMATOR = {"batch_size": 1, "policy": "wan-sage estimate", "margin_gb": 0.0, "fixed_gb": 10.0,
              "count_sage_extra": "auto-detect"}
 
