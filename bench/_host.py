@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import importlib.util
 import os
 import pkgutil
@@ -29,6 +30,22 @@ def set_allocator(kind: str) -> None:
     if kind == "async":
         conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync" if not conf else conf + ",backend:cudaMallocAsync"
+
+
+def jsonl_records(paths: str | None):
+    """Every JSON object in the JSON-lines files of a comma-separated list, for --skip-done: a missing
+    file or a line that is not JSON (a call killed mid-write) is passed over."""
+    for name in (paths or "").split(","):
+        path = Path(name.strip())
+        if not name.strip() or not path.is_file():
+            continue
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                yield record
 
 
 def alloc_retries(torch):

@@ -93,19 +93,8 @@ def estimate_s(cfg: Config, done: list, compile_allowance_s: float) -> float | N
 
 def done_configs(paths: str | None, key: dict) -> set:
     """Names of the configurations with an ``ok`` record of the same model, size, dtype, steps and backend."""
-    done = set()
-    for p in (paths or "").split(","):
-        p = Path(p.strip())
-        if not p.is_file():
-            continue
-        for line in p.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except ValueError:
-                continue
-            if r.get("schema") == SCHEMA and r.get("ok") and all(r.get(k) == v for k, v in key.items()):
-                done.add(r["config"])
-    return done
+    return {r["config"] for r in _host.jsonl_records(paths)
+            if r.get("schema") == SCHEMA and r.get("ok") and all(r.get(k) == v for k, v in key.items())}
 
 
 class ForwardProbe:

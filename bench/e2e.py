@@ -778,20 +778,8 @@ def run_label(spec, args) -> str:
 def done_runs(paths: str, weights: str) -> set:
     """Labels of the runs with an ``ok`` or ``oom`` record for these weights in the JSONL files (a budget
     run marked not faithful does not count: it is run again)."""
-    done = set()
-    for p in paths.split(","):
-        p = Path(p.strip())
-        if not p.is_file():
-            continue
-        for line in p.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except (json.JSONDecodeError, ValueError):
-                continue
-            if r.get("schema") == SCHEMA and r.get("status") in ("ok", "oom") and \
-                    (r.get("config") or {}).get("weights") == weights and faithful(r):
-                done.add(r.get("run"))
-    return done
+    return {r.get("run") for r in _host.jsonl_records(paths) if r.get("schema") == SCHEMA and r.get("status") in
+            ("ok", "oom") and (r.get("config") or {}).get("weights") == weights and faithful(r)}
 
 
 def _read_version(pyproject: Path):

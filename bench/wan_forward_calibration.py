@@ -148,19 +148,7 @@ def row_key(r: dict) -> tuple:
 
 
 def done_rows(paths: str | None) -> set:
-    done = set()
-    for p in (paths or "").split(","):
-        p = Path(p.strip())
-        if not p.is_file():
-            continue
-        for line in p.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(r, dict) and r.get("ok") and "model" in r and "width" in r:
-                done.add(row_key(r))
-    return done
+    return {row_key(r) for r in _host.jsonl_records(paths) if r.get("ok") and "model" in r and "width" in r}
 
 
 def summary_line(r: dict) -> str:
