@@ -38,7 +38,7 @@ class WanSageAttentionPatch(io.ComfyNode):
                 io.Boolean.Input("check_finite", default=True,
                                  tooltip="catch a broken kernel: the first calls of each shape and a sample after "
                                          "them are checked for NaN/Inf and redone on SDPA"),
-                io.Combo.Input("memory_mode", options=list(MEMORY_MODES), default=MEMORY_MODES[0],
+                io.Combo.Input("memory_mode", options=list(MEMORY_MODES), default=MEMORY_MODES[0], optional=True,
                                tooltip="sdpa: split Sage calls into head groups so they need about SDPA's memory, "
                                        "where the split is measured at most 2 % slower; fastest: never split "
                                        "unless free VRAM is short"),
@@ -56,7 +56,7 @@ class WanSageAttentionPatch(io.ComfyNode):
                 memory_mode=MEMORY_MODES[0]) -> io.NodeOutput:
         node_id = getattr(getattr(cls, "hidden", None), "unique_id", None)
         m, text = apply_patch(model, kernel, min_tokens, calibrate, memory_margin_mb, check_finite, node_id=node_id,
-                              memory_mode=memory_mode)
+                              memory_mode=memory_mode or MEMORY_MODES[0])
         return io.NodeOutput(m, text, ui=ui.PreviewText(text))
 
 
