@@ -48,6 +48,25 @@ def jsonl_records(paths: str | None):
                 yield record
 
 
+class JsonLines:
+    """One JSON line per result, printed and appended to ``path`` (when given) as soon as it is known,
+    so a call killed at its time limit still returns what it measured."""
+
+    def __init__(self, path: str | None):
+        self._file = open(path, "a") if path else None
+
+    def __call__(self, row: dict) -> None:
+        line = json.dumps(row)
+        print(line, flush=True)
+        if self._file:
+            self._file.write(line + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+
+
 def alloc_retries(torch):
     """The CUDA allocator's count of allocations that succeeded only after it freed its cache (a run
     at the edge of its budget needs some), or None where the backend does not count them."""

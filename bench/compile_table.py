@@ -34,7 +34,6 @@ could end after it (each is estimated from the configurations measured before it
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -216,14 +215,7 @@ def main(argv=None):
     key = {"model": a.model, "size": f"{a.width}x{a.height}x{a.frames}", "dtype": a.dtype, "steps": a.steps,
            "backend": a.backend}
     done = done_configs(a.skip_done, key)
-    out = open(a.out, "a") if a.out else None
-
-    def emit(row):
-        line = json.dumps(row)
-        print(line, flush=True)
-        if out:
-            out.write(line + "\n")
-            out.flush()
+    emit = _host.JsonLines(a.out)
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
@@ -330,8 +322,7 @@ def main(argv=None):
         if cuda:
             torch.cuda.empty_cache()
     watch.close()
-    if out:
-        out.close()
+    emit.close()
     return 0
 
 

@@ -241,7 +241,7 @@ def main(argv=None):
 
     dev = mm.get_torch_device()
     cc = kernels.device_cc(dev) if dev.type == "cuda" else None
-    out = open(a.out, "a") if a.out else None
+    emit = _host.JsonLines(a.out)
     dts = {"bf16": torch.bfloat16, "fp16": torch.float16}
     cache_dir = os.path.join(tempfile.gettempdir(), "wan_sage_calib")
     gpu = torch.cuda.get_device_name() if cc else "cpu"
@@ -261,13 +261,6 @@ def main(argv=None):
         if a.deadline_s is None:
             return True
         return time.perf_counter() - t_start + seconds * max(1.0, statistics.median(slow)) <= a.deadline_s
-
-    def emit(row):
-        line = json.dumps(row)
-        print(line, flush=True)
-        if out:
-            out.write(line + "\n")
-            out.flush()
 
     for mname in models:
         for dname in a.dtypes.split(","):
@@ -394,8 +387,7 @@ def main(argv=None):
                 torch.cuda.empty_cache()
     if watch:
         watch.close()
-    if out:
-        out.close()
+    emit.close()
 
 
 if __name__ == "__main__":
