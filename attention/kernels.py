@@ -155,8 +155,9 @@ def build_identity(package: str) -> str:
 
 
 def install_test_kernel(name: str, fn: Callable | None) -> None:
-    """Replace (or with ``None`` remove) a kernel's entry point.  For tests and the gpu tier's
-    broken-build simulation only; production code never calls this."""
+    """Replace (or with ``None`` remove) a kernel's entry point.  For tests, the gpu tier's
+    broken-build simulation, and ``wan-sage bench``'s overhead measurement, which puts the real entry
+    point back when it is done; a patch in ComfyUI never calls this."""
     probe()
     with STATE.lock:
         fns = dict(STATE.entry_points)

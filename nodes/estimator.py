@@ -63,10 +63,11 @@ def attention_for(model_options, settings: Settings, dev) -> tuple:
     ov = find_override((model_options or {}).get("transformer_options", {}))
     if settings.count_sage == "never" or (settings.count_sage == "auto-detect" and ov is None):
         return "sdpa", "sdpa", "sdpa"
-    cc = _cc(dev) or DEFAULT_CC
+    found_cc = _cc(dev)
+    cc = found_cc or DEFAULT_CC
     name = ov.config.kernel if ov is not None else "auto"
     if name == "auto":
-        cands = kernels.auto_candidates(cc) if _cc(dev) else ()
+        cands = kernels.auto_candidates(cc) if found_cc else ()
         order = cands or registry.auto_order(cc)
         if not order:
             return "sdpa", "sdpa", f"sdpa (no kernel runs on sm{cc})"

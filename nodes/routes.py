@@ -13,12 +13,12 @@ import logging
 from ..attention import kernels, stats
 from ..memory.api import RequestError, estimate_from_json
 from ..memory.json_body import MAX_BODY_BYTES, BodyError, parse_body
+from .log_once import reason, warn_once
 
 log = logging.getLogger("wan_sage")
 
 MODEL_FOLDERS = ("diffusion_models", "unet_gguf", "unet", "checkpoints")
 _logged_faults: set = set()
-_logged_device = []
 
 
 def resolve_model_file(name: str):
@@ -44,10 +44,7 @@ def _device_defaults():
     except ImportError:
         return None, None
     except (RuntimeError, AssertionError) as e:  # CUDA initialisation errors
-        if not _logged_device:
-            _logged_device.append(e)
-            log.warning("wan-sage: the estimate route cannot read the GPU (%s: %s); it assumes none.",
-                        type(e).__name__, e)
+        warn_once("route-device", "wan-sage: the estimate route cannot read the GPU (%s); it assumes none.", reason(e))
     return None, None
 
 
