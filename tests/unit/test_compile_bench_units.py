@@ -118,3 +118,18 @@ def test_calibration_rows_resume_by_model_dtype_attention_mode_compiled_and_size
     assert calibration.done_rows(str(p)) == {("a14b", "bf16", "sage", None, False, 832, 480, 81),
                                              ("a14b", "bf16", "sage", "sdpa", False, 832, 480, 81),
                                              ("a14b", "bf16", "sage", "fastest", True, 832, 480, 81)}
+
+
+def test_grouped_mode_runs_the_formula_leaves_ungrouped_are_covered_by_the_fastest_run():
+    import wan_forward_calibration as calibration
+    plan = calibration.plan_rows(["a14b", "1.3b"], ["bf16"], ["sage"], ["sdpa", "fastest"],
+                                 lambda m: [(832, 480, 17), (1280, 720, 81)])
+    kept, dropped = calibration.same_as_ungrouped(plan, 90)
+    # sm90 at 832x480x17: one group for both models; at 720p81 A14B splits into 7 groups, 1.3B into 2
+    assert {(r["model"], r["size"]) for r in dropped} == {("a14b", (832, 480, 17)), ("1.3b", (832, 480, 17))}
+    assert all(r["memory_mode"] == "sdpa" for r in dropped) and len(kept) == len(plan) - 2
+    # without the fastest run of the same size, the grouped-mode run stays
+    only_sdpa = [r for r in plan if r["memory_mode"] == "sdpa"]
+    assert calibration.same_as_ungrouped(only_sdpa, 90) == (only_sdpa, [])
+    # an arch no kernel runs on: nothing is dropped
+    assert calibration.same_as_ungrouped(plan, 70) == (plan, [])
