@@ -62,7 +62,7 @@ that ``comfy.model_management.get_free_memory()`` reads GB GiB (checked, correct
   cannot be reproduced on Linux: where this harness reports out of memory, a Windows card with
   the fallback on would run slowly instead.
 
-Run specs: ``{est|comfy}+{sdpa|sage}[+compile]@{GB|full}:{WxHxF|720p81|480p81}``, e.g.
+Run specs: ``{est|comfy}+{sdpa|sage}[+compile|+compileblocks]@{GB|full}:{WxHxF|720p81|480p81}``, e.g.
 ``est+sage@24:720p81``.  ``--matrix`` runs the issue's 16 combinations for ``--weights`` in
 priority order (24 GB 720p81 first); ``--deadline-s`` stops starting runs after that many seconds.
 
@@ -76,7 +76,11 @@ carries it (``plot_e2e.py`` leaves each expert's first step out of its "after th
 column for these runs).  Each compiled run starts from ``torch._dynamo.reset()``, as a fresh
 ComfyUI process would; its record has ``config.compile`` and, under ``compile``, what dynamo did
 (graph breaks and their reasons, graphs, recompiles, compile seconds).  ``--sage-memory-mode``
-passes the Sage patch's memory mode (``sdpa``: head groups at SDPA's memory, ``fastest``) to the
+``+compileblocks`` compiles each transformer block on its own instead, as Wan users' per-block compile
+nodes do (KJNodes' ``TorchCompileModelWanVideoV2``): ``set_torch_compile_wrapper`` with the keys
+``diffusion_model.blocks.N`` and dynamo's recompile limit raised to 64, as those nodes raise it.  The
+blocks share one graph, so it compiles in seconds where the whole model takes minutes (A14B, inductor:
+360 s for the first expert on the H200, 2026-12-01).  passes the Sage patch's memory mode (``sdpa``: head groups at SDPA's memory, ``fastest``) to the
 node's wiring; the run's label then ends in ``/memory-MODE``.
 """
 from __future__ import annotations
@@ -106,13 +110,16 @@ PROMPT = ("a cinematic shot of a red fox running through a snowy forest at golde
 NEGATIVE = "low quality, worst quality, static frame, overexposed, blurred"
 
 
+COMPILE_SUFFIX = {"model": ["compile"], "blocks": ["compileblocks"]}   # RunSpec.compile -> its spec suffix
+
+
 @dataclass(frozen=True)
 class RunSpec:
     estimator: bool
     attention: str            # sdpa | sage
     budget_gib: float | None  # None: the whole card
     res: tuple
-    compile: bool = False     # ComfyUI's TorchCompileModel node after the Sage patch
+    compile: str = ""         # after the Sage patch: "model" (ComfyUI's TorchCompileModel), "blocks" (per block)
 
     @classmethod
     def parse(cls, s: str) -> "RunSpec":
@@ -120,21 +127,21 @@ class RunSpec:
             head, _, res = s.partition(":")
             kind, _, budget = head.partition("@")
             est, att, *extra = kind.split("+")
-            if est not in ("est", "comfy") or att not in ("sdpa", "sage") or extra not in ([], ["compile"]):
+            if est not in ("est", "comfy") or att not in ("sdpa", "sage") or extra not in ([], *COMPILE_SUFFIX.values()):
                 raise ValueError
             b = None if budget in ("", "full") else float(budget)
             r = RES.get(res) or tuple(int(x) for x in res.split("x"))
             if len(r) != 3:
                 raise ValueError
-            return cls(est == "est", att, b, r, extra == ["compile"])
+            return cls(est == "est", att, b, r, next((k for k, v in COMPILE_SUFFIX.items() if v == extra), ""))
         except ValueError:
             raise SystemExit(f"bad run spec {s!r}: expected "
-                             "{est|comfy}+{sdpa|sage}[+compile]@{GB|full}:{WxHxF|720p81|480p81}")
+                             "{est|comfy}+{sdpa|sage}[+compile|+compileblocks]@{GB|full}:{WxHxF|720p81|480p81}")
 
     @property
     def label(self) -> str:
         b = "full" if self.budget_gib is None else f"{self.budget_gib:g}"
-        return (f"{'est' if self.estimator else 'comfy'}+{self.attention}{'+compile' if self.compile else ''}"
+        return (f"{'est' if self.estimator else 'comfy'}+{self.attention}{''.join('+' + x for x in COMPILE_SUFFIX.get(self.compile, []))}"
                 f"@{b}:{'x'.join(map(str, self.res))}")
 
 
@@ -513,7 +520,9 @@ class Host:
                           **({"check_finite": False} if finite_check_off(spec, self.args) else {}),
                           **({"memory_mode": self.args.sage_memory_mode} if memory_mode_set(spec, self.args) else {}),
                           **({"compile": {"node": "TorchCompileModel", "backend": self.args.compile_backend,
-                                          "keys": ["diffusion_model"]}} if spec.compile else {})},
+                                          "keys": ["diffusion_model"]}} if spec.compile == "model" else {}),
+                          **({"compile": {"node": "per block (set_torch_compile_wrapper)", "backend": self.args.compile_backend,
+                                          "keys": ["diffusion_model.blocks.N"]}} if spec.compile == "blocks" else {})},
                "budget": {"free_before_gib": _r(ballast.free_before and ballast.free_before / GiB),
                           "free_seen_gib": _r(ballast.free_seen and ballast.free_seen / GiB),
                           "ballast_gib": _r(ballast.nbytes / GiB), "note": ballast.note,
@@ -555,9 +564,14 @@ class Host:
                     if spec.attention == "sage":
                         m, status = apply_patch(m, check_finite=self.args.sage_check_finite, **patch_kwargs(self.args))
                         extras[f"patch_{e}"] = status
-                    if spec.compile:            # after the patch, so the compiled model carries the override
+                    if spec.compile == "model":  # after the patch, so the compiled model carries the override
                         m = self.N["TorchCompileModel"].execute(model=m, backend=self.args.compile_backend)[0]
                         extras[f"compile_{e}"] = dict(m.model_options.get("torch_compile_kwargs") or {})
+                    elif spec.compile == "blocks":
+                        import _compile
+                        m = m.clone()
+                        _compile.set_recompile_limit(torch, _compile.BLOCK_RECOMPILE_LIMIT)
+                        extras[f"compile_{e}"] = _compile.compile_blocks(m, self.args.compile_backend)
                     ov = find_override(m.model_options.get("transformer_options", {}))
                     extras[f"patch_id_{e}"] = ov.patch_id if ov is not None else None
                     if spec.attention == "sage" and ov is None:

@@ -342,3 +342,21 @@ def test_plot_and_table_from_the_json_lines(e2e_rows, tmp_path):
     assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = plot_e2e.markdown(runs)
     assert md.count("\n") == 4 and "estimator + SAGE" in md and "0 Sage / 8 SDPA (cpu 8)" in md
+
+
+def test_per_block_compiled_runs_compile_each_block_after_the_patch(e2e_rows):
+    # +compileblocks: set_torch_compile_wrapper with one key per transformer block (as per-block compile
+    # nodes do), after the Sage patch; dynamo's eager backend on the CPU
+    _, _, tmp = e2e_rows
+    rows, err = _run(["--runs", "est+sage+compileblocks@full:64x64x5", "--compile-backend", "eager",
+                      "--decode", "none"], tmp)
+    (r,) = rows
+    assert r["status"] == "ok", r["error"]
+    assert r["run"] == "est+sage+compileblocks@full:64x64x5"
+    assert r["config"]["compile"]["keys"] == ["diffusion_model.blocks.N"]
+    c = r["compile"]
+    assert c["kwargs"]["high"]["blocks"] >= 1 and c["kwargs"]["high"]["backend"] == "eager"
+    assert c["unique_graphs"] >= 1 and c["recompile_limit"] == 64
+    assert all(len(e["step_s"]) == 2 for e in r["experts"].values())
+    if r["sage_active"]:
+        assert all(e["attention"]["reasons"] == {"cpu": 8} for e in r["experts"].values())

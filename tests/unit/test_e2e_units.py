@@ -362,11 +362,14 @@ def test_compiled_runs_and_memory_modes_are_labelled_and_kept_apart(tmp_path):
     import e2e
     import plot_e2e
     s = e2e.RunSpec.parse("est+sage+compile@full:720p81")
-    assert (s.estimator, s.attention, s.budget_gib, s.compile) == (True, "sage", None, True)
+    assert (s.estimator, s.attention, s.budget_gib, s.compile) == (True, "sage", None, "model")
     assert s.label == "est+sage+compile@full:1280x720x81" and e2e.RunSpec.parse(s.label) == s
     assert e2e.RunSpec.parse("comfy+sdpa+compile@24:720p81").label == "comfy+sdpa+compile@24:1280x720x81"
     assert not e2e.RunSpec.parse("comfy+sdpa@24:720p81").compile
-    for bad in ("est+compile@24:720p81", "est+sage+compile+compile@24:720p81", "est+sage+jit@24:720p81"):
+    b = e2e.RunSpec.parse("est+sage+compileblocks@24:720p81")
+    assert b.compile == "blocks" and b.label == "est+sage+compileblocks@24:1280x720x81" and e2e.RunSpec.parse(b.label) == b
+    assert b.label != s.label and b != e2e.RunSpec.parse("est+sage+compile@24:720p81")
+    for bad in ("est+compile@24:720p81", "est+sage+compile+compile@24:720p81", "est+sage+compile+compileblocks@24:720p81", "est+sage+jit@24:720p81"):
         with pytest.raises(SystemExit):
             e2e.RunSpec.parse(bad)
     args = argparse.Namespace(sage_check_finite=True, sage_memory_mode="sdpa")
