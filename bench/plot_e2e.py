@@ -59,11 +59,20 @@ def sessions_of(runs: list[dict]) -> list[str]:
     return list(dict.fromkeys(r.get("_session", "") for r in runs))
 
 
+def compile_kind(c: dict) -> str:
+    """'' (eager), 'compile' (ComfyUI's TorchCompileModel: the whole model) or 'compile per block'."""
+    comp = c.get("compile")
+    if not comp:
+        return ""
+    return "compile per block" if "diffusion_model.blocks.N" in (comp.get("keys") or []) else "compile"
+
+
 def _attention_key(c: dict) -> str:
     """The attention part of a configuration's key: ``sdpa`` / ``sage``, with ``-nocheck`` (no NaN/Inf
-    check), ``-memory-MODE`` (a named memory mode) and ``+compile`` (TorchCompileModel) where they apply."""
+    check), ``-memory-MODE`` (a named memory mode) and ``+compile`` (TorchCompileModel) or
+    ``+compile per block`` where they apply."""
     return (c["attention"] + ("-nocheck" if c.get("check_finite") is False else "")
-            + (f"-memory-{c['memory_mode']}" if c.get("memory_mode") else "") + ("+compile" if c.get("compile") else ""))
+            + (f"-memory-{c['memory_mode']}" if c.get("memory_mode") else "") + ("+" + compile_kind(c) if c.get("compile") else ""))
 
 
 def _key(r: dict) -> tuple:
@@ -90,7 +99,7 @@ def label(r: dict) -> str:
     b = "full" if c.get("budget_gib") is None else f"{c['budget_gib']:g} GB"
     nocheck = " (no finite check)" if c.get("check_finite") is False else ""
     mode = f" (memory {c['memory_mode']})" if c.get("memory_mode") else ""
-    compiled = " + compile" if c.get("compile") else ""
+    compiled = " + " + compile_kind(c) if c.get("compile") else ""
     return (f"{res} {b} {c.get('weights', '')}\n{'estimator' if c['estimator'] else 'ComfyUI'} + "
             f"{c['attention'].upper()}{nocheck}{mode}{compiled}")
 
@@ -104,7 +113,7 @@ def _sorted(runs: list[dict]) -> list[dict]:
 def _order(r):
     c = r["config"]
     return (c.get("weights", ""), -(c["width"] * c["height"]), c.get("budget_gib") is None, not c["estimator"],
-            bool(c.get("compile")), c["attention"] != "sdpa")
+            compile_kind(c), c["attention"] != "sdpa")
 
 
 def sage_text(env: dict) -> str:

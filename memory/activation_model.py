@@ -133,7 +133,8 @@ class Workload:
 # * "op_d_buffers": around the patch's opaque attention op inductor has freed the block's normed
 #   input, leaving the residual and q, k, v (4 e d T) where eager keeps 5.  Set from the compile
 #   table's Sage rows (docs/measurements/2026-12-01-compile-table*-h200.jsonl: A14B 1280x720x81,
-#   grouped and ungrouped); not yet checked on rows it was not set from.
+#   grouped and ungrouped); checked on the 27 compiled Sage rows measured after it was set
+#   (h200_forward_compiled_sage.jsonl: every model, the fit sizes, both memory modes).
 # SDPA inside the compiled graph keeps eager's 5 e d T (the compiled SDPA rows).
 COMPILED = {"ffn_f_buffers": 1, "op_d_buffers": 4}
 
