@@ -170,8 +170,9 @@ def _orig(base):
     return base.__dict__.get("memory_required") or type(base).memory_required.__get__(base)
 
 
-def plan_reservation(model, noise_shape, model_options, settings: Settings):
-    """(MemoryRequired, facts for the report) for this model and latent shape."""
+def plan_reservation(model, noise_shape, model_options, settings: Settings, assume_compiled: bool = False):
+    """(MemoryRequired, facts for the report) for this model and latent shape; ``assume_compiled``
+    plans as if its blocks were compiled (what a compile node after the estimator brings)."""
     dims = comfy_bridge.wan_dims(model)
     dtype = comfy_bridge.compute_dtype(model)
     dev = comfy_bridge.device_of(model)
@@ -180,6 +181,8 @@ def plan_reservation(model, noise_shape, model_options, settings: Settings):
     cap = comfy_bridge.capacity(model)
     reserved = comfy_bridge.extra_reserved()
     mode = run_mode(model, model_options, dims, noise_shape)
+    if assume_compiled:
+        mode = replace(mode, compiled=True)
     res_fn = MemoryRequired(dims, dtype, self_p, cross_p, comfy_bridge.weight_setup(model, False), False, settings,
                             _orig(model.model), mode)
     need_res = res_fn(list(noise_shape))
@@ -230,6 +233,21 @@ def _later_patch_note(model, shape, model_options, settings: Settings, facts: di
         warn_once(("later-patch-note", type(e).__name__), "wan-sage: estimating what a Sage patch after the "
                   "Working-Memory Estimator adds failed (%s); the report leaves the figure out.", reason(e))
         return "Sage patch: none on the model here; one after this node is counted when sampling starts"
+
+
+def _later_compile_note(model, shape, model_options, settings: Settings, facts: dict) -> str:
+    """What a torch.compile node placed after this node would change.  Compiled blocks fuse RoPE and the
+    FFN, so their peak is lower; the reservation is decided again when sampling starts, where the compile
+    wrapper is seen."""
+    try:
+        _fn, compiled = plan_reservation(model, shape, model_options, settings, assume_compiled=True)
+        change = (compiled["reservation"] - facts["reservation"]) / GiB
+        return (f"torch.compile: not on the model here; a compile node after this node (TorchCompileModel or "
+                f"per-block) is counted when sampling starts (reservation {change:+.2f} GiB)")
+    except Exception as e:  # the note is a courtesy: the node never fails over it, and the reason is logged once
+        warn_once(("later-compile-note", type(e).__name__), "wan-sage: estimating what a compile node after the "
+                  "Working-Memory Estimator changes failed (%s); the report leaves the figure out.", reason(e))
+        return "torch.compile: not on the model here; a compile node after this node is counted when sampling starts"
 
 
 def _prepare_wrapper(settings: Settings):
@@ -316,6 +334,8 @@ def apply_estimator(model, settings: Settings, shape, model_options=None):
     text = report_from_facts(facts, shape)
     if settings.count_sage == "auto-detect" and facts["attention"] == "sdpa":
         text += "\n" + _later_patch_note(m, shape, mo, settings, facts)
+    if not facts.get("compiled_by"):
+        text += "\n" + _later_compile_note(m, shape, mo, settings, facts)
     nums = {"tokens": facts["tokens"], "activation_gb": (facts["terms"]["phase_peak"] + facts["terms"]["persistent"]) / GiB,
             "sage_extra_gb": facts["terms"]["sage_extra"] / GiB, "reservation_gb": facts["reservation"] / GiB}
     return m, nums, text

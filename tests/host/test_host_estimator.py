@@ -143,3 +143,23 @@ def test_report_says_a_sage_patch_after_the_node_is_counted_at_sampling(comfy):
     assert "patched" in status, status
     _, _, text = apply_estimator(patched, Settings(), [1, 16, 21, 90, 160])   # the patch is upstream: no note
     assert "Sage patch:" not in text and "(sdpa)" not in text
+
+
+def test_the_report_says_what_a_compile_node_after_it_changes(comfy):
+    # On the model as it comes in (not compiled) the report names the compile node's effect, a lower
+    # reservation at a size where RoPE/FFN decide the eager peak; after ComfyUI's TorchCompileModel node
+    # the blocks are seen as compiled and the report says so instead.
+    import re
+    from wan_sage.nodes.estimator import Settings, apply_estimator
+    from comfy_extras.nodes_torch_compile import TorchCompileModel
+    base = comfy_env.tiny_wan_patcher(num_layers=2)
+    shape = [1, 16, 21, 90, 160]
+    _, nums, text = apply_estimator(base, Settings(), shape)
+    line = next(x for x in text.splitlines() if x.startswith("torch.compile:"))
+    change = float(re.search(r"reservation ([+-]\d+\.\d+) GiB", line).group(1))
+    assert change < 0, line
+    compiled = TorchCompileModel().patch(base, "inductor")[0] if hasattr(TorchCompileModel, "patch") else \
+        TorchCompileModel.execute(model=base, backend="inductor")[0]
+    _, nums_c, text_c = apply_estimator(compiled, Settings(), shape)
+    assert "blocks compiled" in text_c and "torch.compile:" not in text_c
+    assert nums_c["reservation_gb"] == pytest.approx(nums["reservation_gb"] + change, abs=0.01)
