@@ -305,8 +305,9 @@ def _cond_batch_wrapper(settings: Settings):
             dtype = comfy_bridge.compute_dtype(base)
             self_p, cross_p, _ = attention_for(model_options, settings, x_in.device)
             partial = bool(getattr(base, "model_lowvram", False))
+            mode = run_mode(base, model_options, dims, list(x_in.shape))
             fn = MemoryRequired(dims, dtype, self_p, cross_p, activation_model.WeightSetup(streamed=partial), partial, settings,
-                                _orig(base))
+                                _orig(base), mode)
         except Exception as e:  # never block sampling on the estimate; the reason is logged once
             warn_once(("cond-batch", type(e).__name__), "wan-sage: the working-memory estimate for cond/uncond "
                       "batching failed (%s); ComfyUI's own estimate decides the batching.", reason(e))

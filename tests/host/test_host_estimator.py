@@ -158,8 +158,29 @@ def test_the_report_says_what_a_compile_node_after_it_changes(comfy):
     line = next(x for x in text.splitlines() if x.startswith("torch.compile:"))
     change = float(re.search(r"reservation ([+-]\d+\.\d+) GiB", line).group(1))
     assert change < 0, line
-    compiled = TorchCompileModel().patch(base, "inductor")[0] if hasattr(TorchCompileModel, "patch") else \
-        TorchCompileModel.execute(model=base, backend="inductor")[0]
+    compiled = TorchCompileModel.execute(model=base, backend="inductor")[0]
     _, nums_c, text_c = apply_estimator(compiled, Settings(), shape)
     assert "blocks compiled" in text_c and "torch.compile:" not in text_c
     assert nums_c["reservation_gb"] == pytest.approx(nums["reservation_gb"] + change, abs=0.01)
+
+
+def test_cond_batching_reads_the_compiled_estimate_of_a_compiled_model(comfy):
+    # Inside CALC_COND_BATCH (where ComfyUI decides whether cond and uncond run batched) the estimate in
+    # place is the compiled one when the model carries ComfyUI's compile wrapper.
+    from wan_sage.nodes.estimator import MemoryRequired, Settings, apply_estimator
+    from comfy_extras.nodes_torch_compile import TorchCompileModel
+    base = comfy_env.tiny_wan_patcher(num_layers=2)
+    m, _, _ = apply_estimator(base, Settings(), [1, 16, 2, 8, 8])
+    m = TorchCompileModel.execute(model=m, backend="eager")[0]
+    seen = []
+
+    def look(executor, *a, **k):
+        seen.append(m.model.__dict__.get("memory_required"))
+        return executor(*a, **k)
+    m.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "t", look)
+    torch._dynamo.reset()
+    try:
+        comfy_env.sample_tiny(m, steps=1, cfg=5.0)
+    finally:
+        torch._dynamo.reset()
+    assert seen and all(isinstance(fn, MemoryRequired) and fn.mode.compiled for fn in seen)
