@@ -105,10 +105,21 @@ def fragmentation_bytes(dims: activation_model.WanDims, w: activation_model.Work
     return int(factor * activation_model.largest_block(dims, w)) + CALIBRATED["partial_fixed"] if factor else 0
 
 
+COMPILED_STREAMED_NOTE = ("weights partly offloaded: compiled blocks are reserved for as eager ones, since a "
+                          "compiled forward with streamed weights has not been measured yet")
+
+
 def activation_bytes(dims: activation_model.WanDims, w: activation_model.Workload, ws: activation_model.WeightSetup | None = None,
                      partial: bool = False) -> dict:
-    """Peak bytes of one forward with ``w.rows`` rows, split into named terms."""
+    """Peak bytes of one forward with ``w.rows`` rows, split into named terms.
+
+    Compiled blocks whose weights stream (partial loading) are counted as eager: ComfyUI then casts
+    each streamed weight inside the compiled graph, and no forward of that kind has been measured yet
+    (docs/e2e-plan.md, "What is left"), so the larger, measured eager figure is reserved."""
     ws = ws or activation_model.WeightSetup()
+    compiled_as_eager = w.compiled and (ws.streamed or partial)
+    if compiled_as_eager:
+        w = replace(w, compiled=False)
     phase, pers, top = activation_model.forward_peak(dims, w)
     base = phase + pers
     sdpa_w = replace(w, self_attn="sdpa", cross_attn="sdpa")
@@ -121,6 +132,7 @@ def activation_bytes(dims: activation_model.WanDims, w: activation_model.Workloa
         "phase_peak": phase, "dominant_phase": top, "persistent": pers,
         "sage_extra": (phase + pers) - (sdpa_phase + sdpa_pers),
         "weight_transient": transient, "slack": slack, "fragmentation": frag, "total": total,
+        "compiled_as_eager": compiled_as_eager,
     }
 
 
@@ -271,6 +283,8 @@ def estimate(r: EstimateRequest) -> Estimate:
     elif r.vram_bytes is not None:
         verdict = "fits" if par_r <= r.vram_bytes - r.reserved_bytes else "cannot fit even fully offloaded"
     notes = rounding_notes(dims, r.width, r.height, r.frames) + ([attention_note] if attention_note else [])
+    if par["compiled_as_eager"] and not verdict.startswith("fits"):
+        notes.append(COMPILED_STREAMED_NOTE)
     return Estimate(
         request={"model": dims.name, "width": r.width, "height": r.height, "frames": r.frames,
                  "batch": r.batch, "cfg": r.cfg, "dtype": r.dtype, "attention": r.attention,
