@@ -75,13 +75,16 @@ an APPLY_MODEL wrapper for each call.  The compile happens in each expert's firs
 carries it (``plot_e2e.py`` leaves each expert's first step out of its "after the first step"
 column for these runs).  Each compiled run starts from ``torch._dynamo.reset()``, as a fresh
 ComfyUI process would; its record has ``config.compile`` and, under ``compile``, what dynamo did
-(graph breaks and their reasons, graphs, recompiles, compile seconds).  ``--sage-memory-mode``
+(graph breaks and their reasons, graphs, recompiles, compile seconds).
+
 ``+compileblocks`` compiles each transformer block on its own instead, as Wan users' per-block compile
 nodes do (KJNodes' ``TorchCompileModelWanVideoV2``): ``set_torch_compile_wrapper`` with the keys
 ``diffusion_model.blocks.N`` and dynamo's recompile limit raised to 64, as those nodes raise it.  The
 blocks share one graph, so it compiles in seconds where the whole model takes minutes (A14B, inductor:
-360 s for the first expert on the H200, 2026-12-01).  passes the Sage patch's memory mode (``sdpa``: head groups at SDPA's memory, ``fastest``) to the
-node's wiring; the run's label then ends in ``/memory-MODE``.
+360 s for the first expert on the H200, 2026-12-01).
+
+``--sage-memory-mode`` passes the Sage patch's memory mode (``sdpa``: head groups at SDPA's memory,
+``fastest``) to the node's wiring; the run's label then ends in ``/memory-MODE``.
 """
 from __future__ import annotations
 
@@ -141,7 +144,8 @@ class RunSpec:
     @property
     def label(self) -> str:
         b = "full" if self.budget_gib is None else f"{self.budget_gib:g}"
-        return (f"{'est' if self.estimator else 'comfy'}+{self.attention}{''.join('+' + x for x in COMPILE_SUFFIX.get(self.compile, []))}"
+        suffix = "".join("+" + x for x in COMPILE_SUFFIX.get(self.compile, []))
+        return (f"{'est' if self.estimator else 'comfy'}+{self.attention}{suffix}"
                 f"@{b}:{'x'.join(map(str, self.res))}")
 
 
@@ -887,7 +891,8 @@ def main(argv=None):
     Path(args.work_dir).mkdir(parents=True, exist_ok=True)
     host = Host(args)
     check_sage_memory_mode(args.sage_memory_mode)
-    if args.runs and "+compile" in args.runs and "TorchCompileModel" not in host.N:
+    whole_model = args.runs and any(RunSpec.parse(x.strip()).compile == "model" for x in args.runs.split(",") if x.strip())
+    if whole_model and "TorchCompileModel" not in host.N:
         raise SystemExit("+compile runs need ComfyUI's TorchCompileModel node (comfy_extras/nodes_torch_compile.py), "
                          "which did not load: see ComfyUI's import log")
     if args.generate_only:
