@@ -396,3 +396,17 @@ def test_compiled_runs_and_memory_modes_are_labelled_and_kept_apart(tmp_path):
     assert plot_e2e._steps_s(eager, True) == pytest.approx(10.0)
     t = {name.split(": ", 1)[1]: (m, v) for name, m, v in plot_e2e.targets([_row(False, "sdpa", None, 12.5), eager, compiled])}
     assert "12.50 / 10.00 s" in t["full card, 720p81: Sage ≥ 1.25× SDPA (ComfyUI's reservation)"][0]   # the eager run only
+
+
+def test_plot_tells_whole_model_and_per_block_compile_apart():
+    import plot_e2e
+    base = {"estimator": False, "attention": "sage", "budget_gib": None, "width": 1280, "height": 720, "frames": 81,
+            "weights": "gguf"}
+    whole = dict(base, compile={"node": "TorchCompileModel", "backend": "inductor", "keys": ["diffusion_model"]})
+    blocks = dict(base, compile={"node": "per block (set_torch_compile_wrapper)", "backend": "inductor",
+                                 "keys": ["diffusion_model.blocks.N"]})
+    assert [plot_e2e.compile_kind(c) for c in (base, whole, blocks)] == ["", "compile", "compile per block"]
+    runs = [{"config": c, "status": "ok"} for c in (base, whole, blocks)]
+    labels = plot_e2e.labels(runs)
+    assert len(set(labels)) == 3 and not any("(run 2)" in x for x in labels)
+    assert labels[2].endswith("SAGE + compile per block") and labels[1].endswith("SAGE + compile")
