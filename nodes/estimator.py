@@ -222,33 +222,40 @@ DYNAMIC_NOTE = ("\nmemory path: dynamic VRAM. ComfyUI keeps or evicts this model
                 "whether cond and uncond run batched")
 
 
+def _reservation_change(model, shape, model_options, settings: Settings, facts: dict, what: str, **assume):
+    """(the plan with ``what`` placed after this node, its reservation minus this one's in GiB), or None
+    when planning it fails.  The notes built from it are a courtesy: the node never fails over them,
+    and the reason is logged once."""
+    try:
+        _fn, other = plan_reservation(model, shape, model_options, settings, **assume)
+    except Exception as e:
+        warn_once(("later-note", what, type(e).__name__), "wan-sage: estimating what a %s after the "
+                  "Working-Memory Estimator changes failed (%s); the report leaves the figure out.", what, reason(e))
+        return None
+    return other, (other["reservation"] - facts["reservation"]) / GiB
+
+
 def _later_patch_note(model, shape, model_options, settings: Settings, facts: dict) -> str:
     """What a Sage patch placed after this node would add.  The node runs before a patch further down
     the graph, so it sees none; the reservation is decided again when sampling starts, where it does."""
-    try:
-        _fn, with_sage = plan_reservation(model, shape, model_options, replace(settings, count_sage="always"))
-        extra = (with_sage["reservation"] - facts["reservation"]) / GiB
-        return (f"Sage patch: none on the model here; a Wan 2.2 Sage Attention Patch after this node is counted "
-                f"when sampling starts ({with_sage['attention']}: reservation {extra:+.2f} GiB)")
-    except Exception as e:  # the note is a courtesy: the node never fails over it, and the reason is logged once
-        warn_once(("later-patch-note", type(e).__name__), "wan-sage: estimating what a Sage patch after the "
-                  "Working-Memory Estimator adds failed (%s); the report leaves the figure out.", reason(e))
+    found = _reservation_change(model, shape, model_options, replace(settings, count_sage="always"), facts,
+                                "Sage patch")
+    if found is None:
         return "Sage patch: none on the model here; one after this node is counted when sampling starts"
+    with_sage, extra = found
+    return (f"Sage patch: none on the model here; a Wan 2.2 Sage Attention Patch after this node is counted "
+            f"when sampling starts ({with_sage['attention']}: reservation {extra:+.2f} GiB)")
 
 
 def _later_compile_note(model, shape, model_options, settings: Settings, facts: dict) -> str:
     """What a torch.compile node placed after this node would change.  Compiled blocks fuse RoPE and the
     FFN, so their peak is lower; the reservation is decided again when sampling starts, where the compile
     wrapper is seen."""
-    try:
-        _fn, compiled = plan_reservation(model, shape, model_options, settings, assume_compiled=True)
-        change = (compiled["reservation"] - facts["reservation"]) / GiB
-        return (f"torch.compile: not on the model here; a compile node after this node (TorchCompileModel or "
-                f"per-block) is counted when sampling starts (reservation {change:+.2f} GiB)")
-    except Exception as e:  # the note is a courtesy: the node never fails over it, and the reason is logged once
-        warn_once(("later-compile-note", type(e).__name__), "wan-sage: estimating what a compile node after the "
-                  "Working-Memory Estimator changes failed (%s); the report leaves the figure out.", reason(e))
+    found = _reservation_change(model, shape, model_options, settings, facts, "compile node", assume_compiled=True)
+    if found is None:
         return "torch.compile: not on the model here; a compile node after this node is counted when sampling starts"
+    return (f"torch.compile: not on the model here; a compile node after this node (TorchCompileModel or "
+            f"per-block) is counted when sampling starts (reservation {found[1]:+.2f} GiB)")
 
 
 def _prepare_wrapper(settings: Settings):
