@@ -25,7 +25,9 @@ Public API
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -59,6 +61,16 @@ _tv_shim = None  # keeps the torch.library.Library alive if the torchvision shim
 
 
 # --------------------------------------------------------------------------- discovery
+
+def run_script(script, args, cwd, timeout: float = 600, **env) -> tuple:
+    """Run a bench script with this interpreter against the host tier's ComfyUI, unbuffered, from
+    ``cwd``; ``env`` adds variables.  Returns the finished process and the JSON objects it printed,
+    one per line."""
+    full_env = dict(os.environ, COMFYUI_PATH=comfy_path(), PYTHONUNBUFFERED="1", **env)
+    p = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=full_env,
+                       timeout=timeout, cwd=str(cwd))
+    return p, [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+
 
 def comfy_path(path: str | os.PathLike | None = None) -> str | None:
     """Resolve the ComfyUI root: explicit *path*, else ``$COMFYUI_PATH``. None if unset."""

@@ -1,8 +1,6 @@
 """Host tier: the compile table (bench/compile_table.py) on the CPU through real ComfyUI, with the
 tiny Wan model and dynamo's eager backend: an eager and a compiled configuration, and fullgraph."""
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,12 +16,8 @@ SCRIPT = ROOT / "bench" / "compile_table.py"
 
 
 def _run(args, tmp_path, timeout=600):
-    env = dict(os.environ, COMFYUI_PATH=comfy_env.comfy_path(), PYTHONUNBUFFERED="1")
-    p = subprocess.run([sys.executable, str(SCRIPT), "--cpu", "--model", "tiny", "--size", "64x64x5",
-                        "--backend", "eager", *args], capture_output=True, text=True, env=env, timeout=timeout,
-                       cwd=str(tmp_path))
-    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
-    return p, rows
+    return comfy_env.run_script(SCRIPT, ["--cpu", "--model", "tiny", "--size", "64x64x5", "--backend", "eager", *args],
+                                tmp_path, timeout)
 
 
 def _has_memory_mode():

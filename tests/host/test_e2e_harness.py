@@ -29,12 +29,9 @@ import kquants  # noqa: E402
 
 
 def _run(args, tmp_path, timeout=900):
-    env = dict(os.environ, COMFYUI_PATH=comfy_env.comfy_path(), COMFYUI_GGUF_PATH=str(GGUF), PYTHONUNBUFFERED="1")
-    p = subprocess.run([sys.executable, str(BENCH / "e2e.py"), "--models-dir", str(tmp_path / "models"),
-                        "--scale", "tiny", "--quiet", *args], capture_output=True, text=True, env=env,
-                       timeout=timeout, cwd=str(tmp_path))
+    p, rows = comfy_env.run_script(BENCH / "e2e.py", ["--models-dir", str(tmp_path / "models"), "--scale", "tiny",
+                                                      "--quiet", *args], tmp_path, timeout, COMFYUI_GGUF_PATH=str(GGUF))
     assert p.returncode == 0, p.stderr[-4000:]
-    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     return rows, p.stderr
 
 

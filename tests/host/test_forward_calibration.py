@@ -1,9 +1,5 @@
 """Host tier: the forward calibration (bench/wan_forward_calibration.py) on the CPU through real
 ComfyUI with the tiny Wan model: eager and per-block compiled rows carry what the prediction needs."""
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,12 +14,10 @@ SCRIPT = ROOT / "bench" / "wan_forward_calibration.py"
 
 
 def _run(args, tmp_path, timeout=600):
-    env = dict(os.environ, COMFYUI_PATH=comfy_env.comfy_path(), PYTHONUNBUFFERED="1")
-    p = subprocess.run([sys.executable, str(SCRIPT), "--cpu", "--models", "tiny", "--dtypes", "bf16", "--size", "64x64x5",
-                        *args], capture_output=True, text=True, env=env, timeout=timeout, cwd=str(tmp_path))
+    p, rows = comfy_env.run_script(SCRIPT, ["--cpu", "--models", "tiny", "--dtypes", "bf16", "--size", "64x64x5", *args],
+                                   tmp_path, timeout)
     assert p.returncode == 0, p.stderr[-4000:]
-    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{") and '"model"' in line]
-    return rows, p.stdout
+    return [r for r in rows if "model" in r], p.stdout
 
 
 def test_eager_and_compiled_rows_carry_what_the_prediction_needs(tmp_path):
