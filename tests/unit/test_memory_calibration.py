@@ -136,14 +136,11 @@ def _compile_table_rows():
 def test_compile_table_rows_in_band(r):
     """The compile table's A14B 720p81 rows, eager and compiled, SDPA and Sage grouped or not, as the
     dispatcher ran them (head-split calls say whether the memory mode's groups were in force)."""
-    from wan_sage.memory.estimate import sage_groups
     d = activation_model.PRESETS["wan2.2-a14b"]
-    sage = r["attention"] == "sage"
-    split = sage and r["sage"]["head_split_calls"] == r["sage"]["sage_calls"] > 0
-    path = "sage2_sm90" if sage else "sdpa"
+    path = "sage2_sm90" if r["attention"] == "sage" else "sdpa"
     lat = activation_model.latent_shape(d, r["width"], r["height"], r["frames"])
     w = activation_model.Workload(L=r["tokens"], dtype=r["dtype"], self_attn=path, compiled=r["compiled"],
                                   latent_elems_per_row=activation_model.latent_elems(lat),
-                                  self_attn_groups=sage_groups(d, path, 1, r["tokens"], r["dtype"]) if split else 1)
+                                  self_attn_groups=split_groups(r, d, path))
     p, m = activation_bytes(d, w)["total"], r["peak_gib"] * (1 << 30)
     assert m <= p <= 1.10 * m + CALIBRATED["slack_fixed"], p / m - 1
