@@ -202,7 +202,7 @@ def test_issue_targets_are_computed_from_the_run_records():
     assert t["the estimator never runs out of memory where ComfyUI alone completes"] == ("3 pairs, 3 estimator runs", "met")
     heads = {k: v for k, v in t.items() if k.startswith("headroom")}
     assert len(heads) == 3
-    assert [v for k, v in heads.items() if "480p81" in k] == [("resident 80%, 80%; budget − peak reserved 3.00 GiB", "missed")]
+    assert [v for k, v in heads.items() if "480p81" in k] == [("resident 80%, 80%; budget − sampling peak reserved 3.00 GiB", "missed")]
     runs[1]["status"] = "oom"
     runs[1]["experts"] = {}
     t = {name.split(": ", 1)[1]: (m, v) for name, m, v in plot_e2e.targets(runs)}
@@ -280,8 +280,9 @@ def test_repeated_configurations_are_all_kept_and_the_targets_take_their_median(
     t = {name.split(": ", 1)[1]: (m, v) for name, m, v in plot_e2e.targets(runs)}
     m, v = t["estimator, 24 GB, 720p81: Sage ≥ 1.20× SDPA"]
     assert "13.00 / 10.60 s = 1.226×" in m and "(median of 1 / 3 runs)" in m and v == "met"
-    # ComfyUI's SDPA completed once and ran out of memory once: the estimator's completed, so met
-    assert t["the estimator never runs out of memory where ComfyUI alone completes"] == ("1 pair, 1 estimator run", "met")
+    # ComfyUI's SDPA completed once and ran out of memory once: the estimator's completed, so met; with no
+    # ComfyUI-alone Sage run, the estimator's Sage runs pair with ComfyUI alone on SDPA
+    assert t["the estimator never runs out of memory where ComfyUI alone completes"] == ("2 pairs, 4 estimator runs", "met")
     assert sum(1 for k in t if k.startswith("headroom")) == 4
     assert "(run 3)" in plot_e2e.markdown(runs)
 
@@ -410,3 +411,28 @@ def test_plot_tells_whole_model_and_per_block_compile_apart():
     labels = plot_e2e.labels(runs)
     assert len(set(labels)) == 3 and not any("(run 2)" in x for x in labels)
     assert labels[2].endswith("SAGE + compile per block") and labels[1].endswith("SAGE + compile")
+
+
+def test_estimator_runs_pair_with_comfyui_alone_on_sdpa_of_the_same_compile_and_headroom_is_the_samplings():
+    """The device plan runs the estimator with Sage against ComfyUI alone with SDPA at each budget, eager and
+    compiled: an estimator run that runs out of memory there is a miss, and the headroom is read at the
+    experts' sampling peak, not at the text encoder's (which is the run's peak at 12 GiB)."""
+    import plot_e2e
+
+    def compiled(row):
+        row["config"]["compile"] = {"node": "per block", "keys": ["diffusion_model.blocks.N"]}
+        return row
+    est = _row(True, "sage", 12.0, 11.9, frac=0.06, reserved=11.29)          # the encoder's peak
+    for e in est["experts"].values():
+        e["peak_reserved_gib"] = 8.3
+    runs = [est, _row(False, "sdpa", 12.0, 14.0, frac=0.01),
+            compiled(_row(True, "sage", 12.0, 10.3, status="oom")), compiled(_row(False, "sdpa", 12.0, 13.0, frac=0.01)),
+            compiled(_row(True, "sage", 16.0, 9.9, frac=0.5)), _row(False, "sdpa", 16.0, 14.0, frac=0.2)]
+    assert plot_e2e.sampling_peak_reserved(est) == 8.3
+    assert plot_e2e.sampling_peak_reserved(runs[1]) == 20.0                     # no expert peaks: the run's
+    t = {name.split(": ", 1)[1]: (m, v) for name, m, v in plot_e2e.targets(runs)}
+    # the compiled 16 GiB run has no compiled ComfyUI-alone run: not paired with the eager one
+    assert t["the estimator never runs out of memory where ComfyUI alone completes"] == \
+        ("2 pairs, 2 estimator runs; out of memory in 1: 720p81 12 GB gguf · estimator + SAGE + compile per block", "missed")
+    assert t["headroom, 720p81 12 GB gguf · estimator + SAGE"] == \
+        ("resident 6%, 6%; budget − sampling peak reserved 3.70 GiB", "missed")
