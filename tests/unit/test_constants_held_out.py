@@ -6,7 +6,9 @@ PyTorch's native allocator) and ``cast_frag_factor`` from the end-to-end fp8 run
 runs (sessions A, B and C, cudaMallocAsync, bench/partial_load.py) were set from neither: in every one
 of them, what the allocator held above the resident weights at its peak must fit in the reservation
 the estimate makes today for that configuration (weights partly offloaded, or all resident and cast
-per call for fp8).
+per call for fp8).  The end-to-end GGUF runs at 16 and 12 GiB (docs/measurements/e2e-h200-gguf-budgets.jsonl,
+eager and compiled per block, weights partly offloaded, with the estimator or ComfyUI's reservation) were
+set from neither either, and are checked the same way per expert.
 """
 import json
 from pathlib import Path
@@ -45,3 +47,27 @@ def test_the_records_cover_both_factors():
     partly = [r for n, r in RUNS if r["weights_resident_gib"] < r["weights_total_gib"] - 0.01]
     cast_resident = [r for n, r in RUNS if "fp8" in n and r["weights_resident_gib"] >= r["weights_total_gib"] - 0.01]
     assert len(partly) >= 10 and len(cast_resident) >= 4
+
+
+E2E_GGUF = [(f"{r['run']} {name}", r, e) for r in (json.loads(line) for line in
+            (MEASURED / "e2e-h200-gguf-budgets.jsonl").read_text().splitlines() if line.strip())
+            if r["status"] == "ok"
+            for name, e in r["experts"].items() if e["resident_frac"] < 0.9999]
+
+
+@pytest.mark.parametrize("name,r,e", E2E_GGUF, ids=[x[0] for x in E2E_GGUF])
+def test_gguf_experts_streamed_end_to_end_fit_in_the_partial_reservation(name, r, e):
+    c = r["config"]
+    plan = weights_for_key(A14B, "q4_k_m", c["lora_rank"] > 0, compute="bf16")
+    est = estimate(EstimateRequest(dims=A14B, width=c["width"], height=c["height"], frames=c["frames"],
+                                   attention="sage-auto" if c["attention"] == "sage" else "sdpa", cc=90,
+                                   weights=plan.setup, weights_bytes=plan.nbytes, dtype="bf16",
+                                   compiled=bool(c.get("compile"))))
+    held = (e["peak_reserved_gib"] - e["resident_gib"]) * GiB
+    assert held <= est.reservation_partial, (held / GiB, est.reservation_partial / GiB)
+
+
+def test_the_end_to_end_records_stream_weights_eager_and_compiled():
+    assert {bool(r["config"].get("compile")) for _n, r, _e in E2E_GGUF} == {False, True}
+    assert {r["config"]["budget_gib"] for _n, r, _e in E2E_GGUF} >= {16.0, 12.0}
+    assert {r["config"]["estimator"] for _n, r, _e in E2E_GGUF} == {False, True}
