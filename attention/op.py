@@ -33,21 +33,22 @@ log = logging.getLogger("wan_sage")
 
 NAMESPACE = "wan_sage"
 SCHEMA = ("(Tensor q, Tensor k, Tensor v, int heads, bool skip_reshape, bool skip_output_reshape, float? scale, "
-          "str patch_id) -> Tensor")
+          "str graph_key) -> Tensor")
 
 
-def run_registered(q, k, v, heads, skip_reshape, skip_output_reshape, scale, patch_id):
-    """The op's implementation: the call run by the override registered under ``patch_id``."""
-    override = STATE.patches.get(patch_id)
-    if override is None:  # the patch was garbage-collected while a compiled graph still names it
-        if STATE.log_once(("unknown_patch", patch_id)):
-            log.warning("wan-sage: attention patch %s is gone; its compiled calls run on SDPA.", patch_id)
+def run_registered(q, k, v, heads, skip_reshape, skip_output_reshape, scale, graph_key):
+    """The op's implementation: the call run by the override that ``graph_key`` names now
+    (``DispatchState.override_for``: the patch of the model being sampled)."""
+    override = STATE.override_for(graph_key)
+    if override is None:  # the patches were garbage-collected while a compiled graph still names them
+        if STATE.log_once(("unknown_patch", graph_key)):
+            log.warning("wan-sage: attention patch %s is gone; its compiled calls run on SDPA.", graph_key)
         return attention_sdpa(q, k, v, heads, skip_reshape=skip_reshape, skip_output_reshape=skip_output_reshape,
                               **({} if scale is None else {"scale": scale})).contiguous()
     return execution.run_attention(override, q, k, v, heads, skip_reshape, skip_output_reshape, scale)
 
 
-def _fake(q, k, v, heads, skip_reshape, skip_output_reshape, scale, patch_id):
+def _fake(q, k, v, heads, skip_reshape, skip_output_reshape, scale, graph_key):
     B = q.shape[0]
     if skip_reshape:
         H, Nq, D = q.shape[1], q.shape[2], q.shape[3]
@@ -86,8 +87,8 @@ OP, OP_NAME = _define()
 _RUN_UNTRACED = torch.compiler.disable(run_registered) if OP is None else None
 
 
-def call_attention(q, k, v, heads: int, skip_reshape: bool, skip_output_reshape: bool, scale, patch_id: str):
+def call_attention(q, k, v, heads: int, skip_reshape: bool, skip_output_reshape: bool, scale, graph_key: str):
     """What the override calls while being compiled: the registered op, one node in the graph."""
     if OP is not None:
-        return OP(q, k, v, heads, skip_reshape, skip_output_reshape, scale, patch_id)
-    return _RUN_UNTRACED(q, k, v, heads, skip_reshape, skip_output_reshape, scale, patch_id)
+        return OP(q, k, v, heads, skip_reshape, skip_output_reshape, scale, graph_key)
+    return _RUN_UNTRACED(q, k, v, heads, skip_reshape, skip_output_reshape, scale, graph_key)

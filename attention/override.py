@@ -61,7 +61,7 @@ def settled_shapes() -> list:
 class SageAttentionOverride:
     """``override(func, q, k, v, heads, **kwargs)`` with ComfyUI's attention signature."""
 
-    __slots__ = ("config", "prev", "sdpa", "free_memory", "patch_id", "config_key", "__weakref__")
+    __slots__ = ("config", "prev", "sdpa", "free_memory", "patch_id", "config_key", "graph_key", "__weakref__")
 
     def __init__(self, config: PatchConfig | None = None, prev: Callable | None = None,
                  sdpa: Callable | None = None, free_memory: Callable | None = None,
@@ -73,6 +73,7 @@ class SageAttentionOverride:
         object.__setattr__(self, "free_memory", free_memory)
         object.__setattr__(self, "patch_id", patch_id or uuid.uuid4().hex[:12])
         object.__setattr__(self, "config_key", STATE.config_key(config))
+        object.__setattr__(self, "graph_key", STATE.graph_key(config))
         STATE.register_patch(self.patch_id, self)
 
     def __setattr__(self, name, value):
@@ -121,7 +122,7 @@ class SageAttentionOverride:
         scale = kwargs.get("scale")
         scale = None if scale is None else float(scale)
         if _is_compiling():
-            return op.call_attention(q, k, v, heads, skip_reshape, skip_out, scale, self.patch_id)
+            return op.call_attention(q, k, v, heads, skip_reshape, skip_out, scale, self.graph_key)
         return execution.run_attention(self, q, k, v, heads, skip_reshape, skip_out, scale, shape)
 
     def plan(self, q, k, v, heads, args=(), kwargs=None) -> Plan:

@@ -3,7 +3,7 @@
 What the process has learnt lives here: the kernels each device offers, self-test verdicts,
 kernels that raised, settled decisions per call shape, calibration spend, remembered
 out-of-memory errors, finite-check counters, the timing stores, the registry of live patches
-(looked up by the custom op), the probe of installed kernel packages and the run statistics.
+(looked up by the custom op through graph keys), the probe of installed kernel packages and the run statistics.
 
 Rules: every write holds :attr:`DispatchState.lock`; reads on the hot path are single dict
 lookups without it; nothing here runs GPU work, and callers never run GPU work (self-tests,
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = ["DispatchState", "STATE", "Bucket", "OomMemory", "SelfTestTicket"]
 
@@ -56,6 +56,9 @@ class DispatchState:
     def __init__(self):
         self.lock = threading.Lock()
         self.patches = weakref.WeakValueDictionary()  # patch id -> live SageAttentionOverride
+        # graph key -> {patch id: None} in order of registration: the patches that behave alike, which
+        # one compiled graph serves (see graph_key)
+        self.graph_members: dict = {}
         self.runs_current: dict = {}  # patch id -> stats.RunStats (open window)
         self.runs_last: dict = {}  # patch id -> summary of the last closed window
         self.probe = None  # kernels.Probe of the installed packages
@@ -195,6 +198,30 @@ class DispatchState:
     def register_patch(self, patch_id: str, override) -> None:
         with self.lock:
             self.patches[patch_id] = override
+            members = self.graph_members.setdefault(override.graph_key, {})
+            members.pop(patch_id, None)
+            members[patch_id] = None
+
+    def graph_key(self, config) -> str:
+        """The name a compiled graph calls a patch by: the same for every patch with these options,
+        whatever node made it (its label and node id are left out), so that a second expert, or the
+        same patch made again, reuses the compiled graph instead of recompiling it."""
+        return f"g{self.config_key(replace(config, label='', node_id=None))}"
+
+    def override_for(self, key: str):
+        """The live patch a compiled call named ``key`` runs as: of the patches behind that graph key,
+        the one whose stats window opened last (the model being sampled), else the one made last.  A
+        plain patch id names its own patch.  None when none is alive."""
+        members = self.graph_members.get(key)
+        if members is None:
+            return self.patches.get(key)
+        for pid in reversed(list(self.runs_current)):
+            if pid in members and (ov := self.patches.get(pid)) is not None:
+                return ov
+        for pid in reversed(list(members)):
+            if (ov := self.patches.get(pid)) is not None:
+                return ov
+        return None
 
 
 STATE = DispatchState()

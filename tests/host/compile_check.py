@@ -72,9 +72,10 @@ CACHE = tempfile.mkdtemp(prefix="wan-sage-compile-")
 report = {}
 
 
-def patched(model):
+def patched(model, node_id=None):
     m = model.clone()
-    override = SageAttentionOverride(PatchConfig(min_tokens=0, cache_dir=CACHE),
+    override = SageAttentionOverride(PatchConfig(min_tokens=0, cache_dir=CACHE, node_id=node_id,
+                                                 label=f"Wan Sage patch #{node_id}" if node_id else ""),
                                      sdpa=comfy.attention.attention_pytorch.__wrapped__)
     m.model_options["transformer_options"]["optimized_attention_override"] = override
     return m, override
@@ -175,7 +176,33 @@ def torch_compile_model(keys):
             "pack_graph_breaks": sum(v for k, v in graph_breaks.items() if "wan_sage" in k or "attention/" in k)}
 
 
+def two_experts_per_block():
+    """Wan 2.2's two experts, each its own model patched by its own node and compiled per block
+    through set_torch_compile_wrapper: the second expert reuses the first one's graph, and each
+    expert's window counts its own calls."""
+    second = comfy_env.tiny_wan_patcher(num_layers=2, dtype=torch.bfloat16, seed=1)
+    second.model.manual_cast_dtype = None
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(len(gm.graph.nodes))
+        return gm.forward
+    torch._dynamo.reset()
+    out = {}
+    for name, model, node_id in (("high", base, "11"), ("low", second, "12")):
+        m, override = patched(model, node_id)
+        set_torch_compile_wrapper(m, backend=counting, fullgraph=True,
+                                  keys=[f"diffusion_model.blocks.{i}" for i in range(len(model.model.diffusion_model.blocks))])
+        stats.begin_run(override.patch_id)
+        latent = comfy_env.sample_tiny(m, steps=2, cfg=1.0)
+        s = stats.end_run(override.patch_id)
+        out[name] = {"graphs": len(graphs), "sage_calls": s["sage_calls"], "sdpa_calls": s["sdpa_calls"],
+                     "finite": bool(torch.isfinite(latent).all()), "graph_key": override.graph_key}
+    return out
+
+
 check("block", block_fullgraph)
+check("two_experts_per_block", two_experts_per_block)
 check("optimized_attention", optimized_attention_fullgraph)
 check("compile_model_whole", lambda: torch_compile_model(["diffusion_model"]))
 check("compile_model_per_block", lambda: torch_compile_model(

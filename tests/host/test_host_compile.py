@@ -53,3 +53,13 @@ def test_torch_compile_model_path_samples_like_eager_without_graph_breaks(report
     assert r["graph_breaks"] == 0, r["graph_break_reasons"]
     assert r["sage_calls"] == 8 and r["sdpa_calls"] == 0  # 2 steps x 2 blocks x (self + cross)
     assert r["equal"]
+
+
+def test_the_second_expert_reuses_the_first_experts_compiled_graph(report):
+    """Two Wan 2.2 experts, each patched by its own node: one compile, not one per expert (a patch id
+    in the graph made the second expert recompile: 10 s per-block, minutes whole-model, on A14B)."""
+    r = report["two_experts_per_block"]
+    assert "error" not in r, r
+    assert r["high"]["graphs"] >= 1 and r["low"]["graphs"] == r["high"]["graphs"], r
+    assert r["high"]["graph_key"] == r["low"]["graph_key"]
+    assert r["high"]["sage_calls"] == r["low"]["sage_calls"] == 8 and r["low"]["finite"]  # 2 steps x 2 blocks x 2

@@ -122,3 +122,47 @@ def test_without_custom_op_the_run_time_part_is_kept_out_of_the_graph(setup, mon
         got = torch.compile(block, backend="eager")(x, context, options)
     assert explained.graph_break_count >= 1  # torch < 2.4: one break per call, still correct
     assert torch.equal(got, expect)
+
+
+def test_patches_with_the_same_options_share_one_compiled_graph(setup, fake_gpu):
+    """Wan 2.2 patches each expert with its own node (another label and node id), and a workflow that
+    runs the patch node again makes a new patch: with the same options they compile once, and each
+    compiled call is counted for the patch whose model is being sampled."""
+    block, x, context, options, first = setup
+    second = SageAttentionOverride(PatchConfig(cache_dir=fake_gpu.cache_dir, label="Wan Sage patch #7", node_id="7"))
+    other = SageAttentionOverride(PatchConfig(cache_dir=fake_gpu.cache_dir, memory_mode="fastest"))
+    assert first.patch_id != second.patch_id and first.graph_key == second.graph_key != other.graph_key
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    compiled = torch.compile(block, fullgraph=True, backend=counting)
+    with torch.inference_mode():
+        block(x, context, options)                       # eager: calibrates and settles both shapes
+        runs = {}
+        for ov in (first, second, first):
+            stats.begin_run(ov.patch_id)
+            compiled(x, context, {"optimized_attention_override": ov})
+            runs.setdefault(ov.patch_id, []).append(stats.end_run(ov.patch_id))
+        assert len(graphs) == 1
+        compiled(x, context, {"optimized_attention_override": other})
+    assert len(graphs) == 2                               # other options: another graph
+    assert [r["sage_calls"] for r in runs[first.patch_id]] == [2, 2] and runs[second.patch_id][0]["sage_calls"] == 2
+
+
+def test_a_compiled_call_outside_a_stats_window_runs_as_the_patch_made_last(fake_gpu):
+    from wan_sage.attention.state import STATE
+    a = SageAttentionOverride(PatchConfig(cache_dir=fake_gpu.cache_dir, label="a"))
+    b = SageAttentionOverride(PatchConfig(cache_dir=fake_gpu.cache_dir, label="b"))
+    assert STATE.override_for(a.graph_key) is b
+    stats.begin_run(a.patch_id)
+    try:
+        assert STATE.override_for(a.graph_key) is a
+    finally:
+        stats.end_run(a.patch_id)
+    assert STATE.override_for(a.patch_id) is a            # a patch id names its own patch
+    del b
+    import gc
+    gc.collect()
+    assert STATE.override_for(a.graph_key) is a           # the one still alive
