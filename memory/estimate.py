@@ -105,8 +105,9 @@ def fragmentation_bytes(dims: activation_model.WanDims, w: activation_model.Work
     return int(factor * activation_model.largest_block(dims, w)) + CALIBRATED["partial_fixed"] if factor else 0
 
 
-COMPILED_STREAMED_NOTE = ("weights partly offloaded: compiled blocks are reserved for as eager ones, since a "
-                          "compiled forward with streamed weights has not been measured yet")
+COMPILED_STREAMED_NOTE = ("weights partly offloaded: compiled blocks are reserved for as eager ones (streaming "
+                          "under compile leaves the allocator holding more above the compiled peak, and was "
+                          "measured only with GGUF weights)")
 
 
 def activation_bytes(dims: activation_model.WanDims, w: activation_model.Workload, ws: activation_model.WeightSetup | None = None,
@@ -114,8 +115,10 @@ def activation_bytes(dims: activation_model.WanDims, w: activation_model.Workloa
     """Peak bytes of one forward with ``w.rows`` rows, split into named terms.
 
     Compiled blocks whose weights stream (partial loading) are counted as eager: ComfyUI then casts
-    each streamed weight inside the compiled graph, and no forward of that kind has been measured yet
-    (docs/e2e-plan.md, "What is left"), so the larger, measured eager figure is reserved."""
+    each streamed weight inside the compiled graph.  Measured end to end only with GGUF weights
+    (docs/benchmarks.md, session 5: A14B 720p81 at 16 and 12 GiB), where the allocator held 2.6-3.0 GiB
+    above the compiled forward's allocated peak, 6.95-9.60 GiB in all, within this reservation; fp8 and
+    bf16 streamed under compile are unmeasured, so the larger eager figure is kept."""
     ws = ws or activation_model.WeightSetup()
     compiled_as_eager = w.compiled and (ws.streamed or partial)
     if compiled_as_eager:
