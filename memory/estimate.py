@@ -116,8 +116,9 @@ def activation_bytes(dims: activation_model.WanDims, w: activation_model.Workloa
 
     Compiled blocks whose weights stream (partial loading) are counted as eager: ComfyUI then casts
     each streamed weight inside the compiled graph.  Measured end to end only with GGUF weights
-    (docs/benchmarks.md, session 5: A14B 720p81 at 16 and 12 GiB), where the allocator held 2.6-3.0 GiB
-    above the compiled forward's allocated peak, 6.95-9.60 GiB in all, within this reservation; fp8 and
+    (docs/memory-calibration.md, "Partly offloaded end to end": A14B 720p81 at 16 and 12 GiB), where the
+    allocator held up to 2.9 GiB above the compiled forward's allocated peak, 6.95-9.60 GiB in all, within
+    this reservation; fp8 and
     bf16 streamed under compile are unmeasured, so the larger eager figure is kept."""
     ws = ws or activation_model.WeightSetup()
     compiled_as_eager = w.compiled and (ws.streamed or partial)
