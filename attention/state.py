@@ -199,6 +199,8 @@ class DispatchState:
         with self.lock:
             self.patches[patch_id] = override
             members = self.graph_members.setdefault(override.graph_key, {})
+            for gone in [pid for pid in members if pid not in self.patches]:
+                del members[gone]
             members.pop(patch_id, None)
             members[patch_id] = None
 

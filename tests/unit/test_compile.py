@@ -162,7 +162,11 @@ def test_a_compiled_call_outside_a_stats_window_runs_as_the_patch_made_last(fake
     finally:
         stats.end_run(a.patch_id)
     assert STATE.override_for(a.patch_id) is a            # a patch id names its own patch
+    b_id = b.patch_id
     del b
     import gc
     gc.collect()
     assert STATE.override_for(a.graph_key) is a           # the one still alive
+    c = SageAttentionOverride(PatchConfig(cache_dir=fake_gpu.cache_dir, label="c"))
+    assert list(STATE.graph_members[a.graph_key])[-2:] == [a.patch_id, c.patch_id]
+    assert b_id not in STATE.graph_members[a.graph_key]   # a patch that is gone is dropped
