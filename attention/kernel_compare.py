@@ -87,7 +87,8 @@ def _ab(fa, fb, rounds=7):
     return statistics.median(ta), statistics.median(tb)
 
 
-def _peak_extra(fn):
+def peak_extra(fn):
+    """(fn's output, the most bytes allocated above what was allocated before it, while it ran)."""
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -164,7 +165,7 @@ def run_bench(shapes, kernel_names, dtype=torch.bfloat16, iters=5, accuracy=True
         shape = kernel_bytes.AttnShape(B, H, NQ, NK, D, 2, None, dtype == torch.bfloat16)
         sdpa = lambda: attention_sdpa(q, k, v, H)  # noqa: E731
         sdpa_ms, sdpa_min = _time(sdpa, iters)
-        o, sdpa_extra = _peak_extra(sdpa)
+        o, sdpa_extra = peak_extra(sdpa)
         row0 = {"shape": sname, "B": B, "H": H, "Nq": NQ, "Nk": NK, "D": D, "dtype": dt, "backend": "sdpa",
                 "ms": sdpa_ms, "ms_min": sdpa_min, "ratio": 1.0, "extra_bytes": sdpa_extra,
                 "formula_bytes": kernel_bytes.extra_bytes("sdpa", shape)}
@@ -188,7 +189,7 @@ def run_bench(shapes, kernel_names, dtype=torch.bfloat16, iters=5, accuracy=True
                 fn = lambda g=groups: execution.run_kernel(name, q4, k4, v4, "NHD", "NHD", g, None, cc)  # noqa: E731
                 try:
                     ms, ms_min = _time(fn, iters)
-                    o, extra = _peak_extra(fn)
+                    o, extra = peak_extra(fn)
                 except Exception as e:
                     r = {"shape": sname, "backend": name, "groups": groups, "error": f"{type(e).__name__}: {e}"[:300]}
                     rows.append(r)
@@ -224,8 +225,8 @@ def run_bench(shapes, kernel_names, dtype=torch.bfloat16, iters=5, accuracy=True
         _, ms_nf = _ab(sdpa, calls["no_finite_check"], rounds=3)
         plan = overrides["auto"].plan(q, k, v, H)
         plan_fastest = overrides["fastest"].plan(q, k, v, H)
-        _, auto_extra = _peak_extra(calls["auto"])
-        _, fastest_extra = _peak_extra(calls["fastest"])
+        _, auto_extra = peak_extra(calls["auto"])
+        _, fastest_extra = peak_extra(calls["fastest"])
         r = {"shape": sname, "B": B, "H": H, "Nq": NQ, "Nk": NK, "D": D, "dtype": dt, "backend": "auto",
              "chosen": plan.kernel or f"sdpa ({plan.reason})", "groups": plan.groups, "ms": ms,
              "sdpa_ms_interleaved": sdpa_ab, "ratio": sdpa_ab / ms, "extra_bytes": auto_extra,

@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 
 from wan_sage.attention import dispatch, execution, head_groups, kernel_bytes, kernels, planning, stats  # noqa: E402
 from wan_sage.attention.dispatch import PatchConfig, SageAttentionOverride  # noqa: E402
+from wan_sage.attention.kernel_compare import peak_extra  # noqa: E402
 from wan_sage.attention.sdpa import attention_sdpa  # noqa: E402
 from wan_sage.attention.state import STATE  # noqa: E402
 
@@ -33,15 +34,6 @@ GiB = 1 << 30
 def make(B, H, NQ, NK, D, dtype=torch.bfloat16, seed=1):
     g = torch.Generator(device=DEV).manual_seed(seed)
     return tuple(torch.randn(B, n, H * D, device=DEV, dtype=dtype, generator=g) for n in (NQ, NK, NK))
-
-
-def peak_extra(fn):
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = fn()
-    torch.cuda.synchronize()
-    return out, torch.cuda.max_memory_allocated() - base
 
 
 class Counting:
