@@ -256,8 +256,8 @@ def _estimator_pairs(runs: list[dict], weights: str) -> list[tuple]:
     pairs = []
     for e in sorted({_key(r) for r in runs if r["config"].get("weights") == weights and r["config"]["estimator"]}, key=str):
         same = (e[0], False) + e[2:]
-        kind = next(compile_kind(r["config"]) for r in runs if _key(r) == e)
-        plain = (e[0], False, "sdpa" + (f"+{kind}" if kind else "")) + e[3:]
+        _attention, plus, kind = e[2].partition("+")          # _attention_key: "+" only before the compile kind
+        plain = (e[0], False, "sdpa" + plus + kind) + e[3:]
         if same in comfy:
             pairs.append((same, e))
         elif plain in comfy:
