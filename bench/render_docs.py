@@ -180,19 +180,23 @@ def compile_section() -> list:
     return o
 
 
-GPU_TIER_LOG = "2026-12-01-gpu-tier-h200-2.log"
-GPU_TIER_COMMIT = "3c344d4"
+GPU_TIER_LOG = "2026-12-01-gpu-tier-h200-3.log"
+GPU_TIER_COMMIT = "3418296"
 BENCH_FILE = "2026-12-01-bench-h200.jsonl"
+BENCH_COMMIT = "3c344d4"
 E2E_COMPILE_FILE = "e2e-h200-gguf-compile.jsonl"
 E2E_BUDGETS_FILE = "e2e-h200-gguf-budgets.jsonl"
+E2E_BUDGETS_2_FILE = "e2e-h200-gguf-budgets-2.jsonl"
+# the e2e record files of GGUF A14B and their device sessions (docs/benchmarks.md)
+E2E_SESSIONS = {E2E_COMPILE_FILE: 4, E2E_BUDGETS_FILE: 5, E2E_BUDGETS_2_FILE: 6}
 
 
 def grouping_cost_section() -> list:
     """Each Wan shape's head-group cost against ungrouped, from ``wan-sage bench --shapes wan``."""
     b = rows(M / BENCH_FILE)
     o = ["\n### The memory mode's cost per Wan shape\n",
-         f"`wan-sage bench --shapes wan --kernels auto --iters 5` (wan-sage `{GPU_TIER_COMMIT}`, the same call as the gpu",
-         f"tier; [`{BENCH_FILE}`](measurements/{BENCH_FILE})). Each self-attention shape runs ungrouped and in the",
+         f"`wan-sage bench --shapes wan --kernels auto --iters 5` (wan-sage `{BENCH_COMMIT}`, the same call as that",
+         f"commit's gpu tier; [`{BENCH_FILE}`](measurements/{BENCH_FILE})). Each self-attention shape runs ungrouped and in the",
          "memory mode's head groups; the extra bytes are measured. The decision is the CPU time per call of a settled",
          "shape (the static checks, the bucket lookup and the free-memory check).\n",
          "| shape | groups | ms ungrouped | ms grouped | cost | extra MB ungrouped | extra MB grouped | SDPA extra MB | default | decision |",
@@ -231,7 +235,8 @@ def e2e_compile_section() -> list:
     def key(r):
         c = r["config"]
         return (("est" if c["estimator"] else "comfy") + "+" + c["attention"] + ("+" + compile_kind(c) if c.get("compile") else "")
-                + ("@full" if c.get("budget_gib") is None else f"@{c['budget_gib']:g}"))
+                + ("@full" if c.get("budget_gib") is None else f"@{c['budget_gib']:g}")
+                + ("" if (c["width"], c["height"], c["frames"]) == (1280, 720, 81) else f" {c['width']}x{c['height']}x{c['frames']}"))
 
     def after_first(r):
         return _steps_s(r, skip_first=True)
@@ -239,25 +244,27 @@ def e2e_compile_section() -> list:
     def working(r, e):
         return r["experts"][e]["working_gib"]
 
-    o = ["\n### End to end with compile (GGUF A14B, 720p81, through real ComfyUI)\n",
-         "`bench/e2e.py` on the H200: both Q4_K_M experts with a rank-64 LoRA, 4 steps. s/step leaves out the run's first",
+    o = ["\n### End to end with compile (GGUF A14B, through real ComfyUI)\n",
+         "`bench/e2e.py` on the H200: both Q4_K_M experts with a rank-64 LoRA, 4 steps, 1280×720×81 unless the run names",
+         "another size. s/step leaves out the run's first",
          "step, and in a compiled run each expert's first step, which carries the compile; × eager SDPA is against",
          "ComfyUI alone with eager SDPA at the same budget in the same session. Working GiB is the sampling peak above",
          "what was allocated when sampling started, high-noise expert; low-noise expert. The whole tables, with",
-         "the reservations: [benchmarks.md](benchmarks.md) sessions 4 and 5."]
+         "the reservations: [benchmarks.md](benchmarks.md) sessions 4 to 6 (a run that ran out of memory is not",
+         "in these tables; session 6 had one, at 8 GiB)."]
     by_session = {}
-    for name in (E2E_COMPILE_FILE, E2E_BUDGETS_FILE):
+    for name, session in E2E_SESSIONS.items():
         rs = [r for r in rows(M / name) if r.get("status") == "ok"]
         by = {key(r): r for r in rs}
         by_session[name] = by
-        o += ["", f"Records [`{name}`](measurements/{name}) (wan-sage `{rs[0]['env']['wan_sage_commit']}`{' and later' if len({r['env']['wan_sage_commit'] for r in rs}) > 1 else ''}):\n",
+        o += ["", f"Session {session}, records [`{name}`](measurements/{name}) (wan-sage `{rs[0]['env']['wan_sage_commit']}`{' and later' if len({r['env']['wan_sage_commit'] for r in rs}) > 1 else ''}):\n",
               "| run | resident | s/step | × eager SDPA | working GiB | compile s | graph breaks | recompiles | head-split calls (high; low) |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for k, r in by.items():
             c = r.get("compile") or {}
             att = [(r["experts"][e].get("attention") or {}) for e in ("high", "low")]
             split = "; ".join(str(a.get("head_split_calls", "—")) for a in att) if r["config"]["attention"] == "sage" else "—"
-            base = by.get("comfy+sdpa@" + k.rsplit("@", 1)[1])
+            base = by.get("comfy+sdpa@" + k.rsplit("@", 1)[1])  # same budget and size
             ratio = f"{after_first(base) / after_first(r):.3f}" if base else "—"
             res = min(e.get("resident_frac", 1.0) for e in r["experts"].values())
             o.append(f"| {k} | {res:.0%} | {after_first(r):.3f} | {ratio} | {working(r, 'high'):.2f}; {working(r, 'low'):.2f} | "
@@ -282,6 +289,19 @@ def e2e_compile_section() -> list:
         o.append("  the split more than 2 % slower at calibration, so the memory mode left it whole, and the working memory is")
         o.append(f"  Sage's ({working(sage24, 'low'):.2f} GiB settled against compiled SDPA's {working(sdpa24, 'low'):.2f}). The one recompile of a")
         o.append("  Sage run is the second expert's: the graph named the first expert's patch, which a compiled call no longer does.")
+    b6 = by_session[E2E_BUDGETS_2_FILE]
+    again = b6.get("comfy+sage+compile per block@24")
+    if again and sage24:
+        first = [again["experts"][e]["step_s"][0] for e in ("high", "low")]
+        before = [sage24["experts"][e]["step_s"][0] for e in ("high", "low")]
+        o.append(f"- The same run again in session 6 (wan-sage `{again['env']['wan_sage_commit']}`, where a compiled call names its patch by")
+        o.append(f"  its settings): {again['compile']['unique_graphs']} graph, {again['compile']['recompiles']} recompiles (session 5: "
+                 f"{sage24['compile']['unique_graphs']} and {sage24['compile']['recompiles']}); the second expert's first step took "
+                 f"{first[1]:.1f} s against {before[1]:.1f} s,")
+        split = [(again["experts"][e].get("attention") or {}).get("head_split_calls", 0) for e in ("high", "low")]
+        o.append(f"  {after_first(again):.3f} s/step after it (session 5: {after_first(sage24):.3f}); this process settled the shape "
+                 + (f"grouped ({split[0]}; {split[1]} head-split calls), at compiled SDPA's {working(again, 'low'):.2f} GiB"
+                    " (session 5 ran it ungrouped, on another machine)." if all(split) else "ungrouped."))
     if whole:
         o.append(f"- ComfyUI's `TorchCompileModel` compiles the whole diffusion model as one graph: {whole['compile']['compile_s']:.0f} s for the first")
         o.append(f"  expert on the H200 (the second reused the graph: {whole['compile']['unique_graphs']} graph, {whole['compile']['recompiles']} recompiles), "
@@ -501,45 +521,66 @@ def partial_reading() -> list:
 
 
 def e2e_streamed_section() -> list:
-    """The experts sampled end to end with weights partly offloaded (GGUF A14B, 720p81), against the
-    reservation today's estimate makes for them; from the e2e records, recomputed with today's code."""
+    """The experts sampled end to end with weights partly offloaded (GGUF A14B), against the
+    reservation today's estimate makes for them; from the e2e records, recomputed with today's code.
+    Also what a GGUF-only streaming term set from session 5's eager experts would have done on
+    session 6's, which it was not set from."""
     from wan_sage.memory.estimate import EstimateRequest, estimate
     from wan_sage.memory.weights import weights_for_key
     d = activation_model.PRESETS["wan2.2-a14b"]
-    lines, held_over = [], {}
-    for r in rows(M / E2E_BUDGETS_FILE):
-        c = r["config"]
-        if r.get("status") != "ok":
-            continue
-        plan = weights_for_key(d, "q4_k_m", c["lora_rank"] > 0, compute="bf16")
-        est = estimate(EstimateRequest(dims=d, width=c["width"], height=c["height"], frames=c["frames"],
-                                       attention="sage-auto" if c["attention"] == "sage" else "sdpa", cc=90,
-                                       weights=plan.setup, weights_bytes=plan.nbytes, dtype="bf16",
-                                       compiled=bool(c.get("compile"))))
-        for name, e in r["experts"].items():
-            if e["resident_frac"] >= 0.9999:
+    lines, held_over, over_resident = [], {}, {}
+    for fname in (E2E_BUDGETS_FILE, E2E_BUDGETS_2_FILE):
+        session = E2E_SESSIONS[fname]
+        for r in rows(M / fname):
+            c = r["config"]
+            if r.get("status") != "ok":
                 continue
-            held = e["peak_reserved_gib"] - e["resident_gib"]
-            above = e["peak_reserved_gib"] - e["peak_alloc_gib"]
-            res = est.reservation_partial / GiB
-            kind = "compiled" if c.get("compile") else "eager"
-            held_over.setdefault(kind, []).append((held, above, res))
-            lines.append(f"| {r['run'].split(':')[0]} | {name} | {e['resident_frac']:.0%} | {e['working_gib']:.2f} | {above:.2f} | "
-                         f"{held:.2f} | {res:.2f} | {held / res:.2f} |")
-    o = ["\n## Partly offloaded end to end (GGUF A14B, 1280×720×81, H200)\n",
-         f"The end-to-end runs at 16 and 12 GiB (`docs/measurements/{E2E_BUDGETS_FILE}`, docs/benchmarks.md session 5):",
+            plan = weights_for_key(d, "q4_k_m", c["lora_rank"] > 0, compute="bf16")
+            est = estimate(EstimateRequest(dims=d, width=c["width"], height=c["height"], frames=c["frames"],
+                                           attention="sage-auto" if c["attention"] == "sage" else "sdpa", cc=90,
+                                           weights=plan.setup, weights_bytes=plan.nbytes, dtype="bf16",
+                                           compiled=bool(c.get("compile"))))
+            for name, e in r["experts"].items():
+                if e["resident_frac"] >= 0.9999:
+                    continue
+                held = e["peak_reserved_gib"] - e["resident_gib"]
+                above = e["peak_reserved_gib"] - e["peak_alloc_gib"]
+                res = est.reservation_partial / GiB
+                kind = "compiled" if c.get("compile") else "eager"
+                held_over.setdefault(kind, []).append((held, above, res))
+                if kind == "eager":
+                    over_resident.setdefault(session, []).append(held - est.reservation_resident / GiB)
+                lines.append(f"| {session} | {r['run'].split('@')[0]}@{c['budget_gib']:g} | {c['width']}×{c['height']}×{c['frames']} | "
+                             f"{name} | {e['resident_frac']:.0%} | {e['working_gib']:.2f} | {above:.2f} | "
+                             f"{held:.2f} | {res:.2f} | {held / res:.2f} |")
+    o = ["\n## Partly offloaded end to end (GGUF A14B, H200)\n",
+         f"The end-to-end runs with weights partly offloaded: session 5 at 16 and 12 GiB, 1280×720×81",
+         f"(`docs/measurements/{E2E_BUDGETS_FILE}`), session 6 at 12 and 8 GiB and at two other sizes, 832×480×81 at",
+         f"8 GiB and 832×1472×49 at 10 GiB (`docs/measurements/{E2E_BUDGETS_2_FILE}`); docs/benchmarks.md sessions 5 and 6.",
          "Q4_K_M experts with a rank-64 LoRA, part of each expert's weights streamed at every step, eager and",
          "compiled per block. Per expert: the allocated working memory, what the allocator held above it at the",
          "sampling peak (peak reserved − peak allocated), what it held above the resident weights in all, and the",
          "reservation today's estimate makes for that configuration with weights partly offloaded (compiled blocks",
          "with streamed weights are reserved as eager). `partial_frag_factor` was set from other records (the",
-         "reference budget run), so these rows check it (`tests/unit/test_constants_held_out.py`).\n",
-         "| run | expert | resident | working GiB | held above it | held above resident weights | reservation | held / reservation |",
-         "|---|---|---:|---:|---:|---:|---:|---:|"] + lines + [""]
+         "reference budget run), so these rows check it (`tests/unit/test_constants_held_out.py`). Completed runs",
+         "only: session 6's compiled estimator run at 8 GiB ran out of memory (docs/benchmarks.md).\n",
+         "| session | run | size | expert | resident | working GiB | held above it | held above resident weights | reservation | held / reservation |",
+         "|---:|---|---|---|---:|---:|---:|---:|---:|---:|"] + lines + [""]
     for kind, vals in held_over.items():
         o.append(f"- {kind.capitalize()}: the allocator held {_span([a for _h, a, _r in vals])} GiB above the allocated peak, "
                  f"{_span([h for h, _a, _r in vals])} GiB above the resident weights in all, "
                  f"{_span([h / r for h, _a, r in vals])} of the reservation.")
+    fit, check = over_resident.get(5, []), over_resident.get(6, [])
+    if fit and check:
+        m = max(fit)
+        short = [x for x in check if x > max(m, 0.0)]
+        short_fixed = [x for x in check if x > max(m, 0.0) + (CALIBRATED['partial_fixed'] / GiB)]
+        o.append(f"- **A GGUF-only streaming term, tried and not taken.** With eager streaming, what the allocator held minus the "
+                 f"reservation for resident weights was at most {m:+.2f} GiB over session 5's {len(fit)} experts, so a term")
+        o.append(f"  set from them would reserve no more than that. On session 6's {len(check)} eager experts, which it was not set")
+        o.append(f"  from (other budgets and sizes), {len(short)} held more, by up to {max(check) - max(m, 0.0):.2f} GiB; with "
+                 f"`partial_fixed` ({(CALIBRATED['partial_fixed'] / GiB):.2f} GiB) added, {len(short_fixed)} still did. The")
+        o.append("  partial-load term stays as set, at the cost of the unused budget above.")
     o.append("")
     return o
 
