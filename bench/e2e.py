@@ -36,7 +36,10 @@ ComfyUI's ``PromptExecutor`` runs nodes (outside it, ComfyUI-GGUF's LoRA-patched
 stayed on the GPU after unloading).  Between runs every model is unloaded and the cache emptied;
 what is still allocated then is recorded, and a budget run that starts with more than
 ``INHERITED_LIMIT_GIB`` of it is marked ``budget.faithful: false``.  ``torch.OutOfMemoryError`` is
-recorded as a result, not raised.
+recorded as a result, not raised: ``status: "oom"``, the phase, ``oom_where`` (the innermost six
+frames as ``path:lineno function``, outermost first, paths without the machine's part) and
+``oom_memory`` (allocated and reserved above the ballast and the device's free memory, GiB, read
+where it was caught), and a log line ``e2e OOM in PHASE at FRAME``.
 
 ``--vram-budget GB`` (CUDA only; a no-op with a message on CPU) holds a ballast allocation so
 that ``comfy.model_management.get_free_memory()`` reads GB GiB (checked, corrected to within
@@ -198,9 +201,59 @@ class Mem:
         t = self.torch.cuda
         return (t.max_memory_allocated() - self.ballast) / GiB, (t.max_memory_reserved() - self.ballast) / GiB
 
+    def at_oom(self) -> dict | None:
+        """Allocated and reserved (above the ballast) and the device's free memory
+        (``mem_get_info``), in GiB, for a row that ran out of memory; None on CPU.  Never raises:
+        a failed reading is recorded as ``{"error": ...}``."""
+        if not self.cuda:
+            return None
+        try:
+            t = self.torch.cuda
+            free = t.mem_get_info()[0]
+            return {"allocated_gib": _r((t.memory_allocated() - self.ballast) / GiB),
+                    "reserved_gib": _r((t.memory_reserved() - self.ballast) / GiB), "free_gib": _r(free / GiB)}
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {e}"[:200]}
+
 
 def _r(x, n=3):
     return None if x is None else round(float(x), n)
+
+
+ROOT = Path(__file__).resolve().parents[1]    # this checkout (the pack's root)
+# directories a frame's file is named from (the rightmost one in its path): ComfyUI's packages and the
+# libraries installed outside a site-packages folder (the device's --target site)
+FRAME_ROOTS = ("ComfyUI", "ComfyUI-GGUF", "custom_nodes", "comfy", "comfy_extras", "comfy_api", "comfy_execution",
+               "torch", "triton", "sageattention", "gguf")
+
+
+def short_path(filename: str, root: Path | str | None = ROOT) -> str:
+    """``filename`` without the machine's part: from after ``site-packages/`` (or
+    ``dist-packages/``), else from the rightmost :data:`FRAME_ROOTS` directory, else relative to
+    ``root`` (this checkout), else the bare file name.  Names without a ``/`` (``<string>``,
+    ``<frozen runpy>``) are kept."""
+    p = str(filename).replace("\\", "/")
+    for marker in ("/site-packages/", "/dist-packages/"):
+        i = p.rfind(marker)
+        if i >= 0:
+            return p[i + len(marker):]
+    parts = p.split("/")
+    for k in range(len(parts) - 2, -1, -1):
+        if parts[k] in FRAME_ROOTS:
+            return "/".join(parts[k:])
+    if root is not None:
+        r = str(root).replace("\\", "/").rstrip("/") + "/"
+        if p.startswith(r):
+            return p[len(r):]
+    return parts[-1]
+
+
+def oom_where(tb, n: int = 6, root: Path | str | None = ROOT) -> list[str]:
+    """The innermost ``n`` frames of a traceback (a traceback object or a list of
+    ``traceback.FrameSummary``) as ``"path:lineno function"`` with :func:`short_path` names, in
+    traceback order: outermost first, the frame that raised last."""
+    frames = traceback.extract_tb(tb) if hasattr(tb, "tb_frame") else list(tb or [])
+    return [f"{short_path(fr.filename, root)}:{fr.lineno} {fr.name}" for fr in frames[-n:]] if n > 0 else []
 
 
 class Ballast:
@@ -605,6 +658,9 @@ class Host:
                     self.decoded = True
             except torch.OutOfMemoryError as e:
                 row["status"], row["error"], row["failed_phase"] = "oom", str(e).split("\n")[0][:300], phase["name"]
+                row["oom_memory"] = mem.at_oom()     # while the frames that held the tensors are alive
+                row["oom_where"] = oom_where(e.__traceback__)
+                self.log(f"e2e OOM in {phase['name']} at {row['oom_where'][-1] if row['oom_where'] else '?'}")
                 e.__traceback__ = None
             except Exception as e:
                 row["status"], row["error"], row["failed_phase"] = "error", f"{type(e).__name__}: {e}"[:500], phase["name"]

@@ -436,3 +436,60 @@ def test_estimator_runs_pair_with_comfyui_alone_on_sdpa_of_the_same_compile_and_
         ("2 pairs, 2 estimator runs; out of memory in 1: 720p81 12 GB gguf · estimator + SAGE + compile per block", "missed")
     assert t["headroom, 720p81 12 GB gguf · estimator + SAGE"] == \
         ("resident 6%, 6%; budget − sampling peak reserved 3.70 GiB", "missed")
+
+
+def test_short_path_keeps_no_machine_prefix():
+    import e2e
+    root = "/srv/ck/wan-sage"
+    sp = lambda f: e2e.short_path(f, root)
+    assert sp("/usr/lib/python3.12/site-packages/torch/nn/functional.py") == "torch/nn/functional.py"
+    assert sp("/opt/venv/lib/python3/dist-packages/comfy/x.py") == "comfy/x.py"
+    assert sp("/srv/ck/wan-sage/.host/ComfyUI/comfy/ldm/wan/model.py") == "comfy/ldm/wan/model.py"   # rightmost root
+    assert sp("/srv/ck/wan-sage/.host/ComfyUI/execution.py") == "ComfyUI/execution.py"
+    assert sp("/tmp/site/gguf/quants.py") == "gguf/quants.py"
+    assert sp("/srv/ck/wan-sage/attention/sage.py") == "attention/sage.py"                          # the checkout's
+    assert sp("C:\\Users\\me\\ComfyUI\\custom_nodes\\wan-sage\\nodes\\patch.py") == "custom_nodes/wan-sage/nodes/patch.py"
+    assert sp("/usr/lib/python3.12/contextlib.py") == "contextlib.py"
+    assert sp("<frozen runpy>") == "<frozen runpy>"
+    assert e2e.short_path(str(BENCH / "e2e.py")) == "bench/e2e.py"                                  # default root
+
+
+def test_oom_where_lists_the_innermost_frames_outermost_first():
+    import traceback
+
+    import e2e
+
+    def alloc():
+        raise torch.OutOfMemoryError("Allocation on device 0 would exceed allowed memory. (out of memory)")
+
+    def level(k):
+        return alloc() if k == 0 else level(k - 1)
+    try:
+        level(9)
+    except torch.OutOfMemoryError as e:
+        where = e2e.oom_where(e.__traceback__)
+        assert e2e.oom_where(traceback.extract_tb(e.__traceback__), n=2) == where[-2:]
+        assert len(e2e.oom_where(e.__traceback__, n=100)) == 12      # this test, level x10, alloc
+    assert len(where) == 6
+    assert where[-1].startswith("tests/unit/test_e2e_units.py:") and where[-1].endswith(" alloc")
+    assert all(w.endswith(" level") for w in where[:-1])
+    assert not any(w.startswith("/") or "\\" in w for w in where)
+    assert e2e.oom_where(None) == [] and e2e.oom_where([], n=6) == []
+
+
+def test_mem_at_oom_reads_above_the_ballast_and_never_raises():
+    import types
+
+    import e2e
+    assert e2e.Mem(torch, False).at_oom() is None
+    cuda = types.SimpleNamespace(memory_allocated=lambda: 30 * e2e.GiB, memory_reserved=lambda: 31.5 * e2e.GiB,
+                                 mem_get_info=lambda: (int(0.25 * e2e.GiB), 140 * e2e.GiB))
+    m = e2e.Mem(types.SimpleNamespace(cuda=cuda), True)
+    m.ballast = 10 * e2e.GiB
+    assert m.at_oom() == {"allocated_gib": 20.0, "reserved_gib": 21.5, "free_gib": 0.25}
+
+    def broken():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    cuda.mem_get_info = broken
+    assert m.at_oom() == {"error": "RuntimeError: CUDA error: an illegal memory access was encountered"}
+
