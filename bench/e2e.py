@@ -41,6 +41,10 @@ frames as ``path:lineno function``, outermost first, paths without the machine's
 ``oom_memory`` (allocated and reserved above the ballast and the device's free memory, GiB, read
 where it was caught), and a log line ``e2e OOM in PHASE at FRAME``.
 
+Progress goes to stderr as it happens: a line ``e2e step EXPERT I/N: S s (run T s)`` at the end of
+each sampler step (from the same synchronised callback as the step times; in workflow mode EXPERT
+is ``node ID``), so a run killed from outside shows how far it got.
+
 ``--vram-budget GB`` (CUDA only; a no-op with a message on CPU) holds a ballast allocation so
 that ``comfy.model_management.get_free_memory()`` reads GB GiB (checked, corrected to within
 1 MiB).  How faithful that is:
@@ -256,6 +260,11 @@ def oom_where(tb, n: int = 6, root: Path | str | None = ROOT) -> list[str]:
     return [f"{short_path(fr.filename, root)}:{fr.lineno} {fr.name}" for fr in frames[-n:]] if n > 0 else []
 
 
+def step_line(expert, i: int, n: int, seconds: float, run_s: float | None) -> str:
+    """The progress line logged at the end of each sampler step (``i`` counts from 1)."""
+    return f"e2e step {expert} {i}/{n}: {seconds:.3f} s" + ("" if run_s is None else f" (run {run_s:.1f} s)")
+
+
 class Ballast:
     """Hold device memory so that ComfyUI's get_free_memory() reads ``budget_gib``."""
 
@@ -303,8 +312,9 @@ class ExpertProbe:
 
     KEY = "wan_sage_e2e_probe"
 
-    def __init__(self, name: str, mem: Mem):
+    def __init__(self, name: str, mem: Mem, log=None, t_run: float | None = None):
         self.name, self.mem = name, mem
+        self.log, self.t_run = log, t_run     # a step_line() per step through log, its run time from t_run
         self.t_call = self.t0 = self.t1 = None
         self.marks = []
         self.patcher = None
@@ -344,7 +354,11 @@ class ExpertProbe:
 
         def cb(i, denoised, x, total):
             mem.sync()
-            self.marks.append(time.perf_counter())
+            t = time.perf_counter()
+            self.marks.append(t)
+            if self.log is not None:
+                prev = self.marks[-2] if len(self.marks) > 1 else self.t0
+                self.log(step_line(self.name, i + 1, total, t - prev, None if self.t_run is None else t - self.t_run))
             if callback is not None:
                 callback(i, denoised, x, total)
         try:
@@ -634,7 +648,7 @@ class Host:
                     if spec.attention == "sage" and ov is None:
                         self.log(f"e2e WARNING: the Sage patch passed the {e}-noise expert through ({status}); "
                                  "this run measures SDPA")
-                    probes[e] = ExpertProbe(e, mem)
+                    probes[e] = ExpertProbe(e, mem, log=self.log, t_run=t_run)
                     h[f"model_{e}"] = probes[e].install(m, W)
                     del m
                 ks = self.N["KSamplerAdvanced"]()
@@ -725,7 +739,7 @@ class Host:
         mem.ballast = ballast.nbytes
         server = self.ce.StubServer()
         server.client_id = "e2e-harness"      # so the executor reports each node it starts
-        starts, marks = {}, []
+        starts, marks, last = {}, [], {}
         send = server.send_sync
 
         def send_sync(event, data, sid=None):
@@ -737,7 +751,10 @@ class Host:
 
         def hook(value, total, preview, node_id=None):
             mem.sync()
-            marks.append((time.perf_counter(), str(server.last_node_id), value, total))
+            t, nid = time.perf_counter(), str(server.last_node_id)
+            marks.append((t, nid, value, total))
+            self.log(step_line(f"node {nid}", value, total, t - last.get(nid, starts.get(nid, t0)), t - t0))
+            last[nid] = t
         utils = self.ns.utils
         old = utils.PROGRESS_BAR_HOOK
         utils.set_progress_bar_global_hook(hook)

@@ -493,3 +493,26 @@ def test_mem_at_oom_reads_above_the_ballast_and_never_raises():
     cuda.mem_get_info = broken
     assert m.at_oom() == {"error": "RuntimeError: CUDA error: an illegal memory access was encountered"}
 
+
+def test_expert_probe_logs_a_progress_line_at_each_step():
+    import re
+    import time
+
+    import e2e
+    logs = []
+    probe = e2e.ExpertProbe("high", e2e.Mem(torch, False), log=logs.append, t_run=time.perf_counter() - 5.0)
+    seen = []
+
+    def executor(model_wrap, sigmas, extra_args, cb, noise):
+        for i in range(3):
+            cb(i, None, None, 3)
+        return "x"
+    assert probe._sampler(executor, None, None, {}, lambda *a: seen.append(a[0]), None) == "x"
+    assert seen == [0, 1, 2] and len(probe.marks) == 3
+    assert [ln.split(":")[0] for ln in logs] == ["e2e step high 1/3", "e2e step high 2/3", "e2e step high 3/3"]
+    assert all(re.fullmatch(r"e2e step high \d/3: \d+\.\d{3} s \(run \d+\.\d s\)", ln) for ln in logs)
+    assert float(logs[0].split("(run ")[1].split(" ")[0]) >= 5.0
+    assert e2e.step_line("low", 2, 4, 12.3456, None) == "e2e step low 2/4: 12.346 s"
+    quiet = e2e.ExpertProbe("low", e2e.Mem(torch, False))             # no log: no lines, same timing
+    quiet._sampler(executor, None, None, {}, None, None)
+    assert len(quiet.marks) == 3 and quiet.result(1.0)["step_s"] and len(logs) == 3
