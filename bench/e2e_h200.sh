@@ -14,6 +14,7 @@
 #
 # Every sub-command is idempotent, so a call on a fresh machine can start with "setup; gen" and a
 # call on a machine that kept its files loses only seconds to them.
+# Inductor's and Triton's caches default to .e2e/ (kept on a warm machine): a later call reuses finished compiles.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -28,6 +29,8 @@ export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 export SAGEATTENTION_COMMIT=${SAGEATTENTION_COMMIT:-unknown}
 export WAN_SAGE_COMMIT=${WAN_SAGE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export E2E_T0=${E2E_T0:-$(date +%s)}
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$REPO/.e2e/inductor-cache}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$REPO/.e2e/triton-cache}
 BUDGET=${E2E_CALL_BUDGET_S:-570}
 LONGEST_RUN=${E2E_LONGEST_RUN_S:-100}     # a 720p81 run, fp8 at 24 GB, with margin
 
