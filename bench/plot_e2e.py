@@ -319,6 +319,12 @@ def targets(runs: list[dict], budget: float = 24.0) -> list[tuple]:
                         (f"; out of memory in {len(failed)}: {', '.join(bad)}" if bad else ""), "missed" if bad else "met"))
         else:
             out.append((name, "no pair", "not measured"))
+        paired = {e for _c, e in pairs}
+        alone = [r for r in runs if r["config"].get("weights") == w and r["config"]["estimator"]
+                 and r.get("status") != "ok" and _key(r) not in paired]
+        if alone:
+            out.append((tag + "estimator runs out of memory that ComfyUI alone has not run (same budget, size, compile)",
+                        ", ".join(dict.fromkeys(label(r).replace("\n", " · ") for r in alone)), "not measured"))
         for r, lab in zip(runs, labs):
             c = r["config"]
             if c.get("weights") != w or not c["estimator"] or r.get("status") != "ok" or c.get("budget_gib") is None:

@@ -516,3 +516,24 @@ def test_expert_probe_logs_a_progress_line_at_each_step():
     quiet = e2e.ExpertProbe("low", e2e.Mem(torch, False))             # no log: no lines, same timing
     quiet._sampler(executor, None, None, {}, None, None)
     assert len(quiet.marks) == 3 and quiet.result(1.0)["step_s"] and len(logs) == 3
+
+
+def test_an_estimator_run_out_of_memory_without_a_comfyui_alone_run_is_reported_not_measured():
+    """An estimator run that ran out of memory where ComfyUI alone was not run (same budget, size and
+    compile) cannot be paired: the pairs' target stays about the pairs, and the run is listed on a
+    target of its own as not measured, never dropped."""
+    import plot_e2e
+
+    def compiled(row):
+        row["config"]["compile"] = {"node": "per block", "keys": ["diffusion_model.blocks.N"]}
+        return row
+    runs = [_row(True, "sage", 8.0, 12.0, frac=0.01), _row(False, "sdpa", 8.0, 14.6, frac=0.01),
+            compiled(_row(True, "sage", 8.0, 10.3, status="oom"))]
+    t = {name.split(": ", 1)[1]: (m, v) for name, m, v in plot_e2e.targets(runs)}
+    assert t["the estimator never runs out of memory where ComfyUI alone completes"] == ("1 pair, 1 estimator run", "met")
+    assert t["estimator runs out of memory that ComfyUI alone has not run (same budget, size, compile)"] == \
+        ("720p81 8 GB gguf · estimator + SAGE + compile per block", "not measured")
+    runs.append(compiled(_row(False, "sdpa", 8.0, 13.0, frac=0.01)))
+    t = {name.split(": ", 1)[1]: (m, v) for name, m, v in plot_e2e.targets(runs)}
+    assert "estimator runs out of memory that ComfyUI alone has not run (same budget, size, compile)" not in t
+    assert t["the estimator never runs out of memory where ComfyUI alone completes"][1] == "missed"
