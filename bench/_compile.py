@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 
+from _paths import machine_free
+
 # Per-block compile nodes commonly raise dynamo's recompile limit to 64 (the default 8 can be hit when
 # each block or each graph-break resume needs its own entry); the compile probe of 2026-12-01 did too.
 BLOCK_RECOMPILE_LIMIT = 64
@@ -38,7 +40,7 @@ def set_recompile_limit(torch, limit: int | None) -> int:
 
 def _short(text: str, n: int = 200) -> str:
     """The first two lines of a dynamo message (the reason and its explanation), on one line."""
-    lines = [x.strip() for x in str(text).splitlines() if x.strip()]
+    lines = [x.strip() for x in machine_free(text).splitlines() if x.strip()]
     return " | ".join(lines[:2])[:n]
 
 

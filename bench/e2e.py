@@ -111,6 +111,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _host  # noqa: E402
+from _paths import ROOT, short_path  # noqa: E402,F401  (ROOT: this checkout)
 
 GiB = 1 << 30
 SCHEMA = "wan-sage-e2e/1"
@@ -222,34 +223,6 @@ class Mem:
 
 def _r(x, n=3):
     return None if x is None else round(float(x), n)
-
-
-ROOT = Path(__file__).resolve().parents[1]    # this checkout (the pack's root)
-# directories a frame's file is named from (the rightmost one in its path): ComfyUI's packages and the
-# libraries installed outside a site-packages folder (the device's --target site)
-FRAME_ROOTS = ("ComfyUI", "ComfyUI-GGUF", "custom_nodes", "comfy", "comfy_extras", "comfy_api", "comfy_execution",
-               "torch", "triton", "sageattention", "gguf")
-
-
-def short_path(filename: str, root: Path | str | None = ROOT) -> str:
-    """``filename`` without the machine's part: from after ``site-packages/`` (or
-    ``dist-packages/``), else from the rightmost :data:`FRAME_ROOTS` directory, else relative to
-    ``root`` (this checkout), else the bare file name.  Names without a ``/`` (``<string>``,
-    ``<frozen runpy>``) are kept."""
-    p = str(filename).replace("\\", "/")
-    for marker in ("/site-packages/", "/dist-packages/"):
-        i = p.rfind(marker)
-        if i >= 0:
-            return p[i + len(marker):]
-    parts = p.split("/")
-    for k in range(len(parts) - 2, -1, -1):
-        if parts[k] in FRAME_ROOTS:
-            return "/".join(parts[k:])
-    if root is not None:
-        r = str(root).replace("\\", "/").rstrip("/") + "/"
-        if p.startswith(r):
-            return p[len(r):]
-    return parts[-1]
 
 
 def oom_where(tb, n: int = 6, root: Path | str | None = ROOT) -> list[str]:

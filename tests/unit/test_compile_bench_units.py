@@ -133,3 +133,16 @@ def test_grouped_mode_runs_the_formula_leaves_ungrouped_are_covered_by_the_faste
     assert calibration.same_as_ungrouped(only_sdpa, 90) == (only_sdpa, [])
     # an arch no kernel runs on: nothing is dropped
     assert calibration.same_as_ungrouped(plan, 70) == (plan, [])
+
+
+def test_dynamo_reasons_name_files_without_the_machines_part():
+    """Recompile and graph-break reasons go into committed records: an absolute path in dynamo's message
+    is cut to the part a reader can find (from ComfyUI's package, site-packages or this checkout), and a
+    relative path or a guard such as ``0/0`` stays as it is."""
+    import _compile
+    from _paths import ROOT
+    msg = (f"Recompiling function forward in /srv/x/.host/ComfyUI/comfy/ldm/wan/model.py:211\n"
+           f"triggered by /venv/lib/python3.12/site-packages/torch/_dynamo/guards.py and {ROOT}/attention/op.py; "
+           "0/0: comfy/ldm/wan/model.py")
+    assert _compile._short(msg, 400) == ("Recompiling function forward in comfy/ldm/wan/model.py:211 | triggered by "
+                                         "torch/_dynamo/guards.py and attention/op.py; 0/0: comfy/ldm/wan/model.py")
