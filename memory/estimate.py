@@ -240,8 +240,11 @@ def verdict_for(weights: int, resident_need: int, partial_need: int, room: int, 
         off = weights - (room - partial_need)
         return f"offloads {off / GiB:.1f} GiB of weights", off
     parts = WORKING_MEMORY_PARTS + (" plus the margin" if margin else "")
-    return (f"cannot fit even fully offloaded: needs {partial_need / GiB:.1f} GiB of working memory ({parts}), "
-            f"{max(room, 0) / GiB:.1f} GiB available"), weights
+    # The streamed reservation is an upper bound (its fragmentation term is set for the worst records), so
+    # below it a run may still complete: the verdict says what is reserved, not what the run will need.
+    return (f"cannot fit its reservation even fully offloaded: reserves {partial_need / GiB:.1f} GiB of working memory "
+            f"({parts}), {max(room, 0) / GiB:.1f} GiB available; every weight streams and sampling may run out of "
+            "memory"), weights
 
 
 def sage_groups(dims: activation_model.WanDims, self_path: str, rows: int, tokens: int, dtype: str) -> int:
@@ -285,7 +288,7 @@ def estimate(r: EstimateRequest) -> Estimate:
     if r.vram_bytes is not None and r.weights_bytes is not None:
         verdict, offload = verdict_for(r.weights_bytes, res_r, par_r, r.vram_bytes - r.reserved_bytes, r.margin_bytes)
     elif r.vram_bytes is not None:
-        verdict = "fits" if par_r <= r.vram_bytes - r.reserved_bytes else "cannot fit even fully offloaded"
+        verdict = "fits" if par_r <= r.vram_bytes - r.reserved_bytes else "cannot fit its reservation even fully offloaded"
     notes = rounding_notes(dims, r.width, r.height, r.frames) + ([attention_note] if attention_note else [])
     if par["compiled_as_eager"] and not verdict.startswith("fits"):
         notes.append(COMPILED_STREAMED_NOTE)
