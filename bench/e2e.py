@@ -39,7 +39,8 @@ what is still allocated then is recorded, and a budget run that starts with more
 recorded as a result, not raised: ``status: "oom"``, the phase, ``oom_where`` (the innermost six
 frames as ``path:lineno function``, outermost first, paths without the machine's part) and
 ``oom_memory`` (allocated and reserved above the ballast and the device's free memory, GiB, read
-where it was caught), and a log line ``e2e OOM in PHASE at FRAME``.
+where it was caught), ``oom_figures`` (the sizes torch's message gives: the request among them), and a
+log line ``e2e OOM in PHASE at FRAME``.
 
 Progress goes to stderr as it happens: a line ``e2e step EXPERT I/N: S s (run T s)`` at the end of
 each sampler step (from the same synchronised callback as the step times; in workflow mode EXPERT
@@ -223,6 +224,18 @@ class Mem:
 
 def _r(x, n=3):
     return None if x is None else round(float(x), n)
+
+
+def oom_figures(message: str) -> dict:
+    """The ``name: size`` lines torch's out-of-memory message carries after its first line (with
+    cudaMallocAsync: currently allocated, requested, device limit, free according to CUDA), as
+    ``{name: text}``; empty when there are none."""
+    out = {}
+    for line in str(message).splitlines()[1:12]:
+        name, sep, value = line.partition(":")
+        if sep and name.strip() and value.strip() and len(name) < 60:
+            out[" ".join(name.split())] = value.strip()[:60]
+    return out
 
 
 def oom_where(tb, n: int = 6, root: Path | str | None = ROOT) -> list[str]:
@@ -646,6 +659,7 @@ class Host:
             except torch.OutOfMemoryError as e:
                 row["status"], row["error"], row["failed_phase"] = "oom", str(e).split("\n")[0][:300], phase["name"]
                 row["oom_memory"] = mem.at_oom()     # while the frames that held the tensors are alive
+                row["oom_figures"] = oom_figures(str(e))
                 row["oom_where"] = oom_where(e.__traceback__)
                 self.log(f"e2e OOM in {phase['name']} at {row['oom_where'][-1] if row['oom_where'] else '?'}")
                 e.__traceback__ = None

@@ -537,3 +537,16 @@ def test_an_estimator_run_out_of_memory_without_a_comfyui_alone_run_is_reported_
     t = {name.split(": ", 1)[1]: (m, v) for name, m, v in plot_e2e.targets(runs)}
     assert "estimator runs out of memory that ComfyUI alone has not run (same budget, size, compile)" not in t
     assert t["the estimator never runs out of memory where ComfyUI alone completes"][1] == "missed"
+
+
+def test_oom_figures_keep_the_sizes_of_torchs_message():
+    """cudaMallocAsync's out-of-memory message names the request and what was allocated on the lines
+    after its first; the row keeps them (the first line alone says neither)."""
+    import e2e
+    msg = ("Allocation on device 0 would exceed allowed memory. (out of memory)\n"
+           "Currently allocated     : 138.82 GiB\nRequested               : 1.41 GiB\n"
+           "Device limit            : 139.81 GiB\nFree (according to CUDA): 0 bytes\n"
+           "PyTorch limit (set by user-supplied memory fraction)\n                        : 17179869184.00 GiB")
+    got = e2e.oom_figures(msg)
+    assert got["Requested"] == "1.41 GiB" and got["Currently allocated"] == "138.82 GiB"
+    assert got["Free (according to CUDA)"] == "0 bytes" and e2e.oom_figures(msg.splitlines()[0]) == {}
