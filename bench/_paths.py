@@ -14,29 +14,31 @@ FRAME_ROOTS = ("ComfyUI", "ComfyUI-GGUF", "custom_nodes", "comfy", "comfy_extras
 
 def short_path(filename: str, root: Path | str | None = ROOT) -> str:
     """``filename`` without the machine's part: from after ``site-packages/`` (or
-    ``dist-packages/``), else from the rightmost :data:`FRAME_ROOTS` directory, else relative to
-    ``root`` (this checkout), else the bare file name.  Names without a ``/`` (``<string>``,
+    ``dist-packages/``), else relative to ``root`` (this checkout, wherever it sits, a ComfyUI
+    ``custom_nodes`` folder included), else from the rightmost :data:`FRAME_ROOTS` directory, else the
+    bare file name.  Names without a ``/`` (``<string>``,
     ``<frozen runpy>``) are kept."""
     p = str(filename).replace("\\", "/")
     for marker in ("/site-packages/", "/dist-packages/"):
         i = p.rfind(marker)
         if i >= 0:
             return p[i + len(marker):]
-    parts = p.split("/")
-    for k in range(len(parts) - 2, -1, -1):
-        if parts[k] in FRAME_ROOTS:
-            return "/".join(parts[k:])
     if root is not None:
         r = str(root).replace("\\", "/").rstrip("/") + "/"
         if p.startswith(r):
             return p[len(r):]
+    parts = p.split("/")
+    for k in range(len(parts) - 2, -1, -1):
+        if parts[k] in FRAME_ROOTS:
+            return "/".join(parts[k:])
     return parts[-1]
 
 
-# an absolute path: a "/" that does not continue a word or a relative path, up to a separator
-_ABSOLUTE = re.compile(r"(?<![\w.\-/])/[^\s:'\"()\[\],]+")
+# an absolute path to a file: a "/" that does not continue a word, a relative path, a URL ("://") or an
+# expression ("//", ")/", "]/"), then at least two more components, the last with an extension
+_ABSOLUTE = re.compile(r"(?<![\w.\-/:)\]])/(?=[\w.~-])(?:[^\s:'\"()\[\],/]+/)+[^\s:'\"()\[\],/]+\.\w{1,8}\b")
 
 
 def machine_free(text: str, root: Path | str | None = ROOT) -> str:
-    """``text`` with every absolute path in it replaced by its :func:`short_path`."""
-    return _ABSOLUTE.sub(lambda m: short_path(m.group(0), root) if "/" in m.group(0)[1:] else m.group(0), str(text))
+    """``text`` with every absolute file path in it replaced by its :func:`short_path`."""
+    return _ABSOLUTE.sub(lambda m: short_path(m.group(0), root) or m.group(0), str(text))

@@ -36,7 +36,7 @@ ComfyUI's ``PromptExecutor`` runs nodes (outside it, ComfyUI-GGUF's LoRA-patched
 stayed on the GPU after unloading).  Between runs every model is unloaded and the cache emptied;
 what is still allocated then is recorded, and a budget run that starts with more than
 ``INHERITED_LIMIT_GIB`` of it is marked ``budget.faithful: false``.  ``torch.OutOfMemoryError`` is
-recorded as a result, not raised: ``status: "oom"``, the phase, ``oom_where`` (the innermost six
+recorded as a result, not raised: ``status: "oom"``, the phase, ``oom_where`` (the innermost 16
 frames as ``path:lineno function``, outermost first, paths without the machine's part) and
 ``oom_memory`` (allocated and reserved above the ballast and the device's free memory, GiB, read
 where it was caught), ``oom_figures`` (the sizes torch's message gives: the request among them), and a
@@ -101,6 +101,7 @@ import gc
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -227,18 +228,28 @@ def _r(x, n=3):
 
 
 def oom_figures(message: str) -> dict:
-    """The ``name: size`` lines torch's out-of-memory message carries after its first line (with
-    cudaMallocAsync: currently allocated, requested, device limit, free according to CUDA), as
-    ``{name: text}``; empty when there are none."""
+    """The sizes torch's out-of-memory message gives, as ``{name: text}``: the native allocator's
+    ``Tried to allocate X`` (as ``Requested``) from its first line, and cudaMallocAsync's ``name: size``
+    lines after it (currently allocated, requested, device limit, free according to CUDA; a value on a
+    line of its own joins the name before it); empty when there are none."""
+    lines = str(message).splitlines()
     out = {}
-    for line in str(message).splitlines()[1:12]:
+    m = re.search(r"Tried to allocate ([\d.]+ \w+)", lines[0] if lines else "")
+    if m:
+        out["Requested"] = m.group(1)
+    pending = None
+    for line in lines[1:12]:
         name, sep, value = line.partition(":")
-        if sep and name.strip() and value.strip() and len(name) < 60:
-            out[" ".join(name.split())] = value.strip()[:60]
+        name = " ".join(name.split())
+        if sep and not name and pending and value.strip():
+            out[pending] = value.strip()[:60]
+        elif sep and name and value.strip() and len(name) < 60:
+            out[name] = value.strip()[:60]
+        pending = name if not sep and name else None
     return out
 
 
-def oom_where(tb, n: int = 6, root: Path | str | None = ROOT) -> list[str]:
+def oom_where(tb, n: int = 16, root: Path | str | None = ROOT) -> list[str]:
     """The innermost ``n`` frames of a traceback (a traceback object or a list of
     ``traceback.FrameSummary``) as ``"path:lineno function"`` with :func:`short_path` names, in
     traceback order: outermost first, the frame that raised last."""

@@ -321,7 +321,7 @@ def targets(runs: list[dict], budget: float = 24.0) -> list[tuple]:
             out.append((name, "no pair", "not measured"))
         paired = {e for _c, e in pairs}
         alone = [r for r in runs if r["config"].get("weights") == w and r["config"]["estimator"]
-                 and r.get("status") != "ok" and _key(r) not in paired]
+                 and r.get("status") == "oom" and _key(r) not in paired]
         if alone:
             out.append((tag + "estimator runs out of memory that ComfyUI alone has not run (same budget, size, compile)",
                         ", ".join(dict.fromkeys(label(r).replace("\n", " · ") for r in alone)), "not measured"))

@@ -577,7 +577,7 @@ def e2e_streamed_section() -> list:
         short_fixed = [x for x in check if x > max(m, 0.0) + (CALIBRATED['partial_fixed'] / GiB)]
         o.append(f"- **A GGUF-only streaming term, tried and not taken.** With eager streaming, what the allocator held minus the "
                  f"reservation for resident weights was at most {m:+.2f} GiB over session 5's {len(fit)} experts, so a term")
-        o.append(f"  set from them would reserve no more than that. On session 6's {len(check)} eager experts, which it was not set")
+        o.append(f"  set from them would reserve that reservation plus {max(m, 0.0):.2f} GiB (floored at 0). On session 6's {len(check)} eager experts, which it was not set")
         o.append(f"  from (other budgets and sizes), {len(short)} held more, by up to {max(check) - max(m, 0.0):.2f} GiB; with "
                  f"`partial_fixed` ({(CALIBRATED['partial_fixed'] / GiB):.2f} GiB) added, {len(short_fixed)} still did. The")
         o.append("  partial-load term stays as set, at the cost of the unused budget above.")

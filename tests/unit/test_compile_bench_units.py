@@ -146,3 +146,6 @@ def test_dynamo_reasons_name_files_without_the_machines_part():
            "0/0: comfy/ldm/wan/model.py")
     assert _compile._short(msg, 400) == ("Recompiling function forward in comfy/ldm/wan/model.py:211 | triggered by "
                                          "torch/_dynamo/guards.py and attention/op.py; 0/0: comfy/ldm/wan/model.py")
+    for kept in ("see https://pytorch.org/docs/stable/torch.compiler_troubleshooting.html", "file:///tmp/a/b.py",
+                 "Eq((s0 + 1)//2, 45)", "x.size()[0]/s0/s1", "x // 2", "GiB/s", "[0/1] guard"):
+        assert _compile._short(kept, 400) == kept

@@ -65,6 +65,8 @@ def test_gguf_experts_streamed_end_to_end_fit_in_the_partial_reservation(name, r
                                    weights=plan.setup, weights_bytes=plan.nbytes, dtype="bf16",
                                    compiled=bool(c.get("compile"))))
     held = (e["peak_reserved_gib"] - e["resident_gib"]) * GiB
+    if c["budget_gib"] * GiB <= est.reservation_partial:
+        pytest.skip("the budget is below the reservation: what the allocator held cannot exceed it, so this row checks nothing")
     assert held <= est.reservation_partial, (held / GiB, est.reservation_partial / GiB)
 
 

@@ -444,8 +444,11 @@ def test_short_path_keeps_no_machine_prefix():
     sp = lambda f: e2e.short_path(f, root)
     assert sp("/usr/lib/python3.12/site-packages/torch/nn/functional.py") == "torch/nn/functional.py"
     assert sp("/opt/venv/lib/python3/dist-packages/comfy/x.py") == "comfy/x.py"
-    assert sp("/srv/ck/wan-sage/.host/ComfyUI/comfy/ldm/wan/model.py") == "comfy/ldm/wan/model.py"   # rightmost root
-    assert sp("/srv/ck/wan-sage/.host/ComfyUI/execution.py") == "ComfyUI/execution.py"
+    assert sp("/srv/ck/wan-sage/.host/ComfyUI/comfy/ldm/wan/model.py") == ".host/ComfyUI/comfy/ldm/wan/model.py"  # the checkout's
+    assert sp("/srv/other/ComfyUI/comfy/ldm/wan/model.py") == "comfy/ldm/wan/model.py"                 # rightmost root
+    assert sp("/srv/other/ComfyUI/execution.py") == "ComfyUI/execution.py"
+    # a checkout inside ComfyUI's custom_nodes is named from the checkout, not from ComfyUI's folders
+    assert e2e.short_path("/h/ComfyUI/custom_nodes/wan-sage/bench/e2e.py", "/h/ComfyUI/custom_nodes/wan-sage") == "bench/e2e.py"
     assert sp("/tmp/site/gguf/quants.py") == "gguf/quants.py"
     assert sp("/srv/ck/wan-sage/attention/sage.py") == "attention/sage.py"                          # the checkout's
     assert sp("C:\\Users\\me\\ComfyUI\\custom_nodes\\wan-sage\\nodes\\patch.py") == "custom_nodes/wan-sage/nodes/patch.py"
@@ -467,9 +470,10 @@ def test_oom_where_lists_the_innermost_frames_outermost_first():
     try:
         level(9)
     except torch.OutOfMemoryError as e:
-        where = e2e.oom_where(e.__traceback__)
+        where = e2e.oom_where(e.__traceback__, n=6)
         assert e2e.oom_where(traceback.extract_tb(e.__traceback__), n=2) == where[-2:]
         assert len(e2e.oom_where(e.__traceback__, n=100)) == 12      # this test, level x10, alloc
+        assert e2e.oom_where(e.__traceback__) == e2e.oom_where(e.__traceback__, n=100)   # 16 kept by default
     assert len(where) == 6
     assert where[-1].startswith("tests/unit/test_e2e_units.py:") and where[-1].endswith(" alloc")
     assert all(w.endswith(" level") for w in where[:-1])
@@ -550,3 +554,7 @@ def test_oom_figures_keep_the_sizes_of_torchs_message():
     got = e2e.oom_figures(msg)
     assert got["Requested"] == "1.41 GiB" and got["Currently allocated"] == "138.82 GiB"
     assert got["Free (according to CUDA)"] == "0 bytes" and e2e.oom_figures(msg.splitlines()[0]) == {}
+    assert got["PyTorch limit (set by user-supplied memory fraction)"] == "17179869184.00 GiB"   # value on its own line
+    native = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.81 GiB of which "
+              "1.20 GiB is free.")
+    assert e2e.oom_figures(native) == {"Requested": "2.00 GiB"}

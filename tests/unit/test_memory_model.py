@@ -65,7 +65,8 @@ def test_verdicts():
 
 def test_a_run_below_the_streamed_reservation_is_told_what_is_reserved_not_what_it_needs():
     """The streamed reservation is an upper bound: on the H200, A14B GGUF at 720p81 with an 8 GiB budget
-    completed eager, holding 7.64 GiB, where the reservation is 10.7 GiB (docs/benchmarks.md, session 6).
+    completed eager with Sage, holding 7.64 GiB, where the reservation with Sage is 11.0 GiB (docs/benchmarks.md,
+    session 6).
     So the verdict below it names the reservation and the risk, and does not claim the run needs it."""
     from wan_sage.memory.weights import weights_for_key
     plan = weights_for_key(A14B, "q4_k_m", True, compute="bf16")
