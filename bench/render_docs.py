@@ -257,6 +257,8 @@ def e2e_compile_section() -> list:
         rs = [r for r in rows(M / name) if r.get("status") == "ok"]
         by = {key(r): r for r in rs}
         by_session[name] = by
+        if not rs:
+            continue
         o += ["", f"Session {session}, records [`{name}`](measurements/{name}) (wan-sage `{rs[0]['env']['wan_sage_commit']}`{' and later' if len({r['env']['wan_sage_commit'] for r in rs}) > 1 else ''}):\n",
               "| run | resident | s/step | × eager SDPA | working GiB | compile s | graph breaks | recompiles | head-split calls (high; low) |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
