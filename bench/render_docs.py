@@ -13,7 +13,7 @@ from wan_sage.memory import activation_model  # noqa: E402
 from wan_sage.memory.estimate import CALIBRATED, activation_bytes  # noqa: E402
 
 GiB = 2 ** 30
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = _host.ROOT
 M = ROOT / "docs" / "measurements"
 
 
@@ -311,7 +311,6 @@ def e2e_compile_section() -> list:
     return o
 
 
-MODEL_PRESETS = {"a14b": "wan2.2-a14b", "1.3b": "wan2.1-1.3b", "ti2v5b": "wan2.2-ti2v-5b"}
 CALIBRATION = ROOT / "memory" / "calibration"
 
 
@@ -324,7 +323,7 @@ def _groups(r, d, path) -> int:
 
 
 def _predict(r) -> dict:
-    d = activation_model.PRESETS[MODEL_PRESETS[r["model"]]]
+    d = _host.wan_dims(r["model"])
     lat = activation_model.latent_shape(d, r["width"], r["height"], r["frames"])
     path = "sdpa" if r["attn"] == "sdpa" else "sage2_sm90"
     w = activation_model.Workload(L=r["tokens"], dtype=r["dtype"], self_attn=path,
@@ -336,30 +335,31 @@ def _predict(r) -> dict:
 def _attention_label(r) -> str:
     if r["attn"] == "sdpa":
         return "sdpa"
-    d = activation_model.PRESETS[MODEL_PRESETS[r["model"]]]
+    d = _host.wan_dims(r["model"])
     g = _groups(r, d, "sage2_sm90")
     return "sage" + (f", {g} head groups" if g > 1 else (", memory mode fastest" if r.get("memory_mode") == "fastest" else ""))
 
 
 def _forward_table(rs) -> tuple:
-    """(Markdown lines, errors) of measured rows against today's model."""
+    """(Markdown lines, predicted totals) of measured rows against today's model."""
     o = ["| model | dtype | attention | size | tokens | measured GiB | wan-sage GiB | error | ComfyUI GiB | ComfyUI ÷ measured | phase |",
          "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
-    errors = []
+    totals = []
     for r in rs:
         t = _predict(r)
         p, m = t["total"], r["measured"]
-        errors.append(p / m - 1)
+        totals.append(p)
         o.append(f"| {r['model']} | {r['dtype']} | {_attention_label(r)} | {r['width']}×{r['height']}×{r['frames']} | "
-                 f"{r['tokens']:,} | {m / GiB:.3f} | {p / GiB:.3f} | {100 * errors[-1]:+.1f} % | {r['comfy'] / GiB:.2f} | "
+                 f"{r['tokens']:,} | {m / GiB:.3f} | {p / GiB:.3f} | {100 * (p / m - 1):+.1f} % | {r['comfy'] / GiB:.2f} | "
                  f"{r['comfy'] / m:.2f}× | {t['dominant_phase']} |")
-    return o, errors
+    return o, totals
 
 
-def _band(rs) -> str:
-    """How the rows sit against the band: never under, at most 10 % over plus the fixed workspace term."""
-    over = [r for r in rs if _predict(r)["total"] > 1.10 * r["measured"]]
-    under = [r for r in rs if _predict(r)["total"] < r["measured"]]
+def _band(rs, totals) -> str:
+    """How the rows sit against the band (``totals``: their predicted peaks): never under, at most 10 %
+    over plus the fixed workspace term."""
+    over = [r for r, p in zip(rs, totals) if p > 1.10 * r["measured"]]
+    under = [r for r, p in zip(rs, totals) if p < r["measured"]]
     fixed = CALIBRATED["slack_fixed"] / 2 ** 20
     return (f"{len(rs) - len(over) - len(under)} of {len(rs)} rows within [0, +10 %]"
             + (f"; {len(over)} more than 10 % over, all with peaks under "
@@ -402,11 +402,12 @@ def memory_doc():
     summary = []
     for title, rs in (("Eager, fit", fit), ("Eager, held out", held), ("Compiled, fit", cfit),
                       ("Compiled, held out", cheld), ("Compiled Sage, check", csage)):
-        lines, errors = _forward_table(rs)
-        summary.append((title, rs, errors))
+        lines, totals = _forward_table(rs)
+        summary.append((title, rs, lines, totals))
     o += ["| rows | count | error | band |", "|---|---:|---|---|"]
-    for title, rs, errors in summary:
-        o.append(f"| {title} | {len(rs)} | {100 * min(errors):+.1f} % to {100 * max(errors):+.1f} % | {_band(rs)} |")
+    for title, rs, _lines, totals in summary:
+        errors = [p / r["measured"] - 1 for r, p in zip(rs, totals)]
+        o.append(f"| {title} | {len(rs)} | {100 * min(errors):+.1f} % to {100 * max(errors):+.1f} % | {_band(rs, totals)} |")
     o.append("")
     o.append("One held-out compiled row, TI2V-5B 832×480×161, was seen before the fixed workspace term was set (it")
     o.append("allocated 37 MiB in a later forward); it is counted above but is not held out for that constant.\n")
@@ -417,10 +418,9 @@ def memory_doc():
     o.append("formula leaves whole in `sdpa` mode is the same run as `fastest`. The compiled attention-op term")
     o.append("(`COMPILED[\"op_d_buffers\"]` in `memory/activation_model.py`) was set from the compile table's A14B")
     o.append("1280×720×81 Sage rows (grouped and ungrouped); these rows check it on every model and size.\n")
-    for title, rs, errors in summary:
-        lines, _ = _forward_table(rs)
+    for title, _rs, lines, _totals in summary:
         o += [f"### {title}\n"] + lines + [""]
-    comfy = {m: [r["comfy"] / r["measured"] for r in fit + held if r["model"] == m] for m in MODEL_PRESETS}
+    comfy = {m: [r["comfy"] / r["measured"] for r in fit + held if r["model"] == m] for m in _host.PRESET}
     o.append("ComfyUI's own figure is " + "; ".join(f"{_span(v)}× the measured eager peak for {m}"
                                                     for m, v in comfy.items()) + ".\n")
     o += partial_load_section()
@@ -556,7 +556,7 @@ def e2e_streamed_section() -> list:
                              f"{name} | {e['resident_frac']:.0%} | {e['working_gib']:.2f} | {above:.2f} | "
                              f"{held:.2f} | {res:.2f} | {held / res:.2f} |")
     o = ["\n## Partly offloaded end to end (GGUF A14B, H200)\n",
-         f"The end-to-end runs with weights partly offloaded: session 5 at 16 and 12 GiB, 1280×720×81",
+         "The end-to-end runs with weights partly offloaded: session 5 at 16 and 12 GiB, 1280×720×81",
          f"(`docs/measurements/{E2E_BUDGETS_FILE}`), session 6 at 12 and 8 GiB and at two other sizes, 832×480×81 at",
          f"8 GiB and 832×1472×49 at 10 GiB (`docs/measurements/{E2E_BUDGETS_2_FILE}`); docs/benchmarks.md sessions 5 and 6.",
          "Q4_K_M experts with a rank-64 LoRA, part of each expert's weights streamed at every step, eager and",
