@@ -8,10 +8,23 @@ import json
 import importlib.util
 import os
 import pkgutil
+import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def git_head() -> str | None:
+    """The checkout's commit for a record: ``WAN_SAGE_COMMIT`` if set, else ``git rev-parse`` here."""
+    v = os.environ.get("WAN_SAGE_COMMIT")
+    if v:
+        return v
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=5).stdout.strip() or None
+    except Exception:
+        return None
 
 
 def load_pack():

@@ -152,7 +152,7 @@ def environment(torch, cuda: bool) -> dict:
             "optimized_attention": comfy_attention.optimized_attention.__name__,
             "sageattention": probe.sage_version, "sage_flavour": probe.sage_flavour,
             "sageattention_commit": os.environ.get("SAGEATTENTION_COMMIT"),
-            "wan_sage_commit": os.environ.get("WAN_SAGE_COMMIT"), "memory_mode_field": _host.has_memory_mode()}
+            "wan_sage_commit": _host.git_head(), "memory_mode_field": _host.has_memory_mode()}
 
 
 def parse_args(argv=None):

@@ -103,7 +103,6 @@ import os
 import platform
 import re
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -500,7 +499,7 @@ class Host:
              "comfyui": comfy_ver, "comfyui_gguf": _read_version(self.gguf_path / "pyproject.toml"),
              "sageattention": getattr(probe, "sage_version", None), "sage_flavour": getattr(probe, "sage_flavour", None),
              "sageattention_commit": os.environ.get("SAGEATTENTION_COMMIT"),
-             "wan_sage": getattr(self.pack, "__version__", None), "wan_sage_commit": _git_head(),
+             "wan_sage": getattr(self.pack, "__version__", None), "wan_sage_commit": _host.git_head(),
              "av": self.av, "scale": self.args.scale, "weights": self.args.weights, "te_dtype": self.args.te_dtype,
              "lora_rank": self.args.lora_rank, "seed": self.args.seed}
         return d
@@ -876,17 +875,6 @@ def _read_version(pyproject: Path):
         for line in pyproject.read_text().splitlines():
             if line.strip().startswith("version"):
                 return line.split("=", 1)[1].split("#")[0].strip().strip('"')
-    except Exception:
-        return None
-
-
-def _git_head():
-    v = os.environ.get("WAN_SAGE_COMMIT")
-    if v:
-        return v
-    try:
-        return subprocess.run(["git", "-C", str(_host.ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=5).stdout.strip() or None
     except Exception:
         return None
 

@@ -9,8 +9,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import _host  # noqa: E402
 
 _host.load_pack()
-from wan_sage.memory import activation_model  # noqa: E402
-from wan_sage.memory.estimate import CALIBRATED, activation_bytes  # noqa: E402
+from wan_sage.memory.estimate import CALIBRATED  # noqa: E402
+from wan_sage.memory.measured_rows import e2e_estimate, head_groups, predict_forward  # noqa: E402
 
 GiB = 2 ** 30
 ROOT = _host.ROOT
@@ -314,29 +314,10 @@ def e2e_compile_section() -> list:
 CALIBRATION = ROOT / "memory" / "calibration"
 
 
-def _groups(r, d, path) -> int:
-    """The head groups a row's Sage calls ran in (every call split: the memory mode's count; else 1)."""
-    from wan_sage.memory.estimate import sage_groups
-    sg = r.get("sage") or {}
-    split = path != "sdpa" and sg.get("head_split_calls", 0) == sg.get("sage_calls", 0) > 0
-    return sage_groups(d, path, 1, r["tokens"], r["dtype"]) if split else 1
-
-
-def _predict(r) -> dict:
-    d = _host.wan_dims(r["model"])
-    lat = activation_model.latent_shape(d, r["width"], r["height"], r["frames"])
-    path = "sdpa" if r["attn"] == "sdpa" else "sage2_sm90"
-    w = activation_model.Workload(L=r["tokens"], dtype=r["dtype"], self_attn=path,
-                                  latent_elems_per_row=activation_model.latent_elems(lat), compiled=bool(r.get("compiled")),
-                                  self_attn_groups=_groups(r, d, path))
-    return activation_bytes(d, w)
-
-
 def _attention_label(r) -> str:
     if r["attn"] == "sdpa":
         return "sdpa"
-    d = _host.wan_dims(r["model"])
-    g = _groups(r, d, "sage2_sm90")
+    g = head_groups(r)
     return "sage" + (f", {g} head groups" if g > 1 else (", memory mode fastest" if r.get("memory_mode") == "fastest" else ""))
 
 
@@ -346,7 +327,7 @@ def _forward_table(rs) -> tuple:
          "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     totals = []
     for r in rs:
-        t = _predict(r)
+        t = predict_forward(r)
         p, m = t["total"], r["measured"]
         totals.append(p)
         o.append(f"| {r['model']} | {r['dtype']} | {_attention_label(r)} | {r['width']}×{r['height']}×{r['frames']} | "
@@ -527,9 +508,6 @@ def e2e_streamed_section() -> list:
     reservation today's estimate makes for them; from the e2e records, recomputed with today's code.
     Also what a GGUF-only streaming term set from session 5's eager experts would have done on
     session 6's, which it was not set from."""
-    from wan_sage.memory.estimate import EstimateRequest, estimate
-    from wan_sage.memory.weights import weights_for_key
-    d = activation_model.PRESETS["wan2.2-a14b"]
     lines, held_over, over_resident = [], {}, {}
     for fname in (E2E_BUDGETS_FILE, E2E_BUDGETS_2_FILE):
         session = E2E_SESSIONS[fname]
@@ -537,11 +515,7 @@ def e2e_streamed_section() -> list:
             c = r["config"]
             if r.get("status") != "ok":
                 continue
-            plan = weights_for_key(d, "q4_k_m", c["lora_rank"] > 0, compute="bf16")
-            est = estimate(EstimateRequest(dims=d, width=c["width"], height=c["height"], frames=c["frames"],
-                                           attention="sage-auto" if c["attention"] == "sage" else "sdpa", cc=90,
-                                           weights=plan.setup, weights_bytes=plan.nbytes, dtype="bf16",
-                                           compiled=bool(c.get("compile"))))
+            est = e2e_estimate(c)
             for name, e in r["experts"].items():
                 if e["resident_frac"] >= 0.9999:
                     continue

@@ -401,7 +401,7 @@ def main(argv=None):
                                     "compiled": a.compile, "compile": settings,
                                     "measured_reserved": rec.get("peak_reserved") if ok else None,
                                     "weights_bytes": int(patcher.model_size()), "gpu": gpu,
-                                    "predicted_by": {"wan_sage_commit": os.environ.get("WAN_SAGE_COMMIT"),
+                                    "predicted_by": {"wan_sage_commit": _host.git_head(),
                                                      "note": "the eager phase model of this checkout"}})
                         if a.compile:
                             row["dynamo"] = dynamo

@@ -18,6 +18,7 @@ import pytest
 
 from wan_sage.memory import activation_model
 from wan_sage.memory.estimate import EstimateRequest, GiB, estimate
+from wan_sage.memory.measured_rows import e2e_estimate
 from wan_sage.memory.weights import weights_for_key
 
 MEASURED = Path(__file__).resolve().parents[2] / "docs" / "measurements"
@@ -59,11 +60,7 @@ E2E_GGUF = [(f"{r['run']} {name}", r, e) for r in (json.loads(line) for f in ("e
 @pytest.mark.parametrize("name,r,e", E2E_GGUF, ids=[x[0] for x in E2E_GGUF])
 def test_gguf_experts_streamed_end_to_end_fit_in_the_partial_reservation(name, r, e):
     c = r["config"]
-    plan = weights_for_key(A14B, "q4_k_m", c["lora_rank"] > 0, compute="bf16")
-    est = estimate(EstimateRequest(dims=A14B, width=c["width"], height=c["height"], frames=c["frames"],
-                                   attention="sage-auto" if c["attention"] == "sage" else "sdpa", cc=90,
-                                   weights=plan.setup, weights_bytes=plan.nbytes, dtype="bf16",
-                                   compiled=bool(c.get("compile"))))
+    est = e2e_estimate(c)
     held = (e["peak_reserved_gib"] - e["resident_gib"]) * GiB
     if c["budget_gib"] * GiB <= est.reservation_partial:
         pytest.skip("the budget is below the reservation: what the allocator held cannot exceed it, so this row checks nothing")

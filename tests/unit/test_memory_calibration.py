@@ -6,8 +6,9 @@ The rows come in two roles.  *Fit* rows are the ones the model's terms and const
 compile table).  *Check* rows were measured after the terms and constants were set and set none of
 them: the compiled Sage rows at the fit sizes (h200_forward_compiled_sage.jsonl), in both memory
 modes, against the compiled attention-op term set from one compile-table row.  *Held-out* rows use sizes the fit never saw (other aspect ratios, portrait, longer
-clips, other frame counts, each model): h200_forward_heldout.jsonl and
-h200_forward_compiled_heldout.jsonl.  Both must lie in the band: never under the measured peak, at
+clips, other frame counts, each model): h200_forward_heldout.jsonl,
+h200_forward_compiled_heldout.jsonl and, with the Sage patch in both memory modes,
+h200_forward_compiled_sage_heldout.jsonl.  Both must lie in the band: never under the measured peak, at
 most 10 % over it plus the fixed first-forward workspace term (an absolute 34 MiB that dominates
 only below about a third of a GiB).
 """
@@ -18,11 +19,11 @@ import pytest
 
 from wan_sage.memory import activation_model
 from wan_sage.memory.estimate import CALIBRATED, activation_bytes
+from wan_sage.memory.measured_rows import ROW_PRESETS as PRESET, head_groups, predict_forward
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "memory" / "calibration"
 MEASURED = ROOT / "docs" / "measurements"
-PRESET = {"a14b": "wan2.2-a14b", "1.3b": "wan2.1-1.3b", "ti2v5b": "wan2.2-ti2v-5b"}
 
 
 def _rows(path, role):
@@ -34,29 +35,13 @@ HELDOUT = _rows(DATA / "h200_forward_heldout.jsonl", "heldout")
 COMPILED_FIT = _rows(DATA / "h200_forward_compiled.jsonl", "fit")
 COMPILED_HELDOUT = _rows(DATA / "h200_forward_compiled_heldout.jsonl", "heldout")
 COMPILED_SAGE = _rows(DATA / "h200_forward_compiled_sage.jsonl", "check")
+COMPILED_SAGE_HELDOUT = _rows(DATA / "h200_forward_compiled_sage_heldout.jsonl", "heldout")
 # Seen before CALIBRATED["slack_fixed"] was set (see its comment), so not held out for it.
 NOT_HELD_OUT = {("ti2v5b", True, 832, 480, 161)}
 
 
-def split_groups(r, d, path) -> int:
-    """The head groups the row's Sage calls ran in: the memory mode's count where every Sage call was
-    split (the dispatcher's record), else 1."""
-    from wan_sage.memory.estimate import sage_groups
-    s = r.get("sage") or {}
-    split = path != "sdpa" and s.get("head_split_calls", 0) == s.get("sage_calls", 0) > 0
-    return sage_groups(d, path, 1, r["tokens"], r["dtype"]) if split else 1
-
-
 def predict(r):
-    d = activation_model.PRESETS[PRESET[r["model"]]]
-    lat = activation_model.latent_shape(d, r["width"], r["height"], r["frames"])
-    assert activation_model.tokens(d, *lat[2:]) == r["tokens"]
-    used_sage = r["attn"] == "sage" and (r.get("sage") or {}).get("sage_calls", 1) != 0
-    path = "sage2_sm90" if used_sage else "sdpa"
-    w = activation_model.Workload(L=r["tokens"], dtype=r["dtype"], self_attn=path,
-                                  latent_elems_per_row=activation_model.latent_elems(lat),
-                                  compiled=bool(r.get("compiled")), self_attn_groups=split_groups(r, d, path))
-    return activation_bytes(d, w)["total"]
+    return predict_forward(r)["total"]
 
 
 def in_band(r) -> bool:
@@ -80,7 +65,7 @@ def test_fit_table_covers_the_required_grid():
 
 
 def test_held_out_sizes_are_sizes_the_fit_never_saw():
-    for held, fit in ((HELDOUT, FIT), (COMPILED_HELDOUT, COMPILED_FIT)):
+    for held, fit in ((HELDOUT, FIT), (COMPILED_HELDOUT, COMPILED_FIT), (COMPILED_SAGE_HELDOUT, COMPILED_FIT + COMPILED_SAGE)):
         seen = {(r["model"], r["width"], r["height"], r["frames"]) for r in fit}
         assert held and all((r["model"], r["width"], r["height"], r["frames"]) not in seen for r in held)
         for m in PRESET:
@@ -97,7 +82,8 @@ def test_fit_rows_in_band(r):
     assert in_band(r), (predict(r) / r["measured"] - 1)
 
 
-@pytest.mark.parametrize("r", HELDOUT + COMPILED_HELDOUT, ids=_id)
+@pytest.mark.parametrize("r", HELDOUT + COMPILED_HELDOUT + COMPILED_SAGE_HELDOUT,
+                         ids=lambda r: _id(r) + (f"-{r['memory_mode']}" if r.get("memory_mode") else ""))
 def test_held_out_rows_in_band(r):
     assert r["ok"] and r["measured"] > 0
     assert in_band(r), (predict(r) / r["measured"] - 1)
@@ -117,6 +103,18 @@ def test_compiled_sage_rows_cover_both_memory_modes_and_every_model():
         grouped = [r for r in mine if r["memory_mode"] == "sdpa"]
         assert grouped and all(r["sage"]["head_split_calls"] == r["sage"]["sage_calls"] for r in grouped)
         assert all(r["sage"]["head_split_calls"] == 0 for r in mine if r["memory_mode"] == "fastest")
+
+
+def test_held_out_compiled_sage_rows_cover_both_memory_modes_and_every_model():
+    """Every held-out compiled size ran with the Sage patch in mode ``fastest`` (ungrouped) and, where the
+    head-group formula splits it, in mode ``sdpa`` with every Sage call split."""
+    for m in PRESET:
+        mine = [r for r in COMPILED_SAGE_HELDOUT if r["model"] == m and r["compiled"] and r["sage"]["sage_calls"] > 0]
+        fastest = {(r["width"], r["height"], r["frames"]) for r in mine if r["memory_mode"] == "fastest"}
+        assert fastest >= {(r["width"], r["height"], r["frames"]) for r in COMPILED_HELDOUT if r["model"] == m}, m
+        assert all(r["sage"]["head_split_calls"] == 0 for r in mine if r["memory_mode"] == "fastest")
+        grouped = [r for r in mine if r["memory_mode"] == "sdpa"]
+        assert grouped and all(r["sage"]["head_split_calls"] == r["sage"]["sage_calls"] for r in grouped), m
 
 
 def test_held_out_rows_are_counted_apart_from_the_rows_set_from_them():
@@ -141,6 +139,6 @@ def test_compile_table_rows_in_band(r):
     lat = activation_model.latent_shape(d, r["width"], r["height"], r["frames"])
     w = activation_model.Workload(L=r["tokens"], dtype=r["dtype"], self_attn=path, compiled=r["compiled"],
                                   latent_elems_per_row=activation_model.latent_elems(lat),
-                                  self_attn_groups=split_groups(r, d, path))
+                                  self_attn_groups=head_groups(r, d, path))
     p, m = activation_bytes(d, w)["total"], r["peak_gib"] * (1 << 30)
     assert m <= p <= 1.10 * m + CALIBRATED["slack_fixed"], p / m - 1

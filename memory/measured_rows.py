@@ -1,0 +1,63 @@
+"""What today's memory model predicts for a measured record: a forward row of ``memory/calibration/``
+or the configuration of an end-to-end run.  The tests that hold the model to the measurements and the
+docs that render them both predict through here, so a row is predicted one way only."""
+from __future__ import annotations
+
+from . import activation_model
+from .estimate import Estimate, EstimateRequest, activation_bytes, estimate, sage_groups
+from .weights import weights_for_key
+
+# The short model names the measured rows use, and the presets they were measured at.
+ROW_PRESETS = {"a14b": "wan2.2-a14b", "1.3b": "wan2.1-1.3b", "ti2v5b": "wan2.2-ti2v-5b"}
+# sm90: the arch every row was measured on, and the Sage kernel that ran there.
+MEASURED_CC = 90
+MEASURED_SAGE_PATH = "sage2_sm90"
+# The end-to-end records' ``config.weights`` and the weight keys they stand for.
+E2E_WEIGHT_KEYS = {"gguf": "q4_k_m", "fp8": "fp8"}
+
+
+def row_dims(r: dict) -> activation_model.WanDims:
+    return activation_model.PRESETS[ROW_PRESETS[r["model"]]]
+
+
+def self_attention_path(r: dict) -> str:
+    """The self-attention path the row ran: Sage where the row asked for it and made Sage calls."""
+    used_sage = r["attn"] == "sage" and (r.get("sage") or {}).get("sage_calls", 1) != 0
+    return MEASURED_SAGE_PATH if used_sage else "sdpa"
+
+
+def head_groups(r: dict, dims=None, path: str | None = None) -> int:
+    """The head groups the row's Sage calls ran in: the memory mode's count where every Sage call was
+    split (the dispatcher's record says so), else 1."""
+    dims = dims or row_dims(r)
+    path = path or self_attention_path(r)
+    s = r.get("sage") or {}
+    split = path != "sdpa" and s.get("head_split_calls", 0) == s.get("sage_calls", 0) > 0
+    return sage_groups(dims, path, 1, r["tokens"], r["dtype"]) if split else 1
+
+
+def predict_forward(r: dict) -> dict:
+    """``activation_bytes`` of a forward row (its ``total`` is the predicted peak); raises if the row's
+    recorded token count is not the one the model computes for its size."""
+    d = row_dims(r)
+    lat = activation_model.latent_shape(d, r["width"], r["height"], r["frames"])
+    if activation_model.tokens(d, *lat[2:]) != r["tokens"]:
+        raise ValueError(f"row {r['model']} {r['width']}x{r['height']}x{r['frames']}: {r['tokens']} tokens recorded, "
+                         f"{activation_model.tokens(d, *lat[2:])} computed")
+    path = self_attention_path(r)
+    w = activation_model.Workload(L=r["tokens"], dtype=r["dtype"], self_attn=path,
+                                  latent_elems_per_row=activation_model.latent_elems(lat),
+                                  compiled=bool(r.get("compiled")), self_attn_groups=head_groups(r, d, path))
+    return activation_bytes(d, w)
+
+
+def e2e_estimate(config: dict, preset: str = "wan2.2-a14b") -> Estimate:
+    """The estimate the Working-Memory Estimator makes for an end-to-end run's configuration
+    (``record["config"]``): its weights with their LoRA, its size, attention and compile, on sm90 in bf16."""
+    d = activation_model.PRESETS[preset]
+    plan = weights_for_key(d, E2E_WEIGHT_KEYS[config.get("weights", "gguf")], config.get("lora_rank", 0) > 0,
+                           compute="bf16")
+    return estimate(EstimateRequest(dims=d, width=config["width"], height=config["height"], frames=config["frames"],
+                                    attention="sage-auto" if config["attention"] == "sage" else "sdpa",
+                                    cc=MEASURED_CC, weights=plan.setup, weights_bytes=plan.nbytes, dtype="bf16",
+                                    compiled=bool(config.get("compile"))))
