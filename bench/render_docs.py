@@ -355,6 +355,7 @@ def memory_doc():
     cfit = rows(CALIBRATION / "h200_forward_compiled.jsonl")
     cheld = rows(CALIBRATION / "h200_forward_compiled_heldout.jsonl")
     csage = rows(CALIBRATION / "h200_forward_compiled_sage.jsonl")
+    csheld = rows(CALIBRATION / "h200_forward_compiled_sage_heldout.jsonl")
     o = ["# Working-memory model against the real Wan forward peak (H200)\n",
          "Measured on one NVIDIA H200, with torch 2.11.0+cu130 and ComfyUI 0.3.64 (`a125cd84`): the fit rows on",
          "2026-11-29, the held-out and compiled rows on 2026-12-01. The allocator was cudaMallocAsync, which ComfyUI's",
@@ -370,7 +371,7 @@ def memory_doc():
          "COMFYUI_PATH=... python3 bench/wan_forward_calibration.py --allocator async --out memory/calibration/h200_forward.jsonl",
          "COMFYUI_PATH=... python3 bench/wan_forward_calibration.py --sizeset heldout --attn sdpa,sage --memory-modes fastest --dtypes bf16",
          "COMFYUI_PATH=... python3 bench/wan_forward_calibration.py --compile --attn sdpa --dtypes bf16 [--sizeset heldout]",
-         "COMFYUI_PATH=... python3 bench/wan_forward_calibration.py --compile --attn sage --memory-modes sdpa,fastest --dtypes bf16",
+         "COMFYUI_PATH=... python3 bench/wan_forward_calibration.py --compile --attn sage --memory-modes sdpa,fastest --dtypes bf16 [--sizeset heldout]",
          "```\n",
          "## Fit, held-out and check rows\n",
          "The model's terms and constants were set from the *fit* rows: `h200_forward.jsonl` (eager) and",
@@ -382,7 +383,8 @@ def memory_doc():
          f"fixed {CALIBRATED['slack_fixed'] / 2 ** 20:.0f} MiB term for the cuBLAS workspace a process's first forward allocates.\n"]
     summary = []
     for title, rs in (("Eager, fit", fit), ("Eager, held out", held), ("Compiled, fit", cfit),
-                      ("Compiled, held out", cheld), ("Compiled Sage, check", csage)):
+                      ("Compiled, held out", cheld), ("Compiled Sage, check", csage),
+                      ("Compiled Sage, held out", csheld)):
         lines, totals = _forward_table(rs)
         summary.append((title, rs, lines, totals))
     o += ["| rows | count | error | band |", "|---|---:|---|---|"]
@@ -398,7 +400,9 @@ def memory_doc():
     o.append("the mode `sdpa` (every Sage call split: the record's head-split calls equal its Sage calls); a size the")
     o.append("formula leaves whole in `sdpa` mode is the same run as `fastest`. The compiled attention-op term")
     o.append("(`COMPILED[\"op_d_buffers\"]` in `memory/activation_model.py`) was set from the compile table's A14B")
-    o.append("1280×720×81 Sage rows (grouped and ungrouped); these rows check it on every model and size.\n")
+    o.append("1280×720×81 Sage rows (grouped and ungrouped); these rows check it on every model and size.")
+    o.append("The compiled Sage rows at the held-out sizes (`h200_forward_compiled_sage_heldout.jsonl`, the same two")
+    o.append(f"memory modes, measured with wan-sage `{csheld[0]['predicted_by']['wan_sage_commit']}`) check it on sizes the fit never saw.\n")
     for title, _rs, lines, _totals in summary:
         o += [f"### {title}\n"] + lines + [""]
     comfy = {m: [r["comfy"] / r["measured"] for r in fit + held if r["model"] == m] for m in _host.PRESET}
@@ -407,6 +411,49 @@ def memory_doc():
     o += partial_load_section()
     o += e2e_streamed_section()
     (ROOT / "docs" / "memory-calibration.md").write_text("\n".join(o) + "\n")
+    replace_block(ROOT / "README.md", "working-memory", readme_memory_bullet(summary, comfy))
+
+
+def _and(parts: list) -> str:
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
+def replace_block(path: Path, name: str, text: str) -> None:
+    """Put ``text`` between the ``<!-- render_docs: NAME -->`` and ``<!-- /render_docs: NAME -->``
+    lines of ``path`` (both must be there, once each)."""
+    start, end = f"<!-- render_docs: {name} -->", f"<!-- /render_docs: {name} -->"
+    lines = path.read_text().split("\n")
+    if lines.count(start) != 1 or lines.count(end) != 1:
+        raise SystemExit(f"{path.name}: needs the lines {start} and {end} once each")
+    i, j = lines.index(start), lines.index(end)
+    path.write_text("\n".join(lines[:i + 1] + text.rstrip("\n").split("\n") + lines[j:]))
+
+
+def readme_memory_bullet(summary, comfy) -> str:
+    """The README's working-memory bullet, from the same rows and records as memory-calibration.md."""
+    err = {title: (len(rs), min(p / r["measured"] - 1 for r, p in zip(rs, t)), max(p / r["measured"] - 1 for r, p in zip(rs, t)),
+                   max((r["measured"] for r, p in zip(rs, t) if p > 1.10 * r["measured"]), default=0))
+           for title, rs, _lines, t in summary}
+    span = lambda title: f"{100 * err[title][1]:+.1f} % to {100 * err[title][2]:+.1f} %"  # noqa: E731
+    over = max(e[3] for e in err.values()) / GiB
+    bf16 = [r for r in _runs("720p81 bf16") if r["status"] == "ok"]
+    ours = [r["weights_resident_gib"] for r in bf16 if r["config"] == "ours"]
+    theirs = [r["weights_resident_gib"] for r in bf16 if r["config"].startswith("comfy")]
+    ratios = {att: x for lab, ses, att, mc, mw, x, n in partial_ratios() if lab == "720p81 bf16" and n > 1}
+    names = {"a14b": "A14B", "ti2v5b": "TI2V-5B", "1.3b": "1.3B"}
+    comfy_text = _and([f"{_span(v)}× " + ("the measured peak " if i == 0 else "") + f"for {names[m]}"
+                       for i, (m, v) in enumerate(comfy.items())])
+    return f"""- **Working memory**, against real forward peaks of A14B, TI2V-5B and 1.3B: on the {err['Eager, fit'][0]} eager rows the
+  model was fitted on, {span('Eager, fit')}; on **{err['Eager, held out'][0]} held-out eager rows** (sizes the fit never saw: other
+  aspect ratios, portrait, 25–161 frames) **{span('Eager, held out')}**, never under; compiled forwards: {err['Compiled, fit'][0]} fit
+  rows {span('Compiled, fit')}, **{err['Compiled, held out'][0]} held-out rows {span('Compiled, held out')}**, and compiled Sage rows measured
+  after every constant was set (both memory modes): {err['Compiled Sage, check'][0]} at the fit sizes {span('Compiled Sage, check')},
+  **{err['Compiled Sage, held out'][0]} at the held-out sizes {span('Compiled Sage, held out')}**. Above +10 % are only peaks under
+  {over:.2f} GiB, where the fixed {CALIBRATED['slack_fixed'] / 2 ** 20:.0f} MiB workspace term is more than a tenth of the peak. ComfyUI's own
+  figure is {comfy_text}.
+  On a simulated 24 GB card at 720p81, the estimator keeps {_span(ours, "{:.1f}")} GiB of A14B bf16 weights resident where
+  ComfyUI keeps {_span(theirs, "{:.1f}")}, and no run went out of memory: {_span(list(ratios.values()))}× per step ({ratios["SDPA"]:.3f}× SDPA,
+  {ratios["Sage"]:.3f}× Sage, interleaved repeats). Details: [docs/memory-calibration.md](docs/memory-calibration.md)."""
 
 
 PARTIAL_RUNS = (
