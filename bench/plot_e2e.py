@@ -312,11 +312,16 @@ def targets(runs: list[dict], budget: float = 24.0) -> list[tuple]:
         failed = [r for c, e in pairs if any(x.get("status") == "ok" for x in _find(runs, *c))
                   for r in _find(runs, *e) if r.get("status") != "ok"]
         bad = list(dict.fromkeys(label(r).replace("\n", " · ") for r in failed))
+        both = [r for c, e in pairs if _find(runs, *c) and not any(x.get("status") == "ok" for x in _find(runs, *c))
+                for r in _find(runs, *e) if r.get("status") != "ok"]
+        both_labels = list(dict.fromkeys(label(r).replace("\n", " · ") for r in both))
         name = tag + "the estimator never runs out of memory where ComfyUI alone completes"
         if pairs:
             n_est = sum(len(_find(runs, *e)) for _c, e in pairs)
             out.append((name, f"{len(pairs)} pair{'s' * (len(pairs) != 1)}, {n_est} estimator run{'s' * (n_est != 1)}" +
-                        (f"; out of memory in {len(failed)}: {', '.join(bad)}" if bad else ""), "missed" if bad else "met"))
+                        (f"; out of memory in {len(failed)}: {', '.join(bad)}" if bad else "") +
+                        (f"; where ComfyUI alone ran out of memory too, not counted: {', '.join(both_labels)}" if both else ""),
+                        "missed" if bad else "met"))
         else:
             out.append((name, "no pair", "not measured"))
         paired = {e for _c, e in pairs}

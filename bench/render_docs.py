@@ -187,8 +187,9 @@ BENCH_COMMIT = "3c344d4"
 E2E_COMPILE_FILE = "e2e-h200-gguf-compile.jsonl"
 E2E_BUDGETS_FILE = "e2e-h200-gguf-budgets.jsonl"
 E2E_BUDGETS_2_FILE = "e2e-h200-gguf-budgets-2.jsonl"
+E2E_BUDGETS_3_FILE = "e2e-h200-gguf-budgets-3.jsonl"
 # the e2e record files of GGUF A14B and their device sessions (docs/benchmarks.md)
-E2E_SESSIONS = {E2E_COMPILE_FILE: 4, E2E_BUDGETS_FILE: 5, E2E_BUDGETS_2_FILE: 6}
+E2E_SESSIONS = {E2E_COMPILE_FILE: 4, E2E_BUDGETS_FILE: 5, E2E_BUDGETS_2_FILE: 6, E2E_BUDGETS_3_FILE: 7}
 
 
 def grouping_cost_section() -> list:
@@ -250,8 +251,8 @@ def e2e_compile_section() -> list:
          "step, and in a compiled run each expert's first step, which carries the compile; × eager SDPA is against",
          "ComfyUI alone with eager SDPA at the same budget in the same session. Working GiB is the sampling peak above",
          "what was allocated when sampling started, high-noise expert; low-noise expert. The whole tables, with",
-         "the reservations: [benchmarks.md](benchmarks.md) sessions 4 to 6 (a run that ran out of memory is not",
-         "in these tables; session 6 had one, at 8 GiB)."]
+         "the reservations: [benchmarks.md](benchmarks.md) sessions 4 to 7 (a run that ran out of memory is not",
+         "in these tables; sessions 6 and 7 had one each, compiled per block at 8 GiB)."]
     by_session = {}
     for name, session in E2E_SESSIONS.items():
         rs = [r for r in rows(M / name) if r.get("status") == "ok"]
@@ -308,7 +309,41 @@ def e2e_compile_section() -> list:
         o.append(f"- ComfyUI's `TorchCompileModel` compiles the whole diffusion model as one graph: {whole['compile']['compile_s']:.0f} s for the first")
         o.append(f"  expert on the H200 (the second reused the graph: {whole['compile']['unique_graphs']} graph, {whole['compile']['recompiles']} recompiles), "
                  f"{after_first(whole):.3f} s/step after it, working {working(whole, 'low'):.2f} GiB.")
+    steps = log_steps(M / WHOLE_SAGE_LOG, "comfy+sage+compile@full:1280x720x81")
+    if steps:
+        first, rest = steps[0][1], [s for _e, s in steps[1:]]
+        low_first = next(s for e, s in steps if e == "low")
+        o.append(f"- The same with the Sage patch (session 7, wan-sage `{log_env(M / WHOLE_SAGE_LOG)['wan_sage_commit']}`): the first step, which compiled the")
+        o.append(f"  whole model, took {first:.1f} s, the next three {_span(rest, '{:.2f}')} s; the low-noise expert's first step took {low_first:.2f} s,")
+        o.append("  so it ran the graph the high-noise expert compiled. The call was killed at its 600 s limit after the")
+        o.append("  last step, before the run's record was written: these figures are the `e2e step` lines of its log,")
+        o.append(f"  [`{WHOLE_SAGE_LOG}`](measurements/{WHOLE_SAGE_LOG}) (no memory or dynamo counts; another machine than session 4's).")
     return o
+
+
+WHOLE_SAGE_LOG = "2026-12-01-e2e-h200-gguf-compile-model-sage.log.gz"
+
+
+def _log_lines(path: Path) -> list:
+    import gzip
+    return gzip.open(path, "rt").read().splitlines() if path.is_file() else []
+
+
+def log_env(path: Path) -> dict:
+    """The ``e2e env`` record of an e2e.py log."""
+    return next(json.loads(line.split(": ", 1)[1]) for line in _log_lines(path) if line.startswith("e2e env: "))
+
+
+def log_steps(path: Path, run: str) -> list:
+    """(expert, seconds) of each ``e2e step`` line an e2e.py log has for ``run`` (after its ``e2e run`` line)."""
+    out, inside = [], False
+    for line in _log_lines(path):
+        if line.startswith("e2e run "):
+            inside = line.endswith(": " + run)
+        elif inside and line.startswith("e2e step "):
+            expert, rest = line[len("e2e step "):].split(" ", 1)
+            out.append((expert, float(rest.split(": ", 1)[1].split(" s", 1)[0])))
+    return out
 
 
 CALIBRATION = ROOT / "memory" / "calibration"
@@ -586,7 +621,8 @@ def e2e_streamed_section() -> list:
          "reservation today's estimate makes for that configuration with weights partly offloaded (compiled blocks",
          "with streamed weights are reserved as eager). `partial_frag_factor` was set from other records (the",
          "reference budget run), so these rows check it (`tests/unit/test_constants_held_out.py`). Completed runs",
-         "only: session 6's compiled estimator run at 8 GiB ran out of memory (docs/benchmarks.md).\n",
+         "only: compiled per block at 8 GiB, the estimator run (session 6) and ComfyUI alone (session 7) both ran",
+         "out of memory (docs/benchmarks.md).\n",
          "| session | run | size | expert | resident | working GiB | held above it | held above resident weights | reservation | held / reservation |",
          "|---:|---|---|---|---:|---:|---:|---:|---:|---:|"] + lines + [""]
     for kind, vals in held_over.items():

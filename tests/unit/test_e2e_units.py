@@ -207,6 +207,11 @@ def test_issue_targets_are_computed_from_the_run_records():
     runs[1]["experts"] = {}
     t = {name.split(": ", 1)[1]: (m, v) for name, m, v in plot_e2e.targets(runs)}
     assert t["the estimator never runs out of memory where ComfyUI alone completes"][1] == "met"   # ComfyUI's OOMed too
+    both = [_row(True, "sage", 8.0, 0, status="oom"), _row(False, "sdpa", 8.0, 0, status="oom")]
+    t2 = {name.split(": ", 1)[1]: (m, v) for name, m, v in plot_e2e.targets(both)}
+    assert t2["the estimator never runs out of memory where ComfyUI alone completes"] == \
+        ("1 pair, 1 estimator run; where ComfyUI alone ran out of memory too, not counted: 720p81 8 GB gguf · estimator + SAGE",
+         "met")
     runs[3] = _row(False, "sage", 24.0, 11.0)
     t = {name.split(": ", 1)[1]: (m, v) for name, m, v in plot_e2e.targets(runs)}
     assert t["the estimator never runs out of memory where ComfyUI alone completes"] == \
