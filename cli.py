@@ -52,8 +52,9 @@ def _plan_parser(sub):
     p.add_argument("--weights", default=None, help="weight type of a preset (default bf16): " + ", ".join(WEIGHT_BYTES))
     p.add_argument("--lora", action="store_true", help="a LoRA applied at forward time (GGUF or offloaded layers)")
     p.add_argument("--compiled", action="store_true",
-                   help="the model runs under torch.compile (e.g. ComfyUI's TorchCompileModel): fused RoPE and FFN "
-                        "lower the peak")
+                   help="the transformer blocks run under torch.compile, each its own graph (per-block compile "
+                        "nodes): fused RoPE and FFN lower the peak. ComfyUI's TorchCompileModel compiles the whole "
+                        "model as one graph; plan that without --compiled (it is reserved for as eager)")
     p.add_argument("--sage-grouped", action="store_true",
                    help="the Sage patch splits self-attention into head groups (its memory mode, where the split "
                         "costs <= 2 %%); without it the estimate assumes the ungrouped call, which needs more")

@@ -257,7 +257,8 @@ def estimate_from_json(p, resolve_model_file=None, default_vram_bytes=None, defa
     Fields: ``preset`` | ``model_file`` | ``model`` (dims), ``width``, ``height``, ``frames``,
     ``batch``, ``cfg``, ``dtype`` (``auto``: as ComfyUI picks for the weights), ``attention``,
     ``arch``, ``vram_gib``, ``weights``, ``lora`` (a boolean), ``margin_gib``, ``policy``,
-    ``fixed_gib``, ``compiled`` (a boolean: the blocks run under torch.compile) and ``sage_grouped``
+    ``fixed_gib``, ``compiled`` (a boolean: the transformer blocks run under torch.compile, each its own
+    graph; a whole-model compile is estimated as eager, so it leaves this out) and ``sage_grouped``
     (a boolean: the Sage patch's memory mode splits self-attention into head groups).  ``resolve_model_file(name)`` returns a path or None (the server passes
     ComfyUI's folder lookup); a file found there is read from its header, and a name that cannot be
     read falls back to a guess from the name, marked ``detected.guessed``.
@@ -301,7 +302,7 @@ def estimate_from_json(p, resolve_model_file=None, default_vram_bytes=None, defa
         raise RequestError("body", str(e)) from None
     s = summary_of(est)
     s["notes"] = model_notes + s["notes"] + list(plan.notes) + (
-        ["torch.compile on the model chain: the estimate is the compiled forward's (fused RoPE and FFN)"]
+        ["torch.compile of the blocks on the model chain: the estimate is the compiled forward's (fused RoPE and FFN)"]
         if compiled else [])
     s["compiled"] = compiled
     s["source"] = source

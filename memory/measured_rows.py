@@ -53,11 +53,20 @@ def predict_forward(r: dict) -> dict:
 
 def e2e_estimate(config: dict, preset: str = "wan2.2-a14b") -> Estimate:
     """The estimate the Working-Memory Estimator makes for an end-to-end run's configuration
-    (``record["config"]``): its weights with their LoRA, its size, attention and compile, on sm90 in bf16."""
+    (``record["config"]``): its weights with their LoRA, its size, attention and compile, on sm90 in bf16.
+    A whole-model compile is planned as eager, as the node plans it."""
     d = activation_model.PRESETS[preset]
     plan = weights_for_key(d, E2E_WEIGHT_KEYS[config.get("weights", "gguf")], config.get("lora_rank", 0) > 0,
                            compute="bf16")
     return estimate(EstimateRequest(dims=d, width=config["width"], height=config["height"], frames=config["frames"],
                                     attention="sage-auto" if config["attention"] == "sage" else "sdpa",
                                     cc=MEASURED_CC, weights=plan.setup, weights_bytes=plan.nbytes, dtype="bf16",
-                                    compiled=bool(config.get("compile"))))
+                                    compiled=compiled_blocks(config)))
+
+
+def compiled_blocks(config: dict) -> bool:
+    """Whether an end-to-end run compiled its transformer blocks one by one (the compiled figure), as
+    opposed to running eagerly or compiling the whole model as one graph (planned as eager, as the node
+    plans it)."""
+    keys = (config.get("compile") or {}).get("keys") or []
+    return bool(keys) and all(k.startswith("diffusion_model.blocks.") for k in keys)

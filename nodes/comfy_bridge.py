@@ -145,23 +145,63 @@ def _compiled_module(obj) -> bool:
     return type(obj).__name__ == "OptimizedModule" and hasattr(obj, "_orig_mod")
 
 
-def compiled_by(model, model_options=None) -> str | None:
-    """How this model's blocks are compiled, or None when they run eagerly: ComfyUI's
-    ``TorchCompileModel`` (``set_torch_compile_wrapper``: its kwargs in ``model_options`` and its
-    ``APPLY_MODEL`` wrapper), or compiled block modules put in place by an object patch or by hand."""
-    options = model_options if model_options is not None else getattr(model, "model_options", {}) or {}
-    if options.get(COMPILE_KWARGS_KEY):
-        return "torch.compile (ComfyUI's compile wrapper)"
-    wrappers = getattr(model, "wrappers", None) or {}
-    if any(COMPILE_WRAPPER_KEY in (keys or {}) for keys in wrappers.values()):
-        return "torch.compile (ComfyUI's compile wrapper)"
-    patches = getattr(model, "object_patches", None) or {}
-    if any(k.startswith("diffusion_model") and _compiled_module(v) for k, v in patches.items()):
-        return "torch.compile (compiled blocks patched in)"
-    dm = diffusion_model(model)
-    if _compiled_module(dm) or any(_compiled_module(b) for b in getattr(dm, "blocks", ()) or ()):
-        return "torch.compile (compiled blocks)"
+BLOCKS, WHOLE_MODEL = "blocks", "whole model"
+
+
+def _wrapper_keys(wrapper) -> set | None:
+    """The module keys a ComfyUI compile wrapper swaps compiled modules in for (the dict its factory
+    closes over: ``diffusion_model`` or ``diffusion_model.blocks.N``); None where it cannot be read."""
+    for cell in getattr(wrapper, "__closure__", None) or ():
+        try:
+            v = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(v, dict) and v and all(isinstance(k, str) for k in v):
+            return set(v)
     return None
+
+
+def _scope_of_keys(keys) -> str:
+    blocks = all(k.startswith("diffusion_model.blocks.") for k in keys)
+    return BLOCKS if keys and blocks else WHOLE_MODEL
+
+
+def compile_scope(model, model_options=None) -> tuple[str, str] | None:
+    """(what torch.compile covers, how it was put there) for this model, or None when it runs eagerly.
+
+    The scope is ``BLOCKS`` where each transformer block is its own compiled module (per-block compile
+    nodes, ``TorchCompileModel`` given block keys) and ``WHOLE_MODEL`` where one graph covers the diffusion
+    model (``TorchCompileModel``'s default) or where the compiled keys cannot be read."""
+    options = model_options if model_options is not None else getattr(model, "model_options", {}) or {}
+    # A ModelPatcher keeps its wrappers itself; while sampling, ComfyUI copies them into the
+    # transformer options, where the BaseModel-level hooks find them.
+    places = (getattr(model, "wrappers", None) or {}, (options.get("transformer_options") or {}).get("wrappers") or {})
+    compile_wrappers = list(dict.fromkeys(w for wrappers in places for keyed in wrappers.values()
+                                          for w in (keyed or {}).get(COMPILE_WRAPPER_KEY, ())))
+    if compile_wrappers or options.get(COMPILE_KWARGS_KEY):
+        keys = set()
+        for w in compile_wrappers:
+            found = _wrapper_keys(w)
+            if found is None:
+                return WHOLE_MODEL, "ComfyUI's compile wrapper"
+            keys |= found
+        return _scope_of_keys(keys), "ComfyUI's compile wrapper"
+    patches = getattr(model, "object_patches", None) or {}
+    patched = {k for k, v in patches.items() if k.startswith("diffusion_model") and _compiled_module(v)}
+    if patched:
+        return _scope_of_keys(patched), "compiled modules patched in"
+    dm = diffusion_model(model)
+    if _compiled_module(dm):
+        return WHOLE_MODEL, "a compiled diffusion model"
+    if any(_compiled_module(b) for b in getattr(dm, "blocks", ()) or ()):
+        return BLOCKS, "compiled blocks"
+    return None
+
+
+def compiled_by(model, model_options=None) -> str | None:
+    """How this model is compiled, in words for the report, or None when it runs eagerly."""
+    found = compile_scope(model, model_options)
+    return None if found is None else f"torch.compile, {found[0]} ({found[1]})"
 
 
 def aimdo_enabled() -> bool:

@@ -103,7 +103,8 @@ def run_mode(model, model_options, dims: activation_model.WanDims, shape) -> Run
     Grouping is counted only where the dispatcher has settled this call shape grouped in this
     process (its memory mode runs the split where calibration measured it at most 2 % slower); until
     then the ungrouped call, which needs more, is reserved for."""
-    compiled = comfy_bridge.compiled_by(model, model_options) is not None
+    scope = comfy_bridge.compile_scope(model, model_options)
+    compiled = scope is not None and scope[0] == comfy_bridge.BLOCKS
     ov = find_override((model_options or {}).get("transformer_options", {}))
     if ov is None or getattr(ov.config, "memory_mode", "fastest") == "fastest":
         return RunMode(compiled, False)
@@ -204,7 +205,7 @@ def report_from_facts(f: dict, shape) -> str:
     cross = "; cross-attention on SDPA" if f["attention"] in registry.KERNELS else ""
     mode = f.get("mode") or RunMode()
     groups = "; self-attention in head groups (memory mode)" if mode.sage_grouped else ""
-    compiled = f"; blocks compiled: {f['compiled_by']}" if f.get("compiled_by") else ""
+    compiled = f"; {f['compiled_by']}" if f.get("compiled_by") else ""
     return (f"Wan dim {d.dim} x {d.num_layers} layers ({d.model_type}), latent {list(shape)}, {f['dtype']} compute{compiled}\n"
             f"tokens: {f['tokens']:,} per row, {int(shape[0])} row(s) per forward\n"
             f"activation peak: {(t['phase_peak'] + t['persistent']) / GiB:.2f} GiB ({t['dominant_phase']}); "
@@ -214,7 +215,13 @@ def report_from_facts(f: dict, shape) -> str:
             f"ComfyUI's own estimate: {f['comfy'] / GiB:.2f} GiB\n"
             f"weights: {f['weights'] / GiB:.2f} GiB; VRAM for this model (free + evictable): {f['capacity'] / GiB:.2f} GiB\n"
             f"verdict: {verdict}" + (f"\nnote: {COMPILED_STREAMED_NOTE}" if t.get("compiled_as_eager") else "")
+            + (f"\nnote: {WHOLE_MODEL_COMPILE_NOTE}" if f.get("compiled_by") and not mode.compiled else "")
             + (DYNAMIC_NOTE if f.get("dynamic") else ""))
+
+
+WHOLE_MODEL_COMPILE_NOTE = ("the whole diffusion model is one compiled graph, which is reserved for as eager: the "
+                            "compiled figure is measured for blocks compiled one by one, and a whole-model compile "
+                            "peaked above it")
 
 
 DYNAMIC_NOTE = ("\nmemory path: dynamic VRAM. ComfyUI keeps or evicts this model's weights on demand, so the reservation "
@@ -254,8 +261,9 @@ def _later_compile_note(model, shape, model_options, settings: Settings, facts: 
     found = _reservation_change(model, shape, model_options, settings, facts, "compile node", assume_compiled=True)
     if found is None:
         return "torch.compile: not on the model here; a compile node after this node is counted when sampling starts"
-    return (f"torch.compile: not on the model here; a compile node after this node (TorchCompileModel or "
-            f"per-block) is counted when sampling starts (reservation {found[1]:+.2f} GiB)")
+    return (f"torch.compile: not on the model here; a per-block compile node after this node is counted when "
+            f"sampling starts (reservation {found[1]:+.2f} GiB); ComfyUI's TorchCompileModel compiles the whole model, "
+            f"which is reserved for as eager")
 
 
 def _prepare_wrapper(settings: Settings):

@@ -145,12 +145,23 @@ def test_report_says_a_sage_patch_after_the_node_is_counted_at_sampling(comfy):
     assert "Sage patch:" not in text and "(sdpa)" not in text
 
 
+def _compile_blocks(model, backend="inductor"):
+    """``model`` cloned with each transformer block compiled through ComfyUI's own compile wrapper, as the
+    per-block compile nodes do."""
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+    m = model.clone()
+    n = len(m.get_model_object("diffusion_model").blocks)
+    set_torch_compile_wrapper(m, backend=backend, keys=[f"diffusion_model.blocks.{i}" for i in range(n)])
+    return m
+
+
 def test_the_report_says_what_a_compile_node_after_it_changes(comfy):
-    # On the model as it comes in (not compiled) the report names the compile node's effect, a lower
-    # reservation at a size where RoPE/FFN decide the eager peak; after ComfyUI's TorchCompileModel node
-    # the blocks are seen as compiled and the report says so instead.
+    # On the model as it comes in (not compiled) the report names a per-block compile node's effect, a
+    # lower reservation at a size where RoPE/FFN decide the eager peak; after per-block compile the
+    # blocks are seen as compiled and the report says so instead.  ComfyUI's TorchCompileModel compiles
+    # the whole model as one graph, which is reserved for as eager, and the report says that.
     import re
-    from wan_sage.nodes.estimator import Settings, apply_estimator
+    from wan_sage.nodes.estimator import WHOLE_MODEL_COMPILE_NOTE, Settings, apply_estimator
     from comfy_extras.nodes_torch_compile import TorchCompileModel
     base = comfy_env.tiny_wan_patcher(num_layers=2)
     shape = [1, 16, 21, 90, 160]
@@ -158,20 +169,23 @@ def test_the_report_says_what_a_compile_node_after_it_changes(comfy):
     line = next(x for x in text.splitlines() if x.startswith("torch.compile:"))
     change = float(re.search(r"reservation ([+-]\d+\.\d+) GiB", line).group(1))
     assert change < 0, line
-    compiled = TorchCompileModel.execute(model=base, backend="inductor")[0]
-    _, nums_c, text_c = apply_estimator(compiled, Settings(), shape)
-    assert "blocks compiled" in text_c and "torch.compile:" not in text_c
+    _, nums_c, text_c = apply_estimator(_compile_blocks(base), Settings(), shape)
+    assert "torch.compile, blocks" in text_c and "torch.compile:" not in text_c
+    assert WHOLE_MODEL_COMPILE_NOTE not in text_c
     assert nums_c["reservation_gb"] == pytest.approx(nums["reservation_gb"] + change, abs=0.01)
+    whole = TorchCompileModel.execute(model=base, backend="inductor")[0]
+    _, nums_w, text_w = apply_estimator(whole, Settings(), shape)
+    assert "torch.compile, whole model" in text_w and WHOLE_MODEL_COMPILE_NOTE in text_w
+    assert nums_w["reservation_gb"] == pytest.approx(nums["reservation_gb"], abs=0.001)
 
 
 def test_cond_batching_reads_the_compiled_estimate_of_a_compiled_model(comfy):
     # Inside CALC_COND_BATCH (where ComfyUI decides whether cond and uncond run batched) the estimate in
-    # place is the compiled one when the model carries ComfyUI's compile wrapper.
+    # place is the compiled one when the model carries ComfyUI's compile wrapper over its blocks.
     from wan_sage.nodes.estimator import MemoryRequired, Settings, apply_estimator
-    from comfy_extras.nodes_torch_compile import TorchCompileModel
     base = comfy_env.tiny_wan_patcher(num_layers=2)
     m, _, _ = apply_estimator(base, Settings(), [1, 16, 2, 8, 8])
-    m = TorchCompileModel.execute(model=m, backend="eager")[0]
+    m = _compile_blocks(m, backend="eager")
     seen = []
 
     def look(executor, *a, **k):

@@ -121,11 +121,37 @@ it("sends a non-default policy with the request, the widgets' GB values as *_gib
 });
 
 describe("buildEstimatePayload and torch.compile", () => {
-  it("sends compiled when a compile node is on the model chain, upstream or downstream", () => {
+  const withCompile = (at, type, widgets) => {
+    const spec = wanGraph();
+    const est = spec.find((n) => n.id === 3);
+    const compile = { id: 40, type, widgets, outputs: [{ name: "MODEL", type: "MODEL" }] };
+    if (at === "before") {
+      compile.inputs = [{ name: "model", type: "MODEL", from: est.inputs[0].from }];
+      est.inputs[0].from = [40, 0];
+    } else {
+      compile.inputs = [{ name: "model", type: "MODEL", from: [3, 0] }];
+    }
+    spec.push(compile);
+    return buildEstimatePayload(graphFromSpec(spec), 3, {});
+  };
+
+  it("leaves compiled out for a whole-model compile, which the node estimates as eager", () => {
+    for (const at of ["before", "after"]) {
+      const { payload, info } = withCompile(at, "TorchCompileModel", { backend: "inductor" });
+      assert.equal("compiled" in payload, false, at);
+      assert.equal(info.compiled, false, at);
+      assert.equal(info.compiledWhole, true, at);
+    }
+    const told = withCompile("after", "TorchCompileModelWanVideoV2", { backend: "inductor", compile_transformer_blocks_only: false });
+    assert.equal("compiled" in told.payload, false);
+  });
+
+  it("sends compiled when a per-block compile node is on the model chain, upstream or downstream", () => {
     for (const at of ["before", "after"]) {
       const spec = wanGraph();
       const est = spec.find((n) => n.id === 3);
-      const compile = { id: 40, type: "TorchCompileModel", widgets: { backend: "inductor" },
+      const compile = { id: 40, type: "TorchCompileModelWanVideoV2",
+        widgets: { backend: "inductor", compile_transformer_blocks_only: true },
         outputs: [{ name: "MODEL", type: "MODEL" }] };
       if (at === "before") {
         compile.inputs = [{ name: "model", type: "MODEL", from: est.inputs[0].from }];

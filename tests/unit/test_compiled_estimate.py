@@ -73,6 +73,56 @@ def test_compiled_by_finds_comfys_compile_wrapper_its_kwargs_and_compiled_blocks
     assert comfy_bridge.compiled_by(blocks)
 
 
+def _comfy_like_wrapper(keys):
+    """A wrapper made the way ComfyUI's ``apply_torch_compile_factory`` makes it: a closure over the
+    dict of the module keys it swaps compiled modules in for."""
+    compiled_module_dict = {k: object() for k in keys}
+
+    def apply_torch_compile_wrapper(executor, *args, **kwargs):
+        return compiled_module_dict, executor
+    return apply_torch_compile_wrapper
+
+
+def test_compile_scope_tells_compiled_blocks_from_a_whole_model_graph():
+    dm = SimpleNamespace(blocks=[_Block(), _Block()])
+    plain = SimpleNamespace(model=SimpleNamespace(diffusion_model=dm), model_options={"torch_compile_kwargs": {}},
+                            wrappers={}, object_patches={})
+    assert comfy_bridge.compile_scope(plain) is None
+    for keys, scope in ((["diffusion_model"], comfy_bridge.WHOLE_MODEL),
+                        (["diffusion_model.blocks.0", "diffusion_model.blocks.1"], comfy_bridge.BLOCKS),
+                        (["diffusion_model.blocks.0", "diffusion_model"], comfy_bridge.WHOLE_MODEL)):
+        m = SimpleNamespace(**vars(plain))
+        m.wrappers = {"apply_model": {"torch.compile": [_comfy_like_wrapper(keys)]}}
+        m.model_options = {"torch_compile_kwargs": {"backend": "inductor"}}
+        assert comfy_bridge.compile_scope(m)[0] == scope, keys
+        assert comfy_bridge.compiled_by(m).startswith(f"torch.compile, {scope}")
+    sampling = SimpleNamespace(model=SimpleNamespace(diffusion_model=dm))   # a BaseModel while sampling
+    options = {"torch_compile_kwargs": {"backend": "inductor"}, "transformer_options": {
+        "wrappers": {"apply_model": {"torch.compile": [_comfy_like_wrapper(["diffusion_model.blocks.0"])]}}}}
+    assert comfy_bridge.compile_scope(sampling, options)[0] == comfy_bridge.BLOCKS
+    unreadable = SimpleNamespace(**vars(plain))
+    unreadable.wrappers = {"apply_model": {"torch.compile": [object()]}}
+    assert comfy_bridge.compile_scope(unreadable)[0] == comfy_bridge.WHOLE_MODEL   # the conservative reading
+    kwargs_only = SimpleNamespace(**vars(plain))
+    kwargs_only.model_options = {"torch_compile_kwargs": {"backend": "inductor"}}
+    assert comfy_bridge.compile_scope(kwargs_only)[0] == comfy_bridge.WHOLE_MODEL
+    patched = SimpleNamespace(**vars(plain))
+    patched.object_patches = {"diffusion_model.blocks.0": torch.compile(_Block(), backend="eager")}
+    assert comfy_bridge.compile_scope(patched)[0] == comfy_bridge.BLOCKS
+    whole = SimpleNamespace(**vars(plain))
+    whole.model = SimpleNamespace(diffusion_model=torch.compile(_Block(), backend="eager"))
+    assert comfy_bridge.compile_scope(whole)[0] == comfy_bridge.WHOLE_MODEL
+
+
+def test_only_compiled_blocks_get_the_compiled_figure(monkeypatch):
+    options = {"torch_compile_kwargs": {"backend": "inductor"}}
+    shape = [1, 16, 21, 90, 160]
+    for keys, compiled in ((["diffusion_model"], False), (["diffusion_model.blocks.0"], True)):
+        model = SimpleNamespace(model=SimpleNamespace(diffusion_model=SimpleNamespace(blocks=[])), model_options=options,
+                                wrappers={"apply_model": {"torch.compile": [_comfy_like_wrapper(keys)]}}, object_patches={})
+        assert estimator.run_mode(model, options, A14B, shape).compiled is compiled, keys
+
+
 def test_the_node_counts_groups_only_for_a_shape_the_dispatcher_settled_grouped(monkeypatch):
     from wan_sage.attention import override as override_module
     from wan_sage.attention.dispatch import PatchConfig, SageAttentionOverride

@@ -114,9 +114,16 @@ export function modelChain(view, startNode) {
   }
   const sage = [...upstream, ...downstream].find((n) => n.type === SAGE_TYPE && isActive(n)) ?? null;
   const lora = upstream.some((n) => isActive(n) && /lora/i.test(n.type));
-  // ComfyUI's TorchCompileModel, and the compile nodes of other packs, named alike.
-  const compiled = [...upstream, ...downstream].some((n) => isActive(n) && /torchcompile/i.test(n.type));
-  return { loader, modelFile: loader ? loaderFile(loader) : null, upstream, downstream, sage, lora, compiled };
+  // Compile nodes: ComfyUI's TorchCompileModel and the nodes of other packs, named alike.  The
+  // compiled figure is for blocks compiled one by one (per-block nodes such as KJNodes'); a graph over
+  // the whole model (TorchCompileModel, or a per-block node told otherwise) is estimated as eager, as
+  // the node does when sampling starts.
+  const compileNodes = [...upstream, ...downstream].filter((n) => isActive(n) && /torchcompile/i.test(n.type));
+  const wholeModel = (n) => n.type === "TorchCompileModel" || n.widgets?.compile_transformer_blocks_only === false;
+  const compiled = compileNodes.length > 0 && !compileNodes.some(wholeModel);
+  const compiledWhole = compileNodes.some(wholeModel);
+  return { loader, modelFile: loader ? loaderFile(loader) : null, upstream, downstream, sage, lora, compiled,
+    compiledWhole };
 }
 
 /**

@@ -68,6 +68,7 @@ export function buildEstimatePayload(view, estimatorId, opts = {}) {
     attention,
     lora: chain.lora,
     compiled: chain.compiled,
+    compiledWhole: chain.compiledWhole,
     latent: latent ? { id: latent.node.id, type: latent.node.type } : null,
     latentLinked,
     sizeFrom: latent ? "latent" : origin?.kind === "unknown" ? "latent-unread" : "widgets",
