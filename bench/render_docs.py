@@ -437,7 +437,9 @@ def memory_doc():
     o.append("(`COMPILED[\"op_d_buffers\"]` in `memory/activation_model.py`) was set from the compile table's A14B")
     o.append("1280×720×81 Sage rows (grouped and ungrouped); these rows check it on every model and size.")
     o.append("The compiled Sage rows at the held-out sizes (`h200_forward_compiled_sage_heldout.jsonl`, the same two")
-    o.append(f"memory modes, measured with wan-sage `{csheld[0]['predicted_by']['wan_sage_commit']}`) check it on sizes the fit never saw.\n")
+    o.append(f"memory modes, measured with wan-sage `{csheld[0]['predicted_by']['wan_sage_commit']}`) check it on sizes the fit never saw. They ran")
+    o.append("on ComfyUI `63722199` (the commit that set the version to 0.3.64), whose differences from `a125cd84` touch")
+    o.append("AMD settings, the VAE dtype on AMD and LoRA patches of scaled fp8 weights, none of them on this path.\n")
     for title, _rs, lines, _totals in summary:
         o += [f"### {title}\n"] + lines + [""]
     comfy = {m: [r["comfy"] / r["measured"] for r in fit + held if r["model"] == m] for m in _host.PRESET}
