@@ -3,7 +3,7 @@ import { describe, it } from "node:test";
 
 import {
   DASH, GiB, LEVEL_COLOURS, assumptionOf, bytesToGiB, detectedModel, errorMessage, estimateRows, execIdMatches,
-  executedText, fmtCounts, fmtGiB, fmtInt, fmtSeconds, fmtSignedGiB, fmtVram, lastRunLine, sizeLine, sourceLine,
+  executedText, fmtCounts, fmtGiB, fmtInt, fmtSeconds, fmtSignedGiB, fmtVram, lastRunLine, DYNAMIC_VRAM_LINE, sizeLine, sourceLine,
   statsRows, verdictOf, verdictStyle, vramFromSystemStats,
 } from "../../web/lib/format.js";
 
@@ -161,6 +161,8 @@ describe("the last run", () => {
       "fits: all weights resident");
     assert.equal(lastRunLine("not a Wan model: passed through unchanged"), "not a Wan model: passed through unchanged");
     assert.equal(lastRunLine("a\n\nb\n"), "b");
+    const dynamic = "verdict: fits: all weights resident\nmemory path: dynamic VRAM. ComfyUI keeps or evicts this model's weights";
+    assert.equal(lastRunLine(dynamic), `fits: all weights resident · ${DYNAMIC_VRAM_LINE}`);
     assert.equal(lastRunLine(""), "");
     assert.equal(lastRunLine(null), "");
   });

@@ -239,9 +239,13 @@ export function sourceLine(info, summary) {
 }
 
 /** The line of an estimator report to show after a run: its "verdict: ..." line, else its last. */
+export const DYNAMIC_VRAM_LINE = "dynamic VRAM: ComfyUI manages residency, the reservation changes nothing here (the estimate is information)";
+
 export function lastRunLine(text) {
   if (typeof text !== "string" || !text.trim()) return "";
   const lines = text.split("\n").map((l) => l.trim()).filter(Boolean);
   const v = lines.find((l) => /^verdict:/i.test(l));
-  return (v ? v.replace(/^verdict:\s*/i, "") : lines.at(-1)) ?? "";
+  const line = (v ? v.replace(/^verdict:\s*/i, "") : lines.at(-1)) ?? "";
+  // The node's report says so on its "memory path: dynamic VRAM" line; the panel shows it beside the verdict.
+  return lines.some((l) => /^memory path: dynamic VRAM/i.test(l)) ? `${line} · ${DYNAMIC_VRAM_LINE}` : line;
 }
