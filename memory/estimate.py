@@ -18,10 +18,10 @@ __all__ = ["rounding_notes", "verdict_for", "EstimateRequest", "Estimate", "esti
 GiB = 1 << 30
 MiB = 1 << 20
 
-# Measured on an H200 with ComfyUI 0.3.64's WanModel (memory/calibration/h200_forward.jsonl,
-# docs/memory-calibration.md): the allocator/cuBLAS slack on top of the phase model, and the
-# partial-load overhead (streamed layers, allocator fragmentation under memory pressure) as a
-# multiple of the largest single activation block.
+# Constants set from H200 records (ComfyUI 0.3.64), each with the records it was set from and the ones
+# that check it: the allocator/cuBLAS slack on top of the phase model, and the fragmentation terms
+# (streamed layers and per-call weight casts under memory pressure) as multiples of the largest single
+# activation block.  docs/memory-calibration.md renders the checks.
 CALIBRATED = {
     # The cuBLAS workspace a process's first forward allocates (and a forward of a newly compiled
     # graph may allocate again), plus 1 % of the activations.  Set from the fit table
@@ -30,7 +30,15 @@ CALIBRATED = {
     # rows, except one that was seen before this value was set and so is not held out for it: TI2V-5B
     # compiled 832x480x161, which allocated 37 MiB in a later forward (docs/memory-calibration.md).
     "slack_fixed": 34 * MiB,
+    # A margin, not a fit: the fit table's rows after the first measured at most 0.14 % above the phase
+    # model; 1 % covers that with room.  Checked on the held-out and compiled rows
+    # (tests/unit/test_memory_calibration.py).
     "slack_rel": 0.01,
+    # Weights partly offloaded: set with partial_fixed from the reference budget run
+    # (docs/measurements/2026-11-29-reference-budget.jsonl, PyTorch's native allocator: the reservation
+    # per row between out of memory and safe).  Checked on records it was not set from, the
+    # partial-load benchmark and the GGUF end-to-end runs with streamed weights
+    # (tests/unit/test_constants_held_out.py).
     "partial_frag_factor": 1.5,
     # Weights stored in another dtype than the compute dtype (fp8 checkpoints, cast per Linear call),
     # even when all are resident: the casts interleave with the activations and cudaMallocAsync's pool
@@ -41,6 +49,7 @@ CALIBRATED = {
     # is at least 1.78.  GGUF's dequantisation transient already covers its 0.4-0.7 GiB.  Weights in
     # the compute dtype (bf16 resident) make no casts and were not measured for it.
     "cast_frag_factor": 2.0,
+    # Added to either fragmentation term; set and checked with partial_frag_factor above.
     "partial_fixed": 256 * MiB,
 }
 
