@@ -152,9 +152,11 @@ def test_compiled_runs_add_comfyuis_compile_node_after_the_patch(e2e_rows):
                                        "dynamic": None}
         assert c["unique_graphs"] >= 1 and c["frames"] >= 1 and c["recompile_limit"] >= 1
         assert all(len(e["step_s"]) == 2 for e in r["experts"].values())
-    # the compiled model still carries the patch: every call went through it (to SDPA on the CPU)
+    # the compiled model still carries the patch; on the CPU it declines every call statically ("cpu"),
+    # and under torch.compile such calls run inside the graph uncounted (attention/stats.py)
     if sage["sage_active"]:
-        assert all(e["attention"]["reasons"] == {"cpu": 8} for e in sage["experts"].values())
+        assert all(s.startswith("patched") for s in sage["patch_status"].values())
+        assert all(e["attention"]["sage_calls"] == e["attention"]["sdpa_calls"] == 0 for e in sage["experts"].values())
         assert sage["experts"]["high"]["reservation_source"] == "wan-sage"
 
 
@@ -355,5 +357,6 @@ def test_per_block_compiled_runs_compile_each_block_after_the_patch(e2e_rows):
     assert c["kwargs"]["high"]["blocks"] >= 1 and c["kwargs"]["high"]["backend"] == "eager"
     assert c["unique_graphs"] >= 1 and c["recompile_limit"] == 64
     assert all(len(e["step_s"]) == 2 for e in r["experts"].values())
-    if r["sage_active"]:
-        assert all(e["attention"]["reasons"] == {"cpu": 8} for e in r["experts"].values())
+    if r["sage_active"]:   # declined statically on the CPU, so uncounted under compile (attention/stats.py)
+        assert all(s.startswith("patched") for s in r["patch_status"].values())
+        assert all(e["attention"]["sage_calls"] == e["attention"]["sdpa_calls"] == 0 for e in r["experts"].values())
