@@ -312,8 +312,8 @@ def targets(runs: list[dict], budget: float = 24.0) -> list[tuple]:
         failed = [r for c, e in pairs if any(x.get("status") == "ok" for x in _find(runs, *c))
                   for r in _find(runs, *e) if r.get("status") != "ok"]
         bad = list(dict.fromkeys(label(r).replace("\n", " · ") for r in failed))
-        both = [r for c, e in pairs if _find(runs, *c) and not any(x.get("status") == "ok" for x in _find(runs, *c))
-                for r in _find(runs, *e) if r.get("status") != "ok"]
+        both = [r for c, e in pairs if _find(runs, *c) and all(x.get("status") == "oom" for x in _find(runs, *c))
+                for r in _find(runs, *e) if r.get("status") == "oom"]
         both_labels = list(dict.fromkeys(label(r).replace("\n", " · ") for r in both))
         name = tag + "the estimator never runs out of memory where ComfyUI alone completes"
         if pairs:

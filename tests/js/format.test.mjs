@@ -103,6 +103,9 @@ describe("estimate rows", () => {
     assert.equal(sourceLine({ modelFile: null, attention: "sdpa" }, { source: "preset wan2.2-a14b" }),
       "attention sdpa \u00b7 model: preset wan2.2-a14b");
     assert.equal(sourceLine({ modelFile: "a.gguf" }, null), "attention sdpa \u00b7 model a.gguf");
+    assert.equal(sourceLine({ modelFile: null, compiled: true }, null), "attention sdpa \u00b7 compiled blocks");
+    assert.equal(sourceLine({ modelFile: null, compiledWhole: true }, null),
+      "attention sdpa \u00b7 whole-model compile, estimated as eager");
     assert.equal(sourceLine(null, null), "");
   });
 });

@@ -146,6 +146,20 @@ describe("buildEstimatePayload and torch.compile", () => {
     assert.equal("compiled" in told.payload, false);
   });
 
+  it("takes the compile node nearest the sampler, as ComfyUI keeps only its wrapper", () => {
+    const spec = wanGraph();
+    const est = spec.find((n) => n.id === 3);
+    const whole = { id: 40, type: "TorchCompileModel", widgets: { backend: "inductor" },
+      inputs: [{ name: "model", type: "MODEL", from: est.inputs[0].from }], outputs: [{ name: "MODEL", type: "MODEL" }] };
+    est.inputs[0].from = [40, 0];
+    const blocks = { id: 41, type: "TorchCompileModelWanVideoV2", widgets: { backend: "inductor" },
+      inputs: [{ name: "model", type: "MODEL", from: [3, 0] }], outputs: [{ name: "MODEL", type: "MODEL" }] };
+    spec.push(whole, blocks);
+    const { payload, info } = buildEstimatePayload(graphFromSpec(spec), 3, {});
+    assert.equal(payload.compiled, true);
+    assert.equal(info.compiledWhole, false);
+  });
+
   it("sends compiled when a per-block compile node is on the model chain, upstream or downstream", () => {
     for (const at of ["before", "after"]) {
       const spec = wanGraph();

@@ -114,7 +114,7 @@ def test_compile_scope_tells_compiled_blocks_from_a_whole_model_graph():
     assert comfy_bridge.compile_scope(whole)[0] == comfy_bridge.WHOLE_MODEL
 
 
-def test_only_compiled_blocks_get_the_compiled_figure(monkeypatch):
+def test_only_compiled_blocks_get_the_compiled_figure():
     options = {"torch_compile_kwargs": {"backend": "inductor"}}
     shape = [1, 16, 21, 90, 160]
     for keys, compiled in ((["diffusion_model"], False), (["diffusion_model.blocks.0"], True)):

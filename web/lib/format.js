@@ -233,14 +233,16 @@ export function sourceLine(info, summary) {
   if (!info) return "";
   const parts = [`attention ${info.attention ?? "sdpa"}`];
   if (info.lora) parts.push("LoRA");
+  if (info.compiled) parts.push("compiled blocks");
+  if (info.compiledWhole) parts.push("whole-model compile, estimated as eager");
   const src = str(summary?.source) ?? (info.modelFile ? `model ${info.modelFile}` : null);
   if (src) parts.push(src.startsWith("model") ? src : `model: ${src}`);
   return parts.join(" \u00b7 ");
 }
 
-/** The line of an estimator report to show after a run: its "verdict: ..." line, else its last. */
 export const DYNAMIC_VRAM_LINE = "dynamic VRAM: ComfyUI manages residency, the reservation changes nothing here (the estimate is information)";
 
+/** The line of an estimator report to show after a run: its "verdict: ..." line, else its last. */
 export function lastRunLine(text) {
   if (typeof text !== "string" || !text.trim()) return "";
   const lines = text.split("\n").map((l) => l.trim()).filter(Boolean);

@@ -78,8 +78,10 @@ export function loaderFile(node) {
 /**
  * Walk back from ``startNode``'s MODEL input to the loader, and forward from its MODEL output.
  * Returns { loader, modelFile, upstream: [NodeView], downstream: [NodeView], sage: NodeView | null,
- * lora: bool }.  ``upstream`` lists the nodes between the loader and startNode (nearest first);
- * ``sage`` is the first active Sage patch found on either side (upstream first).
+ * lora: bool, compiled: bool, compiledWhole: bool }.  ``upstream`` lists the nodes between the loader
+ * and startNode (nearest first); ``sage`` is the first active Sage patch found on either side (upstream
+ * first); ``compiled`` / ``compiledWhole``: the compile node in force compiles the blocks one by one /
+ * the whole model.
  */
 export function modelChain(view, startNode) {
   const upstream = [];
@@ -118,10 +120,13 @@ export function modelChain(view, startNode) {
   // compiled figure is for blocks compiled one by one (per-block nodes such as KJNodes'); a graph over
   // the whole model (TorchCompileModel, or a per-block node told otherwise) is estimated as eager, as
   // the node does when sampling starts.
-  const compileNodes = [...upstream, ...downstream].filter((n) => isActive(n) && /torchcompile/i.test(n.type));
+  // ComfyUI keeps one compile wrapper (a compile node removes the ones before it), so the compile node
+  // nearest the sampler decides: the last one downstream, else the nearest upstream.
+  const isCompile = (n) => isActive(n) && /torchcompile/i.test(n.type);
+  const last = [...upstream.slice().reverse(), ...downstream].filter(isCompile).at(-1) ?? null;
   const wholeModel = (n) => n.type === "TorchCompileModel" || n.widgets?.compile_transformer_blocks_only === false;
-  const compiled = compileNodes.length > 0 && !compileNodes.some(wholeModel);
-  const compiledWhole = compileNodes.some(wholeModel);
+  const compiled = last !== null && !wholeModel(last);
+  const compiledWhole = last !== null && wholeModel(last);
   return { loader, modelFile: loader ? loaderFile(loader) : null, upstream, downstream, sage, lora, compiled,
     compiledWhole };
 }
