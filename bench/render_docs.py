@@ -11,7 +11,7 @@ import _host  # noqa: E402
 
 _host.load_pack()
 from wan_sage.memory.estimate import CALIBRATED  # noqa: E402
-from wan_sage.memory.measured_rows import e2e_estimate, head_groups, predict_forward  # noqa: E402
+from wan_sage.memory.measured_rows import compiled_blocks, e2e_estimate, head_groups, predict_forward  # noqa: E402
 
 GiB = 2 ** 30
 ROOT = _host.ROOT
@@ -372,6 +372,17 @@ def _forward_table(rs) -> tuple:
     return o, totals
 
 
+def _error_span(rs, totals) -> str:
+    """The lowest and highest error of predicted ``totals`` against the rows' measured peaks."""
+    errors = [p / r["measured"] - 1 for r, p in zip(rs, totals)]
+    return f"{100 * min(errors):+.1f} % to {100 * max(errors):+.1f} %"
+
+
+def _over_peaks(rs, totals) -> list:
+    """The measured peaks of the rows predicted more than 10 % over."""
+    return [r["measured"] for r, p in zip(rs, totals) if p > 1.10 * r["measured"]]
+
+
 def _ceil2(x: float) -> float:
     """``x`` rounded up to two decimals (a bound stays a bound when printed)."""
     return math.ceil(x * 100 - 1e-9) / 100
@@ -380,12 +391,12 @@ def _ceil2(x: float) -> float:
 def _band(rs, totals) -> str:
     """How the rows sit against the band (``totals``: their predicted peaks): never under, at most 10 %
     over plus the fixed workspace term."""
-    over = [r for r, p in zip(rs, totals) if p > 1.10 * r["measured"]]
+    over = _over_peaks(rs, totals)
     under = [r for r, p in zip(rs, totals) if p < r["measured"]]
     fixed = CALIBRATED["slack_fixed"] / 2 ** 20
     return (f"{len(rs) - len(over) - len(under)} of {len(rs)} rows within [0, +10 %]"
             + (f"; {len(over)} more than 10 % over, all with peaks under "
-               f"{_ceil2(max(r['measured'] for r in over) / GiB):.2f} GiB, within +10 % plus the fixed {fixed:.0f} MiB "
+               f"{_ceil2(max(over) / GiB):.2f} GiB, within +10 % plus the fixed {fixed:.0f} MiB "
                f"workspace term" if over else "")
             + (f"; {len(under)} under" if under else ""))
 
@@ -430,8 +441,7 @@ def memory_doc():
         summary.append((title, rs, lines, totals))
     o += ["| rows | count | error | band |", "|---|---:|---|---|"]
     for title, rs, _lines, totals in summary:
-        errors = [p / r["measured"] - 1 for r, p in zip(rs, totals)]
-        o.append(f"| {title} | {len(rs)} | {100 * min(errors):+.1f} % to {100 * max(errors):+.1f} % | {_band(rs, totals)} |")
+        o.append(f"| {title} | {len(rs)} | {_error_span(rs, totals)} | {_band(rs, totals)} |")
     o.append("")
     o.append("One held-out compiled row, TI2V-5B 832×480×161, was seen before the fixed workspace term was set (it")
     o.append("allocated 37 MiB in a later forward); it is counted above but is not held out for that constant.\n")
@@ -475,11 +485,9 @@ def replace_block(path: Path, name: str, text: str) -> None:
 
 def readme_memory_bullet(summary, comfy) -> str:
     """The README's working-memory bullet, from the same rows and records as memory-calibration.md."""
-    err = {title: (len(rs), min(p / r["measured"] - 1 for r, p in zip(rs, t)), max(p / r["measured"] - 1 for r, p in zip(rs, t)),
-                   max((r["measured"] for r, p in zip(rs, t) if p > 1.10 * r["measured"]), default=0))
-           for title, rs, _lines, t in summary}
-    span = lambda title: f"{100 * err[title][1]:+.1f} % to {100 * err[title][2]:+.1f} %"  # noqa: E731
-    over = _ceil2(max(e[3] for e in err.values()) / GiB)
+    err = {title: (len(rs), _error_span(rs, t)) for title, rs, _lines, t in summary}
+    span = lambda title: err[title][1]  # noqa: E731
+    over = _ceil2(max(max(_over_peaks(rs, t), default=0) for _title, rs, _lines, t in summary) / GiB)
     bf16 = [r for r in _runs("720p81 bf16") if r["status"] == "ok"]
     ours = [r["weights_resident_gib"] for r in bf16 if r["config"] == "ours"]
     theirs = [r["weights_resident_gib"] for r in bf16 if r["config"].startswith("comfy")]
@@ -598,7 +606,6 @@ def e2e_compiled_resident_section() -> list:
     """The compiled end-to-end experts with every weight resident, against the reservation today's
     estimate makes for them: per-block compile gets the compiled figure, a whole-model compile the
     eager one; from the e2e records."""
-    from wan_sage.memory.measured_rows import compiled_blocks
     lines, under = [], []
     for fname, session in E2E_SESSIONS.items():
         for r in rows(M / fname):

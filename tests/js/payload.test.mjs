@@ -162,19 +162,8 @@ describe("buildEstimatePayload and torch.compile", () => {
 
   it("sends compiled when a per-block compile node is on the model chain, upstream or downstream", () => {
     for (const at of ["before", "after"]) {
-      const spec = wanGraph();
-      const est = spec.find((n) => n.id === 3);
-      const compile = { id: 40, type: "TorchCompileModelWanVideoV2",
-        widgets: { backend: "inductor", compile_transformer_blocks_only: true },
-        outputs: [{ name: "MODEL", type: "MODEL" }] };
-      if (at === "before") {
-        compile.inputs = [{ name: "model", type: "MODEL", from: est.inputs[0].from }];
-        est.inputs[0].from = [40, 0];
-      } else {
-        compile.inputs = [{ name: "model", type: "MODEL", from: [3, 0] }];
-      }
-      spec.push(compile);
-      const { payload, info } = buildEstimatePayload(graphFromSpec(spec), 3, {});
+      const { payload, info } = withCompile(at, "TorchCompileModelWanVideoV2",
+        { backend: "inductor", compile_transformer_blocks_only: true });
       assert.equal(payload.compiled, true, at);
       assert.equal(info.compiled, true, at);
     }
