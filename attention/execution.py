@@ -299,13 +299,12 @@ def _variants(ov, plan: Plan, groups: dict, q4, k4, v4, scale) -> list:
     """What calibration times per kernel: the ungrouped call, and the memory mode's split."""
     cfg = ov.config
     aspec = planning.attn_shape(plan.call_key[3:], q4.dtype)
-    kept = aspec.s * plan.B * plan.H * plan.Nq * plan.D  # the output kept meanwhile (SDPA's or a kernel's)
     variants = []
     for name in plan.calibrate:
         counts = [1] + ([groups[name]] if cfg.memory_mode == "sdpa" and groups[name] > 1 else [])
         for count in counts:
             copy = count == 1 and planning.output_copy(name, plan.layout, plan.out_layout)
-            need = planning.need_bytes(name, plan.cc, aspec, count, copy, cfg.memory_margin_mb << 20) + kept
+            need = planning.need_bytes(name, plan.cc, aspec, count, copy, cfg.memory_margin_mb << 20)
             variants.append(timing.Variant(name, count, need, lambda n=name, c=count: run_kernel(
                 n, q4, k4, v4, plan.layout, plan.out_layout, c, scale, plan.cc)))
     return variants

@@ -261,7 +261,7 @@ class Variant:
 
     kernel: str
     groups: int
-    need: int  # bytes that must be free to time it (its peak, margins, and the output kept meanwhile)
+    need: int  # bytes that must be free to run it (its peak and margins; no other output is alive meanwhile)
     run: Callable[[], object]  # runs the call, returns its output
 
 
@@ -278,23 +278,24 @@ class Trial:
 class Calibration:
     sdpa_ms: float
     trials: list
-    output: object  # the fastest output seen (SDPA's or a variant's)
+    output: object  # the winner's output (SDPA's or a variant's)
     output_from: Trial | None  # None: SDPA's
 
 
 def calibrate(variants, run_sdpa: Callable[[], object], fits: Callable[[int], bool], oom_error: type,
               time_fn: Callable | None = None) -> Calibration:
-    """Time SDPA and each variant once after a warm-up run (JIT, autotune), keeping one output:
-    SDPA's, until a variant beats SDPA by :data:`FASTER_BY` (the rule that decides the shape),
-    then the fastest such variant's.  A variant that would not fit in free memory is not run; one that runs
-    out of memory or raises is recorded and skipped (after an error, that kernel's other variants
-    are skipped too).  SDPA's own errors propagate: there is nothing to fall back to."""
+    """Time SDPA and each variant once after a warm-up run (JIT, autotune), then run the call once
+    more on the winner (the fastest variant that beats SDPA by :data:`FASTER_BY`, else SDPA) for
+    its output.  Every output is dropped as soon as its run ends, so a calibrating call holds the
+    memory of one run at a time, as a settled call does, and a variant needs only its own bytes
+    free.  A variant that would not fit in free memory is not run; one that runs out of memory or
+    raises is recorded and skipped (after an error, that kernel's other variants are skipped too).
+    If the winner fails on its output run, SDPA gives the output.  SDPA's own errors propagate:
+    there is nothing to fall back to."""
     time_fn = time_fn or time_cuda
-    holder: dict = {}
     run_sdpa()
-    sdpa_ms = time_fn(lambda: holder.__setitem__("out", run_sdpa()))
-    best_out, best_ms, best_trial = holder.pop("out"), sdpa_ms, None
-    trials, raised = [], set()
+    sdpa_ms = time_fn(run_sdpa)
+    best, trials, raised = None, [], set()
     for variant in variants:
         if variant.kernel in raised:
             continue
@@ -303,19 +304,23 @@ def calibrate(variants, run_sdpa: Callable[[], object], fits: Callable[[int], bo
             continue
         try:
             variant.run()
-            ms = time_fn(lambda v=variant: holder.__setitem__("out", v.run()))
+            ms = time_fn(variant.run)
         except oom_error:
-            holder.clear()
             trials.append(Trial(variant.kernel, variant.groups, failure="oom"))
             continue
         except Exception as e:  # recorded against this kernel by the caller
-            holder.clear()
             raised.add(variant.kernel)
             trials.append(Trial(variant.kernel, variant.groups, failure="error", error=f"{type(e).__name__}: {e}"))
             continue
         trial = Trial(variant.kernel, variant.groups, ms=ms)
         trials.append(trial)
-        if ms < FASTER_BY * sdpa_ms and ms < best_ms:
-            best_out, best_ms, best_trial = holder.pop("out"), ms, trial
-        holder.clear()
-    return Calibration(sdpa_ms, trials, best_out, best_trial)
+        if ms < FASTER_BY * sdpa_ms and (best is None or ms < best[0].ms):
+            best = (trial, variant)
+    if best is not None:
+        try:
+            return Calibration(sdpa_ms, trials, best[1].run(), best[0])
+        except oom_error:
+            trials.append(Trial(best[0].kernel, best[0].groups, failure="oom"))
+        except Exception as e:
+            trials.append(Trial(best[0].kernel, best[0].groups, failure="error", error=f"{type(e).__name__}: {e}"))
+    return Calibration(sdpa_ms, trials, run_sdpa(), None)

@@ -59,15 +59,15 @@ def test_a_bucket_timed_once_is_timed_again_by_the_next_process_then_trusted(fak
     assert entry["repeats"] == 1
     o(raw_func, q, k, v, heads=4)
     first = fake_gpu.kernel_calls()
-    assert first == 3  # warm-up, timing, then one plain call: not timed twice in one process
+    assert first == 4  # warm-up, timing, output run, then one plain call: not timed twice in one process
     fake_gpu.reset_state()  # the next process: the same cache file, nothing learnt in memory
     o(raw_func, q, k, v, heads=4)
-    assert fake_gpu.kernel_calls() == first + 2
+    assert fake_gpu.kernel_calls() == first + 3
     (entry,) = timing.CalibrationStore(fake_gpu.cache_dir).entries().values()
     assert entry["repeats"] == 2
     fake_gpu.reset_state()  # trusted now: a later process only runs the call
     o(raw_func, q, k, v, heads=4)
-    assert fake_gpu.kernel_calls() == first + 3
+    assert fake_gpu.kernel_calls() == first + 4
 
 
 def test_what_the_bench_writes_is_what_the_node_reads(fake_gpu):
@@ -155,3 +155,55 @@ def test_the_os_lock_excludes_another_process(tmp_path):
                            check=False)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.strip() == "False"
+
+
+class _Output:
+    """A stand-in for an attention output whose liveness the test can see."""
+
+    def __init__(self, who):
+        self.who = who
+
+
+def _tracked_calibration(times: dict, fail_on_output_run=None):
+    """Run timing.calibrate over fake runs that record how many outputs are alive when each
+    starts; ``times`` maps "sdpa" and kernel names to ms."""
+    import weakref
+    alive, seen, runs = weakref.WeakSet(), [], []
+
+    def runner(who):
+        def run():
+            seen.append((who, len(alive)))
+            runs.append(who)
+            if who == fail_on_output_run and runs.count(who) == 3:
+                raise torch.OutOfMemoryError("fake out of memory")
+            out = _Output(who)
+            alive.add(out)
+            return out
+        return run
+
+    def time_fn(fn, repeats=1):
+        out = fn()
+        who = out.who
+        del out
+        return times[who]
+
+    variants = [timing.Variant(name, 1, 0, runner(name)) for name in times if name != "sdpa"]
+    result = timing.calibrate(variants, runner("sdpa"), lambda need: True, torch.OutOfMemoryError, time_fn)
+    return result, seen, runs
+
+
+def test_calibration_keeps_no_output_alive_while_another_run_is_timed():
+    result, seen, runs = _tracked_calibration({"sdpa": 10.0, "sage2_sm90": 7.0, "sage1": 12.0})
+    assert seen and all(n == 0 for _, n in seen)  # each run starts with no earlier output alive
+    assert result.output.who == "sage2_sm90" and result.output_from.kernel == "sage2_sm90"
+    # warm-up and timed run of each, then one run of the winner for the output
+    assert runs == ["sdpa", "sdpa", "sage2_sm90", "sage2_sm90", "sage1", "sage1", "sage2_sm90"]
+
+
+def test_calibration_gives_sdpa_output_when_no_kernel_wins_or_the_winner_fails_on_its_output_run():
+    result, _seen, runs = _tracked_calibration({"sdpa": 10.0, "sage2_sm90": 9.9})  # within the hysteresis
+    assert result.output.who == "sdpa" and result.output_from is None and runs[-1] == "sdpa"
+    result, seen, runs = _tracked_calibration({"sdpa": 10.0, "sage2_sm90": 7.0}, fail_on_output_run="sage2_sm90")
+    assert result.output.who == "sdpa" and result.output_from is None
+    assert [t.failure for t in result.trials] == [None, "oom"] and result.trials[0].ms == 7.0
+    assert all(n == 0 for _, n in seen)
