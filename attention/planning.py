@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import head_groups, kernel_bytes, kernels, selftest, timing
+from . import head_groups, kernel_bytes, kernels, registry, selftest, timing
 from .policy import DTYPE_NAMES
 from .registry import KERNELS
 from .state import STATE
@@ -226,11 +226,12 @@ def choose(names, entries: dict, groups: dict, cross: bool) -> Choice | None:
 
 
 def default_choice(names, cross: bool, groups: dict) -> Choice:
-    """Without a measurement: cross-attention stays on SDPA, where every measured Sage path
-    loses; self-attention uses the first candidate in the memory mode's group count."""
-    if cross or not names:
+    """Without a measurement: the registry's :func:`~.registry.unmeasured_kernel` (SDPA for
+    cross-attention, the first candidate for self-attention) in the memory mode's group count."""
+    name = registry.unmeasured_kernel(names, cross)
+    if name is None:
         return Choice(None, reason="cross_slower" if cross else "no_kernel")
-    return Choice(names[0], groups[names[0]])
+    return Choice(name, groups[name])
 
 
 def calibration_estimate_s(B: int, H: int, Nq: int, Nk: int, D: int, runs: int) -> float:

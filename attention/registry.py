@@ -9,6 +9,8 @@ runner).  Everything else derives from these entries:
 * which architectures wan-sage knows (:func:`known_archs`, for validating ``--arch``);
 * the memory formula of a kernel on an architecture (:func:`memory_path`), which the dispatcher's
   VRAM check and the working-memory estimate both use;
+* the kernel a call runs on before its shape is timed (:func:`unmeasured_kernel`: SDPA for
+  cross-attention), which the dispatcher's default rule and the estimate's attention paths share;
 * how a call is made (:func:`KernelSpec.run`).
 
 Adding a kernel means adding one entry here and its formula in :mod:`.kernel_bytes`.
@@ -21,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 __all__ = ["KernelSpec", "PackageSpec", "KERNELS", "PACKAGES", "KNOWN_ARCHS", "auto_order", "known_archs",
-           "memory_path", "parse_arch", "arch_name", "kernel_names", "install_hint"]
+           "memory_path", "unmeasured_kernel", "unmeasured_paths", "parse_arch", "arch_name", "kernel_names",
+           "install_hint"]
 
 INSTALL_HINT = (
     "Install SageAttention 2.x from source (a build of thu-ml/SageAttention main at or after "
@@ -198,6 +201,23 @@ def memory_path(name: str, cc: int | None) -> str:
     if name == "sdpa":
         return "sdpa"
     return KERNELS[name].memory_path(cc)
+
+
+def unmeasured_kernel(names, cross: bool) -> str | None:
+    """The kernel a call runs on while no timing of its shape exists (None: SDPA), given the
+    candidate kernels ``names`` in order: SDPA for cross-attention (Wan's 512 text keys, plus 257
+    image keys), where every measured Sage path has lost to SDPA; the first candidate for
+    self-attention.  The dispatcher's default rule and the working-memory estimate both apply it."""
+    if cross or not names:
+        return None
+    return names[0]
+
+
+def unmeasured_paths(names, cc: int | None) -> tuple:
+    """(self-attention path, cross-attention path, self-attention kernel or None): the kernel_bytes
+    formulas a Wan forward's calls run on under :func:`unmeasured_kernel`, on ``cc``."""
+    self_kernel, cross_kernel = unmeasured_kernel(names, False), unmeasured_kernel(names, True)
+    return (memory_path(self_kernel or "sdpa", cc), memory_path(cross_kernel or "sdpa", cc), self_kernel)
 
 
 def arch_name(cc: int) -> str:

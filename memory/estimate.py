@@ -69,26 +69,27 @@ def attention_plan(attention: str, cc: int | None = None) -> tuple:
     attention.kernel_bytes formulas the dispatcher's calls run on, for an --attention choice on
     compute capability ``cc`` (None: sm90).
 
-    Cross-attention (Wan's 512 text keys, plus 257 image keys) stays on SDPA: the dispatcher
-    keeps it there (reason ``cross_slower``) unless a measurement shows Sage faster, and none has
-    on a Wan cross shape.  ``sage-auto`` takes the first kernel of the arch's auto order in the
-    kernel registry, or SDPA when no kernel runs there; a named kernel that does not run on the
-    arch leaves every call on SDPA, as the dispatcher does."""
+    The candidates are the arch's auto order in the kernel registry for ``sage-auto`` (none where
+    no kernel runs there), or the named kernel where it runs on the arch; the paths are the
+    registry's :func:`~attention.registry.unmeasured_paths` over them, the rule the dispatcher
+    applies to a shape with no timing: cross-attention on SDPA (reason ``cross_slower``),
+    self-attention on the first candidate."""
     arch = cc or DEFAULT_CC
     if attention == "sdpa":
         return "sdpa", "sdpa", None, None
+    note = None
     if attention in ("sage-auto", "auto", "sage"):
-        order = registry.auto_order(arch)
-        if not order:
-            return "sdpa", "sdpa", None, f"no kernel runs on sm{arch}: attention stays on SDPA"
-        name = order[0]
+        names = registry.auto_order(arch)
+        if not names:
+            note = f"no kernel runs on sm{arch}: attention stays on SDPA"
     elif attention in registry.KERNELS:
-        name = attention
-        if not registry.KERNELS[name].runs_on(arch):
-            return "sdpa", "sdpa", None, f"{name} does not run on sm{arch}: attention stays on SDPA"
+        names = (attention,) if registry.KERNELS[attention].runs_on(arch) else ()
+        if not names:
+            note = f"{attention} does not run on sm{arch}: attention stays on SDPA"
     else:
         raise ValueError(f"attention must be sdpa, sage-auto or one of {', '.join(registry.KERNELS)}")
-    return registry.memory_path(name, arch), "sdpa", name, None
+    self_path, cross_path, name = registry.unmeasured_paths(names, arch)
+    return self_path, cross_path, name, note
 
 
 def attention_paths(attention: str, cc: int | None = None) -> tuple:

@@ -56,10 +56,10 @@ def _cc(dev) -> int | None:
 def attention_for(model_options, settings: Settings, dev) -> tuple:
     """(self path, cross path, label) for the memory model, detecting the Sage patch.
 
-    Counted as the dispatcher runs the calls: self-attention on the patch's kernel (for ``auto``,
-    the first available kernel of this GPU's auto order in the registry), cross-attention on SDPA
-    (the dispatcher keeps it there, reason ``cross_slower``); a kernel that does not run on this
-    GPU leaves both on SDPA."""
+    Counted as the dispatcher runs the calls: the patch's kernel (for ``auto``, this GPU's
+    available kernels in the registry's auto order), under the registry's rule for a shape with no
+    timing (cross-attention on SDPA, reason ``cross_slower``; self-attention on the first kernel);
+    a kernel that does not run on this GPU leaves both on SDPA."""
     ov = find_override((model_options or {}).get("transformer_options", {}))
     if settings.count_sage == "never" or (settings.count_sage == "auto-detect" and ov is None):
         return "sdpa", "sdpa", "sdpa"
@@ -68,13 +68,15 @@ def attention_for(model_options, settings: Settings, dev) -> tuple:
     name = ov.config.kernel if ov is not None else "auto"
     if name == "auto":
         cands = kernels.auto_candidates(cc) if found_cc else ()
-        order = cands or registry.auto_order(cc)
-        if not order:
+        names = cands or registry.auto_order(cc)
+        if not names:
             return "sdpa", "sdpa", f"sdpa (no kernel runs on sm{cc})"
-        name = order[0]
     elif name not in registry.KERNELS or not registry.KERNELS[name].runs_on(cc):
         return "sdpa", "sdpa", f"sdpa ({name} does not run on sm{cc})"
-    return registry.memory_path(name, cc), "sdpa", name
+    else:
+        names = (name,)
+    self_path, cross_path, kernel = registry.unmeasured_paths(names, cc)
+    return self_path, cross_path, kernel
 
 
 @dataclass(frozen=True)

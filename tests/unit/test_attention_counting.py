@@ -62,3 +62,24 @@ def test_the_node_counts_cross_attention_on_sdpa(monkeypatch):
     forced = {"transformer_options": {comfy_bridge.OVERRIDE_KEY: SageAttentionOverride(PatchConfig(kernel="sage2_sm90"))}}
     monkeypatch.setattr(estimator, "_cc", lambda dev: 89)
     assert estimator.attention_for(forced, estimator.Settings(), None)[:2] == ("sdpa", "sdpa")
+
+
+def test_the_dispatcher_and_the_estimate_share_one_rule_for_unmeasured_calls(monkeypatch):
+    """Were the registry's rule to put cross-attention on Sage, the dispatcher's default choice,
+    the CLI's estimate and the node's estimate would all follow it: no second copy of the rule."""
+    from wan_sage.attention import planning
+    from wan_sage.attention.dispatch import PatchConfig, SageAttentionOverride
+    from wan_sage.nodes import comfy_bridge, estimator
+    groups = {"sage2_sm90": 1}
+    assert planning.default_choice(("sage2_sm90",), True, groups).kernel is None
+    monkeypatch.setattr(registry, "unmeasured_kernel", lambda names, cross: names[0] if names else None)
+    assert planning.default_choice(("sage2_sm90",), True, groups).kernel == "sage2_sm90"
+    sm90 = registry.memory_path("sage2_sm90", 90)
+    assert attention_plan("sage-auto", 90)[:3] == (sm90, sm90, "sage2_sm90")
+    monkeypatch.setattr(estimator.kernels, "auto_candidates", lambda cc: ())
+    monkeypatch.setattr(estimator, "_cc", lambda dev: 90)
+    mo = {"transformer_options": {comfy_bridge.OVERRIDE_KEY: SageAttentionOverride(PatchConfig())}}
+    assert estimator.attention_for(mo, estimator.Settings(), None) == (sm90, sm90, "sage2_sm90")
+    _e, sage = _phases("sage-auto", 90)
+    _e, sdpa = _phases("sdpa", 90)
+    assert sage["cross"] > sdpa["cross"]
