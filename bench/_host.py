@@ -10,19 +10,35 @@ import os
 import pkgutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _git(*args, env=None) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=20,
+                          env=env).stdout.strip()
+
+
 def git_head() -> str | None:
-    """The checkout's commit for a record: ``WAN_SAGE_COMMIT`` if set, else ``git rev-parse`` here."""
+    """The checkout's commit for a record: ``WAN_SAGE_COMMIT`` if set, else ``git rev-parse`` here,
+    followed by ``+tree:<id>`` when the files here are not that commit's (a copied working tree whose git
+    directory is older than its files; ``git log --format='%h %T'`` finds the commit with that tree)."""
     v = os.environ.get("WAN_SAGE_COMMIT")
     if v:
         return v
     try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=5).stdout.strip() or None
+        head = _git("rev-parse", "--short", "HEAD")
+        if not head:
+            return None
+        with tempfile.TemporaryDirectory() as tmp:
+            env = dict(os.environ, GIT_INDEX_FILE=os.path.join(tmp, "index"))
+            _git("add", "-A", ".", env=env)
+            tree = _git("write-tree", env=env)
+        if tree and tree != _git("rev-parse", "HEAD^{tree}"):
+            return f"{head}+tree:{tree[:12]}"
+        return head
     except Exception:
         return None
 

@@ -27,7 +27,8 @@ export COMFYUI_GGUF_PATH=${COMFYUI_GGUF_PATH:-$REPO/.host/ComfyUI-GGUF}
 export PYTHONUNBUFFERED=1
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 export SAGEATTENTION_COMMIT=${SAGEATTENTION_COMMIT:-unknown}
-export WAN_SAGE_COMMIT=${WAN_SAGE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# WAN_SAGE_COMMIT, when set, names the commit in the records; else bench/_host.git_head() reads it here
+# (with "+tree:<id>" when a copied tree is newer than its git directory)
 export E2E_T0=${E2E_T0:-$(date +%s)}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$REPO/.e2e/inductor-cache}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$REPO/.e2e/triton-cache}

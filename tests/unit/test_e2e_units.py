@@ -563,3 +563,28 @@ def test_oom_figures_keep_the_sizes_of_torchs_message():
     native = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.81 GiB of which "
               "1.20 GiB is free.")
     assert e2e.oom_figures(native) == {"Requested": "2.00 GiB"}
+
+
+def test_a_record_names_the_commit_and_says_when_the_files_are_not_that_commit(tmp_path, monkeypatch):
+    """A device gets a copy of the working tree whose git directory can be older than its files: the
+    record then carries the files' tree id next to the stale commit, not the stale commit alone."""
+    import subprocess
+    import _host
+    git = lambda *a: subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True,  # noqa: E731
+                                    text=True).stdout.strip()
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    monkeypatch.setattr(_host, "ROOT", tmp_path)
+    monkeypatch.delenv("WAN_SAGE_COMMIT", raising=False)
+    head = git("rev-parse", "--short", "HEAD")
+    assert _host.git_head() == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "two")
+    tree = git("rev-parse", "HEAD^{tree}")
+    git("reset", "-q", "--soft", "HEAD~1")  # the git directory now lags the files
+    assert _host.git_head() == f"{head}+tree:{tree[:12]}"
+    monkeypatch.setenv("WAN_SAGE_COMMIT", "abc1234")
+    assert _host.git_head() == "abc1234"
