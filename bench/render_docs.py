@@ -1,6 +1,7 @@
 """Render docs/attention-bench.md and docs/memory-calibration.md from the measured JSON lines
 in docs/measurements/ and memory/calibration/ (run from the repository root)."""
 import json
+import re
 import math
 import statistics
 import sys
@@ -189,8 +190,18 @@ E2E_COMPILE_FILE = "e2e-h200-gguf-compile.jsonl"
 E2E_BUDGETS_FILE = "e2e-h200-gguf-budgets.jsonl"
 E2E_BUDGETS_2_FILE = "e2e-h200-gguf-budgets-2.jsonl"
 E2E_BUDGETS_3_FILE = "e2e-h200-gguf-budgets-3.jsonl"
+E2E_FP8_COMPILE_FILE = "e2e-h200-fp8-compile.jsonl"
+GPU_TIER_4_LOG = "2026-12-01-gpu-tier-h200-4.log"
+
+
+def calibrating_peaks() -> tuple:
+    """(calibrating call, settled call, one output) in GiB, from the gpu tier's printed line."""
+    text = (M / GPU_TIER_4_LOG).read_text()
+    m = re.search(r"calibrating call ([0-9.]+) GiB, settled call ([0-9.]+) GiB above the inputs \(one output ([0-9.]+) GiB\)", text)
+    return tuple(float(x) for x in m.groups())
 # the e2e record files of GGUF A14B and their device sessions (docs/benchmarks.md)
-E2E_SESSIONS = {E2E_COMPILE_FILE: 4, E2E_BUDGETS_FILE: 5, E2E_BUDGETS_2_FILE: 6, E2E_BUDGETS_3_FILE: 7}
+E2E_SESSIONS = {E2E_COMPILE_FILE: 4, E2E_BUDGETS_FILE: 5, E2E_BUDGETS_2_FILE: 6, E2E_BUDGETS_3_FILE: 7,
+                E2E_FP8_COMPILE_FILE: 8}
 
 
 def grouping_cost_section() -> list:
@@ -463,6 +474,7 @@ def memory_doc():
                                                     for m, v in comfy.items()) + ".\n")
     o += partial_load_section()
     o += e2e_streamed_section()
+    o += e2e_streamed_fp8_section()
     o += e2e_compiled_resident_section()
     (ROOT / "docs" / "memory-calibration.md").write_text("\n".join(o) + "\n")
     replace_block(ROOT / "README.md", "working-memory", readme_memory_bullet(summary, comfy))
@@ -640,20 +652,25 @@ def e2e_compiled_resident_section() -> list:
         o.append("Above the reservation: " + "; ".join(
             f"session {s_} {run.split(':')[0]}, {name} expert, {w:.2f} against {res:.2f} GiB" for s_, run, name, w, res, _c in under) + ".")
         if all(calib for *_rest, calib in under):
-            o.append("Each is an expert whose sampling calibrated a shape: the dispatcher times a kernel while it keeps one")
-            o.append("attention output (SDPA's or a faster kernel's), so that step holds one output more than a settled step,")
-            o.append("and the estimate does not count it. ComfyUI's own extra reserve (400 MiB by default) covered it.")
+            cal, settled, out = calibrating_peaks()
+            o.append("Each is an expert whose sampling calibrated a shape, with wan-sage from before 67359ad: the dispatcher")
+            o.append("timed a kernel while it kept one attention output (SDPA's or a faster kernel's), so that step held one")
+            o.append("output more than a settled step, which the estimate does not count; ComfyUI's own extra reserve (400 MiB")
+            o.append("by default) covered it. Since 67359ad calibration drops each output when its run ends and runs the winner")
+            o.append(f"once more for the call's output: on the H200 a calibrating call at A14B 720p81 held {cal:.3f} GiB above its")
+            o.append(f"inputs and a settled call {settled:.3f} GiB (one output: {out:.3f} GiB; gpu tier,")
+            o.append(f"[`{GPU_TIER_4_LOG}`](measurements/{GPU_TIER_4_LOG}), `tests/gpu/test_dispatch_gpu.py`).")
         o.append("")
     return o
 
 
-def e2e_streamed_section() -> list:
-    """The experts sampled end to end with weights partly offloaded (GGUF A14B), against the
-    reservation today's estimate makes for them; from the e2e records, recomputed with today's code.
-    Also what a GGUF-only streaming term set from session 5's eager experts would have done on
-    session 6's, which it was not set from."""
-    lines, held_over, over_resident = [], {}, {}
-    for fname in (E2E_BUDGETS_FILE, E2E_BUDGETS_2_FILE, E2E_BUDGETS_3_FILE):
+def _streamed_rows(files) -> tuple:
+    """Table lines of the experts sampled with weights partly offloaded in ``files``, and per kind (eager,
+    compiled) what the allocator held: (held above resident weights, held above the allocated peak,
+    reservation); per session, eager held minus the resident reservation; and for compiled-per-block
+    experts, (held above resident weights, the compiled figure for resident weights)."""
+    lines, held_over, over_resident, compiled = [], {}, {}, []
+    for fname in files:
         session = E2E_SESSIONS[fname]
         for r in rows(M / fname):
             c = r["config"]
@@ -670,9 +687,47 @@ def e2e_streamed_section() -> list:
                 held_over.setdefault(kind, []).append((held, above, res))
                 if kind == "eager":
                     over_resident.setdefault(session, []).append(held - est.reservation_resident / GiB)
+                elif compiled_blocks(c):
+                    compiled.append((held, est.reservation_resident / GiB))
                 lines.append(f"| {session} | {r['run'].split('@')[0]}@{c['budget_gib']:g} | {c['width']}×{c['height']}×{c['frames']} | "
                              f"{name} | {e['resident_frac']:.0%} | {e['working_gib']:.2f} | {above:.2f} | "
                              f"{held:.2f} | {res:.2f} | {held / res:.2f} |")
+    return lines, held_over, over_resident, compiled
+
+
+def e2e_streamed_fp8_section() -> list:
+    """Session 8's fp8 experts sampled with weights partly offloaded, eager and compiled per block,
+    against the reservation today's estimate makes for them; from the e2e records."""
+    lines, held_over, _over, compiled = _streamed_rows((E2E_FP8_COMPILE_FILE,))
+    if not lines:
+        return []
+    o = ["\n## Partly offloaded end to end (fp8 A14B, H200)\n",
+         "Session 8 (docs/benchmarks.md): fp8 e4m3 experts with a rank-64 LoRA at 16 and 12 GiB, 1280×720×81, eager",
+         f"and compiled per block (`docs/measurements/{E2E_FP8_COMPILE_FILE}`). None of these records set a constant,",
+         "so they check `partial_frag_factor` and `cast_frag_factor` (`tests/unit/test_constants_held_out.py`).",
+         "Columns as in the GGUF table above.\n",
+         "| session | run | size | expert | resident | working GiB | held above it | held above resident weights | reservation | held / reservation |",
+         "|---:|---|---|---|---:|---:|---:|---:|---:|---:|"] + lines + [""]
+    for kind, vals in held_over.items():
+        o.append(f"- {kind.capitalize()}: the allocator held {_span([a for _h, a, _r in vals])} GiB above the allocated peak, "
+                 f"{_span([h for h, _a, _r in vals])} GiB above the resident weights in all, "
+                 f"{_span([h / r for h, _a, r in vals])} of the reservation.")
+    if compiled:
+        over = [h for h, f in compiled if h > f]
+        o.append(f"- Compiled per block with streamed weights, the estimate reserves the eager figure with the partial-load term "
+                 f"(`COMPILED_STREAMED_NOTE`). What these {len(compiled)} experts held, {_span([h for h, _f in compiled])} GiB above the "
+                 f"resident weights, was {_span([h / f for h, f in compiled])} of the smaller compiled figure for resident weights "
+                 f"({len(over)} above it); one model and one size, so the eager reservation stays for streamed compiled blocks.")
+    o.append("")
+    return o
+
+
+def e2e_streamed_section() -> list:
+    """The experts sampled end to end with weights partly offloaded (GGUF A14B), against the
+    reservation today's estimate makes for them; from the e2e records, recomputed with today's code.
+    Also what a GGUF-only streaming term set from session 5's eager experts would have done on
+    session 6's, which it was not set from."""
+    lines, held_over, over_resident, _compiled = _streamed_rows((E2E_BUDGETS_FILE, E2E_BUDGETS_2_FILE, E2E_BUDGETS_3_FILE))
     o = ["\n## Partly offloaded end to end (GGUF A14B, H200)\n",
          "The end-to-end runs with weights partly offloaded: session 5 at 16 and 12 GiB, 1280×720×81",
          f"(`docs/measurements/{E2E_BUDGETS_FILE}`), session 6 at 12 and 8 GiB and at two other sizes, 832×480×81 at",

@@ -8,8 +8,9 @@ of them, what the allocator held above the resident weights at its peak must fit
 the estimate makes today for that configuration (weights partly offloaded, or all resident and cast
 per call for fp8).  The end-to-end GGUF runs with weights partly offloaded (docs/measurements/e2e-h200-gguf-budgets.jsonl: 1280x720x81
 at 16 and 12 GiB; e2e-h200-gguf-budgets-2.jsonl: 1280x720x81 at 12 and 8 GiB, 832x480x81 at 8 GiB,
-832x1472x49 at 10 GiB; eager and compiled per block, with the estimator or ComfyUI's reservation) were set
-from neither either, and are checked the same way per completed expert.
+832x1472x49 at 10 GiB; eager and compiled per block, with the estimator or ComfyUI's reservation) and the fp8
+ones (e2e-h200-fp8-compile.jsonl: 1280x720x81 at 16 and 12 GiB, eager and compiled per block) were set from
+neither either, and are checked the same way per completed expert.
 """
 import json
 from pathlib import Path
@@ -51,14 +52,16 @@ def test_the_records_cover_both_factors():
     assert len(partly) >= 10 and len(cast_resident) >= 4
 
 
-E2E_GGUF = [(f"{r['run']} {name}", r, e) for r in (json.loads(line) for f in ("e2e-h200-gguf-budgets.jsonl", "e2e-h200-gguf-budgets-2.jsonl")
-                                                   for line in (MEASURED / f).read_text().splitlines() if line.strip())
-            if r["status"] == "ok"
-            for name, e in r["experts"].items() if e["resident_frac"] < 0.9999]
+E2E_STREAMED_FILES = ("e2e-h200-gguf-budgets.jsonl", "e2e-h200-gguf-budgets-2.jsonl", "e2e-h200-fp8-compile.jsonl")
+E2E_STREAMED = [(f"{r['run']} {r['config']['weights']} {name}", r, e)
+                for r in (json.loads(line) for f in E2E_STREAMED_FILES
+                          for line in (MEASURED / f).read_text().splitlines() if line.strip())
+                if r["status"] == "ok"
+                for name, e in r["experts"].items() if e["resident_frac"] < 0.9999]
 
 
-@pytest.mark.parametrize("name,r,e", E2E_GGUF, ids=[x[0] for x in E2E_GGUF])
-def test_gguf_experts_streamed_end_to_end_fit_in_the_partial_reservation(name, r, e):
+@pytest.mark.parametrize("name,r,e", E2E_STREAMED, ids=[x[0] for x in E2E_STREAMED])
+def test_experts_streamed_end_to_end_fit_in_the_partial_reservation(name, r, e):
     c = r["config"]
     est = e2e_estimate(c)
     held = (e["peak_reserved_gib"] - e["resident_gib"]) * GiB
@@ -68,7 +71,10 @@ def test_gguf_experts_streamed_end_to_end_fit_in_the_partial_reservation(name, r
 
 
 def test_the_end_to_end_records_stream_weights_eager_and_compiled():
-    assert {bool(r["config"].get("compile")) for _n, r, _e in E2E_GGUF} == {False, True}
-    assert {r["config"]["budget_gib"] for _n, r, _e in E2E_GGUF} >= {16.0, 12.0, 10.0, 8.0}
-    assert len({(r["config"]["width"], r["config"]["height"], r["config"]["frames"]) for _n, r, _e in E2E_GGUF}) >= 3
-    assert {r["config"]["estimator"] for _n, r, _e in E2E_GGUF} == {False, True}
+    for weights in ("gguf", "fp8"):
+        rs = [r for _n, r, _e in E2E_STREAMED if r["config"]["weights"] == weights]
+        assert {bool(r["config"].get("compile")) for r in rs} == {False, True}, weights
+        assert {r["config"]["estimator"] for r in rs} == {False, True}, weights
+        assert {r["config"]["budget_gib"] for r in rs} >= {16.0, 12.0}, weights
+    assert {r["config"]["budget_gib"] for _n, r, _e in E2E_STREAMED} >= {16.0, 12.0, 10.0, 8.0}
+    assert len({(r["config"]["width"], r["config"]["height"], r["config"]["frames"]) for _n, r, _e in E2E_STREAMED}) >= 3
