@@ -695,6 +695,17 @@ def _streamed_rows(files) -> tuple:
     return lines, held_over, over_resident, compiled
 
 
+def _streamed_table(lines: list, held_over: dict) -> list:
+    """The table of :func:`_streamed_rows`' lines, then per kind what the allocator held."""
+    o = ["| session | run | size | expert | resident | working GiB | held above it | held above resident weights | reservation | held / reservation |",
+         "|---:|---|---|---|---:|---:|---:|---:|---:|---:|"] + lines + [""]
+    for kind, vals in held_over.items():
+        o.append(f"- {kind.capitalize()}: the allocator held {_span([a for _h, a, _r in vals])} GiB above the allocated peak, "
+                 f"{_span([h for h, _a, _r in vals])} GiB above the resident weights in all, "
+                 f"{_span([h / r for h, _a, r in vals])} of the reservation.")
+    return o
+
+
 def e2e_streamed_fp8_section() -> list:
     """Session 8's fp8 experts sampled with weights partly offloaded, eager and compiled per block,
     against the reservation today's estimate makes for them; from the e2e records."""
@@ -706,12 +717,7 @@ def e2e_streamed_fp8_section() -> list:
          f"and compiled per block (`docs/measurements/{E2E_FP8_COMPILE_FILE}`). None of these records set a constant,",
          "so they check `partial_frag_factor` and `cast_frag_factor` (`tests/unit/test_constants_held_out.py`).",
          "Columns as in the GGUF table above.\n",
-         "| session | run | size | expert | resident | working GiB | held above it | held above resident weights | reservation | held / reservation |",
-         "|---:|---|---|---|---:|---:|---:|---:|---:|---:|"] + lines + [""]
-    for kind, vals in held_over.items():
-        o.append(f"- {kind.capitalize()}: the allocator held {_span([a for _h, a, _r in vals])} GiB above the allocated peak, "
-                 f"{_span([h for h, _a, _r in vals])} GiB above the resident weights in all, "
-                 f"{_span([h / r for h, _a, r in vals])} of the reservation.")
+         ] + _streamed_table(lines, held_over)
     if compiled:
         over = [h for h, f in compiled if h > f]
         o.append(f"- Compiled per block with streamed weights, the estimate reserves the eager figure with the partial-load term "
@@ -740,12 +746,7 @@ def e2e_streamed_section() -> list:
          "reference budget run), so these rows check it (`tests/unit/test_constants_held_out.py`). Completed runs",
          "only: compiled per block at 8 GiB, the estimator run (session 6) and ComfyUI alone (session 7) both ran",
          "out of memory (docs/benchmarks.md).\n",
-         "| session | run | size | expert | resident | working GiB | held above it | held above resident weights | reservation | held / reservation |",
-         "|---:|---|---|---|---:|---:|---:|---:|---:|---:|"] + lines + [""]
-    for kind, vals in held_over.items():
-        o.append(f"- {kind.capitalize()}: the allocator held {_span([a for _h, a, _r in vals])} GiB above the allocated peak, "
-                 f"{_span([h for h, _a, _r in vals])} GiB above the resident weights in all, "
-                 f"{_span([h / r for h, _a, r in vals])} of the reservation.")
+         ] + _streamed_table(lines, held_over)
     fit, check = over_resident.get(5, []), over_resident.get(6, [])
     if fit and check:
         m = max(fit)
