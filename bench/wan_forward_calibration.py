@@ -227,6 +227,7 @@ def main(argv=None):
     t_start = time.perf_counter()
     a = parse_args(argv)
     _host.set_allocator(a.allocator)        # before anything imports torch
+    commit = _host.git_head()               # once: each row names the same checkout
 
     def log(msg):
         print(msg, flush=True)
@@ -376,10 +377,10 @@ def main(argv=None):
                                 dynamo[attempt] = step
                             if not ok:
                                 break
-                        self_p, _ = attention_paths("sdpa" if attn == "sdpa" else "sage-auto", cc)
+                        self_p, cross_p = attention_paths("sdpa" if attn == "sdpa" else "sage-auto", cc)
                         if st and not st.get("sage_calls"):
                             self_p = "sdpa"
-                        wl = activation_model.Workload(L=L, rows=1, dtype=dname, self_attn=self_p, cross_attn="sdpa",
+                        wl = activation_model.Workload(L=L, rows=1, dtype=dname, self_attn=self_p, cross_attn=cross_p,
                                         latent_elems_per_row=activation_model.latent_elems(lat))
                         pred = activation_bytes(dims, wl)
                         row = {"model": mname, "dtype": dname, "attn": attn, "width": w, "height": h, "frames": f,
@@ -395,13 +396,13 @@ def main(argv=None):
                                     "dims": {k: getattr(dims, k) for k in ("dim", "ffn_dim", "num_heads", "num_layers",
                                                                           "in_dim", "out_dim", "latent_channels")},
                                     "vae_stride": list(dims.vae_stride), "latent": list(lat),
-                                    "self_attn_path": self_p, "cross_attn_path": "sdpa", "memory_mode": mode,
+                                    "self_attn_path": self_p, "cross_attn_path": cross_p, "memory_mode": mode,
                                     "memory_mode_field": mode_field,
                                     "memory_mode_in_force": getattr(ov and ov.config, "memory_mode", None),
                                     "compiled": a.compile, "compile": settings,
                                     "measured_reserved": rec.get("peak_reserved") if ok else None,
                                     "weights_bytes": int(patcher.model_size()), "gpu": gpu,
-                                    "predicted_by": {"wan_sage_commit": _host.git_head(),
+                                    "predicted_by": {"wan_sage_commit": commit,
                                                      "note": "the eager phase model of this checkout"}})
                         if a.compile:
                             row["dynamo"] = dynamo
