@@ -201,8 +201,74 @@ def two_experts_per_block():
     return out
 
 
+def _with_lora(patcher, seed):
+    """The patcher with a rank-4 LoRA on every block Linear, loaded as LoraLoaderModelOnly does."""
+    import comfy.lora
+    import comfy.sd
+    import comfy.utils
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for lora_key, weight_key in comfy.lora.model_lora_keys_unet(patcher.model, {}).items():
+        if not (isinstance(weight_key, str) and lora_key.startswith("diffusion_model.blocks.")):
+            continue
+        w = comfy.utils.get_attr(patcher.model, weight_key)
+        if w.ndim == 2:
+            sd[lora_key + ".lora_up.weight"] = torch.randn(w.shape[0], 4, generator=g) * 0.01
+            sd[lora_key + ".lora_down.weight"] = torch.randn(4, w.shape[1], generator=g) * 0.01
+    return comfy.sd.load_lora_for_models(patcher, None, sd, 1.0, 0)[0]
+
+
+def two_experts_streamed_lora(budget_fraction):
+    """As the H200 end-to-end runs do it: two experts with a LoRA each, loaded partially (ComfyUI's
+    lowvram path streams the modules past the budget and patches the LoRA in as they are cast, each
+    with a LowVramPatch that dynamo guards on by its weight key), the Working-Memory Estimator and the
+    Sage patch on each, compiled per block, sampled under inference mode.  The second expert must
+    reuse the first one's graphs: a new graph in it would mean something of the pack's is guarded on
+    per expert."""
+    import comfy.model_management as mm
+    from wan_sage.nodes.estimator import Settings, apply_estimator
+
+    layers = 3
+    load = mm.LoadedModel.model_load
+
+    def partial_load(self, lowvram_model_memory=0, force_patch_weights=False):
+        return load(self, max(1, int(self.model.model_size() * budget_fraction)), force_patch_weights)
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(len(gm.graph.nodes))
+        return gm.forward
+    torch._dynamo.reset()
+    mm.LoadedModel.model_load = partial_load
+    out = {}
+    try:
+        for name, seed, node_id in (("high", 0, "21"), ("low", 1, "22")):
+            with torch.inference_mode():
+                expert = comfy_env.tiny_wan_patcher(num_layers=layers, ffn_dim=512, dtype=torch.bfloat16, seed=seed)
+                expert.model.manual_cast_dtype = None
+                m, _, _ = apply_estimator(_with_lora(expert, seed + 100), Settings(), [1, 16, 2, 8, 8])
+                m, override = patched(m, node_id)
+                set_torch_compile_wrapper(m, backend=counting, keys=[f"diffusion_model.blocks.{i}" for i in range(layers)])
+                before = len(graphs)
+                stats.begin_run(override.patch_id)
+                latent = comfy_env.sample_tiny(m, steps=2, cfg=1.0)
+                s = stats.end_run(override.patch_id)
+            blocks = m.model.diffusion_model.blocks
+            out[name] = {"graphs": len(graphs) - before, "sage_calls": s["sage_calls"], "finite": bool(torch.isfinite(latent).all()),
+                         "lowvram": bool(getattr(m.model, "model_lowvram", False)),
+                         "streamed_modules": sum(1 for b in blocks for mod in b.modules()
+                                                 if getattr(mod, "comfy_cast_weights", False) and getattr(mod, "weight_function", None))}
+            mm.unload_all_models()
+    finally:
+        mm.LoadedModel.model_load = load
+    out["blocks"] = layers
+    return out
+
+
 check("block", block_fullgraph)
 check("two_experts_per_block", two_experts_per_block)
+check("two_experts_streamed_lora_part", lambda: two_experts_streamed_lora(0.4))
+check("two_experts_streamed_lora_all", lambda: two_experts_streamed_lora(0.0))
 check("optimized_attention", optimized_attention_fullgraph)
 check("compile_model_whole", lambda: torch_compile_model(["diffusion_model"]))
 check("compile_model_per_block", lambda: torch_compile_model(

@@ -63,3 +63,18 @@ def test_the_second_expert_reuses_the_first_experts_compiled_graph(report):
     assert r["high"]["graphs"] >= 1 and r["low"]["graphs"] == r["high"]["graphs"], r
     assert r["high"]["graph_key"] == r["low"]["graph_key"]
     assert r["high"]["sage_calls"] == r["low"]["sage_calls"] == 8 and r["low"]["finite"]  # 2 steps x 2 blocks x 2
+
+
+@pytest.mark.parametrize("which", ["two_experts_streamed_lora_part", "two_experts_streamed_lora_all"])
+def test_the_second_expert_reuses_the_graphs_with_a_lora_and_streamed_weights(report, which):
+    """As in the H200 end-to-end runs: a LoRA on each expert, weights partly or wholly streamed,
+    the estimator and the patch on each, inference mode.  ComfyUI's LowVramPatch is guarded on by its
+    weight key, so every block with a streamed LoRA module has a graph of its own; the second expert
+    has the same keys and must compile nothing."""
+    r = report[which]
+    assert "error" not in r, r
+    for e in ("high", "low"):
+        assert r[e]["lowvram"] and r[e]["streamed_modules"] > 0 and r[e]["finite"], r
+        assert r[e]["sage_calls"] == 12, r  # 2 steps x 3 blocks x (self + cross)
+    assert r["high"]["graphs"] == r["blocks"], r
+    assert r["low"]["graphs"] == 0, r
