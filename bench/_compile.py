@@ -4,6 +4,7 @@ compiled, recompiles and their reasons, compile seconds)."""
 from __future__ import annotations
 
 import logging
+import re
 
 from _paths import machine_free
 
@@ -36,6 +37,26 @@ def set_recompile_limit(torch, limit: int | None) -> int:
     if limit is not None:
         setattr(config, name, limit)
     return getattr(config, name)
+
+
+# A guard on ComfyUI's LowVramPatch by its weight key: the cache entry was compiled for another block
+# (each block whose streamed modules carry a LoRA has a graph of its own), so its failure says nothing
+# about why this block's own graph, if one exists, did not match.
+_ANOTHER_BLOCKS_KEY = re.compile(r"\.key == '[^']*\bblocks\.\d+\.")
+
+
+def _failures(message: str) -> list[str]:
+    """The guard failures one ``recompiles`` record lists, one per cache entry of the frame."""
+    lines = [x.strip() for x in message.splitlines()]
+    return [x[2:] for x in lines if x.startswith("- ") and "User stack" not in x]
+
+
+def fold_guard(failure: str) -> str:
+    """A guard failure with its entry number, source comment, block number and list indices left out,
+    so that the same guard on different blocks counts as one."""
+    text = re.sub(r"^\d+/\d+: ", "", failure).split("  # ")[0]
+    text = re.sub(r"\bblocks\.\d+\.", "blocks.N.", text)
+    return machine_free(re.sub(r"\[\d+\]", "[i]", text))[:200]
 
 
 def _short(text: str, n: int = 200) -> str:
@@ -114,12 +135,28 @@ class DynamoWatch:
             out[k] = out.get(k, 0) + count
         return dict(sorted(out.items(), key=lambda kv: -kv[1])[:n])
 
+    def mark(self) -> int:
+        """How many recompiles have been seen: a boundary for :meth:`guard_causes`."""
+        return len(self.recompiles)
+
+    def guard_causes(self, start: int = 0, end: int | None = None, n: int = 12) -> dict:
+        """{folded guard failure: recompiles it was part of} over the recompiles ``start:end``, leaving out
+        the entries compiled for another block (:data:`_ANOTHER_BLOCKS_KEY`): what remains is why a block's
+        own entry, made by an earlier expert or step, did not match.  A recompile whose every entry
+        belongs to another block (the block's first compile) counts under "first graph of this block"."""
+        counts: dict = {}
+        for message in self.recompiles[start:end]:
+            causes = {fold_guard(f) for f in _failures(message) if not _ANOTHER_BLOCKS_KEY.search(f)}
+            for cause in causes or {"first graph of this block"}:
+                counts[cause] = counts.get(cause, 0) + 1
+        return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:n])
+
     def recompile_reasons(self, n: int = 8) -> list[str]:
         """The distinct guard failures that caused recompiles (the first one named in each record)."""
         out = []
         for msg in self.recompiles:
             lines = [x.strip() for x in msg.splitlines()]
-            fails = [x[2:] for x in lines if x.startswith("- ") and "User stack" not in x]
+            fails = _failures(msg)
             text = _short(lines[0] + (": " + fails[0] if fails else ""), 240)
             if text not in out:
                 out.append(text)

@@ -578,6 +578,7 @@ class Host:
         if spec.compile:
             self.dynamo().reset()       # a fresh process's compile state; the experts' modules are kept between runs
             dynamo0 = self.dynamo().reading()
+        dynamo_low = None                 # (reading, recompiles seen) when the low-noise expert starts
         row = {"schema": SCHEMA, "run": run_label(spec, self.args),
                "config": {"estimator": spec.estimator, "attention": spec.attention, "budget_gib": spec.budget_gib,
                           "width": w, "height": h_px, "frames": f, "weights": self.args.weights, "steps": self.args.steps,
@@ -654,6 +655,8 @@ class Host:
                     h["lat"] = ks.sample(h["model_high"], "enable", self.args.seed, steps, 1.0, "euler", "simple",
                                          h["pos"], h["neg"], h["latent"], 0, half, "enable")[0]
                     walls["high"] = time.perf_counter() - t
+                if spec.compile:
+                    dynamo_low = (self.dynamo().reading(), self.dynamo().mark())
                 with timed("low"):
                     t = time.perf_counter()
                     h["lat"] = ks.sample(h["model_low"], "disable", self.args.seed, steps, 1.0, "euler", "simple",
@@ -703,6 +706,14 @@ class Host:
                               **watch.delta(watch.reading(), dynamo0),
                               "graph_break_reasons": watch.break_reasons(), "recompile_reasons": watch.recompile_reasons(),
                               "recompile_limit": _compile.set_recompile_limit(torch, None)}
+            if dynamo_low is not None:    # each expert's share, and why its blocks missed their earlier graphs
+                end = watch.reading()
+                row["compile"]["by_expert"] = {
+                    "high": {**watch.delta(dynamo_low[0], dynamo0), "guard_causes": watch.guard_causes(0, dynamo_low[1])},
+                    "low": {**watch.delta(end, dynamo_low[0]), "guard_causes": watch.guard_causes(dynamo_low[1])}}
+                for e, got in row["compile"]["by_expert"].items():
+                    self.log(f"e2e compile {e}: {got['unique_graphs']} graphs, {got['recompiles']} recompiles; "
+                             f"causes {json.dumps(got['guard_causes'])}")
         # free everything before the next run (unload first, while the run's patchers are alive)
         self.mm.unload_all_models()
         h.clear()

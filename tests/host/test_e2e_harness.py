@@ -357,6 +357,11 @@ def test_per_block_compiled_runs_compile_each_block_after_the_patch(e2e_rows):
     assert c["kwargs"]["high"]["blocks"] >= 1 and c["kwargs"]["high"]["backend"] == "eager"
     assert c["unique_graphs"] >= 1 and c["recompile_limit"] == 64
     assert all(len(e["step_s"]) == 2 for e in r["experts"].values())
+    # each expert's share: the low-noise expert reuses the high one's graphs (same options, same keys)
+    by = c["by_expert"]
+    assert by["high"]["unique_graphs"] >= 1 and by["low"]["unique_graphs"] == 0, by
+    assert by["high"]["unique_graphs"] + by["low"]["unique_graphs"] == c["unique_graphs"]
+    assert by["low"]["guard_causes"] == {} and "e2e compile low: 0 graphs" in err
     if r["sage_active"]:   # declined statically on the CPU, so uncounted under compile (attention/stats.py)
         assert all(s.startswith("patched") for s in r["patch_status"].values())
         assert all(e["attention"]["sage_calls"] == e["attention"]["sdpa_calls"] == 0 for e in r["experts"].values())

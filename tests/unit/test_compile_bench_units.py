@@ -149,3 +149,32 @@ def test_dynamo_reasons_name_files_without_the_machines_part():
     for kept in ("see https://pytorch.org/docs/stable/torch.compiler_troubleshooting.html", "file:///tmp/a/b.py",
                  "Eq((s0 + 1)//2, 45)", "x.size()[0]/s0/s1", "x // 2", "GiB/s", "[0/1] guard"):
         assert _compile._short(kept, 400) == kept
+
+
+def _recompile_message(*failures):
+    head = "Recompiling function forward in comfy/ldm/wan/model.py:211\n    triggered by the following guard failure(s):\n"
+    return head + "\n".join(f"    - 0/{i}: {f}  # out = comfy.lora.calculate_weight(...)" for i, f in enumerate(failures))
+
+
+def test_guard_causes_leave_out_the_entries_of_other_blocks_and_fold_block_numbers():
+    """A block's first compile fails only on other blocks' LoRA keys; a block whose own earlier graph
+    missed shows why, once per recompile, whatever the block number."""
+    import _compile
+
+    class Watch(_compile.DynamoWatch):
+        def __init__(self, messages):
+            self.recompiles = list(messages)
+    key = "self._modules['ffn']._modules['2'].weight_function[0].key == 'diffusion_model.blocks.{}.ffn.2.weight'"
+    own = "___check_obj_id(self._modules['ffn']._modules['2'].weight_function[0].patches, {})"
+    first = [_recompile_message(key.format(0)), _recompile_message(key.format(0), key.format(1))]
+    second = [_recompile_message(key.format(0), key.format(1), own.format(11)),
+              _recompile_message(own.format(12), key.format(1), own.format(13))]
+    w = Watch(first + second)
+    assert w.guard_causes(0, 2) == {"first graph of this block": 2}
+    folded = "___check_obj_id(self._modules['ffn']._modules['2'].weight_function[i].patches, 11)"
+    assert w.guard_causes(2) == {folded: 1, folded.replace("11", "12"): 1, folded.replace("11", "13"): 1}
+    assert w.guard_causes() == {"first graph of this block": 2, **w.guard_causes(2)}
+    assert _compile.fold_guard("0/3: len(self._modules['ffn']._modules['0'].weight_function) == 1  # has_function") == \
+        "len(self._modules['ffn']._modules['0'].weight_function) == 1"
+    assert _compile.fold_guard("0/3: x.key == 'diffusion_model.blocks.7.ffn.0.weight'") == \
+        "x.key == 'diffusion_model.blocks.N.ffn.0.weight'"
