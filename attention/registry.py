@@ -196,6 +196,22 @@ def auto_order(cc: int | None) -> tuple:
     return tuple(name for _r, _i, name in sorted(ranked))
 
 
+def planned_candidates(kernel: str, cc: int) -> tuple:
+    """(candidate kernels in order, why there are none or None) for a patch whose kernel setting is
+    ``kernel`` ("auto" or a registry name) on ``cc``, before availability is checked: the arch's
+    :func:`auto_order` for "auto", else the named kernel where it runs on ``cc``.  No candidates leave
+    every call on SDPA.  The working-memory estimate plans with this; the node narrows "auto" to the
+    kernels installed."""
+    if kernel == "auto":
+        names = auto_order(cc)
+        return names, (None if names else f"no kernel runs on sm{cc}")
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be auto or one of {', '.join(KERNELS)}; got {kernel!r}")
+    if KERNELS[kernel].runs_on(cc):
+        return (kernel,), None
+    return (), f"{kernel} does not run on sm{cc}"
+
+
 def memory_path(name: str, cc: int | None) -> str:
     """The kernel_bytes formula of kernel ``name`` on ``cc`` ("sdpa" for SDPA)."""
     if name == "sdpa":

@@ -137,16 +137,22 @@ WAN_CONFIGS = {
     # for CPU smoke runs of the harness only: the Wan 2.1 T2V layout at head dim 128, two blocks
     "tiny": dict(dim=256, ffn_dim=256, num_heads=2, num_layers=2, in_dim=16, out_dim=16),
 }
-# The wan-sage memory preset of each model above (``tiny`` has none: see :func:`wan_dims`).
-PRESET = {"a14b": "wan2.2-a14b", "1.3b": "wan2.1-1.3b", "ti2v5b": "wan2.2-ti2v-5b"}
+
+
+def presets() -> dict:
+    """The wan-sage memory preset of each model above (``tiny`` has none: see :func:`wan_dims`): the
+    table the measured rows are read with, ``memory.measured_rows.ROW_PRESETS``."""
+    load_pack()
+    from wan_sage.memory.measured_rows import ROW_PRESETS
+    return ROW_PRESETS
 
 
 def wan_dims(name: str):
     """The memory model's ``WanDims`` of a model of :data:`WAN_CONFIGS`: its preset, or for ``tiny``
     one made from the config (the TI2V-5B latent layout follows ``in_dim`` 48)."""
     from wan_sage.memory import activation_model
-    if name in PRESET:
-        return activation_model.PRESETS[PRESET[name]]
+    if name in presets():
+        return activation_model.PRESETS[presets()[name]]
     c = WAN_CONFIGS[name]
     return activation_model.WanDims(name, c["dim"], c["ffn_dim"], c["num_heads"], c["num_layers"],
                                     in_dim=c["in_dim"], out_dim=c["out_dim"])

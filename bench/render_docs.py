@@ -469,7 +469,7 @@ def memory_doc():
     o.append("AMD settings, the VAE dtype on AMD and LoRA patches of scaled fp8 weights, none of them on this path.\n")
     for title, _rs, lines, _totals in summary:
         o += [f"### {title}\n"] + lines + [""]
-    comfy = {m: [r["comfy"] / r["measured"] for r in fit + held if r["model"] == m] for m in _host.PRESET}
+    comfy = {m: [r["comfy"] / r["measured"] for r in fit + held if r["model"] == m] for m in _host.presets()}
     o.append("ComfyUI's own figure is " + "; ".join(f"{_span(v)}× the measured eager peak for {m}"
                                                     for m, v in comfy.items()) + ".\n")
     o += partial_load_section()

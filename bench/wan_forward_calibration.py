@@ -57,7 +57,6 @@ HELDOUT = {
                (1280, 704, 97), (832, 480, 161), (1280, 704, 161)],
 }
 SIZESETS = {"fit": SIZES, "heldout": HELDOUT}
-PRESET = _host.PRESET
 FITTED_TABLE = _host.ROOT / "memory" / "calibration" / "h200_forward.jsonl"
 
 # The plan's time estimate, besides the forwards themselves (seconds; guesses, shown with the estimate):
@@ -392,7 +391,7 @@ def main(argv=None):
                         if ok and rec.get("peak"):
                             row["err"] = (pred["total"] - rec["peak"]) / rec["peak"]
                         # what the prediction needs, to be recomputed by a later model
-                        row.update({"sizeset": sizeset_of(mname, (w, h, f)), "preset": PRESET.get(mname),
+                        row.update({"sizeset": sizeset_of(mname, (w, h, f)), "preset": _host.presets().get(mname),
                                     "dims": {k: getattr(dims, k) for k in ("dim", "ffn_dim", "num_heads", "num_layers",
                                                                           "in_dim", "out_dim", "latent_channels")},
                                     "vae_stride": list(dims.vae_stride), "latent": list(lat),

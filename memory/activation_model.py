@@ -121,6 +121,18 @@ class Workload:
     self_attn_groups: int = 1  # head groups the self-attention kernel call runs in (attention.head_groups)
 
 
+# ComfyUI names compiled modules by their key in the BaseModel; the compiled figure is for keys that are
+# all transformer blocks (each block its own graph).  The whole diffusion model as one graph
+# (TorchCompileModel's default) peaks above it and is planned as eager (docs/memory-calibration.md).
+BLOCK_KEY_PREFIX = "diffusion_model.blocks."
+
+
+def compiles_per_block(keys) -> bool:
+    """Whether torch.compile keys (ComfyUI module keys) name transformer blocks only."""
+    keys = list(keys or ())
+    return bool(keys) and all(str(k).startswith(BLOCK_KEY_PREFIX) for k in keys)
+
+
 # The blocks under torch.compile (inductor), per block as ComfyUI's set_torch_compile_wrapper
 # compiles them.  Measured on the H200 with ComfyUI 0.3.64's WanModel (bench/wan_forward_calibration.py
 # --compile, bench/compile_table.py; docs/memory-calibration.md):

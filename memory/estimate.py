@@ -69,25 +69,22 @@ def attention_plan(attention: str, cc: int | None = None) -> tuple:
     attention.kernel_bytes formulas the dispatcher's calls run on, for an --attention choice on
     compute capability ``cc`` (None: sm90).
 
-    The candidates are the arch's auto order in the kernel registry for ``sage-auto`` (none where
-    no kernel runs there), or the named kernel where it runs on the arch; the paths are the
+    The candidates are the registry's :func:`~attention.registry.planned_candidates` (the arch's auto
+    order for ``sage-auto``, none where no kernel runs there; the named kernel where it runs); the paths are the
     registry's :func:`~attention.registry.unmeasured_paths` over them, the rule the dispatcher
     applies to a shape with no timing: cross-attention on SDPA (reason ``cross_slower``),
     self-attention on the first candidate."""
     arch = cc or DEFAULT_CC
     if attention == "sdpa":
         return "sdpa", "sdpa", None, None
-    note = None
     if attention in ("sage-auto", "auto", "sage"):
-        names = registry.auto_order(arch)
-        if not names:
-            note = f"no kernel runs on sm{arch}: attention stays on SDPA"
+        kernel = "auto"
     elif attention in registry.KERNELS:
-        names = (attention,) if registry.KERNELS[attention].runs_on(arch) else ()
-        if not names:
-            note = f"{attention} does not run on sm{arch}: attention stays on SDPA"
+        kernel = attention
     else:
         raise ValueError(f"attention must be sdpa, sage-auto or one of {', '.join(registry.KERNELS)}")
+    names, why = registry.planned_candidates(kernel, arch)
+    note = None if why is None else f"{why}: attention stays on SDPA"
     self_path, cross_path, name = registry.unmeasured_paths(names, arch)
     return self_path, cross_path, name, note
 

@@ -68,5 +68,4 @@ def compiled_blocks(config: dict) -> bool:
     """Whether an end-to-end run compiled its transformer blocks one by one (the compiled figure), as
     opposed to running eagerly or compiling the whole model as one graph (planned as eager, as the node
     plans it)."""
-    keys = (config.get("compile") or {}).get("keys") or []
-    return bool(keys) and all(k.startswith("diffusion_model.blocks.") for k in keys)
+    return activation_model.compiles_per_block((config.get("compile") or {}).get("keys"))

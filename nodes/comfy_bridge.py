@@ -162,8 +162,7 @@ def _wrapper_keys(wrapper) -> set | None:
 
 
 def _scope_of_keys(keys) -> str:
-    blocks = all(k.startswith("diffusion_model.blocks.") for k in keys)
-    return BLOCKS if keys and blocks else WHOLE_MODEL
+    return BLOCKS if activation_model.compiles_per_block(keys) else WHOLE_MODEL
 
 
 def compile_scope(model, model_options=None) -> tuple[str, str] | None:

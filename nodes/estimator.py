@@ -66,15 +66,13 @@ def attention_for(model_options, settings: Settings, dev) -> tuple:
     found_cc = _cc(dev)
     cc = found_cc or DEFAULT_CC
     name = ov.config.kernel if ov is not None else "auto"
-    if name == "auto":
-        cands = kernels.auto_candidates(cc) if found_cc else ()
-        names = cands or registry.auto_order(cc)
-        if not names:
-            return "sdpa", "sdpa", f"sdpa (no kernel runs on sm{cc})"
-    elif name not in registry.KERNELS or not registry.KERNELS[name].runs_on(cc):
-        return "sdpa", "sdpa", f"sdpa ({name} does not run on sm{cc})"
-    else:
-        names = (name,)
+    if name != "auto" and name not in registry.KERNELS:
+        return "sdpa", "sdpa", f"sdpa ({name} is not a kernel of this version)"
+    names, why = registry.planned_candidates(name, cc)
+    if name == "auto" and found_cc:
+        names = kernels.auto_candidates(cc) or names  # the kernels installed here, in the same order
+    if not names:
+        return "sdpa", "sdpa", f"sdpa ({why})"
     self_path, cross_path, kernel = registry.unmeasured_paths(names, cc)
     return self_path, cross_path, kernel
 

@@ -83,3 +83,22 @@ def test_the_dispatcher_and_the_estimate_share_one_rule_for_unmeasured_calls(mon
     _e, sage = _phases("sage-auto", 90)
     _e, sdpa = _phases("sdpa", 90)
     assert sage["cross"] > sdpa["cross"]
+
+
+def test_the_cli_and_the_node_take_their_candidate_kernels_from_one_registry_rule(monkeypatch):
+    """Which kernels a patch would use on an arch (the auto order, or the named kernel where it runs)
+    is decided once, in the registry: changing it changes the CLI's plan and the node's count alike."""
+    from wan_sage.attention.dispatch import PatchConfig, SageAttentionOverride
+    from wan_sage.nodes import comfy_bridge, estimator
+    assert registry.planned_candidates("auto", 70) == ((), "no kernel runs on sm70")
+    assert registry.planned_candidates("sage2_sm90", 89) == ((), "sage2_sm90 does not run on sm89")
+    assert registry.planned_candidates("sage2_sm90", 90) == (("sage2_sm90",), None)
+    with pytest.raises(ValueError, match="kernel must be auto or one of"):
+        registry.planned_candidates("flash", 90)
+    mo = {"transformer_options": {comfy_bridge.OVERRIDE_KEY: SageAttentionOverride(PatchConfig(kernel="sage2_sm90"))}}
+    monkeypatch.setattr(estimator, "_cc", lambda dev: 89)
+    assert estimator.attention_for(mo, estimator.Settings(), None) == ("sdpa", "sdpa", "sdpa (sage2_sm90 does not run on sm89)")
+    monkeypatch.setattr(registry, "planned_candidates", lambda kernel, cc: (("sage2_sm90",), None))
+    sm90 = registry.memory_path("sage2_sm90", 89)
+    assert attention_plan("sage2_sm90", 89)[:3] == (sm90, "sdpa", "sage2_sm90")
+    assert estimator.attention_for(mo, estimator.Settings(), None) == (sm90, "sdpa", "sage2_sm90")
