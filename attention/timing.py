@@ -282,6 +282,13 @@ class Calibration:
     output_from: Trial | None  # None: SDPA's
 
 
+def _failed(variant, e: BaseException, oom_error: type) -> Trial:
+    """The trial of a variant whose run raised ``e``: "oom" for ``oom_error``, else "error" with the message."""
+    if isinstance(e, oom_error):
+        return Trial(variant.kernel, variant.groups, failure="oom")
+    return Trial(variant.kernel, variant.groups, failure="error", error=f"{type(e).__name__}: {e}")
+
+
 def calibrate(variants, run_sdpa: Callable[[], object], fits: Callable[[int], bool], oom_error: type,
               time_fn: Callable | None = None) -> Calibration:
     """Time SDPA and each variant once after a warm-up run (JIT, autotune), then run the call once
@@ -305,12 +312,10 @@ def calibrate(variants, run_sdpa: Callable[[], object], fits: Callable[[int], bo
         try:
             variant.run()
             ms = time_fn(variant.run)
-        except oom_error:
-            trials.append(Trial(variant.kernel, variant.groups, failure="oom"))
-            continue
-        except Exception as e:  # recorded against this kernel by the caller
-            raised.add(variant.kernel)
-            trials.append(Trial(variant.kernel, variant.groups, failure="error", error=f"{type(e).__name__}: {e}"))
+        except (oom_error, Exception) as e:  # an error is recorded against this kernel by the caller
+            trials.append(_failed(variant, e, oom_error))
+            if not isinstance(e, oom_error):
+                raised.add(variant.kernel)
             continue
         trial = Trial(variant.kernel, variant.groups, ms=ms)
         trials.append(trial)
@@ -319,8 +324,6 @@ def calibrate(variants, run_sdpa: Callable[[], object], fits: Callable[[int], bo
     if best is not None:
         try:
             return Calibration(sdpa_ms, trials, best[1].run(), best[0])
-        except oom_error:
-            trials.append(Trial(best[0].kernel, best[0].groups, failure="oom"))
-        except Exception as e:
-            trials.append(Trial(best[0].kernel, best[0].groups, failure="error", error=f"{type(e).__name__}: {e}"))
+        except (oom_error, Exception) as e:
+            trials.append(_failed(best[1], e, oom_error))
     return Calibration(sdpa_ms, trials, run_sdpa(), None)
