@@ -304,7 +304,7 @@ def main(argv=None):
             t0 = time.time()
             patcher = _host.build_wan(mname, dts[dname], dev)
             mm.load_models_gpu([patcher])
-            dims = activation_model.PRESETS[PRESET[mname]] if mname in PRESET else _host.wan_dims(mname)
+            dims = _host.wan_dims(mname)
             print(f"# built {mname} {dname} in {time.time() - t0:.1f}s; weights {patcher.model_size() / 2**30:.2f} GiB", flush=True)
             for attn in a.attn.split(","):
                 for mode in (a.modes if attn == "sage" else [None]):

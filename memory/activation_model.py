@@ -29,7 +29,7 @@ rows), the text/image context, and for VACE the control streams plus the un-bloc
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 __all__ = ["WanDims", "PRESETS", "COMPILED", "Workload", "latent_shape", "latent_elems", "tokens", "phase_peaks", "forward_peak",
            "largest_block", "weight_transient", "WeightSetup", "DTYPE_BYTES"]
