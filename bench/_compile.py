@@ -45,10 +45,14 @@ def set_recompile_limit(torch, limit: int | None) -> int:
 _ANOTHER_BLOCKS_KEY = re.compile(r"\.key == '[^']*\bblocks\.\d+\.")
 
 
+_ENTRY = re.compile(r"^- (\d+/\d+: .*)")
+
+
 def _failures(message: str) -> list[str]:
-    """The guard failures one ``recompiles`` record lists, one per cache entry of the frame."""
-    lines = [x.strip() for x in message.splitlines()]
-    return [x[2:] for x in lines if x.startswith("- ") and "User stack" not in x]
+    """The guard failures one ``recompiles`` record lists, one per cache entry of the frame (``- 0/3:
+    guard``); the user stack under each (its lines are also prefixed "- ") is left out."""
+    found = (_ENTRY.match(x.strip()) for x in message.splitlines())
+    return [m.group(1) for m in found if m]
 
 
 def fold_guard(failure: str) -> str:

@@ -117,19 +117,36 @@ COMPILED_STREAMED_NOTE = ("weights partly offloaded: compiled blocks are reserve
                           "measured only with GGUF weights)")
 
 
+COMPILED_CAST_NOTE = ("weights cast at every layer call (fp8): compiled blocks are reserved for as eager ones (the "
+                      "allocator's holes around the casts stay under compile; docs/memory-calibration.md, "
+                      "\"Compiled blocks with cast weights\")")
+COMPILED_AS_EAGER_NOTES = {"streamed": COMPILED_STREAMED_NOTE, "cast": COMPILED_CAST_NOTE}
+
+
+def compiled_as_eager(w: activation_model.Workload, ws: activation_model.WeightSetup, partial: bool) -> str:
+    """Why compiled blocks are reserved for as eager ones ("" where the compiled figure stands):
+
+    * "streamed": their weights stream (partial loading), and ComfyUI casts each streamed weight inside
+      the compiled graph.  Measured end to end with GGUF and fp8 weights (docs/memory-calibration.md,
+      "Partly offloaded end to end"), within the eager reservation.
+    * "cast": their weights are cast to the compute dtype at every layer call (fp8 checkpoints).  The
+      allocator's holes around the casts are not smaller under compile: the one fully resident fp8 expert
+      measured compiled held more above its weights than the compiled figure, and less than the eager one.
+    The compiled figure itself comes from forwards with resident weights in the compute dtype."""
+    if not w.compiled:
+        return ""
+    if ws.streamed or partial:
+        return "streamed"
+    return "cast" if ws.casts_to(w.dtype) else ""
+
+
 def activation_bytes(dims: activation_model.WanDims, w: activation_model.Workload, ws: activation_model.WeightSetup | None = None,
                      partial: bool = False) -> dict:
-    """Peak bytes of one forward with ``w.rows`` rows, split into named terms.
-
-    Compiled blocks whose weights stream (partial loading) are counted as eager: ComfyUI then casts
-    each streamed weight inside the compiled graph.  Measured end to end only with GGUF weights
-    (docs/memory-calibration.md, "Partly offloaded end to end": A14B 720p81 at 16 and 12 GiB), where the
-    allocator held up to 2.9 GiB above the compiled forward's allocated peak, 6.95-9.60 GiB in all, within
-    this reservation; fp8 and
-    bf16 streamed under compile are unmeasured, so the larger eager figure is kept."""
+    """Peak bytes of one forward with ``w.rows`` rows, split into named terms.  Compiled blocks count
+    as eager where :func:`compiled_as_eager` says why ("compiled_as_eager" in the result)."""
     ws = ws or activation_model.WeightSetup()
-    compiled_as_eager = w.compiled and (ws.streamed or partial)
-    if compiled_as_eager:
+    as_eager = compiled_as_eager(w, ws, partial)
+    if as_eager:
         w = replace(w, compiled=False)
     phase, pers, top = activation_model.forward_peak(dims, w)
     base = phase + pers
@@ -143,7 +160,7 @@ def activation_bytes(dims: activation_model.WanDims, w: activation_model.Workloa
         "phase_peak": phase, "dominant_phase": top, "persistent": pers,
         "sage_extra": (phase + pers) - (sdpa_phase + sdpa_pers),
         "weight_transient": transient, "slack": slack, "fragmentation": frag, "total": total,
-        "compiled_as_eager": compiled_as_eager,
+        "compiled_as_eager": as_eager,
     }
 
 
@@ -297,8 +314,10 @@ def estimate(r: EstimateRequest) -> Estimate:
     elif r.vram_bytes is not None:
         verdict = "fits" if par_r <= r.vram_bytes - r.reserved_bytes else "cannot fit its reservation even fully offloaded"
     notes = rounding_notes(dims, r.width, r.height, r.frames) + ([attention_note] if attention_note else [])
-    if par["compiled_as_eager"] and not verdict.startswith("fits"):
-        notes.append(COMPILED_STREAMED_NOTE)
+    if res["compiled_as_eager"]:
+        notes.append(COMPILED_AS_EAGER_NOTES[res["compiled_as_eager"]])
+    elif par["compiled_as_eager"] and not verdict.startswith("fits"):
+        notes.append(COMPILED_AS_EAGER_NOTES[par["compiled_as_eager"]])
     return Estimate(
         request={"model": dims.name, "width": r.width, "height": r.height, "frames": r.frames,
                  "batch": r.batch, "cfg": r.cfg, "dtype": r.dtype, "attention": r.attention,

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from ..attention import kernels, registry
 from ..memory import activation_model
 from ..memory.api import POLICIES  # one list for the node, the route and the panel
-from ..memory.estimate import COMPILED_STREAMED_NOTE, DEFAULT_CC, GiB, activation_bytes, sage_groups, verdict_for
+from ..memory.estimate import COMPILED_AS_EAGER_NOTES, DEFAULT_CC, GiB, activation_bytes, sage_groups, verdict_for
 from . import comfy_bridge
 from .log_once import reason, warn_once
 from .sage_patch import find_override
@@ -214,7 +214,7 @@ def report_from_facts(f: dict, shape) -> str:
             f"{'; ' + ('streaming + ' if f['partial'] else '') + 'fragmentation ' + format(t['fragmentation'] / GiB, '.2f') + ' GiB' if t['fragmentation'] else ''}); "
             f"ComfyUI's own estimate: {f['comfy'] / GiB:.2f} GiB\n"
             f"weights: {f['weights'] / GiB:.2f} GiB; VRAM for this model (free + evictable): {f['capacity'] / GiB:.2f} GiB\n"
-            f"verdict: {verdict}" + (f"\nnote: {COMPILED_STREAMED_NOTE}" if t.get("compiled_as_eager") else "")
+            f"verdict: {verdict}" + (f"\nnote: {COMPILED_AS_EAGER_NOTES[t['compiled_as_eager']]}" if t.get("compiled_as_eager") else "")
             + (f"\nnote: {WHOLE_MODEL_COMPILE_NOTE}" if f.get("compiled_by") and not mode.compiled else "")
             + (DYNAMIC_NOTE if f.get("dynamic") else ""))
 

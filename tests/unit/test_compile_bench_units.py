@@ -153,7 +153,10 @@ def test_dynamo_reasons_name_files_without_the_machines_part():
 
 def _recompile_message(*failures):
     head = "Recompiling function forward in comfy/ldm/wan/model.py:211\n    triggered by the following guard failure(s):\n"
-    return head + "\n".join(f"    - 0/{i}: {f}  # out = comfy.lora.calculate_weight(...)" for i, f in enumerate(failures))
+    stack = ("    - User stack trace:\n    -   File \"comfy/ldm/wan/model.py\", line 244, in forward\n"
+             "    -     y = self.ffn(torch.addcmul(repeat_e(e[3], x), self.norm2(x), 1 + repeat_e(e[4], x)))\n")
+    return head + "".join(f"    - 0/{i}: {f}  # out = comfy.lora.calculate_weight(...)\n" + stack
+                          for i, f in enumerate(failures))
 
 
 def test_guard_causes_leave_out_the_entries_of_other_blocks_and_fold_block_numbers():

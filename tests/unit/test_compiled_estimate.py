@@ -156,3 +156,38 @@ def test_compiled_blocks_with_streamed_weights_are_reserved_as_eager():
     assert resident.verdict.startswith("fits") and not any("compiled blocks" in n for n in resident.notes)
     offloads = estimate(EstimateRequest(**base, compiled=True, vram_bytes=16 * GiB, weights_bytes=28 * GiB))
     assert offloads.verdict.startswith("offloads") and any("compiled blocks" in n for n in offloads.notes)
+
+
+def test_compiled_blocks_with_weights_cast_at_every_call_are_reserved_as_eager(capsys):
+    """fp8 weights are cast at every layer call, and the allocator's holes around the casts stay under
+    compile: their compiled reservation is the eager one, resident or streamed, and the plan says why.
+    Weights in the compute dtype and GGUF keep the compiled figure."""
+    base = dict(dims=A14B, width=1280, height=720, frames=81, attention="sdpa", dtype="fp16")
+    fp8 = activation_model.WeightSetup("fp8")
+    eager = estimate(EstimateRequest(**base, weights=fp8))
+    compiled = estimate(EstimateRequest(**base, weights=fp8, compiled=True))
+    assert compiled.reservation_resident == eager.reservation_resident
+    assert compiled.resident["compiled_as_eager"] == "cast" and compiled.partial["compiled_as_eager"] == "streamed"
+    assert any("weights cast at every layer call" in n for n in compiled.notes)
+    for ws in (activation_model.WeightSetup(), activation_model.WeightSetup("gguf", gguf_bytes_per_param=0.56)):
+        plain = estimate(EstimateRequest(**base, weights=ws))
+        comp = estimate(EstimateRequest(**base, weights=ws, compiled=True))
+        assert comp.reservation_resident < plain.reservation_resident and not comp.resident["compiled_as_eager"]
+        assert not any("weights cast" in n for n in comp.notes)
+    assert cli.main(["plan", "--preset", "wan2.2-a14b", "--width", "1280", "--height", "720", "--frames", "81",
+                     "--weights", "fp8", "--compiled"]) == 0
+    assert "weights cast at every layer call (fp8): compiled blocks are reserved for as eager" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("why,words", [("cast", "weights cast at every layer call"), ("streamed", "weights partly offloaded"),
+                                       ("", None)])
+def test_the_nodes_report_says_why_compiled_blocks_are_reserved_as_eager(why, words):
+    from wan_sage.memory.estimate import activation_bytes
+    w = activation_model.Workload(L=75600, rows=1, dtype="fp16", compiled=True)
+    terms = {**activation_bytes(A14B, w), "compiled_as_eager": why}
+    facts = {"terms": terms, "weights": 14 * GiB, "resident_need": 9 * GiB, "reservation": 9 * GiB, "capacity": 24 * GiB,
+             "reserved": 0, "dims": A14B, "attention": "sdpa", "dtype": "fp16", "tokens": 75600, "partial": why == "streamed",
+             "comfy": 13 * GiB, "compiled_by": "per-block compile", "mode": estimator.RunMode(compiled=True)}
+    text = estimator.report_from_facts(facts, [1, 16, 21, 90, 160])
+    notes = [line for line in text.splitlines() if line.startswith("note: ") and "reserved for as eager" in line]
+    assert (notes == []) if words is None else (len(notes) == 1 and words in notes[0])

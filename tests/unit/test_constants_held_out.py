@@ -52,7 +52,8 @@ def test_the_records_cover_both_factors():
     assert len(partly) >= 10 and len(cast_resident) >= 4
 
 
-E2E_STREAMED_FILES = ("e2e-h200-gguf-budgets.jsonl", "e2e-h200-gguf-budgets-2.jsonl", "e2e-h200-fp8-compile.jsonl")
+E2E_STREAMED_FILES = ("e2e-h200-gguf-budgets.jsonl", "e2e-h200-gguf-budgets-2.jsonl", "e2e-h200-fp8-compile.jsonl",
+                      "e2e-h200-fp8-compile-2.jsonl")
 E2E_STREAMED = [(f"{r['run']} {r['config']['weights']} {name}", r, e)
                 for r in (json.loads(line) for f in E2E_STREAMED_FILES
                           for line in (MEASURED / f).read_text().splitlines() if line.strip())
@@ -78,3 +79,19 @@ def test_the_end_to_end_records_stream_weights_eager_and_compiled():
         assert {r["config"]["budget_gib"] for r in rs} >= {16.0, 12.0}, weights
     assert {r["config"]["budget_gib"] for _n, r, _e in E2E_STREAMED} >= {16.0, 12.0, 10.0, 8.0}
     assert len({(r["config"]["width"], r["config"]["height"], r["config"]["frames"]) for _n, r, _e in E2E_STREAMED}) >= 3
+
+
+def test_the_compiled_fp8_expert_kept_resident_is_now_reserved_above_what_it_held():
+    """Regression guard, not validation: session 9's low-noise fp8 expert, compiled per block with every
+    weight resident, held more above its weights than the compiled figure reserved for it then; compiled
+    blocks with cast weights are now reserved for as eager ones (memory/estimate.compiled_as_eager),
+    a rule made after seeing this row."""
+    rs = [json.loads(line) for line in (MEASURED / "e2e-h200-fp8-compile-2.jsonl").read_text().splitlines() if line.strip()]
+    resident = [(r, e) for r in rs if r["status"] == "ok" and r["config"].get("compile")
+                for e in r["experts"].values() if e["resident_frac"] >= 0.9999]
+    assert resident
+    for r, e in resident:
+        held = (e["peak_reserved_gib"] - e["resident_gib"]) * GiB
+        est = e2e_estimate(r["config"])
+        assert e["predicted_working_gib"] * GiB < held <= est.reservation_resident, (held / GiB, est.reservation_resident / GiB)
+        assert est.resident["compiled_as_eager"] == "cast"
