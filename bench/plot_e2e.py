@@ -240,6 +240,11 @@ def _steps_s(r, skip_first: bool = False):
     return sum(steps) / len(steps) if steps else None
 
 
+# Less than this left between the budget and the sampling's peak reserved: the run came within the
+# allocator's rounding of running out of memory, which the headroom target must not count as met.
+AT_THE_BUDGET_GIB = 0.25
+
+
 def sampling_peak_reserved(r: dict):
     """The highest peak reserved while an expert sampled (GiB), or the run's peak where the record has no
     expert peaks.  The headroom is the estimator's: at a small budget the run's own peak can be the
@@ -338,10 +343,13 @@ def targets(runs: list[dict], budget: float = 24.0) -> list[tuple]:
             peak = sampling_peak_reserved(r)
             head = c["budget_gib"] - peak if peak is not None else None
             full = all(f >= 0.9999 for f in fr) if fr else None
+            if head is not None and head < AT_THE_BUDGET_GIB:
+                verdict = "at the budget"            # a risk, not a saving: the allocator had nothing left
+            else:
+                verdict = "met" if full or (head is not None and head < 1.5) else "missed"
             out.append((f"{w}: headroom, {lab.replace(chr(10), ' · ')}",
                         f"resident {', '.join(f'{f:.0%}' for f in fr)}; budget − sampling peak reserved "
-                        f"{'—' if head is None else f'{head:.2f} GiB'}",
-                        "met" if full or (head is not None and head < 1.5) else "missed"))
+                        f"{'—' if head is None else f'{head:.2f} GiB'}", verdict))
     return out
 
 

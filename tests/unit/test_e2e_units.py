@@ -441,6 +441,12 @@ def test_estimator_runs_pair_with_comfyui_alone_on_sdpa_of_the_same_compile_and_
         ("2 pairs, 2 estimator runs; out of memory in 1: 720p81 12 GB gguf · estimator + SAGE + compile per block", "missed")
     assert t["headroom, 720p81 12 GB gguf · estimator + SAGE"] == \
         ("resident 6%, 6%; budget − sampling peak reserved 3.70 GiB", "missed")
+    # a run whose sampling reached the budget is not a headroom met, even with every weight resident
+    for e in runs[4]["experts"].values():
+        e["peak_reserved_gib"], e["resident_frac"] = 16.01, 1.0
+    t = {name.split(": ", 1)[1]: (m, v) for name, m, v in plot_e2e.targets(runs)}
+    assert t["headroom, 720p81 16 GB gguf · estimator + SAGE + compile per block"] == \
+        ("resident 100%, 100%; budget − sampling peak reserved -0.01 GiB", "at the budget")
 
 
 def test_short_path_keeps_no_machine_prefix():
