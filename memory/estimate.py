@@ -113,8 +113,8 @@ def fragmentation_bytes(dims: activation_model.WanDims, w: activation_model.Work
 
 
 COMPILED_STREAMED_NOTE = ("weights partly offloaded: compiled blocks are reserved for as eager ones (streaming "
-                          "under compile leaves the allocator holding more above the compiled peak, and was "
-                          "measured only with GGUF weights)")
+                          "under compile leaves the allocator holding more above the compiled peak; measured with "
+                          "GGUF and fp8 weights)")
 
 
 COMPILED_CAST_NOTE = ("weights cast at every layer call (fp8): compiled blocks are reserved for as eager ones (the "
