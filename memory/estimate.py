@@ -314,10 +314,8 @@ def estimate(r: EstimateRequest) -> Estimate:
     elif r.vram_bytes is not None:
         verdict = "fits" if par_r <= r.vram_bytes - r.reserved_bytes else "cannot fit its reservation even fully offloaded"
     notes = rounding_notes(dims, r.width, r.height, r.frames) + ([attention_note] if attention_note else [])
-    if res["compiled_as_eager"]:
-        notes.append(COMPILED_AS_EAGER_NOTES[res["compiled_as_eager"]])
-    elif par["compiled_as_eager"] and not verdict.startswith("fits"):
-        notes.append(COMPILED_AS_EAGER_NOTES[par["compiled_as_eager"]])
+    eager_whys = [res["compiled_as_eager"]] + ([par["compiled_as_eager"]] if not verdict.startswith("fits") else [])
+    notes += [COMPILED_AS_EAGER_NOTES[why] for why in dict.fromkeys(eager_whys) if why]
     return Estimate(
         request={"model": dims.name, "width": r.width, "height": r.height, "frames": r.frames,
                  "batch": r.batch, "cfg": r.cfg, "dtype": r.dtype, "attention": r.attention,

@@ -169,6 +169,10 @@ def test_compiled_blocks_with_weights_cast_at_every_call_are_reserved_as_eager(c
     assert compiled.reservation_resident == eager.reservation_resident
     assert compiled.resident["compiled_as_eager"] == "cast" and compiled.partial["compiled_as_eager"] == "streamed"
     assert any("weights cast at every layer call" in n for n in compiled.notes)
+    offloads = estimate(EstimateRequest(**base, weights=fp8, compiled=True, vram_bytes=16 * GiB, weights_bytes=14 * GiB))
+    assert offloads.verdict.startswith("offloads")      # both reasons apply, and both are said
+    assert [n.split(":")[0] for n in offloads.notes if "reserved for as eager" in n] == \
+        ["weights cast at every layer call (fp8)", "weights partly offloaded"]
     for ws in (activation_model.WeightSetup(), activation_model.WeightSetup("gguf", gguf_bytes_per_param=0.56)):
         plain = estimate(EstimateRequest(**base, weights=ws))
         comp = estimate(EstimateRequest(**base, weights=ws, compiled=True))
