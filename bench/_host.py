@@ -151,8 +151,9 @@ def wan_dims(name: str):
     """The memory model's ``WanDims`` of a model of :data:`WAN_CONFIGS`: its preset, or for ``tiny``
     one made from the config (the TI2V-5B latent layout follows ``in_dim`` 48)."""
     from wan_sage.memory import activation_model
-    if name in presets():
-        return activation_model.PRESETS[presets()[name]]
+    preset = presets().get(name)
+    if preset is not None:
+        return activation_model.PRESETS[preset]
     c = WAN_CONFIGS[name]
     return activation_model.WanDims(name, c["dim"], c["ffn_dim"], c["num_heads"], c["num_layers"],
                                     in_dim=c["in_dim"], out_dim=c["out_dim"])

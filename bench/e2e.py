@@ -702,12 +702,12 @@ class Host:
         if spec.compile:              # what dynamo did in this run (the node leaves the recompile limit as it is)
             import _compile
             watch = self.dynamo()
+            end = watch.reading()
             row["compile"] = {"kwargs": {e: extras.get(f"compile_{e}") for e in ("high", "low")},
-                              **watch.delta(watch.reading(), dynamo0),
+                              **watch.delta(end, dynamo0),
                               "graph_break_reasons": watch.break_reasons(), "recompile_reasons": watch.recompile_reasons(),
                               "recompile_limit": _compile.set_recompile_limit(torch, None)}
             if dynamo_low is not None:    # each expert's share, and why its blocks missed their earlier graphs
-                end = watch.reading()
                 row["compile"]["by_expert"] = {
                     "high": {**watch.delta(dynamo_low[0], dynamo0), "guard_causes": watch.guard_causes(0, dynamo_low[1])},
                     "low": {**watch.delta(end, dynamo_low[0]), "guard_causes": watch.guard_causes(dynamo_low[1])}}

@@ -668,11 +668,14 @@ def e2e_compiled_resident_section() -> list:
     return o
 
 
+def held_above_weights(e: dict) -> float:
+    """What the allocator held above an expert's resident weights at its sampling peak (GiB)."""
+    return e["peak_reserved_gib"] - e["resident_gib"]
+
+
 def e2e_compiled_cast_section() -> list:
     """The fp8 experts compiled per block with every weight resident, against what fully resident fp8
     experts held in eager mode and against the reservation made then and today's; from the e2e records."""
-    def held(e):
-        return e["peak_reserved_gib"] - e["resident_gib"]
     compiled, eager = [], []
     for fname, session in E2E_SESSIONS.items():
         for r in rows(M / fname):
@@ -688,19 +691,19 @@ def e2e_compiled_cast_section() -> list:
     o = ["\n## Compiled blocks with cast weights (fp8 A14B, H200)\n",
          "fp8 weights are cast to the compute dtype at every layer call, and the allocator keeps holes around those casts",
          f"(the cast term, `cast_frag_factor`). Fully resident fp8 experts in eager mode under a budget ({len(eager)} experts of",
-         f"{_and([f'`{f}`' for f in E2E_FP8_EAGER_FILES])}) held {_span([held(e) for e in eager])} GiB above their weights, with",
+         f"{_and([f'`{f}`' for f in E2E_FP8_EAGER_FILES])}) held {_span([held_above_weights(e) for e in eager])} GiB above their weights, with",
          f"{_span([e['working_gib'] for e in eager])} GiB of it allocated. Compiled per block with every weight resident:\n",
          "| session | run | expert | working GiB | held above the weights | peak reserved / budget GiB | reserved then | reservation today |",
          "|---:|---|---|---:|---:|---:|---:|---:|"]
     for session, r, name, e in compiled:
         today = e2e_estimate(r["config"]).reservation_resident / GiB
-        o.append(f"| {session} | {r['run'].split(':')[0]} | {name} | {e['working_gib']:.2f} | {held(e):.2f} | "
+        o.append(f"| {session} | {r['run'].split(':')[0]} | {name} | {e['working_gib']:.2f} | {held_above_weights(e):.2f} | "
                  f"{e['peak_reserved_gib']:.2f} / {r['config']['budget_gib']:g} | {e['predicted_working_gib']:.2f} | {today:.2f} |")
-    worst = max(compiled, key=lambda x: held(x[3]))
+    worst = max(compiled, key=lambda x: held_above_weights(x[3]))
     e = worst[3]
     o += ["",
           f"Under compile the allocated working memory was smaller ({e['working_gib']:.2f} GiB) but the memory held above the weights",
-          f"was not ({held(e):.2f} GiB), and it reached the budget ({e['peak_reserved_gib']:.2f} of {worst[1]['config']['budget_gib']:g} GiB) without",
+          f"was not ({held_above_weights(e):.2f} GiB), and it reached the budget ({e['peak_reserved_gib']:.2f} of {worst[1]['config']['budget_gib']:g} GiB) without",
           f"running out. The reservation made then, the compiled figure ({e['predicted_working_gib']:.2f} GiB), was below what was held. So",
           "compiled blocks whose weights are cast at every call are now reserved for as eager ones (`COMPILED_CAST_NOTE`,",
           "`memory/estimate.compiled_as_eager`): the right-hand column. No constant changed; the rule was made after seeing",
@@ -726,18 +729,18 @@ def _streamed_rows(files) -> tuple:
             for name, e in r["experts"].items():
                 if e["resident_frac"] >= 0.9999:
                     continue
-                held = e["peak_reserved_gib"] - e["resident_gib"]
+                held_gib = held_above_weights(e)
                 above = e["peak_reserved_gib"] - e["peak_alloc_gib"]
                 res = est.reservation_partial / GiB
                 kind = "compiled" if c.get("compile") else "eager"
-                held_over.setdefault(kind, []).append((held, above, res))
+                held_over.setdefault(kind, []).append((held_gib, above, res))
                 if kind == "eager":
-                    over_resident.setdefault(session, []).append(held - est.reservation_resident / GiB)
+                    over_resident.setdefault(session, []).append(held_gib - est.reservation_resident / GiB)
                 elif compiled_blocks(c):
-                    compiled.append((held, est.reservation_resident / GiB))
+                    compiled.append((held_gib, est.reservation_resident / GiB))
                 lines.append(f"| {session} | {r['run'].split('@')[0]}@{c['budget_gib']:g} | {c['width']}×{c['height']}×{c['frames']} | "
                              f"{name} | {e['resident_frac']:.0%} | {e['working_gib']:.2f} | {above:.2f} | "
-                             f"{held:.2f} | {res:.2f} | {held / res:.2f} |")
+                             f"{held_gib:.2f} | {res:.2f} | {held_gib / res:.2f} |")
     return lines, held_over, over_resident, compiled
 
 
