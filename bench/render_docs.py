@@ -6,6 +6,7 @@ import math
 import statistics
 import sys
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _host  # noqa: E402
@@ -192,6 +193,7 @@ E2E_BUDGETS_2_FILE = "e2e-h200-gguf-budgets-2.jsonl"
 E2E_BUDGETS_3_FILE = "e2e-h200-gguf-budgets-3.jsonl"
 E2E_FP8_COMPILE_FILE = "e2e-h200-fp8-compile.jsonl"
 E2E_FP8_COMPILE_2_FILE = "e2e-h200-fp8-compile-2.jsonl"
+E2E_FP8_COMPILE_3_FILE = "e2e-h200-fp8-compile-3.jsonl"
 E2E_FP8_EAGER_FILES = ("e2e-h200-fp8.jsonl", "e2e-h200-fp8-repeat.jsonl", "e2e-h200-fp8-fix.jsonl")
 GPU_TIER_4_LOG = "2026-12-01-gpu-tier-h200-4.log"
 
@@ -203,7 +205,9 @@ def calibrating_peaks() -> tuple:
     return tuple(float(x) for x in m.groups())
 # the e2e record files of A14B since session 4 and their device sessions (docs/benchmarks.md)
 E2E_SESSIONS = {E2E_COMPILE_FILE: 4, E2E_BUDGETS_FILE: 5, E2E_BUDGETS_2_FILE: 6, E2E_BUDGETS_3_FILE: 7,
-                E2E_FP8_COMPILE_FILE: 8, E2E_FP8_COMPILE_2_FILE: 9}
+                E2E_FP8_COMPILE_FILE: 8, E2E_FP8_COMPILE_2_FILE: 9, E2E_FP8_COMPILE_3_FILE: 10}
+# the session whose fully resident compiled fp8 expert the cast rule (memory/estimate.compiled_as_eager) was made from
+CAST_RULE_SESSION = 9
 
 
 def grouping_cost_section() -> list:
@@ -621,7 +625,7 @@ def e2e_compiled_resident_section() -> list:
     """The compiled end-to-end experts with every weight resident, against the reservation today's
     estimate makes for them: per-block compile gets the compiled figure, a whole-model compile the
     eager one; from the e2e records."""
-    lines, under = [], []
+    lines, under, fp8_sessions = [], [], []
     for fname, session in E2E_SESSIONS.items():
         for r in rows(M / fname):
             c = r["config"]
@@ -631,27 +635,30 @@ def e2e_compiled_resident_section() -> list:
             for name, e in r["experts"].items():
                 if e["resident_frac"] < 0.9999:
                     continue
+                if c.get("weights") == "fp8":
+                    fp8_sessions.append((session, r))
                 res = est.reservation_resident / GiB
                 att = (e.get("attention") or {})
                 split = att.get("head_split_calls", 0) if c["attention"] == "sage" else None
                 calib = att.get("calibration_ms") if c["attention"] == "sage" else None
                 lines.append(f"| {session} | {r['run'].split('@')[0]}@{'full' if c['budget_gib'] is None else format(c['budget_gib'], 'g')} | "
-                             f"{'blocks' if compiled_blocks(c) else 'whole model'} | {name} | "
+                             f"{c['width']}×{c['height']}×{c['frames']} | {'blocks' if compiled_blocks(c) else 'whole model'} | {name} | "
                              f"{'—' if split is None else split} | {'—' if calib is None else format(calib / 1000, '.1f')} | "
                              f"{e['working_gib']:.2f} | {res:.2f} | {e['working_gib'] / res:.2f} |")
                 if e["working_gib"] > res:
                     under.append((session, r["run"], name, e["working_gib"], res, calib))
+    fp8 = sorted({s_ for s_, r in fp8_sessions})
     o = ["\n## Compiled end to end, weights resident (A14B, H200)\n",
-         "The compiled end-to-end runs with every weight resident (docs/benchmarks.md sessions 4 to 9: GGUF, and one",
-         "fp8 expert in session 9), against the",
+         f"The compiled end-to-end runs with every weight resident (docs/benchmarks.md sessions {min(E2E_SESSIONS.values())} to "
+         f"{max(E2E_SESSIONS.values())}: GGUF, and fp8 in session{'s' if len(fp8) > 1 else ''} {_and([str(x) for x in fp8])}), against the",
          "reservation today's estimate makes for them. Blocks compiled one by one get the compiled figure; ComfyUI's",
          "`TorchCompileModel` compiles the whole model as one graph, whose peak the compiled forward rows (all per",
          "block) do not cover, so it is planned as eager. Working GiB is the sampling peak allocated above what was",
          "allocated when sampling started (GGUF dequantisation and the LoRA included); head-split calls are the",
          "Sage calls the memory mode ran grouped; calibration s is the time the dispatcher spent timing kernels on",
          "new shapes during that expert's sampling.\n",
-         "| session | run | compiled | expert | head-split calls | calibration s | working GiB | reservation | working / reservation |",
-         "|---:|---|---|---|---:|---:|---:|---:|---:|"] + lines + [""]
+         "| session | run | size | compiled | expert | head-split calls | calibration s | working GiB | reservation | working / reservation |",
+         "|---:|---|---|---|---|---:|---:|---:|---:|---:|"] + lines + [""]
     if under:
         o.append("Above the reservation: " + "; ".join(
             f"session {s_} {run.split(':')[0]}, {name} expert, {w:.2f} against {res:.2f} GiB" for s_, run, name, w, res, _c in under) + ".")
@@ -673,9 +680,26 @@ def held_above_weights(e: dict) -> float:
     return e["peak_reserved_gib"] - e["resident_gib"]
 
 
+def held_above_start(e: dict) -> float:
+    """What the allocator held at an expert's sampling peak above what was allocated when its sampling
+    started (GiB): its weights, and on the full card the other models that stayed loaded too."""
+    return e["peak_reserved_gib"] - e["base_alloc_gib"]
+
+
+def without_cast_rule(config: dict) -> float:
+    """The resident reservation (GiB) today's estimate would make for an e2e configuration if compiled
+    blocks with cast weights kept the compiled figure (``compiled_as_eager`` never answering "cast")."""
+    estimate_module = sys.modules["wan_sage.memory.estimate"]  # the module; the package exports a function of that name
+    rule = estimate_module.compiled_as_eager
+    with mock.patch.object(estimate_module, "compiled_as_eager", lambda w, ws, partial: "" if rule(w, ws, partial) == "cast"
+                           else rule(w, ws, partial)):
+        return e2e_estimate(config).reservation_resident / GiB
+
+
 def e2e_compiled_cast_section() -> list:
     """The fp8 experts compiled per block with every weight resident, against what fully resident fp8
-    experts held in eager mode and against the reservation made then and today's; from the e2e records."""
+    experts held in eager mode and against the reservation made then and today's; the session the cast
+    rule was made from apart from the sessions that check it; from the e2e records."""
     compiled, eager = [], []
     for fname, session in E2E_SESSIONS.items():
         for r in rows(M / fname):
@@ -684,32 +708,64 @@ def e2e_compiled_cast_section() -> list:
                 compiled += [(session, r, name, e) for name, e in r["experts"].items() if e["resident_frac"] >= 0.9999]
     for fname in E2E_FP8_EAGER_FILES:
         for r in rows(M / fname):
-            if r.get("status") == "ok" and not r["config"].get("compile") and r["config"].get("budget_gib") is not None:
+            if r.get("status") == "ok" and not r["config"].get("compile"):
                 eager += [e for e in r["experts"].values() if e.get("resident_frac", 0) >= 0.9999 and e.get("peak_reserved_gib")]
     if not compiled:
         return []
     o = ["\n## Compiled blocks with cast weights (fp8 A14B, H200)\n",
          "fp8 weights are cast to the compute dtype at every layer call, and the allocator keeps holes around those casts",
-         f"(the cast term, `cast_frag_factor`). Fully resident fp8 experts in eager mode under a budget ({len(eager)} experts of",
-         f"{_and([f'`{f}`' for f in E2E_FP8_EAGER_FILES])}) held {_span([held_above_weights(e) for e in eager])} GiB above their weights, with",
-         f"{_span([e['working_gib'] for e in eager])} GiB of it allocated. Compiled per block with every weight resident:\n",
-         "| session | run | expert | working GiB | held above the weights | peak reserved / budget GiB | reserved then | reservation today |",
-         "|---:|---|---|---:|---:|---:|---:|---:|"]
+         f"(the cast term, `cast_frag_factor`). Fully resident fp8 experts in eager mode at 720p81 ({len(eager)} experts of",
+         f"{_and([f'`{f}`' for f in E2E_FP8_EAGER_FILES])}, under a budget and on the full card) held "
+         f"{_span([held_above_start(e) for e in eager])} GiB above what was",
+         f"allocated when their sampling started, with {_span([e['working_gib'] for e in eager])} GiB of it allocated. "
+         "Compiled per block with every weight resident (held: the same",
+         "measure; on the full card the other expert and the text encoder stay loaded, so the weights alone would not do;",
+         "reserved then is the estimator's figure in its runs and ComfyUI's own in ComfyUI's; reservation today is what",
+         "today's estimator reserves for the run's configuration):\n",
+         "| session | run | size | expert | working GiB | held above the start | peak reserved / budget GiB | reserved then | reservation today |",
+         "|---:|---|---|---|---:|---:|---:|---:|---:|"]
     for session, r, name, e in compiled:
-        today = e2e_estimate(r["config"]).reservation_resident / GiB
-        o.append(f"| {session} | {r['run'].split(':')[0]} | {name} | {e['working_gib']:.2f} | {held_above_weights(e):.2f} | "
-                 f"{e['peak_reserved_gib']:.2f} / {r['config']['budget_gib']:g} | {e['predicted_working_gib']:.2f} | {today:.2f} |")
-    worst = max(compiled, key=lambda x: held_above_weights(x[3]))
-    e = worst[3]
+        c = r["config"]
+        today = e2e_estimate(c).reservation_resident / GiB
+        budget = "full" if c["budget_gib"] is None else format(c["budget_gib"], "g")
+        o.append(f"| {session} | {r['run'].split(':')[0]} | {c['width']}×{c['height']}×{c['frames']} | {name} | {e['working_gib']:.2f} | "
+                 f"{held_above_start(e):.2f} | {e['peak_reserved_gib']:.2f} / {budget} | {e['predicted_working_gib']:.2f}"
+                 f"{' (ComfyUI)' if e.get('reservation_source') == 'comfyui' else ''} | {today:.2f} |")
+    made = [x for x in compiled if x[0] == CAST_RULE_SESSION]
+    checks = [x for x in compiled if x[0] > CAST_RULE_SESSION]
+    _s, r, _n, e = max(made, key=lambda x: held_above_start(x[3]))
     o += ["",
-          f"Under compile the allocated working memory was smaller ({e['working_gib']:.2f} GiB) but the memory held above the weights",
-          f"was not ({held_above_weights(e):.2f} GiB), and it reached the budget ({e['peak_reserved_gib']:.2f} of {worst[1]['config']['budget_gib']:g} GiB) without",
+          f"Session {CAST_RULE_SESSION}: under compile the allocated working memory was smaller ({e['working_gib']:.2f} GiB) but the memory held",
+          f"was not ({held_above_start(e):.2f} GiB), and it reached the budget ({e['peak_reserved_gib']:.2f} of {r['config']['budget_gib']:g} GiB) without",
           f"running out. The reservation made then, the compiled figure ({e['predicted_working_gib']:.2f} GiB), was below what was held. So",
-          "compiled blocks whose weights are cast at every call are now reserved for as eager ones (`COMPILED_CAST_NOTE`,",
-          "`memory/estimate.compiled_as_eager`): the right-hand column. No constant changed; the rule was made after seeing",
-          "this expert, so this table does not validate it, and a compiled fp8 run that it was not made from is still to",
-          "be measured (docs/e2e-plan.md). GGUF weights are dequantised rather than cast, and their compiled resident",
-          "experts held within the compiled figure (the table above).", ""]
+          "compiled blocks whose weights are cast at every call are reserved for as eager ones (`COMPILED_CAST_NOTE`,",
+          "`memory/estimate.compiled_as_eager`): the right-hand column. No constant changed. That rule was made after seeing",
+          "this expert, so its row does not validate it."]
+    if checks:
+        over = [x for x in checks if held_above_start(x[3]) > e2e_estimate(x[1]["config"]).reservation_resident / GiB]
+        over_names = [f"session {x[0]} {x[1]['run']} {x[2]}" for x in over]
+        margin = min(checks, key=lambda x: e2e_estimate(x[1]["config"]).reservation_resident / GiB - held_above_start(x[3]))
+        sizes = sorted({(x[1]["config"]["width"], x[1]["config"]["height"], x[1]["config"]["frames"]) for x in checks})
+        sessions = sorted({x[0] for x in checks})
+        short = [(x, without_cast_rule(x[1]["config"])) for x in checks]
+        short = [(x, f) for x, f in short if held_above_start(x[3]) > f]
+        o += ["",
+              f"The check, on the {len(checks)} experts of session{'s' if len(sessions) > 1 else ''} {_and([str(s_) for s_ in sessions])} "
+              f"(runs the rule was not made from; {_and([f'{w_}×{h_}×{f_}' for w_, h_, f_ in sizes])}; "
+              f"{sum(x[1]['config']['budget_gib'] is None for x in checks)} of them on the full card): they held "
+              f"{_span([held_above_start(x[3]) for x in checks])} GiB against today's reservation of "
+              f"{_span([e2e_estimate(x[1]['config']).reservation_resident / GiB for x in checks])} GiB, "
+              + (f"none above it (the closest: {margin[1]['run'].split(':')[0]}'s {margin[2]} expert at "
+                 f"{margin[1]['config']['width']}×{margin[1]['config']['height']}×{margin[1]['config']['frames']}, "
+                 f"{held_above_start(margin[3]):.2f} against {e2e_estimate(margin[1]['config']).reservation_resident / GiB:.2f} GiB)." if not over else
+                 f"**{len(over)} above it** ({_and(over_names)}).")]
+        o.append("Without the rule, today's estimate would reserve the compiled figure for them, and "
+                 + ("every one of them would still have fit in it: these runs do not show the rule is needed." if not short else
+                    _and([f"{x[1]['run'].split(':')[0]}'s {x[2]} expert at {x[1]['config']['width']}×{x[1]['config']['height']}×"
+                          f"{x[1]['config']['frames']} ({held_above_start(x[3]):.2f} GiB held) would not have fit in it ({f:.2f} GiB)" for x, f in short])
+                    + f": {'a run' if len(short) == 1 else 'runs'} the rule was not made from where it was needed."))
+    o += ["GGUF weights are dequantised rather than cast, and their compiled resident experts held within the compiled",
+          "figure (the table above).", ""]
     return o
 
 
@@ -756,14 +812,21 @@ def _streamed_table(lines: list, held_over: dict) -> list:
 
 
 def e2e_streamed_fp8_section() -> list:
-    """Session 8's fp8 experts sampled with weights partly offloaded, eager and compiled per block,
-    against the reservation today's estimate makes for them; from the e2e records."""
-    lines, held_over, _over, compiled = _streamed_rows((E2E_FP8_COMPILE_FILE,))
+    """The fp8 experts sampled with weights partly offloaded (sessions 8 to 10), eager and compiled per
+    block, against the reservation today's estimate makes for them; from the e2e records."""
+    files = (E2E_FP8_COMPILE_FILE, E2E_FP8_COMPILE_2_FILE, E2E_FP8_COMPILE_3_FILE)
+    lines, held_over, _over, compiled = _streamed_rows(files)
     if not lines:
         return []
+    streamed = [r for f in files for r in rows(M / f) if r.get("status") == "ok"
+                and any(e["resident_frac"] < 0.9999 for e in r["experts"].values())]
+    budgets = sorted({r["config"]["budget_gib"] for r in streamed}, reverse=True)
+    sizes = sorted({(r["config"]["width"], r["config"]["height"], r["config"]["frames"]) for r in streamed})
+    sessions = sorted({E2E_SESSIONS[f] for f in files for r in rows(M / f) if r in streamed})
     o = ["\n## Partly offloaded end to end (fp8 A14B, H200)\n",
-         "Session 8 (docs/benchmarks.md): fp8 e4m3 experts with a rank-64 LoRA at 16 and 12 GiB, 1280×720×81, eager",
-         f"and compiled per block (`docs/measurements/{E2E_FP8_COMPILE_FILE}`). None of these records set a constant,",
+         f"Sessions {_and([str(x) for x in sessions])} (docs/benchmarks.md): fp8 e4m3 experts with a rank-64 LoRA at "
+         f"{_and([format(b, 'g') for b in budgets])} GiB, {_and([f'{w}×{h}×{f}' for w, h, f in sizes])}, eager",
+         f"and compiled per block ({_and([f'`docs/measurements/{f}`' for f in files])}). None of these records set a constant,",
          "so they check `partial_frag_factor` and `cast_frag_factor` (`tests/unit/test_constants_held_out.py`).",
          "Columns as in the GGUF table above.\n",
          ] + _streamed_table(lines, held_over)

@@ -130,8 +130,10 @@ def compiled_as_eager(w: activation_model.Workload, ws: activation_model.WeightS
       the compiled graph.  Measured end to end with GGUF and fp8 weights (docs/memory-calibration.md,
       "Partly offloaded end to end"), within the eager reservation.
     * "cast": their weights are cast to the compute dtype at every layer call (fp8 checkpoints).  The
-      allocator's holes around the casts are not smaller under compile: the one fully resident fp8 expert
-      measured compiled held more above its weights than the compiled figure, and less than the eager one.
+      allocator's holes around the casts are not smaller under compile: fully resident fp8 experts measured
+      compiled per block held more than the compiled figure at 720p81 (the expert this rule was made from,
+      and one it was not), and within the eager one on every expert it was not made from
+      (docs/memory-calibration.md, "Compiled blocks with cast weights").
     The compiled figure itself comes from forwards with resident weights in the compute dtype."""
     if not w.compiled:
         return ""

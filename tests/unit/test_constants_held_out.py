@@ -53,7 +53,7 @@ def test_the_records_cover_both_factors():
 
 
 E2E_STREAMED_FILES = ("e2e-h200-gguf-budgets.jsonl", "e2e-h200-gguf-budgets-2.jsonl", "e2e-h200-fp8-compile.jsonl",
-                      "e2e-h200-fp8-compile-2.jsonl")
+                      "e2e-h200-fp8-compile-2.jsonl", "e2e-h200-fp8-compile-3.jsonl")
 E2E_STREAMED = [(f"{r['run']} {r['config']['weights']} {name}", r, e)
                 for r in (json.loads(line) for f in E2E_STREAMED_FILES
                           for line in (MEASURED / f).read_text().splitlines() if line.strip())
@@ -95,3 +95,30 @@ def test_the_compiled_fp8_expert_kept_resident_is_now_reserved_above_what_it_hel
         est = e2e_estimate(r["config"])
         assert e["predicted_working_gib"] * GiB < held <= est.reservation_resident, (held / GiB, est.reservation_resident / GiB)
         assert est.resident["compiled_as_eager"] == "cast"
+
+
+# The compiled fp8 runs measured after the cast rule, which it was not made from (session 10).
+CAST_RULE_CHECK_FILES = ("e2e-h200-fp8-compile-3.jsonl",)
+CAST_RULE_CHECK = [(f"{r['run']} {name}", r, e)
+                   for r in (json.loads(line) for f in CAST_RULE_CHECK_FILES
+                             for line in (MEASURED / f).read_text().splitlines() if line.strip())
+                   if r["status"] == "ok" and r["config"].get("weights") == "fp8" and r["config"].get("compile")
+                   for name, e in r["experts"].items() if e["resident_frac"] >= 0.9999]
+
+
+@pytest.mark.parametrize("name,r,e", CAST_RULE_CHECK, ids=[x[0] for x in CAST_RULE_CHECK])
+def test_compiled_fp8_experts_kept_resident_fit_in_the_reservation(name, r, e):
+    """Validation of the cast rule on runs it was not made from: what the allocator held at the sampling
+    peak above what was allocated when sampling started (on the full card the other models stay loaded)
+    is within today's reservation for every weight resident, which reserves compiled fp8 blocks as eager."""
+    est = e2e_estimate(r["config"])
+    assert est.resident["compiled_as_eager"] == "cast"
+    held = (e["peak_reserved_gib"] - e["base_alloc_gib"]) * GiB
+    assert held <= est.reservation_resident, (held / GiB, est.reservation_resident / GiB)
+
+
+def test_the_cast_rule_check_covers_sizes_budgets_and_both_configurations():
+    assert len(CAST_RULE_CHECK) >= 6
+    assert len({(r["config"]["width"], r["config"]["height"], r["config"]["frames"]) for _n, r, _e in CAST_RULE_CHECK}) >= 3
+    assert {r["config"]["budget_gib"] for _n, r, _e in CAST_RULE_CHECK} >= {24.0, None}
+    assert {r["config"]["estimator"] for _n, r, _e in CAST_RULE_CHECK} == {False, True}
