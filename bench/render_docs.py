@@ -625,7 +625,7 @@ def e2e_compiled_resident_section() -> list:
     """The compiled end-to-end experts with every weight resident, against the reservation today's
     estimate makes for them: per-block compile gets the compiled figure, a whole-model compile the
     eager one; from the e2e records."""
-    lines, under, fp8_sessions = [], [], []
+    lines, under, fp8_sessions = [], [], set()
     for fname, session in E2E_SESSIONS.items():
         for r in rows(M / fname):
             c = r["config"]
@@ -636,7 +636,7 @@ def e2e_compiled_resident_section() -> list:
                 if e["resident_frac"] < 0.9999:
                     continue
                 if c.get("weights") == "fp8":
-                    fp8_sessions.append((session, r))
+                    fp8_sessions.add(session)
                 res = est.reservation_resident / GiB
                 att = (e.get("attention") or {})
                 split = att.get("head_split_calls", 0) if c["attention"] == "sage" else None
@@ -647,7 +647,7 @@ def e2e_compiled_resident_section() -> list:
                              f"{e['working_gib']:.2f} | {res:.2f} | {e['working_gib'] / res:.2f} |")
                 if e["working_gib"] > res:
                     under.append((session, r["run"], name, e["working_gib"], res, calib))
-    fp8 = sorted({s_ for s_, r in fp8_sessions})
+    fp8 = sorted(fp8_sessions)
     o = ["\n## Compiled end to end, weights resident (A14B, H200)\n",
          f"The compiled end-to-end runs with every weight resident (docs/benchmarks.md sessions {min(E2E_SESSIONS.values())} to "
          f"{max(E2E_SESSIONS.values())}: GGUF, and fp8 in session{'s' if len(fp8) > 1 else ''} {_and([str(x) for x in fp8])}), against the",
@@ -691,8 +691,12 @@ def without_cast_rule(config: dict) -> float:
     blocks with cast weights kept the compiled figure (``compiled_as_eager`` never answering "cast")."""
     estimate_module = sys.modules["wan_sage.memory.estimate"]  # the module; the package exports a function of that name
     rule = estimate_module.compiled_as_eager
-    with mock.patch.object(estimate_module, "compiled_as_eager", lambda w, ws, partial: "" if rule(w, ws, partial) == "cast"
-                           else rule(w, ws, partial)):
+
+    def streamed_only(w, ws, partial):
+        why = rule(w, ws, partial)
+        return "" if why == "cast" else why
+
+    with mock.patch.object(estimate_module, "compiled_as_eager", streamed_only):
         return e2e_estimate(config).reservation_resident / GiB
 
 
@@ -705,7 +709,8 @@ def e2e_compiled_cast_section() -> list:
         for r in rows(M / fname):
             c = r["config"]
             if r.get("status") == "ok" and c.get("weights") == "fp8" and compiled_blocks(c):
-                compiled += [(session, r, name, e) for name, e in r["experts"].items() if e["resident_frac"] >= 0.9999]
+                today = e2e_estimate(c).reservation_resident / GiB
+                compiled += [(session, r, name, e, today) for name, e in r["experts"].items() if e["resident_frac"] >= 0.9999]
     for fname in E2E_FP8_EAGER_FILES:
         for r in rows(M / fname):
             if r.get("status") == "ok" and not r["config"].get("compile"):
@@ -724,16 +729,15 @@ def e2e_compiled_cast_section() -> list:
          "today's estimator reserves for the run's configuration):\n",
          "| session | run | size | expert | working GiB | held above the start | peak reserved / budget GiB | reserved then | reservation today |",
          "|---:|---|---|---|---:|---:|---:|---:|---:|"]
-    for session, r, name, e in compiled:
+    for session, r, name, e, today in compiled:
         c = r["config"]
-        today = e2e_estimate(c).reservation_resident / GiB
         budget = "full" if c["budget_gib"] is None else format(c["budget_gib"], "g")
         o.append(f"| {session} | {r['run'].split(':')[0]} | {c['width']}×{c['height']}×{c['frames']} | {name} | {e['working_gib']:.2f} | "
                  f"{held_above_start(e):.2f} | {e['peak_reserved_gib']:.2f} / {budget} | {e['predicted_working_gib']:.2f}"
                  f"{' (ComfyUI)' if e.get('reservation_source') == 'comfyui' else ''} | {today:.2f} |")
     made = [x for x in compiled if x[0] == CAST_RULE_SESSION]
     checks = [x for x in compiled if x[0] > CAST_RULE_SESSION]
-    _s, r, _n, e = max(made, key=lambda x: held_above_start(x[3]))
+    _s, r, _n, e, _t = max(made, key=lambda x: held_above_start(x[3]))
     o += ["",
           f"Session {CAST_RULE_SESSION}: under compile the allocated working memory was smaller ({e['working_gib']:.2f} GiB) but the memory held",
           f"was not ({held_above_start(e):.2f} GiB), and it reached the budget ({e['peak_reserved_gib']:.2f} of {r['config']['budget_gib']:g} GiB) without",
@@ -742,9 +746,9 @@ def e2e_compiled_cast_section() -> list:
           "`memory/estimate.compiled_as_eager`): the right-hand column. No constant changed. That rule was made after seeing",
           "this expert, so its row does not validate it."]
     if checks:
-        over = [x for x in checks if held_above_start(x[3]) > e2e_estimate(x[1]["config"]).reservation_resident / GiB]
+        over = [x for x in checks if held_above_start(x[3]) > x[4]]
         over_names = [f"session {x[0]} {x[1]['run']} {x[2]}" for x in over]
-        margin = min(checks, key=lambda x: e2e_estimate(x[1]["config"]).reservation_resident / GiB - held_above_start(x[3]))
+        margin = min(checks, key=lambda x: x[4] - held_above_start(x[3]))
         sizes = sorted({(x[1]["config"]["width"], x[1]["config"]["height"], x[1]["config"]["frames"]) for x in checks})
         sessions = sorted({x[0] for x in checks})
         short = [(x, without_cast_rule(x[1]["config"])) for x in checks]
@@ -754,10 +758,10 @@ def e2e_compiled_cast_section() -> list:
               f"(runs the rule was not made from; {_and([f'{w_}×{h_}×{f_}' for w_, h_, f_ in sizes])}; "
               f"{sum(x[1]['config']['budget_gib'] is None for x in checks)} of them on the full card): they held "
               f"{_span([held_above_start(x[3]) for x in checks])} GiB against today's reservation of "
-              f"{_span([e2e_estimate(x[1]['config']).reservation_resident / GiB for x in checks])} GiB, "
+              f"{_span([x[4] for x in checks])} GiB, "
               + (f"none above it (the closest: {margin[1]['run'].split(':')[0]}'s {margin[2]} expert at "
                  f"{margin[1]['config']['width']}×{margin[1]['config']['height']}×{margin[1]['config']['frames']}, "
-                 f"{held_above_start(margin[3]):.2f} against {e2e_estimate(margin[1]['config']).reservation_resident / GiB:.2f} GiB)." if not over else
+                 f"{held_above_start(margin[3]):.2f} against {margin[4]:.2f} GiB)." if not over else
                  f"**{len(over)} above it** ({_and(over_names)}).")]
         o.append("Without the rule, today's estimate would reserve the compiled figure for them, and "
                  + ("every one of them would still have fit in it: these runs do not show the rule is needed." if not short else
@@ -818,11 +822,11 @@ def e2e_streamed_fp8_section() -> list:
     lines, held_over, _over, compiled = _streamed_rows(files)
     if not lines:
         return []
-    streamed = [r for f in files for r in rows(M / f) if r.get("status") == "ok"
+    streamed = [(E2E_SESSIONS[f], r["config"]) for f in files for r in rows(M / f) if r.get("status") == "ok"
                 and any(e["resident_frac"] < 0.9999 for e in r["experts"].values())]
-    budgets = sorted({r["config"]["budget_gib"] for r in streamed}, reverse=True)
-    sizes = sorted({(r["config"]["width"], r["config"]["height"], r["config"]["frames"]) for r in streamed})
-    sessions = sorted({E2E_SESSIONS[f] for f in files for r in rows(M / f) if r in streamed})
+    budgets = sorted({c["budget_gib"] for _s, c in streamed}, reverse=True)
+    sizes = sorted({(c["width"], c["height"], c["frames"]) for _s, c in streamed})
+    sessions = sorted({s_ for s_, _c in streamed})
     o = ["\n## Partly offloaded end to end (fp8 A14B, H200)\n",
          f"Sessions {_and([str(x) for x in sessions])} (docs/benchmarks.md): fp8 e4m3 experts with a rank-64 LoRA at "
          f"{_and([format(b, 'g') for b in budgets])} GiB, {_and([f'{w}×{h}×{f}' for w, h, f in sizes])}, eager",

@@ -9,8 +9,10 @@ the estimate makes today for that configuration (weights partly offloaded, or al
 per call for fp8).  The end-to-end GGUF runs with weights partly offloaded (docs/measurements/e2e-h200-gguf-budgets.jsonl: 1280x720x81
 at 16 and 12 GiB; e2e-h200-gguf-budgets-2.jsonl: 1280x720x81 at 12 and 8 GiB, 832x480x81 at 8 GiB,
 832x1472x49 at 10 GiB; eager and compiled per block, with the estimator or ComfyUI's reservation) and the fp8
-ones (e2e-h200-fp8-compile.jsonl: 1280x720x81 at 16 and 12 GiB, eager and compiled per block) were set from
-neither either, and are checked the same way per completed expert.
+ones (e2e-h200-fp8-compile.jsonl, -2 and -3: 1280x720x81 at 24, 20, 16 and 12 GiB, eager and compiled per block)
+were set from neither either, and are checked the same way per completed expert.  The fp8 experts compiled per
+block with every weight resident in e2e-h200-fp8-compile-3.jsonl check the cast rule of
+memory/estimate.compiled_as_eager, which was made from one expert of e2e-h200-fp8-compile-2.jsonl.
 """
 import json
 from pathlib import Path
@@ -26,6 +28,11 @@ MEASURED = Path(__file__).resolve().parents[2] / "docs" / "measurements"
 A14B = activation_model.PRESETS["wan2.2-a14b"]
 RUNS = [(p.name, json.loads(line)) for p in sorted(MEASURED.glob("2026-11-29-partial-*.jsonl"))
         for line in p.read_text().splitlines() if line.strip()]
+
+
+def _records(*names: str) -> list:
+    """Every record of these JSON-lines files of docs/measurements, in order."""
+    return [json.loads(line) for name in names for line in (MEASURED / name).read_text().splitlines() if line.strip()]
 
 
 def _case(name):
@@ -55,9 +62,7 @@ def test_the_records_cover_both_factors():
 E2E_STREAMED_FILES = ("e2e-h200-gguf-budgets.jsonl", "e2e-h200-gguf-budgets-2.jsonl", "e2e-h200-fp8-compile.jsonl",
                       "e2e-h200-fp8-compile-2.jsonl", "e2e-h200-fp8-compile-3.jsonl")
 E2E_STREAMED = [(f"{r['run']} {r['config']['weights']} {name}", r, e)
-                for r in (json.loads(line) for f in E2E_STREAMED_FILES
-                          for line in (MEASURED / f).read_text().splitlines() if line.strip())
-                if r["status"] == "ok"
+                for r in _records(*E2E_STREAMED_FILES) if r["status"] == "ok"
                 for name, e in r["experts"].items() if e["resident_frac"] < 0.9999]
 
 
@@ -86,7 +91,7 @@ def test_the_compiled_fp8_expert_kept_resident_is_now_reserved_above_what_it_hel
     weight resident, held more above its weights than the compiled figure reserved for it then; compiled
     blocks with cast weights are now reserved for as eager ones (memory/estimate.compiled_as_eager),
     a rule made after seeing this row."""
-    rs = [json.loads(line) for line in (MEASURED / "e2e-h200-fp8-compile-2.jsonl").read_text().splitlines() if line.strip()]
+    rs = _records("e2e-h200-fp8-compile-2.jsonl")
     resident = [(r, e) for r in rs if r["status"] == "ok" and r["config"].get("compile")
                 for e in r["experts"].values() if e["resident_frac"] >= 0.9999]
     assert resident
@@ -100,9 +105,7 @@ def test_the_compiled_fp8_expert_kept_resident_is_now_reserved_above_what_it_hel
 # The compiled fp8 runs measured after the cast rule, which it was not made from (session 10).
 CAST_RULE_CHECK_FILES = ("e2e-h200-fp8-compile-3.jsonl",)
 CAST_RULE_CHECK = [(f"{r['run']} {name}", r, e)
-                   for r in (json.loads(line) for f in CAST_RULE_CHECK_FILES
-                             for line in (MEASURED / f).read_text().splitlines() if line.strip())
-                   if r["status"] == "ok" and r["config"].get("weights") == "fp8" and r["config"].get("compile")
+                   for r in _records(*CAST_RULE_CHECK_FILES) if r["status"] == "ok" and r["config"].get("weights") == "fp8" and r["config"].get("compile")
                    for name, e in r["experts"].items() if e["resident_frac"] >= 0.9999]
 
 
