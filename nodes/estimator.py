@@ -37,8 +37,8 @@ _MISSING = object()
 @dataclass(frozen=True)
 class Settings:
     policy: str = POLICIES[0]
-    margin_gb: float = 0.0
-    fixed_gb: float = 10.0
+    margin_gib: float = 0.0
+    fixed_gib: float = 10.0
     count_sage: str = SAGE_COUNT[0]
 
 
@@ -134,8 +134,8 @@ class MemoryRequired:
     def __call__(self, input_shape, cond_shapes={}, **kwargs):
         rows = int(input_shape[0])
         if self.settings.policy == POLICIES[2]:
-            return int(self.settings.fixed_gb * GiB) * rows
-        ours = self.terms(input_shape)["total"] + int(self.settings.margin_gb * GiB)
+            return int(self.settings.fixed_gib * GiB) * rows
+        ours = self.terms(input_shape)["total"] + int(self.settings.margin_gib * GiB)
         if self.settings.policy == POLICIES[1] and self.orig is not None:
             return max(ours, int(self.orig(input_shape, cond_shapes, **_accepted(self.orig, kwargs))))
         return ours

@@ -13,6 +13,18 @@ from .log_once import reason, warn_once
 log = logging.getLogger("wan_sage")
 
 STATS_EVENT = "wan_sage.stats"
+
+# The memory_mode combo's values, as the canvas shows them, and the PatchConfig mode each one sets.
+MEMORY_MODE_LABELS = ("within SDPA's memory", "fastest, more memory")
+_MEMORY_MODE_IDS = {MEMORY_MODE_LABELS[0]: "sdpa", MEMORY_MODE_LABELS[1]: "fastest"}
+
+
+def memory_mode_id(value) -> str | None:
+    """The PatchConfig memory mode of a memory_mode combo value: one of :data:`MEMORY_MODE_LABELS`, or
+    the mode ids themselves, which workflows saved before the labels hold; None for anything else."""
+    if value in _MEMORY_MODE_IDS:
+        return _MEMORY_MODE_IDS[value]
+    return value if value in _MEMORY_MODE_IDS.values() else None
 OUTER_KEY = "wan_sage_attention_stats"
 
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 from comfy_api.latest import io, ui
 
 from ..attention import kernels
-from ..attention.head_groups import MEMORY_MODES
 from ..memory import activation_model
 from ..memory.estimate import EstimateRequest, rounding_notes, validate_request
 from . import comfy_bridge
 from .estimator import POLICIES, SAGE_COUNT, Settings, apply_estimator
-from .sage_patch import apply_patch
+from .sage_patch import MEMORY_MODE_LABELS, apply_patch, memory_mode_id
 
 
 class WanSageAttentionPatch(io.ComfyNode):
@@ -18,7 +17,7 @@ class WanSageAttentionPatch(io.ComfyNode):
     def define_schema(cls):
         return io.Schema(
             node_id="WanSageAttentionPatch",
-            display_name="Wan 2.2 Sage Attention Patch",
+            display_name="Wan 2.1/2.2 Sage Attention Patch",
             category="model_patches/wan-sage",
             description=("Runs this Wan model's long self-attention on SageAttention where it is measured faster "
                          "and fits in free VRAM, and every other call on PyTorch SDPA. Scoped to this model. "
@@ -38,10 +37,11 @@ class WanSageAttentionPatch(io.ComfyNode):
                 io.Boolean.Input("check_finite", default=True,
                                  tooltip="catch a broken kernel: the first calls of each shape and a sample after "
                                          "them are checked for NaN/Inf and redone on SDPA"),
-                io.Combo.Input("memory_mode", options=list(MEMORY_MODES), default=MEMORY_MODES[0], optional=True,
-                               tooltip="sdpa: split Sage calls into head groups so they need about SDPA's memory, "
-                                       "where the split is measured at most 2 % slower; fastest: never split "
-                                       "unless free VRAM is short"),
+                io.Combo.Input("memory_mode", options=list(MEMORY_MODE_LABELS), default=MEMORY_MODE_LABELS[0],
+                               optional=True,
+                               tooltip="within SDPA's memory: split Sage calls into head groups so they need "
+                                       "about SDPA's memory, where the split is measured at most 2 % slower; "
+                                       "fastest, more memory: never split unless free VRAM is short"),
             ],
             outputs=[io.Model.Output(tooltip="the same model with Sage attention, for the sampler; unchanged "
                                              "when SageAttention is not installed or the model is not Wan"),
@@ -52,11 +52,20 @@ class WanSageAttentionPatch(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, memory_mode=MEMORY_MODE_LABELS[0]):
+        # Naming memory_mode (and no other input) here makes ComfyUI leave that one combo check to this
+        # method, so the mode ids that earlier saved workflows hold ("sdpa", "fastest") still validate.
+        if memory_mode_id(memory_mode) is None:
+            return (f"memory_mode must be one of {', '.join(map(repr, MEMORY_MODE_LABELS))}; "
+                    f"got {str(memory_mode)[:40]!r}")
+        return True
+
+    @classmethod
     def execute(cls, model, kernel, min_tokens, calibrate, memory_margin_mb, check_finite,
-                memory_mode=MEMORY_MODES[0]) -> io.NodeOutput:
+                memory_mode=MEMORY_MODE_LABELS[0]) -> io.NodeOutput:
         node_id = getattr(getattr(cls, "hidden", None), "unique_id", None)
         m, text = apply_patch(model, kernel, min_tokens, calibrate, memory_margin_mb, check_finite, node_id=node_id,
-                              memory_mode=memory_mode or MEMORY_MODES[0])
+                              memory_mode=memory_mode_id(memory_mode or MEMORY_MODE_LABELS[0]))
         return io.NodeOutput(m, text, ui=ui.PreviewText(text))
 
 
@@ -87,9 +96,9 @@ class WanWorkingMemoryEstimator(io.ComfyNode):
                 io.Combo.Input("policy", options=list(POLICIES), default=POLICIES[0],
                                tooltip="what ComfyUI reserves per forward row: wan-sage's estimate; the larger of "
                                        "it and ComfyUI's own (about 2x, offloads more); or fixed_gib"),
-                io.Float.Input("margin_gb", display_name="margin_gib", default=0.0, min=0.0, max=64.0, step=0.1,
+                io.Float.Input("margin_gib", default=0.0, min=0.0, max=64.0, step=0.1,
                                tooltip="GiB added to wan-sage's estimate per row (e.g. for other nodes' VRAM use)"),
-                io.Float.Input("fixed_gb", display_name="fixed_gib", default=10.0, min=0.0, max=256.0, step=0.1,
+                io.Float.Input("fixed_gib", default=10.0, min=0.0, max=256.0, step=0.1,
                                tooltip="GiB reserved per row by the fixed policy"),
                 io.Combo.Input("count_sage_extra", options=list(SAGE_COUNT), default=SAGE_COUNT[0],
                                tooltip="auto-detect: counted when the Sage patch is on this model"),
@@ -122,9 +131,9 @@ class WanWorkingMemoryEstimator(io.ComfyNode):
         return True
 
     @classmethod
-    def execute(cls, model, width, height, frames, batch_size, cfg, policy, margin_gb, fixed_gb,
+    def execute(cls, model, width, height, frames, batch_size, cfg, policy, margin_gib, fixed_gib,
                 count_sage_extra, latent=None) -> io.NodeOutput:
-        settings = Settings(policy, float(margin_gb), float(fixed_gb), count_sage_extra)
+        settings = Settings(policy, float(margin_gib), float(fixed_gib), count_sage_extra)
         if latent is not None and "samples" in latent and latent["samples"].ndim == 5:
             shape = list(latent["samples"].shape)
         else:

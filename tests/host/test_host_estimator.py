@@ -27,7 +27,7 @@ def test_reservation_changes_what_load_models_gpu_receives_and_is_restored(comfy
     base = comfy_env.tiny_wan_patcher(num_layers=2)
     comfy_env.sample_tiny(base, steps=1, cfg=5.0)
     stock = record_loads[-1]
-    m, nums, _ = apply_estimator(base, Settings(margin_gb=0.5), [1, 16, 2, 8, 8])
+    m, nums, _ = apply_estimator(base, Settings(margin_gib=0.5), [1, 16, 2, 8, 8])
     seen = []
 
     def look(executor, *a, **k):  # runs inside CALC_COND_BATCH: our estimate must be in place
@@ -104,7 +104,7 @@ def test_policies_and_sage_detection(comfy, record_loads):
     from wan_sage.nodes.estimator import POLICIES, Settings, apply_estimator, attention_for
     from wan_sage.nodes.sage_patch import apply_patch
     base = comfy_env.tiny_wan_patcher(num_layers=2)
-    m, _, _ = apply_estimator(base, Settings(policy=POLICIES[2], fixed_gb=3.0), [1, 16, 2, 8, 8])
+    m, _, _ = apply_estimator(base, Settings(policy=POLICIES[2], fixed_gib=3.0), [1, 16, 2, 8, 8])
     comfy_env.sample_tiny(m, steps=1, cfg=5.0)
     assert record_loads[-1] == (2 * 3 * (1 << 30), 3 * (1 << 30))
     m, _, _ = apply_estimator(base, Settings(policy=POLICIES[1]), [1, 16, 2, 8, 8])

@@ -32,7 +32,7 @@ def test_pack_registers_its_nodes_with_comfyui(comfy):
     comfy_env.load_custom_node(ROOT)
     assert "WanSageAttentionPatch" in comfy.nodes.NODE_CLASS_MAPPINGS
     assert "WanWorkingMemoryEstimator" in comfy.nodes.NODE_CLASS_MAPPINGS
-    assert comfy.nodes.NODE_DISPLAY_NAME_MAPPINGS["WanSageAttentionPatch"] == "Wan 2.2 Sage Attention Patch"
+    assert comfy.nodes.NODE_DISPLAY_NAME_MAPPINGS["WanSageAttentionPatch"] == "Wan 2.1/2.2 Sage Attention Patch"
 
 
 @pytest.mark.needs_sage
@@ -123,13 +123,25 @@ def test_node_schemas_execute(comfy):
                                         memory_margin_mb=256, check_finite=True)
     assert out.result[0] is not base and "patched" in out.result[1]
     out = WanWorkingMemoryEstimator.execute(model=base, width=1280, height=720, frames=81, batch_size=1, cfg=1.0,
-                                            policy="wan-sage estimate", margin_gb=0.0, fixed_gb=10.0,
+                                            policy="wan-sage estimate", margin_gib=0.0, fixed_gib=10.0,
                                             count_sage_extra="auto-detect")
     m, tokens, act, sage, res, report = out.result
     assert tokens == 75600 and act > 0 and "verdict:" in report
     assert WanWorkingMemoryEstimator.validate_inputs(width=-16, height=720, frames=81, batch_size=1) != True  # noqa: E712
     out = WanWorkingMemoryEstimator.execute(model=base, width=1283, height=720, frames=80, batch_size=1, cfg=1.0,
-                                            policy="wan-sage estimate", margin_gb=0.0, fixed_gb=10.0,
+                                            policy="wan-sage estimate", margin_gib=0.0, fixed_gib=10.0,
                                             count_sage_extra="auto-detect")
     report = out.result[5]
     assert "4n+1" in report and "multiple of 8" in report and out.result[1] == 20 * 45 * 80
+
+
+def test_memory_mode_labels_and_the_ids_of_saved_workflows(comfy):
+    from wan_sage.nodes.sage_patch import MEMORY_MODE_LABELS
+    from wan_sage.nodes.schemas import WanSageAttentionPatch
+    schema = WanSageAttentionPatch.define_schema()
+    combo = next(i for i in schema.inputs if getattr(i, "id", None) == "memory_mode")
+    assert list(combo.options) == list(MEMORY_MODE_LABELS) and schema.display_name == "Wan 2.1/2.2 Sage Attention Patch"
+    for value in (*MEMORY_MODE_LABELS, "sdpa", "fastest"):  # the labels, and the ids earlier workflows saved
+        assert WanSageAttentionPatch.validate_inputs(memory_mode=value) is True
+    bad = WanSageAttentionPatch.validate_inputs(memory_mode="smallest")
+    assert isinstance(bad, str) and "memory_mode" in bad and "within SDPA's memory" in bad
