@@ -1,19 +1,23 @@
-"""The working-memory estimate: activation peak, Sage extra, allocator fragmentation, verdict.
+"""The working-memory estimate of a Wan denoise: :func:`plan` is its one entry point.
 
-This is the one function the node's reservation, the CLI (``wan-sage plan``) and the server
-route all call.  Constants that came from measurement (allocator slack, the partial-load
-fragmentation factor) live in :data:`CALIBRATED`, next to where they were measured.
+The node (from the loaded model and the real latent), the server route (from a JSON body) and
+``wan-sage plan`` (from its flags) each build a :class:`Setup` and call :func:`plan` once; it returns
+an :class:`Estimate`: the activation peak by term, with weights resident and with weights streamed,
+the reservation ComfyUI is told under the chosen policy, ComfyUI's own figure, the verdict for the
+VRAM the model may use, and the notes and problems to show.  :mod:`.report` words it, once for all
+three.  Constants set from measurements live in :data:`CALIBRATED`, each naming its record file.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
 from . import activation_model
+from .activation_model import WanDims, WeightSetup
 from ..attention import registry
 
-__all__ = ["rounding_notes", "verdict_for", "EstimateRequest", "Estimate", "estimate", "activation_bytes", "comfy_estimate_bytes",
-           "attention_paths", "attention_plan", "CALIBRATED", "GiB", "validate_request", "fragmentation_bytes",
-           "SIZE_LIMITS", "CFG_LIMITS", "DEFAULT_CC", "sage_groups"]
+__all__ = ["Setup", "AttentionPlan", "Estimate", "plan", "attention_plan", "activation_bytes", "comfy_figure",
+           "fragmentation_bytes", "compiled_as_eager", "sage_groups", "rounding_notes", "latent_problems",
+           "verdict_for", "CALIBRATED", "COMFY_EXTRA_RESERVED", "DEFAULT_CC", "POLICIES", "GiB", "MiB"]
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -59,24 +63,33 @@ COMFY_EXTRA_RESERVED = 400 * MiB
 # The GPU assumed when none is given or found.
 DEFAULT_CC = 90
 
-# Bounds of the request sizes: (lowest, highest).  The CLI, the route and the estimate share them.
-SIZE_LIMITS = {"width": (16, 16384), "height": (16, 16384), "frames": (1, 4097), "batch": (1, 64)}
-CFG_LIMITS = (0.0, 100.0)
+# What ComfyUI is told to reserve per forward: wan-sage's estimate (plus the margin), the larger of it and
+# ComfyUI's own figure, or a fixed amount per row.
+POLICIES = ("wan-sage estimate", "max(wan-sage, ComfyUI)", "fixed GiB per row")
 
 
-def attention_plan(attention: str, cc: int | None = None) -> tuple:
-    """(self-attention path, cross-attention path, kernel name or None, note or None): the
-    attention.kernel_bytes formulas the dispatcher's calls run on, for an --attention choice on
-    compute capability ``cc`` (None: sm90).
+@dataclass(frozen=True)
+class AttentionPlan:
+    """The kernel_bytes formulas a forward's attention calls run on (:mod:`attention.kernel_bytes`),
+    the self-attention kernel (None: SDPA), and a note when Sage was asked for but stays off."""
+
+    self_path: str = "sdpa"
+    cross_path: str = "sdpa"
+    kernel: str | None = None
+    note: str | None = None
+
+
+def attention_plan(attention: str, cc: int | None = None) -> AttentionPlan:
+    """The attention of a forward for an ``attention`` choice (``sdpa``, ``sage-auto``/``auto`` or a
+    registry kernel) on compute capability ``cc`` (None: sm90), before any shape is timed.
 
     The candidates are the registry's :func:`~attention.registry.planned_candidates` (the arch's auto
-    order for ``sage-auto``, none where no kernel runs there; the named kernel where it runs); the paths are the
-    registry's :func:`~attention.registry.unmeasured_paths` over them, the rule the dispatcher
-    applies to a shape with no timing: cross-attention on SDPA (reason ``cross_slower``),
-    self-attention on the first candidate."""
+    order for ``sage-auto``; the named kernel where it runs), and the paths the registry's
+    :func:`~attention.registry.unmeasured_paths` over them: cross-attention on SDPA, self-attention on
+    the first candidate, as the dispatcher runs a shape it has not timed."""
     arch = cc or DEFAULT_CC
     if attention == "sdpa":
-        return "sdpa", "sdpa", None, None
+        return AttentionPlan()
     if attention in ("sage-auto", "auto", "sage"):
         kernel = "auto"
     elif attention in registry.KERNELS:
@@ -84,22 +97,18 @@ def attention_plan(attention: str, cc: int | None = None) -> tuple:
     else:
         raise ValueError(f"attention must be sdpa, sage-auto or one of {', '.join(registry.KERNELS)}")
     names, why = registry.planned_candidates(kernel, arch)
-    note = None if why is None else f"{why}: attention stays on SDPA"
     self_path, cross_path, name = registry.unmeasured_paths(names, arch)
-    return self_path, cross_path, name, note
+    return AttentionPlan(self_path, cross_path, name, None if why is None else f"{why}: attention stays on SDPA")
 
 
-def attention_paths(attention: str, cc: int | None = None) -> tuple:
-    """(self-attention path, cross-attention path) of :func:`attention_plan`."""
-    self_path, cross_path, _name, _note = attention_plan(attention, cc)
-    return self_path, cross_path
-
-
-def comfy_estimate_bytes(dims: activation_model.WanDims, latent: tuple, dtype: str = "bf16", vace: bool = False) -> int:
-    """ComfyUI 0.3.64's own figure: latent area x dtype bytes x 0.01 x dim/2222 MiB."""
-    B, _C, T, H, W = latent
-    factor = dims.dim / 2222 * (1.2 if vace else 1.0)
-    return int(B * T * H * W * activation_model.DTYPE_BYTES[dtype] * 0.01 * factor * MiB)
+def comfy_figure(dims: WanDims, latent: tuple, dtype: str = "bf16", flash: bool = True) -> int:
+    """ComfyUI's own working-memory figure for a Wan latent ``[B, C, T, H, W]`` (``BaseModel.memory_required``):
+    ``B*T*H*W`` x ``0.01 x dtype bytes`` MiB with PyTorch's flash attention (or xformers; ``flash``), else
+    ``x 0.15`` MiB, times Wan's ``memory_usage_factor`` (dim / 2222, x 1.2 for VACE)."""
+    B, _C, T, H, W = (int(x) for x in latent[:5])
+    factor = dims.dim / 2222 * (1.2 if dims.vace_layers else 1.0)
+    per_elem = activation_model.DTYPE_BYTES[dtype] * 0.01 if flash else 0.15
+    return int(B * T * H * W * per_elem * factor * MiB)
 
 
 def fragmentation_bytes(dims: activation_model.WanDims, w: activation_model.Workload, ws: activation_model.WeightSetup, partial: bool) -> int:
@@ -166,73 +175,16 @@ def activation_bytes(dims: activation_model.WanDims, w: activation_model.Workloa
     }
 
 
-@dataclass(frozen=True)
-class EstimateRequest:
-    dims: activation_model.WanDims
-    width: int
-    height: int
-    frames: int
-    batch: int = 1
-    cfg: float = 1.0
-    dtype: str = "bf16"
-    attention: str = "sdpa"
-    cc: int | None = None
-    vram_bytes: int | None = None  # what the model may use: free VRAM plus evictable models
-    weights_bytes: int | None = None
-    weights: activation_model.WeightSetup = field(default_factory=activation_model.WeightSetup)
-    img_tokens: int = 0
-    vace_streams: int = 0
-    per_frame_timesteps: bool = False
-    margin_bytes: int = 0
-    reserved_bytes: int = COMFY_EXTRA_RESERVED
-    compiled: bool = False  # the model's blocks run under torch.compile
-    sage_grouped: bool = False  # the Sage patch splits self-attention into its memory mode's head groups
-
-
-def validate_request(r: EstimateRequest) -> None:
-    """Clear errors for impossible sizes; each names the field and the allowed range."""
-    for name, (lo, hi) in SIZE_LIMITS.items():
-        val = getattr(r, name)
-        if not isinstance(val, int) or isinstance(val, bool):
-            raise ValueError(f"{name} must be an integer, got {val!r:.40}")
-        if not lo <= val <= hi:
-            raise ValueError(f"{name} must be between {lo} and {hi}, got {val:.3g}" if abs(val) >= 1e6 else
-                             f"{name} must be between {lo} and {hi}, got {val}")
-    lo, hi = CFG_LIMITS
-    if isinstance(r.cfg, bool) or not isinstance(r.cfg, (int, float)) or not lo <= r.cfg <= hi:
-        raise ValueError(f"cfg must be a number between {lo:g} and {hi:g}, got {r.cfg!r:.40}")
-    if r.dtype not in activation_model.DTYPE_BYTES:
-        raise ValueError(f"dtype must be one of {', '.join(activation_model.DTYPE_BYTES)}, got {r.dtype!r:.40}")
-    if r.vram_bytes is not None and r.vram_bytes <= 0:
-        raise ValueError(f"vram must be positive, got {r.vram_bytes / GiB:.2f} GiB")
-    if r.margin_bytes < 0:
-        raise ValueError("margin must be >= 0")
-
-
-@dataclass(frozen=True)
-class Estimate:
-    request: dict
-    latent: tuple
-    tokens: int
-    rows_sequential: int
-    rows_batched: int
-    resident: dict  # activation terms, weights fully resident, rows_sequential rows
-    partial: dict  # the same with weights partly offloaded
-    reservation_resident: int
-    reservation_partial: int
-    reservation_batched_resident: int | None  # the same for cond and uncond batched (rows_batched rows)
-    reservation_batched_partial: int | None  # None when cfg 1 leaves one row per sample
-    comfy_estimate: int
-    weights_bytes: int | None
-    vram_bytes: int | None
-    verdict: str
-    offload_bytes: int
-    notes: tuple
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d["latent"] = list(self.latent)
-        return d
+def sage_groups(dims: activation_model.WanDims, self_path: str, rows: int, tokens: int, dtype: str) -> int:
+    """The head groups the Sage patch's memory mode splits a self-attention call of this forward into
+    (1 for SDPA): the same rule the dispatcher applies, from attention.head_groups."""
+    if self_path == "sdpa":
+        return 1
+    from ..attention.head_groups import head_groups
+    from ..attention.kernel_bytes import AttnShape
+    e = activation_model.DTYPE_BYTES[dtype]
+    shape = AttnShape(rows, dims.num_heads, tokens, tokens, dims.head_dim, e, None, True)
+    return head_groups(self_path, shape, "sdpa").groups
 
 
 def rounding_notes(dims: activation_model.WanDims, width: int, height: int, frames: int) -> list:
@@ -250,6 +202,17 @@ def rounding_notes(dims: activation_model.WanDims, width: int, height: int, fram
         elif (px // s) % 2:
             notes.append(f"{name} {px} gives an odd latent size; the DiT pads it to the 2x2 patch")
     return notes
+
+
+def latent_problems(dims: WanDims, latent: tuple) -> list:
+    """What makes this latent wrong for this model, in words (empty when it fits): its channel count."""
+    channels = int(latent[1])
+    if channels == dims.latent_channels:
+        return []
+    fix = ("a 48-channel latent node (Wan22ImageToVideoLatent) or a 16-channel model"
+           if dims.latent_channels == 48 else
+           "a 16-channel latent node (EmptyHunyuanLatentVideo) or a 48-channel model (Wan 2.2 TI2V-5B)")
+    return [f"the latent has {channels} channels but {dims.name} takes {dims.latent_channels}: use {fix}"]
 
 
 # What a reservation with streamed weights holds, in the order of the CLI's table.
@@ -273,58 +236,147 @@ def verdict_for(weights: int, resident_need: int, partial_need: int, room: int, 
             "memory"), weights
 
 
-def sage_groups(dims: activation_model.WanDims, self_path: str, rows: int, tokens: int, dtype: str) -> int:
-    """The head groups the Sage patch's memory mode splits a self-attention call of this forward into
-    (1 for SDPA): the same rule the dispatcher applies, from attention.head_groups."""
-    if self_path == "sdpa":
-        return 1
-    from ..attention.head_groups import head_groups
-    from ..attention.kernel_bytes import AttnShape
-    e = activation_model.DTYPE_BYTES[dtype]
-    shape = AttnShape(rows, dims.num_heads, tokens, tokens, dims.head_dim, e, None, True)
-    return head_groups(self_path, shape, "sdpa").groups
+@dataclass(frozen=True)
+class Setup:
+    """Everything one estimate depends on, built by an adapter (the node, the route, the CLI)."""
+
+    dims: WanDims
+    latent: tuple  # [B, C, T, H, W] of the latent the sampler gets
+    dtype: str = "bf16"  # compute dtype
+    cfg: float = 1.0  # not 1: an uncond pass, batched with cond (2B rows) when ComfyUI finds room
+    attention: AttentionPlan = AttentionPlan()
+    sage_grouped: bool = False  # the Sage patch runs self-attention in its memory mode's head groups
+    compiled: bool = False  # the transformer blocks run under torch.compile, each its own graph
+    weights: WeightSetup = field(default_factory=WeightSetup)
+    weights_bytes: int | None = None
+    vram_bytes: int | None = None  # VRAM the model may use: free plus evictable models, or the card
+    kept_free: int = COMFY_EXTRA_RESERVED  # what ComfyUI keeps free on top of the reservation
+    margin_bytes: int = 0  # added to wan-sage's estimate per forward
+    policy: str = POLICIES[0]
+    fixed_bytes: int = 10 * GiB  # per row, for the fixed policy
+    streamed: bool | None = None  # weights streamed; None: as the verdict for vram_bytes finds
+    img_tokens: int = 0
+    per_frame_timesteps: bool = False
+    vace_streams: int = 0
+    comfy_flash: bool = True  # ComfyUI's own figure with PyTorch's flash attention (its CUDA default)
+    dynamic_vram: bool = False  # ComfyUI manages this model's residency itself (dynamic VRAM)
+    pixels: tuple | None = None  # (width, height, frames) the latent was made from, for rounding notes
+    source: str = ""  # where the model's dims came from, in words
+    notes: tuple = ()  # the adapter's facts to show (weights, compile, the model file)
+
+    def with_latent(self, latent) -> "Setup":
+        """The same setup for another latent shape (ComfyUI asks per batch of rows)."""
+        return replace(self, latent=tuple(int(x) for x in latent[:5]), pixels=None)
 
 
-def _reservations(dims, r: EstimateRequest, w: activation_model.Workload) -> tuple:
-    res = activation_bytes(dims, w, r.weights, partial=False)
-    par = activation_bytes(dims, w, r.weights, partial=True)
-    return res, par, res["total"] + r.margin_bytes, par["total"] + r.margin_bytes
+@dataclass(frozen=True)
+class Estimate:
+    setup: Setup
+    tokens: int  # per row
+    rows_sequential: int  # rows per forward when cond and uncond run one after the other
+    rows_batched: int  # rows when ComfyUI batches them
+    resident: dict  # activation_bytes with every weight resident
+    partial: dict  # the same with weights streamed
+    reservation_resident: int  # ComfyUI's reservation per forward under the policy, weights resident
+    reservation_partial: int
+    reservation_batched_resident: int | None  # the same for cond and uncond batched; None at cfg 1
+    reservation_batched_partial: int | None
+    comfy_estimate: int  # ComfyUI's own figure for the same forward
+    streamed: bool  # the reservation in force is the one with weights streamed
+    verdict: str
+    level: str  # "fits", "offloads", "cannot" or "unknown"
+    offload_bytes: int
+    sage_head_groups: int
+    notes: tuple
+    problems: tuple  # what makes the setup wrong (e.g. a latent of another channel count)
+
+    @property
+    def terms(self) -> dict:
+        """The activation terms of the reservation in force."""
+        return self.partial if self.streamed else self.resident
+
+    @property
+    def reservation(self) -> int:
+        """What ComfyUI is told to keep free per forward of ``rows_sequential`` rows."""
+        return self.reservation_partial if self.streamed else self.reservation_resident
+
+    @property
+    def activation_peak(self) -> int:
+        """The predicted activation peak of one forward: its largest phase plus what persists across blocks."""
+        return self.terms["phase_peak"] + self.terms["persistent"]
+
+    @property
+    def sage_extra(self) -> int:
+        """What Sage adds to the peak over SDPA (0 where it needs no more, e.g. grouped under compile)."""
+        return max(0, self.terms["sage_extra"])
+
+    @property
+    def room_for_weights(self) -> int | None:
+        """VRAM left for weights once ComfyUI's kept-free memory and the reservation are taken."""
+        if self.setup.vram_bytes is None:
+            return None
+        return max(0, self.setup.vram_bytes - self.setup.kept_free - self.reservation)
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k != "setup"}
+        s = self.setup
+        d["request"] = {"model": s.dims.name, "latent": list(s.latent), "cfg": s.cfg, "dtype": s.dtype,
+                        "kernel": s.attention.kernel, "self_attention": s.attention.self_path,
+                        "cross_attention": s.attention.cross_path, "compiled": s.compiled,
+                        "sage_head_groups": self.sage_head_groups, "policy": s.policy,
+                        "weights_bytes": s.weights_bytes, "vram_bytes": s.vram_bytes, "kept_free": s.kept_free,
+                        "margin_bytes": s.margin_bytes, "dynamic_vram": s.dynamic_vram}
+        d["reservation"] = self.reservation
+        return d
 
 
-def estimate(r: EstimateRequest) -> Estimate:
-    validate_request(r)
-    dims = r.dims
-    latent = activation_model.latent_shape(dims, r.width, r.height, r.frames, r.batch)
-    _, _C, T, H, W = latent
+def _policy_need(s: Setup, ours: int, comfy: int, rows: int) -> int:
+    if s.policy == POLICIES[2]:
+        return s.fixed_bytes * rows
+    if s.policy == POLICIES[1]:
+        return max(ours, comfy)
+    return ours
+
+
+def _needs(s: Setup, w: activation_model.Workload) -> tuple:
+    """(resident terms, streamed terms, resident reservation, streamed reservation) under the policy."""
+    res = activation_bytes(s.dims, w, s.weights, partial=False)
+    par = activation_bytes(s.dims, w, s.weights, partial=True)
+    comfy = comfy_figure(s.dims, (w.rows,) + tuple(s.latent[1:]), s.dtype, s.comfy_flash)
+    return (res, par, _policy_need(s, res["total"] + s.margin_bytes, comfy, w.rows),
+            _policy_need(s, par["total"] + s.margin_bytes, comfy, w.rows))
+
+
+def plan(s: Setup) -> Estimate:
+    """The estimate for ``s``: see the module's docstring."""
+    dims, latent = s.dims, tuple(int(x) for x in s.latent[:5])
+    B, _C, T, H, W = latent
     L = activation_model.tokens(dims, T, H, W)
-    self_p, cross_p, _kernel, attention_note = attention_plan(r.attention, r.cc)
-    rows_seq = r.batch
-    rows_bat = r.batch * (2 if r.cfg != 1.0 else 1)
-    groups = sage_groups(dims, self_p, rows_seq, L, r.dtype) if r.sage_grouped else 1
-    w = activation_model.Workload(L=L, rows=rows_seq, dtype=r.dtype, self_attn=self_p, cross_attn=cross_p,
-                   img_tokens=r.img_tokens, per_frame_timesteps=T if r.per_frame_timesteps else 0,
-                   vace_streams=r.vace_streams, latent_elems_per_row=activation_model.latent_elems(latent),
-                   compiled=r.compiled, self_attn_groups=groups)
-    res, par, res_r, par_r = _reservations(dims, r, w)
+    att = s.attention
+    rows_seq, rows_bat = B, B * (2 if s.cfg != 1.0 else 1)
+    groups = sage_groups(dims, att.self_path, rows_seq, L, s.dtype) if s.sage_grouped else 1
+    w = activation_model.Workload(L=L, rows=rows_seq, dtype=s.dtype, self_attn=att.self_path, cross_attn=att.cross_path,
+                                  img_tokens=s.img_tokens, per_frame_timesteps=T if s.per_frame_timesteps else 0,
+                                  vace_streams=s.vace_streams, latent_elems_per_row=activation_model.latent_elems(latent),
+                                  compiled=s.compiled, self_attn_groups=groups)
+    res, par, res_need, par_need = _needs(s, w)
     bat_res = bat_par = None
     if rows_bat != rows_seq:
-        _res, _par, bat_res, bat_par = _reservations(dims, r, activation_model.with_rows(w, rows_bat))
-    comfy = comfy_estimate_bytes(dims, latent, r.dtype, vace=r.vace_streams > 0)
+        _r, _p, bat_res, bat_par = _needs(s, activation_model.with_rows(w, rows_bat))
     verdict, offload = "unknown (no VRAM given)", 0
-    if r.vram_bytes is not None and r.weights_bytes is not None:
-        verdict, offload = verdict_for(r.weights_bytes, res_r, par_r, r.vram_bytes - r.reserved_bytes, r.margin_bytes)
-    elif r.vram_bytes is not None:
-        verdict = "fits" if par_r <= r.vram_bytes - r.reserved_bytes else "cannot fit its reservation even fully offloaded"
-    notes = rounding_notes(dims, r.width, r.height, r.frames) + ([attention_note] if attention_note else [])
-    eager_whys = [res["compiled_as_eager"]] + ([par["compiled_as_eager"]] if not verdict.startswith("fits") else [])
+    room = None if s.vram_bytes is None else s.vram_bytes - s.kept_free
+    if room is not None and s.weights_bytes is not None:
+        verdict, offload = verdict_for(s.weights_bytes, res_need, par_need, room, s.margin_bytes)
+    elif room is not None:
+        verdict = "fits" if par_need <= room else "cannot fit its reservation even fully offloaded"
+    level = next((lv for lv in ("fits", "offloads", "cannot") if verdict.startswith(lv)), "unknown")
+    streamed = s.streamed if s.streamed is not None else level != "fits"
+    notes = list(rounding_notes(dims, *s.pixels) if s.pixels else []) + ([att.note] if att.note else [])
+    eager_whys = [res["compiled_as_eager"]] + ([par["compiled_as_eager"]] if streamed else [])
     notes += [COMPILED_AS_EAGER_NOTES[why] for why in dict.fromkeys(eager_whys) if why]
     return Estimate(
-        request={"model": dims.name, "width": r.width, "height": r.height, "frames": r.frames,
-                 "batch": r.batch, "cfg": r.cfg, "dtype": r.dtype, "attention": r.attention,
-                 "kernel": _kernel, "cc": r.cc or DEFAULT_CC, "compiled": r.compiled,
-                 "sage_head_groups": groups},
-        latent=latent, tokens=L, rows_sequential=rows_seq, rows_batched=rows_bat,
-        resident=res, partial=par, reservation_resident=res_r, reservation_partial=par_r,
-        reservation_batched_resident=bat_res, reservation_batched_partial=bat_par,
-        comfy_estimate=comfy, weights_bytes=r.weights_bytes, vram_bytes=r.vram_bytes,
-        verdict=verdict, offload_bytes=max(0, offload), notes=tuple(notes))
+        setup=s, tokens=L, rows_sequential=rows_seq, rows_batched=rows_bat, resident=res, partial=par,
+        reservation_resident=res_need, reservation_partial=par_need, reservation_batched_resident=bat_res,
+        reservation_batched_partial=bat_par, comfy_estimate=comfy_figure(dims, latent, s.dtype, s.comfy_flash),
+        streamed=streamed, verdict=verdict, level=level, offload_bytes=max(0, offload), sage_head_groups=groups,
+        notes=tuple(s.notes) + tuple(notes), problems=tuple(latent_problems(dims, latent)))

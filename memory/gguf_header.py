@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import struct
 
-from .model_file_errors import ModelFileError
+from .errors import ModelFileError
 
 __all__ = ["read_gguf_header", "MAX_HEADER_BYTES"]
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .activation_model import WanDims
 from .gguf_header import read_gguf_header
-from .model_file_errors import ModelFileError, NotAWanModel
+from .errors import ModelFileError, NotAWanModel
 from .safetensors_header import read_safetensors_header
 
 __all__ = ["ModelFileInfo", "read_model_file", "dims_from_shapes", "ModelFileError", "NotAWanModel", "WAN_DIM_STEP"]

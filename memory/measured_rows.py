@@ -4,7 +4,7 @@ docs that render them both predict through here, so a row is predicted one way o
 from __future__ import annotations
 
 from . import activation_model
-from .estimate import Estimate, EstimateRequest, activation_bytes, estimate, sage_groups
+from .estimate import Estimate, Setup, activation_bytes, attention_plan, plan, sage_groups
 from .weights import weights_for_key
 
 # The short model names the measured rows use, and the presets they were measured at.
@@ -56,12 +56,12 @@ def e2e_estimate(config: dict, preset: str = "wan2.2-a14b") -> Estimate:
     (``record["config"]``): its weights with their LoRA, its size, attention and compile, on sm90 in bf16.
     A whole-model compile is planned as eager, as the node plans it."""
     d = activation_model.PRESETS[preset]
-    plan = weights_for_key(d, E2E_WEIGHT_KEYS[config.get("weights", "gguf")], config.get("lora_rank", 0) > 0,
-                           compute="bf16")
-    return estimate(EstimateRequest(dims=d, width=config["width"], height=config["height"], frames=config["frames"],
-                                    attention="sage-auto" if config["attention"] == "sage" else "sdpa",
-                                    cc=MEASURED_CC, weights=plan.setup, weights_bytes=plan.nbytes, dtype="bf16",
-                                    compiled=compiled_blocks(config)))
+    weights = weights_for_key(d, E2E_WEIGHT_KEYS[config.get("weights", "gguf")], config.get("lora_rank", 0) > 0,
+                              compute="bf16")
+    return plan(Setup(dims=d, latent=activation_model.latent_shape(d, config["width"], config["height"], config["frames"]),
+                      attention=attention_plan("sage-auto" if config["attention"] == "sage" else "sdpa", MEASURED_CC),
+                      weights=weights.setup, weights_bytes=weights.nbytes, dtype="bf16",
+                      compiled=compiled_blocks(config)))
 
 
 def compiled_blocks(config: dict) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import struct
 
-from .model_file_errors import ModelFileError
+from .errors import ModelFileError
 
 __all__ = ["read_safetensors_header", "ST_DTYPE_BITS", "MAX_HEADER_BYTES"]
 

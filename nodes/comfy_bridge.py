@@ -126,6 +126,16 @@ def extra_reserved() -> int:
     return int(mm.extra_reserved_memory())
 
 
+def comfy_uses_flash() -> bool:
+    """Whether ComfyUI's own working-memory figure takes its flash-attention factor (xformers or PyTorch's
+    flash attention on), as ``BaseModel.memory_required`` does; True outside ComfyUI (its CUDA default)."""
+    try:
+        import comfy.model_management as mm
+    except ImportError:  # no ComfyUI in this process
+        return True
+    return bool(mm.xformers_enabled() or mm.pytorch_attention_flash_attention())
+
+
 def is_dynamic(model) -> bool:
     """Whether ComfyUI manages this model's residency itself (dynamic VRAM, newer releases)."""
     try:

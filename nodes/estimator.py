@@ -1,27 +1,32 @@
 """Wiring of the "Wan Working-Memory Estimator": reserve the predicted activation memory before sampling.
 
+The node builds a :class:`memory.estimate.Setup` from the ModelPatcher (:func:`setup_for`: the real
+config, the latent the sampler gets, the compute dtype, how the weights are held, the Sage patch and the
+compile on the model, the VRAM this model may use) and calls :func:`memory.estimate.plan`, the one
+estimate entry point; :func:`memory.report.report` words it.
+
 Wiring (all scoped to the cloned MODEL, restored in ``finally``):
 
 * a ``PREPARE_SAMPLING`` wrapper temporarily replaces the shared ``BaseModel.memory_required``
-  with the wan-sage estimate, so ``load_models_gpu`` keeps as many weights resident as fit and
+  with :class:`MemoryRequired`, so ``load_models_gpu`` keeps as many weights resident as fit and
   evicts or offloads the rest (legacy memory path: ComfyUI 0.3.64, GGUF, --disable-dynamic-vram);
 * a ``CALC_COND_BATCH`` wrapper does the same around cond/uncond batching decisions;
 * on the dynamic-VRAM path residency is managed by ComfyUI itself: the node then only informs
   batching, reports, and warns when the activations alone exceed the card.
 
-A MODEL that is not a Wan video model is passed through unchanged with a warning (documented
-choice: a workflow that swaps models must not break; the report output says so).
+A MODEL that is not a Wan video model is passed through unchanged with a warning (a workflow that swaps
+models must not break; the report output says so).
 """
 from __future__ import annotations
 
-import inspect
 import logging
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from ..attention import kernels, registry
-from ..memory import activation_model
-from ..memory.api import POLICIES  # one list for the node, the route and the panel
-from ..memory.estimate import COMPILED_AS_EAGER_NOTES, DEFAULT_CC, GiB, activation_bytes, sage_groups, verdict_for
+from ..memory import activation_model, report
+from ..memory.estimate import DEFAULT_CC, GiB, POLICIES, AttentionPlan, Estimate, Setup, plan
+from ..memory.request import LEGACY_POLICIES
 from . import comfy_bridge
 from .log_once import reason, warn_once
 from .sage_patch import find_override
@@ -41,6 +46,9 @@ class Settings:
     fixed_gib: float = 10.0
     count_sage: str = SAGE_COUNT[0]
 
+    def __post_init__(self):
+        object.__setattr__(self, "policy", LEGACY_POLICIES.get(self.policy, self.policy))
+
 
 def _cc(dev) -> int | None:
     if dev is None or getattr(dev, "type", None) != "cuda":
@@ -53,28 +61,28 @@ def _cc(dev) -> int | None:
         return None
 
 
-def attention_for(model_options, settings: Settings, dev) -> tuple:
-    """(self path, cross path, label) for the memory model, detecting the Sage patch.
+def attention_for(model_options, settings: Settings, dev) -> AttentionPlan:
+    """The attention the memory model counts, detecting the Sage patch on the model.
 
     Counted as the dispatcher runs the calls: the patch's kernel (for ``auto``, this GPU's
     available kernels in the registry's auto order), under the registry's rule for a shape with no
     timing (cross-attention on SDPA, reason ``cross_slower``; self-attention on the first kernel);
-    a kernel that does not run on this GPU leaves both on SDPA."""
+    a kernel that does not run on this GPU leaves both on SDPA, with the reason as the note."""
     ov = find_override((model_options or {}).get("transformer_options", {}))
     if settings.count_sage == "never" or (settings.count_sage == "auto-detect" and ov is None):
-        return "sdpa", "sdpa", "sdpa"
+        return AttentionPlan()
     found_cc = _cc(dev)
     cc = found_cc or DEFAULT_CC
     name = ov.config.kernel if ov is not None else "auto"
     if name != "auto" and name not in registry.KERNELS:
-        return "sdpa", "sdpa", f"sdpa ({name} is not a kernel of this version)"
+        return AttentionPlan(note=f"{name} is not a kernel of this version: attention stays on SDPA")
     names, why = registry.planned_candidates(name, cc)
     if name == "auto" and found_cc:
         names = kernels.auto_candidates(cc) or names  # the kernels installed here, in the same order
     if not names:
-        return "sdpa", "sdpa", f"sdpa ({why})"
+        return AttentionPlan(note=f"{why}: attention stays on SDPA")
     self_path, cross_path, kernel = registry.unmeasured_paths(names, cc)
-    return self_path, cross_path, kernel
+    return AttentionPlan(self_path, cross_path, kernel)
 
 
 @dataclass(frozen=True)
@@ -84,17 +92,6 @@ class RunMode:
 
     compiled: bool = False
     sage_grouped: bool = False
-
-
-def _workload(dims: activation_model.WanDims, shape, dtype: str, self_p: str, cross_p: str,
-              mode: RunMode = RunMode()) -> activation_model.Workload:
-    rows, T, H, W = int(shape[0]), int(shape[2]), int(shape[3]), int(shape[4])
-    L = activation_model.tokens(dims, T, H, W)
-    return activation_model.Workload(L=L, rows=rows, dtype=dtype, self_attn=self_p, cross_attn=cross_p,
-                      img_tokens=257 if dims.has_img_emb else 0,
-                      per_frame_timesteps=T if dims.latent_channels == 48 else 0,
-                      latent_elems_per_row=activation_model.latent_elems(shape), compiled=mode.compiled,
-                      self_attn_groups=sage_groups(dims, self_p, rows, L, dtype) if mode.sage_grouped else 1)
 
 
 def run_mode(model, model_options, dims: activation_model.WanDims, shape) -> RunMode:
@@ -115,43 +112,71 @@ def run_mode(model, model_options, dims: activation_model.WanDims, shape) -> Run
     return RunMode(compiled, grouped)
 
 
+WHOLE_MODEL_COMPILE_NOTE = ("the whole diffusion model is one compiled graph, which is reserved for as eager: the "
+                            "compiled figure is measured for blocks compiled one by one, and a whole-model compile "
+                            "peaked above it")
+
+
+def setup_for(model, shape, model_options, settings: Settings, *, assume_compiled: bool = False,
+              streamed: bool | None = None, weights: bool = True) -> Setup:
+    """The estimate's setup for this ModelPatcher (or BaseModel, with ``weights=False``) and latent ``shape``.
+
+    ``assume_compiled``: plan as if its blocks were compiled (what a compile node after the estimator
+    brings); ``streamed``: force the weights streamed or resident (None: as the VRAM budget finds);
+    ``weights``: read the weights and the VRAM budget from the patcher (the cond-batch wrapper, which gets
+    the BaseModel with its weights loaded already, leaves them out)."""
+    dims = comfy_bridge.wan_dims(model)
+    dtype = comfy_bridge.compute_dtype(model)
+    mode = run_mode(model, model_options, dims, shape)
+    compiled_by = comfy_bridge.compiled_by(model, model_options)
+    notes = [compiled_by] if compiled_by else []
+    if compiled_by and not mode.compiled and not assume_compiled:
+        notes.append(WHOLE_MODEL_COMPILE_NOTE)
+    extra = {}
+    if weights:
+        extra = {"weights": comfy_bridge.weight_setup(model, False), "weights_bytes": int(model.model_size()),
+                 "vram_bytes": comfy_bridge.capacity(model), "kept_free": comfy_bridge.extra_reserved(),
+                 "dynamic_vram": comfy_bridge.is_dynamic(model)}
+    else:
+        extra = {"weights": activation_model.WeightSetup(streamed=bool(streamed))}
+    dev = comfy_bridge.device_of(model) if weights else getattr(model, "load_device", None)
+    return Setup(dims=dims, latent=tuple(int(x) for x in shape[:5]), dtype=dtype,
+                 attention=attention_for(model_options, settings, dev), sage_grouped=mode.sage_grouped,
+                 compiled=mode.compiled or assume_compiled, margin_bytes=int(settings.margin_gib * GiB),
+                 policy=settings.policy, fixed_bytes=int(settings.fixed_gib * GiB), streamed=streamed,
+                 img_tokens=257 if dims.has_img_emb else 0, per_frame_timesteps=dims.latent_channels == 48,
+                 comfy_flash=comfy_bridge.comfy_uses_flash(), source="the loaded model", notes=tuple(notes), **extra)
+
+
+@lru_cache(maxsize=128)
+def _reservation(setup: Setup, shape: tuple) -> int:
+    return plan(setup.with_latent(shape)).reservation
+
+
 class MemoryRequired:
-    """Stand-in for ``BaseModel.memory_required(input_shape, cond_shapes={}, **kw)``.  Immutable."""
+    """Stand-in for ``BaseModel.memory_required(input_shape, cond_shapes={}, **kw)``: the reservation
+    :func:`memory.estimate.plan` gives ``setup`` for ComfyUI's ``input_shape``.  Immutable."""
 
-    __slots__ = ("dims", "dtype", "self_p", "cross_p", "ws", "partial", "settings", "orig", "mode")
+    __slots__ = ("setup",)
 
-    def __init__(self, dims, dtype, self_p, cross_p, ws, partial, settings, orig, mode: RunMode = RunMode()):
-        for k, v in zip(self.__slots__, (dims, dtype, self_p, cross_p, ws, partial, settings, orig, mode)):
-            object.__setattr__(self, k, v)
+    def __init__(self, setup: Setup):
+        object.__setattr__(self, "setup", setup)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("MemoryRequired is immutable")
 
     def __deepcopy__(self, memo):
         return self
 
-    def terms(self, input_shape) -> dict:
-        w = _workload(self.dims, input_shape, self.dtype, self.self_p, self.cross_p, self.mode)
-        return activation_bytes(self.dims, w, self.ws, self.partial)
-
     def __call__(self, input_shape, cond_shapes={}, **kwargs):
-        rows = int(input_shape[0])
-        if self.settings.policy == POLICIES[2]:
-            return int(self.settings.fixed_gib * GiB) * rows
-        ours = self.terms(input_shape)["total"] + int(self.settings.margin_gib * GiB)
-        if self.settings.policy == POLICIES[1] and self.orig is not None:
-            return max(ours, int(self.orig(input_shape, cond_shapes, **_accepted(self.orig, kwargs))))
-        return ours
+        return _reservation(self.setup, tuple(int(x) for x in input_shape[:5]))
 
 
-def _accepted(fn, kwargs: dict) -> dict:
-    """The keyword arguments ``fn`` accepts (newer ComfyUI passes ones older models lack)."""
-    if not kwargs:
-        return kwargs
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return {}
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return kwargs
-    return {k: v for k, v in kwargs.items() if k in params}
+def sampling_plan(model, shape, model_options, settings: Settings, **assume) -> tuple:
+    """(MemoryRequired, Estimate) for this model and latent shape: the estimate with the budget's verdict,
+    and the reservation function that holds to it (weights streamed or resident, as the verdict found)."""
+    est = plan(setup_for(model, shape, model_options, settings, **assume))
+    return MemoryRequired(replace(est.setup, streamed=est.streamed)), est
 
 
 def _swap(base, fn):
@@ -167,98 +192,36 @@ def _restore(base, prev):
         base.memory_required = prev
 
 
-def _orig(base):
-    return base.__dict__.get("memory_required") or type(base).memory_required.__get__(base)
-
-
-def plan_reservation(model, noise_shape, model_options, settings: Settings, assume_compiled: bool = False):
-    """(MemoryRequired, facts for the report) for this model and latent shape; ``assume_compiled``
-    plans as if its blocks were compiled (what a compile node after the estimator brings)."""
-    dims = comfy_bridge.wan_dims(model)
-    dtype = comfy_bridge.compute_dtype(model)
-    dev = comfy_bridge.device_of(model)
-    self_p, cross_p, attn = attention_for(model_options, settings, dev)
-    weights = int(model.model_size())
-    cap = comfy_bridge.capacity(model)
-    reserved = comfy_bridge.extra_reserved()
-    mode = run_mode(model, model_options, dims, noise_shape)
-    if assume_compiled:
-        mode = replace(mode, compiled=True)
-    res_fn = MemoryRequired(dims, dtype, self_p, cross_p, comfy_bridge.weight_setup(model, False), False, settings,
-                            _orig(model.model), mode)
-    need_res = res_fn(list(noise_shape))
-    partial = weights + need_res + reserved > cap
-    fn = res_fn if not partial else MemoryRequired(dims, dtype, self_p, cross_p, comfy_bridge.weight_setup(model, True), True,
-                                                    settings, _orig(model.model), mode)
-    facts = {"dims": dims, "dtype": dtype, "attention": attn, "weights": weights, "capacity": cap, "mode": mode,
-             "compiled_by": comfy_bridge.compiled_by(model, model_options), "dynamic": comfy_bridge.is_dynamic(model),
-             "reserved": reserved, "partial": partial, "reservation": fn(list(noise_shape)), "resident_need": need_res,
-             "terms": fn.terms(list(noise_shape)), "tokens": _workload(dims, noise_shape, dtype, "sdpa", "sdpa").L,
-             "comfy": int(_orig(model.model)(list(noise_shape)))}
-    return fn, facts
-
-
-def report_from_facts(f: dict, shape) -> str:
-    t = f["terms"]
-    verdict, _ = verdict_for(f["weights"], f["resident_need"], f["reservation"], f["capacity"] - f["reserved"])
-    d = f["dims"]
-    cross = "; cross-attention on SDPA" if f["attention"] in registry.KERNELS else ""
-    mode = f.get("mode") or RunMode()
-    groups = "; self-attention in head groups (memory mode)" if mode.sage_grouped else ""
-    compiled = f"; {f['compiled_by']}" if f.get("compiled_by") else ""
-    return (f"Wan dim {d.dim} x {d.num_layers} layers ({d.model_type}), latent {list(shape)}, {f['dtype']} compute{compiled}\n"
-            f"tokens: {f['tokens']:,} per row, {int(shape[0])} row(s) per forward\n"
-            f"activation peak: {(t['phase_peak'] + t['persistent']) / GiB:.2f} GiB ({t['dominant_phase']}); "
-            f"Sage extra: {t['sage_extra'] / GiB:+.2f} GiB ({f['attention']}{cross}{groups})\n"
-            f"reservation: {f['reservation'] / GiB:.2f} GiB (weights {'partly offloaded' if f['partial'] else 'resident'}"
-            f"{'; ' + ('streaming + ' if f['partial'] else '') + 'fragmentation ' + format(t['fragmentation'] / GiB, '.2f') + ' GiB' if t['fragmentation'] else ''}); "
-            f"ComfyUI's own estimate: {f['comfy'] / GiB:.2f} GiB\n"
-            f"weights: {f['weights'] / GiB:.2f} GiB; VRAM for this model (free + evictable): {f['capacity'] / GiB:.2f} GiB\n"
-            f"verdict: {verdict}" + (f"\nnote: {COMPILED_AS_EAGER_NOTES[t['compiled_as_eager']]}" if t.get("compiled_as_eager") else "")
-            + (f"\nnote: {WHOLE_MODEL_COMPILE_NOTE}" if f.get("compiled_by") and not mode.compiled else "")
-            + (DYNAMIC_NOTE if f.get("dynamic") else ""))
-
-
-WHOLE_MODEL_COMPILE_NOTE = ("the whole diffusion model is one compiled graph, which is reserved for as eager: the "
-                            "compiled figure is measured for blocks compiled one by one, and a whole-model compile "
-                            "peaked above it")
-
-
-DYNAMIC_NOTE = ("\nmemory path: dynamic VRAM. ComfyUI keeps or evicts this model's weights on demand, so the reservation "
-                "does not change which weights stay on the GPU; the estimate above is information, and it decides "
-                "whether cond and uncond run batched")
-
-
-def _reservation_change(model, shape, model_options, settings: Settings, facts: dict, what: str, **assume):
-    """(the plan with ``what`` placed after this node, its reservation minus this one's in GiB), or None
+def _later_change(model, shape, model_options, settings: Settings, est: Estimate, what: str, **assume):
+    """(the estimate with ``what`` placed after this node, its reservation minus this one's in GiB), or None
     when planning it fails.  The notes built from it are a courtesy: the node never fails over them,
     and the reason is logged once."""
     try:
-        _fn, other = plan_reservation(model, shape, model_options, settings, **assume)
+        other = plan(setup_for(model, shape, model_options, settings, **assume))
     except Exception as e:
         warn_once(("later-note", what, type(e).__name__), "wan-sage: estimating what a %s after the "
                   "Working-Memory Estimator changes failed (%s); the report leaves the figure out.", what, reason(e))
         return None
-    return other, (other["reservation"] - facts["reservation"]) / GiB
+    return other, (other.reservation - est.reservation) / GiB
 
 
-def _later_patch_note(model, shape, model_options, settings: Settings, facts: dict) -> str:
+def _later_patch_note(model, shape, model_options, settings: Settings, est: Estimate) -> str:
     """What a Sage patch placed after this node would add.  The node runs before a patch further down
     the graph, so it sees none; the reservation is decided again when sampling starts, where it does."""
-    found = _reservation_change(model, shape, model_options, replace(settings, count_sage="always"), facts,
-                                "Sage patch")
+    found = _later_change(model, shape, model_options, replace(settings, count_sage="always"), est, "Sage patch")
     if found is None:
         return "Sage patch: none on the model here; one after this node is counted when sampling starts"
     with_sage, extra = found
-    return (f"Sage patch: none on the model here; a Wan 2.2 Sage Attention Patch after this node is counted "
-            f"when sampling starts ({with_sage['attention']}: reservation {extra:+.2f} GiB)")
+    kernel = with_sage.setup.attention.kernel or "sdpa"
+    return (f"Sage patch: none on the model here; a Wan 2.1/2.2 Sage Attention Patch after this node is counted "
+            f"when sampling starts ({kernel}: reservation {extra:+.2f} GiB)")
 
 
-def _later_compile_note(model, shape, model_options, settings: Settings, facts: dict) -> str:
+def _later_compile_note(model, shape, model_options, settings: Settings, est: Estimate) -> str:
     """What a torch.compile node placed after this node would change.  Compiled blocks fuse RoPE and the
     FFN, so their peak is lower; the reservation is decided again when sampling starts, where the compile
     wrapper is seen."""
-    found = _reservation_change(model, shape, model_options, settings, facts, "compile node", assume_compiled=True)
+    found = _later_change(model, shape, model_options, settings, est, "compile node", assume_compiled=True)
     if found is None:
         return "torch.compile: not on the model here; a compile node after this node is counted when sampling starts"
     return (f"torch.compile: not on the model here; a per-block compile node after this node is counted when "
@@ -266,26 +229,32 @@ def _later_compile_note(model, shape, model_options, settings: Settings, facts: 
             f"which is reserved for as eager")
 
 
+def _held(model) -> str | None:
+    """How the weights are held, for the report: the first parameter's dtype or GGUF."""
+    ws = comfy_bridge.weight_setup(model, False)
+    return "gguf" if ws.gguf else ws.weight_dtype
+
+
 def _prepare_wrapper(settings: Settings):
     def prepare_sampling(executor, model, noise_shape, conds, *args, **kwargs):
         mo = kwargs.get("model_options", args[0] if args else None) or getattr(model, "model_options", {})
         base = model.model
         try:
-            fn, facts = plan_reservation(model, noise_shape, mo, settings)
+            fn, est = sampling_plan(model, noise_shape, mo, settings)
         except Exception as e:  # never block sampling on the estimate
             log.warning("wan-sage: working-memory estimate failed (%s: %s); using ComfyUI's own.", type(e).__name__, e)
             return executor(model, noise_shape, conds, *args, **kwargs)
-        text = report_from_facts(facts, noise_shape)
-        if comfy_bridge.is_dynamic(model):
+        text = report.report(est, held=_held(model))
+        if est.setup.dynamic_vram:
             log.info("wan-sage estimate (dynamic VRAM: residency managed by ComfyUI; the estimate informs cond "
                      "batching only):\n%s", text)
-            total = facts["capacity"] + facts["weights"]
-            if facts["terms"]["total"] > total:
+            total = (est.setup.vram_bytes or 0) + (est.setup.weights_bytes or 0)
+            if est.terms["total"] > total:
                 log.warning("wan-sage: the activations alone (%.1f GiB) exceed this GPU; lower frames or resolution, "
-                            "or raise --vram-headroom/--reserve-vram.", facts["terms"]["total"] / GiB)
+                            "or raise --vram-headroom/--reserve-vram.", est.terms["total"] / GiB)
             return executor(model, noise_shape, conds, *args, **kwargs)
         log.info("wan-sage estimate:\n%s", text)
-        if facts["partial"]:
+        if est.streamed:
             import comfy.model_management as mm
             mm.soft_empty_cache()  # hand the previous model's cached activations back first
         prev = _swap(base, fn)
@@ -315,15 +284,11 @@ def _trim_after_load(dev) -> None:
 
 def _cond_batch_wrapper(settings: Settings):
     def calc_cond_batch(executor, model, conds, x_in, timestep, model_options, *args, **kwargs):
-        base = model  # BaseModel here
+        base = model  # BaseModel here, its weights loaded already
         try:
-            dims = comfy_bridge.wan_dims(base)
-            dtype = comfy_bridge.compute_dtype(base)
-            self_p, cross_p, _ = attention_for(model_options, settings, x_in.device)
-            partial = bool(getattr(base, "model_lowvram", False))
-            mode = run_mode(base, model_options, dims, list(x_in.shape))
-            fn = MemoryRequired(dims, dtype, self_p, cross_p, activation_model.WeightSetup(streamed=partial), partial, settings,
-                                _orig(base), mode)
+            setup = setup_for(base, list(x_in.shape), model_options, settings,
+                              streamed=bool(getattr(base, "model_lowvram", False)), weights=False)
+            fn = MemoryRequired(setup)
         except Exception as e:  # never block sampling on the estimate; the reason is logged once
             warn_once(("cond-batch", type(e).__name__), "wan-sage: the working-memory estimate for cond/uncond "
                       "batching failed (%s); ComfyUI's own estimate decides the batching.", reason(e))
@@ -336,8 +301,10 @@ def _cond_batch_wrapper(settings: Settings):
     return calc_cond_batch
 
 
-def apply_estimator(model, settings: Settings, shape, model_options=None):
-    """(clone with wrappers, numbers dict, report text).  Non-Wan models pass through."""
+def apply_estimator(model, settings: Settings, shape, model_options=None, pixels=None, cfg: float = 1.0):
+    """(clone with wrappers, Estimate or None, report text).  Non-Wan models pass through.
+    ``pixels``: (width, height, frames) the shape was made from, when it came from the widgets; ``cfg``: the
+    cfg the sampler runs (not 1: the report gives the cond + uncond batched figure too)."""
     if not comfy_bridge.is_wan(model):
         log.warning("wan-sage: the Working-Memory Estimator got a model that is not a Wan video model; "
                     "it is passed through unchanged.")
@@ -347,12 +314,11 @@ def apply_estimator(model, settings: Settings, shape, model_options=None):
     m.add_wrapper_with_key(W.PREPARE_SAMPLING, PREPARE_KEY, _prepare_wrapper(settings))
     m.add_wrapper_with_key(W.CALC_COND_BATCH, BATCH_KEY, _cond_batch_wrapper(settings))
     mo = model_options or m.model_options
-    _fn, facts = plan_reservation(m, shape, mo, settings)
-    text = report_from_facts(facts, shape)
-    if settings.count_sage == "auto-detect" and facts["attention"] == "sdpa":
-        text += "\n" + _later_patch_note(m, shape, mo, settings, facts)
-    if not facts.get("compiled_by"):
-        text += "\n" + _later_compile_note(m, shape, mo, settings, facts)
-    nums = {"tokens": facts["tokens"], "activation_gb": (facts["terms"]["phase_peak"] + facts["terms"]["persistent"]) / GiB,
-            "sage_extra_gb": facts["terms"]["sage_extra"] / GiB, "reservation_gb": facts["reservation"] / GiB}
-    return m, nums, text
+    setup = setup_for(m, shape, mo, settings)
+    est = plan(replace(setup, pixels=pixels, cfg=float(cfg)))
+    text = report.report(est, held=_held(m))
+    if settings.count_sage == "auto-detect" and est.setup.attention.kernel is None:
+        text += "\nnote: " + _later_patch_note(m, shape, mo, settings, est)
+    if not est.setup.compiled and not any(n.startswith("torch.compile") for n in est.setup.notes):
+        text += "\nnote: " + _later_compile_note(m, shape, mo, settings, est)
+    return m, est, text

@@ -1,9 +1,13 @@
 """Server routes: ``POST /wan_sage/estimate`` (the memory estimate for given model info or a
 preset) and ``GET /wan_sage/stats`` (the last sampling run's attention stats per patch).
 
+The estimate answers ``{"estimate", "summary", "text"}``: :func:`memory.estimate.plan` of the setup
+:func:`memory.request.build` makes from the body, worded by :mod:`memory.report` (the same words as the
+node's report and ``wan-sage plan``).  The fields are documented in docs/route.md.
+
 A client error answers 4xx with ``{"error": one line, "field": the field's name}``: the body is
 read with a size cap and its nesting depth checked before it is parsed, and every field is
-checked by :mod:`memory.api`.  Client errors are not logged; only a fault of the estimator itself
+checked by :mod:`memory.request`.  Client errors are not logged; only a fault of the estimator itself
 answers 500, and it is logged with its traceback once per kind of fault.
 """
 from __future__ import annotations
@@ -11,8 +15,11 @@ from __future__ import annotations
 import logging
 
 from ..attention import kernels, stats
-from ..memory.api import RequestError, estimate_from_json
+from ..memory import report, request
+from ..memory.errors import RequestError
+from ..memory.estimate import plan
 from ..memory.json_body import MAX_BODY_BYTES, BodyError, parse_body
+from . import comfy_bridge
 from .log_once import reason, warn_once
 
 log = logging.getLogger("wan_sage")
@@ -34,6 +41,17 @@ def resolve_model_file(name: str):
     return None
 
 
+def estimate_answer(payload, env: request.Env | None = None) -> dict:
+    """The answer to a valid body: the estimate, its summary (with the model it is for) and its report.
+    ``env``: this machine's GPU and model folders (None: neither)."""
+    built = request.build(payload, env or request.Env())
+    est = plan(built.setup)
+    summary = report.summary(est)
+    summary["detected"] = built.detected
+    summary["assumed"] = built.assumed
+    return {"estimate": est.as_dict(), "summary": summary, "text": report.report(est, held=built.weights.held)}
+
+
 def _device_defaults():
     """(total VRAM bytes, compute capability) of ComfyUI's device, or (None, None) off CUDA."""
     try:
@@ -52,7 +70,9 @@ def handle_estimate(payload) -> tuple:
     """(status, body dict) for a parsed JSON payload: what the route answers, testable without a server."""
     try:
         vram, cc = _device_defaults()
-        return 200, estimate_from_json(payload, resolve_model_file, vram, cc)
+        env = request.Env(vram_bytes=vram, cc=cc, resolve_model_file=resolve_model_file,
+                          comfy_flash=comfy_bridge.comfy_uses_flash())
+        return 200, estimate_answer(payload, env)
     except RequestError as e:
         return 400, {"error": str(e), "field": e.field}
     except Exception as e:  # a fault of the estimator, not of the request: logged once per kind
@@ -69,7 +89,7 @@ def handle_estimate_body(raw: bytes) -> tuple:
     try:
         payload = parse_body(raw)
     except BodyError as e:
-        return e.status, {"error": str(e), "field": "body"}
+        return e.status, {"error": str(e), "field": e.field}
     return handle_estimate(payload)
 
 

@@ -6,7 +6,8 @@ from comfy_api.latest import io, ui
 
 from ..attention import kernels
 from ..memory import activation_model
-from ..memory.estimate import EstimateRequest, rounding_notes, validate_request
+from ..memory import report, request
+from ..memory.errors import RequestError
 from . import comfy_bridge
 from .estimator import POLICIES, SAGE_COUNT, Settings, apply_estimator
 from .sage_patch import MEMORY_MODE_LABELS, apply_patch, memory_mode_id
@@ -122,35 +123,34 @@ class WanWorkingMemoryEstimator(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, width=1280, height=720, frames=81, batch_size=1, cfg=1.0, **kw):
+    def validate_inputs(cls, width=1280, height=720, frames=81, batch_size=1, cfg=1.0, policy=POLICIES[0],
+                        margin_gib=0.0, fixed_gib=10.0, count_sage_extra=SAGE_COUNT[0]):
+        # The inputs named here are checked by the estimate's one validator instead of ComfyUI's range and
+        # combo checks, so the policy name earlier workflows saved ("fixed GB per row") still validates.
         try:
-            validate_request(EstimateRequest(dims=activation_model.PRESETS["wan2.2-a14b"], width=width, height=height,
-                                             frames=frames, batch=batch_size, cfg=cfg))
-        except ValueError as e:
+            request.check_fields({"width": width, "height": height, "frames": frames, "batch": batch_size,
+                                  "cfg": cfg, "policy": policy, "margin_gib": margin_gib, "fixed_gib": fixed_gib})
+        except RequestError as e:
             return str(e)
+        if count_sage_extra not in SAGE_COUNT:
+            return f"count_sage_extra must be one of {', '.join(SAGE_COUNT)}; got {str(count_sage_extra)[:40]!r}"
         return True
 
     @classmethod
     def execute(cls, model, width, height, frames, batch_size, cfg, policy, margin_gib, fixed_gib,
                 count_sage_extra, latent=None) -> io.NodeOutput:
         settings = Settings(policy, float(margin_gib), float(fixed_gib), count_sage_extra)
+        pixels = None
         if latent is not None and "samples" in latent and latent["samples"].ndim == 5:
             shape = list(latent["samples"].shape)
+        elif comfy_bridge.is_wan(model):
+            shape = list(activation_model.latent_shape(comfy_bridge.wan_dims(model), width, height, frames, batch_size))
+            pixels = (width, height, frames)
         else:
-            notes = []
-            if comfy_bridge.is_wan(model):
-                dims = comfy_bridge.wan_dims(model)
-                shape = list(activation_model.latent_shape(dims, width, height, frames, batch_size))
-                notes = rounding_notes(dims, width, height, frames)
-            else:
-                shape = [batch_size, 16, (frames - 1) // 4 + 1, height // 8, width // 8]
-        m, nums, text = apply_estimator(model, settings, shape)
-        if nums is not None and latent is None:
-            text += "".join("\nnote: " + n for n in notes)
-        if cfg != 1.0 and nums is not None:
-            text += ("\ncfg %.1f: cond and uncond run as separate forwards of this size unless ComfyUI finds room "
-                     "to batch them (2 rows)" % cfg)
-        if nums is None:
+            shape = [batch_size, 16, (frames - 1) // 4 + 1, height // 8, width // 8]
+        m, est, text = apply_estimator(model, settings, shape, pixels=pixels, cfg=cfg)
+        if est is None:
             return io.NodeOutput(m, 0, 0.0, 0.0, 0.0, text, ui=ui.PreviewText(text))
-        return io.NodeOutput(m, nums["tokens"], round(nums["activation_gb"], 3), round(nums["sage_extra_gb"], 3),
-                             round(nums["reservation_gb"], 3), text, ui=ui.PreviewText(text))
+        s = report.summary(est)
+        return io.NodeOutput(m, s["tokens"], round(s["activation_gib"], 3), round(s["sage_extra_gib"], 3),
+                             round(s["reservation_gib"], 3), text, ui=ui.PreviewText(text))

@@ -4,6 +4,8 @@ import torch
 
 import comfy_env
 
+GiB = 1 << 30
+
 if comfy_env.skip_reason():
     pytest.skip(f"host tier: {comfy_env.skip_reason()}", allow_module_level=True)
 
@@ -112,16 +114,16 @@ def test_policies_and_sage_detection(comfy, record_loads):
     stock = base.model.memory_required([1, 16, 2, 8, 8])
     assert record_loads[-1][1] >= stock
     patched, _ = apply_patch(base)
-    assert attention_for(patched.model_options, Settings(), torch.device("cpu"))[2] != "sdpa"
-    assert attention_for(base.model_options, Settings(), torch.device("cpu"))[2] == "sdpa"
-    assert attention_for(patched.model_options, Settings(count_sage="never"), torch.device("cpu"))[2] == "sdpa"
+    assert attention_for(patched.model_options, Settings(), torch.device("cpu")).kernel is not None
+    assert attention_for(base.model_options, Settings(), torch.device("cpu")).kernel is None
+    assert attention_for(patched.model_options, Settings(count_sage="never"), torch.device("cpu")).kernel is None
 
 
 def test_report_shows_tokens_peak_weights_and_verdict(comfy):
     from wan_sage.nodes.estimator import Settings, apply_estimator
     base = comfy_env.tiny_wan_patcher(num_layers=2)
-    _, nums, text = apply_estimator(base, Settings(), [1, 16, 21, 90, 160])
-    assert nums["tokens"] == 75600
+    _, est, text = apply_estimator(base, Settings(), [1, 16, 21, 90, 160])
+    assert est.tokens == 75600
     for word in ("tokens", "activation peak", "Sage extra", "weights", "verdict"):
         assert word in text
 
@@ -142,7 +144,7 @@ def test_report_says_a_sage_patch_after_the_node_is_counted_at_sampling(comfy):
     patched, status = apply_patch(base)
     assert "patched" in status, status
     _, _, text = apply_estimator(patched, Settings(), [1, 16, 21, 90, 160])   # the patch is upstream: no note
-    assert "Sage patch:" not in text and "(sdpa)" not in text
+    assert "Sage patch:" not in text and "for self-attention" in text
 
 
 def _compile_blocks(model, backend="inductor"):
@@ -165,18 +167,18 @@ def test_the_report_says_what_a_compile_node_after_it_changes(comfy):
     from comfy_extras.nodes_torch_compile import TorchCompileModel
     base = comfy_env.tiny_wan_patcher(num_layers=2)
     shape = [1, 16, 21, 90, 160]
-    _, nums, text = apply_estimator(base, Settings(), shape)
-    line = next(x for x in text.splitlines() if x.startswith("torch.compile:"))
+    _, est, text = apply_estimator(base, Settings(), shape)
+    line = next(x for x in text.splitlines() if x.startswith("note: torch.compile:"))
     change = float(re.search(r"reservation ([+-]\d+\.\d+) GiB", line).group(1))
     assert change < 0, line
-    _, nums_c, text_c = apply_estimator(_compile_blocks(base), Settings(), shape)
+    _, est_c, text_c = apply_estimator(_compile_blocks(base), Settings(), shape)
     assert "torch.compile, blocks" in text_c and "torch.compile:" not in text_c
     assert WHOLE_MODEL_COMPILE_NOTE not in text_c
-    assert nums_c["reservation_gb"] == pytest.approx(nums["reservation_gb"] + change, abs=0.01)
+    assert est_c.reservation / GiB == pytest.approx(est.reservation / GiB + change, abs=0.01)
     whole = TorchCompileModel.execute(model=base, backend="inductor")[0]
-    _, nums_w, text_w = apply_estimator(whole, Settings(), shape)
+    _, est_w, text_w = apply_estimator(whole, Settings(), shape)
     assert "torch.compile, whole model" in text_w and WHOLE_MODEL_COMPILE_NOTE in text_w
-    assert nums_w["reservation_gb"] == pytest.approx(nums["reservation_gb"], abs=0.001)
+    assert est_w.reservation == est.reservation
 
 
 def test_cond_batching_reads_the_compiled_estimate_of_a_compiled_model(comfy):
@@ -197,4 +199,22 @@ def test_cond_batching_reads_the_compiled_estimate_of_a_compiled_model(comfy):
         comfy_env.sample_tiny(m, steps=1, cfg=5.0)
     finally:
         torch._dynamo.reset()
-    assert seen and all(isinstance(fn, MemoryRequired) and fn.mode.compiled for fn in seen)
+    assert seen and all(isinstance(fn, MemoryRequired) and fn.setup.compiled for fn in seen)
+
+
+def test_old_saved_widget_values_still_validate_and_the_latent_channels_are_checked(comfy):
+    """validate_inputs checks the widgets by the estimate's one validator, so the policy name earlier
+    workflows saved passes; a latent whose channels the model does not take is a problem in the report."""
+    from wan_sage.nodes.schemas import WanWorkingMemoryEstimator as Node
+    ok = dict(width=1280, height=720, frames=81, batch_size=1, cfg=1.0, margin_gib=0.0, fixed_gib=10.0,
+              count_sage_extra="auto-detect")
+    assert Node.validate_inputs(policy="fixed GB per row", **ok) is True
+    assert "width must be between" in Node.validate_inputs(policy="wan-sage estimate", **{**ok, "width": 99999})
+    assert "count_sage_extra" in Node.validate_inputs(**{**ok, "count_sage_extra": "sometimes"})
+    base = comfy_env.tiny_wan_patcher(num_layers=2)  # a 16-channel Wan 2.1-style model
+    wrong = {"samples": torch.zeros(1, 48, 2, 8, 8)}
+    out = Node.execute(model=base, policy="wan-sage estimate", latent=wrong, **ok)
+    report = out.result[5]
+    assert "problem: the latent has 48 channels but" in report and "takes 16" in report
+    right = Node.execute(model=base, policy="fixed GB per row", latent={"samples": torch.zeros(1, 16, 2, 8, 8)}, **ok)
+    assert "problem:" not in right.result[5] and right.result[4] == 10.0

@@ -110,7 +110,7 @@ HOSTILE = [
     ({**GOOD, "weights": "x" * 30000}, "weights"),
 ]
 RAW = [
-    (b"[" * 5000 + b"]" * 5000, 400, "body"), (b'{"width": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "body"),
+    (b"[" * 5000 + b"]" * 5000, 400, "body"), (b'{"width": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "width"),
     (b'{"width": Infinity, "height": 720, "frames": 81}', 400, "width"), (b"\xff\xfe", 400, "body"),
     (b"{not json", 400, "body"), (b" " * (80 << 10) + b"{}", 413, "body"),
 ]

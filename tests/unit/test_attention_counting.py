@@ -4,7 +4,8 @@ import pytest
 
 from wan_sage.attention import registry
 from wan_sage.memory import activation_model
-from wan_sage.memory.estimate import EstimateRequest, attention_plan, estimate
+from wan_sage.memory.estimate import AttentionPlan, attention_plan
+from setups import estimate
 
 A14B = activation_model.PRESETS["wan2.2-a14b"]
 
@@ -12,23 +13,23 @@ A14B = activation_model.PRESETS["wan2.2-a14b"]
 @pytest.mark.parametrize("cc,kernel", [(90, "sage2_sm90"), (89, "sage2_fp8_cuda"), (120, "sage2_fp8_cuda"),
                                        (75, "ck_int8"), (100, "ck_int8"), (70, None)])
 def test_sage_auto_uses_the_registry_order_of_each_arch(cc, kernel):
-    self_path, cross_path, name, note = attention_plan("sage-auto", cc)
-    assert name == kernel and cross_path == "sdpa"
+    a = attention_plan("sage-auto", cc)
+    assert a.kernel == kernel and a.cross_path == "sdpa"
     if kernel is None:
-        assert self_path == "sdpa" and note == "no kernel runs on sm70: attention stays on SDPA"
+        assert a.self_path == "sdpa" and a.note == "no kernel runs on sm70: attention stays on SDPA"
     else:
-        assert self_path == registry.memory_path(kernel, cc) and note is None
+        assert a.self_path == registry.memory_path(kernel, cc) and a.note is None
 
 
 def test_a_kernel_that_does_not_run_on_the_arch_leaves_sdpa():
-    assert attention_plan("sage2_sm90", 89)[:3] == ("sdpa", "sdpa", None)
-    assert "does not run on sm89" in attention_plan("sage2_sm90", 89)[3]
+    a = attention_plan("sage2_sm90", 89)
+    assert (a.self_path, a.cross_path, a.kernel) == ("sdpa", "sdpa", None) and "does not run on sm89" in a.note
 
 
 def _phases(attention, cc):
-    e = estimate(EstimateRequest(A14B, 1280, 720, 81, attention=attention, cc=cc))
-    w = activation_model.Workload(L=e.tokens, self_attn=attention_plan(attention, cc)[0],
-                                  cross_attn=attention_plan(attention, cc)[1])
+    e = estimate(A14B, 1280, 720, 81, attention=attention, cc=cc)
+    w = activation_model.Workload(L=e.tokens, self_attn=attention_plan(attention, cc).self_path,
+                                  cross_attn=attention_plan(attention, cc).cross_path)
     return e, activation_model.phase_peaks(A14B, w)
 
 
@@ -55,13 +56,13 @@ def test_the_node_counts_cross_attention_on_sdpa(monkeypatch):
     mo = {"transformer_options": {comfy_bridge.OVERRIDE_KEY: SageAttentionOverride(PatchConfig())}}
     for cc, kernel in ((90, "sage2_sm90"), (75, "ck_int8"), (100, "ck_int8")):
         monkeypatch.setattr(estimator, "_cc", lambda dev, cc=cc: cc)
-        self_path, cross_path, label = estimator.attention_for(mo, estimator.Settings(), None)
-        assert (self_path, cross_path, label) == (registry.memory_path(kernel, cc), "sdpa", kernel)
+        assert estimator.attention_for(mo, estimator.Settings(), None) == AttentionPlan(
+            registry.memory_path(kernel, cc), "sdpa", kernel)
     monkeypatch.setattr(estimator, "_cc", lambda dev: 70)
-    assert estimator.attention_for(mo, estimator.Settings(), None)[:2] == ("sdpa", "sdpa")
+    assert estimator.attention_for(mo, estimator.Settings(), None).self_path == "sdpa"
     forced = {"transformer_options": {comfy_bridge.OVERRIDE_KEY: SageAttentionOverride(PatchConfig(kernel="sage2_sm90"))}}
     monkeypatch.setattr(estimator, "_cc", lambda dev: 89)
-    assert estimator.attention_for(forced, estimator.Settings(), None)[:2] == ("sdpa", "sdpa")
+    assert estimator.attention_for(forced, estimator.Settings(), None).self_path == "sdpa"
 
 
 def test_the_dispatcher_and_the_estimate_share_one_rule_for_unmeasured_calls(monkeypatch):
@@ -75,11 +76,11 @@ def test_the_dispatcher_and_the_estimate_share_one_rule_for_unmeasured_calls(mon
     monkeypatch.setattr(registry, "unmeasured_kernel", lambda names, cross: names[0] if names else None)
     assert planning.default_choice(("sage2_sm90",), True, groups).kernel == "sage2_sm90"
     sm90 = registry.memory_path("sage2_sm90", 90)
-    assert attention_plan("sage-auto", 90)[:3] == (sm90, sm90, "sage2_sm90")
+    assert attention_plan("sage-auto", 90) == AttentionPlan(sm90, sm90, "sage2_sm90")
     monkeypatch.setattr(estimator.kernels, "auto_candidates", lambda cc: ())
     monkeypatch.setattr(estimator, "_cc", lambda dev: 90)
     mo = {"transformer_options": {comfy_bridge.OVERRIDE_KEY: SageAttentionOverride(PatchConfig())}}
-    assert estimator.attention_for(mo, estimator.Settings(), None) == (sm90, sm90, "sage2_sm90")
+    assert estimator.attention_for(mo, estimator.Settings(), None) == AttentionPlan(sm90, sm90, "sage2_sm90")
     _e, sage = _phases("sage-auto", 90)
     _e, sdpa = _phases("sdpa", 90)
     assert sage["cross"] > sdpa["cross"]
@@ -97,8 +98,9 @@ def test_the_cli_and_the_node_take_their_candidate_kernels_from_one_registry_rul
         registry.planned_candidates("flash", 90)
     mo = {"transformer_options": {comfy_bridge.OVERRIDE_KEY: SageAttentionOverride(PatchConfig(kernel="sage2_sm90"))}}
     monkeypatch.setattr(estimator, "_cc", lambda dev: 89)
-    assert estimator.attention_for(mo, estimator.Settings(), None) == ("sdpa", "sdpa", "sdpa (sage2_sm90 does not run on sm89)")
+    assert estimator.attention_for(mo, estimator.Settings(), None) == AttentionPlan(
+        note="sage2_sm90 does not run on sm89: attention stays on SDPA")
     monkeypatch.setattr(registry, "planned_candidates", lambda kernel, cc: (("sage2_sm90",), None))
     sm90 = registry.memory_path("sage2_sm90", 89)
-    assert attention_plan("sage2_sm90", 89)[:3] == (sm90, "sdpa", "sage2_sm90")
-    assert estimator.attention_for(mo, estimator.Settings(), None) == (sm90, "sdpa", "sage2_sm90")
+    assert attention_plan("sage2_sm90", 89) == AttentionPlan(sm90, "sdpa", "sage2_sm90")
+    assert estimator.attention_for(mo, estimator.Settings(), None) == AttentionPlan(sm90, "sdpa", "sage2_sm90")

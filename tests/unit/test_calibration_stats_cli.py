@@ -63,7 +63,7 @@ def test_plan_table_and_json(capsys):
     out = capsys.readouterr().out
     assert "75,600" in out and "verdict: offloads" in out and "13.61 GiB" in out
     assert cli.main(["plan", "--preset", "wan2.2-a14b", "--attention", "sage-auto", "--arch", "sm90", "--json"]) == 0
-    d = json.loads(capsys.readouterr().out)
+    d = json.loads(capsys.readouterr().out)["estimate"]
     assert d["tokens"] == 75600 and d["resident"]["sage_extra"] > 0
 
 
@@ -97,7 +97,9 @@ def test_bench_without_gpu_names_the_alternative(capsys):
 
 
 def test_estimate_api_json_and_field_errors():
-    from wan_sage.memory.api import RequestError, estimate_from_json, guess_preset
+    from wan_sage.memory.errors import RequestError
+    from wan_sage.memory.request import guess_preset
+    from wan_sage.nodes.routes import estimate_answer as estimate_from_json
     r = estimate_from_json({"preset": "wan2.2-a14b", "width": 1280, "height": 720, "frames": 81, "vram_gib": 24,
                             "attention": "sage-auto", "arch": "sm90"})
     assert r["summary"]["tokens"] == 75600 and r["summary"]["level"] == "offloads"
@@ -128,7 +130,8 @@ def test_route_handler_answers_400_not_500():
 
 
 def test_estimate_api_policies():
-    from wan_sage.memory.api import RequestError, estimate_from_json
+    from wan_sage.memory.errors import RequestError
+    from wan_sage.nodes.routes import estimate_answer as estimate_from_json
     base = {"preset": "wan2.2-a14b", "width": 1280, "height": 720, "frames": 81, "vram_gib": 24}
     ours = estimate_from_json(base)["summary"]["reservation_gib"]
     assert estimate_from_json({**base, "policy": "fixed GB per row", "fixed_gib": 9.5})["summary"]["reservation_gib"] == 9.5
@@ -140,7 +143,7 @@ def test_estimate_api_policies():
 
 
 def test_api_and_cli_count_the_same_weight_transients():
-    from wan_sage.memory.api import estimate_from_json
+    from wan_sage.nodes.routes import estimate_answer as estimate_from_json
     base = {"preset": "wan2.2-a14b", "width": 1280, "height": 720, "frames": 81}
     bf16 = estimate_from_json({**base, "weights": "bf16"})["estimate"]["resident"]["weight_transient"]
     fp8 = estimate_from_json({**base, "weights": "fp8"})["estimate"]["resident"]["weight_transient"]

@@ -8,8 +8,10 @@ import torch
 
 from wan_sage import cli
 from wan_sage.memory import activation_model
-from wan_sage.memory.api import RequestError, estimate_from_json
-from wan_sage.memory.estimate import EstimateRequest, GiB, estimate
+from wan_sage.memory import report, request
+from wan_sage.memory.errors import RequestError
+from wan_sage.memory.estimate import GiB, plan
+from setups import estimate, setup
 from wan_sage.nodes import comfy_bridge, estimator
 
 A14B = activation_model.PRESETS["wan2.2-a14b"]
@@ -19,7 +21,7 @@ MEASURED_COMPILED_SDPA_720P81 = 4.412  # GiB, docs/measurements/2026-12-01-compi
 def _plan_json(capsys, *args):
     assert cli.main(["plan", "--preset", "wan2.2-a14b", "--width", "1280", "--height", "720", "--frames", "81",
                      "--vram", "24", "--json", *args]) == 0
-    return json.loads(capsys.readouterr().out)
+    return json.loads(capsys.readouterr().out)["estimate"]
 
 
 def test_plan_compiled_sdpa_is_within_0_to_10_percent_of_the_measured_compiled_peak(capsys):
@@ -38,19 +40,19 @@ def test_compile_lowers_the_estimate_and_grouping_lowers_it_further_with_sage(ca
 
 
 def test_grouping_does_nothing_for_sdpa():
-    a = estimate(EstimateRequest(dims=A14B, width=1280, height=720, frames=81, attention="sdpa", sage_grouped=True))
-    b = estimate(EstimateRequest(dims=A14B, width=1280, height=720, frames=81, attention="sdpa"))
-    assert a.reservation_resident == b.reservation_resident and a.request["sage_head_groups"] == 1
+    a = estimate(A14B, 1280, 720, 81, attention="sdpa", sage_grouped=True)
+    b = estimate(A14B, 1280, 720, 81, attention="sdpa")
+    assert a.reservation_resident == b.reservation_resident and a.sage_head_groups == 1
 
 
 def test_route_takes_compiled_and_sage_grouped_as_booleans():
     base = {"preset": "wan2.2-a14b", "width": 1280, "height": 720, "frames": 81, "attention": "sage-auto", "arch": "sm90"}
-    eager = estimate_from_json(base)["summary"]
-    comp = estimate_from_json({**base, "compiled": True, "sage_grouped": True})["summary"]
+    eager = report.summary(plan(request.build(base).setup))
+    comp = report.summary(plan(request.build({**base, "compiled": True, "sage_grouped": True}).setup))
     assert comp["compiled"] is True and comp["activation_gib"] < eager["activation_gib"]
     for field in ("compiled", "sage_grouped"):
         with pytest.raises(RequestError) as e:
-            estimate_from_json({**base, field: "yes"})
+            request.build({**base, field: "yes"})
         assert e.value.field == field
 
 
@@ -125,7 +127,8 @@ def test_only_compiled_blocks_get_the_compiled_figure():
 
 def test_the_node_counts_groups_only_for_a_shape_the_dispatcher_settled_grouped(monkeypatch):
     from wan_sage.attention import override as override_module
-    from wan_sage.attention.dispatch import PatchConfig, SageAttentionOverride
+    from wan_sage.attention.config import PatchConfig
+    from wan_sage.attention.override import SageAttentionOverride
     ov = SageAttentionOverride(PatchConfig(memory_mode="sdpa"))
     options = {"transformer_options": {"optimized_attention_override": ov}}
     model = SimpleNamespace(model=SimpleNamespace(diffusion_model=SimpleNamespace(blocks=[])), model_options=options,
@@ -145,16 +148,16 @@ def test_compiled_blocks_with_streamed_weights_are_reserved_as_eager():
     # Not measured yet: the partly-offloaded reservation of a compiled model is the eager one, and the
     # estimate says so; with all weights resident the compiled figure stands.
     base = dict(dims=A14B, width=1280, height=720, frames=81, attention="sdpa")
-    eager = estimate(EstimateRequest(**base))
-    compiled = estimate(EstimateRequest(**base, compiled=True))
+    eager = estimate(**base)
+    compiled = estimate(**base, compiled=True)
     assert compiled.reservation_resident < eager.reservation_resident
     assert compiled.reservation_partial == eager.reservation_partial
     assert compiled.partial["compiled_as_eager"] and not compiled.resident["compiled_as_eager"]
     assert any("compiled blocks are reserved for as eager" in n for n in compiled.notes)  # no VRAM given
     assert not any("compiled blocks" in n for n in eager.notes)
-    resident = estimate(EstimateRequest(**base, compiled=True, vram_bytes=80 * GiB, weights_bytes=28 * GiB))
+    resident = estimate(**base, compiled=True, vram_bytes=80 * GiB, weights_bytes=28 * GiB)
     assert resident.verdict.startswith("fits") and not any("compiled blocks" in n for n in resident.notes)
-    offloads = estimate(EstimateRequest(**base, compiled=True, vram_bytes=16 * GiB, weights_bytes=28 * GiB))
+    offloads = estimate(**base, compiled=True, vram_bytes=16 * GiB, weights_bytes=28 * GiB)
     assert offloads.verdict.startswith("offloads") and any("compiled blocks" in n for n in offloads.notes)
 
 
@@ -164,18 +167,18 @@ def test_compiled_blocks_with_weights_cast_at_every_call_are_reserved_as_eager(c
     Weights in the compute dtype and GGUF keep the compiled figure."""
     base = dict(dims=A14B, width=1280, height=720, frames=81, attention="sdpa", dtype="fp16")
     fp8 = activation_model.WeightSetup("fp8")
-    eager = estimate(EstimateRequest(**base, weights=fp8))
-    compiled = estimate(EstimateRequest(**base, weights=fp8, compiled=True))
+    eager = estimate(**base, weights=fp8)
+    compiled = estimate(**base, weights=fp8, compiled=True)
     assert compiled.reservation_resident == eager.reservation_resident
     assert compiled.resident["compiled_as_eager"] == "cast" and compiled.partial["compiled_as_eager"] == "streamed"
     assert any("weights cast at every layer call" in n for n in compiled.notes)
-    offloads = estimate(EstimateRequest(**base, weights=fp8, compiled=True, vram_bytes=16 * GiB, weights_bytes=14 * GiB))
+    offloads = estimate(**base, weights=fp8, compiled=True, vram_bytes=16 * GiB, weights_bytes=14 * GiB)
     assert offloads.verdict.startswith("offloads")      # both reasons apply, and both are said
     assert [n.split(":")[0] for n in offloads.notes if "reserved for as eager" in n] == \
         ["weights cast at every layer call (fp8)", "weights partly offloaded"]
     for ws in (activation_model.WeightSetup(), activation_model.WeightSetup("gguf", gguf_bytes_per_param=0.56)):
-        plain = estimate(EstimateRequest(**base, weights=ws))
-        comp = estimate(EstimateRequest(**base, weights=ws, compiled=True))
+        plain = estimate(**base, weights=ws)
+        comp = estimate(**base, weights=ws, compiled=True)
         assert comp.reservation_resident < plain.reservation_resident and not comp.resident["compiled_as_eager"]
         assert not any("weights cast" in n for n in comp.notes)
     assert cli.main(["plan", "--preset", "wan2.2-a14b", "--width", "1280", "--height", "720", "--frames", "81",
@@ -183,15 +186,12 @@ def test_compiled_blocks_with_weights_cast_at_every_call_are_reserved_as_eager(c
     assert "weights cast at every layer call (fp8): compiled blocks are reserved for as eager" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("why,words", [("cast", "weights cast at every layer call"), ("streamed", "weights partly offloaded"),
-                                       ("", None)])
-def test_the_nodes_report_says_why_compiled_blocks_are_reserved_as_eager(why, words):
-    from wan_sage.memory.estimate import activation_bytes
-    w = activation_model.Workload(L=75600, rows=1, dtype="fp16", compiled=True)
-    terms = {**activation_bytes(A14B, w), "compiled_as_eager": why}
-    facts = {"terms": terms, "weights": 14 * GiB, "resident_need": 9 * GiB, "reservation": 9 * GiB, "capacity": 24 * GiB,
-             "reserved": 0, "dims": A14B, "attention": "sdpa", "dtype": "fp16", "tokens": 75600, "partial": why == "streamed",
-             "comfy": 13 * GiB, "compiled_by": "per-block compile", "mode": estimator.RunMode(compiled=True)}
-    text = estimator.report_from_facts(facts, [1, 16, 21, 90, 160])
-    notes = [line for line in text.splitlines() if line.startswith("note: ") and "reserved for as eager" in line]
+@pytest.mark.parametrize("weights,streamed,words", [
+    ("fp8", False, "weights cast at every layer call"), ("fp16", True, "weights partly offloaded"),
+    ("fp16", False, None)])
+def test_the_report_says_why_compiled_blocks_are_reserved_as_eager(weights, streamed, words):
+    est = estimate(A14B, 1280, 720, 81, dtype="fp16", compiled=True, weights=activation_model.WeightSetup(weights),
+                   streamed=streamed, vram_bytes=24 * GiB, weights_bytes=14 * GiB)
+    notes = [line for line in report.report(est).splitlines()
+             if line.startswith("note: ") and "reserved for as eager" in line]
     assert (notes == []) if words is None else (len(notes) == 1 and words in notes[0])

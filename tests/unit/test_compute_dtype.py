@@ -4,7 +4,8 @@ import pytest
 
 from wan_sage import cli
 from wan_sage.memory import activation_model
-from wan_sage.memory.estimate import EstimateRequest, GiB, estimate
+from wan_sage.memory.estimate import GiB
+from setups import estimate
 from wan_sage.memory.weights import weights_for_file, weights_for_key
 
 A14B = activation_model.PRESETS["wan2.2-a14b"]
@@ -43,8 +44,8 @@ def test_an_explicit_compute_dtype_converts_float_weights_to_it():
 
 def _reservation(key, dtype=None):
     plan = weights_for_key(SMALL, key, lora=False, compute=dtype)
-    return estimate(EstimateRequest(SMALL, 1280, 720, 81, dtype=plan.compute, weights=plan.setup,
-                                    weights_bytes=plan.nbytes)).reservation_resident
+    return estimate(SMALL, 1280, 720, 81, dtype=plan.compute, weights=plan.setup,
+                    weights_bytes=plan.nbytes).reservation_resident
 
 
 def test_fp16_weights_get_no_cast_fragmentation():
@@ -59,10 +60,10 @@ def test_cli_weights_fp16_gives_the_fp16_figure(capsys):
             "--json"]
     import json
     assert cli.main(args + ["--weights", "fp16"]) == 0
-    by_weights = json.loads(capsys.readouterr().out)
+    by_weights = json.loads(capsys.readouterr().out)["estimate"]
     assert cli.main(args + ["--dtype", "fp16"]) == 0
-    by_dtype = json.loads(capsys.readouterr().out)
-    assert by_weights["compute_dtype"] == "fp16" == by_dtype["compute_dtype"]
+    by_dtype = json.loads(capsys.readouterr().out)["estimate"]
+    assert by_weights["request"]["dtype"] == "fp16" == by_dtype["request"]["dtype"]
     assert by_weights["reservation_resident"] == by_dtype["reservation_resident"]
     assert by_weights["resident"]["fragmentation"] == 0
 

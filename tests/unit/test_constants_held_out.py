@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from wan_sage.memory import activation_model
-from wan_sage.memory.estimate import EstimateRequest, GiB, estimate
+from wan_sage.memory.estimate import GiB, Setup, attention_plan, plan
 from wan_sage.memory.measured_rows import e2e_estimate
 from wan_sage.memory.weights import weights_for_key
 
@@ -43,9 +43,10 @@ def _case(name):
 @pytest.mark.parametrize("name,r", RUNS, ids=lambda x: x if isinstance(x, str) else x["config"])
 def test_what_the_allocator_held_fits_in_the_reservation(name, r):
     (w, h, f), weights, lora = _case(name)
-    plan = weights_for_key(A14B, weights, lora, compute="bf16")  # 2-byte compute: the bytes ComfyUI's fp16 choice gives too
-    est = estimate(EstimateRequest(dims=A14B, width=w, height=h, frames=f, attention="sage-auto" if "+sage" in r["config"]
-                                   else "sdpa", cc=90, weights=plan.setup, weights_bytes=plan.nbytes, dtype="bf16"))
+    weights = weights_for_key(A14B, weights, lora, compute="bf16")  # 2-byte compute: the bytes ComfyUI's fp16 choice gives too
+    est = plan(Setup(dims=A14B, latent=activation_model.latent_shape(A14B, w, h, f), dtype="bf16",
+                     attention=attention_plan("sage-auto" if "+sage" in r["config"] else "sdpa", 90),
+                     weights=weights.setup, weights_bytes=weights.nbytes))
     assert r["status"] == "ok"
     held = (r["peak_reserved_gib"] - r["weights_resident_gib"]) * GiB
     partly_offloaded = r["weights_resident_gib"] < r["weights_total_gib"] - 0.01

@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 RENDERED = ("docs/attention-bench.md", "docs/memory-calibration.md", "README.md")
-COPIED = ("__init__.py", "attention", "memory", "nodes", "bench", "docs", "README.md", "cli.py", "pyproject.toml")
+COPIED = ("__init__.py", "attention", "memory", "nodes", "bench", "docs", "README.md", "cli", "pyproject.toml")
 
 
 def test_rendering_again_changes_nothing(tmp_path):

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from model_files import st_bytes, wan_shapes
-from wan_sage.memory.api import MESSAGE_CAP
+from wan_sage.memory.errors import MESSAGE_CAP
 from wan_sage.nodes import routes
 
 OK = {"preset": "wan2.2-a14b", "width": 1280, "height": 720, "frames": 81}
@@ -93,19 +93,21 @@ def test_the_same_bodies_as_raw_json(caplog):
     assert not caplog.records
 
 
-@pytest.mark.parametrize("raw,status", [
-    (b"[" * 5000 + b"]" * 5000, 400),
-    (b'{"width": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400),
-    (b'{"model_file": "' + b"[" * 5000 + b'", "width": 1280, "height": 720, "frames": 81}', 400),
-    (b"{not json", 400),
-    (b"\xff\xfe{}", 400),
-    (b'{"width": ' + b"1" * 5000 + b"}", 400),
-    (b" " * (70 << 10) + b"{}", 413),
+@pytest.mark.parametrize("raw,status,field", [
+    (b"[" * 5000 + b"]" * 5000, 400, "body"),
+    (b'{"width": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "width"),
+    (b'{"preset": "wan2.2-a14b", "model": {"dim": ' + b"[" * 20 + b"]" * 20 + b"}}", 400, "model"),
+    (b'{"model_file": "' + b"[" * 5000 + b'", "width": 1280, "height": 720, "frames": 81}', 400, "model_file"),
+    (b"{not json", 400, "body"),
+    (b"\xff\xfe{}", 400, "body"),
+    (b'{"width": ' + b"1" * 5000 + b"}", 400, "body"),
+    (b" " * (70 << 10) + b"{}", 413, "body"),
 ])
-def test_raw_bodies_are_limited_before_parsing(raw, status, caplog):
+def test_raw_bodies_are_limited_before_parsing(raw, status, field, caplog):
+    """Each is refused before anything uses it; a value nested too deep names its top-level field."""
     caplog.set_level(logging.DEBUG, logger="wan_sage")
     got, answer = routes.handle_estimate_body(raw)
-    assert got == status and answer["field"] in ("body", "model_file"), answer
+    assert got == status and answer["field"] == field, answer
     assert len(answer["error"]) <= MESSAGE_CAP and not caplog.records
 
 
@@ -125,7 +127,7 @@ def test_a_good_body_is_answered():
 def test_an_estimator_fault_is_a_500_logged_once(monkeypatch, caplog):
     def broken(*a, **k):
         raise ZeroDivisionError("boom")
-    monkeypatch.setattr(routes, "estimate_from_json", broken)
+    monkeypatch.setattr(routes, "estimate_answer", broken)
     caplog.set_level(logging.DEBUG, logger="wan_sage")
     assert routes.handle_estimate(OK)[0] == 500
     assert routes.handle_estimate(OK)[0] == 500

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from wan_sage.memory import activation_model
-from wan_sage.memory.api import weights_for_key
-from wan_sage.memory.estimate import (CALIBRATED, COMFY_EXTRA_RESERVED, EstimateRequest, GiB,
-                                      estimate, fragmentation_bytes)
+from wan_sage.memory.estimate import CALIBRATED, COMFY_EXTRA_RESERVED, GiB, fragmentation_bytes
+from wan_sage.memory.weights import weights_for_key
+from setups import estimate
 
 A14B = activation_model.PRESETS["wan2.2-a14b"]
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,18 +46,17 @@ def _fp8_records():
     return out
 
 
-def _request(c, vram_gib=None):
+def _estimate(c, vram_gib=None):
     plan = weights_for_key(A14B, "fp8", True, compute="bf16")
-    ws, wbytes = plan.setup, plan.nbytes
-    return EstimateRequest(dims=A14B, width=c["width"], height=c["height"], frames=c["frames"],
-                           attention="sage-auto" if c["attention"] == "sage" else "sdpa", cc=90, weights=ws,
-                           weights_bytes=wbytes, vram_bytes=None if vram_gib is None else int(vram_gib * GiB))
+    return estimate(A14B, c["width"], c["height"], c["frames"], attention="sage-auto" if c["attention"] == "sage"
+                    else "sdpa", cc=90, weights=plan.setup, weights_bytes=plan.nbytes,
+                    vram_bytes=None if vram_gib is None else int(vram_gib * GiB))
 
 
 def test_fp8_resident_reservation_covers_every_measured_reserved_peak():
     n = 0
     for r in _fp8_records():
-        est = estimate(_request(r["config"]))
+        est = _estimate(r["config"])
         for name, x in (r.get("experts") or {}).items():
             if x.get("resident_frac") != 1.0 or x.get("peak_reserved_gib") is None:
                 continue
@@ -72,10 +71,10 @@ def test_the_fp8_run_that_ran_out_of_memory_now_offloads():
     assert oom, "the out-of-memory record is the reason for the term"
     for r in oom:
         c = r["config"]
-        est = estimate(_request(c, vram_gib=r["budget"]["free_seen_gib"]))
+        est = _estimate(c, vram_gib=r["budget"]["free_seen_gib"])
         assert est.verdict.startswith("offloads"), est.verdict
         # what stays resident plus the reservation fits, with the measured shortfall inside it
-        resident = est.weights_bytes - est.offload_bytes
+        resident = est.setup.weights_bytes - est.offload_bytes
         assert resident + est.reservation_partial + COMFY_EXTRA_RESERVED <= c["budget_gib"] * GiB + 1
         high = r["experts"]["high"]
         assert est.reservation_partial / GiB > high["peak_reserved_gib"] - high["base_alloc_gib"]
@@ -85,8 +84,7 @@ def test_gguf_and_bf16_reservations_are_unchanged_by_the_term():
     for key in ("q4_k_m", "bf16"):
         plan = weights_for_key(A14B, key, True, compute="bf16")
         ws, wbytes = plan.setup, plan.nbytes
-        est = estimate(EstimateRequest(dims=A14B, width=1280, height=720, frames=81, attention="sdpa", weights=ws,
-                                       weights_bytes=wbytes))
+        est = estimate(A14B, 1280, 720, 81, attention="sdpa", weights=ws, weights_bytes=wbytes)
         assert est.resident["fragmentation"] == 0
         assert est.partial["fragmentation"] == pytest.approx(
             CALIBRATED["partial_frag_factor"] * activation_model.largest_block(A14B, W720) + CALIBRATED["partial_fixed"], abs=1)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from model_files import gguf_bytes, st_bytes, wan_shapes, write  # noqa: E402
 from wan_sage import cli  # noqa: E402
-from wan_sage.memory.api import MESSAGE_CAP  # noqa: E402
+from wan_sage.memory.errors import MESSAGE_CAP  # noqa: E402
 from wan_sage.memory.headers import ModelFileError, read_model_file  # noqa: E402
 from wan_sage.nodes import routes  # noqa: E402
 

@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from wan_sage.memory import activation_model
-from wan_sage.memory.estimate import EstimateRequest, GiB, activation_bytes, comfy_estimate_bytes, estimate
+from wan_sage.memory import request
+from wan_sage.memory.errors import RequestError
+from wan_sage.memory.estimate import GiB, activation_bytes, comfy_figure
+from setups import estimate
 from wan_sage.memory.headers import ModelFileError, NotAWanModel, read_model_file
 
 A14B = activation_model.PRESETS["wan2.2-a14b"]
@@ -43,55 +46,53 @@ def test_ffn_dominates_small_models():
 
 def test_comfy_estimate_matches_comfyui_formula():
     lat = activation_model.latent_shape(A14B, 1280, 720, 81)
-    assert comfy_estimate_bytes(A14B, lat) / GiB == pytest.approx(13.61, abs=0.01)
-    assert comfy_estimate_bytes(A14B, (2,) + lat[1:]) / GiB == pytest.approx(27.22, abs=0.01)
+    assert comfy_figure(A14B, lat) / GiB == pytest.approx(13.61, abs=0.01)
+    assert comfy_figure(A14B, (2,) + lat[1:]) / GiB == pytest.approx(27.22, abs=0.01)
 
 
 def test_partial_load_reservation_lies_between_the_measured_edges():
     # 24 GB card, A14B bf16: 8.5 GiB/row ran out of memory, 9.5 was safe; >= 13 GiB resident
     # needs a reservation of at most ~10.1 GiB.
-    e = estimate(EstimateRequest(A14B, 1280, 720, 81, vram_bytes=24 * GiB, weights_bytes=int(26.6 * GiB)))
+    e = estimate(A14B, 1280, 720, 81, vram_bytes=24 * GiB, weights_bytes=int(26.6 * GiB))
     assert 9.5 <= e.reservation_partial / GiB <= 10.2
     assert e.verdict.startswith("offloads")
     assert e.reservation_resident < e.reservation_partial
 
 
 def test_verdicts():
-    fits = estimate(EstimateRequest(A14B, 832, 480, 81, vram_bytes=80 * GiB, weights_bytes=int(26.6 * GiB)))
+    fits = estimate(A14B, 832, 480, 81, vram_bytes=80 * GiB, weights_bytes=int(26.6 * GiB))
     assert fits.verdict.startswith("fits")
-    no = estimate(EstimateRequest(A14B, 1920, 1080, 241, vram_bytes=8 * GiB, weights_bytes=int(26.6 * GiB)))
+    no = estimate(A14B, 1920, 1080, 241, vram_bytes=8 * GiB, weights_bytes=int(26.6 * GiB))
     assert no.verdict.startswith("cannot fit")
 
 
 def test_a_run_below_the_streamed_reservation_is_told_what_is_reserved_not_what_it_needs():
     """The streamed reservation is an upper bound: on the H200, A14B GGUF at 720p81 with an 8 GiB budget
-    completed eager with Sage, holding 7.64 GiB, where the reservation with Sage is 11.0 GiB (docs/benchmarks.md,
-    session 6).
+    completed eager with Sage, holding 7.64 GiB, where the reservation with Sage is 11.0 GiB (docs/benchmarks.md).
     So the verdict below it names the reservation and the risk, and does not claim the run needs it."""
     from wan_sage.memory.weights import weights_for_key
     plan = weights_for_key(A14B, "q4_k_m", True, compute="bf16")
-    e = estimate(EstimateRequest(A14B, 1280, 720, 81, attention="sage-auto", cc=90, weights=plan.setup,
-                                 weights_bytes=plan.nbytes, vram_bytes=8 * GiB, dtype="bf16"))
+    e = estimate(A14B, 1280, 720, 81, attention="sage-auto", cc=90, weights=plan.setup,
+                 weights_bytes=plan.nbytes, vram_bytes=8 * GiB, dtype="bf16")
     assert e.verdict.startswith("cannot fit its reservation even fully offloaded: reserves 11.0 GiB of working memory")
     assert "needs" not in e.verdict and e.verdict.endswith("every weight streams and sampling may run out of memory")
 
 
 @pytest.mark.parametrize("kw,field", [({"width": -5}, "width"), ({"height": 0}, "height"), ({"frames": 0}, "frames"),
                                       ({"batch": 100}, "batch"), ({"width": 99999}, "width"), ({"cfg": -1}, "cfg"),
-                                      ({"vram_bytes": -1}, "vram")])
+                                      ({"vram_gib": -1}, "vram_gib")])
 def test_bad_sizes_get_clear_errors(kw, field):
-    args = dict(dims=A14B, width=1280, height=720, frames=81)
-    args.update(kw)
-    with pytest.raises(ValueError, match=field):
-        estimate(EstimateRequest(**args))
+    with pytest.raises(RequestError, match=field) as e:
+        request.build({"preset": "wan2.2-a14b", "width": 1280, "height": 720, "frames": 81, **kw})
+    assert e.value.field == field
 
 
 def test_rounding_is_explained_like_comfyui_does_it():
-    e = estimate(EstimateRequest(A14B, 1283, 722, 80))
-    assert e.latent == (1, 16, 20, 90, 160)
+    e = estimate(A14B, 1283, 722, 80)
+    assert e.setup.latent == (1, 16, 20, 90, 160)
     text = " ".join(e.notes)
     assert "4n+1" in text and "multiple of 8" in text
-    assert estimate(EstimateRequest(A14B, 1280, 720, 81)).notes == ()
+    assert estimate(A14B, 1280, 720, 81).notes == ()
 
 
 def test_weight_transients():

@@ -164,10 +164,10 @@ def test_a_failing_cache_trim_is_logged_once(monkeypatch, caplog):
 def test_the_later_patch_note_failing_is_logged_once(monkeypatch, caplog):
     def broken(*args, **kwargs):
         raise ZeroDivisionError("division by zero")
-    monkeypatch.setattr(estimator, "plan_reservation", broken)
+    monkeypatch.setattr(estimator, "setup_for", broken)
     with caplog.at_level(logging.WARNING, logger="wan_sage"):
         for _ in range(2):
-            note = estimator._later_patch_note(None, [1, 16, 2, 8, 8], {}, estimator.Settings(), {})
+            note = estimator._later_patch_note(None, [1, 16, 2, 8, 8], {}, estimator.Settings(), None)
             assert note == "Sage patch: none on the model here; one after this node is counted when sampling starts"
     (record,) = _warnings(caplog, "Sage patch after the Working-Memory Estimator")
     assert "ZeroDivisionError" in record.getMessage()

@@ -113,7 +113,7 @@ def test_cfg_says_how_many_rows_and_prints_the_batched_figure(capsys):
     rows = next(x for x in out.splitlines() if "rows per forward" in x)
     assert "1 assumed" in rows and "2 when ComfyUI batches them" in rows
     batched = next(x for x in out.splitlines() if "cfg batched (2 rows)" in x)
-    single = next(x for x in out.splitlines() if "reservation per forward (1 row)" in x)
+    single = next(x for x in out.splitlines() if "reservation per forward, 1 row" in x)
     first = lambda line: float(line.split("GiB")[0].split()[-1])  # noqa: E731
     assert first(batched) > 1.9 * first(single)
     code, out, _err = run(capsys, PRESET + ["--cfg", "1", "--vram", "24"])

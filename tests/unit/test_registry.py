@@ -87,7 +87,7 @@ def test_registry_memory_and_plan_import_no_torch():
             f"spec = importlib.util.spec_from_file_location('wan_sage', {str(ROOT / '__init__.py')!r}, "
             f"submodule_search_locations=[{str(ROOT)!r}])\n"
             "m = importlib.util.module_from_spec(spec); sys.modules['wan_sage'] = m; spec.loader.exec_module(m)\n"
-            "import wan_sage.attention.registry, wan_sage.memory.estimate, wan_sage.memory.api, wan_sage.cli\n"
+            "import wan_sage.attention.registry, wan_sage.memory.estimate, wan_sage.memory.request, wan_sage.cli\n"
             "sys.exit(wan_sage.cli.main(['plan', '--preset', 'wan2.2-a14b', '--vram', '24', '--attention', 'sage-auto', '--json']))\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]

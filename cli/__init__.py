@@ -1,0 +1,70 @@
+"""wan-sage's command line: ``wan-sage plan`` (the working-memory estimate of a Wan denoise; no GPU, no
+ComfyUI, no torch needed) and ``wan-sage bench`` (SageAttention kernels timed against PyTorch SDPA on
+Wan's attention shapes on this GPU, filling the kernel timing cache the Sage patch reads)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .. import __version__
+from ..memory.errors import RequestError, one_line
+from . import bench, plan
+
+__all__ = ["main", "UsageError"]
+
+
+class UsageError(Exception):
+    """A bad command line or input file: one line for stderr, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="wan-sage", description=__doc__)
+    ap.add_argument("--version", action="version", version=f"wan-sage {__version__}")
+    sub = ap.add_subparsers(dest="cmd", metavar="{plan,bench}")
+    plan.add_parser(sub)
+    bench.add_parser(sub)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parser()
+    cmd = None
+    try:
+        a = ap.parse_args(argv)
+        cmd = a.cmd
+        if cmd is None:  # bare `wan-sage`: say what it does and how to use it
+            ap.print_help()
+            return 0
+        if cmd == "plan":
+            return plan.run(a)
+    except (UsageError, RequestError, plan.PlanError) as e:
+        text = str(e)
+        if not text.startswith("wan-sage"):
+            text = f"wan-sage {cmd}: {text}" if cmd else f"wan-sage: {text}"
+        print(one_line(text), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return _closed_pipe()
+    return bench.run(a)
+
+
+def _closed_pipe() -> int:
+    """The reader of our output went away (``wan-sage plan | head``): stop quietly, as Unix tools do.
+    stdout is pointed at devnull so that the interpreter's final flush raises nothing either."""
+    import os
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""``wan-sage plan``: the flags become an estimate request (:func:`memory.request.build`, the validator the
+server route uses), :func:`memory.estimate.plan` estimates it, and :mod:`memory.report` prints it: the
+same figures and words as the node's report and the route's answer."""
+from __future__ import annotations
+
+import json
+
+from ..attention import registry
+from ..memory import activation_model, report, request
+from ..memory.errors import ModelFileError, NotAWanModel
+from ..memory.estimate import plan
+from ..memory.headers import read_model_file
+from ..memory.request import SIZE_LIMITS
+from ..memory.weights import WEIGHT_BYTES
+
+__all__ = ["add_parser", "run", "PlanError", "FLAGS"]
+
+
+class PlanError(Exception):
+    """A bad input file or flag combination: one line for stderr, exit status 2."""
+
+
+# The request field each flag sets, and the flag a message names for it.
+FLAGS = {"preset": "--preset", "width": "--width", "height": "--height", "frames": "--frames", "batch": "--batch",
+         "cfg": "--cfg", "dtype": "--dtype", "attention": "--attention", "arch": "--arch", "vram_gib": "--vram",
+         "weights": "--weights", "lora": "--lora", "compiled": "--compiled", "sage_grouped": "--sage-grouped",
+         "margin_gib": "--margin"}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="estimate the working memory of a Wan denoise (no GPU needed)",
+                       description="Estimate a Wan denoise's activation memory and what a card must offload. "
+                                   "Sizes are in GiB (2**30 bytes).")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", choices=sorted(activation_model.PRESETS), help="a known Wan model")
+    src.add_argument("--model", metavar="FILE", help="a Wan DiT .safetensors or .gguf file (header only is read)")
+    p.add_argument("--width", default="1280", help="pixels, %d to %d" % SIZE_LIMITS["width"])
+    p.add_argument("--height", default="720", help="pixels, %d to %d" % SIZE_LIMITS["height"])
+    p.add_argument("--frames", default="81", help="frames, %d to %d" % SIZE_LIMITS["frames"])
+    p.add_argument("--batch", default="1", help="latent batch, %d to %d" % SIZE_LIMITS["batch"])
+    p.add_argument("--cfg", default="1.0", help="cfg scale; not 1 adds the uncond pass: one row per forward when "
+                                                "cond and uncond run one after the other, 2 when ComfyUI batches them")
+    p.add_argument("--dtype", choices=list(request.COMPUTE_DTYPES), default="auto",
+                   help="compute dtype (default auto: as ComfyUI picks it for the weights, fp16 for Wan on NVIDIA)")
+    p.add_argument("--attention", default="sdpa",
+                   help="sdpa, sage-auto, or a kernel: " + ", ".join(registry.KERNELS))
+    p.add_argument("--arch", default=None, help="GPU arch for the kernels, e.g. sm90, sm89 (default: this GPU, else sm90)")
+    p.add_argument("--vram", default=None, help="GiB the model may use (default: this GPU's total)")
+    p.add_argument("--weights", default=None, help="weight type of a preset (default bf16): " + ", ".join(WEIGHT_BYTES))
+    p.add_argument("--lora", action="store_true", help="a LoRA applied at forward time (GGUF or offloaded layers)")
+    p.add_argument("--compiled", action="store_true",
+                   help="the transformer blocks run under torch.compile, each its own graph (per-block compile "
+                        "nodes): fused RoPE and FFN lower the peak. ComfyUI's TorchCompileModel compiles the whole "
+                        "model as one graph; plan that without --compiled (it is reserved for as eager)")
+    p.add_argument("--sage-grouped", action="store_true",
+                   help="the Sage patch splits self-attention into head groups (its memory mode, where the split "
+                        "costs <= 2 %%); without it the estimate assumes the ungrouped call, which needs more")
+    p.add_argument("--margin", default="0", help="GiB added to the reservation")
+    p.add_argument("--json", action="store_true", help="print the route's JSON answer instead of the table")
+
+
+def _cuda_info():
+    """(total bytes, compute capability, name, note) of this machine's GPU; Nones without one."""
+    try:
+        import torch
+    except ImportError:
+        return None, None, None, None
+    try:
+        if not torch.cuda.is_available():
+            return None, None, None, None
+        _free, total = torch.cuda.mem_get_info()
+        cc = torch.cuda.get_device_capability()
+        return total, cc[0] * 10 + cc[1], torch.cuda.get_device_name(), None
+    except (RuntimeError, AssertionError) as e:  # a broken CUDA setup: plan works without the GPU
+        return None, None, None, f"the GPU could not be read ({type(e).__name__}: {str(e)[:80]}); assuming none"
+
+
+def _read_model(path: str):
+    try:
+        return read_model_file(path)
+    except NotAWanModel as e:
+        raise PlanError(f"{e} (or use --preset for a known Wan model)") from None
+    except ModelFileError as e:
+        raise PlanError(str(e)) from None
+
+
+def _described(info) -> str:
+    d = info.dims
+    return (f"{info.format}, Wan {d.model_type}, dim {d.dim}, {d.num_layers} layers, {d.num_heads} heads, "
+            f"FFN {d.ffn_dim}, weights {info.main_dtype}, {info.weights_bytes / 2**30:.2f} GiB in the file")
+
+
+def run(a) -> int:
+    if a.weights is not None and a.model:
+        raise PlanError("--weights cannot be used with --model: the file's header gives its weight type")
+    fields = {"preset": a.preset, "width": a.width, "height": a.height, "frames": a.frames, "batch": a.batch,
+              "cfg": a.cfg, "dtype": None if a.dtype == "auto" else a.dtype, "attention": a.attention, "arch": a.arch,
+              "vram_gib": a.vram, "weights": a.weights, "lora": a.lora or None, "compiled": a.compiled or None,
+              "sage_grouped": a.sage_grouped or None, "margin_gib": a.margin}
+    fields = {k: v for k, v in fields.items() if v is not None}
+    info = _read_model(a.model) if a.model else None
+    total = cc = gpu = note = None
+    if a.vram is None or a.arch is None:
+        total, cc, gpu, note = _cuda_info()
+    built = request.build(fields, request.Env(vram_bytes=total, cc=cc), text=True, labels=FLAGS, model_info=info)
+    notes = ([note] if note else []) + ([] if built.setup.vram_bytes is not None else
+                                        ["no GPU found and no --vram given: the verdict needs --vram GiB"])
+    est = plan(built.setup)
+    text = report.report(est, held=built.weights.held, gpu=gpu if a.vram is None else None)
+    text += "".join(f"\nnote: {n}" for n in notes)
+    if a.json:
+        summary = report.summary(est)
+        summary["notes"] += notes
+        summary["detected"] = built.detected
+        if info is not None:
+            summary["model_file"] = {"format": info.format, "ffn_dim": info.dims.ffn_dim, "weight_dtype": info.main_dtype,
+                                     "weights_bytes": info.weights_bytes}
+        print(json.dumps({"estimate": est.as_dict(), "summary": summary, "text": text}, indent=1, default=str))
+        return 0
+    if info is not None:
+        print(f"model file: {a.model}: {_described(info)}")
+    print(text)
+    return 0

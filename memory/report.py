@@ -1,0 +1,108 @@
+"""How an :class:`~.estimate.Estimate` is shown: :func:`summary` (the figures in GiB, for the route's JSON,
+the node's outputs and the panel) and :func:`report` (the text table that ``wan-sage plan`` prints, the
+node's ``report`` output shows and the server logs).  Every figure has one definition, here:
+
+* activation peak: the largest phase of a block plus what persists across blocks;
+* Sage extra: what Sage adds to that peak over SDPA (never negative);
+* reservation: what ComfyUI is told to keep free per forward, under the policy, with weights resident or
+  streamed, as the verdict finds;
+* room for weights: the VRAM for this model minus what ComfyUI keeps free minus the reservation, so that
+  weights minus room is what is offloaded.
+"""
+from __future__ import annotations
+
+from .estimate import GiB, Estimate
+
+__all__ = ["summary", "report", "DYNAMIC_LINE"]
+
+DYNAMIC_LINE = ("memory path: dynamic VRAM. ComfyUI keeps or evicts this model's weights on demand, so the "
+                "reservation does not change which weights stay on the GPU; the estimate above is information, and "
+                "it decides whether cond and uncond run batched")
+
+
+def _gib(x) -> float | None:
+    return None if x is None else x / GiB
+
+
+def summary(est: Estimate) -> dict:
+    """The estimate's figures in GiB and its words: what the panel and the node's outputs show."""
+    s = est.setup
+    return {"tokens": est.tokens, "activation_gib": est.activation_peak / GiB, "sage_extra_gib": est.sage_extra / GiB,
+            "reservation_gib": est.reservation / GiB, "comfy_gib": est.comfy_estimate / GiB,
+            "weights_gib": (s.weights_bytes or 0) / GiB, "vram_gib": _gib(s.vram_bytes),
+            "kept_free_gib": s.kept_free / GiB, "room_for_weights_gib": _gib(est.room_for_weights),
+            "offload_gib": est.offload_bytes / GiB, "streamed": est.streamed, "verdict": est.verdict,
+            "level": est.level, "dominant_phase": est.terms["dominant_phase"], "policy": s.policy,
+            "compiled": s.compiled, "sage_head_groups": est.sage_head_groups, "dynamic_vram": s.dynamic_vram,
+            "source": s.source, "notes": list(est.notes), "problems": list(est.problems)}
+
+
+def _g(x) -> str:
+    return "-" if x is None else f"{x / GiB:.2f} GiB"
+
+
+def _attention(est: Estimate) -> str:
+    a = est.setup.attention
+    if a.kernel is None:
+        return "SDPA"
+    split = f" in {est.sage_head_groups} head groups (memory mode)" if est.sage_head_groups > 1 else ""
+    return f"{a.kernel}{split} for self-attention, SDPA for cross-attention"
+
+
+def _rows(est: Estimate) -> str:
+    cfg = est.setup.cfg
+    if est.rows_batched == est.rows_sequential:
+        return f"{est.rows_sequential} (cfg {cfg:g}: no uncond pass)"
+    return (f"{est.rows_sequential} assumed (cfg {cfg:g}: cond and uncond one after the other; "
+            f"{est.rows_batched} when ComfyUI batches them)")
+
+
+def report(est: Estimate, held: str | None = None, gpu: str | None = None) -> str:
+    """The estimate as a text table.  ``held``: how the weights are held (fp16, fp8, q4_k ...);
+    ``gpu``: the GPU's name when the VRAM figure is the card's."""
+    s, d = est.setup, est.setup.dims
+    res, par = est.resident, est.partial
+    size = f" ({s.pixels[0]}x{s.pixels[1]}x{s.pixels[2]})" if s.pixels else ""
+    lines = [f"Wan {d.model_type}, dim {d.dim} x {d.num_layers} layers, {d.num_heads} heads ({d.name}); "
+             f"latent {list(s.latent)}{size}, cfg {s.cfg:g}"]
+    if s.source:
+        lines.append(f"model: {s.source}")
+    lines.append(f"compute: {s.dtype}" + (f"; weights held as {held}" if held else "") + f"; attention: {_attention(est)}"
+                 + ("; blocks compiled (torch.compile, each block its own graph)" if s.compiled else ""))
+    rows = [
+        ("tokens per row", f"{est.tokens:,}", ""),
+        ("rows per forward", _rows(est), ""),
+        ("", "weights resident", "weights streamed"),
+        ("activation peak", _g(res["phase_peak"] + res["persistent"]), _g(par["phase_peak"] + par["persistent"])),
+        (f"  largest phase ({res['dominant_phase']})", _g(res["phase_peak"]), _g(par["phase_peak"])),
+        ("  persistent (RoPE, context)", _g(res["persistent"]), _g(par["persistent"])),
+        ("  of which Sage extra", _g(max(0, res["sage_extra"])), _g(max(0, par["sage_extra"]))),
+        ("weight transients", _g(res["weight_transient"]), _g(par["weight_transient"])),
+        ("streaming + fragmentation", _g(res["fragmentation"]), _g(par["fragmentation"])),
+        ("allocator slack", _g(res["slack"]), _g(par["slack"])),
+    ]
+    if s.margin_bytes:
+        rows.append(("margin", _g(s.margin_bytes), _g(s.margin_bytes)))
+    label = "reservation per forward" + ("" if s.policy.startswith("wan-sage") else f" ({s.policy})")
+    rows.append((f"{label}, {est.rows_sequential} row{'s' if est.rows_sequential > 1 else ''}",
+                 _g(est.reservation_resident), _g(est.reservation_partial)))
+    if est.reservation_batched_resident is not None:
+        rows.append((f"  cfg batched ({est.rows_batched} rows)", _g(est.reservation_batched_resident),
+                     _g(est.reservation_batched_partial)))
+    rows.append(("ComfyUI's own estimate", _g(est.comfy_estimate), ""))
+    if s.vram_bytes is not None:
+        rows += [("VRAM for this model", _g(s.vram_bytes) + (f" ({gpu})" if gpu else ""), ""),
+                 ("  kept free by ComfyUI", "- " + _g(s.kept_free), ""),
+                 (f"  reservation in force (weights {'streamed' if est.streamed else 'resident'})",
+                  "- " + _g(est.reservation), ""),
+                 ("  room for weights", "= " + _g(est.room_for_weights), "")]
+    rows.append(("weights", _g(s.weights_bytes), ""))
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows if r[2])
+    lines += [f"  {k:<{w0}}  {v1:<{w1}}  {v2}".rstrip() for k, v1, v2 in rows]
+    lines += [f"problem: {p}" for p in est.problems]
+    lines.append(f"verdict: {est.verdict}")
+    lines += [f"note: {n}" for n in est.notes]
+    if s.dynamic_vram:
+        lines.append(DYNAMIC_LINE)
+    return "\n".join(lines)
