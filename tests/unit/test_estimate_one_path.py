@@ -134,3 +134,10 @@ def test_the_memory_required_stand_in_is_immutable_and_shared_by_copies():
     with pytest.raises(AttributeError):
         fn.setup = None
     assert fn(torch.Size([2, 16, 21, 90, 160])) > fn([1, 16, 21, 90, 160])
+
+
+def test_every_request_field_is_documented():
+    from pathlib import Path
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "route.md").read_text()
+    table = {m for row in doc.splitlines() if row.startswith("| `") for m in re.findall(r"`(\w+)`", row.split("|")[1])}
+    assert table == set(request.FIELDS)
