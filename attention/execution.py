@@ -32,7 +32,7 @@ import torch
 from . import kernels, planning, policy, stats, timing
 from .planning import Plan
 from .policy import DTYPE_NAMES
-from .state import STATE, Bucket, OomMemory
+from .state import STATE, Decision, OomMemory
 
 __all__ = ["run_attention", "decide", "run_kernel", "FINITE_FIRST_CALLS", "FINITE_EVERY", "fits", "available_bytes"]
 
@@ -64,18 +64,18 @@ def available_bytes(device, free_memory) -> int:
 
 
 # ------------------------------------------------------------------ decisions
-def _plan(bucket: Bucket, shape: tuple, key: tuple) -> Plan:
+def _plan(decision: Decision, shape: tuple, key: tuple) -> Plan:
     B, H, Nq, Nk, D, layout, out_layout = shape
-    return Plan(bucket.kernel, bucket.reason, layout, B, H, Nq, Nk, D, bucket.groups, (), bucket.saved_ms,
-                bucket.cc, bucket.need, out_layout, bucket.output_copy, key)
+    return Plan(decision.kernel, decision.reason, layout, B, H, Nq, Nk, D, decision.groups, (), decision.saved_ms,
+                decision.cc, decision.need, out_layout, decision.output_copy, key)
 
 
-def _bucket(choice: planning.Choice, cc: int, shape: tuple, dtype, margin: int) -> Bucket:
+def _decision_of(choice: planning.Choice, cc: int, shape: tuple, dtype, margin: int) -> Decision:
     if choice.kernel is None:
-        return Bucket(None, choice.reason, cc=cc)
+        return Decision(None, choice.reason, cc=cc)
     copy = choice.groups == 1 and planning.output_copy(choice.kernel, shape[5], shape[6])
     need = planning.need_bytes(choice.kernel, cc, planning.attn_shape(shape, dtype), choice.groups, copy, margin)
-    return Bucket(choice.kernel, None, choice.groups, need, choice.saved_ms, cc, copy)
+    return Decision(choice.kernel, None, choice.groups, need, choice.saved_ms, cc, copy)
 
 
 def _timing_context(ov, info, names, dtype, shape):
@@ -92,22 +92,22 @@ def _timing_context(ov, info, names, dtype, shape):
 
 
 def _settle(ov, device, index: int, dtype, shape: tuple, key: tuple, claim: bool):
-    """First call of a shape: a settled Bucket, or a calibration Plan when the shape is to be
+    """First call of a shape: a settled Decision, or a calibration Plan when the shape is to be
     measured now (within the budget; with ``claim``, the calibration is claimed: once per shape
     and process, whether it then succeeds or not)."""
     cfg = ov.config
     margin = cfg.memory_margin_mb << 20
     info = planning.device_info(device, index, cfg.kernel)
     if info.reason:
-        bucket = Bucket(None, "no_kernel", cc=info.cc)
-        STATE.settle(key, bucket)
-        return bucket
+        decision = Decision(None, "no_kernel", cc=info.cc)
+        STATE.settle(key, decision)
+        return decision
     B, H, Nq, Nk, D, layout, out_layout = shape
     names, why = planning.candidates(info, device, index, dtype, D, cfg.self_test)
     if not names:
-        bucket = Bucket(None, why, cc=info.cc)
-        STATE.settle(key, bucket)
-        return bucket
+        decision = Decision(None, why, cc=info.cc)
+        STATE.settle(key, decision)
+        return decision
     cross = policy.is_cross(Nq, Nk)
     store, keys, groups = _timing_context(ov, info, names, dtype, shape)
     entries = {n: store.get(keys[n]) for n in names}
@@ -119,7 +119,7 @@ def _settle(ov, device, index: int, dtype, shape: tuple, key: tuple, claim: bool
     choice = planning.choose(names, {n: e for n, e in entries.items() if e is not None}, groups, cross) \
         or planning.default_choice(names, cross, groups)
     # A calibration finishing in another thread wins over this unmeasured choice.
-    return STATE.settle_if_absent(key, _bucket(choice, info.cc, shape, dtype, margin))
+    return STATE.settle_if_absent(key, _decision_of(choice, info.cc, shape, dtype, margin))
 
 
 def _budget_left(ov, shape: tuple, names: tuple, groups: dict) -> bool:
@@ -141,33 +141,33 @@ def decide(ov, q, shape: tuple, claim: bool = True) -> Plan:
     device = q.device
     index = device.index if device.index is not None else kernels.device_index(device)
     key = (ov.config_key, index, q.dtype) + shape
-    bucket = STATE.buckets.get(key)
-    if bucket is None:
-        bucket = _settle(ov, device, index, q.dtype, shape, key, claim)
-        if isinstance(bucket, Plan):
-            return bucket
-    if bucket.kernel is None:
-        return _plan(bucket, shape, key)
-    return _fit_memory(ov, device, key, bucket, shape, q.dtype)
+    decision = STATE.decisions.get(key)
+    if decision is None:
+        decision = _settle(ov, device, index, q.dtype, shape, key, claim)
+        if isinstance(decision, Plan):
+            return decision
+    if decision.kernel is None:
+        return _plan(decision, shape, key)
+    return _fit_memory(ov, device, key, decision, shape, q.dtype)
 
 
-def _fit_memory(ov, device, key, bucket: Bucket, shape: tuple, dtype) -> Plan:
+def _fit_memory(ov, device, key, decision: Decision, shape: tuple, dtype) -> Plan:
     oom = STATE.ooms.get(key)
     if oom is not None:
         if available_bytes(device, ov.free_memory) < oom.available + oom.need:
-            return _plan(Bucket(None, "memory", cc=bucket.cc), shape, key)
+            return _plan(Decision(None, "memory", cc=decision.cc), shape, key)
         STATE.forget_oom(key)
-    if fits(device, bucket.need, ov.free_memory):
-        return _plan(bucket, shape, key)
+    if fits(device, decision.need, ov.free_memory):
+        return _plan(decision, shape, key)
     margin = ov.config.memory_margin_mb << 20
-    found = planning.more_groups(bucket.kernel, bucket.cc, planning.attn_shape(shape, dtype), bucket.groups,
+    found = planning.more_groups(decision.kernel, decision.cc, planning.attn_shape(shape, dtype), decision.groups,
                                  available_bytes(device, ov.free_memory), margin)
     if found is None:
-        return _plan(Bucket(None, "memory", cc=bucket.cc), shape, key)
+        return _plan(Decision(None, "memory", cc=decision.cc), shape, key)
     groups, need = found
-    bucket = dataclasses.replace(bucket, groups=groups, need=need, output_copy=False)
-    STATE.settle(key, bucket)
-    return _plan(bucket, shape, key)
+    decision = dataclasses.replace(decision, groups=groups, need=need, output_copy=False)
+    STATE.settle(key, decision)
+    return _plan(decision, shape, key)
 
 
 # ------------------------------------------------------------------ running
@@ -243,7 +243,7 @@ def _finite_check_due(name: str, key: tuple) -> bool:
 
 
 def _nonfinite(ov, plan: Plan, name: str) -> None:
-    STATE.settle(plan.call_key, Bucket(None, "nonfinite", cc=plan.cc))
+    STATE.settle(plan.call_key, Decision(None, "nonfinite", cc=plan.cc))
     if STATE.log_once(("nonfinite", plan.call_key)):
         log.warning("wan-sage: %s returned NaN/Inf for attention [B=%d, H=%d, Nq=%d, Nk=%d, D=%d]; that call was "
                     "redone on SDPA and this shape stays on SDPA.", name, plan.B, plan.H, plan.Nq, plan.Nk, plan.D)
@@ -344,7 +344,7 @@ def _settle_measured(ov, plan: Plan, info, device, dtype) -> planning.Choice:
         choice = planning.choose(names, entries, groups, cross) or planning.default_choice(names, cross, groups)
     else:
         choice = planning.Choice(None, reason=why)
-    STATE.settle(plan.call_key, _bucket(choice, plan.cc, shape, dtype, cfg.memory_margin_mb << 20))
+    STATE.settle(plan.call_key, _decision_of(choice, plan.cc, shape, dtype, cfg.memory_margin_mb << 20))
     return choice
 
 

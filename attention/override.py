@@ -48,13 +48,13 @@ def settled_shapes() -> list:
     call.  What the working-memory estimate can read to model the memory mode as it runs (where
     calibration measured the split too costly, a shape runs ungrouped)."""
     with STATE.lock:
-        items = list(STATE.buckets.items())
+        items = list(STATE.decisions.items())
     shapes = []
-    for key, bucket in items:
+    for key, decision in items:
         B, H, Nq, Nk, D, layout, out_layout = key[3:]
         shapes.append({"device_index": key[1], "dtype": str(key[2]).replace("torch.", ""), "B": B, "H": H, "Nq": Nq,
-                       "Nk": Nk, "D": D, "layout": layout, "kernel": bucket.kernel, "reason": bucket.reason,
-                       "groups": bucket.groups, "need_bytes": bucket.need})
+                       "Nk": Nk, "D": D, "layout": layout, "kernel": decision.kernel, "reason": decision.reason,
+                       "groups": decision.groups, "need_bytes": decision.need})
     return shapes
 
 

@@ -17,12 +17,12 @@ import threading
 import weakref
 from dataclasses import dataclass, replace
 
-__all__ = ["DispatchState", "STATE", "Bucket", "OomMemory", "SelfTestTicket"]
+__all__ = ["DispatchState", "STATE", "Decision", "OomMemory", "SelfTestTicket"]
 
 
 @dataclass(frozen=True)
-class Bucket:
-    """The settled decision for one call shape (config, device, dtype, B, H, Nq, Nk, D, layouts)."""
+class Decision:
+    """What the dispatcher settled for one call key (patch options, device, dtype, call shape)."""
 
     kernel: str | None  # None: SDPA for ``reason``
     reason: str | None = None
@@ -76,7 +76,7 @@ class DispatchState:
         self.stores: dict = {}  # cache directory -> timing.CalibrationStore
         self.calibration_spent_s = 0.0
         self.logged: set = set()
-        self.buckets: dict = {}  # call key -> Bucket
+        self.decisions: dict = {}  # call key -> Decision
         self.calibration_claimed: set = set()  # call keys whose calibration has started (once per process)
         self.timed_here: set = set()  # timing-cache keys this process measured
         self.ooms: dict = {}  # call key -> OomMemory
@@ -129,18 +129,18 @@ class DispatchState:
         kernel = key[1]
         with self.lock:
             self.failed[key] = text
-            for call_key, bucket in list(self.buckets.items()):
-                if bucket.kernel == kernel:
-                    del self.buckets[call_key]
+            for call_key, decision in list(self.decisions.items()):
+                if decision.kernel == kernel:
+                    del self.decisions[call_key]
 
-    def settle(self, call_key, bucket: Bucket) -> None:
+    def settle(self, call_key, decision: Decision) -> None:
         with self.lock:
-            self.buckets[call_key] = bucket
+            self.decisions[call_key] = decision
 
-    def settle_if_absent(self, call_key, bucket: Bucket) -> Bucket:
-        """Settle ``call_key`` unless it is settled already; returns the bucket in force."""
+    def settle_if_absent(self, call_key, decision: Decision) -> Decision:
+        """Settle ``call_key`` unless it is settled already; returns the decision in force."""
         with self.lock:
-            return self.buckets.setdefault(call_key, bucket)
+            return self.decisions.setdefault(call_key, decision)
 
     def claim_calibration(self, call_key) -> bool:
         """True for the first caller (it calibrates); False when this shape was claimed before."""

@@ -49,7 +49,7 @@ class LockedWrites(dict):
 def test_every_write_to_the_decision_state_holds_the_lock(monkeypatch, tmp_path):
     fake = FakeGPU(monkeypatch, tmp_path, candidates=("sage2_sm90", "sage1"))
     seen = []
-    for name in ("buckets", "failed", "ooms", "calls", "self_tests", "devices"):
+    for name in ("decisions", "failed", "ooms", "calls", "self_tests", "devices"):
         monkeypatch.setattr(STATE, name, LockedWrites(seen))
     q, k, v = qkv()
     o = SageAttentionOverride(PatchConfig(cache_dir=fake.cache_dir))
@@ -71,7 +71,7 @@ def test_state_keys_use_one_normalised_device_index(fake_gpu):
     o = SageAttentionOverride(PatchConfig(cache_dir=fake_gpu.cache_dir, calibrate=False))
     o(raw_func, q, k, v, heads=4)
     indices = ({key[0] for key in STATE.self_tests} | {key[0] for key in STATE.failed}
-               | {key[1] for key in STATE.buckets})
+               | {key[1] for key in STATE.decisions})
     assert indices == {0}
 
 
