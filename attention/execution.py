@@ -32,7 +32,8 @@ import torch
 from . import kernels, planning, policy, stats, timing
 from .planning import Plan
 from .policy import DTYPE_NAMES
-from .state import STATE, Decision, OomMemory
+from .policy import CallShape
+from .state import STATE, CallKey, Decision, FailureKey, OomMemory
 
 __all__ = ["run_attention", "decide", "run_kernel", "FINITE_FIRST_CALLS", "FINITE_EVERY", "fits", "available_bytes"]
 
@@ -64,68 +65,69 @@ def available_bytes(device, free_memory) -> int:
 
 
 # ------------------------------------------------------------------ decisions
-def _plan(decision: Decision, shape: tuple, key: tuple) -> Plan:
-    B, H, Nq, Nk, D, layout, out_layout = shape
-    return Plan(decision.kernel, decision.reason, layout, B, H, Nq, Nk, D, decision.groups, (), decision.saved_ms,
-                decision.cc, decision.need, out_layout, decision.output_copy, key)
+def _plan(decision: Decision, key: CallKey) -> Plan:
+    s = key.shape
+    return Plan(decision.kernel, decision.reason, s.layout, s.B, s.H, s.Nq, s.Nk, s.D, decision.groups, (),
+                decision.saved_ms, decision.cc, decision.need, s.out_layout, decision.output_copy, key)
 
 
-def _decision_of(choice: planning.Choice, cc: int, shape: tuple, dtype, margin: int) -> Decision:
+def _decision_of(choice: planning.Choice, cc: int, shape: CallShape, dtype, margin: int) -> Decision:
     if choice.kernel is None:
         return Decision(None, choice.reason, cc=cc)
-    copy = choice.groups == 1 and planning.output_copy(choice.kernel, shape[5], shape[6])
+    copy = choice.groups == 1 and planning.output_copy(choice.kernel, shape.layout, shape.out_layout)
     need = planning.need_bytes(choice.kernel, cc, planning.attn_shape(shape, dtype), choice.groups, copy, margin)
     return Decision(choice.kernel, None, choice.groups, need, choice.saved_ms, cc, copy)
 
 
-def _timing_context(ov, info, names, dtype, shape):
+def _timing_context(ov, info, names, dtype, shape: CallShape):
     """(store, {kernel: cache key}, {kernel: memory-mode groups}) for the candidates of a shape."""
     cfg = ov.config
-    B, H, Nq, Nk, D, layout, out_layout = shape
     store = planning.timing_store(cfg.cache_dir)
     dtype_name = DTYPE_NAMES.get(dtype, str(dtype))
-    keys = {n: planning.timing_key(info.gpu, info.cc, n, dtype_name, H, D, Nq, Nk) for n in names}
+    keys = {n: planning.timing_key(info.gpu, info.cc, n, dtype_name, shape.H, shape.D, shape.Nq, shape.Nk)
+            for n in names}
     aspec = planning.attn_shape(shape, dtype)
     groups = {n: planning.mode_groups(n, info.cc, aspec, cfg.memory_mode,
-                                      planning.output_copy(n, layout, out_layout)).groups for n in names}
+                                      planning.output_copy(n, shape.layout, shape.out_layout)).groups for n in names}
     return store, keys, groups
 
 
-def _settle(ov, device, index: int, dtype, shape: tuple, key: tuple, claim: bool):
+def _settle(ov, device, key: CallKey, claim: bool):
     """First call of a shape: a settled Decision, or a calibration Plan when the shape is to be
     measured now (within the budget; with ``claim``, the calibration is claimed: once per shape
     and process, whether it then succeeds or not)."""
     cfg = ov.config
     margin = cfg.memory_margin_mb << 20
-    info = planning.device_info(device, index, cfg.kernel)
+    shape, dtype = key.shape, key.dtype
+    info = planning.device_info(device, key.device_index, cfg.kernel)
     if info.reason:
         decision = Decision(None, "no_kernel", cc=info.cc)
         STATE.settle(key, decision)
         return decision
-    B, H, Nq, Nk, D, layout, out_layout = shape
-    names, why = planning.candidates(info, device, index, dtype, D, cfg.self_test)
+    names, why = planning.candidates(info, device, key.device_index, dtype, shape.D, cfg.self_test)
     if not names:
         decision = Decision(None, why, cc=info.cc)
         STATE.settle(key, decision)
         return decision
-    cross = policy.is_cross(Nq, Nk)
+    cross = policy.is_cross(shape.Nq, shape.Nk)
     store, keys, groups = _timing_context(ov, info, names, dtype, shape)
     entries = {n: store.get(keys[n]) for n in names}
     to_time = tuple(n for n in names if entries[n] is None
                     or (not timing.trusted(entries[n]) and keys[n] not in STATE.timed_here))
     if to_time and cfg.calibrate and _budget_left(ov, shape, to_time, groups) and (
             not claim or STATE.claim_calibration(key)):
-        return Plan(to_time[0], None, layout, B, H, Nq, Nk, D, 1, to_time, 0.0, info.cc, 0, out_layout, False, key)
+        return Plan(to_time[0], None, shape.layout, shape.B, shape.H, shape.Nq, shape.Nk, shape.D, 1, to_time, 0.0,
+                    info.cc, 0, shape.out_layout, False, key)
     choice = planning.choose(names, {n: e for n, e in entries.items() if e is not None}, groups, cross) \
         or planning.default_choice(names, cross, groups)
     # A calibration finishing in another thread wins over this unmeasured choice.
     return STATE.settle_if_absent(key, _decision_of(choice, info.cc, shape, dtype, margin))
 
 
-def _budget_left(ov, shape: tuple, names: tuple, groups: dict) -> bool:
+def _budget_left(ov, shape: CallShape, names: tuple, groups: dict) -> bool:
     cfg = ov.config
     runs = 2 * (1 + sum(1 + (cfg.memory_mode == "sdpa" and groups[n] > 1) for n in names))
-    estimate = planning.calibration_estimate_s(*shape[:5], runs)
+    estimate = planning.calibration_estimate_s(shape, runs)
     if estimate <= cfg.calibration_budget_s - STATE.calibration_spent_s:
         return True
     if STATE.log_once(("budget", cfg.calibration_budget_s)):
@@ -135,39 +137,39 @@ def _budget_left(ov, shape: tuple, names: tuple, groups: dict) -> bool:
     return False
 
 
-def decide(ov, q, shape: tuple, claim: bool = True) -> Plan:
+def decide(ov, q, shape: CallShape, claim: bool = True) -> Plan:
     """The plan for one call (no kernel runs here, except a kernel's one-time self-test).
     ``claim=False`` reports a pending calibration without claiming it (a dry run)."""
     device = q.device
     index = device.index if device.index is not None else kernels.device_index(device)
-    key = (ov.config_key, index, q.dtype) + shape
+    key = CallKey(ov.config_key, index, q.dtype, shape)
     decision = STATE.decisions.get(key)
     if decision is None:
-        decision = _settle(ov, device, index, q.dtype, shape, key, claim)
+        decision = _settle(ov, device, key, claim)
         if isinstance(decision, Plan):
             return decision
     if decision.kernel is None:
-        return _plan(decision, shape, key)
-    return _fit_memory(ov, device, key, decision, shape, q.dtype)
+        return _plan(decision, key)
+    return _fit_memory(ov, device, key, decision)
 
 
-def _fit_memory(ov, device, key, decision: Decision, shape: tuple, dtype) -> Plan:
+def _fit_memory(ov, device, key: CallKey, decision: Decision) -> Plan:
     oom = STATE.ooms.get(key)
     if oom is not None:
         if available_bytes(device, ov.free_memory) < oom.available + oom.need:
-            return _plan(Decision(None, "memory", cc=decision.cc), shape, key)
+            return _plan(Decision(None, "memory", cc=decision.cc), key)
         STATE.forget_oom(key)
     if fits(device, decision.need, ov.free_memory):
-        return _plan(decision, shape, key)
+        return _plan(decision, key)
     margin = ov.config.memory_margin_mb << 20
-    found = planning.more_groups(decision.kernel, decision.cc, planning.attn_shape(shape, dtype), decision.groups,
-                                 available_bytes(device, ov.free_memory), margin)
+    found = planning.more_groups(decision.kernel, decision.cc, planning.attn_shape(key.shape, key.dtype),
+                                 decision.groups, available_bytes(device, ov.free_memory), margin)
     if found is None:
-        return _plan(Decision(None, "memory", cc=decision.cc), shape, key)
+        return _plan(Decision(None, "memory", cc=decision.cc), key)
     groups, need = found
     decision = dataclasses.replace(decision, groups=groups, need=need, output_copy=False)
     STATE.settle(key, decision)
-    return _plan(decision, shape, key)
+    return _plan(decision, key)
 
 
 # ------------------------------------------------------------------ running
@@ -237,7 +239,7 @@ def _all_finite(t) -> bool:
     return bool(torch.isfinite(torch.stack((lo, hi))).all())
 
 
-def _finite_check_due(name: str, key: tuple) -> bool:
+def _finite_check_due(name: str, key: CallKey) -> bool:
     n = STATE.count_call((name, key))
     return n <= FINITE_FIRST_CALLS or n % FINITE_EVERY == 0
 
@@ -249,9 +251,10 @@ def _nonfinite(ov, plan: Plan, name: str) -> None:
                     "redone on SDPA and this shape stays on SDPA.", name, plan.B, plan.H, plan.Nq, plan.Nk, plan.D)
 
 
-def _remember_failure(plan: Plan, index: int, dtype, name: str, text: str) -> None:
-    STATE.mark_failed((index, name, dtype, plan.D), text)
-    if STATE.log_once(("error", index, name, dtype, plan.D)):
+def _remember_failure(plan: Plan, name: str, text: str) -> None:
+    key = FailureKey(plan.call_key.device_index, name, plan.call_key.dtype, plan.D)
+    STATE.mark_failed(key, text)
+    if STATE.log_once(("error", key)):
         log.warning("wan-sage: %s raised %s; SDPA serves its shapes with this dtype and head dim from now on.",
                     name, text)
 
@@ -276,7 +279,7 @@ def run_attention(ov, q, k, v, heads: int, skip_reshape: bool, skip_output_resha
         failure = "oom"
     except Exception as e:  # charged to this kernel on this (device, dtype, head dim)
         failure = "error"
-        _remember_failure(plan, plan.call_key[1], q.dtype, name, f"{type(e).__name__}: {e}")
+        _remember_failure(plan, name, f"{type(e).__name__}: {e}")
     if failure == "oom":
         out = None
         STATE.remember_oom(plan.call_key, OomMemory(available_bytes(q.device, ov.free_memory), plan.need))
@@ -298,7 +301,7 @@ def run_attention(ov, q, k, v, heads: int, skip_reshape: bool, skip_output_resha
 def _variants(ov, plan: Plan, groups: dict, q4, k4, v4, scale) -> list:
     """What calibration times per kernel: the ungrouped call, and the memory mode's split."""
     cfg = ov.config
-    aspec = planning.attn_shape(plan.call_key[3:], q4.dtype)
+    aspec = planning.attn_shape(plan.call_key.shape, q4.dtype)
     variants = []
     for name in plan.calibrate:
         counts = [1] + ([groups[name]] if cfg.memory_mode == "sdpa" and groups[name] > 1 else [])
@@ -317,7 +320,7 @@ def _record(ov, plan: Plan, result: timing.Calibration, variants: list, store, k
     measured = {}
     for trial in result.trials:
         if trial.failure == "error":
-            _remember_failure(plan, plan.call_key[1], dtype, trial.kernel, trial.error)
+            _remember_failure(plan, trial.kernel, trial.error)
         elif trial.ms is not None:
             measured.setdefault(trial.kernel, {})[trial.groups] = trial.ms
     for name, times in measured.items():
@@ -335,8 +338,8 @@ def _record(ov, plan: Plan, result: timing.Calibration, variants: list, store, k
 def _settle_measured(ov, plan: Plan, info, device, dtype) -> planning.Choice:
     """Settle the shape from every candidate that may still run and its cache entry, old or new."""
     cfg = ov.config
-    shape = plan.call_key[3:]
-    names, why = planning.candidates(info, device, plan.call_key[1], dtype, plan.D, cfg.self_test)
+    shape = plan.call_key.shape
+    names, why = planning.candidates(info, device, plan.call_key.device_index, dtype, plan.D, cfg.self_test)
     if names:
         store, keys, groups = _timing_context(ov, info, names, dtype, shape)
         entries = {n: e for n in names if (e := store.get(keys[n])) is not None}
@@ -355,8 +358,8 @@ def _calibrate(ov, plan: Plan, q, k, v, heads, skip_reshape, skip_output_reshape
     happens; a kernel that raises is charged to itself; a variant that would not fit in free
     memory is not timed."""
     cfg = ov.config
-    info = planning.device_info(q.device, plan.call_key[1], cfg.kernel)
-    store, keys, groups = _timing_context(ov, info, plan.calibrate, q.dtype, plan.call_key[3:])
+    info = planning.device_info(q.device, plan.call_key.device_index, cfg.kernel)
+    store, keys, groups = _timing_context(ov, info, plan.calibrate, q.dtype, plan.call_key.shape)
     variants = _variants(ov, plan, groups, *_views(q, k, v, plan), scale)
     sdpa_kwargs = {"skip_reshape": skip_reshape, "skip_output_reshape": skip_output_reshape}
     if scale is not None:

@@ -51,10 +51,10 @@ def settled_shapes() -> list:
         items = list(STATE.decisions.items())
     shapes = []
     for key, decision in items:
-        B, H, Nq, Nk, D, layout, out_layout = key[3:]
-        shapes.append({"device_index": key[1], "dtype": str(key[2]).replace("torch.", ""), "B": B, "H": H, "Nq": Nq,
-                       "Nk": Nk, "D": D, "layout": layout, "kernel": decision.kernel, "reason": decision.reason,
-                       "groups": decision.groups, "need_bytes": decision.need})
+        s = key.shape
+        shapes.append({"device_index": key.device_index, "dtype": str(key.dtype).replace("torch.", ""), "B": s.B,
+                       "H": s.H, "Nq": s.Nq, "Nk": s.Nk, "D": s.D, "layout": s.layout, "kernel": decision.kernel,
+                       "reason": decision.reason, "groups": decision.groups, "need_bytes": decision.need})
     return shapes
 
 
@@ -107,7 +107,7 @@ class SageAttentionOverride:
             shape = policy.call_shape(q, k, heads, skip_reshape, skip_out)
             if isinstance(shape, str):
                 reason = shape
-            elif shape[2] < self.config.min_tokens:
+            elif shape.Nq < self.config.min_tokens:
                 reason = "short"
         return q, k, v, heads, bool(skip_reshape), bool(skip_out), shape, reason
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from . import head_groups, kernel_bytes, kernels, registry, selftest, timing
-from .policy import DTYPE_NAMES
+from .policy import DTYPE_NAMES, CallShape
 from .registry import KERNELS
-from .state import STATE
+from .state import STATE, CallKey, FailureKey, SelfTestKey
 
 __all__ = ["Plan", "DeviceInfo", "Choice", "device_info", "kernel_build", "timing_store", "timing_key",
            "candidates", "attn_shape", "output_copy", "mode_groups", "need_bytes", "more_groups", "choose",
@@ -47,7 +47,7 @@ class Plan:
     need: int = 0  # bytes checked free before the call
     out_layout: str = "NHD"
     output_copy: bool = False
-    call_key: tuple = ()
+    call_key: CallKey | None = None
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def timing_key(gpu: str, cc: int, name: str, dtype_name: str, heads: int, head_d
 
 
 def _passes_self_test(name: str, device, index: int, dtype, info: DeviceInfo) -> bool:
-    key = (index, name, dtype)
+    key = SelfTestKey(index, name, dtype)
     ticket = STATE.begin_self_test(key)
     if ticket is None:
         return STATE.self_tests[key] is None
@@ -149,7 +149,7 @@ def candidates(info: DeviceInfo, device, index: int, dtype, head_dim: int, self_
         spec = KERNELS[name]
         if not (spec.dtype_ok(dtype_name) and spec.head_dim_ok(head_dim)):
             continue
-        if (index, name, dtype, head_dim) in STATE.failed:
+        if FailureKey(index, name, dtype, head_dim) in STATE.failed:
             why = "failed"
             continue
         if self_test and not _passes_self_test(name, device, index, dtype, info):
@@ -159,10 +159,10 @@ def candidates(info: DeviceInfo, device, index: int, dtype, head_dim: int, self_
     return tuple(names), why
 
 
-def attn_shape(shape: tuple, dtype) -> kernel_bytes.AttnShape:
-    B, H, Nq, Nk, D = shape[:5]
+def attn_shape(shape: CallShape, dtype) -> kernel_bytes.AttnShape:
     itemsize = 4 if dtype == torch.float32 else 2
-    return kernel_bytes.AttnShape(B, H, Nq, Nk, D, itemsize, None, dtype == torch.bfloat16)
+    return kernel_bytes.AttnShape(shape.B, shape.H, shape.Nq, shape.Nk, shape.D, itemsize, None,
+                                  dtype == torch.bfloat16)
 
 
 def output_copy(name: str, layout: str, out_layout: str) -> bool:
@@ -234,6 +234,6 @@ def default_choice(names, cross: bool, groups: dict) -> Choice:
     return Choice(name, groups[name])
 
 
-def calibration_estimate_s(B: int, H: int, Nq: int, Nk: int, D: int, runs: int) -> float:
-    """Rough seconds of ``runs`` attention calls (SDPA-class speed, 100 TFLOP/s) plus overhead."""
-    return runs * (4.0 * B * H * Nq * Nk * D / 100e12 + 0.025)
+def calibration_estimate_s(shape: CallShape, runs: int) -> float:
+    """Rough seconds of ``runs`` attention calls of ``shape`` (SDPA-class speed, 100 TFLOP/s) plus overhead."""
+    return runs * (4.0 * shape.B * shape.H * shape.Nq * shape.Nk * shape.D / 100e12 + 0.025)

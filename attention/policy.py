@@ -32,11 +32,13 @@ the rest are decided at run time (the op runs SDPA itself).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .registry import KERNELS
 
-__all__ = ["static_reason", "call_shape", "is_cross", "REASONS", "STATIC_REASONS", "CROSS_MAX_NK",
+__all__ = ["static_reason", "call_shape", "CallShape", "is_cross", "REASONS", "STATIC_REASONS", "CROSS_MAX_NK",
            "ELIGIBLE_DTYPES", "DTYPE_NAMES"]
 
 STATIC_REASONS = ("cpu", "mask", "low_precision_off", "gqa", "dtype", "grad", "layout", "short")
@@ -74,11 +76,29 @@ def static_reason(q, k, v, mask, kwargs) -> str | None:
     return None
 
 
-def call_shape(q, k, heads: int, skip_reshape: bool, skip_output_reshape: bool):
-    """(B, H, Nq, Nk, D, layout, out_layout) of a call in either of ComfyUI's layouts, or the
-    reason code when the shapes do not make one attention call.  ``layout`` is how q/k/v arrive
-    ("NHD": [B, N, H*D], possibly k/v 4-D as in Wan's Animate face block; "HND": [B, H, N, D]),
-    ``out_layout`` how the caller wants the output ("NHD": [B, N, H*D]; "HND": [B, H, N, D])."""
+@dataclass(frozen=True, slots=True)
+class CallShape:
+    """The shape of one attention call: batch, heads, query and key lengths, head dim, the layout
+    q/k/v arrive in (``layout``) and the layout the caller wants the output in (``out_layout``).
+
+    Built by :func:`call_shape` once per call, also inside ``torch.compile``'s traced region (the
+    override's static checks): dynamo traces the construction of this frozen dataclass without a
+    graph break (tests/unit/test_compile.py)."""
+
+    B: int
+    H: int
+    Nq: int
+    Nk: int
+    D: int
+    layout: str  # "NHD": q/k/v [B, N, H*D] (k/v possibly [B, N, H, D]); "HND": [B, H, N, D]
+    out_layout: str  # "NHD": output [B, N, H*D]; "HND": [B, H, N, D]
+
+
+def call_shape(q, k, heads: int, skip_reshape: bool, skip_output_reshape: bool) -> CallShape | str:
+    """The :class:`CallShape` of a call in either of ComfyUI's layouts, or the reason code when the
+    shapes do not make one attention call.  ``layout`` is "NHD" for [B, N, H*D] (k/v possibly 4-D,
+    as in Wan's Animate face block) and "HND" for [B, H, N, D] (``skip_reshape``); ``out_layout``
+    is "HND" with ``skip_output_reshape``, else "NHD"."""
     out_layout = "HND" if skip_output_reshape else "NHD"
     if skip_reshape:
         if q.ndim != 4 or k.ndim != 4:
@@ -86,14 +106,14 @@ def call_shape(q, k, heads: int, skip_reshape: bool, skip_output_reshape: bool):
         B, H, Nq, D = q.shape
         if k.shape[1] != H:
             return "gqa"
-        return (B, H, Nq, k.shape[2], D, "HND", out_layout)
+        return CallShape(B, H, Nq, k.shape[2], D, "HND", out_layout)
     if q.ndim != 3 or q.shape[-1] % heads:
         return "layout"
     B, Nq, H = q.shape[0], q.shape[1], heads
     D = q.shape[-1] // heads
     if k.numel() % (B * H * D) or (k.ndim == 3 and k.shape[-1] != H * D) or (k.ndim == 4 and k.shape[-2] != H):
         return "gqa"
-    return (B, H, Nq, k.numel() // (B * H * D), D, "NHD", out_layout)
+    return CallShape(B, H, Nq, k.numel() // (B * H * D), D, "NHD", out_layout)
 
 
 def is_cross(nq: int, nk: int) -> bool:

@@ -16,8 +16,43 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-__all__ = ["DispatchState", "STATE", "Decision", "OomMemory", "SelfTestTicket"]
+if TYPE_CHECKING:
+    from .policy import CallShape
+
+__all__ = ["DispatchState", "STATE", "CallKey", "SelfTestKey", "FailureKey", "Decision", "OomMemory",
+           "SelfTestTicket"]
+
+
+@dataclass(frozen=True, slots=True)
+class CallKey:
+    """What a decision is kept per: the patch's options (their :meth:`DispatchState.config_key`),
+    the normalised device index, the dtype and the call's shape.  Built once per call."""
+
+    config_key: int
+    device_index: int
+    dtype: object  # torch.dtype
+    shape: CallShape
+
+
+@dataclass(frozen=True, slots=True)
+class SelfTestKey:
+    """What a self-test verdict is kept per."""
+
+    device_index: int
+    kernel: str
+    dtype: object  # torch.dtype
+
+
+@dataclass(frozen=True, slots=True)
+class FailureKey:
+    """Where a kernel raised: it is not used there again."""
+
+    device_index: int
+    kernel: str
+    dtype: object  # torch.dtype
+    head_dim: int
 
 
 @dataclass(frozen=True)
@@ -69,18 +104,18 @@ class DispatchState:
 
     def _clear_decisions(self) -> None:
         self.devices: dict = {}  # (device index, kernel choice) -> planning.DeviceInfo
-        self.self_tests: dict = {}  # (device index, kernel, dtype) -> None (passed) | failure text
-        self.self_tests_pending: dict = {}  # same key -> threading.Event while a test runs
+        self.self_tests: dict = {}  # SelfTestKey -> None (passed) | failure text
+        self.self_tests_pending: dict = {}  # SelfTestKey -> threading.Event while a test runs
         self.self_test_names: dict = {}  # kernel -> failure text of its last failed self-test
-        self.failed: dict = {}  # (device index, kernel, dtype, head dim) -> what it raised
+        self.failed: dict = {}  # FailureKey -> what it raised
         self.stores: dict = {}  # cache directory -> timing.CalibrationStore
         self.calibration_spent_s = 0.0
         self.logged: set = set()
-        self.decisions: dict = {}  # call key -> Decision
-        self.calibration_claimed: set = set()  # call keys whose calibration has started (once per process)
+        self.decisions: dict = {}  # CallKey -> Decision
+        self.calibration_claimed: set = set()  # CallKeys whose calibration has started (once per process)
         self.timed_here: set = set()  # timing-cache keys this process measured
-        self.ooms: dict = {}  # call key -> OomMemory
-        self.calls: dict = {}  # (kernel, call key) -> calls run (finite-check sampling)
+        self.ooms: dict = {}  # CallKey -> OomMemory
+        self.calls: dict = {}  # (kernel, CallKey) -> calls run (finite-check sampling)
 
     def reset(self) -> None:
         """Forget every decision (tests; after reinstalling a kernel).  Live patches, the package
@@ -123,14 +158,13 @@ class DispatchState:
         with self.lock:
             self.calibration_spent_s += seconds
 
-    def mark_failed(self, key, text: str) -> None:
-        """A kernel raised on (device, kernel, dtype, head dim): never retried there; decisions
-        that used it are forgotten so that their shapes plan again without it."""
-        kernel = key[1]
+    def mark_failed(self, key: FailureKey, text: str) -> None:
+        """A kernel raised on (device, dtype, head dim): never retried there; decisions that used
+        it are forgotten so that their shapes plan again without it."""
         with self.lock:
             self.failed[key] = text
             for call_key, decision in list(self.decisions.items()):
-                if decision.kernel == kernel:
+                if decision.kernel == key.kernel:
                     del self.decisions[call_key]
 
     def settle(self, call_key, decision: Decision) -> None:
@@ -170,7 +204,7 @@ class DispatchState:
             return n
 
     # ---------------------------------------------------------------- self-tests
-    def begin_self_test(self, key) -> SelfTestTicket | None:
+    def begin_self_test(self, key: SelfTestKey) -> SelfTestTicket | None:
         """None when the verdict is known; else a ticket (run it, or wait for the one who does)."""
         with self.lock:
             if key in self.self_tests:
@@ -181,11 +215,11 @@ class DispatchState:
             event = self.self_tests_pending[key] = threading.Event()
             return SelfTestTicket(True, event)
 
-    def finish_self_test(self, key, verdict: str | None) -> None:
+    def finish_self_test(self, key: SelfTestKey, verdict: str | None) -> None:
         with self.lock:
             self.self_tests[key] = verdict
             if verdict is not None:
-                self.self_test_names[key[1]] = verdict
+                self.self_test_names[key.kernel] = verdict
             event = self.self_tests_pending.pop(key, None)
         if event is not None:
             event.set()

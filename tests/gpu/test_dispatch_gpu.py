@@ -17,7 +17,7 @@ from wan_sage.attention import dispatch, execution, head_groups, kernel_bytes, k
 from wan_sage.attention.dispatch import PatchConfig, SageAttentionOverride  # noqa: E402
 from wan_sage.attention.kernel_compare import peak_extra  # noqa: E402
 from wan_sage.attention.sdpa import attention_sdpa  # noqa: E402
-from wan_sage.attention.state import STATE  # noqa: E402
+from wan_sage.attention.state import STATE, FailureKey, SelfTestKey  # noqa: E402
 
 DEV = torch.device("cuda")
 CC = kernels.device_cc(DEV)
@@ -179,7 +179,7 @@ def test_an_error_is_charged_to_the_kernel_that_raised_and_not_retried(counting,
             out = o(attention_sdpa, q, k, v, heads=H)
     s = stats.end_run(o.patch_id)
     assert counting.calls == 1  # raised during calibration; charged; never tried again
-    assert (kernels.device_index(DEV), KERNEL, torch.bfloat16, D) in STATE.failed
+    assert FailureKey(kernels.device_index(DEV), KERNEL, torch.bfloat16, D) in STATE.failed
     assert any(r.getMessage().startswith(f"wan-sage: {KERNEL} raised") for r in caplog.records)
     assert s["sage_calls"] == 0 and s["reasons"] == {"error": 1, "failed": 2} and s["fallbacks"] == {"error": 1}
     assert STATE.calibration_spent_s > 0
@@ -233,7 +233,7 @@ def test_the_real_self_test_passes_and_the_kernel_serves(tmp_path):
     o = SageAttentionOverride(PatchConfig(calibrate=False, cache_dir=str(tmp_path)))
     assert o.plan(q, k, v, H).kernel == KERNEL
     assert dispatch.self_test_failures() == {}
-    assert STATE.self_tests[(kernels.device_index(DEV), KERNEL, torch.bfloat16)] is None
+    assert STATE.self_tests[SelfTestKey(kernels.device_index(DEV), KERNEL, torch.bfloat16)] is None
     got = o(attention_sdpa, q, k, v, heads=H)[:, :512].float()
     ref = attention_sdpa(q.float(), k.float(), v.float(), H)[:, :512]
     assert F.cosine_similarity(got.flatten(), ref.flatten(), dim=0).item() > 0.995

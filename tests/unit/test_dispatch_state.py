@@ -70,8 +70,8 @@ def test_state_keys_use_one_normalised_device_index(fake_gpu):
     fake_gpu.mode = "raise"
     o = SageAttentionOverride(PatchConfig(cache_dir=fake_gpu.cache_dir, calibrate=False))
     o(raw_func, q, k, v, heads=4)
-    indices = ({key[0] for key in STATE.self_tests} | {key[0] for key in STATE.failed}
-               | {key[1] for key in STATE.decisions})
+    indices = ({key.device_index for key in STATE.self_tests} | {key.device_index for key in STATE.failed}
+               | {key.device_index for key in STATE.decisions})
     assert indices == {0}
 
 
