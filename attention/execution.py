@@ -67,8 +67,9 @@ def available_bytes(device, free_memory) -> int:
 # ------------------------------------------------------------------ decisions
 def _plan(decision: Decision, key: CallKey) -> Plan:
     s = key.shape
-    return Plan(decision.kernel, decision.reason, s.layout, s.B, s.H, s.Nq, s.Nk, s.D, decision.groups, (),
-                decision.saved_ms, decision.cc, decision.need, s.out_layout, decision.output_copy, key)
+    return Plan(kernel=decision.kernel, reason=decision.reason, layout=s.layout, out_layout=s.out_layout, B=s.B,
+                H=s.H, Nq=s.Nq, Nk=s.Nk, D=s.D, groups=decision.groups, saved_ms=decision.saved_ms, cc=decision.cc,
+                need=decision.need, output_copy=decision.output_copy, call_key=key)
 
 
 def _decision_of(choice: planning.Choice, cc: int, shape: CallShape, dtype, margin: int) -> Decision:
@@ -116,8 +117,8 @@ def _settle(ov, device, key: CallKey, claim: bool):
                     or (not timing.trusted(entries[n]) and keys[n] not in STATE.timed_here))
     if to_time and cfg.calibrate and _budget_left(ov, shape, to_time, groups) and (
             not claim or STATE.claim_calibration(key)):
-        return Plan(to_time[0], None, shape.layout, shape.B, shape.H, shape.Nq, shape.Nk, shape.D, 1, to_time, 0.0,
-                    info.cc, 0, shape.out_layout, False, key)
+        return Plan(kernel=to_time[0], layout=shape.layout, out_layout=shape.out_layout, B=shape.B, H=shape.H,
+                    Nq=shape.Nq, Nk=shape.Nk, D=shape.D, calibrate=to_time, cc=info.cc, call_key=key)
     choice = planning.choose(names, {n: e for n, e in entries.items() if e is not None}, groups, cross) \
         or planning.default_choice(names, cross, groups)
     # A calibration finishing in another thread wins over this unmeasured choice.

@@ -132,5 +132,5 @@ class SageAttentionOverride:
         kwargs.setdefault("heads", heads)
         q, k, v, heads, skip_reshape, skip_out, shape, reason = self._static(tuple(args) or (q, k, v), kwargs)
         if reason is not None:
-            return Plan(None, reason)
+            return Plan(kernel=None, reason=reason)
         return execution.decide(self, q, shape, claim=False)

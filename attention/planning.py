@@ -27,10 +27,10 @@ log = logging.getLogger("wan_sage")
 SELF_TEST_WAIT_S = 120.0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Plan:
     """What one call will do: a kernel with its head groups, or SDPA for ``reason``, or a
-    calibration of ``calibrate`` (kernel names) against SDPA."""
+    calibration of ``calibrate`` (kernel names) against SDPA.  Built by keywords only."""
 
     kernel: str | None  # None: SDPA
     reason: str | None = None
