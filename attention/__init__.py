@@ -17,6 +17,5 @@ config         PatchConfig, the patch's options
 stats          per-patch run statistics
 selftest       the numerical self-test of a kernel
 sdpa           PyTorch SDPA with ComfyUI's attention signature
-dispatch       the public names, re-exported
 kernel_compare the ``wan-sage bench`` command
 """

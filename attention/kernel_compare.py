@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from . import execution, head_groups, kernel_bytes, kernels, planning, registry, timing
-from .dispatch import PatchConfig, SageAttentionOverride
+from .config import PatchConfig
+from .override import SageAttentionOverride
 from .sdpa import attention_sdpa
 
 # name: (B, H, Nq, Nk, D) as ComfyUI's Wan model calls attention (q/k/v [B, N, H*D]).

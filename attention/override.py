@@ -27,19 +27,15 @@ from .planning import Plan
 from .sdpa import attention_sdpa
 from .state import STATE
 
-__all__ = ["SageAttentionOverride", "PatchConfig", "Plan", "reset_state", "self_test_failures", "settled_shapes"]
+__all__ = ["SageAttentionOverride", "self_test_failures", "settled_shapes"]
 
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or torch._dynamo.is_compiling
 
 
-def reset_state() -> None:
-    """Forget every decision of this process (tests; after reinstalling a kernel)."""
-    STATE.reset()
-
-
 def self_test_failures() -> dict:
-    """{kernel name: why its numerical self-test failed} for the kernels disabled this session."""
-    return STATE.self_test_failures()
+    """{kernel name: why its numerical self-test failed} for the kernels this process disabled."""
+    with STATE.lock:
+        return dict(STATE.self_test_names)
 
 
 def settled_shapes() -> list:

@@ -224,10 +224,6 @@ class DispatchState:
         if event is not None:
             event.set()
 
-    def self_test_failures(self) -> dict:
-        with self.lock:
-            return dict(self.self_test_names)
-
     # ---------------------------------------------------------------- patches
     def register_patch(self, patch_id: str, override) -> None:
         with self.lock:

@@ -112,11 +112,11 @@ def stats_body() -> dict:
     """GET /wan_sage/stats: the last runs' attention stats, and ``sage_status``: what the Sage panel
     says before any run (the installed SageAttention, its import error, and the kernels the
     self-test turned off, ``{kernel: reason}``)."""
-    from ..attention import dispatch
+    from ..attention import override
 
     p = kernels.probe()
     failures = {}
-    read_failures = getattr(dispatch, "self_test_failures", None)
+    read_failures = getattr(override, "self_test_failures", None)
     if callable(read_failures):
         try:
             failures = {str(k): str(v) for k, v in (read_failures() or {}).items()}

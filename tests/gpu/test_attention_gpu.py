@@ -12,9 +12,11 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     pytest.skip("gpu tier: no CUDA device (run on the GPU machine)", allow_module_level=True)
 
-from wan_sage.attention import dispatch, kernel_bytes, kernels, stats  # noqa: E402
-from wan_sage.attention.dispatch import PatchConfig, SageAttentionOverride  # noqa: E402
+from wan_sage.attention import kernel_bytes, kernels, stats  # noqa: E402
+from wan_sage.attention.config import PatchConfig  # noqa: E402
+from wan_sage.attention.override import SageAttentionOverride  # noqa: E402
 from wan_sage.attention.sdpa import attention_sdpa  # noqa: E402
+from wan_sage.attention.state import STATE  # noqa: E402
 
 DEV = torch.device("cuda")
 CC = kernels.device_cc(DEV)
@@ -41,9 +43,9 @@ def ref_slice(q, k, v, H, nq=512):
 
 @pytest.fixture(autouse=True)
 def fresh(tmp_path):
-    dispatch.reset_state()
+    STATE.reset()
     yield
-    dispatch.reset_state()
+    STATE.reset()
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -105,7 +107,7 @@ def test_broken_build_is_detected_by_the_self_test(tmp_path, caplog):
     real = kernels.entry_point(name)
     kernels.install_test_kernel(name, lambda q, k, v, **kw: torch.empty_like(q))
     try:
-        dispatch.reset_state()
+        STATE.reset()
         B, H, NQ, NK, D = SHAPES["a14b_480p81_self"]
         q, k, v = make(B, H, NQ, NK, D)
         o = SageAttentionOverride(PatchConfig(kernel=name, calibrate=False, cache_dir=str(tmp_path)))

@@ -20,8 +20,10 @@ if comfy_env.skip_reason():
     pytest.skip(f"gpu tier compile: {comfy_env.skip_reason()} (a ComfyUI 0.3.64 tree builds the Wan block)",
                 allow_module_level=True)
 
-from wan_sage.attention import dispatch, kernels, stats  # noqa: E402
-from wan_sage.attention.dispatch import PatchConfig, SageAttentionOverride  # noqa: E402
+from wan_sage.attention import kernels, stats  # noqa: E402
+from wan_sage.attention.config import PatchConfig  # noqa: E402
+from wan_sage.attention.override import SageAttentionOverride  # noqa: E402
+from wan_sage.attention.state import STATE  # noqa: E402
 
 CC = kernels.device_cc(torch.device("cuda"))
 AUTO = kernels.auto_candidates(CC)
@@ -84,10 +86,10 @@ def rel_l2(a, b):
 
 @pytest.fixture(autouse=True)
 def fresh():
-    dispatch.reset_state()
+    STATE.reset()
     torch._dynamo.reset()
     yield
-    dispatch.reset_state()
+    STATE.reset()
     torch._dynamo.reset()
 
 

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     pytest.skip("gpu tier: no CUDA device (run on the GPU machine)", allow_module_level=True)
 
-from wan_sage.attention import dispatch, execution, head_groups, kernel_bytes, kernels, planning, stats  # noqa: E402
-from wan_sage.attention.dispatch import PatchConfig, SageAttentionOverride  # noqa: E402
+from wan_sage.attention import execution, head_groups, kernel_bytes, kernels, planning, stats  # noqa: E402
+from wan_sage.attention.config import PatchConfig  # noqa: E402
+from wan_sage.attention.override import SageAttentionOverride, self_test_failures  # noqa: E402
 from wan_sage.attention.kernel_compare import peak_extra  # noqa: E402
 from wan_sage.attention.sdpa import attention_sdpa  # noqa: E402
 from wan_sage.attention.state import STATE, FailureKey, SelfTestKey  # noqa: E402
@@ -57,9 +58,9 @@ class Counting:
 
 @pytest.fixture(autouse=True)
 def fresh():
-    dispatch.reset_state()
+    STATE.reset()
     yield
-    dispatch.reset_state()
+    STATE.reset()
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -232,7 +233,7 @@ def test_the_real_self_test_passes_and_the_kernel_serves(tmp_path):
     q, k, v = make(B, H, NQ, NK, D)
     o = SageAttentionOverride(PatchConfig(calibrate=False, cache_dir=str(tmp_path)))
     assert o.plan(q, k, v, H).kernel == KERNEL
-    assert dispatch.self_test_failures() == {}
+    assert self_test_failures() == {}
     assert STATE.self_tests[SelfTestKey(kernels.device_index(DEV), KERNEL, torch.bfloat16)] is None
     got = o(attention_sdpa, q, k, v, heads=H)[:, :512].float()
     ref = attention_sdpa(q.float(), k.float(), v.float(), H)[:, :512]

@@ -36,7 +36,8 @@ sys.modules["wan_sage"] = pack
 spec.loader.exec_module(pack)
 
 from wan_sage.attention import execution, kernels, planning, policy, selftest, stats, timing  # noqa: E402
-from wan_sage.attention.dispatch import PatchConfig, SageAttentionOverride  # noqa: E402
+from wan_sage.attention.config import PatchConfig  # noqa: E402
+from wan_sage.attention.override import SageAttentionOverride  # noqa: E402
 
 from comfy_api.torch_helpers import set_torch_compile_wrapper  # noqa: E402
 

@@ -16,11 +16,9 @@ class FakeGPU:
 
     def __init__(self, monkeypatch, tmp_path, candidates=("sage2_sm90",), cc=90):
         from wan_sage.attention import execution, kernels, planning, policy, selftest, timing
-        from wan_sage.attention.override import reset_state
         from wan_sage.attention.state import STATE
         self.state = STATE
-        self.reset_state = reset_state
-        reset_state()
+        STATE.reset()
         self.free = 1 << 40
         self.mode = "ok"
         self.modes = {}
@@ -50,6 +48,10 @@ class FakeGPU:
             self.finite_checks += 1
             return all_finite(t)
         monkeypatch.setattr(execution, "_all_finite", counted_all_finite)
+
+    def reset_state(self) -> None:
+        """Forget every decision, as a new process would (the cache file stays)."""
+        self.state.reset()
 
     def spent_s(self) -> float:
         """Calibration seconds charged to the budget so far."""

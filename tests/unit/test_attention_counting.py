@@ -50,7 +50,8 @@ def test_arch_changes_the_attention_phase():
 
 
 def test_the_node_counts_cross_attention_on_sdpa(monkeypatch):
-    from wan_sage.attention.dispatch import PatchConfig, SageAttentionOverride
+    from wan_sage.attention.config import PatchConfig
+    from wan_sage.attention.override import SageAttentionOverride
     from wan_sage.nodes import comfy_bridge, estimator
     monkeypatch.setattr(estimator.kernels, "auto_candidates", lambda cc: ())
     mo = {"transformer_options": {comfy_bridge.OVERRIDE_KEY: SageAttentionOverride(PatchConfig())}}
@@ -69,7 +70,8 @@ def test_the_dispatcher_and_the_estimate_share_one_rule_for_unmeasured_calls(mon
     """Were the registry's rule to put cross-attention on Sage, the dispatcher's default choice,
     the CLI's estimate and the node's estimate would all follow it: no second copy of the rule."""
     from wan_sage.attention import planning
-    from wan_sage.attention.dispatch import PatchConfig, SageAttentionOverride
+    from wan_sage.attention.config import PatchConfig
+    from wan_sage.attention.override import SageAttentionOverride
     from wan_sage.nodes import comfy_bridge, estimator
     groups = {"sage2_sm90": 1}
     assert planning.default_choice(("sage2_sm90",), True, groups).kernel is None
@@ -89,7 +91,8 @@ def test_the_dispatcher_and_the_estimate_share_one_rule_for_unmeasured_calls(mon
 def test_the_cli_and_the_node_take_their_candidate_kernels_from_one_registry_rule(monkeypatch):
     """Which kernels a patch would use on an arch (the auto order, or the named kernel where it runs)
     is decided once, in the registry: changing it changes the CLI's plan and the node's count alike."""
-    from wan_sage.attention.dispatch import PatchConfig, SageAttentionOverride
+    from wan_sage.attention.config import PatchConfig
+    from wan_sage.attention.override import SageAttentionOverride
     from wan_sage.nodes import comfy_bridge, estimator
     assert registry.planned_candidates("auto", 70) == ((), "no kernel runs on sm70")
     assert registry.planned_candidates("sage2_sm90", 89) == ((), "sage2_sm90 does not run on sm89")

@@ -6,7 +6,8 @@ import torch._dynamo
 
 from fakegpu import qkv
 from wan_sage.attention import op, stats
-from wan_sage.attention.dispatch import PatchConfig, SageAttentionOverride
+from wan_sage.attention.config import PatchConfig
+from wan_sage.attention.override import SageAttentionOverride
 from wan_sage.attention.sdpa import attention_sdpa
 
 

@@ -7,7 +7,8 @@ import torch
 
 from fakegpu import qkv
 from wan_sage.attention import stats, timing
-from wan_sage.attention.dispatch import PatchConfig, SageAttentionOverride
+from wan_sage.attention.config import PatchConfig
+from wan_sage.attention.override import SageAttentionOverride
 from wan_sage.attention.sdpa import attention_sdpa
 
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from fakegpu import FakeGPU, qkv
-from wan_sage.attention import dispatch, kernels
-from wan_sage.attention.dispatch import PatchConfig, SageAttentionOverride
+from wan_sage.attention import kernels
+from wan_sage.attention.config import PatchConfig
+from wan_sage.attention.override import SageAttentionOverride, self_test_failures
 from wan_sage.attention.state import STATE
 
 
@@ -79,11 +80,11 @@ def test_self_test_failures_name_the_rejected_kernel(fake_gpu):
     fake_gpu.self_test_result = "returned non-finite values (uninitialised output?)"
     q, k, v = qkv()
     o = SageAttentionOverride(PatchConfig(cache_dir=fake_gpu.cache_dir))
-    assert dispatch.self_test_failures() == {}
+    assert self_test_failures() == {}
     assert o.plan(q, k, v, 4).reason == "disabled"
-    assert dispatch.self_test_failures() == {"sage2_sm90": "returned non-finite values (uninitialised output?)"}
-    dispatch.reset_state()
-    assert dispatch.self_test_failures() == {}
+    assert self_test_failures() == {"sage2_sm90": "returned non-finite values (uninitialised output?)"}
+    STATE.reset()
+    assert self_test_failures() == {}
 
 
 def test_an_unpickled_override_is_registered_for_the_op(fake_gpu):

@@ -6,7 +6,8 @@ import torch
 
 from fakegpu import FakeGPU, qkv
 from wan_sage.attention import kernel_bytes, stats
-from wan_sage.attention.dispatch import PatchConfig, SageAttentionOverride
+from wan_sage.attention.config import PatchConfig
+from wan_sage.attention.override import SageAttentionOverride
 from wan_sage.attention.sdpa import attention_sdpa
 
 

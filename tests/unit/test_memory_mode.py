@@ -4,7 +4,8 @@ import torch
 
 from fakegpu import qkv
 from wan_sage.attention import execution, head_groups, kernel_bytes, stats, timing
-from wan_sage.attention.dispatch import PatchConfig, SageAttentionOverride, settled_shapes
+from wan_sage.attention.config import PatchConfig
+from wan_sage.attention.override import SageAttentionOverride, settled_shapes
 from wan_sage.attention.sdpa import attention_sdpa
 
 SHAPE = kernel_bytes.AttnShape(1, 4, 2048, 2048, 64)

@@ -9,7 +9,8 @@ import torch
 
 from fakegpu import qkv
 from wan_sage.attention import stats
-from wan_sage.attention.dispatch import PatchConfig, SageAttentionOverride
+from wan_sage.attention.config import PatchConfig
+from wan_sage.attention.override import SageAttentionOverride
 from wan_sage.nodes import comfy_bridge
 from wan_sage.nodes import estimator
 from wan_sage.nodes import sage_patch

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from wan_sage.attention import dispatch, kernels
+from wan_sage.attention import kernels, override
 from wan_sage.nodes import routes
 
 
@@ -24,7 +24,7 @@ def probe(monkeypatch):
 
 def test_not_installed(probe, monkeypatch):
     probe()
-    monkeypatch.delattr(dispatch, "self_test_failures", raising=False)
+    monkeypatch.delattr(override, "self_test_failures", raising=False)
     body = routes.stats_body()
     assert body["sage_status"] == {"sage_version": None, "sage_error": "ModuleNotFoundError: No module named 'sageattention'",
                                    "sm90_binding_broken": False, "ck_available": False, "self_test_failures": {}}
@@ -35,7 +35,7 @@ def test_not_installed(probe, monkeypatch):
 def test_installed_build_with_self_test_failures(probe, monkeypatch):
     probe(sage_version="2.2.0", sage_flavour="sage2", sage_error=None, sm90_binding_broken=True, ck_available=True,
           ck_version="0.2.1")
-    monkeypatch.setattr(dispatch, "self_test_failures",
+    monkeypatch.setattr(override, "self_test_failures",
                         lambda: {"sage2_sm90": "returned non-finite values (uninitialised output?)"}, raising=False)
     s = routes.stats_body()["sage_status"]
     assert s["sage_version"] == "2.2.0" and s["sm90_binding_broken"] is True and s["ck_available"] is True
@@ -47,5 +47,5 @@ def test_a_failing_self_test_reader_does_not_break_the_route(probe, monkeypatch)
 
     def broken():
         raise RuntimeError("boom")
-    monkeypatch.setattr(dispatch, "self_test_failures", broken, raising=False)
+    monkeypatch.setattr(override, "self_test_failures", broken, raising=False)
     assert routes.stats_body()["sage_status"]["self_test_failures"] == {}

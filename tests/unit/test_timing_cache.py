@@ -11,7 +11,8 @@ import torch
 
 from fakegpu import qkv
 from wan_sage.attention import kernels, planning, registry, timing
-from wan_sage.attention.dispatch import PatchConfig, SageAttentionOverride
+from wan_sage.attention.config import PatchConfig
+from wan_sage.attention.override import SageAttentionOverride
 from wan_sage.attention.file_lock import file_lock, lock_path
 from wan_sage.attention.state import STATE
 
