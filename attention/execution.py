@@ -81,16 +81,16 @@ def _decision_of(choice: planning.Choice, cc: int, shape: CallShape, dtype, marg
 
 
 def _timing_context(ov, info, names, dtype, shape: CallShape):
-    """(store, {kernel: cache key}, {kernel: memory-mode groups}) for the candidates of a shape."""
+    """(timing cache, {kernel: cache key}, {kernel: memory-mode groups}) for the candidates of a shape."""
     cfg = ov.config
-    store = planning.timing_store(cfg.cache_dir)
+    cache = planning.timing_cache(cfg.cache_dir)
     dtype_name = DTYPE_NAMES.get(dtype, str(dtype))
     keys = {n: planning.timing_key(info.gpu, info.cc, n, dtype_name, shape.H, shape.D, shape.Nq, shape.Nk)
             for n in names}
     aspec = planning.attn_shape(shape, dtype)
     groups = {n: planning.mode_groups(n, info.cc, aspec, cfg.memory_mode,
                                       planning.output_copy(n, shape.layout, shape.out_layout)).groups for n in names}
-    return store, keys, groups
+    return cache, keys, groups
 
 
 def _settle(ov, device, key: CallKey, claim: bool):
@@ -111,8 +111,8 @@ def _settle(ov, device, key: CallKey, claim: bool):
         STATE.settle(key, decision)
         return decision
     cross = policy.is_cross(shape.Nq, shape.Nk)
-    store, keys, groups = _timing_context(ov, info, names, dtype, shape)
-    entries = {n: store.get(keys[n]) for n in names}
+    cache, keys, groups = _timing_context(ov, info, names, dtype, shape)
+    entries = {n: cache.get(keys[n]) for n in names}
     to_time = tuple(n for n in names if entries[n] is None
                     or (not timing.trusted(entries[n]) and keys[n] not in STATE.timed_here))
     if to_time and cfg.calibrate and _budget_left(ov, shape, to_time, groups) and (
@@ -314,7 +314,7 @@ def _variants(ov, plan: Plan, groups: dict, q4, k4, v4, scale) -> list:
     return variants
 
 
-def _record(ov, plan: Plan, result: timing.Calibration, variants: list, store, keys: dict, groups: dict, device,
+def _record(ov, plan: Plan, result: timing.Calibration, variants: list, cache, keys: dict, groups: dict, device,
             dtype) -> None:
     """Charge errors to the kernels that raised, cache the timings, and remember an out-of-memory
     error when no variant could be timed."""
@@ -326,9 +326,9 @@ def _record(ov, plan: Plan, result: timing.Calibration, variants: list, store, k
             measured.setdefault(trial.kernel, {})[trial.groups] = trial.ms
     for name, times in measured.items():
         count, grouped_ms = next(((c, ms) for c, ms in times.items() if c > 1), (groups[name], None))
-        store.put(keys[name], times.get(1), result.sdpa_ms, plan.Nq, plan.Nk, save=False, grouped_ms=grouped_ms,
+        cache.put(keys[name], times.get(1), result.sdpa_ms, plan.Nq, plan.Nk, save=False, grouped_ms=grouped_ms,
                   groups=count)
-    store.save()
+    cache.save()
     STATE.add_timed(keys[n] for n in measured)
     ran_out = {(t.kernel, t.groups) for t in result.trials if t.failure == "oom"}
     if ran_out and not measured:
@@ -342,8 +342,8 @@ def _settle_measured(ov, plan: Plan, info, device, dtype) -> planning.Choice:
     shape = plan.call_key.shape
     names, why = planning.candidates(info, device, plan.call_key.device_index, dtype, plan.D, cfg.self_test)
     if names:
-        store, keys, groups = _timing_context(ov, info, names, dtype, shape)
-        entries = {n: e for n in names if (e := store.get(keys[n])) is not None}
+        cache, keys, groups = _timing_context(ov, info, names, dtype, shape)
+        entries = {n: e for n in names if (e := cache.get(keys[n])) is not None}
         cross = policy.is_cross(plan.Nq, plan.Nk)
         choice = planning.choose(names, entries, groups, cross) or planning.default_choice(names, cross, groups)
     else:
@@ -360,7 +360,7 @@ def _calibrate(ov, plan: Plan, q, k, v, heads, skip_reshape, skip_output_reshape
     memory is not timed."""
     cfg = ov.config
     info = planning.device_info(q.device, plan.call_key.device_index, cfg.kernel)
-    store, keys, groups = _timing_context(ov, info, plan.calibrate, q.dtype, plan.call_key.shape)
+    cache, keys, groups = _timing_context(ov, info, plan.calibrate, q.dtype, plan.call_key.shape)
     variants = _variants(ov, plan, groups, *_views(q, k, v, plan), scale)
     sdpa_kwargs = {"skip_reshape": skip_reshape, "skip_output_reshape": skip_output_reshape}
     if scale is not None:
@@ -373,7 +373,7 @@ def _calibrate(ov, plan: Plan, q, k, v, heads, skip_reshape, skip_output_reshape
     finally:
         spent = time.perf_counter() - t0
         STATE.charge_calibration(spent)
-    _record(ov, plan, result, variants, store, keys, groups, q.device, q.dtype)
+    _record(ov, plan, result, variants, cache, keys, groups, q.device, q.dtype)
     log.info("wan-sage: calibrated %s on %s for [B=%d, H=%d, Nq=%d, Nk=%d, D=%d] in %.2f s: SDPA %.2f ms, %s",
              DTYPE_NAMES.get(q.dtype), info.gpu, plan.B, plan.H, plan.Nq, plan.Nk, plan.D, spent, result.sdpa_ms,
              ", ".join(f"{t.kernel}/{t.groups} " + (f"{t.ms:.2f} ms" if t.ms is not None else t.failure)

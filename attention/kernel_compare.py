@@ -2,7 +2,7 @@
 and split into the memory mode's head groups (the cost of running Sage at SDPA's memory); check
 accuracy against an fp32 reference and measured extra bytes against the formulas; run the "auto"
 override end to end in both memory modes, with and without the NaN/Inf check, and measure its
-per-call decision cost; write the timings into the calibration cache the node reads."""
+per-call decision cost; write the timings into the timing cache the node reads."""
 from __future__ import annotations
 
 import json
@@ -148,7 +148,7 @@ def run_bench(shapes, kernel_names, dtype=torch.bfloat16, iters=5, accuracy=True
     dev = torch.device("cuda", torch.cuda.current_device())
     cc = kernels.device_cc(dev)
     gpu = torch.cuda.get_device_name(dev)
-    store = planning.timing_store(cache_dir)  # the store the overrides below read
+    cache = planning.timing_cache(cache_dir)  # the timing cache the overrides below read
     dt = "bf16" if dtype == torch.bfloat16 else "fp16"
     rows = []
     budget = {"calibration_budget_s": 600.0, "cache_dir": cache_dir}
@@ -210,11 +210,11 @@ def run_bench(shapes, kernel_names, dtype=torch.bfloat16, iters=5, accuracy=True
                 emit(json.dumps(r))
             if measured:
                 grouped = measured.get(split.groups) if split.groups > 1 else None
-                store.put(planning.timing_key(gpu, cc, name, dt, H, D, NQ, NK),
+                cache.put(planning.timing_key(gpu, cc, name, dt, H, D, NQ, NK),
                           measured.get(1), sdpa_ms, NQ, NK, save=False, grouped_ms=grouped, groups=split.groups,
                           repeats=iters)
-        store.save()
-        # The override end to end, as ComfyUI calls it, after the cache holds this bucket,
+        cache.save()
+        # The override end to end, as ComfyUI calls it, after the cache holds this shape,
         # interleaved with plain SDPA so that clock drift cancels.
         calls = {}
         for label, override in overrides.items():
@@ -293,7 +293,7 @@ def main(a) -> int:
     p = kernels.probe()
     print(f"wan-sage bench: {torch.cuda.get_device_name()} (sm{cc}), torch {torch.__version__}, "
           f"sageattention {p.sage_version or 'not installed'}, comfy-kitchen {p.ck_version or 'not installed'}; "
-          f"cache {timing.CalibrationStore(a.cache_dir).path}", flush=True)
+          f"cache {timing.TimingCache(a.cache_dir).path}", flush=True)
     out = open(a.json, "w") if a.json else None
 
     def emit(line):

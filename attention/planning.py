@@ -16,7 +16,7 @@ from .policy import DTYPE_NAMES, CallShape
 from .registry import KERNELS
 from .state import STATE, CallKey, FailureKey, SelfTestKey
 
-__all__ = ["Plan", "DeviceInfo", "Choice", "device_info", "kernel_build", "timing_store", "timing_key",
+__all__ = ["Plan", "DeviceInfo", "Choice", "device_info", "kernel_build", "timing_cache", "timing_key",
            "candidates", "attn_shape", "output_copy", "mode_groups", "need_bytes", "more_groups", "choose",
            "default_choice", "calibration_estimate_s"]
 
@@ -102,10 +102,10 @@ def kernel_build(name: str) -> str:
     return kernels.build_identity(KERNELS[name].package)
 
 
-def timing_store(cache_dir: str | None) -> timing.CalibrationStore:
-    """The process's one timing store for ``cache_dir`` (None: the default directory), shared by
+def timing_cache(cache_dir: str | None) -> timing.TimingCache:
+    """The process's one timing cache for ``cache_dir`` (None: the default directory), shared by
     every patch and by ``wan-sage bench`` in the same process."""
-    return STATE.store(cache_dir or str(timing.default_dir()), timing.CalibrationStore)
+    return STATE.timing_cache(cache_dir or str(timing.default_dir()), timing.TimingCache)
 
 
 def timing_key(gpu: str, cc: int, name: str, dtype_name: str, heads: int, head_dim: int, nq: int, nk: int) -> str:

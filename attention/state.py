@@ -1,14 +1,15 @@
-"""All mutable state of wan-sage's attention dispatch, in one object behind one lock.
+"""All mutable state of wan-sage's attention dispatcher, in one object behind one lock.
 
 What the process has learnt lives here: the kernels each device offers, self-test verdicts,
-kernels that raised, settled decisions per call shape, calibration spend, remembered
-out-of-memory errors, finite-check counters, the timing stores, the registry of live patches
-(looked up by the custom op through graph keys), the probe of installed kernel packages and the run statistics.
+kernels that raised, the settled :class:`Decision` per :class:`CallKey`, calibration spend,
+remembered out-of-memory errors, finite-check counters, the timing caches, the registry of live
+patches (looked up by the custom op through graph keys), the probe of installed kernel packages
+and the run statistics.
 
 Rules: every write holds :attr:`DispatchState.lock`; reads on the hot path are single dict
 lookups without it; nothing here runs GPU work, and callers never run GPU work (self-tests,
-timing, kernels) while holding the lock.  (A timing store, :class:`.timing.CalibrationStore`, is
-also used on its own by ``wan-sage bench``; it guards its entries and file writes with a lock of its
+timing, kernels) while holding the lock.  (A timing cache, :class:`.timing.TimingCache`, is also
+used on its own by ``wan-sage bench``; it guards its entries and file writes with a lock of its
 own.)  Torch-free.
 """
 from __future__ import annotations
@@ -108,7 +109,7 @@ class DispatchState:
         self.self_tests_pending: dict = {}  # SelfTestKey -> threading.Event while a test runs
         self.self_test_names: dict = {}  # kernel -> failure text of its last failed self-test
         self.failed: dict = {}  # FailureKey -> what it raised
-        self.stores: dict = {}  # cache directory -> timing.CalibrationStore
+        self.timing_caches: dict = {}  # cache directory -> timing.TimingCache
         self.calibration_spent_s = 0.0
         self.logged: set = set()
         self.decisions: dict = {}  # CallKey -> Decision
@@ -145,13 +146,13 @@ class DispatchState:
         with self.lock:
             self.devices[key] = info
 
-    def store(self, directory: str, factory):
-        found = self.stores.get(directory)
+    def timing_cache(self, directory: str, factory):
+        found = self.timing_caches.get(directory)
         if found is None:
             with self.lock:
-                found = self.stores.get(directory)
+                found = self.timing_caches.get(directory)
                 if found is None:
-                    found = self.stores[directory] = factory(directory)
+                    found = self.timing_caches[directory] = factory(directory)
         return found
 
     def charge_calibration(self, seconds: float) -> None:

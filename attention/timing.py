@@ -1,21 +1,23 @@
-"""Kernel timings against SDPA: measuring them on a real call (calibration) and the cache that
-keeps them per shape bucket.
+"""Kernel timings against SDPA: measuring them on a real call (calibration, :func:`calibrate`) and
+the timing cache that keeps them (:class:`TimingCache`).
 
 Cache key: GPU name, compute capability, kernel with its package build identity (version plus a
 hash of the compiled extension files), the software environment (torch, CUDA and cuDNN
-versions), dtype, heads, head dim, and the Nq and Nk buckets (quarter octaves of the token count,
-so 720p and 704p share a bucket unless their lengths differ by more than ~19 %).
+versions), dtype, heads, head dim, and the token buckets of Nq and Nk (:func:`token_bucket`:
+quarter octaves of the token count, so 720p and 704p share a bucket unless their lengths differ by
+more than ~19 %).
 
 Entry: the ungrouped kernel time, the grouped time with its group count (the memory mode's
 split), SDPA's time and how many measurements were merged into it (``repeats``; times are the
-minimum over them).  An entry measured once is provisional: a later process that meets the bucket
+minimum over them).  An entry measured once is provisional: a later process that meets the key
 first measures it again before it is trusted for good.
 
-The store is one JSON file.  Writes merge this process's new measurements into what is on disk,
-under a cross-process file lock (:mod:`.file_lock`), and replace the file atomically (temp file
-plus rename), so ComfyUI and ``wan-sage bench`` can share it.  A corrupt or unwritable file is
-reported once in the log; the store then rebuilds it, or keeps its entries in memory.  The
-directory is ComfyUI's user directory when the pack runs inside ComfyUI, else a per-user cache.
+The cache is one JSON file (:data:`FILE_NAME`).  Writes merge this process's new measurements into
+what is on disk, under a cross-process file lock (:mod:`.file_lock`), and replace the file
+atomically (temp file plus rename), so ComfyUI and ``wan-sage bench`` can share it.  A corrupt or
+unwritable file is reported once in the log; the cache then rebuilds it, or keeps its entries in
+memory.  The directory is ComfyUI's user directory when the pack runs inside ComfyUI, else a
+per-user cache directory.
 """
 from __future__ import annotations
 
@@ -33,13 +35,13 @@ from typing import Callable
 
 from .file_lock import file_lock
 
-__all__ = ["bucket", "make_key", "environment", "CalibrationStore", "default_dir", "set_host_dir", "time_cuda",
+__all__ = ["token_bucket", "make_key", "environment", "TimingCache", "default_dir", "set_host_dir", "time_cuda",
            "trusted", "calibrate", "Variant", "Trial", "Calibration", "FASTER_BY", "GROUPING_MAX_COST",
            "TRUSTED_REPEATS", "FILE_NAME"]
 
 log = logging.getLogger("wan_sage")
 
-FILE_NAME = "attention_calibration.json"
+FILE_NAME = "attention_calibration.json"  # kept from earlier releases, so users keep their timings
 FORMAT = 2
 # A kernel replaces SDPA only when it is at least this much faster (ratio of times): noise in a
 # single timing must not turn "equal" into "slower".
@@ -73,8 +75,8 @@ def default_dir() -> Path:
     return Path(base) / "wan-sage"
 
 
-def bucket(n: int) -> int:
-    """Quarter-octave bucket of a token count (n >= 1)."""
+def token_bucket(n: int) -> int:
+    """Quarter-octave bucket of a token count (n >= 1): the token-count range of a cache key."""
     return int(round(4 * math.log2(max(1, n))))
 
 
@@ -88,7 +90,7 @@ def environment() -> str:
 def make_key(gpu: str, cc: int, kernel: str, build: str, dtype: str, heads: int, head_dim: int, nq: int,
              nk: int, env: str) -> str:
     return "|".join((gpu, f"sm{cc}", f"{kernel}={build}", env, dtype, f"h{heads}", f"d{head_dim}",
-                     f"q{bucket(nq)}", f"k{bucket(nk)}"))
+                     f"q{token_bucket(nq)}", f"k{token_bucket(nk)}"))
 
 
 def trusted(entry: dict) -> bool:
@@ -101,7 +103,7 @@ def _min_known(a, b):
 
 
 def _merge(old: dict | None, new: dict) -> dict:
-    """One more measurement of a bucket: times are the minimum, repeats add up."""
+    """One more measurement of a cache key: times are the minimum, repeats add up."""
     if old is None:
         return dict(new)
     merged = dict(new)
@@ -129,8 +131,8 @@ def _valid(entry) -> bool:
     return isinstance(repeats, int) and repeats >= 1 and isinstance(groups, int) and groups >= 1
 
 
-class CalibrationStore:
-    """Thread-safe JSON cache of {key: {"kernel_ms", "grouped_ms", "groups", "sdpa_ms", "repeats",
+class TimingCache:
+    """The timing cache: a thread-safe JSON file of {key: {"kernel_ms", "grouped_ms", "groups", "sdpa_ms", "repeats",
     "nq", "nk", "when"}}."""
 
     def __init__(self, directory: str | os.PathLike | None = None):
@@ -158,10 +160,10 @@ class CalibrationStore:
         except FileNotFoundError:
             return {}
         except (OSError, ValueError) as e:
-            self._report("read", f"ignored unreadable calibration cache {self.path}: {e}; it is rebuilt")
+            self._report("read", f"ignored unreadable timing cache {self.path}: {e}; it is rebuilt")
             return None
         if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("entries"), dict):
-            self._report("read", f"ignored calibration cache {self.path} of an unknown or older format; it is rebuilt")
+            self._report("read", f"ignored timing cache {self.path} of an unknown or older format; it is rebuilt")
             return None
         return {k: v for k, v in data["entries"].items() if _valid(v)}
 
@@ -206,7 +208,7 @@ class CalibrationStore:
             path.parent.mkdir(parents=True, exist_ok=True)
             with file_lock(path) as held:
                 if not held:
-                    self._report("lock", f"calibration cache {path} stayed locked by another process; "
+                    self._report("lock", f"timing cache {path} stayed locked by another process; "
                                  "writing without the lock")
                 disk = self._read_disk()
                 if disk is None:  # unreadable: rebuilt from what this process knows
@@ -231,7 +233,7 @@ class CalibrationStore:
                     raise
             self._entries = merged
         except OSError as e:  # a read-only home must not break sampling: keep the timings in memory
-            self._report("write", f"could not write calibration cache {path}: {e}; timings are kept in memory")
+            self._report("write", f"could not write timing cache {path}: {e}; timings are kept in memory")
         self._pending.clear()
 
     def entries(self) -> dict:

@@ -153,7 +153,7 @@ def test_calibration_times_the_split_and_settles_the_shape(tmp_path):
     o(attention_sdpa, q, k, v, heads=H)
     info = planning.device_info(DEV, kernels.device_index(DEV), "auto")
     key = planning.timing_key(info.gpu, CC, KERNEL, "bf16", H, D, NQ, NK)
-    entry = STATE.stores[str(tmp_path)].get(key)
+    entry = STATE.timing_caches[str(tmp_path)].get(key)
     assert entry is not None and entry["repeats"] == 1 and entry["sdpa_ms"] > 0
     groups = head_groups.head_groups(PATH, kernel_bytes.AttnShape(B, H, NQ, NK, D), "sdpa").groups
     assert entry["groups"] == groups and entry["grouped_ms"] and entry["kernel_ms"]

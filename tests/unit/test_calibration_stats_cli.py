@@ -11,31 +11,31 @@ from wan_sage.attention import stats, timing
 
 
 def test_bucket_is_quarter_octave():
-    assert timing.bucket(75600) == timing.bucket(76000)
-    assert timing.bucket(75600) != timing.bucket(32760)
-    assert timing.bucket(512) != timing.bucket(257)
+    assert timing.token_bucket(75600) == timing.token_bucket(76000)
+    assert timing.token_bucket(75600) != timing.token_bucket(32760)
+    assert timing.token_bucket(512) != timing.token_bucket(257)
 
 
 def test_store_roundtrip_merge_and_corruption(tmp_path):
-    a = timing.CalibrationStore(tmp_path)
-    b = timing.CalibrationStore(tmp_path)
+    a = timing.TimingCache(tmp_path)
+    b = timing.TimingCache(tmp_path)
     a.put("k1", 7.0, 10.0, 100, 100)
     b.put("k2", 3.0, 2.0, 50, 50)  # another process writes: merged, not lost
-    c = timing.CalibrationStore(tmp_path)
+    c = timing.TimingCache(tmp_path)
     assert set(c.entries()) == {"k1", "k2"} and c.get("k1")["kernel_ms"] == 7.0
     (tmp_path / timing.FILE_NAME).write_text("{not json")
-    d = timing.CalibrationStore(tmp_path)
+    d = timing.TimingCache(tmp_path)
     assert d.get("k1") is None and "ignored unreadable" in d.load_error
     d.put("k3", 1.0, 1.0, 1, 1)
     assert json.loads((tmp_path / timing.FILE_NAME).read_text())["entries"].keys() == {"k3"}
 
 
 def test_store_is_thread_safe(tmp_path):
-    s = timing.CalibrationStore(tmp_path)
+    s = timing.TimingCache(tmp_path)
     ts = [threading.Thread(target=lambda i=i: s.put(f"k{i}", i, i + 1, 1, 1)) for i in range(16)]
     [t.start() for t in ts]
     [t.join() for t in ts]
-    assert len(timing.CalibrationStore(tmp_path).entries()) == 16
+    assert len(timing.TimingCache(tmp_path).entries()) == 16
 
 
 def test_default_dir_env_override(monkeypatch, tmp_path):

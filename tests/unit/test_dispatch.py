@@ -60,7 +60,7 @@ def test_self_attention_uses_kernel_after_calibration_and_caches_it(fake_gpu):
     stats.begin_run(o.patch_id)
     out = o(raw_func, q, k, v, heads=4)
     assert close(out, attention_sdpa(q, k, v, 4))
-    store = timing.CalibrationStore(fake_gpu.cache_dir)
+    store = timing.TimingCache(fake_gpu.cache_dir)
     entries = store.entries()
     assert len(entries) == 1
     (key, e), = entries.items()

@@ -36,7 +36,7 @@ def test_the_split_is_used_when_it_costs_at_most_two_percent(fake_gpu, two_group
     q, k, v = qkv()
     o = ov(fake_gpu)
     reference = o(raw_func, q, k, v, heads=4)  # calibration: SDPA, ungrouped, grouped
-    (entry,) = timing.CalibrationStore(fake_gpu.cache_dir).entries().values()
+    (entry,) = timing.TimingCache(fake_gpu.cache_dir).entries().values()
     assert entry["kernel_ms"] == 7.0 and entry["grouped_ms"] == pytest.approx(7.105) and entry["groups"] == 2
     stats.begin_run(o.patch_id)
     fake_gpu.calls.clear()
@@ -67,7 +67,7 @@ def test_fastest_mode_times_and_runs_ungrouped(fake_gpu, two_groups):
     o = ov(fake_gpu, memory_mode="fastest")
     o(raw_func, q, k, v, heads=4)
     assert fake_gpu.kernel_calls() == 3  # warm-up, timing and output run of the ungrouped call only
-    (entry,) = timing.CalibrationStore(fake_gpu.cache_dir).entries().values()
+    (entry,) = timing.TimingCache(fake_gpu.cache_dir).entries().values()
     assert entry["grouped_ms"] is None
     assert o.plan(q, k, v, 4).groups == 1
 

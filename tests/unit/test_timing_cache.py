@@ -27,7 +27,7 @@ def test_the_key_holds_the_kernel_build_and_the_software(fake_gpu, monkeypatch):
     monkeypatch.setattr(planning, "kernel_build", lambda name: "2.2.0+5f0c1e2a9b3d")
     q, k, v = qkv()
     SageAttentionOverride(PatchConfig(cache_dir=fake_gpu.cache_dir))(raw_func, q, k, v, heads=4)
-    (key,) = timing.CalibrationStore(fake_gpu.cache_dir).entries()
+    (key,) = timing.TimingCache(fake_gpu.cache_dir).entries()
     assert "sage2_sm90=2.2.0+5f0c1e2a9b3d" in key
     assert timing.environment() in key and torch.__version__ in timing.environment()
     assert "cuda" in timing.environment() and "cudnn" in timing.environment()
@@ -56,7 +56,7 @@ def test_a_bucket_timed_once_is_timed_again_by_the_next_process_then_trusted(fak
     q, k, v = qkv()
     o = SageAttentionOverride(PatchConfig(cache_dir=fake_gpu.cache_dir))
     o(raw_func, q, k, v, heads=4)  # this process measures the bucket
-    (entry,) = timing.CalibrationStore(fake_gpu.cache_dir).entries().values()
+    (entry,) = timing.TimingCache(fake_gpu.cache_dir).entries().values()
     assert entry["repeats"] == 1
     o(raw_func, q, k, v, heads=4)
     first = fake_gpu.kernel_calls()
@@ -64,7 +64,7 @@ def test_a_bucket_timed_once_is_timed_again_by_the_next_process_then_trusted(fak
     fake_gpu.reset_state()  # the next process: the same cache file, nothing learnt in memory
     o(raw_func, q, k, v, heads=4)
     assert fake_gpu.kernel_calls() == first + 3
-    (entry,) = timing.CalibrationStore(fake_gpu.cache_dir).entries().values()
+    (entry,) = timing.TimingCache(fake_gpu.cache_dir).entries().values()
     assert entry["repeats"] == 2
     fake_gpu.reset_state()  # trusted now: a later process only runs the call
     o(raw_func, q, k, v, heads=4)
@@ -73,7 +73,7 @@ def test_a_bucket_timed_once_is_timed_again_by_the_next_process_then_trusted(fak
 
 def test_what_the_bench_writes_is_what_the_node_reads(fake_gpu):
     key = planning.timing_key("FakeGPU", 90, "sage2_sm90", "bf16", 4, 64, 2048, 2048)
-    timing.CalibrationStore(fake_gpu.cache_dir).put(key, 7.0, 10.0, 2048, 2048, repeats=5)
+    timing.TimingCache(fake_gpu.cache_dir).put(key, 7.0, 10.0, 2048, 2048, repeats=5)
     q, k, v = qkv()
     SageAttentionOverride(PatchConfig(cache_dir=fake_gpu.cache_dir))(raw_func, q, k, v, heads=4)
     assert fake_gpu.kernel_calls() == 1  # no calibration: the bench's timing is trusted
@@ -88,13 +88,13 @@ LOADER = (
 
 def test_processes_writing_at_once_keep_every_measurement(tmp_path):
     code = LOADER.format(init=str(ROOT / "__init__.py"), root=str(ROOT)) + (
-        "store = timing.CalibrationStore(sys.argv[1])\n"
+        "store = timing.TimingCache(sys.argv[1])\n"
         "for i in range(25):\n"
         "    store.put(f'{sys.argv[2]}-{i}', 1.0 + i, 2.0, 1, 1)\n"
         "    store.put('shared', 1.0, 2.0, 1, 1)\n")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), f"p{n}"]) for n in range(4)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0, 0, 0]
-    entries = timing.CalibrationStore(tmp_path).entries()
+    entries = timing.TimingCache(tmp_path).entries()
     assert len(entries) == 4 * 25 + 1
     assert entries["shared"]["repeats"] == 100
     assert not list(tmp_path.glob(".calib-*"))  # no temp file left behind
@@ -102,30 +102,30 @@ def test_processes_writing_at_once_keep_every_measurement(tmp_path):
 
 def test_a_corrupt_cache_is_reported_once_and_rebuilt(tmp_path, caplog):
     (tmp_path / timing.FILE_NAME).write_text("{not json")
-    store = timing.CalibrationStore(tmp_path)
+    store = timing.TimingCache(tmp_path)
     with caplog.at_level(logging.WARNING, logger="wan_sage"):
         store.put("a", 1.0, 2.0, 1, 1)
         store.put("b", 1.0, 2.0, 1, 1)
-    assert sum("calibration cache" in r.getMessage() for r in caplog.records) == 1
+    assert sum("timing cache" in r.getMessage() for r in caplog.records) == 1
     assert json.loads((tmp_path / timing.FILE_NAME).read_text())["entries"].keys() == {"a", "b"}
 
 
 def test_an_unwritable_cache_is_reported_once_and_kept_in_memory(tmp_path, caplog):
     blocker = tmp_path / "not_a_directory"
     blocker.write_text("")
-    store = timing.CalibrationStore(blocker / "cache")
+    store = timing.TimingCache(blocker / "cache")
     with caplog.at_level(logging.WARNING, logger="wan_sage"):
         store.put("a", 1.0, 2.0, 1, 1)
         store.put("a", 0.5, 2.0, 1, 1)
-    assert sum("could not write calibration cache" in r.getMessage() for r in caplog.records) == 1
+    assert sum("could not write timing cache" in r.getMessage() for r in caplog.records) == 1
     assert store.get("a")["kernel_ms"] == 0.5 and store.get("a")["repeats"] == 2
 
 
 def test_entries_merge_minimum_times_and_add_repeats(tmp_path):
-    store = timing.CalibrationStore(tmp_path)
+    store = timing.TimingCache(tmp_path)
     store.put("k", 7.0, 10.0, 5, 5, grouped_ms=7.2, groups=7)
     store.put("k", 7.4, 9.8, 5, 5, grouped_ms=7.1, groups=7, repeats=3)
-    e = timing.CalibrationStore(tmp_path).get("k")
+    e = timing.TimingCache(tmp_path).get("k")
     assert (e["kernel_ms"], e["sdpa_ms"], e["grouped_ms"], e["groups"], e["repeats"]) == (7.0, 9.8, 7.1, 7, 4)
     assert timing.trusted(e)
 
