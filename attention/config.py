@@ -15,8 +15,8 @@ class PatchConfig:
 
     kernel: str = "auto"  # "auto" or a registry kernel name
     min_tokens: int = 1024  # below this many query tokens, SDPA (launch/quantisation overhead)
-    calibrate: bool = True  # time kernels vs SDPA on the real shape the first time a bucket is seen
-    calibration_budget_s: float = 30.0  # per process, over all buckets, failed calibrations included
+    calibrate: bool = True  # time kernels vs SDPA on the real call the first time its timing-cache key is seen
+    calibration_budget_s: float = 30.0  # per process, over all shapes, failed calibrations included
     memory_margin_mb: int = 256  # kept free on top of the kernel's exact extra bytes
     check_finite: bool = True  # check outputs for NaN/Inf (the first calls per shape, then a sample)
     self_test: bool = True

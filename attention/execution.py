@@ -6,9 +6,10 @@ The custom op (:mod:`.op`) calls :func:`run_attention` under ``torch.compile``; 
 override calls it directly.  Every call that does not run on a kernel runs SDPA here (the
 override's ``sdpa``, ComfyUI's own ``attention_pytorch`` inside ComfyUI), with its reason counted.
 
-Decisions are kept per call shape (patch options, device, dtype, B, H, Nq, Nk, D, layouts) and
-settled on the first call, so a shape does the same thing step after step; per call only free
-memory is checked.  The rules that change a settled shape:
+Decisions (:class:`.state.Decision`) are kept per call key (:class:`.state.CallKey`: patch
+options, device, dtype and the :class:`.policy.CallShape`) and settled on the first call, so a
+shape does the same thing step after step; per call only free memory is checked.  The rules that
+change a settled shape:
 
 * **free memory short**: the call splits into more head groups (the fewest that fit), and keeps
   that count from then on; when not even one head per group fits, that call runs on SDPA.

@@ -16,7 +16,7 @@ Memory modes:
     ungrouped.
 
 The dispatcher and the working-memory estimate both call :func:`head_groups`, so the VRAM check
-and the reservation agree.  (The dispatcher runs a bucket ungrouped when calibration measured the
+and the reservation agree.  (The dispatcher runs a shape ungrouped when calibration measured the
 grouped call more than 2 % slower, and splits further when free VRAM is short; both are runtime
 facts the formula cannot know.)  Torch-free.
 """

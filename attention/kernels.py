@@ -228,7 +228,7 @@ def unavailable_reason(name: str, cc: int | None = None) -> str | None:
         check = getattr(comfy_kitchen, "int8_attention_is_available", None)
         try:
             usable = check is None or check()
-        except Exception as e:  # a broken extension must not break dispatch: it is reported instead
+        except Exception as e:  # a broken extension must not break the dispatcher: it is reported instead
             return f"comfy-kitchen's availability check failed: {type(e).__name__}: {e}"
         if not usable:
             return "comfy-kitchen's CUDA extension is not available on this GPU"

@@ -18,7 +18,7 @@ layout             q is not [B, N, H*D] or [B, H, N, D]
 short              fewer query tokens than the patch's threshold
 head_dim           no available kernel supports this head dim (or dtype)
 cross_slower       cross-attention (short K: 512 text, 257+512 with an image) where SDPA is faster
-slower             calibration measured SDPA as faster for this shape bucket
+slower             SDPA measured faster for this shape (by calibration, or in the timing cache)
 no_kernel          no kernel is usable on this device (the log says why, once)
 disabled           the kernel failed its numerical self-test
 failed             the kernel raised on this (device, dtype, head dim) before; not retried
@@ -49,7 +49,7 @@ REASONS = STATIC_REASONS + ("head_dim", "cross_slower", "slower", "no_kernel", "
 # anything up to 2048 keys against a much longer query is treated as cross-attention.
 CROSS_MAX_NK = 2048
 
-# Device types the Sage kernels run on.  (The unit tests widen this to exercise the dispatch
+# Device types the Sage kernels run on.  (The unit tests widen this to exercise the dispatcher's
 # logic with injected kernels on a CPU.)
 ACCEL_DEVICE_TYPES = ("cuda",)
 
