@@ -1,4 +1,4 @@
-"""gpu tier, dispatch v2 on real kernels: the split path's bytes against the formula, grouped
+"""gpu tier, attention/execution.py on real kernels: the split path's bytes against the formula, grouped
 against ungrouped numerics, Sage at SDPA's memory, and the failure paths forced on real kernels
 (an injected raising kernel, a real out-of-memory error under a VRAM ballast, NaN appearing
 later).  The decision cost is printed (``-s``), not asserted; ``wan-sage bench`` reports it."""

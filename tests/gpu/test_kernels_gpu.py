@@ -1,6 +1,6 @@
 """gpu tier: real kernels at real Wan shapes (accuracy, exact extra bytes, head-split under a
 VRAM cap, SDPA fallback, broken-build detection).  Speed is reported by `wan-sage bench`.
-Dispatch v2 (memory mode, failure paths on real kernels, compile) is in test_dispatch_gpu.py and
+The memory mode and the failure paths on real kernels are in test_execution_gpu.py, compile in
 test_compile_gpu.py."""
 import gc
 import logging

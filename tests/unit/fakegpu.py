@@ -1,5 +1,5 @@
 """A fake accelerator for the unit tier: injected kernels on the CPU, controlled free VRAM and
-timings.  Used only to test wan-sage's dispatch logic; real kernels are tested in tests/gpu."""
+timings.  Used only to test the logic of wan-sage's dispatcher; real kernels are tested in tests/gpu."""
 import time
 
 import torch

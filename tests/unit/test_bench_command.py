@@ -72,3 +72,11 @@ def test_without_torch_bench_says_how_to_install_it(bench_dirs, monkeypatch, cap
     assert "needs PyTorch" in err and 'pip install ".[bench]"' in err and "ComfyUI's own Python" in err
     assert "wan-sage[bench]" not in err  # the pack is not on a package index under that name
     assert bench_dirs == []
+
+
+def test_bench_without_gpu_names_the_alternative(capsys):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    assert cli.main(["bench"]) == 2
+    assert "wan-sage plan" in capsys.readouterr().err

@@ -12,8 +12,9 @@ from wan_sage.attention.sdpa import attention_sdpa
 
 
 def wrap_attn(func):
-    """A stand-in for ComfyUI's attention wrapper: marks the call as wrapped and hands it to the
-    override in ``transformer_options`` with the raw function first (comfyui-seams.md, 1.1)."""
+    """A stand-in for ComfyUI's attention wrapper (``wrap_attn`` in comfy/ldm/modules/attention.py):
+    marks the call as wrapped and hands it to the override in ``transformer_options`` with the raw
+    function first."""
     def wrapper(*args, **kwargs):
         outermost = "_inside_attn_wrapper" not in kwargs
         try:

@@ -1,4 +1,4 @@
-"""Attention counted as the dispatcher runs it: cross-attention on SDPA, self-attention on the
+"""The working-memory estimate counts attention as the dispatcher runs it: cross-attention on SDPA, self-attention on the
 first kernel of the arch's auto order in the registry, SDPA where no kernel runs."""
 import pytest
 

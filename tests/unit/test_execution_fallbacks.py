@@ -1,4 +1,6 @@
-"""Failure paths of the dispatch settle (issue 12, Must 6 and 7), on injected fake kernels."""
+"""The run-time fallbacks of attention/execution.py on injected fake kernels: out of memory and errors
+during calibration and after it, the memory a calibration may use, the one-time self-test outside
+the state lock, and the sampled NaN/Inf check."""
 import logging
 import threading
 

@@ -1,9 +1,9 @@
-"""attention.kernel_bytes: the exact extra-bytes formulas against the H200 reference table."""
+"""attention/kernel_bytes.py: the exact extra-bytes formulas against peaks measured on an H200."""
 import pytest
 
 from wan_sage.attention.kernel_bytes import AttnShape, extra_bytes, with_margin
 
-# (shape, path, predicted bytes from the notes' table, measured on the H200 reference run)
+# (shape, path, the bytes the formula predicts, the peak measured on an H200)
 H200 = [
     ((1, 40, 75600, 75600), "sdpa", 774_144_000, 774_145_536),
     ((1, 40, 75600, 75600), "sage2_sm90", 3_491_358_080, 3_493_815_808),
@@ -32,7 +32,7 @@ def test_sage1_counts_the_private_k_copy_and_1_0_6_table():
 
 
 def test_comfy_kitchen_int8_self_attention():
-    # measured 1,941,488,640 on the H200 (shared/measurements/2026-11-29-ck-h200)
+    # measured 1,941,488,640 on an H200
     got = extra_bytes("ck_int8", AttnShape(1, 40, 75600, 75600, 128))
     assert 0 <= 1_941_488_640 - got <= 2.5e6
 

@@ -1,4 +1,5 @@
-"""Dispatch logic of the override, with injected fake kernels on the CPU."""
+"""The override end to end with injected fake kernels on the CPU: static refusals, calibration and
+the timing cache, head split, fallbacks, chaining to a previous override, immutability."""
 import copy
 import math
 

@@ -1,4 +1,4 @@
-"""The dispatch's mutable state: one object, every write under its lock, one device index, the
+"""The dispatcher's mutable state (attention/state.py): one object, every write under its lock, one device index, the
 self-test report, and the registry of live patches the custom op looks up."""
 import pickle
 

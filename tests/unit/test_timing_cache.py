@@ -4,6 +4,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -77,6 +78,40 @@ def test_what_the_bench_writes_is_what_the_node_reads(fake_gpu):
     q, k, v = qkv()
     SageAttentionOverride(PatchConfig(cache_dir=fake_gpu.cache_dir))(raw_func, q, k, v, heads=4)
     assert fake_gpu.kernel_calls() == 1  # no calibration: the bench's timing is trusted
+
+
+def test_token_bucket_is_quarter_octave():
+    assert timing.token_bucket(75600) == timing.token_bucket(76000)
+    assert timing.token_bucket(75600) != timing.token_bucket(32760)
+    assert timing.token_bucket(512) != timing.token_bucket(257)
+
+
+def test_cache_roundtrip_merge_and_corruption(tmp_path):
+    a = timing.TimingCache(tmp_path)
+    b = timing.TimingCache(tmp_path)
+    a.put("k1", 7.0, 10.0, 100, 100)
+    b.put("k2", 3.0, 2.0, 50, 50)  # another process writes: merged, not lost
+    c = timing.TimingCache(tmp_path)
+    assert set(c.entries()) == {"k1", "k2"} and c.get("k1")["kernel_ms"] == 7.0
+    (tmp_path / timing.FILE_NAME).write_text("{not json")
+    d = timing.TimingCache(tmp_path)
+    assert d.get("k1") is None and "ignored unreadable" in d.load_error
+    d.put("k3", 1.0, 1.0, 1, 1)
+    assert json.loads((tmp_path / timing.FILE_NAME).read_text())["entries"].keys() == {"k3"}
+
+
+def test_cache_is_thread_safe(tmp_path):
+    s = timing.TimingCache(tmp_path)
+    ts = [threading.Thread(target=lambda i=i: s.put(f"k{i}", i, i + 1, 1, 1)) for i in range(16)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    assert len(timing.TimingCache(tmp_path).entries()) == 16
+
+
+def test_default_dir_env_override(monkeypatch, tmp_path):
+    monkeypatch.setenv("WAN_SAGE_CACHE_DIR", str(tmp_path))
+    assert timing.default_dir() == tmp_path
+
 
 
 LOADER = (
