@@ -17,5 +17,4 @@ config         PatchConfig, the patch's options
 stats          per-patch run statistics
 selftest       the numerical self-test of a kernel
 sdpa           PyTorch SDPA with ComfyUI's attention signature
-kernel_compare the ``wan-sage bench`` command
 """

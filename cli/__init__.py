@@ -1,6 +1,11 @@
 """wan-sage's command line: ``wan-sage plan`` (the working-memory estimate of a Wan denoise; no GPU, no
 ComfyUI, no torch needed) and ``wan-sage bench`` (SageAttention kernels timed against PyTorch SDPA on
-Wan's attention shapes on this GPU, filling the kernel timing cache the Sage patch reads)."""
+Wan's attention shapes on this GPU, filling the kernel timing cache the Sage patch reads).
+
+plan           the plan command: its flags, the estimate request they make, the printed report
+bench          the bench command: its flags and its checks before anything is measured
+bench_kernels  what bench measures: kernels and the auto override on Wan's shapes, the cache it fills
+"""
 from __future__ import annotations
 
 import argparse

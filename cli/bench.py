@@ -48,5 +48,5 @@ def run(a) -> int:
     except ImportError as e:
         print(f"wan-sage bench: needs PyTorch, which is not importable here ({e}); {TORCH_HINT}", file=sys.stderr)
         return 2
-    from ..attention import kernel_compare
-    return kernel_compare.main(a)
+    from . import bench_kernels
+    return bench_kernels.main(a)

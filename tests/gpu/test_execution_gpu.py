@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 from wan_sage.attention import execution, head_groups, kernel_bytes, kernels, planning, stats  # noqa: E402
 from wan_sage.attention.config import PatchConfig  # noqa: E402
 from wan_sage.attention.override import SageAttentionOverride, self_test_failures  # noqa: E402
-from wan_sage.attention.kernel_compare import peak_extra  # noqa: E402
+from wan_sage.cli.bench_kernels import peak_extra  # noqa: E402
 from wan_sage.attention.sdpa import attention_sdpa  # noqa: E402
 from wan_sage.attention.state import STATE, FailureKey, SelfTestKey  # noqa: E402
 

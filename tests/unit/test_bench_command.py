@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from wan_sage import cli
-from wan_sage.attention import kernel_compare
+from wan_sage.cli import bench_kernels as kernel_compare
 
 
 @pytest.fixture

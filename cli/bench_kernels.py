@@ -1,4 +1,4 @@
-"""``wan-sage bench``: time every available kernel against SDPA on Wan attention shapes, ungrouped
+"""What ``wan-sage bench`` measures (:mod:`.bench` parses its flags): time every available kernel against SDPA on Wan attention shapes, ungrouped
 and split into the memory mode's head groups (the cost of running Sage at SDPA's memory); check
 accuracy against an fp32 reference and measured extra bytes against the formulas; run the "auto"
 override end to end in both memory modes, with and without the NaN/Inf check, and measure its
@@ -13,10 +13,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from . import execution, head_groups, kernel_bytes, kernels, planning, registry, timing
-from .config import PatchConfig
-from .override import SageAttentionOverride
-from .sdpa import attention_sdpa
+from ..attention import execution, head_groups, kernel_bytes, kernels, planning, registry, timing
+from ..attention.config import PatchConfig
+from ..attention.override import SageAttentionOverride
+from ..attention.sdpa import attention_sdpa
 
 # name: (B, H, Nq, Nk, D) as ComfyUI's Wan model calls attention (q/k/v [B, N, H*D]).
 WAN_SHAPES = {
