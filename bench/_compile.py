@@ -6,10 +6,10 @@ from __future__ import annotations
 import logging
 import re
 
-from _paths import machine_free
+from ._paths import machine_free
 
 # Per-block compile nodes commonly raise dynamo's recompile limit to 64 (the default 8 can be hit when
-# each block or each graph-break resume needs its own entry); the compile probe of 2026-12-01 did too.
+# each block or each graph-break resume needs its own entry); the harness raises it alike.
 BLOCK_RECOMPILE_LIMIT = 64
 
 

@@ -1,5 +1,8 @@
 """Shared setup for the benchmark harness: load this checkout as ``wan_sage`` and boot ComfyUI
-in-process from COMFYUI_PATH (no server), as ComfyUI's ``main.py`` would for the GPU."""
+in-process from COMFYUI_PATH (no server), as ComfyUI's ``main.py`` would for the GPU.
+
+Imported as ``bench._host`` (the tools run as ``python -m bench.<tool>``); it imports no other bench
+module at import time."""
 from __future__ import annotations
 
 import dataclasses
@@ -44,6 +47,8 @@ def git_head() -> str | None:
 
 
 def load_pack():
+    """This checkout as the package ``wan_sage`` (its root holds the pack's ``__init__.py``), loaded once
+    from its files whatever the checkout's folder is called, as ComfyUI loads a custom node."""
     if "wan_sage" not in sys.modules:
         spec = importlib.util.spec_from_file_location("wan_sage", ROOT / "__init__.py",
                                                       submodule_search_locations=[str(ROOT)])
@@ -113,6 +118,8 @@ def boot_comfy(cpu: bool = False, pytorch_attention: bool = False):
     path = os.environ.get("COMFYUI_PATH")
     if not path:
         raise SystemExit("set COMFYUI_PATH to a ComfyUI checkout")
+    # ComfyUI's modules (comfy, folder_paths, nodes, ...) are top-level modules of its own folder, which is
+    # on the path when ComfyUI runs its main.py; no bench or pack module is found through this entry.
     if path not in sys.path:
         sys.path.insert(0, path)
     import comfy.options
@@ -141,9 +148,8 @@ WAN_CONFIGS = {
 
 def presets() -> dict:
     """The wan-sage memory preset of each model above (``tiny`` has none: see :func:`wan_dims`): the
-    table the measured rows are read with, ``memory.measured_rows.ROW_PRESETS``."""
-    load_pack()
-    from wan_sage.memory.measured_rows import ROW_PRESETS
+    table the measured rows are read with, ``bench.measured_rows.ROW_PRESETS``."""
+    from .measured_rows import ROW_PRESETS
     return ROW_PRESETS
 
 
@@ -207,18 +213,18 @@ def build_wan(name: str, dtype, device):
 
 # --------------------------------------------------------------------------- the Sage patch's config
 
-# The patch's memory modes (dispatch v2, issue 12): "sdpa" splits Sage calls into head groups so that
-# Sage needs no more memory than SDPA ("grouped"); "fastest" runs them whole unless VRAM is short
-# ("ungrouped").  Today's dispatch has no such field and behaves as "fastest".
+# The patch's memory modes: "sdpa" splits Sage calls into head groups so that Sage needs no more memory
+# than SDPA ("grouped"); "fastest" runs them whole unless VRAM is short ("ungrouped").  A checkout whose
+# PatchConfig has no ``memory_mode`` field behaves as "fastest".
 MEMORY_MODES = {"grouped": "sdpa", "ungrouped": "fastest"}
 
 
 def patch_classes():
-    """(PatchConfig, SageAttentionOverride) of the loaded pack: from ``attention.dispatch``, else from
-    whichever module of ``attention`` defines both (the dispatch is being split up)."""
+    """(PatchConfig, SageAttentionOverride) of the loaded pack: from whichever module of
+    ``wan_sage.attention`` defines both (in name order), so the harness does not name that module."""
     load_pack()
     package = importlib.import_module("wan_sage.attention")
-    names = ["dispatch"] + sorted(m.name for m in pkgutil.iter_modules(package.__path__) if m.name != "dispatch")
+    names = sorted(m.name for m in pkgutil.iter_modules(package.__path__))
     for name in names:
         try:
             mod = importlib.import_module(f"wan_sage.attention.{name}")
@@ -237,17 +243,17 @@ def has_memory_mode() -> bool:
 
 def check_memory_modes(modes) -> None:
     """Stop before any work when a requested mode needs the ``memory_mode`` field and the installed
-    dispatch lacks it.  "fastest" is today's behaviour, so it runs without the field."""
+    dispatch lacks it.  "fastest" is what a dispatch without the field does, so it runs without it."""
     missing = sorted({m for m in modes if m not in (None, "fastest")})
     if missing and not has_memory_mode():
         raise SystemExit(f"memory mode {', '.join(missing)} asked for, but this checkout's PatchConfig has no "
-                         "memory_mode field (dispatch v2 adds it). Without it only SDPA and the ungrouped Sage "
-                         "patch (mode 'fastest', today's behaviour) can run.")
+                         "memory_mode field. Without it only SDPA and the ungrouped Sage patch (mode 'fastest', "
+                         "that checkout's behaviour) can run.")
 
 
 def patch_config(memory_mode: str | None = None, **kwargs):
     """A PatchConfig with ``memory_mode`` passed straight through; None leaves PatchConfig's default.
-    "fastest" on a dispatch without the field is today's behaviour, so the field is left out there."""
+    "fastest" is what a dispatch without the field does, so the field is left out there."""
     config_class, _ = patch_classes()
     if memory_mode is not None:
         check_memory_modes([memory_mode])
@@ -292,19 +298,34 @@ def wan_state_dict(name: str, dtype, device="cuda", seed=0):
 
 def comfy_env():
     """The in-process ComfyUI host shared with the host-tier tests (``tests/host/comfy_env.py``):
-    one boot path (folder paths, torchvision shim, module-origin checks) for tests and bench."""
-    p = str(ROOT / "tests" / "host")
-    if p not in sys.path:
-        sys.path.insert(0, p)
-    import comfy_env as ce
-    return ce
+    one boot path (folder paths, torchvision shim, module-origin checks) for tests and bench.  Loaded
+    from its file as the module ``comfy_env`` (the name the host tier imports it by), once."""
+    if "comfy_env" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("comfy_env", ROOT / "tests" / "host" / "comfy_env.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["comfy_env"] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules["comfy_env"]
+
+
+def run_tool(tool: str, args, timeout: float = 600, **env):
+    """Run a tool of bench as ``python -m bench.TOOL ARGS`` from the repository root, as bench/README.md
+    says, with this interpreter and COMFYUI_PATH as the host tier resolves it; ``env`` adds variables.
+    Returns the finished process and the JSON objects it printed, one per line (the host-tier tests)."""
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **env)
+    path = comfy_env().comfy_path()
+    if path:
+        full_env["COMFYUI_PATH"] = path
+    p = subprocess.run([sys.executable, "-m", f"bench.{tool}", *map(str, args)], capture_output=True, text=True,
+                       env=full_env, timeout=timeout, cwd=str(ROOT))
+    return p, [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
 
 
 class _Absent:
     """Stands for any PyAV class when PyAV is missing; using one raises."""
 
     def __init__(self, *a, **k):
-        raise RuntimeError("PyAV is not installed here (bench/_host.py put a stub in its place): video I/O is unavailable")
+        raise RuntimeError("PyAV is not installed here (bench._host.ensure_av put a stub in its place): video I/O is unavailable")
 
 
 def ensure_av(allow_stub: bool) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from _host import ROOT    # this checkout (the pack's root)
+from ._host import ROOT    # this checkout (the pack's root)
 # directories a frame's file is named from (the rightmost one in its path): ComfyUI's packages and the
 # libraries installed outside a site-packages folder (the device's --target site)
 FRAME_ROOTS = ("ComfyUI", "ComfyUI-GGUF", "custom_nodes", "comfy", "comfy_extras", "comfy_api", "comfy_execution",

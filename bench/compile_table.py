@@ -1,4 +1,4 @@
-"""The compile table (issue 12): one real ComfyUI Wan forward, eager or compiled, with SDPA or the
+"""The compile table: one real ComfyUI Wan forward, eager or compiled, with SDPA or the
 Sage patch, per configuration: seconds per forward, activation peak, graph breaks, graphs,
 recompiles, Sage call counts and compile time.
 
@@ -6,7 +6,7 @@ The model is built through ComfyUI's own model config at real dims (``--model``,
 random weights in ``--dtype``, fully resident.  Per configuration it runs ``comfy.sample.sample``
 (``--steps`` steps, cfg 1.0, so one forward per step) ``--repeats`` times; the first run compiles,
 the last is the one reported.  Compile is per transformer block, inductor by default: ComfyUI's
-``set_torch_compile_wrapper`` with keys ``diffusion_model.blocks.N`` (bench/_compile.py), after a
+``set_torch_compile_wrapper`` with keys ``diffusion_model.blocks.N`` (``bench._compile``), after a
 ``torch._dynamo.reset()`` so every configuration compiles as a fresh process would.  Around every
 diffusion-model forward a DIFFUSION_MODEL wrapper reads the seconds, the activation peak
 (``max_memory_allocated`` during the forward minus what was allocated before it), the reserved peak
@@ -17,7 +17,7 @@ Configurations, ``{eager|compile}-{sdpa|sage[-grouped|-ungrouped]}[-fullgraph]``
 * ``sage-grouped``: the patch with ``memory_mode="sdpa"`` (Sage calls split into head groups so that
   they need no more memory than SDPA); ``sage-ungrouped``: ``memory_mode="fastest"``; plain ``sage``:
   PatchConfig's default.  The mode goes straight into ``PatchConfig``; a checkout whose PatchConfig
-  lacks the field runs ``sdpa`` and ``sage-ungrouped`` (today's behaviour) and stops at once, with a
+  lacks the field runs ``sdpa`` and ``sage-ungrouped`` (what it does without it) and stops at once, with a
   message, when a grouped configuration is asked for.  The record has the mode asked for
   (``memory_mode``) and the one the override's PatchConfig holds (``memory_mode_in_force``; None
   without the field).
@@ -27,8 +27,8 @@ One JSON line per configuration on stdout and appended to ``--out`` as soon as i
 ``--skip-done`` skips configurations already recorded; ``--deadline-s`` starts no configuration that
 could end after it (each is estimated from the configurations measured before it).
 
-    COMFYUI_PATH=... python3 bench/compile_table.py --size 1280x720x81 --out table.jsonl
-    COMFYUI_PATH=... python3 bench/compile_table.py --cpu --model tiny --size 64x64x5 --backend eager \\
+    COMFYUI_PATH=... python -m bench.compile_table --size 1280x720x81 --out table.jsonl
+    COMFYUI_PATH=... python -m bench.compile_table --cpu --model tiny --size 64x64x5 --backend eager \\
         --configs eager-sdpa,compile-sage-ungrouped        # CPU smoke run, no memory readings
 """
 from __future__ import annotations
@@ -38,15 +38,13 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _compile  # noqa: E402
-import _host  # noqa: E402
+from . import _compile, _host
 
 SCHEMA = "wan-sage-compile/1"
 GiB = 1 << 30
-# In priority order: the six of the issue's table, then fullgraph (SDPA's last: it has no graph break to find).
+# In priority order: eager and per-block compile with SDPA and the patch grouped and ungrouped, then fullgraph
+# (SDPA's last: it has no graph break to find).
 ALL_CONFIGS = ("eager-sdpa", "eager-sage-grouped", "eager-sage-ungrouped", "compile-sdpa", "compile-sage-grouped",
                "compile-sage-ungrouped", "compile-sage-grouped-fullgraph", "compile-sage-ungrouped-fullgraph",
                "compile-sdpa-fullgraph")
@@ -156,7 +154,7 @@ def environment(torch, cuda: bool) -> dict:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m bench.compile_table", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=sorted(_host.WAN_CONFIGS), default="a14b")
     ap.add_argument("--size", default="1280x720x81", help="WxHxF")

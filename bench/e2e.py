@@ -1,7 +1,7 @@
-"""End-to-end benchmark (issue 5): Wan 2.2 T2V A14B, both experts, through real ComfyUI in-process.
+"""End-to-end benchmark: Wan 2.2 T2V A14B, both experts, through real ComfyUI in-process.
 
 Drives ComfyUI 0.3.64 (``COMFYUI_PATH``) without its HTTP server, through its own node functions,
-in the order of the seed report's workflow:
+in the order of a Wan 2.2 A14B text-to-video workflow:
 
     CLIPLoader (type "wan") -> CLIPTextEncode (positive, negative)        text encoder first
     UnetLoaderGGUF (ComfyUI-GGUF, ``--gguf-path``) x2, or UNETLoader for ``--weights fp8``
@@ -16,9 +16,9 @@ in the order of the seed report's workflow:
 The pack's two nodes are applied through their wiring (``wan_sage.nodes.estimator.apply_estimator``
 with the node's default settings and the empty latent's shape; ``wan_sage.nodes.sage_patch.apply_patch``
 with the node's defaults).  ``--workflow FILE`` runs a saved workflow instead (UI or API format,
-converted with ``bench/workflow_api.py`` and run with ``execution.PromptExecutor``), with the
+converted with ``bench.workflow_api`` and run with ``execution.PromptExecutor``), with the
 pack loaded as a custom node.  The model files are random-weight stand-ins at real sizes and key
-names, written by ``bench/e2e_models.py`` into ``--models-dir`` when missing.
+names, written by ``bench.e2e_models`` into ``--models-dir`` when missing.
 
 Measurements, one JSON line per run (``--out`` appends them too): completed / out of memory /
 error and where; peak allocated and reserved (above the ballast) for the whole run and for each
@@ -66,12 +66,12 @@ that ``comfy.model_management.get_free_memory()`` reads GB GiB (checked, correct
   card that is really that small.  Peaks are reported minus the ballast.
 * Running out is an exception here (``torch.OutOfMemoryError``), as on Linux.  On Windows the
   NVIDIA driver's "sysmem fallback" instead spills allocations to shared system memory over
-  PCIe and carries on, many times slower (the seed report's 2.26x slowdown).  That behaviour
+  PCIe and carries on, many times slower.  That behaviour
   cannot be reproduced on Linux: where this harness reports out of memory, a Windows card with
   the fallback on would run slowly instead.
 
 Run specs: ``{est|comfy}+{sdpa|sage}[+compile|+compileblocks]@{GB|full}:{WxHxF|720p81|480p81}``, e.g.
-``est+sage@24:720p81``.  ``--matrix`` runs the issue's 16 combinations for ``--weights`` in
+``est+sage@24:720p81``.  ``--matrix`` runs the 16 combinations of the benchmark's targets for ``--weights`` in
 priority order (24 GB 720p81 first); ``--deadline-s`` stops starting runs after that many seconds.
 
 ``+compile`` adds ComfyUI's own ``TorchCompileModel`` node (``comfy_extras/nodes_torch_compile.py``)
@@ -80,7 +80,7 @@ that node clones the model and calls ``set_torch_compile_wrapper(model, backend)
 keys, ``["diffusion_model"]``: the whole diffusion model is one ``torch.compile`` (fullgraph False,
 dynamic None, mode None; backend ``inductor`` or ``cudagraphs``, ``--compile-backend``), swapped in by
 an APPLY_MODEL wrapper for each call.  The compile happens in each expert's first step, so that step
-carries it (``plot_e2e.py`` leaves each expert's first step out of its "after the first step"
+carries it (``bench.plot_e2e`` leaves each expert's first step out of its "after the first step"
 column for these runs).  Each compiled run starts from ``torch._dynamo.reset()``, as a fresh
 ComfyUI process would; its record has ``config.compile`` and, under ``compile``, what dynamo did
 (graph breaks and their reasons, graphs, recompiles, compile seconds).
@@ -89,7 +89,7 @@ ComfyUI process would; its record has ``config.compile`` and, under ``compile``,
 nodes do (KJNodes' ``TorchCompileModelWanVideoV2``): ``set_torch_compile_wrapper`` with the keys
 ``diffusion_model.blocks.N`` and dynamo's recompile limit raised to 64, as those nodes raise it.  The
 blocks share one graph, so it compiles in seconds where the whole model takes minutes (A14B, inductor:
-360 s for the first expert on the H200, 2026-12-01).
+360 s for the first expert on the H200).
 
 ``--sage-memory-mode`` passes the Sage patch's memory mode (``sdpa``: head groups at SDPA's memory,
 ``fastest``) to the node's wiring; the run's label then ends in ``/memory-MODE``.
@@ -110,9 +110,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _host  # noqa: E402
-from _paths import ROOT, short_path  # noqa: E402,F401  (ROOT: this checkout)
+from . import _host
+from ._paths import ROOT, short_path  # noqa: F401  (ROOT: this checkout)
 
 GiB = 1 << 30
 SCHEMA = "wan-sage-e2e/1"
@@ -171,7 +170,7 @@ def warmup_spec(todo: list[RunSpec], scale: str = "full") -> RunSpec:
 
 
 def matrix(budget: float) -> list[RunSpec]:
-    """The issue's matrix in priority order: 24 GB 720p81, full 720p81, 24 GB 480p81, full 480p81."""
+    """The target matrix in priority order: 24 GB 720p81, full 720p81, 24 GB 480p81, full 480p81."""
     out = []
     for b, res in ((budget, "720p81"), (None, "720p81"), (budget, "480p81"), (None, "480p81")):
         for est, att in ((True, "sdpa"), (True, "sage"), (False, "sdpa"), (False, "sage")):
@@ -456,7 +455,7 @@ class Host:
         self.dev = self.mm.get_torch_device()
         self.mem = Mem(torch, self.cuda)
         self.N = self.ns.nodes.NODE_CLASS_MAPPINGS
-        import e2e_models as EM
+        from . import e2e_models as EM
         self.files = EM.ensure_models(args.models_dir, scale=args.scale, weights=args.weights, te_dtype=args.te_dtype,
                                       lora_rank=args.lora_rank, seed=args.seed, device=args.gen_device, log=self.log)
         fp = self.ns.folder_paths
@@ -474,7 +473,7 @@ class Host:
     def dynamo(self):
         """The dynamo watch of the compiled runs (made at the first, as it switches dynamo's recompile log on)."""
         if self._dynamo is None:
-            import _compile
+            from . import _compile
             self._dynamo = _compile.DynamoWatch(self.torch)
         return self._dynamo
 
@@ -636,7 +635,7 @@ class Host:
                         m = self.N["TorchCompileModel"].execute(model=m, backend=self.args.compile_backend)[0]
                         extras[f"compile_{e}"] = dict(m.model_options.get("torch_compile_kwargs") or {})
                     elif spec.compile == "blocks":
-                        import _compile
+                        from . import _compile
                         m = m.clone()
                         _compile.set_recompile_limit(torch, _compile.BLOCK_RECOMPILE_LIMIT)
                         extras[f"compile_{e}"] = _compile.compile_blocks(m, self.args.compile_backend)
@@ -700,7 +699,7 @@ class Host:
         row["sage_active"] = spec.attention == "sage" and all(extras.get(f"patch_id_{e}") for e in ("high", "low"))
         row["estimator_report"] = {e: extras.get(f"report_{e}") for e in ("high", "low") if f"report_{e}" in extras} or None
         if spec.compile:              # what dynamo did in this run (the node leaves the recompile limit as it is)
-            import _compile
+            from . import _compile
             watch = self.dynamo()
             end = watch.reading()
             row["compile"] = {"kwargs": {e: extras.get(f"compile_{e}") for e in ("high", "low")},
@@ -728,7 +727,7 @@ class Host:
     def run_workflow(self, path: Path, spec_res, budget_gib) -> dict:
         import asyncio
         import uuid
-        from workflow_api import is_api_prompt, ui_to_api
+        from .workflow_api import is_api_prompt, ui_to_api
         torch, mem = self.torch, self.mem
         wf = json.loads(path.read_text())
         prompt = wf if is_api_prompt(wf) else ui_to_api(wf, self.N)
@@ -893,7 +892,8 @@ def _read_version(pyproject: Path):
 # --------------------------------------------------------------------------- CLI
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models-dir", required=True, help="where the random-weight model files are (written when missing)")
     ap.add_argument("--scale", choices=["full", "tiny"], default="full")
     ap.add_argument("--weights", choices=["gguf", "fp8"], default="gguf")
@@ -906,7 +906,7 @@ def parse_args(argv=None):
                     help="ComfyUI-GGUF checkout (default: $COMFYUI_GGUF_PATH, else <COMFYUI_PATH>/../ComfyUI-GGUF)")
     ap.add_argument("--work-dir", default=None, help="ComfyUI user/output/temp folders (default: <models-dir>/../e2e-work)")
     ap.add_argument("--runs", default=None, help="comma list of run specs, e.g. est+sage@24:720p81,comfy+sdpa@full:480p81")
-    ap.add_argument("--matrix", action="store_true", help="the issue's 16 runs for --weights, 24 GB 720p81 first")
+    ap.add_argument("--matrix", action="store_true", help="the 16 runs of the targets for --weights, 24 GB 720p81 first")
     ap.add_argument("--estimator", action="store_true", help="single run: with the Working-Memory Estimator")
     ap.add_argument("--attention", choices=["sdpa", "sage"], default="sdpa", help="single run: SDPA or the Sage patch")
     ap.add_argument("--res", default=None, help="single run / workflow: WxHxF or 720p81 / 480p81 (default 720p81; tiny: 64x64x5)")
@@ -940,7 +940,7 @@ def parse_args(argv=None):
     ap.add_argument("--skip-done", default=None, metavar="JSONL[,JSONL]",
                     help="skip runs that already have a completed or out-of-memory record (same run and weights) there")
     ap.add_argument("--out", default=None, help="append the JSON lines to this file too")
-    ap.add_argument("--av-stub", action="store_true", help="if PyAV is missing, stub it (video I/O only; see bench/_host.py)")
+    ap.add_argument("--av-stub", action="store_true", help="if PyAV is missing, stub it (video I/O only; see bench._host.ensure_av)")
     ap.add_argument("--cpu", action="store_true", help="force the CPU")
     ap.add_argument("--quiet", action="store_true", help="ComfyUI logs at WARNING")
     a = ap.parse_args(argv)

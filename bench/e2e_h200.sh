@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Device-side driver of the end-to-end benchmark on the H200 (docs/e2e-plan.md): setup, generate, run.
+# Device-side driver of the end-to-end benchmark on the H200 (bench/README.md, "The H200 kit"): setup,
+# generate, run.
 #
 #   bash bench/e2e_h200.sh setup                 wheels -> /tmp/site; SageAttention 2.x from .whl-sage/ (an
 #                                                earlier call's build) when it is not importable yet
 #   (SageAttention 2.x is built on the device by a one-off command of the call, never by a
-#   file in this repository; see docs/e2e-plan.md)
+#   file in this repository; see bench/README.md)
 #   bash bench/e2e_h200.sh gen [gguf|fp8]        write the full-size random model files (skips what exists)
-#   bash bench/e2e_h200.sh runs SPECS [ARGS...]  bench/e2e.py --runs SPECS ARGS, JSON lines to $OUT/e2e.jsonl
+#   bash bench/e2e_h200.sh runs SPECS [ARGS...]  python3 -m bench.e2e --runs SPECS ARGS, JSON lines to $OUT/e2e.jsonl
 #   bash bench/e2e_h200.sh call W SPECS [ARGS..] setup + gen W + runs, starting no run that could end after
 #                                                the call's budget (E2E_CALL_BUDGET_S, default 570 s, counted
 #                                                from E2E_T0, the command's start in epoch seconds)
@@ -27,7 +28,7 @@ export COMFYUI_GGUF_PATH=${COMFYUI_GGUF_PATH:-$REPO/.host/ComfyUI-GGUF}
 export PYTHONUNBUFFERED=1
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 export SAGEATTENTION_COMMIT=${SAGEATTENTION_COMMIT:-unknown}
-# WAN_SAGE_COMMIT, when set, names the commit in the records; else bench/_host.git_head() reads it here
+# WAN_SAGE_COMMIT, when set, names the commit in the records; else bench._host.git_head() reads it here
 # (with "+tree:<id>" when a copied tree is newer than its git directory)
 export E2E_T0=${E2E_T0:-$(date +%s)}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$REPO/.e2e/inductor-cache}
@@ -63,13 +64,13 @@ gen() {
   local weights=${1:-gguf}
   # one expert format on disk at a time (64 GiB disk): drop the other one's experts first
   if [ "$weights" = fp8 ]; then rm -f "$MODELS"/diffusion_models/*.gguf; else rm -f "$MODELS"/diffusion_models/*fp8*.safetensors; fi
-  python3 bench/e2e.py --models-dir "$MODELS" --scale "${E2E_SCALE:-full}" --weights "$weights" --generate-only --av-stub --quiet
+  python3 -m bench.e2e --models-dir "$MODELS" --scale "${E2E_SCALE:-full}" --weights "$weights" --generate-only --av-stub --quiet
   ls -l "$MODELS"/*/ && df -h "$MODELS" | tail -1
 }
 
 runs() {
   local specs=$1; shift
-  python3 bench/e2e.py --models-dir "$MODELS" --scale "${E2E_SCALE:-full}" --av-stub --runs "$specs" --out "$OUT/e2e.jsonl" "$@" \
+  python3 -m bench.e2e --models-dir "$MODELS" --scale "${E2E_SCALE:-full}" --av-stub --runs "$specs" --out "$OUT/e2e.jsonl" "$@" \
     2> >(tee -a "$OUT/e2e.log" | grep -E "^e2e |Traceback|Error|error:|loaded (partially|completely)|wan-sage" >&2)
 }
 
@@ -95,5 +96,5 @@ case "$cmd" in
   runs) runs "$@" ;;
   call) call "$@" ;;
   info) info ;;
-  *) sed -n '2,15p' "$0"; exit 2 ;;
+  *) sed -n '2,16p' "$0"; exit 2 ;;
 esac

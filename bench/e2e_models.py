@@ -10,7 +10,7 @@ Files (under ``<models-dir>/<ComfyUI folder>/``), deterministic for a seed and g
   ``convert.py`` and ``fix_5d_tensors.py`` leave them); the other 2-D tensors (text/time
   embeddings, time projection, head) unquantised, BF16.  About 9.6 GB per expert at full size.
 * ``text_encoders/``: UMT5-XXL with the key names of ComfyUI's ``CLIPLoader`` type "wan"
-  (bf16 by default, 11.4 GB, as the 10.8 GB encoder of the seed report; fp16 optional), including the ``spiece_model`` tokenizer
+  (bf16 by default, 11.4 GB, about the size of the 10.8 GB encoder Wan workflows load; fp16 optional), including the ``spiece_model`` tokenizer
   tensor that ComfyUI reads from the file.  The tokenizer is a small SentencePiece model trained
   here on fixed text; ids stay below its size, and the encoder always sees 512 tokens.
 * ``vae/``: the Wan 2.1 VAE (ComfyUI key names, bf16, 254 MB).  ComfyUI fixes its dims, so
@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kquants import QK_K, quantize, row_bytes
+from .kquants import QK_K, quantize, row_bytes
 
 FORMAT_VERSION = 1
 MiB = 1 << 20

@@ -10,19 +10,19 @@ reservation used, and the Sage call counts.  One JSON line per run.
 Configurations (comma list): ``comfy`` (ComfyUI's own reservation), ``ours`` (the Wan
 Working-Memory Estimator's wiring), ``fixed:R`` (R GiB per row, to locate the edge); each with
 ``+sage`` for the Sage Attention Patch, e.g. ``comfy,ours,comfy+sage,ours+sage,fixed:8.5``.
+
+    COMFYUI_PATH=... python -m bench.partial_load --budget-gb 24 --res 1280x720x81 --steps 4 --configs comfy,ours
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import dataclasses
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-import _host  # noqa: E402
+from . import _host
 
 GiB = 1 << 30
 
@@ -49,7 +49,7 @@ def random_lora(model, rank: int, seed: int = 0):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python -m bench.partial_load", description=__doc__.split("\n\n")[0])
     ap.add_argument("--budget-gb", type=float, default=24.0)
     ap.add_argument("--res", default="1280x720x81")
     ap.add_argument("--steps", type=int, default=4)
@@ -93,6 +93,7 @@ def main():
             "lora_rank": a.lora_rank, "setup_s": round(time.time() - t0, 1)}
     print(json.dumps(head), flush=True)
     out = open(a.out, "a") if a.out else None
+    commit = _host.git_head()
     for cfg in a.configs.split(","):
         mm.unload_all_models()
         gc.collect()
@@ -111,7 +112,9 @@ def main():
             reservation = nums["reservation_gb"] if nums else None
         elif kind.startswith("fixed:"):
             R = float(kind.split(":")[1])
-            m, nums, report = estimator.apply_estimator(m, estimator.Settings(policy=estimator.POLICIES[2], fixed_gb=R), lat)
+            # the estimator's fixed-per-row figure: the field is fixed_gib (fixed_gb in older checkouts)
+            field = next(f.name for f in dataclasses.fields(estimator.Settings) if f.name in ("fixed_gib", "fixed_gb"))
+            m, nums, report = estimator.apply_estimator(m, estimator.Settings(policy=estimator.POLICIES[2], **{field: R}), lat)
             reservation = R
         else:
             reservation = m.model.memory_required(lat) / GiB
@@ -139,7 +142,9 @@ def main():
         # The patch's own OUTER_SAMPLE wrapper closed the run window; read its summary.
         st = stats.last_runs().get(ov.patch_id) if ov is not None else None
         steps = [b - a_ for a_, b in zip([start] + marks[:-1], marks)]
-        row = {"config": cfg, "status": status, "reservation_gib_per_row": reservation,
+        row = {"config": cfg, "status": status, "res": a.res, "weights": a.weights, "lora_rank": a.lora_rank,
+               "budget_gib": a.budget_gb, "allocator": a.allocator, "wan_sage_commit": commit,
+               "reservation_gib_per_row": reservation,
                "free_seen_gib": seen_free / GiB, "weights_resident_gib": resident.get("bytes", 0) / GiB,
                "weights_total_gib": m.model_size() / GiB, "step_s": [round(s, 3) for s in steps],
                "median_2_4_s": round(statistics.median(steps[1:]), 3) if len(steps) > 1 else None,

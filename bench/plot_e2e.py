@@ -1,19 +1,21 @@
 """Plot the end-to-end benchmark's JSON lines: seconds per step (each expert) and peak VRAM per configuration.
 
-    python3 bench/plot_e2e.py results.jsonl [more.jsonl ...] --out docs/e2e-h200.png [--markdown table.md]
-    python3 bench/plot_e2e.py --session A=a1.jsonl,a2.jsonl --session B=b.jsonl --out ... [--markdown ...]
+    python -m bench.plot_e2e results.jsonl [more.jsonl ...] --out docs/e2e-h200.png [--markdown table.md]
+    python -m bench.plot_e2e --set A=a1.jsonl,a2.jsonl --set B=b.jsonl --out ... [--markdown ...]
 
 Reads every line that is a ``wan-sage-e2e/1`` run record (other lines, e.g. logs, are skipped; a
 repeated configuration keeps every record, shown as ``(run k)``, and the targets take the median).  Left: seconds per step of the high- and low-noise
 expert; right: peak allocated and peak reserved above the ballast, the budget as a line, and the
 predicted peak (weights resident at the start of sampling plus the reserved working memory, for
 the expert with the higher prediction) as a marker.  Runs that ran out of memory are marked OOM.
-``--markdown`` also writes the results as a Markdown table (for docs/benchmarks.md); given without
-``--out``, it writes only the table, which needs no matplotlib.
+``--markdown`` also writes the results as a Markdown table and the targets' table; given without
+``--out``, it writes only the tables, which need no matplotlib.
 
-A session is the records of one device machine.  Speed ratios are only taken within a session (the
-issue asks for ratios of runs of one session); whether the estimator ran out of memory where ComfyUI
-alone completed is checked over all sessions, since that is not a ratio.
+A set is the records of one device machine in one sitting: speed ratios are only taken between runs of
+one set, since machines of one kind differ by more than the gains measured.  Whether the estimator ran
+out of memory where ComfyUI alone completed is checked over all sets, since that is not a ratio.  A record
+that carries a ``round`` field (a merged record file holds rows of several machines) belongs to the set
+named after its file's set and that field.
 """
 from __future__ import annotations
 
@@ -24,14 +26,13 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e import SCHEMA, faithful  # noqa: E402  (the run record's owner)
+from .e2e import SCHEMA, faithful  # the run record's owner
 
 
-def load(paths, session: str = "") -> list[dict]:
-    """Every faithful run record of the files, in order, tagged with ``session`` (``_session``).  A
-    repeated configuration keeps all its records (the tables list each, the targets take the median); a
-    line appended twice counts once."""
+def load(paths, set_name: str = "") -> list[dict]:
+    """Every faithful run record of the files, in order, tagged with its set (``_set``): ``set_name``, and
+    the record's ``round`` after it where it has one.  A repeated configuration keeps all its records
+    (the tables list each, the targets take the median); a line appended twice counts once."""
     runs, seen = [], set()
     for p in paths:
         for line in Path(p).read_text().splitlines():
@@ -49,14 +50,14 @@ def load(paths, session: str = "") -> list[dict]:
                     print(f"plot_e2e: left out {r['run']} ({r['config'].get('weights')}): {inh} GiB was still "
                           "allocated before its ballast, so its budget was not the one named", file=sys.stderr)
                     continue
-                r["_session"] = session
+                r["_set"] = set_name if r.get("round") is None else f"{set_name}{'.' if set_name else ''}{r['round']}"
                 runs.append(r)
     return runs
 
 
-def sessions_of(runs: list[dict]) -> list[str]:
-    """The session names in order of first appearance."""
-    return list(dict.fromkeys(r.get("_session", "") for r in runs))
+def sets_of(runs: list[dict]) -> list[str]:
+    """The set names in order of first appearance."""
+    return list(dict.fromkeys(r.get("_set", "") for r in runs))
 
 
 def compile_kind(c: dict) -> str:
@@ -81,12 +82,12 @@ def _key(r: dict) -> tuple:
 
 
 def labels(runs: list[dict]) -> list[str]:
-    """``label`` of each run, with ``(run k)`` from the second record of a configuration in a session
-    on, and the session's name in front when there are several."""
+    """``label`` of each run, with ``(run k)`` from the second record of a configuration in a set on,
+    and the set's name in front when there are several."""
     count, out = {}, []
-    several = len(sessions_of(runs)) > 1
+    several = len(sets_of(runs)) > 1
     for r in runs:
-        k = (r.get("_session", ""), _key(r))
+        k = (r.get("_set", ""), _key(r))
         count[k] = count.get(k, 0) + 1
         out.append((f"[{k[0]}] " if several else "") + label(r) + (f" (run {count[k]})" if count[k] > 1 else ""))
     return out
@@ -105,9 +106,9 @@ def label(r: dict) -> str:
 
 
 def _sorted(runs: list[dict]) -> list[dict]:
-    """Session by session (in order of appearance), then by configuration."""
-    at = {name: i for i, name in enumerate(sessions_of(runs))}
-    return sorted(runs, key=lambda r: (at[r.get("_session", "")],) + _order(r))
+    """Set by set (in order of appearance), then by configuration."""
+    at = {name: i for i, name in enumerate(sets_of(runs))}
+    return sorted(runs, key=lambda r: (at[r.get("_set", "")],) + _order(r))
 
 
 def _order(r):
@@ -271,13 +272,13 @@ def _estimator_pairs(runs: list[dict], weights: str) -> list[tuple]:
 
 
 def targets(runs: list[dict], budget: float = 24.0) -> list[tuple]:
-    """Issue 5's targets from the run records: (target, measured, verdict) with verdict ``met``,
+    """The end-to-end targets from the run records: (target, measured, verdict) with verdict ``met``,
     ``met after the first step`` (only when the run's first step, see ``_steps_s``, is left out),
     ``missed`` or ``not measured``.  Speed ratios use seconds per step over both experts and are taken
-    within each session; the out-of-memory check pairs configurations over all sessions."""
+    within each set; the out-of-memory check pairs configurations over all sets."""
     out = []
     R720 = (1280, 720, 81)
-    names = sessions_of(runs)
+    names = sets_of(runs)
     labs = labels(runs)
 
     def per_step(recs, skip_first=False):
@@ -299,11 +300,11 @@ def targets(runs: list[dict], budget: float = 24.0) -> list[tuple]:
         out.append((name, f"all steps {a:.2f} / {b:.2f} s = {a / b:.3f}×; after the first step "
                           f"{a2:.2f} / {b2:.2f} s = {a2 / b2:.3f}×{n}", verdict))
     for w in sorted({r["config"].get("weights") for r in runs}):
-        for sess in names:
-            rs = [r for r in runs if r.get("_session", "") == sess]
+        for name in names:
+            rs = [r for r in runs if r.get("_set", "") == name]
             if not any(r["config"].get("weights") == w for r in rs):
                 continue
-            tag = f"{w}: " + (f"session {sess}, " if len(names) > 1 else "")
+            tag = f"{w}: " + (f"set {name}, " if len(names) > 1 else "")
             ratio(tag + f"estimator, {budget:g} GB, 720p81: Sage ≥ 1.20× SDPA",
                   _find(rs, w, True, "sdpa", budget, R720), _find(rs, w, True, "sage", budget, R720), 1.20)
             ratio(tag + f"estimator + Sage ≥ 1.25× ComfyUI alone with SDPA, {budget:g} GB, 720p81",
@@ -312,7 +313,7 @@ def targets(runs: list[dict], budget: float = 24.0) -> list[tuple]:
                   _find(rs, w, False, "sdpa", None, R720), _find(rs, w, False, "sage", None, R720), 1.25)
             ratio(tag + "full card, 720p81: estimator + Sage ≥ 1.25× SDPA (the pack's checks keep the gain)",
                   _find(rs, w, False, "sdpa", None, R720), _find(rs, w, True, "sage", None, R720), 1.25)
-        tag = f"{w}: " + ("all sessions, " if len(names) > 1 else "")
+        tag = f"{w}: " + ("all sets, " if len(names) > 1 else "")
         pairs = _estimator_pairs(runs, w)
         failed = [r for c, e in pairs if any(x.get("status") == "ok" for x in _find(runs, *c))
                   for r in _find(runs, *e) if r.get("status") != "ok"]
@@ -359,27 +360,27 @@ def targets_markdown(runs: list[dict], budget: float = 24.0) -> str:
     return "\n".join(rows) + "\n"
 
 
-def _session_arg(text: str) -> tuple:
+def _set_arg(text: str) -> tuple:
     name, sep, files = text.partition("=")
     if not sep or not name or not files:
-        raise argparse.ArgumentTypeError(f"--session wants NAME=FILE[,FILE...], got {text!r}")
+        raise argparse.ArgumentTypeError(f"--set wants NAME=FILE[,FILE...], got {text!r}")
     return name, [f for f in files.split(",") if f]
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("jsonl", nargs="*", help="record files of one session")
-    ap.add_argument("--session", type=_session_arg, action="append", default=[], metavar="NAME=FILE[,FILE...]",
-                    help="the record files of one named session (repeat for several; ratios stay within one)")
+    ap = argparse.ArgumentParser(prog="python -m bench.plot_e2e", description=__doc__.split("\n\n")[0])
+    ap.add_argument("jsonl", nargs="*", help="record files of one set")
+    ap.add_argument("--set", dest="sets", type=_set_arg, action="append", default=[], metavar="NAME=FILE[,FILE...]",
+                    help="the record files of one named set, one machine's runs (repeat for several; ratios stay within one)")
     ap.add_argument("--out", default=None,
                     help="the PNG to draw; needs matplotlib (default: e2e.png, none when only --markdown is given)")
     ap.add_argument("--title", default=None)
     ap.add_argument("--markdown", default=None, help="also write the results as a Markdown table to this file")
     a = ap.parse_args(argv)
-    if not a.jsonl and not a.session:
-        ap.error("give record files, or --session NAME=FILE[,FILE...]")
+    if not a.jsonl and not a.sets:
+        ap.error("give record files, or --set NAME=FILE[,FILE...]")
     runs = load(a.jsonl) if a.jsonl else []
-    for name, files in a.session:
+    for name, files in a.sets:
         runs += load(files, name)
     if not runs:
         print("no wan-sage-e2e/1 run records found", file=sys.stderr)

@@ -1,45 +1,116 @@
-"""Render docs/attention-bench.md and docs/memory-calibration.md from the measured JSON lines
-in docs/measurements/ and memory/calibration/ (run from the repository root)."""
+"""Render the docs pages from the records of ``bench/records/``: docs/attention.md, docs/memory-model.md
+and docs/benchmarks.md, and the results table of README.md (between its ``<!-- render_docs: results -->``
+and ``<!-- /render_docs: results -->`` lines, where README.md has them).
+
+    python -m bench.render_docs          # from the repository root
+
+Every figure of a table and of the text around it is computed from the records.  Rows are grouped by
+what they say about themselves (config, env, commit, and the ``round`` of a merged record file); which
+record files a rule was set from is ``bench._records.SET_FROM``."""
+from __future__ import annotations
+
+import argparse
+import gzip
 import json
-import re
 import math
+import re
 import statistics
 import sys
 from pathlib import Path
 from unittest import mock
 
-sys.path.insert(0, str(Path(__file__).parent))
-import _host  # noqa: E402
+from . import _host, plot_e2e
+from ._records import RECORDS, SET_FROM, files, name_of, not_set_from, path, rows, run_sets, set_from
+from .measured_rows import compiled_blocks, e2e_estimate, head_groups, predict_forward
 
 _host.load_pack()
 from wan_sage.memory.estimate import CALIBRATED  # noqa: E402
-from wan_sage.memory.measured_rows import compiled_blocks, e2e_estimate, head_groups, predict_forward  # noqa: E402
 
 GiB = 2 ** 30
 ROOT = _host.ROOT
-M = ROOT / "docs" / "measurements"
+# what each rule of bench._records.SET_FROM is called in the pages
+RULE_TEXT = {"partial_frag_factor": "the partial-load term (`partial_frag_factor`)",
+             "cast_frag_factor": "the fp8 cast term (`cast_frag_factor`)",
+             "compiled_as_eager": "the cast rule for compiled blocks (`compiled_as_eager`)"}
+DOCS = ROOT / "docs"
+R720 = (1280, 720, 81)
 
 
-def rows(p):
-    return [json.loads(line) for line in Path(p).read_text().splitlines() if line.strip()]
+# --------------------------------------------------------------------------- small helpers
+
+def link(name: str, text: str | None = None, base: str = "../bench/records/") -> str:
+    """A Markdown link to a record file, from a page of docs/."""
+    return f"[`{text or Path(name).name}`]({base}{name})"
 
 
-def attention_doc():
-    a = rows(M / "2026-11-29-bench-h200-sa2.jsonl")
-    ab = rows(M / "2026-11-29-bench-h200-sa2-ab.jsonl")
-    s1 = rows(M / "2026-11-29-bench-h200-sa1.jsonl")
+def _span(values, fmt="{:.2f}", sep="–"):
+    lo, hi = min(values), max(values)
+    return fmt.format(lo) if fmt.format(lo) == fmt.format(hi) else fmt.format(lo) + sep + fmt.format(hi)
+
+
+def _and(parts: list) -> str:
+    parts = list(parts)
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
+def anchor(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading."""
+    text = heading.strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def size_of(c: dict) -> str:
+    return f"{c['width']}×{c['height']}×{c['frames']}"
+
+
+def commit_of(r: dict) -> str:
+    return (r.get("env") or {}).get("wan_sage_commit") or "?"
+
+
+def held_above_weights(e: dict) -> float:
+    """What the allocator held above an expert's resident weights at its sampling peak (GiB)."""
+    return e["peak_reserved_gib"] - e["resident_gib"]
+
+
+def held_above_start(e: dict) -> float:
+    """What the allocator held at an expert's sampling peak above what was allocated when its sampling
+    started (GiB): its weights, and on the full card the other models that stayed loaded too."""
+    return e["peak_reserved_gib"] - e["base_alloc_gib"]
+
+
+def e2e_records(weights: str | None = None, paths=None) -> list[tuple[Path, dict]]:
+    """(file, record) of every end-to-end run record (void files left out), optionally of one weight format."""
+    out = []
+    for p in (files("e2e") if paths is None else paths):
+        for r in rows(p):
+            if "config" in r and (weights is None or r["config"].get("weights") == weights):
+                out.append((p, r))
+    return out
+
+
+# --------------------------------------------------------------------------- docs/attention.md
+
+def attention_doc() -> str:
+    a = rows("attention/kernels.jsonl")
+    ab = rows("attention/auto-interleaved.jsonl")
+    s1 = rows("attention/kernels-sageattention-1.jsonl")
     o = ["# Attention kernels against SDPA on Wan shapes (H200)\n",
-         "Measured on 2026-11-29 on one NVIDIA H200 (sm90) with torch 2.11.0+cu130 and triton 3.6.0.",
-         "SageAttention 2.x was built from thu-ml/SageAttention main `d1a57a5` for sm90. The packaged 1.0.6 and",
-         "comfy-kitchen 0.2.40 were measured too. All runs are bf16, with q/k/v laid out the way ComfyUI's Wan model",
-         "passes them. Raw results are in `docs/measurements/`.\n",
+         "How each attention kernel compares with PyTorch's SDPA on the shapes ComfyUI's Wan models call, what the",
+         "Sage patch's `auto` override does with them end to end, and the patch under torch.compile. Measured on one",
+         "NVIDIA H200 (sm90) with torch 2.11.0+cu130 and triton 3.6.0. SageAttention 2.x was built from",
+         "thu-ml/SageAttention main `d1a57a5` for sm90; the packaged 1.0.6 and comfy-kitchen 0.2.40 were measured too.",
+         "All runs are bf16, with q/k/v laid out the way ComfyUI's Wan model passes them. The records are in",
+         "[`bench/records/attention/`](../bench/records/attention/), the commands that wrote them in",
+         "[`bench/records/LOG.md`](../bench/records/LOG.md).\n",
          "```bash",
-         "wan-sage bench --kernels all --iters 5 --json bench_sa2.jsonl          # 2.x + comfy-kitchen installed",
+         "wan-sage bench --kernels all --iters 5 --json kernels.jsonl          # SageAttention 2.x + comfy-kitchen installed",
          "wan-sage bench --kernels sage1 --shapes a14b_720p81_self,a14b_480p81_self,a14b_720p81_cross --iters 3",
-         "wan-sage bench --kernels sage2_sm90 --no-accuracy --shapes ...        # auto vs SDPA, interleaved A/B",
-         "python3 -m pytest tests/gpu -q -rs    # gpu tier: 20 passed with 2.x, 8 passed with 1.0.6",
+         "wan-sage bench --kernels sage2_sm90 --no-accuracy --shapes ...      # auto vs SDPA, interleaved A/B",
+         "python -m pytest tests/gpu -q -rs    # the gpu tier",
          "```\n",
          "## Every kernel on every Wan shape\n",
+         f"From {link('attention/kernels.jsonl')} and, for SageAttention 1.0.6, {link('attention/kernels-sageattention-1.jsonl')}.",
          "The ms column is the median of 5. The extra column is `max_memory_allocated` above the inputs, for the same",
          "call the dispatcher makes. The formula column comes from `attention/kernel_bytes.py`. rel-L2 is against an fp32",
          "reference on the first 1024 queries.\n",
@@ -52,9 +123,9 @@ def attention_doc():
         o.append(f"| {r['shape']} | {r['backend']} | {r['ms']:.2f} | {r['ratio']:.3f} | {r['extra_bytes'] / 1e6:.1f} | "
                  f"{r['formula_bytes'] / 1e6:.1f} | {err} | {r.get('rel_l2', 0):.4f} |")
     o += ["\n## The `auto` override end to end\n",
-          "The override is called exactly as ComfyUI calls it, with the calibration cache already filled. Each call",
+          "The override is called exactly as ComfyUI calls it, with the timing cache already filled. Each call",
           "includes the decision, the memory check, the kernel and the NaN/Inf check. Its batches are interleaved",
-          "with plain SDPA batches (A/B, 7 rounds), so clock drift affects both sides equally.\n",
+          f"with plain SDPA batches (A/B, 7 rounds), so clock drift affects both sides equally ({link('attention/auto-interleaved.jsonl')}).\n",
           "| shape | chosen | × SDPA | × SDPA, no finite check | decision (CPU) |", "|---|---|---:|---:|---:|"]
     for r in ab:
         if r["backend"] == "auto":
@@ -62,7 +133,7 @@ def attention_doc():
                      f"{r['decision_us']:.1f} µs |")
     o += attention_reading(a, ab, s1)
     o += compile_section()
-    (ROOT / "docs" / "attention-bench.md").write_text("\n".join(o) + "\n")
+    return "\n".join(o) + "\n"
 
 
 def attention_reading(a, ab, s1) -> list:
@@ -102,37 +173,66 @@ def attention_reading(a, ab, s1) -> list:
 """]
 
 
-def _gpu_tier_lines(log_name):
-    """The figures the gpu tier prints with -s (bytes per memory mode, group timings, decision cost)."""
-    keep = ("extra bytes:", "groups", "decision cost")
-    return [line.strip() for line in (M / log_name).read_text().splitlines()
-            if any(k in line for k in keep) and not line.startswith(("_", "E ", "tests/"))]
+GPU_TIER_PRINTS = (("extra", "A14B 720p81 self-attention extra bytes: "), ("groups", "A14B 480p81: "),
+                   ("decision", "decision cost of a settled shape: "), ("calibrating", "A14B 720p81, sage2_sm90: "))
 
 
-def _gpu_tier_summary(log_name):
-    text = (M / log_name).read_text()
-    summary = [line for line in text.splitlines() if " passed" in line and " in " in line][-1]
-    if "error" in summary:
-        summary += (" (the errors: `ModuleNotFoundError: No module named 'av'` where the compile tests boot ComfyUI; the"
-                    " fixture now stubs PyAV as the harness does, and these tests have not run on the H200 yet)")
-    return summary
+def gpu_tier_logs() -> list[dict]:
+    """Every gpu-tier log of bench/records/gpu-tier/ (one per wan-sage commit or SageAttention build): its
+    summary line and what it printed (``-s``), by number of tests, then name."""
+    out = []
+    for p in (RECORDS / "gpu-tier").glob("*.log"):
+        lines = p.read_text().splitlines()
+        summary = [x for x in lines if " passed" in x and " in " in x][-1].strip()
+        printed = {k: next((x.strip()[len(pre):] for x in lines if x.strip().startswith(pre)), "") for k, pre in GPU_TIER_PRINTS}
+        out.append(dict(name=p.stem, file=name_of(p), summary=summary, **printed))
+    return sorted(out, key=lambda x: (int(x["summary"].split()[0]), x["name"]))
+
+
+def gpu_tier_table() -> list:
+    o = ["| log | result | A14B 720p81 self-attention extra bytes | A14B 480p81 head groups | decision cost | calibrating call (A14B 720p81) |",
+         "|---|---|---|---|---|---|"]
+    for g in gpu_tier_logs():
+        result = g["summary"]
+        if "error" in result:
+            result += (" (the errors: `ModuleNotFoundError: No module named 'av'` where the compile tests boot ComfyUI; the"
+                       " fixture stubs PyAV as the harness does since)")
+        o.append(f"| {link(g['file'])} | {result} | {g['extra'] or '—'} | {g['groups'] or '—'} | {g['decision'] or '—'} | "
+                 f"{g['calibrating'] or '—'} |")
+    return o
+
+
+def calibrating_peaks() -> tuple:
+    """(calibrating call, settled call, one output) in GiB, and the gpu-tier logs that print them (one
+    answer: the logs that print the line must agree)."""
+    found = {}
+    for g in gpu_tier_logs():
+        m = re.search(r"calibrating call ([0-9.]+) GiB, settled call ([0-9.]+) GiB above the inputs \(one output ([0-9.]+) GiB\)",
+                      g["calibrating"])
+        if m:
+            found.setdefault(tuple(float(x) for x in m.groups()), []).append(g["file"])
+    if len(found) != 1:
+        raise SystemExit(f"render_docs: the gpu-tier logs print {len(found)} different calibrating-call peaks: {found}")
+    (peaks, logs), = found.items()
+    return peaks, logs
 
 
 def compile_section() -> list:
-    """torch.compile and the patch: the issue's table remeasured from the compile-table records."""
-    t = rows(M / "2026-12-01-compile-table-h200.jsonl")
-    forced = rows(M / "2026-12-01-compile-table-forced-groups-h200.jsonl")
+    """torch.compile and the patch, from the compile-table records."""
+    t = rows("compile/table.jsonl")
+    forced = rows("compile/table-grouping-forced.jsonl")
     env = t[0]["env"]
     base = next(r for r in t if r["config"] == "eager-sdpa")["s_per_forward"]
-    o = ["\n## torch.compile (H200, A14B 1280×720×81)\n",
-         f"Measured on {env['date']} on one {env['device']} with torch {env['torch']}, triton {env['triton']},",
+    o = ["\n## torch.compile\n",
+         f"A14B at 1280×720×81 on one {env['device']} with torch {env['torch']}, triton {env['triton']},",
          f"{env['allocator']}, ComfyUI {env['comfyui']} and SageAttention {env['sageattention']} (commit",
          f"`{env['sageattention_commit']}`); wan-sage `{env['wan_sage_commit']}`. A real ComfyUI `WanModel` at A14B dims with random",
          "bf16 weights, fully resident; `comfy.sample.sample` with 2 steps run twice, the second reported.",
          "Compile is per transformer block through ComfyUI's `set_torch_compile_wrapper` (inductor). The peak",
-         "is `max_memory_allocated` during the forward minus the allocation before it.\n",
+         "is `max_memory_allocated` during the forward minus the allocation before it "
+         f"({link('compile/table.jsonl')}, {link('compile/table-grouping-forced.jsonl')}).\n",
          "```bash",
-         "COMFYUI_PATH=... python3 bench/compile_table.py --size 1280x720x81 --configs eager-sdpa,compile-sdpa,"
+         "COMFYUI_PATH=... python -m bench.compile_table --size 1280x720x81 --configs eager-sdpa,compile-sdpa,"
          "compile-sage-grouped,eager-sage-grouped,compile-sage-ungrouped,eager-sage-ungrouped,compile-sage-grouped-fullgraph",
          "```\n",
          "| configuration | s/forward | × eager SDPA | activation peak | graph breaks | Sage calls | head-split calls |",
@@ -151,73 +251,49 @@ def compile_section() -> list:
     plain = {r["config"]: r for r in t}
     cost = {k: grouped[k]["s_per_forward"] / plain[k.replace("grouped", "ungrouped")]["s_per_forward"] - 1
             for k in grouped}
-    gpu = _gpu_tier_lines(GPU_TIER_LOG)
     o.append(f"""
 - **Graph breaks: none.** The patch is one custom op (`wan_sage::attention`) in the compiled graph; the
   decision, the memory check, the head split, the kernel and every fallback run inside it. `fullgraph=True`
   compiles ({plain["compile-sage-grouped-fullgraph"]["s_per_forward"]:.3f} s/forward).
 - **Speed.** Compile + Sage runs at {base / plain["compile-sage-ungrouped"]["s_per_forward"]:.3f}× eager SDPA, eager + Sage at
   {base / plain["eager-sage-ungrouped"]["s_per_forward"]:.3f}×; compile alone gives {base / plain["compile-sdpa"]["s_per_forward"]:.3f}×.
-- **The memory mode by default** runs a shape grouped only where calibration measures the split at most
-  2 % slower per call. In the table's own rows it measured more, so they ran ungrouped (head-split calls 0)
+- **The memory mode by default** runs a shape grouped only where the dispatcher's timing measures the split at
+  most 2 % slower per call. In the table's own rows it measured more, so they ran ungrouped (head-split calls 0)
   and both `grouped` rows equal the ungrouped ones. The per-shape cost is in *The memory mode's cost per Wan
   shape* below; at A14B 720p81 it lies near the 2 % line, so a process can settle either way (the end-to-end
-  runs below settled grouped).
+  runs of [benchmarks.md](benchmarks.md) settled it grouped in some processes and ungrouped in others).
 - **The memory mode forced on** (the 2 % check off for that run, 80 of 80 Sage calls split): the compiled peak
   falls to {grouped["compile-sage-grouped"]["peak_gib"]:.3f} GiB, equal to the compiled SDPA peak ({plain["compile-sdpa"]["peak_gib"]:.3f} GiB: the phase
   that decides it is then one the patch does not touch), and the eager peak to {grouped["eager-sage-grouped"]["peak_gib"]:.3f} GiB,
   eager SDPA's ({plain["eager-sdpa"]["peak_gib"]:.3f} GiB). It costs {100 * cost["compile-sage-grouped"]:.1f} % per forward compiled
   and {100 * cost["eager-sage-grouped"]:.1f} % eager ({base / grouped["compile-sage-grouped"]["s_per_forward"]:.3f}× and
   {base / grouped["eager-sage-grouped"]["s_per_forward"]:.3f}× eager SDPA). The forced rows are a second process on the same machine.
-- **gpu tier** (`python3 -m pytest tests/gpu -q -rs -s`, wan-sage `{GPU_TIER_COMMIT}`): {_gpu_tier_summary(GPU_TIER_LOG)}.
-  Its compile tests build one real A14B block through ComfyUI at 480p81: `torch._dynamo.explain` finds 0 graph
-  breaks and one graph holding the `wan_sage::attention` op, `fullgraph=True` with inductor compiles and runs it,
-  the compiled output matches eager, and grouped and ungrouped calls agree compiled and eager (bit-identical
-  eager). Its dispatch tests force the failure paths on the real kernel: an error charged to the kernel that
-  raised it, a real out-of-memory error remembered until free memory grows, a NaN that appears later caught
-  within one sampling interval. It printed:
+- **End to end** through real ComfyUI, with both A14B experts, a LoRA and compile per block or of the whole
+  model: [benchmarks.md, "torch.compile end to end"](benchmarks.md#{anchor("torch.compile end to end")}).
+
+### The gpu tier on the H200
+
+`python -m pytest tests/gpu -q -rs -s`. Its compile tests build one real A14B block through ComfyUI at 480p81:
+`torch._dynamo.explain` finds 0 graph breaks and one graph holding the `wan_sage::attention` op, `fullgraph=True`
+with inductor compiles and runs it, the compiled output matches eager, and grouped and ungrouped calls agree
+compiled and eager (bit-identical eager). Its dispatch tests force the failure paths on the real kernel: an error
+charged to the kernel that raised it, a real out-of-memory error remembered until free memory grows, a NaN that
+appears later caught within one sampling interval. One log per wan-sage commit it ran at (`sageattention-1` and
+`sageattention-2`: the first runs, with each SageAttention build), with what each printed:
 """)
-    o += [f"  - {x}" for x in gpu]
+    o += gpu_tier_table()
     o += grouping_cost_section()
-    o += e2e_compile_section()
     return o
-
-
-GPU_TIER_LOG = "2026-12-01-gpu-tier-h200-3.log"
-GPU_TIER_COMMIT = "3418296"
-BENCH_FILE = "2026-12-01-bench-h200.jsonl"
-BENCH_COMMIT = "3c344d4"
-E2E_COMPILE_FILE = "e2e-h200-gguf-compile.jsonl"
-E2E_BUDGETS_FILE = "e2e-h200-gguf-budgets.jsonl"
-E2E_BUDGETS_2_FILE = "e2e-h200-gguf-budgets-2.jsonl"
-E2E_BUDGETS_3_FILE = "e2e-h200-gguf-budgets-3.jsonl"
-E2E_FP8_COMPILE_FILE = "e2e-h200-fp8-compile.jsonl"
-E2E_FP8_COMPILE_2_FILE = "e2e-h200-fp8-compile-2.jsonl"
-E2E_FP8_COMPILE_3_FILE = "e2e-h200-fp8-compile-3.jsonl"
-E2E_FP8_EAGER_FILES = ("e2e-h200-fp8.jsonl", "e2e-h200-fp8-repeat.jsonl", "e2e-h200-fp8-fix.jsonl")
-GPU_TIER_4_LOG = "2026-12-01-gpu-tier-h200-4.log"
-
-
-def calibrating_peaks() -> tuple:
-    """(calibrating call, settled call, one output) in GiB, from the gpu tier's printed line."""
-    text = (M / GPU_TIER_4_LOG).read_text()
-    m = re.search(r"calibrating call ([0-9.]+) GiB, settled call ([0-9.]+) GiB above the inputs \(one output ([0-9.]+) GiB\)", text)
-    return tuple(float(x) for x in m.groups())
-# the e2e record files of A14B since session 4 and their device sessions (docs/benchmarks.md)
-E2E_SESSIONS = {E2E_COMPILE_FILE: 4, E2E_BUDGETS_FILE: 5, E2E_BUDGETS_2_FILE: 6, E2E_BUDGETS_3_FILE: 7,
-                E2E_FP8_COMPILE_FILE: 8, E2E_FP8_COMPILE_2_FILE: 9, E2E_FP8_COMPILE_3_FILE: 10}
-# the session whose fully resident compiled fp8 expert the cast rule (memory/estimate.compiled_as_eager) was made from
-CAST_RULE_SESSION = 9
 
 
 def grouping_cost_section() -> list:
     """Each Wan shape's head-group cost against ungrouped, from ``wan-sage bench --shapes wan``."""
-    b = rows(M / BENCH_FILE)
+    b = rows("attention/wan-shapes-grouping.jsonl")
     o = ["\n### The memory mode's cost per Wan shape\n",
-         f"`wan-sage bench --shapes wan --kernels auto --iters 5` (wan-sage `{BENCH_COMMIT}`, the same call as that",
-         f"commit's gpu tier; [`{BENCH_FILE}`](measurements/{BENCH_FILE})). Each self-attention shape runs ungrouped and in the",
+         "`wan-sage bench --shapes wan --kernels auto --iters 5` on the H200, in the call of the gpu tier's",
+         f"`3c344d4` log ({link('attention/wan-shapes-grouping.jsonl')}). Each self-attention shape runs ungrouped and in the",
          "memory mode's head groups; the extra bytes are measured. The decision is the CPU time per call of a settled",
-         "shape (the static checks, the bucket lookup and the free-memory check).\n",
+         "shape (the static checks, the timing-cache lookup and the free-memory check).\n",
          "| shape | groups | ms ungrouped | ms grouped | cost | extra MB ungrouped | extra MB grouped | SDPA extra MB | default | decision |",
          "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     by = {}
@@ -242,129 +318,16 @@ def grouping_cost_section() -> list:
     o.append("ungrouped in this process; the split is bit-identical (gpu tier) and brings the call to within SDPA's")
     o.append(f"extra bytes + 0.5 GiB. The decision took {min(decisions):.1f}–{max(decisions):.1f} µs per call over the shapes (one")
     o.append("loop of 2,000 calls each; the self-attention shapes share one code path, so the spread is the CPU's noise;")
-    o.append("`wan-sage bench` now reports the median of 7 loops).")
+    o.append("`wan-sage bench` reports the median of 7 loops).")
     return o
 
 
-def e2e_compile_section() -> list:
-    """The end-to-end compile runs (GGUF A14B, 720p81), from the e2e records: one table per device
-    session, since speed ratios are only taken within one."""
-    from plot_e2e import _steps_s, compile_kind
+# --------------------------------------------------------------------------- docs/memory-model.md
 
-    def key(r):
-        c = r["config"]
-        return (("est" if c["estimator"] else "comfy") + "+" + c["attention"] + ("+" + compile_kind(c) if c.get("compile") else "")
-                + ("@full" if c.get("budget_gib") is None else f"@{c['budget_gib']:g}")
-                + ("" if (c["width"], c["height"], c["frames"]) == (1280, 720, 81) else f" {c['width']}x{c['height']}x{c['frames']}"))
-
-    def after_first(r):
-        return _steps_s(r, skip_first=True)
-
-    def working(r, e):
-        return r["experts"][e]["working_gib"]
-
-    o = ["\n### End to end with compile (GGUF A14B, through real ComfyUI)\n",
-         "`bench/e2e.py` on the H200: both Q4_K_M experts with a rank-64 LoRA, 4 steps, 1280×720×81 unless the run names",
-         "another size. s/step leaves out the run's first",
-         "step, and in a compiled run each expert's first step, which carries the compile; × eager SDPA is against",
-         "ComfyUI alone with eager SDPA at the same budget in the same session. Working GiB is the sampling peak above",
-         "what was allocated when sampling started, high-noise expert; low-noise expert. The whole tables, with",
-         "the reservations: [benchmarks.md](benchmarks.md) sessions 4 to 7 (a run that ran out of memory is not",
-         "in these tables; sessions 6 and 7 had one each, compiled per block at 8 GiB)."]
-    by_session = {}
-    for name, session in E2E_SESSIONS.items():
-        rs = [r for r in rows(M / name) if r.get("status") == "ok"]
-        by = {key(r): r for r in rs}
-        by_session[name] = by
-        if not rs:
-            continue
-        o += ["", f"Session {session}, records [`{name}`](measurements/{name}) (wan-sage `{rs[0]['env']['wan_sage_commit']}`{' and later' if len({r['env']['wan_sage_commit'] for r in rs}) > 1 else ''}):\n",
-              "| run | resident | s/step | × eager SDPA | working GiB | compile s | graph breaks | recompiles | head-split calls (high; low) |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
-        for k, r in by.items():
-            c = r.get("compile") or {}
-            att = [(r["experts"][e].get("attention") or {}) for e in ("high", "low")]
-            split = "; ".join(str(a.get("head_split_calls", "—")) for a in att) if r["config"]["attention"] == "sage" else "—"
-            base = by.get("comfy+sdpa@" + k.rsplit("@", 1)[1])  # same budget and size
-            ratio = f"{after_first(base) / after_first(r):.3f}" if base else "—"
-            res = min(e.get("resident_frac", 1.0) for e in r["experts"].values())
-            o.append(f"| {k} | {res:.0%} | {after_first(r):.3f} | {ratio} | {working(r, 'high'):.2f}; {working(r, 'low'):.2f} | "
-                     f"{format(c['compile_s'], '.1f') if c else '—'} | {c.get('graph_breaks', '—')} | {c.get('recompiles', '—')} | {split} |")
-    by = by_session[E2E_COMPILE_FILE]
-    base = after_first(by["comfy+sdpa@full"])
-    sage_b, sdpa_b = by.get("comfy+sage+compile per block@full"), by.get("comfy+sdpa+compile per block@full")
-    whole = by.get("comfy+sdpa+compile@full")
-    o.append("")
-    if sage_b and sdpa_b:
-        o.append(f"- Full card (session 4): per-block compile + Sage runs at {base / after_first(sage_b):.3f}× eager SDPA and "
-                 f"{after_first(sdpa_b) / after_first(sage_b):.3f}× per-block compile with SDPA. Its settled expert's working memory equals "
-                 f"compiled SDPA's ({working(sage_b, 'low'):.2f} against {working(sdpa_b, 'low'):.2f} GiB): the memory mode ran every Sage call grouped.")
-        o.append(f"  The first expert's {working(sage_b, 'high'):.2f} GiB is the step that calibrated the new shape (timing ungrouped,")
-        o.append("  grouped and SDPA on the real tensors, each only after the memory check for it passed); the estimator")
-        o.append("  reserves the ungrouped call until a shape has settled grouped.")
-    b24 = by_session[E2E_BUDGETS_FILE]
-    sage24, sdpa24, eager24 = (b24.get(k) for k in ("comfy+sage+compile per block@24", "comfy+sdpa+compile per block@24", "comfy+sdpa@24"))
-    if sage24 and sdpa24 and eager24:
-        o.append(f"- 24 GB (session 5): per-block compile + Sage {after_first(eager24) / after_first(sage24):.3f}× eager SDPA and "
-                 f"{after_first(sdpa24) / after_first(sage24):.3f}× compiled SDPA. Every Sage call ran ungrouped there: the process measured")
-        o.append("  the split more than 2 % slower at calibration, so the memory mode left it whole, and the working memory is")
-        o.append(f"  Sage's ({working(sage24, 'low'):.2f} GiB settled against compiled SDPA's {working(sdpa24, 'low'):.2f}). The one recompile of a")
-        o.append("  Sage run is the second expert's: the graph named the first expert's patch, which a compiled call no longer does.")
-    b6 = by_session[E2E_BUDGETS_2_FILE]
-    again = b6.get("comfy+sage+compile per block@24")
-    if again and sage24:
-        first = [again["experts"][e]["step_s"][0] for e in ("high", "low")]
-        before = [sage24["experts"][e]["step_s"][0] for e in ("high", "low")]
-        o.append(f"- The same run again in session 6 (wan-sage `{again['env']['wan_sage_commit']}`, where a compiled call names its patch by")
-        o.append(f"  its settings): {again['compile']['unique_graphs']} graph, {again['compile']['recompiles']} recompiles (session 5: "
-                 f"{sage24['compile']['unique_graphs']} and {sage24['compile']['recompiles']}); the second expert's first step took "
-                 f"{first[1]:.1f} s against {before[1]:.1f} s,")
-        split = [(again["experts"][e].get("attention") or {}).get("head_split_calls", 0) for e in ("high", "low")]
-        o.append(f"  {after_first(again):.3f} s/step after it (session 5: {after_first(sage24):.3f}); this process settled the shape "
-                 + (f"grouped ({split[0]}; {split[1]} head-split calls), at compiled SDPA's {working(again, 'low'):.2f} GiB"
-                    " (session 5 ran it ungrouped, on another machine)." if all(split) else "ungrouped."))
-    if whole:
-        o.append(f"- ComfyUI's `TorchCompileModel` compiles the whole diffusion model as one graph: {whole['compile']['compile_s']:.0f} s for the first")
-        o.append(f"  expert on the H200 (the second reused the graph: {whole['compile']['unique_graphs']} graph, {whole['compile']['recompiles']} recompiles), "
-                 f"{after_first(whole):.3f} s/step after it, working {working(whole, 'low'):.2f} GiB.")
-    steps = log_steps(M / WHOLE_SAGE_LOG, "comfy+sage+compile@full:1280x720x81")
-    if steps:
-        first, rest = steps[0][1], [s for _e, s in steps[1:]]
-        low_first = next(s for e, s in steps if e == "low")
-        o.append(f"- The same with the Sage patch (session 7, wan-sage `{log_env(M / WHOLE_SAGE_LOG)['wan_sage_commit']}`): the first step, which compiled the")
-        o.append(f"  whole model, took {first:.1f} s, the next three {_span(rest, '{:.2f}')} s; the low-noise expert's first step took {low_first:.2f} s,")
-        o.append("  so it ran the graph the high-noise expert compiled. The call was killed at its 600 s limit after the")
-        o.append("  last step, before the run's record was written: these figures are the `e2e step` lines of its log,")
-        o.append(f"  [`{WHOLE_SAGE_LOG}`](measurements/{WHOLE_SAGE_LOG}) (no memory or dynamo counts; another machine than session 4's).")
-    return o
-
-
-WHOLE_SAGE_LOG = "2026-12-01-e2e-h200-gguf-compile-model-sage.log.gz"
-
-
-def _log_lines(path: Path) -> list:
-    import gzip
-    return gzip.open(path, "rt").read().splitlines() if path.is_file() else []
-
-
-def log_env(path: Path) -> dict:
-    """The ``e2e env`` record of an e2e.py log."""
-    return next(json.loads(line.split(": ", 1)[1]) for line in _log_lines(path) if line.startswith("e2e env: "))
-
-
-def log_steps(path: Path, run: str) -> list:
-    """(expert, seconds) of each ``e2e step`` line an e2e.py log has for ``run`` (after its ``e2e run`` line)."""
-    out, inside = [], False
-    for line in _log_lines(path):
-        if line.startswith("e2e run "):
-            inside = line.endswith(": " + run)
-        elif inside and line.startswith("e2e step "):
-            expert, rest = line[len("e2e step "):].split(" ", 1)
-            out.append((expert, float(rest.split(": ", 1)[1].split(" s", 1)[0])))
-    return out
-
-
-CALIBRATION = ROOT / "memory" / "calibration"
+FORWARD_ROWS = (("Eager, fit", "forward-peaks/fit.jsonl"), ("Eager, held out", "forward-peaks/held-out.jsonl"),
+                ("Compiled, fit", "forward-peaks/compiled.jsonl"), ("Compiled, held out", "forward-peaks/compiled-held-out.jsonl"),
+                ("Compiled Sage, check", "forward-peaks/compiled-sage.jsonl"),
+                ("Compiled Sage, held out", "forward-peaks/compiled-sage-held-out.jsonl"))
 
 
 def _attention_label(r) -> str:
@@ -375,7 +338,7 @@ def _attention_label(r) -> str:
 
 
 def _forward_table(rs) -> tuple:
-    """(Markdown lines, predicted totals) of measured rows against today's model."""
+    """(Markdown lines, predicted totals) of measured rows against the memory model."""
     o = ["| model | dtype | attention | size | tokens | measured GiB | wan-sage GiB | error | ComfyUI GiB | ComfyUI ÷ measured | phase |",
          "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     totals = []
@@ -418,164 +381,184 @@ def _band(rs, totals) -> str:
             + (f"; {len(under)} under" if under else ""))
 
 
-def memory_doc():
-    fit = rows(CALIBRATION / "h200_forward.jsonl")
-    held = rows(CALIBRATION / "h200_forward_heldout.jsonl")
-    cfit = rows(CALIBRATION / "h200_forward_compiled.jsonl")
-    cheld = rows(CALIBRATION / "h200_forward_compiled_heldout.jsonl")
-    csage = rows(CALIBRATION / "h200_forward_compiled_sage.jsonl")
-    csheld = rows(CALIBRATION / "h200_forward_compiled_sage_heldout.jsonl")
-    o = ["# Working-memory model against the real Wan forward peak (H200)\n",
-         "Measured on one NVIDIA H200, with torch 2.11.0+cu130 and ComfyUI 0.3.64 (`a125cd84`): the fit rows on",
-         "2026-11-29, the held-out and compiled rows on 2026-12-01. The allocator was cudaMallocAsync, which ComfyUI's",
-         "`main.py` selects through `cuda_malloc`.\n",
-         "Each row is one real sampling step (`comfy.sample.sample`, euler, cfg 1.0, cond only). The model is a real",
-         "ComfyUI `WanModel` at real dims, built through ComfyUI's own model config, with random weights resident on",
-         "the GPU. The peak is `torch.cuda.max_memory_allocated()` minus the allocation before the forward, taken in a",
-         "`DIFFUSION_MODEL` wrapper. In the sage rows, self-attention runs on `sage2_sm90` (ungrouped unless the",
-         "attention column names head groups) and",
-         "cross-attention on SDPA. Compiled rows compile each transformer block with inductor through ComfyUI's",
-         "`set_torch_compile_wrapper`; the measured forward is the second.\n",
+def forward_summary() -> list:
+    """(title, record file, rows, table lines, predicted totals) of each forward-peak record file."""
+    out = []
+    for title, name in FORWARD_ROWS:
+        rs = rows(name)
+        lines, totals = _forward_table(rs)
+        out.append((title, name, rs, lines, totals))
+    return out
+
+
+def memory_doc(summary) -> str:
+    by = {title: rs for title, _n, rs, _l, _t in summary}
+    csheld = by["Compiled Sage, held out"]
+    o = ["# The working-memory model against measured peaks (H200)\n",
+         "How the estimator's working-memory model compares with the real activation peak of ComfyUI's Wan forward,",
+         "and how its reservations hold end to end: with weights partly offloaded, compiled, and with fp8 weights cast",
+         "at every call. Measured on one NVIDIA H200 with torch 2.11.0+cu130 and ComfyUI 0.3.64 (`a125cd84`; the",
+         "compiled Sage rows at the held-out sizes on `63722199`, see below). The allocator was cudaMallocAsync, which",
+         "ComfyUI's `main.py` selects through `cuda_malloc`. The records are in",
+         "[`bench/records/`](../bench/records/README.md), the commands that wrote them in",
+         "[`bench/records/LOG.md`](../bench/records/LOG.md).\n",
+         "Each forward-peak row is one real sampling step (`comfy.sample.sample`, euler, cfg 1.0, cond only). The model",
+         "is a real ComfyUI `WanModel` at real dims, built through ComfyUI's own model config, with random weights",
+         "resident on the GPU. The peak is `torch.cuda.max_memory_allocated()` minus the allocation before the forward,",
+         "taken in a `DIFFUSION_MODEL` wrapper. In the sage rows, self-attention runs on `sage2_sm90` (ungrouped unless the",
+         "attention column names head groups) and cross-attention on SDPA. Compiled rows compile each transformer block",
+         "with inductor through ComfyUI's `set_torch_compile_wrapper`; the measured forward is the second.\n",
          "```bash",
-         "COMFYUI_PATH=... python3 bench/wan_forward_calibration.py --allocator async --out memory/calibration/h200_forward.jsonl",
-         "COMFYUI_PATH=... python3 bench/wan_forward_calibration.py --sizeset heldout --attn sdpa,sage --memory-modes fastest --dtypes bf16",
-         "COMFYUI_PATH=... python3 bench/wan_forward_calibration.py --compile --attn sdpa --dtypes bf16 [--sizeset heldout]",
-         "COMFYUI_PATH=... python3 bench/wan_forward_calibration.py --compile --attn sage --memory-modes sdpa,fastest --dtypes bf16 [--sizeset heldout]",
+         "COMFYUI_PATH=... python -m bench.forward_peaks --allocator async --out bench/records/forward-peaks/fit.jsonl",
+         "COMFYUI_PATH=... python -m bench.forward_peaks --sizeset heldout --attn sdpa,sage --memory-modes fastest --dtypes bf16",
+         "COMFYUI_PATH=... python -m bench.forward_peaks --compile --attn sdpa --dtypes bf16 [--sizeset heldout]",
+         "COMFYUI_PATH=... python -m bench.forward_peaks --compile --attn sage --memory-modes sdpa,fastest --dtypes bf16 [--sizeset heldout]",
          "```\n",
          "## Fit, held-out and check rows\n",
-         "The model's terms and constants were set from the *fit* rows: `h200_forward.jsonl` (eager) and",
-         "`h200_forward_compiled.jsonl` (compiled), plus the compile table's A14B 720p81 Sage rows for the compiled",
-         "attention op (docs/attention-bench.md). The *held-out* rows use sizes the fit never saw: other aspect",
+         f"The model's terms and constants were set from the *fit* rows: {link('forward-peaks/fit.jsonl')} (eager) and",
+         f"{link('forward-peaks/compiled.jsonl')} (compiled), plus the compile table's A14B 720p81 Sage rows for the compiled",
+         "attention op ([attention.md](attention.md#torchcompile)). The *held-out* rows use sizes the fit never saw: other aspect",
          "ratios (1024×576, 960×960), portrait (480×832, 720×1280, 704×1280), longer clips (121 and 161 frames) and",
          "other frame counts (25, 65, 97), for each model. The band every row must meet",
-         "(`tests/unit/test_memory_calibration.py`): never under the measured peak, and at most 10 % over it plus the",
+         "(`bench/tests/test_forward_peaks_band.py`): never under the measured peak, and at most 10 % over it plus the",
          f"fixed {CALIBRATED['slack_fixed'] / 2 ** 20:.0f} MiB term for the cuBLAS workspace a process's first forward allocates.\n"]
-    summary = []
-    for title, rs in (("Eager, fit", fit), ("Eager, held out", held), ("Compiled, fit", cfit),
-                      ("Compiled, held out", cheld), ("Compiled Sage, check", csage),
-                      ("Compiled Sage, held out", csheld)):
-        lines, totals = _forward_table(rs)
-        summary.append((title, rs, lines, totals))
-    o += ["| rows | count | error | band |", "|---|---:|---|---|"]
-    for title, rs, _lines, totals in summary:
-        o.append(f"| {title} | {len(rs)} | {_error_span(rs, totals)} | {_band(rs, totals)} |")
+    o += ["| rows | records | count | error | band |", "|---|---|---:|---|---|"]
+    for title, name, rs, _lines, totals in summary:
+        o.append(f"| {title} | {link(name)} | {len(rs)} | {_error_span(rs, totals)} | {_band(rs, totals)} |")
     o.append("")
     o.append("One held-out compiled row, TI2V-5B 832×480×161, was seen before the fixed workspace term was set (it")
     o.append("allocated 37 MiB in a later forward); it is counted above but is not held out for that constant.\n")
-    o.append("The *check* rows (`h200_forward_compiled_sage.jsonl`) are the compiled forward with the Sage patch at")
+    o.append(f"The *check* rows ({link('forward-peaks/compiled-sage.jsonl')}) are the compiled forward with the Sage patch at")
     o.append("the fit sizes, measured after every term and constant was set, so they set none of them. Each size ran")
     o.append("in the patch's memory mode `fastest` (ungrouped) and, where the head-group formula splits the call, in")
     o.append("the mode `sdpa` (every Sage call split: the record's head-split calls equal its Sage calls); a size the")
     o.append("formula leaves whole in `sdpa` mode is the same run as `fastest`. The compiled attention-op term")
     o.append("(`COMPILED[\"op_d_buffers\"]` in `memory/activation_model.py`) was set from the compile table's A14B")
     o.append("1280×720×81 Sage rows (grouped and ungrouped); these rows check it on every model and size.")
-    o.append("The compiled Sage rows at the held-out sizes (`h200_forward_compiled_sage_heldout.jsonl`, the same two")
+    o.append(f"The compiled Sage rows at the held-out sizes ({link('forward-peaks/compiled-sage-held-out.jsonl')}, the same two")
     o.append(f"memory modes, measured with wan-sage `{csheld[0]['predicted_by']['wan_sage_commit']}`) check it on sizes the fit never saw. They ran")
     o.append("on ComfyUI `63722199` (the commit that set the version to 0.3.64), whose differences from `a125cd84` touch")
     o.append("AMD settings, the VAE dtype on AMD and LoRA patches of scaled fp8 weights, none of them on this path.\n")
-    for title, _rs, lines, _totals in summary:
+    for title, _name, _rs, lines, _totals in summary:
         o += [f"### {title}\n"] + lines + [""]
-    comfy = {m: [r["comfy"] / r["measured"] for r in fit + held if r["model"] == m] for m in _host.presets()}
     o.append("ComfyUI's own figure is " + "; ".join(f"{_span(v)}× the measured eager peak for {m}"
-                                                    for m, v in comfy.items()) + ".\n")
+                                                    for m, v in comfy_ratios(summary).items()) + ".\n")
     o += partial_load_section()
     o += e2e_streamed_section()
     o += e2e_streamed_fp8_section()
     o += e2e_compiled_resident_section()
     o += e2e_compiled_cast_section()
-    (ROOT / "docs" / "memory-calibration.md").write_text("\n".join(o) + "\n")
-    replace_block(ROOT / "README.md", "working-memory", readme_memory_bullet(summary, comfy))
+    return "\n".join(o) + "\n"
 
 
-def _and(parts: list) -> str:
-    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+def comfy_ratios(summary) -> dict:
+    """Per model, ComfyUI's own figure over the measured eager peak (fit and held-out rows)."""
+    by = {title: rs for title, _n, rs, _l, _t in summary}
+    eager = by["Eager, fit"] + by["Eager, held out"]
+    return {m: [r["comfy"] / r["measured"] for r in eager if r["model"] == m] for m in _host.presets()}
 
 
-def replace_block(path: Path, name: str, text: str) -> None:
-    """Put ``text`` between the ``<!-- render_docs: NAME -->`` and ``<!-- /render_docs: NAME -->``
-    lines of ``path`` (both must be there, once each)."""
-    start, end = f"<!-- render_docs: {name} -->", f"<!-- /render_docs: {name} -->"
-    lines = path.read_text().split("\n")
-    if lines.count(start) != 1 or lines.count(end) != 1:
-        raise SystemExit(f"{path.name}: needs the lines {start} and {end} once each")
-    i, j = lines.index(start), lines.index(end)
-    path.write_text("\n".join(lines[:i + 1] + text.rstrip("\n").split("\n") + lines[j:]))
+# ----------------------------------------------------------------- partial loading (bench/records/partial-load)
+
+def partial_files() -> list[Path]:
+    """The partial-load benchmark's record files: one per machine and case (the reference run apart)."""
+    return [p for p in files("partial-load") if p.resolve() not in {x.resolve() for x in set_from("partial_frag_factor")}]
 
 
-def readme_memory_bullet(summary, comfy) -> str:
-    """The README's working-memory bullet, from the same rows and records as memory-calibration.md."""
-    err = {title: (len(rs), _error_span(rs, t)) for title, rs, _lines, t in summary}
-    span = lambda title: err[title][1]  # noqa: E731
-    over = _ceil2(max(max(_over_peaks(rs, t), default=0) for _title, rs, _lines, t in summary) / GiB)
-    bf16 = [r for r in _runs("720p81 bf16") if r["status"] == "ok"]
-    ours = [r["weights_resident_gib"] for r in bf16 if r["config"] == "ours"]
-    theirs = [r["weights_resident_gib"] for r in bf16 if r["config"].startswith("comfy")]
-    ratios = {att: x for lab, ses, att, mc, mw, x, n in partial_ratios() if lab == "720p81 bf16" and n > 1}
-    names = {"a14b": "A14B", "ti2v5b": "TI2V-5B", "1.3b": "1.3B"}
-    comfy_text = _and([f"{_span(v)}× " + ("the measured peak " if i == 0 else "") + f"for {names[m]}"
-                       for i, (m, v) in enumerate(comfy.items())])
-    return f"""- **Working memory**, against real forward peaks of A14B, TI2V-5B and 1.3B: on the {err['Eager, fit'][0]} eager rows the
-  model was fitted on, {span('Eager, fit')}; on **{err['Eager, held out'][0]} held-out eager rows** (sizes the fit never saw: other
-  aspect ratios, portrait, 25–161 frames) **{span('Eager, held out')}**, never under; compiled forwards: {err['Compiled, fit'][0]} fit
-  rows {span('Compiled, fit')}, **{err['Compiled, held out'][0]} held-out rows {span('Compiled, held out')}**, and compiled Sage rows measured
-  after every constant was set (both memory modes): {err['Compiled Sage, check'][0]} at the fit sizes {span('Compiled Sage, check')},
-  **{err['Compiled Sage, held out'][0]} at the held-out sizes {span('Compiled Sage, held out')}**. Above +10 % are only peaks under
-  {over:.2f} GiB, all within +10 % plus the fixed {CALIBRATED['slack_fixed'] / 2 ** 20:.0f} MiB workspace term. ComfyUI's own
-  figure is {comfy_text}.
-  On a simulated 24 GB card at 720p81, the estimator keeps {_span(ours, "{:.1f}")} GiB of A14B bf16 weights resident where
-  ComfyUI keeps {_span(theirs, "{:.1f}")}, and no run went out of memory: {_span(list(ratios.values()))}× per step ({ratios["SDPA"]:.3f}× SDPA,
-  {ratios["Sage"]:.3f}× Sage, interleaved repeats). Details: [docs/memory-calibration.md](docs/memory-calibration.md)."""
-
-
-PARTIAL_RUNS = (
-    # file, label, device session (each session is one machine; ratios are only taken within one)
-    ("2026-11-29-partial-720p-bf16-24gb.jsonl", "720p81 bf16", "A"),
-    ("2026-11-29-partial-720p-bf16-24gb-rep.jsonl", "720p81 bf16", "B"),
-    ("2026-11-29-partial-720p-fp8-24gb.jsonl", "720p81 fp8", "B"),
-    ("2026-11-29-partial-480p-bf16-lora64-24gb.jsonl", "480p81 bf16 + LoRA r64", "A"),
-    ("2026-11-29-partial-480p-fp8-lora64-24gb.jsonl", "480p81 fp8 + LoRA r64", "B"),
-    ("2026-11-29-partial-720p-bf16-24gb-sage-abba.jsonl", "720p81 bf16", "C"),
-)
+def partial_case(p: Path) -> tuple:
+    """(size, weights, LoRA rank, label) of a partial-load record file, from its name:
+    ``{720p81|480p81}-{bf16|fp8}[-lora{R}][-...].jsonl`` (its rows do not say)."""
+    parts = p.stem.split("-")
+    res, weights = parts[0], parts[1]
+    rank = int(parts[2][4:]) if len(parts) > 2 and parts[2].startswith("lora") else 0
+    size = {"720p81": (1280, 720, 81), "480p81": (832, 480, 81)}[res]
+    return size, weights, rank, f"{res} {weights}" + (f" + LoRA r{rank}" if rank else "")
 
 
 def partial_ratios():
-    """(label, session, attention, ComfyUI s/step, wan-sage s/step, ratio, runs each) per session: the
-    median over the session's runs of each configuration, ComfyUI's reservation against wan-sage's."""
+    """(file, label, attention, ComfyUI s/step, wan-sage s/step, ratio, runs each) per record file (one
+    machine each): the median over its runs of each configuration, ComfyUI's reservation against wan-sage's."""
     out = []
-    for f, lab, ses in PARTIAL_RUNS:
-        rs = [r for r in rows(M / f) if r["status"] == "ok"]
+    for p in partial_files():
+        rs = [r for r in rows(p) if r["status"] == "ok"]
         for att, suffix in (("SDPA", ""), ("Sage", "+sage")):
             c = [r["median_2_4_s"] for r in rs if r["config"] == "comfy" + suffix]
             w = [r["median_2_4_s"] for r in rs if r["config"] == "ours" + suffix]
             if c and w:
                 mc, mw = statistics.median(c), statistics.median(w)
-                out.append((lab, ses, att, mc, mw, mc / mw, min(len(c), len(w))))
+                out.append((p, partial_case(p)[3], att, mc, mw, mc / mw, min(len(c), len(w))))
     return out
 
 
-def _runs(label=None, session=None, config=None):
-    """The partial-load records, filtered by run label, device session and configuration."""
-    out = []
-    for f, lab, ses in PARTIAL_RUNS:
-        if (label is None or lab == label) and (session is None or ses == session):
-            out += [r for r in rows(M / f) if config is None or r["config"] == config]
-    return out
+def _runs(label=None, config=None):
+    """(file, record) of the partial-load records, filtered by case label and configuration."""
+    return [(p, r) for p in partial_files() if label is None or partial_case(p)[3] == label
+            for r in rows(p) if config is None or r["config"] == config]
 
 
-def _span(values, fmt="{:.2f}", sep="–"):
-    lo, hi = min(values), max(values)
-    return fmt.format(lo) if fmt.format(lo) == fmt.format(hi) else fmt.format(lo) + sep + fmt.format(hi)
+PARTIAL_COMMANDS = {  # the command that wrote each partial-load record file
+    "720p81-bf16.jsonl": "--res 1280x720x81 --configs comfy,ours,comfy+sage,ours+sage",
+    "720p81-bf16-sdpa-interleaved.jsonl": "--res 1280x720x81 --configs comfy,ours,ours,comfy,comfy+sage,ours+sage",
+    "720p81-fp8.jsonl": "--res 1280x720x81 --weights fp8 --configs comfy,ours,comfy+sage,ours+sage",
+    "480p81-bf16-lora64.jsonl": "--res 832x480x81 --lora-rank 64 --configs ours+sage,comfy+sage",
+    "480p81-fp8-lora64.jsonl": "--res 832x480x81 --weights fp8 --lora-rank 64 --configs ours+sage,comfy+sage",
+    "720p81-bf16-sage-interleaved.jsonl": "--res 1280x720x81 --configs ours+sage,comfy+sage,comfy+sage,ours+sage",
+}
+
+
+def partial_load_section() -> list:
+    before = ("720p81-bf16.jsonl", "480p81-bf16-lora64.jsonl", "720p81-bf16-sdpa-interleaved.jsonl", "720p81-fp8.jsonl")
+    o = ["## Partial loading on a simulated 24 GB card\n",
+         "A14B weights at real size (bf16: 26.6 GiB; fp8 e4m3: 13.3 GiB) are loaded through",
+         "`comfy.sd.load_diffusion_model_state_dict`. A ballast allocation makes `get_free_memory()` read 24.0 GiB.",
+         "Each run samples 4 steps (euler, cfg 1.0) with cudaMallocAsync. Each record file of",
+         "[`bench/records/partial-load/`](../bench/records/partial-load/) holds the runs of one machine; a ratio is only",
+         "taken between runs of one file. The harness runs `comfy.sample.sample` under `torch.inference_mode()`, as",
+         "ComfyUI's executor runs every node; the rows of " + _and([f"`{n}`" for n in before]) + " were measured with",
+         "autograd enabled around model loading (the sampler itself is `no_grad`, so the forward and its memory are the",
+         "same). ComfyUI's fp8 LoRA patching refuses autograd (`clamp(): functions with out=... arguments don't support",
+         "automatic differentiation`), so the 480p81 fp8 + LoRA rows are all under inference mode. In",
+         "`720p81-bf16-sdpa-interleaved.jsonl` the SDPA runs, and in `720p81-bf16-sage-interleaved.jsonl` the Sage runs,",
+         "were ordered ComfyUI, wan-sage, wan-sage, ComfyUI (wan-sage first for Sage), so that drift over the machine's",
+         "time cancels.\n",
+         "```bash"]
+    for p in partial_files():
+        o.append(f"COMFYUI_PATH=... python -m bench.partial_load --budget-gb 24 {PARTIAL_COMMANDS[p.name]} --steps 4 --out {p.name}")
+    o += ["```\n",
+          "| records | run | reservation / row | weights resident | s/step (median of 2–4) | peak allocated | peak reserved | headroom | result | Sage / SDPA calls |",
+          "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    for p in partial_files():
+        lab = partial_case(p)[3]
+        for r in rows(p):
+            sg = r.get("sage")
+            calls = f"{sg['sage_calls']} / {sg['sdpa_calls']}" if sg and sg.get("sage_calls") else ("n/a" if "+sage" in r["config"] else "")
+            o.append(f"| {link(name_of(p))} | {lab} {r['config']} | {r['reservation_gib_per_row']:.2f} GiB | {r['weights_resident_gib']:.2f} GiB | "
+                     f"{r['median_2_4_s']:.3f} s | {r['peak_alloc_gib']:.2f} GiB | {r['peak_reserved_gib']:.2f} GiB | "
+                     f"{24.0 - r['peak_reserved_gib']:.2f} GiB | {r['status']} | {calls} |")
+    o += ["\n`headroom` is the budget minus the peak reserved by the allocator (ComfyUI's 400 MiB extra reserve",
+          "included). `n/a`: the harness of `720p81-bf16.jsonl` and `480p81-bf16-lora64.jsonl` read the Sage counts after",
+          "the patch had closed its window (it reads them inside it since; in the other files each forward (40 blocks)",
+          "made 40 Sage self-attention and 40 SDPA cross-attention calls, the cross ones declined with reason",
+          "`cross_slower`).\n",
+          "Speed per step, ComfyUI's own reservation against wan-sage's (median of each configuration's runs",
+          "within one file):\n",
+          "| records | case | attention | ComfyUI s/step | wan-sage s/step | × | runs each |",
+          "|---|---|---|---:|---:|---:|---:|"]
+    for p, lab, att, mc, mw, ratio, n in partial_ratios():
+        o.append(f"| {link(name_of(p))} | {lab} | {att} | {mc:.3f} | {mw:.3f} | {ratio:.3f}× | {n} |")
+    o += partial_reading()
+    return o
 
 
 def partial_reading() -> list:
     """The reading under the partial-load tables: every figure is taken from the records."""
-    ref = rows(M / "2026-11-29-reference-budget.jsonl")
+    ref = rows(set_from("partial_frag_factor")[0])
     edge_ok = min(r["reservation_gib_per_row"] for r in ref if r["status"] == "ok" and r["policy"] == "fixed")
     edge_oom = max(r["reservation_gib_per_row"] for r in ref if r["status"] == "oom")
     rep = {r["policy"]: r["median_2_4_s"] for r in ref if r["source"] == "reference run repeat"}
     ref_ratios = [c / w for c in rep["comfy"] for w in rep["fixed"]]
-    bf16 = [r for r in _runs("720p81 bf16") if r["status"] == "ok"]
-    fp8 = [r for r in _runs("720p81 fp8") if r["status"] == "ok"]
+    bf16 = [r for _p, r in _runs("720p81 bf16") if r["status"] == "ok"]
+    fp8 = [r for _p, r in _runs("720p81 fp8") if r["status"] == "ok"]
     ours_sdpa = [r for r in bf16 if r["config"] == "ours"]
     ours_sage = [r for r in bf16 if r["config"] == "ours+sage"]
     comfy_bf16 = [r for r in bf16 if r["config"].startswith("comfy")]
@@ -583,112 +566,243 @@ def partial_reading() -> list:
     res_sdpa = statistics.median(r["reservation_gib_per_row"] for r in ours_sdpa)
     res_sage = statistics.median(r["reservation_gib_per_row"] for r in ours_sage)
     top = max(ours_sdpa, key=lambda r: r["peak_reserved_gib"])
-    ratios = {(ses, att): (mc, mw, x, n) for lab, ses, att, mc, mw, x, n in partial_ratios() if lab == "720p81 bf16"}
-    singles = [(lab, ses, att, x) for lab, ses, att, mc, mw, x, n in partial_ratios() if n == 1]
+    bf16_ratios = [x for x in partial_ratios() if x[1] == "720p81 bf16"]
+    repeats = {att: x for x in bf16_ratios for att in (x[2],) if x[6] > 1}       # interleaved repeats, per attention
+    singles = [x for x in bf16_ratios if x[6] == 1]
     streamed = [r2["weights_resident_gib"] - r1["weights_resident_gib"] for r1 in comfy_bf16 + comfy_fp8
                 for r2 in bf16 + fp8 if r2["config"].startswith("ours") and r2["weights_total_gib"] == r1["weights_total_gib"]
                 and r2["config"].endswith("+sage") == r1["config"].endswith("+sage")]
-    saved = [mc - mw for (ses, att), (mc, mw, x, n) in ratios.items()]
-    fix = [e for r in rows(M / "e2e-h200-fp8-fix.jsonl") if r["status"] == "ok" for e in r["experts"].values()]
-    b = ratios[("B", "SDPA")]
-    c = ratios[("C", "Sage")]
-    sage_b = [r for r in _runs("720p81 bf16", "B") if r["status"] == "ok"]
+    saved = [mc - mw for _p, _lab, _att, mc, mw, _x, _n in bf16_ratios]
+    fix = [e for r in cast_term_runs() for e in r["experts"].values()]
+    b, c = repeats["SDPA"], repeats["Sage"]
+    # the file with both attentions under wan-sage's reservation and the most runs: Sage against SDPA there
+    both = max((p for p in partial_files() if partial_case(p)[3] == "720p81 bf16"
+                and {"ours", "ours+sage"} <= {r["config"] for r in rows(p)}),
+               key=lambda p: sum(r["config"] == "ours" for r in rows(p)))
+    both_rows = [r for r in rows(both) if r["status"] == "ok"]
     fp8_ours = {r["config"]: r["median_2_4_s"] for r in fp8 if r["config"].startswith("ours")}
-    one = lambda ses, att: next(f"{x:.3f}×" for lab, s, a, x in singles if s == ses and a == att and lab == "720p81 bf16")
-    fp8_ratio = {att: x for lab, ses, att, mc, mw, x, n in partial_ratios() if lab == "720p81 fp8"}
-    sdpa_b = statistics.median(r["median_2_4_s"] for r in sage_b if r["config"] == "ours")
-    sage_b_s = statistics.median(r["median_2_4_s"] for r in sage_b if r["config"] == "ours+sage")
+    fp8_ratio = {att: x for _p, lab, att, _mc, _mw, x, _n in partial_ratios() if lab == "720p81 fp8"}
+    sdpa_b = statistics.median(r["median_2_4_s"] for r in both_rows if r["config"] == "ours")
+    sage_b_s = statistics.median(r["median_2_4_s"] for r in both_rows if r["config"] == "ours+sage")
+    single_text = "; ".join(f"{att} {x:.3f}× (`{p.name}`)" for p, _lab, att, _mc, _mw, x, _n in singles)
     return [f"""
 - **Never out of memory.** No wan-sage run ran out of memory: bf16 and fp8, 720p81 and 480p81 with a
-  rank-64 LoRA, SDPA and Sage. The reference run put the edge between {edge_oom:.1f} GiB per row (out of memory) and
-  {edge_ok:.1f} GiB (safe); wan-sage reserves {res_sdpa:.2f} GiB (SDPA) and {res_sage:.2f} GiB (Sage) there, and its SDPA runs peak at
-  {top["peak_reserved_gib"]:.2f} of the 24 GiB reserved by the allocator: it sits {24.0 - top["peak_reserved_gib"]:.2f} GiB inside the edge.
+  rank-64 LoRA, SDPA and Sage. The reference run ({link(SET_FROM["partial_frag_factor"][0])}, PyTorch's native
+  allocator) put the edge between {edge_oom:.1f} GiB per row (out of memory) and {edge_ok:.1f} GiB (safe); wan-sage reserves
+  {res_sdpa:.2f} GiB (SDPA) and {res_sage:.2f} GiB (Sage) there, and its SDPA runs peak at {top["peak_reserved_gib"]:.2f} of the 24 GiB
+  reserved by the allocator: it sits {24.0 - top["peak_reserved_gib"]:.2f} GiB inside the edge.
 - **Weights resident.** At 720p81 bf16 wan-sage keeps {_span([r["weights_resident_gib"] for r in ours_sdpa])} GiB (SDPA) and {_span([r["weights_resident_gib"] for r in ours_sage])} GiB (Sage) of the {bf16[0]["weights_total_gib"]:.1f} GiB
   resident, where ComfyUI keeps {_span([r["weights_resident_gib"] for r in comfy_bf16])} GiB. With fp8 weights it kept {_span([r["weights_resident_gib"] for r in fp8 if r["config"].startswith("ours")])} GiB resident (all of them), where ComfyUI
   keeps {_span([r["weights_resident_gib"] for r in comfy_fp8])} GiB and streams the rest at every step. That was too close: the same fp8 configuration
-  with the Sage patch later ran out of memory in the end-to-end benchmark (allocator holes around the per-call
-  fp8 casts, docs/benchmarks.md). The estimate now reserves room for those holes with fp8 weights
+  with the Sage patch ran out of memory end to end (allocator holes around the per-call fp8 casts,
+  [benchmarks.md](benchmarks.md#{anchor("Out of memory")})). The estimate reserves room for those holes with fp8 weights
   (`cast_frag_factor`), and the end-to-end run with that reservation kept {_span([e["resident_gib"] for e in fix], "{:.1f}")} of the {fix[0]["weights_gib"]:.2f} GiB
-  resident; the fp8 rows above are from before that change.
+  resident; the fp8 rows above are from before the cast term.
 - **Speed.** The gain is what the extra resident gigabytes save in streaming: {_span(streamed, "{:.1f}")} GiB less copied per
   step, about {_span(saved, "{:.2f}")} s of a {_span([r["median_2_4_s"] for r in bf16], "{:.1f}")} s step, so the ratios sit near the size of the run-to-run
   spread (the reference run measured {_span(ref_ratios, "{:.2f}")}× between repeats). Each attention mode was therefore settled by
-  interleaved repeats within one session: SDPA {b[2]:.3f}× in session B ({b[3]} runs each, {b[0]:.3f} against {b[1]:.3f} s),
-  Sage {c[2]:.3f}× in session C ({c[3]} runs each, {c[0]:.3f} against {c[1]:.3f} s). Single pairs: SDPA {one("A", "SDPA")} (A); Sage
-  {one("A", "Sage")} (A), {one("B", "Sage")} (B); fp8 {fp8_ratio["SDPA"]:.3f}× (SDPA), {fp8_ratio["Sage"]:.3f}× (Sage).
-- **Sage against SDPA under wan-sage at the 24 GB budget:** {sdpa_b:.3f} / {sage_b_s:.3f} = {sdpa_b / sage_b_s:.2f}× per step in session B
+  interleaved repeats on one machine: SDPA {b[5]:.3f}× (`{b[0].name}`, {b[6]} runs each, {b[3]:.3f} against {b[4]:.3f} s),
+  Sage {c[5]:.3f}× (`{c[0].name}`, {c[6]} runs each, {c[3]:.3f} against {c[4]:.3f} s). Single pairs: {single_text}; fp8
+  {fp8_ratio["SDPA"]:.3f}× (SDPA), {fp8_ratio["Sage"]:.3f}× (Sage).
+- **Sage against SDPA under wan-sage at the 24 GB budget:** {sdpa_b:.3f} / {sage_b_s:.3f} = {sdpa_b / sage_b_s:.2f}× per step in `{both.name}`
   (bf16), {fp8_ours["ours"]:.3f} / {fp8_ours["ours+sage"]:.3f} = {fp8_ours["ours"] / fp8_ours["ours+sage"]:.2f}× with fp8 weights.
 """]
 
 
-def e2e_compiled_resident_section() -> list:
-    """The compiled end-to-end experts with every weight resident, against the reservation today's
-    estimate makes for them: per-block compile gets the compiled figure, a whole-model compile the
-    eager one; from the e2e records."""
-    lines, under, fp8_sessions = [], [], set()
-    for fname, session in E2E_SESSIONS.items():
-        for r in rows(M / fname):
-            c = r["config"]
-            if r.get("status") != "ok" or not c.get("compile"):
+def cast_term_runs() -> list[dict]:
+    """The completed estimator runs with fp8 weights, eager, at 24 GiB and 720p81 in the end-to-end record
+    files the cast term was not set from: the configuration that ran out of memory before it."""
+    return [r for p in not_set_from("cast_frag_factor", "e2e") for r in rows(p)
+            if r.get("status") == "ok" and (c := r.get("config") or {}).get("weights") == "fp8" and c.get("budget_gib") == 24.0
+            and c["estimator"] and not c.get("compile") and (c["width"], c["height"], c["frames"]) == R720]
+
+
+# ----------------------------------------------------------------- the memory model end to end (bench/records/e2e)
+
+def _streamed_rows(paths) -> tuple:
+    """Table lines of the experts sampled with weights partly offloaded in ``paths``, and per kind (eager,
+    compiled) what the allocator held: (held above resident weights, held above the allocated peak,
+    reservation); per file, eager held minus the resident reservation; and for compiled-per-block
+    experts, (held above resident weights, the compiled figure for resident weights)."""
+    lines, held_over, over_resident, compiled = [], {}, {}, []
+    for p, r in e2e_records(paths=paths):
+        c = r["config"]
+        if r.get("status") != "ok":
+            continue
+        est = e2e_estimate(c)
+        for name, e in r["experts"].items():
+            if e["resident_frac"] >= 0.9999:
                 continue
-            est = e2e_estimate(c)
-            for name, e in r["experts"].items():
-                if e["resident_frac"] < 0.9999:
-                    continue
-                if c.get("weights") == "fp8":
-                    fp8_sessions.add(session)
-                res = est.reservation_resident / GiB
-                att = (e.get("attention") or {})
-                split = att.get("head_split_calls", 0) if c["attention"] == "sage" else None
-                calib = att.get("calibration_ms") if c["attention"] == "sage" else None
-                lines.append(f"| {session} | {r['run'].split('@')[0]}@{'full' if c['budget_gib'] is None else format(c['budget_gib'], 'g')} | "
-                             f"{c['width']}×{c['height']}×{c['frames']} | {'blocks' if compiled_blocks(c) else 'whole model'} | {name} | "
-                             f"{'—' if split is None else split} | {'—' if calib is None else format(calib / 1000, '.1f')} | "
-                             f"{e['working_gib']:.2f} | {res:.2f} | {e['working_gib'] / res:.2f} |")
-                if e["working_gib"] > res:
-                    under.append((session, r["run"], name, e["working_gib"], res, calib))
-    fp8 = sorted(fp8_sessions)
+            held_gib = held_above_weights(e)
+            above = e["peak_reserved_gib"] - e["peak_alloc_gib"]
+            res = est.reservation_partial / GiB
+            kind = "compiled" if c.get("compile") else "eager"
+            held_over.setdefault(kind, []).append((held_gib, above, res))
+            if kind == "eager":
+                over_resident.setdefault(p, []).append(held_gib - est.reservation_resident / GiB)
+            elif compiled_blocks(c):
+                compiled.append((held_gib, est.reservation_resident / GiB))
+            lines.append(f"| `{commit_of(r)}` | {r['run'].split('@')[0]}@{c['budget_gib']:g} | {size_of(c)} | "
+                         f"{name} | {e['resident_frac']:.0%} | {e['working_gib']:.2f} | {above:.2f} | "
+                         f"{held_gib:.2f} | {res:.2f} | {held_gib / res:.2f} |")
+    return lines, held_over, over_resident, compiled
+
+
+def _streamed_table(lines: list, held_over: dict) -> list:
+    """The table of :func:`_streamed_rows`' lines, then per kind what the allocator held."""
+    o = ["| wan-sage | run | size | expert | resident | working GiB | held above it | held above resident weights | reservation | held / reservation |",
+         "|---|---|---|---|---:|---:|---:|---:|---:|---:|"] + lines + [""]
+    for kind, vals in held_over.items():
+        o.append(f"- {kind.capitalize()}: the allocator held {_span([a for _h, a, _r in vals])} GiB above the allocated peak, "
+                 f"{_span([h for h, _a, _r in vals])} GiB above the resident weights in all, "
+                 f"{_span([h / r for h, _a, r in vals])} of the reservation.")
+    return o
+
+
+def streamed_files(weights: str, not_from: tuple) -> list[Path]:
+    """The end-to-end record files of ``weights`` with an expert sampled with weights partly offloaded,
+    leaving out the files the rules ``not_from`` were set from."""
+    source = {p.resolve() for rule in not_from for p in set_from(rule)}
+    return [p for p in files("e2e") if p.resolve() not in source
+            and any(r.get("status") == "ok" and any(e["resident_frac"] < 0.9999 for e in r["experts"].values())
+                    for _p, r in e2e_records(weights, [p]))]
+
+
+def _describe_files(paths) -> str:
+    """Each file with the budgets and sizes of its runs with weights partly offloaded."""
+    out = []
+    for p in paths:
+        cs = [r["config"] for _p, r in e2e_records(paths=[p]) if r.get("status") == "ok"
+              and any(e["resident_frac"] < 0.9999 for e in r["experts"].values())]
+        by_size = {}
+        for c in cs:
+            by_size.setdefault(size_of(c), set()).add(c["budget_gib"])
+        out.append(f"{link(name_of(p))} (" + "; ".join(f"{s} at {_and([format(b, 'g') for b in sorted(bs, reverse=True)])} GiB"
+                                                       for s, bs in by_size.items()) + ")")
+    return _and(out)
+
+
+def _oom_runs(weights: str) -> list[tuple[Path, dict]]:
+    return [(p, r) for p, r in e2e_records(weights) if r.get("status") == "oom"]
+
+
+def e2e_streamed_section() -> list:
+    """The experts sampled end to end with weights partly offloaded (GGUF A14B), against the reservation
+    the estimate makes for them; and what a GGUF-only streaming term set from the rows of one file would
+    have done on the others, which it was not set from."""
+    paths = streamed_files("gguf", ("partial_frag_factor",))
+    lines, held_over, over_resident, _compiled = _streamed_rows(paths)
+    ooms = [(p, r) for p, r in _oom_runs("gguf") if not r["config"].get("budget_gib") is None]
+    o = ["\n## Partly offloaded end to end (GGUF A14B, H200)\n",
+         "The end-to-end runs with weights partly offloaded: " + _describe_files(paths) + ".",
+         "Q4_K_M experts with a rank-64 LoRA, part of each expert's weights streamed at every step, eager and",
+         "compiled per block. Per expert: the allocated working memory, what the allocator held above it at the",
+         "sampling peak (peak reserved − peak allocated), what it held above the resident weights in all, and the",
+         "reservation the estimate makes for that configuration with weights partly offloaded (compiled blocks",
+         "with streamed weights are reserved as eager). `partial_frag_factor` was set from other records (the",
+         "reference budget run), so these rows check it (`bench/tests/test_constants_held_out.py`). Completed runs",
+         "only: " + _and([f"{r['run']} ({commit_of(r)})" for _p, r in ooms]) + " ran out of memory",
+         f"([benchmarks.md](benchmarks.md#{anchor('Out of memory')})).\n",
+         ] + _streamed_table(lines, held_over)
+    fit = [x for p in set_from("GGUF streaming term") for x in over_resident.get(p, [])]
+    check = [x for p, xs in over_resident.items() if p.resolve() not in {q.resolve() for q in set_from("GGUF streaming term")}
+             for x in xs]
+    if fit and check:
+        m = max(fit)
+        short = [x for x in check if x > max(m, 0.0)]
+        short_fixed = [x for x in check if x > max(m, 0.0) + (CALIBRATED['partial_fixed'] / GiB)]
+        src = _and([f"`{p.name}`" for p in set_from("GGUF streaming term")])
+        o.append(f"- **A GGUF-only streaming term, tried and not taken.** With eager streaming, what the allocator held minus the "
+                 f"reservation for resident weights was at most {m:+.2f} GiB over the {len(fit)} experts of {src}, so a term")
+        o.append(f"  set from them would reserve that reservation plus {max(m, 0.0):.2f} GiB (floored at 0). On the other {len(check)} eager experts, which it was not set")
+        o.append(f"  from (other budgets and sizes), {len(short)} held more, by up to {max(check) - max(m, 0.0):.2f} GiB; with "
+                 f"`partial_fixed` ({(CALIBRATED['partial_fixed'] / GiB):.2f} GiB) added, {len(short_fixed)} still did. The")
+        o.append("  partial-load term stays as set, at the cost of the unused budget above.")
+    o.append("")
+    return o
+
+
+def e2e_streamed_fp8_section() -> list:
+    """The fp8 experts sampled with weights partly offloaded, eager and compiled per block, against the
+    reservation the estimate makes for them; the files the cast term was set from left out."""
+    paths = streamed_files("fp8", ("partial_frag_factor", "cast_frag_factor"))
+    lines, held_over, _over, compiled = _streamed_rows(paths)
+    if not lines:
+        return []
+    streamed = [r["config"] for _p, r in e2e_records("fp8", paths) if r.get("status") == "ok"
+                and any(e["resident_frac"] < 0.9999 for e in r["experts"].values())]
+    budgets = sorted({c["budget_gib"] for c in streamed}, reverse=True)
+    sizes = sorted({(c["width"], c["height"], c["frames"]) for c in streamed})
+    o = ["\n## Partly offloaded end to end (fp8 A14B, H200)\n",
+         f"fp8 e4m3 experts with a rank-64 LoRA at {_and([format(b, 'g') for b in budgets])} GiB, "
+         f"{_and([f'{w}×{h}×{f}' for w, h, f in sizes])}, eager",
+         f"and compiled per block ({_and([link(name_of(p)) for p in paths])}). None of these records set a constant,",
+         "so they check `partial_frag_factor` and `cast_frag_factor` (`bench/tests/test_constants_held_out.py`).",
+         "Columns as in the GGUF table above.\n",
+         ] + _streamed_table(lines, held_over)
+    if compiled:
+        o.append(f"- Compiled per block with streamed weights, the estimate reserves the eager figure with the partial-load term "
+                 f"(`COMPILED_STREAMED_NOTE`); what these {len(compiled)} experts held, {_span([h for h, _f in compiled])} GiB above the "
+                 f"resident weights, is in the compiled line above. fp8 weights are cast at every call, so with every weight resident "
+                 f"their compiled blocks are reserved for as eager ones too (\"Compiled blocks with cast weights\", below).")
+    o.append("")
+    return o
+
+
+def e2e_compiled_resident_section() -> list:
+    """The compiled end-to-end experts with every weight resident, against the reservation the estimate
+    makes for them: per-block compile gets the compiled figure, a whole-model compile the eager one."""
+    lines, under, fp8_files = [], [], []
+    for p, r in e2e_records():
+        c = r["config"]
+        if r.get("status") != "ok" or not c.get("compile"):
+            continue
+        est = e2e_estimate(c)
+        for name, e in r["experts"].items():
+            if e["resident_frac"] < 0.9999:
+                continue
+            if c.get("weights") == "fp8" and p not in fp8_files:
+                fp8_files.append(p)
+            res = est.reservation_resident / GiB
+            att = (e.get("attention") or {})
+            split = att.get("head_split_calls", 0) if c["attention"] == "sage" else None
+            calib = att.get("calibration_ms") if c["attention"] == "sage" else None
+            lines.append(f"| `{commit_of(r)}` | {c.get('weights')} | {r['run'].split('@')[0]}@{'full' if c['budget_gib'] is None else format(c['budget_gib'], 'g')} | "
+                         f"{size_of(c)} | {'blocks' if compiled_blocks(c) else 'whole model'} | {name} | "
+                         f"{'—' if split is None else split} | {'—' if calib is None else format(calib / 1000, '.1f')} | "
+                         f"{e['working_gib']:.2f} | {res:.2f} | {e['working_gib'] / res:.2f} |")
+            if e["working_gib"] > res:
+                under.append((r, name, e["working_gib"], res, calib))
     o = ["\n## Compiled end to end, weights resident (A14B, H200)\n",
-         f"The compiled end-to-end runs with every weight resident (docs/benchmarks.md sessions {min(E2E_SESSIONS.values())} to "
-         f"{max(E2E_SESSIONS.values())}: GGUF, and fp8 in session{'s' if len(fp8) > 1 else ''} {_and([str(x) for x in fp8])}), against the",
-         "reservation today's estimate makes for them. Blocks compiled one by one get the compiled figure; ComfyUI's",
-         "`TorchCompileModel` compiles the whole model as one graph, whose peak the compiled forward rows (all per",
-         "block) do not cover, so it is planned as eager. Working GiB is the sampling peak allocated above what was",
-         "allocated when sampling started (GGUF dequantisation and the LoRA included); head-split calls are the",
-         "Sage calls the memory mode ran grouped; calibration s is the time the dispatcher spent timing kernels on",
-         "new shapes during that expert's sampling.\n",
-         "| session | run | size | compiled | expert | head-split calls | calibration s | working GiB | reservation | working / reservation |",
-         "|---:|---|---|---|---|---:|---:|---:|---:|---:|"] + lines + [""]
+         "The compiled end-to-end runs with every weight resident (GGUF, and fp8 in "
+         f"{_and([link(name_of(p)) for p in fp8_files])}), against the reservation the estimate",
+         "makes for them. Blocks compiled one by one get the compiled figure; ComfyUI's `TorchCompileModel` compiles",
+         "the whole model as one graph, whose peak the compiled forward rows (all per block) do not cover, so it is",
+         "planned as eager. Working GiB is the sampling peak allocated above what was allocated when sampling started",
+         "(GGUF dequantisation and the LoRA included); head-split calls are the Sage calls the memory mode ran grouped;",
+         "timing s is the time the dispatcher spent timing kernels on new shapes during that expert's sampling.\n",
+         "| wan-sage | weights | run | size | compiled | expert | head-split calls | timing s | working GiB | reservation | working / reservation |",
+         "|---|---|---|---|---|---|---:|---:|---:|---:|---:|"] + lines + [""]
     if under:
         o.append("Above the reservation: " + "; ".join(
-            f"session {s_} {run.split(':')[0]}, {name} expert, {w:.2f} against {res:.2f} GiB" for s_, run, name, w, res, _c in under) + ".")
+            f"wan-sage `{commit_of(r)}` {r['run'].split(':')[0]}, {name} expert, {w:.2f} against {res:.2f} GiB"
+            for r, name, w, res, _c in under) + ".")
         if all(calib for *_rest, calib in under):
-            cal, settled, out = calibrating_peaks()
-            o.append("Each is an expert whose sampling calibrated a shape, with wan-sage from before 67359ad: the dispatcher")
-            o.append("timed a kernel while it kept one attention output (SDPA's or a faster kernel's), so that step held one")
-            o.append("output more than a settled step, which the estimate does not count; ComfyUI's own extra reserve (400 MiB")
-            o.append("by default) covered it. Since 67359ad calibration drops each output when its run ends and runs the winner")
-            o.append(f"once more for the call's output: on the H200 a calibrating call at A14B 720p81 held {cal:.3f} GiB above its")
-            o.append(f"inputs and a settled call {settled:.3f} GiB (one output: {out:.3f} GiB; gpu tier,")
-            o.append(f"[`{GPU_TIER_4_LOG}`](measurements/{GPU_TIER_4_LOG}), `tests/gpu/test_dispatch_gpu.py`).")
+            (cal, settled, out), logs = calibrating_peaks()
+            o.append("Each is an expert whose sampling timed kernels on a new shape with a wan-sage from before 67359ad,")
+            o.append("whose dispatcher kept one attention output (SDPA's or a faster kernel's) while it timed another, so")
+            o.append("that step held one output more than a settled step, which the estimate does not count; ComfyUI's own")
+            o.append("extra reserve (400 MiB by default) covered it. The dispatcher drops each output when its timing run")
+            o.append("ends and runs the winner once more for the call's output: on the H200 a timing call at A14B 720p81")
+            o.append(f"held {cal:.3f} GiB above its inputs and a settled call {settled:.3f} GiB (one output: {out:.3f} GiB; gpu tier,")
+            o.append(f"{_and([link(x) for x in logs])}, `tests/gpu/test_dispatch_gpu.py`).")
         o.append("")
     return o
 
 
-def held_above_weights(e: dict) -> float:
-    """What the allocator held above an expert's resident weights at its sampling peak (GiB)."""
-    return e["peak_reserved_gib"] - e["resident_gib"]
-
-
-def held_above_start(e: dict) -> float:
-    """What the allocator held at an expert's sampling peak above what was allocated when its sampling
-    started (GiB): its weights, and on the full card the other models that stayed loaded too."""
-    return e["peak_reserved_gib"] - e["base_alloc_gib"]
-
-
 def without_cast_rule(config: dict) -> float:
-    """The resident reservation (GiB) today's estimate would make for an e2e configuration if compiled
-    blocks with cast weights kept the compiled figure (``compiled_as_eager`` never answering "cast")."""
+    """The resident reservation (GiB) the estimate would make for an e2e configuration if compiled blocks
+    with cast weights kept the compiled figure (``compiled_as_eager`` never answering "cast")."""
     estimate_module = sys.modules["wan_sage.memory.estimate"]  # the module; the package exports a function of that name
     rule = estimate_module.compiled_as_eager
 
@@ -702,44 +816,48 @@ def without_cast_rule(config: dict) -> float:
 
 def e2e_compiled_cast_section() -> list:
     """The fp8 experts compiled per block with every weight resident, against what fully resident fp8
-    experts held in eager mode and against the reservation made then and today's; the session the cast
-    rule was made from apart from the sessions that check it; from the e2e records."""
-    compiled, eager = [], []
-    for fname, session in E2E_SESSIONS.items():
-        for r in rows(M / fname):
-            c = r["config"]
-            if r.get("status") == "ok" and c.get("weights") == "fp8" and compiled_blocks(c):
-                today = e2e_estimate(c).reservation_resident / GiB
-                compiled += [(session, r, name, e, today) for name, e in r["experts"].items() if e["resident_frac"] >= 0.9999]
-    for fname in E2E_FP8_EAGER_FILES:
-        for r in rows(M / fname):
-            if r.get("status") == "ok" and not r["config"].get("compile"):
-                eager += [e for e in r["experts"].values() if e.get("resident_frac", 0) >= 0.9999 and e.get("peak_reserved_gib")]
+    experts held in eager mode and against the reservation made then and today's; the file the cast rule
+    was made from apart from the files that check it."""
+    source = {p.resolve() for p in set_from("compiled_as_eager")}
+    compiled, eager, eager_files = [], [], []
+    for p, r in e2e_records("fp8"):
+        c = r["config"]
+        if r.get("status") != "ok":
+            continue
+        if compiled_blocks(c):
+            today = e2e_estimate(c).reservation_resident / GiB
+            compiled += [(p, r, name, e, today) for name, e in r["experts"].items() if e["resident_frac"] >= 0.9999]
+        elif not c.get("compile"):
+            full = [e for e in r["experts"].values() if e.get("resident_frac", 0) >= 0.9999 and e.get("peak_reserved_gib")]
+            eager += full
+            if full and p not in eager_files:
+                eager_files.append(p)
     if not compiled:
         return []
     o = ["\n## Compiled blocks with cast weights (fp8 A14B, H200)\n",
          "fp8 weights are cast to the compute dtype at every layer call, and the allocator keeps holes around those casts",
          f"(the cast term, `cast_frag_factor`). Fully resident fp8 experts in eager mode at 720p81 ({len(eager)} experts of",
-         f"{_and([f'`{f}`' for f in E2E_FP8_EAGER_FILES])}, under a budget and on the full card) held "
+         f"{_and([link(name_of(p)) for p in eager_files])}, under a budget and on the full card) held "
          f"{_span([held_above_start(e) for e in eager])} GiB above what was",
          f"allocated when their sampling started, with {_span([e['working_gib'] for e in eager])} GiB of it allocated. "
          "Compiled per block with every weight resident (held: the same",
          "measure; on the full card the other expert and the text encoder stay loaded, so the weights alone would not do;",
          "reserved then is the estimator's figure in its runs and ComfyUI's own in ComfyUI's; reservation today is what",
-         "today's estimator reserves for the run's configuration):\n",
-         "| session | run | size | expert | working GiB | held above the start | peak reserved / budget GiB | reserved then | reservation today |",
-         "|---:|---|---|---|---:|---:|---:|---:|---:|"]
-    for session, r, name, e, today in compiled:
+         "the estimator of this checkout reserves for the run's configuration):\n",
+         "| wan-sage | run | size | expert | working GiB | held above the start | peak reserved / budget GiB | reserved then | reservation today |",
+         "|---|---|---|---|---:|---:|---:|---:|---:|"]
+    for _p, r, name, e, today in compiled:
         c = r["config"]
         budget = "full" if c["budget_gib"] is None else format(c["budget_gib"], "g")
-        o.append(f"| {session} | {r['run'].split(':')[0]} | {c['width']}×{c['height']}×{c['frames']} | {name} | {e['working_gib']:.2f} | "
+        o.append(f"| `{commit_of(r)}` | {r['run'].split(':')[0]} | {size_of(c)} | {name} | {e['working_gib']:.2f} | "
                  f"{held_above_start(e):.2f} | {e['peak_reserved_gib']:.2f} / {budget} | {e['predicted_working_gib']:.2f}"
                  f"{' (ComfyUI)' if e.get('reservation_source') == 'comfyui' else ''} | {today:.2f} |")
-    made = [x for x in compiled if x[0] == CAST_RULE_SESSION]
-    checks = [x for x in compiled if x[0] > CAST_RULE_SESSION]
-    _s, r, _n, e, _t = max(made, key=lambda x: held_above_start(x[3]))
+    made = [x for x in compiled if x[0].resolve() in source]
+    checks = [x for x in compiled if x[0].resolve() not in source]
+    mp, r, _n, e, _t = max(made, key=lambda x: held_above_start(x[3]))
     o += ["",
-          f"Session {CAST_RULE_SESSION}: under compile the allocated working memory was smaller ({e['working_gib']:.2f} GiB) but the memory held",
+          f"In {link(name_of(mp))} (wan-sage `{commit_of(r)}`): under compile the allocated working memory was smaller "
+          f"({e['working_gib']:.2f} GiB) but the memory held",
           f"was not ({held_above_start(e):.2f} GiB), and it reached the budget ({e['peak_reserved_gib']:.2f} of {r['config']['budget_gib']:g} GiB) without",
           f"running out. The reservation made then, the compiled figure ({e['predicted_working_gib']:.2f} GiB), was below what was held. So",
           "compiled blocks whose weights are cast at every call are reserved for as eager ones (`COMPILED_CAST_NOTE`,",
@@ -747,180 +865,564 @@ def e2e_compiled_cast_section() -> list:
           "this expert, so its row does not validate it."]
     if checks:
         over = [x for x in checks if held_above_start(x[3]) > x[4]]
-        over_names = [f"session {x[0]} {x[1]['run']} {x[2]}" for x in over]
+        over_names = [f"`{commit_of(x[1])}` {x[1]['run']} {x[2]}" for x in over]
         margin = min(checks, key=lambda x: x[4] - held_above_start(x[3]))
         sizes = sorted({(x[1]["config"]["width"], x[1]["config"]["height"], x[1]["config"]["frames"]) for x in checks})
-        sessions = sorted({x[0] for x in checks})
+        check_files = list(dict.fromkeys(x[0] for x in checks))
         short = [(x, without_cast_rule(x[1]["config"])) for x in checks]
         short = [(x, f) for x, f in short if held_above_start(x[3]) > f]
         o += ["",
-              f"The check, on the {len(checks)} experts of session{'s' if len(sessions) > 1 else ''} {_and([str(s_) for s_ in sessions])} "
+              f"The check, on the {len(checks)} experts of {_and([link(name_of(p)) for p in check_files])} "
               f"(runs the rule was not made from; {_and([f'{w_}×{h_}×{f_}' for w_, h_, f_ in sizes])}; "
               f"{sum(x[1]['config']['budget_gib'] is None for x in checks)} of them on the full card): they held "
               f"{_span([held_above_start(x[3]) for x in checks])} GiB against today's reservation of "
               f"{_span([x[4] for x in checks])} GiB, "
               + (f"none above it (the closest: {margin[1]['run'].split(':')[0]}'s {margin[2]} expert at "
-                 f"{margin[1]['config']['width']}×{margin[1]['config']['height']}×{margin[1]['config']['frames']}, "
+                 f"{size_of(margin[1]['config'])}, "
                  f"{held_above_start(margin[3]):.2f} against {margin[4]:.2f} GiB)." if not over else
                  f"**{len(over)} above it** ({_and(over_names)}).")]
-        o.append("Without the rule, today's estimate would reserve the compiled figure for them, and "
+        o.append("Without the rule, the estimate would reserve the compiled figure for them, and "
                  + ("every one of them would still have fit in it: these runs do not show the rule is needed." if not short else
-                    _and([f"{x[1]['run'].split(':')[0]}'s {x[2]} expert at {x[1]['config']['width']}×{x[1]['config']['height']}×"
-                          f"{x[1]['config']['frames']} ({held_above_start(x[3]):.2f} GiB held) would not have fit in it ({f:.2f} GiB)" for x, f in short])
+                    _and([f"{x[1]['run'].split(':')[0]}'s {x[2]} expert at {size_of(x[1]['config'])} "
+                          f"({held_above_start(x[3]):.2f} GiB held) would not have fit in it ({f:.2f} GiB)" for x, f in short])
                     + f": {'a run' if len(short) == 1 else 'runs'} the rule was not made from where it was needed."))
     o += ["GGUF weights are dequantised rather than cast, and their compiled resident experts held within the compiled",
           "figure (the table above).", ""]
     return o
 
 
-def _streamed_rows(files) -> tuple:
-    """Table lines of the experts sampled with weights partly offloaded in ``files``, and per kind (eager,
-    compiled) what the allocator held: (held above resident weights, held above the allocated peak,
-    reservation); per session, eager held minus the resident reservation; and for compiled-per-block
-    experts, (held above resident weights, the compiled figure for resident weights)."""
-    lines, held_over, over_resident, compiled = [], {}, {}, []
-    for fname in files:
-        session = E2E_SESSIONS[fname]
-        for r in rows(M / fname):
+# --------------------------------------------------------------------------- docs/benchmarks.md
+
+SETUPS = ("", "compile per block", "compile")          # plot_e2e.compile_kind: eager, per block, whole model
+SETUP_NAMES = {"": "eager", "compile per block": "compiled per block", "compile": "compiled whole (TorchCompileModel)"}
+
+
+def e2e_sets() -> list[dict]:
+    """The sets of end-to-end run records, one per machine: per record file, or per ``round`` of a file
+    that merges several.  Each has its file, a label for tables (the file's stem, with a letter where the
+    file holds several sets) and its faithful records, tagged ``_set`` with the label (for bench.plot_e2e)."""
+    out = []
+    sets = run_sets(files("e2e"))
+    per_file = {}
+    for p, rnd, _rs in sets:
+        per_file.setdefault(p, []).append(rnd)
+    for p, rnd, rs in sets:
+        rounds = per_file[p]
+        label = p.stem + (f" ({'abcdefghij'[rounds.index(rnd)]})" if len(rounds) > 1 else "")
+        runs = []
+        for r in rs:
+            if r.get("schema") == plot_e2e.SCHEMA and "config" in r and plot_e2e.faithful(r):
+                runs.append(dict(r, _set=label))
+        out.append(dict(file=p, label=label, runs=runs))
+    return out
+
+
+def _setup(c: dict) -> str:
+    return plot_e2e.compile_kind(c) if c.get("compile") else ""
+
+
+def _cfg(r: dict) -> tuple:
+    c = r["config"]
+    return (c.get("weights"), c.get("budget_gib"), (c["width"], c["height"], c["frames"]), _setup(c))
+
+
+def _median_steps(recs, skip_first=True):
+    vals = [plot_e2e._steps_s(r, skip_first) for r in recs if r.get("status") == "ok"]
+    vals = [v for v in vals if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def _budget_text(b) -> str:
+    return "full card" if b is None else f"{b:g} GiB"
+
+
+def _percent(fr) -> str:
+    return ", ".join(f"{f:.0%}" for f in fr)
+
+
+def _size_text(size) -> str:
+    return {(1280, 720, 81): "720p81", (832, 480, 81): "480p81"}.get(tuple(size), "{}×{}×{}".format(*size))
+
+
+def e2e_pairs(candidate: tuple, baseline: tuple) -> list[dict]:
+    """Per set, per configuration (weights, budget, size, setup): the ``candidate`` (estimator, attention)
+    against the ``baseline`` (estimator, attention) of the same set, both completed; medians of repeats."""
+    out = []
+    for s in e2e_sets():
+        by = {}
+        for r in s["runs"]:
             c = r["config"]
-            if r.get("status") != "ok":
+            if c.get("check_finite") is False or c.get("memory_mode"):
                 continue
-            est = e2e_estimate(c)
-            for name, e in r["experts"].items():
-                if e["resident_frac"] >= 0.9999:
-                    continue
-                held_gib = held_above_weights(e)
-                above = e["peak_reserved_gib"] - e["peak_alloc_gib"]
-                res = est.reservation_partial / GiB
-                kind = "compiled" if c.get("compile") else "eager"
-                held_over.setdefault(kind, []).append((held_gib, above, res))
-                if kind == "eager":
-                    over_resident.setdefault(session, []).append(held_gib - est.reservation_resident / GiB)
-                elif compiled_blocks(c):
-                    compiled.append((held_gib, est.reservation_resident / GiB))
-                lines.append(f"| {session} | {r['run'].split('@')[0]}@{c['budget_gib']:g} | {c['width']}×{c['height']}×{c['frames']} | "
-                             f"{name} | {e['resident_frac']:.0%} | {e['working_gib']:.2f} | {above:.2f} | "
-                             f"{held_gib:.2f} | {res:.2f} | {held_gib / res:.2f} |")
-    return lines, held_over, over_resident, compiled
+            by.setdefault((_cfg(r), c["estimator"], c["attention"]), []).append(r)
+        for (cfg, est, att), recs in by.items():
+            if (est, att) != candidate:
+                continue
+            base = by.get((cfg, *baseline))
+            a, b = _median_steps(base or []), _median_steps(recs)
+            if a is None or b is None:
+                continue
+            out.append(dict(set=s, cfg=cfg, base=base, cand=recs, base_s=a, cand_s=b, ratio=a / b,
+                            ratio_all=_median_steps(base, False) / _median_steps(recs, False)))
+    return sorted(out, key=_pair_order)
 
 
-def _streamed_table(lines: list, held_over: dict) -> list:
-    """The table of :func:`_streamed_rows`' lines, then per kind what the allocator held."""
-    o = ["| session | run | size | expert | resident | working GiB | held above it | held above resident weights | reservation | held / reservation |",
-         "|---:|---|---|---|---:|---:|---:|---:|---:|---:|"] + lines + [""]
-    for kind, vals in held_over.items():
-        o.append(f"- {kind.capitalize()}: the allocator held {_span([a for _h, a, _r in vals])} GiB above the allocated peak, "
-                 f"{_span([h for h, _a, _r in vals])} GiB above the resident weights in all, "
-                 f"{_span([h / r for h, _a, r in vals])} of the reservation.")
+def _pair_order(x: dict) -> tuple:
+    """By weights, the full card first and then larger budgets, larger sizes, setup, reservation, set."""
+    w, b, size, setup = x["cfg"]
+    return (w, b is not None, -(b or 0), -size[0] * size[1], SETUPS.index(setup), x["cand"][0]["config"]["estimator"],
+            x["set"]["label"])
+
+
+def rule_source(p: Path) -> str | None:
+    """The rule of the pack a record file was set from, if any (``SET_FROM``): its runs were measured
+    before that rule."""
+    for rule, names in SET_FROM.items():
+        if any(p.resolve() == path(n).resolve() for n in names):
+            return rule
+    return None
+
+
+def _resident(recs) -> str:
+    fr = [e.get("resident_frac") for r in recs for e in (r.get("experts") or {}).values() if e.get("resident_frac") is not None]
+    return _span([100 * f for f in fr], "{:.0f}") + " %" if fr else "—"
+
+
+def _pair_table(pairs, base_name: str, cand_name: str, reservation: bool = False) -> list:
+    o = [f"| weights | budget | size | setup | {'reservation | ' if reservation else ''}{base_name} s/step | {cand_name} s/step | "
+         "× after the first step | × all steps | resident (baseline; candidate) | records | wan-sage |",
+         "|---|---|---|---|" + ("---|" if reservation else "") + "---:|---:|---:|---:|---|---|---|"]
+    for x in pairs:
+        w, b, size, setup = x["cfg"]
+        src = rule_source(x["set"]["file"])
+        res = ("the estimator's | " if x["cand"][0]["config"]["estimator"] else "ComfyUI's | ") if reservation else ""
+        o.append(f"| {w} | {_budget_text(b)} | {_size_text(size)} | {SETUP_NAMES[setup]} | {res}{x['base_s']:.3f} | {x['cand_s']:.3f} | "
+                 f"**{x['ratio']:.3f}×** | {x['ratio_all']:.3f}× | {_resident(x['base'])}; {_resident(x['cand'])} | "
+                 f"{link(name_of(x['set']['file']), x['set']['label'])}{'¹' if src else ''} | "
+                 f"{', '.join(dict.fromkeys(f'`{commit_of(r)}`' for r in x['cand']))} |")
     return o
 
 
-def e2e_streamed_fp8_section() -> list:
-    """The fp8 experts sampled with weights partly offloaded (sessions 8 to 10), eager and compiled per
-    block, against the reservation today's estimate makes for them; from the e2e records."""
-    files = (E2E_FP8_COMPILE_FILE, E2E_FP8_COMPILE_2_FILE, E2E_FP8_COMPILE_3_FILE)
-    lines, held_over, _over, compiled = _streamed_rows(files)
-    if not lines:
-        return []
-    streamed = [(E2E_SESSIONS[f], r["config"]) for f in files for r in rows(M / f) if r.get("status") == "ok"
-                and any(e["resident_frac"] < 0.9999 for e in r["experts"].values())]
-    budgets = sorted({c["budget_gib"] for _s, c in streamed}, reverse=True)
-    sizes = sorted({(c["width"], c["height"], c["frames"]) for _s, c in streamed})
-    sessions = sorted({s_ for s_, _c in streamed})
-    o = ["\n## Partly offloaded end to end (fp8 A14B, H200)\n",
-         f"Sessions {_and([str(x) for x in sessions])} (docs/benchmarks.md): fp8 e4m3 experts with a rank-64 LoRA at "
-         f"{_and([format(b, 'g') for b in budgets])} GiB, {_and([f'{w}×{h}×{f}' for w, h, f in sizes])}, eager",
-         f"and compiled per block ({_and([f'`docs/measurements/{f}`' for f in files])}). None of these records set a constant,",
-         "so they check `partial_frag_factor` and `cast_frag_factor` (`tests/unit/test_constants_held_out.py`).",
-         "Columns as in the GGUF table above.\n",
-         ] + _streamed_table(lines, held_over)
-    if compiled:
-        o.append(f"- Compiled per block with streamed weights, the estimate reserves the eager figure with the partial-load term "
-                 f"(`COMPILED_STREAMED_NOTE`); what these {len(compiled)} experts held, {_span([h for h, _f in compiled])} GiB above the "
-                 f"resident weights, is in the compiled line above. fp8 weights are cast at every call, so with every weight resident "
-                 f"their compiled blocks are reserved for as eager ones too (\"Compiled blocks with cast weights\", below).")
+def benchmarks_doc() -> str:
+    sets = e2e_sets()
+    runs = [r for s in sets for r in s["runs"]]
+    envs = [r.get("env") or {} for r in runs]
+    vals = lambda k: _and(sorted({str(e.get(k)) for e in envs if e.get(k)}))  # noqa: E731
+    est_pairs = e2e_pairs((True, "sage"), (False, "sdpa"))
+    o = ["# End-to-end benchmarks: Wan 2.2 A14B in ComfyUI on an H200\n",
+         "What the pack does to a whole Wan 2.2 A14B generation in ComfyUI: seconds per step, the weights kept",
+         "resident, the memory held and whether a run runs out of memory, by weights (GGUF Q4_K_M, fp8), budget (a",
+         "simulated card of 8 to 24 GiB, or the whole H200), size and setup (eager, compiled per block, compiled",
+         "whole). Every table is rendered from the run records of [`bench/records/e2e/`](../bench/records/e2e/);",
+         "[`bench/records/LOG.md`](../bench/records/LOG.md) has the commands that wrote them.\n",
+         f"Measured on one {vals('device')} with torch {vals('torch')} (CUDA {vals('cuda')}), Python {vals('python')}, the",
+         f"{vals('allocator')} allocator (what ComfyUI's `main.py` selects), ComfyUI {vals('comfyui')}, ComfyUI-GGUF",
+         f"{vals('comfyui_gguf')} and SageAttention built from source for sm90 (thu-ml/SageAttention main at commit",
+         f"{vals('sageattention_commit')}; the first records read a build installed without package metadata as version",
+         "`unknown`). Every record carries these fields in its `env`.\n",
+         "## The case\n",
+         "Wan 2.2 T2V A14B, both experts, a rank-64 LoRA on each (standing in for the 4-step Lightning LoRAs), 4 steps",
+         "(high-noise expert steps 0–2, low-noise 2–4), euler / simple, cfg 1.0, seed 0, UMT5-XXL encoder loaded and used",
+         "first, 1280×720×81 (75,600 tokens; `720p81`) unless a row names another size. Experts as **GGUF Q4_K_M** (9.29",
+         "GiB each, through ComfyUI-GGUF's `UnetLoaderGGUF`) and as **fp8 e4m3** (13.31 GiB each, through `UNETLoader`).",
+         "*ComfyUI alone* is stock ComfyUI with PyTorch's attention (SDPA) and its own memory reservation; the",
+         "*estimator* is the Working-Memory Estimator node, *Sage* the Sage Attention Patch with its defaults.\n",
+         "![seconds per step and peak VRAM per configuration](e2e-h200.png)\n",
+         "The plot shows the runs of `gguf-24gib-full-card.jsonl`, `fp8-24gib-full-card.jsonl` and",
+         "`fp8-24gib-cast-term.jsonl` (`python -m bench.plot_e2e`, bench/README.md).\n",
+         "## Per step against stock ComfyUI\n",
+         "Estimator + Sage against ComfyUI alone with SDPA, both on one machine (a set of runs: ratios are never taken",
+         "across machines), the same weights, budget, size and setup. s/step is the sampler's step callback,",
+         "CUDA-synchronised, over both experts; \"after the first step\" leaves out the run's first step, and in a",
+         "compiled run each expert's first step, which carries the compile (see *The first step* below); the median",
+         "where a set repeats a configuration. ¹: a set a rule of the estimate was set from, so measured before it",
+         "(`bench._records.SET_FROM`: the fp8 cast term, the cast rule for compiled blocks).\n"] + _pair_table(est_pairs, "ComfyUI alone + SDPA", "estimator + Sage")
+    o += ["\n## Sage against SDPA with the same reservation\n",
+          "The Sage patch alone: the same reservation (ComfyUI's own, or the estimator's) with and without the patch.\n"]
+    o += _pair_table(sorted(e2e_pairs((False, "sage"), (False, "sdpa")) + e2e_pairs((True, "sage"), (True, "sdpa")), key=_pair_order),
+                     "SDPA", "Sage patch", reservation=True)
+    o += [""] + residency_section(sets) + oom_section(sets) + compile_e2e_section(sets) + method_section(runs)
+    o += all_runs_section(sets)
+    return "\n".join(o) + "\n"
+
+
+def residency_section(sets) -> list:
+    o = ["## Residency and headroom under a budget\n",
+         "Every completed estimator run under a budget: the share of each expert's weights kept resident (ComfyUI",
+         "alone's at the same setting on the same machine beside it, where it ran), the working memory the estimator",
+         "reserved against the one measured (the sampling peak allocated above what was allocated when sampling",
+         "started; high-noise expert; low-noise expert), and the headroom: the budget minus the highest peak reserved",
+         "while an expert sampled. The headroom is *met* when every weight stays resident or less than 1.5 GiB of the",
+         f"budget is left, *at the budget* under {plot_e2e.AT_THE_BUDGET_GIB:g} GiB.\n",
+         "| weights | budget | size | setup | attention | resident | ComfyUI alone resident | working GiB reserved / measured | headroom GiB | verdict | records |",
+         "|---|---|---|---|---|---|---|---|---:|---|---|"]
+    lines = []
+    for s in sets:
+        comfy = {}
+        for r in s["runs"]:
+            if not r["config"]["estimator"]:
+                comfy.setdefault(_cfg(r), []).append(r)
+        for r in s["runs"]:
+            c = r["config"]
+            if not c["estimator"] or r.get("status") != "ok" or c.get("budget_gib") is None:
+                continue
+            ex = r.get("experts") or {}
+            fr = [e.get("resident_frac") for e in ex.values() if e.get("resident_frac") is not None]
+            peak = plot_e2e.sampling_peak_reserved(r)
+            head = c["budget_gib"] - peak
+            full = all(f >= 0.9999 for f in fr)
+            verdict = "at the budget" if head < plot_e2e.AT_THE_BUDGET_GIB else ("met" if full or head < 1.5 else "missed")
+            pm = "; ".join(f"{plot_e2e._f(e.get('predicted_working_gib'))} / {plot_e2e._f(e.get('working_gib'))}" for e in ex.values())
+            alone = comfy.get(_cfg(r))
+            w, b, size, setup = _cfg(r)
+            lines.append(((w, -b, -size[0] * size[1], SETUPS.index(setup), s["label"]),
+                          f"| {w} | {_budget_text(b)} | {_size_text(size)} | {SETUP_NAMES[setup]} | {c['attention']} | "
+                          f"{_percent(fr)} | {_percent([e['resident_frac'] for x in alone for e in x['experts'].values() if e.get('resident_frac') is not None]) if alone else '—'} | {pm} | {head:.2f} | "
+                          f"{verdict if verdict == 'met' else f'**{verdict}**'} | {link(name_of(s['file']), s['label'])} |"))
+    o += [x for _k, x in sorted(lines, key=lambda t: t[0])]
+    return o + [""]
+
+
+def oom_section(sets) -> list:
+    est = [(s, r) for s in sets for r in s["runs"] if r["config"]["estimator"]]
+    ooms = [(s, r) for s in sets for r in s["runs"] if r.get("status") == "oom"]
+    o = ["## Out of memory\n",
+         f"**{sum(r.get('status') == 'oom' for _s, r in est)} of {len(est)} estimator runs ran out of memory**; every run",
+         "that did, with what ComfyUI alone did at the same setting (any machine):\n",
+         "| run | weights | budget | size | setup | failed in | ComfyUI alone at that setting | records | wan-sage | note |",
+         "|---|---|---|---|---|---|---|---|---|---|"]
+    for s, r in ooms:
+        w, b, size, setup = _cfg(r)
+        alone = [x for s2 in sets for x in s2["runs"] if not x["config"]["estimator"] and _cfg(x) == _cfg(r)]
+        alone_text = _and(sorted({x.get("status") for x in alone})) if alone else "not run"
+        src = rule_source(s["file"])
+        o.append(f"| {r['run']} | {w} | {_budget_text(b)} | {_size_text(size)} | {SETUP_NAMES[setup]} | {r.get('failed_phase')} | "
+                 f"{alone_text} | {link(name_of(s['file']), s['label'])} | `{commit_of(r)}` | "
+                 + (f"{RULE_TEXT[src]} was set from this file's runs |" if src else "|"))
+    o += ["",
+          "- fp8 with every weight resident at 24 GiB: cudaMallocAsync held about 3.5 GiB of holes around the per-call fp8",
+          "  weight casts above the allocated peak, which the estimate then had no room for. The estimate reserves room",
+          "  for them since (`cast_frag_factor`, set from that file's runs), and the same configuration completed with it",
+          "  (the residency table above).",
+          "- Compiled per block at 8 GiB with 1 % of each expert resident: the estimator's report said the run cannot fit",
+          "  even fully offloaded, and ComfyUI alone with compiled SDPA ran out of memory there too (inside a compiled",
+          "  block; `oom_where`, `oom_memory` and `oom_figures` in its record): compiled streaming at 720p81 needs more",
+          "  than 8 GiB with or without the estimator.",
+          ""]
+    return o
+
+
+def _e2e_key(r) -> str:
+    c = r["config"]
+    return (("est" if c["estimator"] else "comfy") + "+" + c["attention"] + ("+" + plot_e2e.compile_kind(c) if c.get("compile") else "")
+            + ("@full" if c.get("budget_gib") is None else f"@{c['budget_gib']:g}")
+            + ("" if (c["width"], c["height"], c["frames"]) == R720 else f" {c['width']}x{c['height']}x{c['frames']}"))
+
+
+def _log_lines(p: Path) -> list:
+    return gzip.open(p, "rt").read().splitlines() if p.is_file() else []
+
+
+def log_env(lines: list) -> dict:
+    """The ``e2e env`` record of a bench.e2e log."""
+    return next((json.loads(x.split(": ", 1)[1]) for x in lines if x.startswith("e2e env: ")), {})
+
+
+def log_runs(lines: list) -> dict:
+    """run -> [(expert, seconds)] of each ``e2e step`` line a bench.e2e log has after its ``e2e run`` line."""
+    out, run = {}, None
+    for line in lines:
+        if line.startswith("e2e run "):
+            run = line.split(": ", 1)[1] if ": " in line else None
+        elif run and line.startswith("e2e step "):
+            expert, rest = line[len("e2e step "):].split(" ", 1)
+            out.setdefault(run, []).append((expert, float(rest.split(": ", 1)[1].split(" s", 1)[0])))
+    return out
+
+
+def unrecorded_runs() -> list:
+    """(log, env, run, steps) of each run an e2e log shows steps of but no record file holds: a call killed
+    at its time limit after the steps and before the run's record was written."""
+    recorded = {r["run"] for _p, r in e2e_records()}
+    out = []
+    for p in sorted((RECORDS / "e2e").glob("*.log.gz")):
+        lines = _log_lines(p)
+        env = log_env(lines)
+        for run, steps in log_runs(lines).items():
+            if run not in recorded and steps:
+                out.append((p, env, run, steps))
+    return out
+
+
+def compile_e2e_section(sets) -> list:
+    """The end-to-end runs of each set with a compiled run: s/step against eager SDPA at the same budget in
+    the same set, working memory, compile time, graph breaks, recompiles, head-split calls."""
+    def after_first(r):
+        return plot_e2e._steps_s(r, skip_first=True)
+
+    def working(r, e):
+        return r["experts"][e]["working_gib"]
+
+    o = ["## torch.compile end to end\n",
+         "Both experts compiled through ComfyUI: `compile per block` compiles each transformer block on its own",
+         "(`set_torch_compile_wrapper` with the keys `diffusion_model.blocks.N`, as per-block compile nodes do),",
+         "`compile` is ComfyUI's own `TorchCompileModel` node (the whole diffusion model as one graph), each applied",
+         "after the Sage patch so that the compiled model carries it. Each compiled run starts from",
+         "`torch._dynamo.reset()`. s/step leaves out each expert's first step, which carries the compile; × eager SDPA",
+         "is against ComfyUI alone with eager SDPA at the same budget and size in the same set. Working GiB is the",
+         "sampling peak above what was allocated when sampling started, high-noise expert; low-noise expert. Runs",
+         "that ran out of memory are in *Out of memory* above. One table per set with a compiled run:"]
+    by_set = []
+    for s in sets:
+        rs = [r for r in s["runs"] if r.get("status") == "ok"]
+        if not any(r["config"].get("compile") for r in rs):
+            continue
+        by = {_e2e_key(r) + f" {r['config']['weights']}": r for r in rs}
+        by_set.append((s, by))
+        commits = list(dict.fromkeys(commit_of(r) for r in rs))
+        o += ["", f"{link(name_of(s['file']), s['label'])} (wan-sage {_and([f'`{x}`' for x in commits])}):\n",
+              "| run | weights | resident | s/step | × eager SDPA | working GiB | compile s | graph breaks | recompiles | head-split calls (high; low) |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for k, r in by.items():
+            c = r.get("compile") or {}
+            att = [(r["experts"][e].get("attention") or {}) for e in ("high", "low")]
+            split = "; ".join(str(a.get("head_split_calls", "—")) for a in att) if r["config"]["attention"] == "sage" else "—"
+            base = by.get("comfy+sdpa@" + k.split("@", 1)[1])  # same budget, size and weights
+            ratio = f"{after_first(base) / after_first(r):.3f}" if base else "—"
+            res = min(e.get("resident_frac", 1.0) for e in r["experts"].values())
+            o.append(f"| {k.rsplit(' ', 1)[0]} | {r['config']['weights']} | {res:.0%} | {after_first(r):.3f} | {ratio} | "
+                     f"{working(r, 'high'):.2f}; {working(r, 'low'):.2f} | "
+                     f"{format(c['compile_s'], '.1f') if c else '—'} | {c.get('graph_breaks', '—')} | {c.get('recompiles', '—')} | {split} |")
+    o.append("")
+    # the configurations the reading below compares, found in whichever sets hold them
+    for s, by in by_set:
+        g = {k.rsplit(" ", 1)[0]: r for k, r in by.items() if k.endswith(" gguf")}
+        base, sage_b, sdpa_b = g.get("comfy+sdpa@full"), g.get("comfy+sage+compile per block@full"), g.get("comfy+sdpa+compile per block@full")
+        if base and sage_b and sdpa_b:
+            o.append(f"- GGUF, full card ({s['label']}): per-block compile + Sage runs at {after_first(base) / after_first(sage_b):.3f}× eager SDPA and "
+                     f"{after_first(sdpa_b) / after_first(sage_b):.3f}× per-block compile with SDPA. Its settled expert's working memory equals "
+                     f"compiled SDPA's ({working(sage_b, 'low'):.2f} against {working(sdpa_b, 'low'):.2f} GiB): the memory mode ran every Sage call grouped.")
+            o.append(f"  The first expert's {working(sage_b, 'high'):.2f} GiB is the step that timed the new shape (ungrouped,")
+            o.append("  grouped and SDPA on the real tensors, each only after the memory check for it passed); the estimator")
+            o.append("  reserves the ungrouped call until a shape has settled grouped.")
+        sage24, sdpa24, eager24 = (g.get(k) for k in ("comfy+sage+compile per block@24", "comfy+sdpa+compile per block@24", "comfy+sdpa@24"))
+        if sage24 and sdpa24 and eager24:
+            split = (sage24["experts"]["low"].get("attention") or {}).get("head_split_calls", 0)
+            o.append(f"- GGUF, 24 GiB ({s['label']}): per-block compile + Sage {after_first(eager24) / after_first(sage24):.3f}× eager SDPA and "
+                     f"{after_first(sdpa24) / after_first(sage24):.3f}× compiled SDPA, with "
+                     + ("every Sage call ungrouped: the process measured the split more than 2 % slower when it timed the shape, so"
+                        " the memory mode left it whole," if not split else "the shape settled grouped,")
+                     + f" and the working memory is {working(sage24, 'low'):.2f} GiB settled against compiled SDPA's {working(sdpa24, 'low'):.2f}.")
+    again = [(s, by[k]) for s, by in by_set for k in by if k == "comfy+sage+compile per block@24 gguf"]
+    if len(again) > 1:
+        o.append("- The second expert under compile, GGUF per-block compile + Sage at 24 GiB in "
+                 + _and([f"{s['label']} (wan-sage `{commit_of(r)}`: {r['compile']['unique_graphs']} graph{'s' * (r['compile']['unique_graphs'] != 1)}, "
+                         f"{r['compile']['recompiles']} recompile{'s' * (r['compile']['recompiles'] != 1)}, the low-noise expert's first step "
+                         f"{r['experts']['low']['step_s'][0]:.1f} s, {after_first(r):.3f} s/step after it)" for s, r in again])
+                 + ". A compiled call names the patch by its settings since 57e0002, so the second expert reuses the first"
+                   " expert's graph; a graph that named the patch id recompiled once for it.")
+    for s, by in by_set:
+        whole = by.get("comfy+sdpa+compile@full gguf")
+        if whole:
+            o.append(f"- ComfyUI's `TorchCompileModel` compiles the whole diffusion model as one graph: {whole['compile']['compile_s']:.0f} s for the first")
+            o.append(f"  expert on the H200 (the second reused the graph: {whole['compile']['unique_graphs']} graph, {whole['compile']['recompiles']} recompiles), "
+                     f"{after_first(whole):.3f} s/step after it, working {working(whole, 'low'):.2f} GiB ({s['label']}).")
+    for p, env, run, steps in unrecorded_runs():
+        first, rest = steps[0][1], [x for _e, x in steps[1:]]
+        low_first = next(x for e, x in steps if e == "low")
+        o.append(f"- {run} (wan-sage `{env.get('wan_sage_commit')}`): the first step, which compiled the")
+        o.append(f"  whole model, took {first:.1f} s, the next {len(rest)} {_span(rest, '{:.2f}')} s; the low-noise expert's first step took {low_first:.2f} s,")
+        o.append("  so it ran the graph the high-noise expert compiled. The call was killed at its time limit after its")
+        o.append(f"  {len(steps)} steps, before the run's record was written: these figures are the `e2e step` lines of its log,")
+        o.append(f"  {link(name_of(p))} (no memory or dynamo counts).")
     o.append("")
     return o
 
 
-def e2e_streamed_section() -> list:
-    """The experts sampled end to end with weights partly offloaded (GGUF A14B), against the
-    reservation today's estimate makes for them; from the e2e records, recomputed with today's code.
-    Also what a GGUF-only streaming term set from session 5's eager experts would have done on
-    session 6's, which it was not set from."""
-    lines, held_over, over_resident, _compiled = _streamed_rows((E2E_BUDGETS_FILE, E2E_BUDGETS_2_FILE, E2E_BUDGETS_3_FILE))
-    o = ["\n## Partly offloaded end to end (GGUF A14B, H200)\n",
-         "The end-to-end runs with weights partly offloaded: session 5 at 16 and 12 GiB, 1280×720×81",
-         f"(`docs/measurements/{E2E_BUDGETS_FILE}`), session 6 at 12 and 8 GiB and at two other sizes, 832×480×81 at",
-         f"8 GiB and 832×1472×49 at 10 GiB (`docs/measurements/{E2E_BUDGETS_2_FILE}`); docs/benchmarks.md sessions 5 and 6.",
-         "Q4_K_M experts with a rank-64 LoRA, part of each expert's weights streamed at every step, eager and",
-         "compiled per block. Per expert: the allocated working memory, what the allocator held above it at the",
-         "sampling peak (peak reserved − peak allocated), what it held above the resident weights in all, and the",
-         "reservation today's estimate makes for that configuration with weights partly offloaded (compiled blocks",
-         "with streamed weights are reserved as eager). `partial_frag_factor` was set from other records (the",
-         "reference budget run), so these rows check it (`tests/unit/test_constants_held_out.py`). Completed runs",
-         "only: compiled per block at 8 GiB, the estimator run (session 6) and ComfyUI alone (session 7) both ran",
-         "out of memory (docs/benchmarks.md).\n",
-         ] + _streamed_table(lines, held_over)
-    fit, check = over_resident.get(5, []), over_resident.get(6, [])
-    if fit and check:
-        m = max(fit)
-        short = [x for x in check if x > max(m, 0.0)]
-        short_fixed = [x for x in check if x > max(m, 0.0) + (CALIBRATED['partial_fixed'] / GiB)]
-        o.append(f"- **A GGUF-only streaming term, tried and not taken.** With eager streaming, what the allocator held minus the "
-                 f"reservation for resident weights was at most {m:+.2f} GiB over session 5's {len(fit)} experts, so a term")
-        o.append(f"  set from them would reserve that reservation plus {max(m, 0.0):.2f} GiB (floored at 0). On session 6's {len(check)} eager experts, which it was not set")
-        o.append(f"  from (other budgets and sizes), {len(short)} held more, by up to {max(check) - max(m, 0.0):.2f} GiB; with "
-                 f"`partial_fixed` ({(CALIBRATED['partial_fixed'] / GiB):.2f} GiB) added, {len(short_fixed)} still did. The")
-        o.append("  partial-load term stays as set, at the cost of the unused budget above.")
-    o.append("")
-    return o
+def method_section(runs) -> list:
+    inherited = [(r.get("budget") or {}).get("inherited_alloc_gib") for r in runs]
+    inherited = [x for x in inherited if x is not None]
+    retries = [r.get("alloc_retries") for r in runs if r.get("alloc_retries") is not None]
+    ballast = [(r.get("budget") or {}).get("ballast_gib") for r in runs if (r.get("budget") or {}).get("ballast_gib")]
+    return ["## How it is measured\n",
+            "The harness is `python -m bench.e2e`: real ComfyUI in-process, its own loader, encode, LoRA,",
+            "`ModelSamplingSD3`, `KSamplerAdvanced` and `VAEDecode` nodes, under `torch.inference_mode()` as ComfyUI's",
+            "executor runs them, the pack's two nodes applied through their own wiring with default settings. The model",
+            "files are random weights at real sizes and real key names (random weights exercise the same memory and",
+            "compute; `bench/e2e_models.py`, `bench/kquants.py`). On the device, `bench/e2e_h200.sh` installs the carried",
+            "wheels and the Sage build, writes the model files and runs a list of run specs, starting no run that could",
+            "end after the call's 10 minutes (bench/README.md). A run spec is",
+            "`{est|comfy}+{sdpa|sage}[+compile|+compileblocks]@{GB|full}:{res}`: `est` with the Working-Memory Estimator,",
+            "`comfy` ComfyUI alone; `sage` with the Sage Attention Patch; `@24` a simulated 24 GB card, `@full` the whole",
+            "H200.\n",
+            "### The simulated budget\n",
+            "`--vram-budget 24` holds a ballast allocation" + (f" ({_span(ballast, '{:.1f}')} GiB here)" if ballast else "")
+            + " so that ComfyUI's `get_free_memory()`",
+            "reads the budget, checked to within 1 MiB. What ComfyUI decides (which weights stay resident, what it evicts,",
+            "how it batches) reads that figure, so the decisions are those of a card of that size. What differs:\n",
+            "- **Compute and the host link are the H200's.** An H200 computes several times faster than a 24 GB consumer",
+            "  card, and its link to host memory is not a desktop's, so the balance between compute and streamed weights",
+            "  differs. Compare ratios within one configuration, not absolute seconds, and expect the estimator's gain from",
+            "  keeping weights resident to be larger on a real card.",
+            "- **The CUDA context is outside the budget**, as it is outside a real card's free memory; a real 24 GB card",
+            "  has about 22.5–23.2 GiB free after its context and desktop, so `@24` is about 1 GiB kinder than a real",
+            "  card. The estimator reads the real free memory, so on a real card it keeps fewer weights resident rather",
+            "  than running out.",
+            "- **One allocator pool.** With cudaMallocAsync the ballast lives in the same pool as everything else;",
+            "  fragmentation near the limit can differ slightly from a card that is really that small.",
+            "- **Running out is an exception here, as on Linux.** Windows' NVIDIA \"sysmem fallback\" spills to shared",
+            "  system memory and carries on many times slower. That cannot be reproduced on Linux: where this harness",
+            "  reports out of memory, such a Windows card runs slowly instead.",
+            f"- **Nothing was inherited.** Every run started with at most {max(inherited):.3f} GiB still allocated after the previous",
+            "  run's models were unloaded (`budget.inherited_alloc_gib`; a run above 0.25 GiB is marked `faithful: false`,",
+            "  run again and left out of every table), and "
+            + (f"no allocation needed the allocator to free its cache first (`alloc_retries: 0` in all {len(retries)} runs that count them)."
+               if not any(retries) else f"{sum(1 for x in retries if x)} of {len(retries)} runs had an allocation that needed the allocator to free its cache first."),
+            "",
+            "### The first step\n",
+            "The first Sage call of a fresh machine pays the patch's one-time kernel self-test and the first calls of",
+            "SageAttention's Triton quantisation kernels, which Triton compiles and caches on disk; a new shape pays the",
+            "dispatcher's timing once (`calibration_ms` in a run's attention record). The harness's warm-up run makes the",
+            "first Sage calls itself, and the tables give both the all-steps and the after-the-first ratios: a long-running",
+            "ComfyUI server pays these once.\n",
+            "### What is not measured\n",
+            "- A real 24 GB card, and any GPU but the H200: the budget is simulated (above).",
+            "- Trained weights: the random weights have the real shapes, dtypes, quantisation types and LoRA ranks, so",
+            "  memory and compute match, but images are noise.",
+            "- fp8 with the estimator at 24 GiB, eager, interleaved with ComfyUI alone on one machine with the cast term in",
+            "  force: the same-machine ratio of that case is from before the cast term (¹ above).",
+            "- Forward-peak rows of a whole-model compile: a whole-model `TorchCompileModel` is planned as eager.",
+            "- A streaming term for compiled blocks, and a GGUF-only one: with weights streamed the estimator reserves the",
+            "  eager figure and the partial-load term, which left 2–5 GiB of the budget unused in the runs above",
+            "  (docs/memory-model.md, \"Partly offloaded end to end\").",
+            ""]
 
 
-def partial_load_section() -> list:
-    o = ["## Partial loading on a simulated 24 GB card\n",
-         "A14B weights at real size (bf16: 26.6 GiB; fp8 e4m3: 13.3 GiB) are loaded through",
-         "`comfy.sd.load_diffusion_model_state_dict`. A ballast allocation makes `get_free_memory()` read 24.0 GiB.",
-         "Each run samples 4 steps (euler, cfg 1.0) with cudaMallocAsync. Three device sessions on 2026-11-29",
-         "(A, B and C, each its own machine); a ratio is only ever taken between runs of one session. The harness now",
-         "runs `comfy.sample.sample` under `torch.inference_mode()`, as ComfyUI's executor runs every node; all rows",
-         "of sessions A and B but the 480p81 fp8 pair were measured before that change, with autograd enabled around model loading (the",
-         "sampler itself is `no_grad`, so the forward and its memory are the same). ComfyUI's fp8 LoRA patching",
-         "refuses autograd (`clamp(): functions with out=... arguments don't support automatic differentiation`),",
-         "which is how the gap was found: the 480p81 fp8 + LoRA rows are from after the change.",
-         "In session B the SDPA runs, and in session C the Sage runs, were ordered",
-         "ComfyUI, wan-sage, wan-sage, ComfyUI (C: wan-sage first), so that drift over the session cancels.\n",
-         "```bash",
-         "COMFYUI_PATH=... python3 bench/partial_load.py --budget-gb 24 --res 1280x720x81 --steps 4 --configs comfy,ours,comfy+sage,ours+sage          # A",
-         "COMFYUI_PATH=... python3 bench/partial_load.py --budget-gb 24 --res 1280x720x81 --steps 4 --configs comfy,ours,ours,comfy,comfy+sage,ours+sage  # B",
-         "COMFYUI_PATH=... python3 bench/partial_load.py --budget-gb 24 --res 1280x720x81 --steps 4 --weights fp8 --configs comfy,ours,comfy+sage,ours+sage  # B",
-         "COMFYUI_PATH=... python3 bench/partial_load.py --budget-gb 24 --res 832x480x81 --steps 4 --lora-rank 64 --configs ours+sage,comfy+sage  # A",
-         "COMFYUI_PATH=... python3 bench/partial_load.py --budget-gb 24 --res 832x480x81 --steps 4 --weights fp8 --lora-rank 64 --configs ours+sage,comfy+sage  # B",
-         "COMFYUI_PATH=... python3 bench/partial_load.py --budget-gb 24 --res 1280x720x81 --steps 4 --configs ours+sage,comfy+sage,comfy+sage,ours+sage  # C",
-         "```\n",
-         "| session | run | reservation / row | weights resident | s/step (median of 2–4) | peak allocated | peak reserved | headroom | result | Sage / SDPA calls |",
-         "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
-    for f, lab, ses in PARTIAL_RUNS:
-        for r in rows(M / f):
-            sg = r.get("sage")
-            calls = f"{sg['sage_calls']} / {sg['sdpa_calls']}" if sg and sg.get("sage_calls") else ("n/a" if "+sage" in r["config"] else "")
-            o.append(f"| {ses} | {lab} {r['config']} | {r['reservation_gib_per_row']:.2f} GiB | {r['weights_resident_gib']:.2f} GiB | "
-                     f"{r['median_2_4_s']:.3f} s | {r['peak_alloc_gib']:.2f} GiB | {r['peak_reserved_gib']:.2f} GiB | "
-                     f"{24.0 - r['peak_reserved_gib']:.2f} GiB | {r['status']} | {calls} |")
-    o += ["\n`headroom` is the budget minus the peak reserved by the allocator (ComfyUI's 400 MiB extra reserve",
-          "included). `n/a`: session A's harness read the Sage counts after the patch had closed its window (fixed",
-          "before session B; in B each forward (40 blocks) made 40 Sage self-attention and 40 SDPA cross-attention",
-          "calls, the cross ones declined with reason `cross_slower`).\n",
-          "Speed per step, ComfyUI's own reservation against wan-sage's (median of each configuration's runs",
-          "within one session):\n",
-          "| session | case | attention | ComfyUI s/step | wan-sage s/step | × | runs each |",
-          "|---|---|---|---:|---:|---:|---:|"]
-    for lab, ses, att, mc, mw, ratio, n in partial_ratios():
-        o.append(f"| {ses} | {lab} | {att} | {mc:.3f} | {mw:.3f} | {ratio:.3f}× | {n} |")
-    o += partial_reading()
-    return o
+def all_runs_section(sets) -> list:
+    o = ["## Every run\n",
+         "Every faithful run record, one table per set (one machine). \"Working GiB\" is what the run reserved for one",
+         "row (`memory_required`: the estimator's figure with `est`, ComfyUI's own without) against the peak allocated",
+         "during sampling minus what was allocated when sampling started. Peaks are for the whole run, above the",
+         "ballast."]
+    for s in sets:
+        if not s["runs"]:
+            continue
+        o += ["", f"### {s['label']}\n", f"{link(name_of(s['file']))}, wan-sage "
+              + _and(list(dict.fromkeys(f"`{commit_of(r)}`" for r in s["runs"]))) + ":\n"]
+        o.append(plot_e2e.markdown(s["runs"]).rstrip("\n"))
+    o += ["", "### The targets\n",
+          "The targets the benchmark was built to, over every set (`bench.plot_e2e.targets`): Sage ≥ 1.20× SDPA with the",
+          "estimator at 24 GiB, estimator + Sage ≥ 1.25× ComfyUI alone with SDPA at 24 GiB, Sage ≥ 1.25× SDPA on the full",
+          "card (each within one set), never out of memory where ComfyUI alone completes (over all sets), and the",
+          "headroom of each estimator run under a budget. \"Met after the first step\" means the target is met only when",
+          "each run's first step, which pays the once-per-machine costs, is left out.\n",
+          plot_e2e.targets_markdown([r for s in sets for r in s["runs"]]).rstrip("\n")]
+    return o + [""]
+
+
+# --------------------------------------------------------------------------- README.md's results table
+
+README_BLOCK = "results"
+
+
+def readme_results(summary) -> str:
+    """The README's results table: headline figures only, each linking to its docs section."""
+    ab = rows("attention/auto-interleaved.jsonl")
+    auto720 = next(r for r in ab if r["backend"] == "auto" and r["shape"] == "a14b_720p81_self")
+    t = {r["config"]: r for r in rows("compile/table.jsonl")}
+    base = t["eager-sdpa"]["s_per_forward"]
+    by = {title: (rs, tot) for title, _n, rs, _l, tot in summary}
+    held = [(title, by[title]) for title in ("Eager, held out", "Compiled, held out", "Compiled Sage, held out")]
+    n_held = sum(len(rs) for _t, (rs, _tot) in held)
+    errs = [p / r["measured"] - 1 for _t, (rs, tot) in held for r, p in zip(rs, tot)]
+    under = sum(1 for e in errs if e < 0)
+    over = [m for _t, (rs, tot) in held for m in _over_peaks(rs, tot)]
+    pairs = e2e_pairs((True, "sage"), (False, "sdpa"))
+    sets = e2e_sets()
+    est = [r for s in sets for r in s["runs"] if r["config"]["estimator"]]
+    ooms = [(s, r) for s in sets for r in s["runs"] if r["config"]["estimator"] and r.get("status") == "oom"]
+
+    def e2e_row(weights):
+        parts = []                  # (measured before a rule, text): what the estimate does now first
+        for setup in SETUPS:
+            xs = [x for x in pairs if x["cfg"] == (weights, 24.0, R720, setup)]
+            fresh = [x for x in xs if not rule_source(x["set"]["file"])]
+            use = fresh or xs
+            if use:
+                parts.append((not fresh, f"{_span([x['ratio'] for x in use], '{:.2f}')}× {SETUP_NAMES[setup].split(' (')[0]}"
+                              + ("" if fresh else ", measured before " + _and(sorted({RULE_TEXT[rule_source(x['set']['file'])] for x in use})))))
+        return "; ".join(text for _before, text in sorted(parts, key=lambda x: x[0]))
+    oom_why = []
+    for s, r in ooms:
+        alone = [x for s2 in sets for x in s2["runs"] if not x["config"]["estimator"] and _cfg(x) == _cfg(r)]
+        w, b, _size, setup = _cfg(r)
+        where = f"{w} {SETUP_NAMES[setup].split(' (')[0]} at {_budget_text(b)}"
+        if alone and all(x.get("status") == "oom" for x in alone):
+            oom_why.append(f"{where}, where ComfyUI alone ran out too")
+        elif rule_source(s["file"]):
+            oom_why.append(f"{where}, before {RULE_TEXT[rule_source(s['file'])]} set from it")
+        else:
+            oom_why.append(f"{where}, where ComfyUI alone completed")
+    rows_ = [
+        ("A14B 720p81 self-attention, `auto` against SDPA", f"**{auto720['ratio']:.2f}×** ({auto720['chosen']})",
+         f"[attention](docs/attention.md#{anchor('The `auto` override end to end')})"),
+        ("torch.compile + Sage per forward, against eager SDPA (A14B 720p81)",
+         f"**{base / t['compile-sage-ungrouped']['s_per_forward']:.3f}×**, 0 graph breaks",
+         "[attention](docs/attention.md#torchcompile)"),
+        (f"working-memory model on {n_held} held-out forward peaks", f"**{100 * min(errs):+.1f} % to {100 * max(errs):+.1f} %**"
+         + (", never under" if not under else f", {under} under")
+         + (f"; above +10 % only peaks under {_ceil2(max(over) / GiB):.2f} GiB" if over else ""),
+         f"[memory model](docs/memory-model.md#{anchor('Fit, held-out and check rows')})"),
+        ("GGUF A14B end to end at 24 GiB, estimator + Sage against stock ComfyUI per step", f"**{e2e_row('gguf')}**",
+         f"[benchmarks](docs/benchmarks.md#{anchor('Per step against stock ComfyUI')})"),
+        ("fp8 A14B end to end at 24 GiB, estimator + Sage against stock ComfyUI per step", f"**{e2e_row('fp8')}**",
+         f"[benchmarks](docs/benchmarks.md#{anchor('Per step against stock ComfyUI')})"),
+        ("estimator runs out of memory", f"**{len(ooms)} of {len(est)}**" + (f" ({'; '.join(oom_why)})" if ooms else ""),
+         f"[benchmarks](docs/benchmarks.md#{anchor('Out of memory')})"),
+    ]
+    out = ["| measured on the H200 | result | details |", "|---|---|---|"]
+    out += [f"| {a} | {b} | {c} |" for a, b, c in rows_]
+    return "\n".join(out)
+
+
+def replace_block(p: Path, name: str, text: str) -> bool:
+    """Put ``text`` between the ``<!-- render_docs: NAME -->`` and ``<!-- /render_docs: NAME -->`` lines
+    of ``p`` when both are there, once each; return whether they were."""
+    start, end = f"<!-- render_docs: {name} -->", f"<!-- /render_docs: {name} -->"
+    lines = p.read_text().split("\n")
+    if lines.count(start) != 1 or lines.count(end) != 1:
+        return False
+    i, j = lines.index(start), lines.index(end)
+    p.write_text("\n".join(lines[:i + 1] + text.rstrip("\n").split("\n") + lines[j:]))
+    return True
+
+
+# --------------------------------------------------------------------------- main
+
+def render() -> dict:
+    """The rendered pages: path -> text, and the README's results table under ``README_BLOCK``."""
+    summary = forward_summary()
+    return {"docs/attention.md": attention_doc(), "docs/memory-model.md": memory_doc(summary),
+            "docs/benchmarks.md": benchmarks_doc(), README_BLOCK: readme_results(summary)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.render_docs", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--print-results", action="store_true", help="print the README's results table too")
+    a = ap.parse_args(argv)
+    pages = render()
+    for rel, text in pages.items():
+        if rel != README_BLOCK:
+            (ROOT / rel).write_text(text)
+            print(rel)
+    if replace_block(ROOT / "README.md", README_BLOCK, pages[README_BLOCK]):
+        print(f"README.md (the {README_BLOCK} table)")
+    else:
+        print(f"README.md has no <!-- render_docs: {README_BLOCK} --> block: left as it is")
+    if a.print_results:
+        print(pages[README_BLOCK])
+    return 0
 
 
 if __name__ == "__main__":
-    attention_doc()
-    memory_doc()
+    sys.exit(main())

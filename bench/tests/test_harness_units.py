@@ -1,16 +1,12 @@
-"""Unit tier: the pure parts of the compile harness (no ComfyUI): configuration names, the deadline's
-estimates, resuming from records, the held-out size set and the memory mode passed to PatchConfig."""
+"""Unit tier: the pure parts of the compile table and the forward-peak tool (no ComfyUI): configuration
+names, the deadline's estimates, resuming from records, the held-out size set, the memory mode passed to
+PatchConfig, and what dynamo's messages become in a record."""
 import dataclasses
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH))
-import _host  # noqa: E402
-import compile_table  # noqa: E402
+from bench import _host, compile_table
 
 
 def test_configuration_names():
@@ -73,10 +69,10 @@ def test_memory_mode_goes_straight_into_patch_config(monkeypatch):
 
 
 def test_heldout_sizes_are_sizes_the_fit_never_saw():
-    import wan_forward_calibration as calibration
+    from bench import forward_peaks
     from wan_sage.memory import activation_model
-    for model, sizes in calibration.HELDOUT.items():
-        fit = set(calibration.SIZES[model])
+    for model, sizes in forward_peaks.HELDOUT.items():
+        fit = set(forward_peaks.SIZES[model])
         dims = _host.wan_dims(model)
         cell = dims.vae_stride[1] * dims.patch_size[1]           # pixels per token side: 16, or 32 for TI2V-5B
         assert sizes and not fit & set(sizes), model
@@ -93,54 +89,54 @@ def test_heldout_sizes_are_sizes_the_fit_never_saw():
 
 
 def test_heldout_pass_is_estimated_under_five_minutes_from_the_fitted_table(capsys):
-    import wan_forward_calibration as calibration
-    fits = calibration.forward_cost_model()
+    from bench import forward_peaks
+    fits = forward_peaks.forward_cost_model()
     assert {("a14b", "sdpa"), ("a14b", "sage"), ("1.3b", "sdpa"), ("ti2v5b", "sage")} <= set(fits)
-    plan = calibration.plan_rows(["a14b", "ti2v5b", "1.3b"], ["bf16"], ["sdpa", "sage"], [None],
-                                 lambda m: calibration.HELDOUT[m])
-    assert len(plan) == 2 * sum(len(s) for s in calibration.HELDOUT.values())
-    total = calibration.print_estimate(plan, fits, False, print)
+    plan = forward_peaks.plan_rows(["a14b", "ti2v5b", "1.3b"], ["bf16"], ["sdpa", "sage"], [None],
+                                 lambda m: forward_peaks.HELDOUT[m])
+    assert len(plan) == 2 * sum(len(s) for s in forward_peaks.HELDOUT.values())
+    total = forward_peaks.print_estimate(plan, fits, False, print)
     assert 60 < total < 300
     assert "estimate total" in capsys.readouterr().out
     # a compiled run costs two forwards and the compile allowance
     row = plan[0]
-    assert calibration.run_estimate_s(row, fits, True) == pytest.approx(
-        2 * calibration.run_estimate_s(row, fits, False) + calibration.COMPILE_ALLOWANCE_S)
+    assert forward_peaks.run_estimate_s(row, fits, True) == pytest.approx(
+        2 * forward_peaks.run_estimate_s(row, fits, False) + forward_peaks.COMPILE_ALLOWANCE_S)
 
 
-def test_calibration_rows_resume_by_model_dtype_attention_mode_compiled_and_size(tmp_path):
-    import wan_forward_calibration as calibration
+def test_forward_peak_rows_resume_by_model_dtype_attention_mode_compiled_and_size(tmp_path):
+    from bench import forward_peaks
     base = {"model": "a14b", "dtype": "bf16", "attn": "sage", "width": 832, "height": 480, "frames": 81, "ok": True}
     rows = [base, dict(base, memory_mode="sdpa"), dict(base, compiled=True, memory_mode="fastest"),
             dict(base, frames=49, ok=False), {"gpu": "H200"}]
     p = tmp_path / "rows.jsonl"
     p.write_text("\n".join(json.dumps(r) for r in rows) + "\n# built a14b\n")
-    assert calibration.done_rows(str(p)) == {("a14b", "bf16", "sage", None, False, 832, 480, 81),
+    assert forward_peaks.done_rows(str(p)) == {("a14b", "bf16", "sage", None, False, 832, 480, 81),
                                              ("a14b", "bf16", "sage", "sdpa", False, 832, 480, 81),
                                              ("a14b", "bf16", "sage", "fastest", True, 832, 480, 81)}
 
 
 def test_grouped_mode_runs_the_formula_leaves_ungrouped_are_covered_by_the_fastest_run():
-    import wan_forward_calibration as calibration
-    plan = calibration.plan_rows(["a14b", "1.3b"], ["bf16"], ["sage"], ["sdpa", "fastest"],
+    from bench import forward_peaks
+    plan = forward_peaks.plan_rows(["a14b", "1.3b"], ["bf16"], ["sage"], ["sdpa", "fastest"],
                                  lambda m: [(832, 480, 17), (1280, 720, 81)])
-    kept, dropped = calibration.same_as_ungrouped(plan, 90)
+    kept, dropped = forward_peaks.same_as_ungrouped(plan, 90)
     # sm90 at 832x480x17: one group for both models; at 720p81 A14B splits into 7 groups, 1.3B into 2
     assert {(r["model"], r["size"]) for r in dropped} == {("a14b", (832, 480, 17)), ("1.3b", (832, 480, 17))}
     assert all(r["memory_mode"] == "sdpa" for r in dropped) and len(kept) == len(plan) - 2
     # without the fastest run of the same size, the grouped-mode run stays
     only_sdpa = [r for r in plan if r["memory_mode"] == "sdpa"]
-    assert calibration.same_as_ungrouped(only_sdpa, 90) == (only_sdpa, [])
+    assert forward_peaks.same_as_ungrouped(only_sdpa, 90) == (only_sdpa, [])
     # an arch no kernel runs on: nothing is dropped
-    assert calibration.same_as_ungrouped(plan, 70) == (plan, [])
+    assert forward_peaks.same_as_ungrouped(plan, 70) == (plan, [])
 
 
 def test_dynamo_reasons_name_files_without_the_machines_part():
     """Recompile and graph-break reasons go into committed records: an absolute path in dynamo's message
     is cut to the part a reader can find (from ComfyUI's package, site-packages or this checkout), and a
     relative path or a guard such as ``0/0`` stays as it is."""
-    import _compile
-    from _paths import ROOT
+    from bench import _compile
+    from bench._paths import ROOT
     msg = (f"Recompiling function forward in /srv/x/.host/ComfyUI/comfy/ldm/wan/model.py:211\n"
            f"triggered by /venv/lib/python3.12/site-packages/torch/_dynamo/guards.py and {ROOT}/attention/op.py; "
            "0/0: comfy/ldm/wan/model.py")
@@ -162,7 +158,7 @@ def _recompile_message(*failures):
 def test_guard_causes_leave_out_the_entries_of_other_blocks_and_fold_block_numbers():
     """A block's first compile fails only on other blocks' LoRA keys; a block whose own earlier graph
     missed shows why, once per recompile, whatever the block number."""
-    import _compile
+    from bench import _compile
 
     class Watch(_compile.DynamoWatch):
         def __init__(self, messages):

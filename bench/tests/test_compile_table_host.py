@@ -1,28 +1,22 @@
-"""Host tier: the compile table (bench/compile_table.py) on the CPU through real ComfyUI, with the
+"""Host tier: the compile table (``python -m bench.compile_table``) on the CPU through real ComfyUI, with the
 tiny Wan model and dynamo's eager backend: an eager and a compiled configuration, and fullgraph."""
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-import comfy_env
+from bench import _host
 
+comfy_env = _host.comfy_env()
 if comfy_env.skip_reason():
     pytest.skip(f"host tier: {comfy_env.skip_reason()}", allow_module_level=True)
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "compile_table.py"
-
 
 def _run(args, tmp_path, timeout=600):
-    return comfy_env.run_script(SCRIPT, ["--cpu", "--model", "tiny", "--size", "64x64x5", "--backend", "eager", *args],
-                                tmp_path, timeout)
+    return _host.run_tool("compile_table", ["--cpu", "--model", "tiny", "--size", "64x64x5", "--backend", "eager", *args],
+                          timeout)
 
 
 def _has_memory_mode():
-    sys.path.insert(0, str(ROOT / "bench"))
-    import _host
     return _host.has_memory_mode()
 
 

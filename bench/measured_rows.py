@@ -1,11 +1,15 @@
-"""What today's memory model predicts for a measured record: a forward row of ``memory/calibration/``
-or the configuration of an end-to-end run.  The tests that hold the model to the measurements and the
-docs that render them both predict through here, so a row is predicted one way only."""
+"""What the pack's memory model predicts for a measured record: a forward-peak row of
+``bench/records/forward-peaks/`` or the configuration of an end-to-end run of ``bench/records/e2e/``.
+The tests that hold the model to the records (bench/tests) and the docs rendered from them
+(``python -m bench.render_docs``) both predict through here, so a row is predicted one way only."""
 from __future__ import annotations
 
-from . import activation_model
-from .estimate import Estimate, Setup, activation_bytes, attention_plan, plan, sage_groups
-from .weights import weights_for_key
+from . import _host
+
+_host.load_pack()
+from wan_sage.memory import activation_model  # noqa: E402
+from wan_sage.memory.estimate import Estimate, Setup, activation_bytes, attention_plan, plan, sage_groups  # noqa: E402
+from wan_sage.memory.weights import weights_for_key  # noqa: E402
 
 # The short model names the measured rows use, and the presets they were measured at.
 ROW_PRESETS = {"a14b": "wan2.2-a14b", "1.3b": "wan2.1-1.3b", "ti2v5b": "wan2.2-ti2v-5b"}

@@ -1,36 +1,32 @@
-"""Host tier: the end-to-end benchmark harness (bench/e2e.py) at --scale tiny on the CPU, through
+"""Host tier: the end-to-end benchmark harness (``python -m bench.e2e``) at --scale tiny on the CPU, through
 real ComfyUI and ComfyUI-GGUF, and its K-quant packer against ComfyUI-GGUF's own dequantiser."""
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-import comfy_env
+from bench import _host
 
+comfy_env = _host.comfy_env()
 if comfy_env.skip_reason():
     pytest.skip(f"host tier: {comfy_env.skip_reason()}", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "bench"
 GGUF = Path(os.path.realpath(os.environ.get("COMFYUI_GGUF_PATH")
                              or os.path.join(comfy_env.comfy_path(), os.pardir, "ComfyUI-GGUF")))
 if not (GGUF / "dequant.py").is_file():
     pytest.skip(f"host tier: ComfyUI-GGUF not found at {GGUF} (set COMFYUI_GGUF_PATH)", allow_module_level=True)
 gguf = pytest.importorskip("gguf", reason="the gguf package (ComfyUI-GGUF's dependency) is not installed")
 
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))
-import kquants  # noqa: E402
+from bench import kquants  # noqa: E402
 
 
 def _run(args, tmp_path, timeout=900):
-    p, rows = comfy_env.run_script(BENCH / "e2e.py", ["--models-dir", str(tmp_path / "models"), "--scale", "tiny",
-                                                      "--quiet", *args], tmp_path, timeout, COMFYUI_GGUF_PATH=str(GGUF))
+    p, rows = _host.run_tool("e2e", ["--models-dir", tmp_path / "models", "--scale", "tiny", "--quiet", *args], timeout,
+                             COMFYUI_GGUF_PATH=str(GGUF))
     assert p.returncode == 0, p.stderr[-4000:]
     return rows, p.stderr
 
@@ -161,7 +157,7 @@ def test_compiled_runs_add_comfyuis_compile_node_after_the_patch(e2e_rows):
 
 
 def test_full_scale_file_sizes(comfy):
-    import e2e_models as EM
+    from bench import e2e_models as EM
     q = sum(s.nbytes for s in EM.wan_specs("full", "gguf"))
     assert 9.3e9 < q < 9.9e9                       # Wan 2.2 A14B Q4_K_M experts are about 9.6 GB
     assert 14.0e9 < sum(s.nbytes for s in EM.wan_specs("full", "fp8")) < 15.0e9
@@ -205,9 +201,8 @@ def test_the_packs_saved_a14b_workflow_runs_at_tiny_scale(e2e_rows, name):
 
 
 def test_missing_workflow_file_is_a_clear_error(tmp_path):
-    env = dict(os.environ, COMFYUI_PATH=comfy_env.comfy_path(), COMFYUI_GGUF_PATH=str(GGUF))
-    p = subprocess.run([sys.executable, str(BENCH / "e2e.py"), "--models-dir", str(tmp_path), "--scale", "tiny",
-                        "--workflow", str(tmp_path / "nope.json")], capture_output=True, text=True, env=env, timeout=120)
+    p, _rows = _host.run_tool("e2e", ["--models-dir", tmp_path, "--scale", "tiny", "--workflow", tmp_path / "nope.json"],
+                              120, COMFYUI_GGUF_PATH=str(GGUF))
     assert p.returncode != 0
     assert "nope.json not found" in p.stderr and "example_workflows/" in p.stderr
 
@@ -331,10 +326,10 @@ def tiny_ui_workflow():
 
 @pytest.mark.needs_sage
 def test_plot_and_table_from_the_json_lines(e2e_rows, tmp_path):
-    pytest.importorskip("matplotlib", reason="matplotlib is not installed: only bench/plot_e2e.py's PNG needs it "
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed: only the PNG of python -m bench.plot_e2e needs it "
                                              "(pip install matplotlib)")
     _, _, tmp = e2e_rows
-    import plot_e2e
+    from bench import plot_e2e
     runs = plot_e2e.load([tmp / "runs.jsonl"])
     assert len(runs) == 2
     png = plot_e2e.plot(runs, str(tmp_path / "e2e.png"))

@@ -1,4 +1,5 @@
-"""Calibrate the working-memory model: the real peak of ComfyUI's Wan forward on this GPU.
+"""Forward-peak records: the real activation peak of ComfyUI's Wan forward on this GPU, beside the
+working-memory model's prediction for it.
 
 For each model (A14B dim 5120, TI2V-5B dim 3072, 1.3B dim 1536) built with random weights at its
 real dims through ComfyUI's own model config, each dtype and attention (SDPA, or the wan-sage
@@ -10,7 +11,7 @@ recompute the prediction later (dims, latent, attention paths, compiled, and the
 mode: ``memory_mode`` as asked, None for PatchConfig's default, and ``memory_mode_in_force`` as its
 config holds it, None where PatchConfig has no such field).
 
-Size sets: ``fit`` (the sizes the memory model was fitted on, ``memory/calibration/h200_forward.jsonl``)
+Size sets: ``fit`` (the sizes the memory model was fitted on, ``bench/records/forward-peaks/fit.jsonl``)
 and ``heldout`` (sizes the fit never saw: other aspect ratios, portrait, longer clips, other frame
 counts).  ``--compile`` compiles every transformer block (ComfyUI's ``set_torch_compile_wrapper``,
 keys ``diffusion_model.blocks.N``, inductor) after a ``torch._dynamo.reset()``, runs the step once
@@ -18,10 +19,10 @@ to compile and measures the second run.  Before the runs it prints the estimated
 from the per-forward seconds measured in the fitted table; ``--deadline-s`` starts no run (and
 builds no model) that could end after it, and ``--skip-done`` skips runs already recorded.
 
-    COMFYUI_PATH=... python bench/wan_forward_calibration.py --allocator async --out table.jsonl
-    COMFYUI_PATH=... python bench/wan_forward_calibration.py --sizeset heldout --out heldout.jsonl
-    COMFYUI_PATH=... python bench/wan_forward_calibration.py --compile --models a14b --memory-modes sdpa,fastest --out compiled.jsonl
-    python bench/wan_forward_calibration.py --sizeset heldout --estimate-only       # the plan's time, no GPU
+    COMFYUI_PATH=... python -m bench.forward_peaks --allocator async --out table.jsonl
+    COMFYUI_PATH=... python -m bench.forward_peaks --sizeset heldout --out heldout.jsonl
+    COMFYUI_PATH=... python -m bench.forward_peaks --compile --models a14b --memory-modes sdpa,fastest --out compiled.jsonl
+    python -m bench.forward_peaks --sizeset heldout --estimate-only       # the plan's time, no GPU
 """
 from __future__ import annotations
 
@@ -29,14 +30,11 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-import _compile  # noqa: E402
-import _host  # noqa: E402
+from . import _compile, _host
 
 SIZES = {
     "a14b": [(832, 480, 17), (832, 480, 49), (1280, 720, 33), (832, 480, 81), (1280, 720, 57), (1280, 720, 81)],
@@ -57,13 +55,13 @@ HELDOUT = {
                (1280, 704, 97), (832, 480, 161), (1280, 704, 161)],
 }
 SIZESETS = {"fit": SIZES, "heldout": HELDOUT}
-FITTED_TABLE = _host.ROOT / "memory" / "calibration" / "h200_forward.jsonl"
+FITTED_TABLE = _host.ROOT / "bench" / "records" / "forward-peaks" / "fit.jsonl"
 
 # The plan's time estimate, besides the forwards themselves (seconds; guesses, shown with the estimate):
 ROW_OVERHEAD_S = 0.5        # one comfy.sample.sample call around the forward: sampler set-up, noise, copies
 BUILD_S = {"a14b": 25.0, "ti2v5b": 10.0, "1.3b": 5.0, "tiny": 1.0}   # random weights on the GPU + loading
 BOOT_S = 20.0               # process start, ComfyUI and the pack imported
-COMPILE_ALLOWANCE_S = 20.0  # per compiled run: per-block inductor compile (the 2026-12-01 note: 15-23 s first runs)
+COMPILE_ALLOWANCE_S = 20.0  # per compiled run: per-block inductor compile (15-23 s measured on the H200 at A14B)
 
 
 def forward_cost_model(path: Path = FITTED_TABLE) -> dict:
@@ -165,7 +163,7 @@ def print_estimate(plan: list[dict], fits: dict, compiled: bool, log) -> float:
 
 
 def row_key(r: dict) -> tuple:
-    """What makes two calibration runs the same run (for --skip-done)."""
+    """What makes two forward-peak runs the same run (for --skip-done)."""
     return (r["model"], r["dtype"], r["attn"], r.get("memory_mode"), bool(r.get("compiled")),
             r["width"], r["height"], r["frames"])
 
@@ -192,7 +190,7 @@ def _sizes(text: str) -> list[tuple]:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m bench.forward_peaks", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="a14b,ti2v5b,1.3b")
     ap.add_argument("--dtypes", default=None, help="default: bf16,fp16 for the fit set, bf16 for the held-out set "
@@ -273,7 +271,7 @@ def main(argv=None):
     dts = {"bf16": torch.bfloat16, "fp16": torch.float16}
     cache_dir = os.path.join(tempfile.gettempdir(), "wan_sage_calib")
     gpu = torch.cuda.get_device_name() if cc else "cpu"
-    mode_field = _host.has_memory_mode()     # False: "fastest" runs as today's dispatch does, without the field
+    mode_field = _host.has_memory_mode()     # False: "fastest" runs as a dispatch without the field does
     print(json.dumps({"gpu": gpu, "torch": torch.__version__,
                       "allocator": a.allocator,
                       "alloc_backend": torch.cuda.memory.get_allocator_backend() if cc else None,

@@ -7,14 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH))
-import kquants  # noqa: E402
-import workflow_api as WA  # noqa: E402
+from bench import kquants
+from bench import workflow_api as WA
+
+BENCH = Path(__file__).resolve().parents[1]
 
 
 def test_run_spec_parsing_and_matrix_order():
-    import e2e
+    from bench import e2e
     s = e2e.RunSpec.parse("est+sage@24:720p81")
     assert (s.estimator, s.attention, s.budget_gib, s.res) == (True, "sage", 24.0, (1280, 720, 81))
     assert e2e.RunSpec.parse("comfy+sdpa@full:832x480x81").label == "comfy+sdpa@full:832x480x81"
@@ -127,7 +127,7 @@ class _FakeCuda:
 
 
 def test_ballast_reaches_the_budget_within_a_mib():
-    import e2e
+    from bench import e2e
     import types
     fake = _FakeCuda(free=139 * e2e.GiB + 123_456_789)
     torch_like = types.SimpleNamespace(empty=fake.empty, uint8="uint8")
@@ -145,7 +145,7 @@ def test_ballast_reaches_the_budget_within_a_mib():
 
 
 def test_done_runs_counts_completed_and_oom_for_the_same_weights(tmp_path):
-    import e2e
+    from bench import e2e
     rec = lambda run, status, w: json.dumps({"schema": e2e.SCHEMA, "run": run, "status": status, "config": {"weights": w}})
     p = tmp_path / "r.jsonl"
     p.write_text("\n".join([rec("a", "ok", "gguf"), rec("b", "oom", "gguf"), rec("c", "error", "gguf"),
@@ -155,8 +155,8 @@ def test_done_runs_counts_completed_and_oom_for_the_same_weights(tmp_path):
 
 
 def test_a_budget_run_that_inherits_memory_is_marked_not_faithful_and_run_again(tmp_path):
-    import e2e
-    import plot_e2e
+    from bench import e2e
+    from bench import plot_e2e
     logs = []
     assert e2e.budget_check(None, 24.0, logs.append) == {"inherited_alloc_gib": None}       # CPU: no reading
     assert e2e.budget_check(0.03, 24.0, logs.append) == {"inherited_alloc_gib": 0.03, "faithful": True}
@@ -175,7 +175,7 @@ def test_a_budget_run_that_inherits_memory_is_marked_not_faithful_and_run_again(
 
 
 def _row(est, att, budget, s_step, status="ok", res=(1280, 720, 81), weights="gguf", frac=1.0, reserved=20.0):
-    import e2e
+    from bench import e2e
     ex = {e: {"step_s": [s_step, s_step], "resident_frac": frac} for e in ("high", "low")} if status == "ok" else {}
     return {"schema": e2e.SCHEMA, "run": f"{est}{att}{budget}", "status": status, "experts": ex,
             "peak_reserved_gib": reserved, "budget": {"faithful": True},
@@ -183,8 +183,8 @@ def _row(est, att, budget, s_step, status="ok", res=(1280, 720, 81), weights="gg
                        "width": res[0], "height": res[1], "frames": res[2]}}
 
 
-def test_issue_targets_are_computed_from_the_run_records():
-    import plot_e2e
+def test_the_targets_are_computed_from_the_run_records():
+    from bench import plot_e2e
     runs = [_row(True, "sdpa", 24.0, 13.0), _row(True, "sage", 24.0, 10.4),        # 1.25x: met
             _row(False, "sdpa", 24.0, 13.5), _row(False, "sage", 24.0, 11.0, status="oom"),
             _row(False, "sdpa", None, 13.0), _row(False, "sage", None, 10.6),      # 1.226x: missed
@@ -223,7 +223,7 @@ def test_issue_targets_are_computed_from_the_run_records():
 def test_a_target_met_only_without_the_runs_first_step_says_so():
     """The first step of a run pays once-per-process costs (Triton JIT of Sage's quantisers): the verdict
     names it instead of hiding it either way."""
-    import plot_e2e
+    from bench import plot_e2e
     sage = _row(True, "sage", 24.0, 10.4)
     sage["experts"]["high"]["step_s"] = [13.9, 10.4]                     # the machine's first Sage call
     runs = [_row(True, "sdpa", 24.0, 12.9), sage]
@@ -242,7 +242,7 @@ def test_a_target_met_only_without_the_runs_first_step_says_so():
 def test_the_warm_up_makes_the_first_sage_calls_when_a_measured_run_uses_sage():
     """On the H200 the first measured Sage run paid 3.5 s in its first step (self-test and Triton JIT)
     because the warm-up ran SDPA at 512 tokens, under the patch's threshold."""
-    import e2e
+    from bench import e2e
     todo = [e2e.RunSpec.parse("est+sdpa@24:720p81"), e2e.RunSpec.parse("comfy+sage@full:720p81")]
     w = e2e.warmup_spec(todo)
     w_, h_, f_ = w.res
@@ -255,7 +255,7 @@ def test_the_warm_up_makes_the_first_sage_calls_when_a_measured_run_uses_sage():
 
 def test_random_weights_are_reproducible_from_the_seed():
     """The benchmark models' random weights come from the seed (they once ignored it)."""
-    import _host
+    from bench import _host
     import torch.nn as nn
 
     def model(seed):
@@ -272,7 +272,7 @@ def test_random_weights_are_reproducible_from_the_seed():
 
 
 def test_repeated_configurations_are_all_kept_and_the_targets_take_their_median(tmp_path):
-    import plot_e2e
+    from bench import plot_e2e
     rows = [_row(True, "sdpa", 24.0, 13.0), _row(True, "sage", 24.0, 10.0), _row(True, "sage", 24.0, 11.0),
             _row(True, "sage", 24.0, 10.6), _row(False, "sdpa", 24.0, 13.2), _row(False, "sdpa", 24.0, 13.2, status="oom")]
     p = tmp_path / "r.jsonl"
@@ -292,44 +292,58 @@ def test_repeated_configurations_are_all_kept_and_the_targets_take_their_median(
     assert "(run 3)" in plot_e2e.markdown(runs)
 
 
-def test_ratios_stay_within_a_session_and_out_of_memory_is_checked_across_sessions(tmp_path):
-    """The issue asks for ratios of runs of one session; an estimator run that ran out of memory in one
-    session where ComfyUI alone completed in another is still a miss."""
-    import plot_e2e
+def test_ratios_stay_within_a_set_and_out_of_memory_is_checked_across_sets(tmp_path):
+    """Speed ratios are taken between runs of one set (one machine); an estimator run that ran out of memory
+    in one set where ComfyUI alone completed in another is still a miss."""
+    from bench import plot_e2e
     a = [_row(True, "sdpa", 24.0, 13.0), _row(False, "sage", 24.0, 11.0)]
     b = [_row(True, "sdpa", 24.0, 10.0), _row(True, "sage", 24.0, 8.0, status="oom"), _row(True, "sage", 24.0, 9.0)]
     pa, pb = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     pa.write_text("\n".join(json.dumps(r) for r in a))
     pb.write_text("\n".join(json.dumps(r) for r in b))
     runs = plot_e2e.load([pa], "A") + plot_e2e.load([pb], "B")
-    assert plot_e2e.sessions_of(runs) == ["A", "B"]
+    assert plot_e2e.sets_of(runs) == ["A", "B"]
     assert plot_e2e.labels(runs)[0].startswith("[A] ") and plot_e2e.labels(runs)[4].endswith("(run 2)")
     t = {name.split(": ", 1)[1]: (m, v) for name, m, v in plot_e2e.targets(runs)}
-    # session A has no estimator + Sage run: not measured there, and B's is not borrowed (13.0 / 9.0 would pass)
-    assert t["session A, estimator, 24 GB, 720p81: Sage ≥ 1.20× SDPA"] == ("candidate: missing", "not measured")
-    m, v = t["session B, estimator, 24 GB, 720p81: Sage ≥ 1.20× SDPA"]
+    # set A has no estimator + Sage run: not measured there, and B's is not borrowed (13.0 / 9.0 would pass)
+    assert t["set A, estimator, 24 GB, 720p81: Sage ≥ 1.20× SDPA"] == ("candidate: missing", "not measured")
+    m, v = t["set B, estimator, 24 GB, 720p81: Sage ≥ 1.20× SDPA"]
     assert "10.00 / 9.00 s = 1.111×" in m and v == "missed"
-    assert t["all sessions, the estimator never runs out of memory where ComfyUI alone completes"] == \
+    assert t["all sets, the estimator never runs out of memory where ComfyUI alone completes"] == \
         ("1 pair, 2 estimator runs; out of memory in 1: 720p81 24 GB gguf · estimator + SAGE", "missed")
     out = tmp_path / "t.md"
-    assert plot_e2e.main(["--session", f"A={pa}", "--session", f"B={pb}", "--markdown", str(out)]) == 0
-    assert "session B, estimator" in out.read_text() and "[B] 720p81" in out.read_text()
+    assert plot_e2e.main(["--set", f"A={pa}", "--set", f"B={pb}", "--markdown", str(out)]) == 0
+    assert "set B, estimator" in out.read_text() and "[B] 720p81" in out.read_text()
     assert not (tmp_path / "e2e.png").exists()                # --markdown alone draws no PNG
     with pytest.raises(SystemExit):
-        plot_e2e.main(["--session", "no-equals-sign"])
+        plot_e2e.main(["--set", "no-equals-sign"])
 
 
-def _two_session_records(tmp_path):
+def test_a_merged_record_file_splits_into_its_sets_by_round(tmp_path):
+    """A file that merges the rows of two machines names each row's ``round``: each round is a set of
+    its own, so no ratio is taken across them."""
+    from bench import plot_e2e
+    rows = [dict(_row(True, "sdpa", 24.0, 13.0), round=5), dict(_row(True, "sage", 24.0, 10.0), round=6)]
+    p = tmp_path / "merged.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in rows))
+    runs = plot_e2e.load([p], "M")
+    assert plot_e2e.sets_of(runs) == ["M.5", "M.6"]
+    t = {name.split(": ", 1)[1]: (m, v) for name, m, v in plot_e2e.targets(runs)}
+    assert t["set M.6, estimator, 24 GB, 720p81: Sage ≥ 1.20× SDPA"][1] == "not measured"
+    assert plot_e2e.sets_of(plot_e2e.load([p])) == ["5", "6"]
+
+
+def _two_set_records(tmp_path):
     pa, pb = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     pa.write_text(json.dumps(_row(True, "sdpa", 24.0, 13.0)))
     pb.write_text(json.dumps(_row(True, "sage", 24.0, 10.4)))
-    return ["--session", f"A={pa}", "--session", f"B={pb}"]
+    return ["--set", f"A={pa}", "--set", f"B={pb}"]
 
 
 def test_the_png_without_matplotlib_is_one_clear_line_and_the_tables_need_none(tmp_path, monkeypatch, capsys):
-    import plot_e2e
+    from bench import plot_e2e
     monkeypatch.setitem(sys.modules, "matplotlib", None)      # as if it were not installed
-    args = _two_session_records(tmp_path)
+    args = _two_set_records(tmp_path)
     assert plot_e2e.main(args + ["--out", str(tmp_path / "p.png"), "--markdown", str(tmp_path / "t.md")]) == 2
     err = capsys.readouterr().err
     assert "needs matplotlib (pip install matplotlib)" in err and "--markdown FILE without --out" in err
@@ -339,18 +353,18 @@ def test_the_png_without_matplotlib_is_one_clear_line_and_the_tables_need_none(t
 
 
 def test_the_png_is_drawn_with_the_tables(tmp_path):
-    pytest.importorskip("matplotlib", reason="matplotlib is not installed: only bench/plot_e2e.py's PNG needs it "
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed: only the PNG of python -m bench.plot_e2e needs it "
                                              "(pip install matplotlib); the tables are tested without it")
-    import plot_e2e
+    from bench import plot_e2e
     png, md = tmp_path / "p.png", tmp_path / "t.md"
-    assert plot_e2e.main(_two_session_records(tmp_path) + ["--out", str(png), "--markdown", str(md)]) == 0
+    assert plot_e2e.main(_two_set_records(tmp_path) + ["--out", str(png), "--markdown", str(md)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "[B] 720p81" in md.read_text()
 
 
 def test_runs_without_the_finite_check_are_labelled_and_kept_apart():
     import argparse
-    import e2e
-    import plot_e2e
+    from bench import e2e
+    from bench import plot_e2e
     spec = [e2e.RunSpec.parse("est+sage@24:720p81"), e2e.RunSpec.parse("est+sdpa@24:720p81")]
     off, on = argparse.Namespace(sage_check_finite=False), argparse.Namespace(sage_check_finite=True)
     assert [e2e.run_label(s, off) for s in spec] == ["est+sage@24:1280x720x81/no-finite-check", "est+sdpa@24:1280x720x81"]
@@ -365,8 +379,8 @@ def test_runs_without_the_finite_check_are_labelled_and_kept_apart():
 
 def test_compiled_runs_and_memory_modes_are_labelled_and_kept_apart(tmp_path):
     import argparse
-    import e2e
-    import plot_e2e
+    from bench import e2e
+    from bench import plot_e2e
     s = e2e.RunSpec.parse("est+sage+compile@full:720p81")
     assert (s.estimator, s.attention, s.budget_gib, s.compile) == (True, "sage", None, "model")
     assert s.label == "est+sage+compile@full:1280x720x81" and e2e.RunSpec.parse(s.label) == s
@@ -405,7 +419,7 @@ def test_compiled_runs_and_memory_modes_are_labelled_and_kept_apart(tmp_path):
 
 
 def test_plot_tells_whole_model_and_per_block_compile_apart():
-    import plot_e2e
+    from bench import plot_e2e
     base = {"estimator": False, "attention": "sage", "budget_gib": None, "width": 1280, "height": 720, "frames": 81,
             "weights": "gguf"}
     whole = dict(base, compile={"node": "TorchCompileModel", "backend": "inductor", "keys": ["diffusion_model"]})
@@ -422,7 +436,7 @@ def test_estimator_runs_pair_with_comfyui_alone_on_sdpa_of_the_same_compile_and_
     """The device plan runs the estimator with Sage against ComfyUI alone with SDPA at each budget, eager and
     compiled: an estimator run that runs out of memory there is a miss, and the headroom is read at the
     experts' sampling peak, not at the text encoder's (which is the run's peak at 12 GiB)."""
-    import plot_e2e
+    from bench import plot_e2e
 
     def compiled(row):
         row["config"]["compile"] = {"node": "per block", "keys": ["diffusion_model.blocks.N"]}
@@ -450,7 +464,7 @@ def test_estimator_runs_pair_with_comfyui_alone_on_sdpa_of_the_same_compile_and_
 
 
 def test_short_path_keeps_no_machine_prefix():
-    import e2e
+    from bench import e2e
     root = "/srv/ck/wan-sage"
     sp = lambda f: e2e.short_path(f, root)
     assert sp("/usr/lib/python3.12/site-packages/torch/nn/functional.py") == "torch/nn/functional.py"
@@ -471,7 +485,7 @@ def test_short_path_keeps_no_machine_prefix():
 def test_oom_where_lists_the_innermost_frames_outermost_first():
     import traceback
 
-    import e2e
+    from bench import e2e
 
     def alloc():
         raise torch.OutOfMemoryError("Allocation on device 0 would exceed allowed memory. (out of memory)")
@@ -486,7 +500,7 @@ def test_oom_where_lists_the_innermost_frames_outermost_first():
         assert len(e2e.oom_where(e.__traceback__, n=100)) == 12      # this test, level x10, alloc
         assert e2e.oom_where(e.__traceback__) == e2e.oom_where(e.__traceback__, n=100)   # 16 kept by default
     assert len(where) == 6
-    assert where[-1].startswith("tests/unit/test_e2e_units.py:") and where[-1].endswith(" alloc")
+    assert where[-1].startswith("bench/tests/test_e2e_units.py:") and where[-1].endswith(" alloc")
     assert all(w.endswith(" level") for w in where[:-1])
     assert not any(w.startswith("/") or "\\" in w for w in where)
     assert e2e.oom_where(None) == [] and e2e.oom_where([], n=6) == []
@@ -495,7 +509,7 @@ def test_oom_where_lists_the_innermost_frames_outermost_first():
 def test_mem_at_oom_reads_above_the_ballast_and_never_raises():
     import types
 
-    import e2e
+    from bench import e2e
     assert e2e.Mem(torch, False).at_oom() is None
     cuda = types.SimpleNamespace(memory_allocated=lambda: 30 * e2e.GiB, memory_reserved=lambda: 31.5 * e2e.GiB,
                                  mem_get_info=lambda: (int(0.25 * e2e.GiB), 140 * e2e.GiB))
@@ -513,7 +527,7 @@ def test_expert_probe_logs_a_progress_line_at_each_step():
     import re
     import time
 
-    import e2e
+    from bench import e2e
     logs = []
     probe = e2e.ExpertProbe("high", e2e.Mem(torch, False), log=logs.append, t_run=time.perf_counter() - 5.0)
     seen = []
@@ -537,7 +551,7 @@ def test_an_estimator_run_out_of_memory_without_a_comfyui_alone_run_is_reported_
     """An estimator run that ran out of memory where ComfyUI alone was not run (same budget, size and
     compile) cannot be paired: the pairs' target stays about the pairs, and the run is listed on a
     target of its own as not measured, never dropped."""
-    import plot_e2e
+    from bench import plot_e2e
 
     def compiled(row):
         row["config"]["compile"] = {"node": "per block", "keys": ["diffusion_model.blocks.N"]}
@@ -557,7 +571,7 @@ def test_an_estimator_run_out_of_memory_without_a_comfyui_alone_run_is_reported_
 def test_oom_figures_keep_the_sizes_of_torchs_message():
     """cudaMallocAsync's out-of-memory message names the request and what was allocated on the lines
     after its first; the row keeps them (the first line alone says neither)."""
-    import e2e
+    from bench import e2e
     msg = ("Allocation on device 0 would exceed allowed memory. (out of memory)\n"
            "Currently allocated     : 138.82 GiB\nRequested               : 1.41 GiB\n"
            "Device limit            : 139.81 GiB\nFree (according to CUDA): 0 bytes\n"
@@ -575,7 +589,7 @@ def test_a_record_names_the_commit_and_says_when_the_files_are_not_that_commit(t
     """A device gets a copy of the working tree whose git directory can be older than its files: the
     record then carries the files' tree id next to the stale commit, not the stale commit alone."""
     import subprocess
-    import _host
+    from bench import _host
     git = lambda *a: subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True,  # noqa: E731
                                     text=True).stdout.strip()
     git("init", "-q")

@@ -1,41 +1,39 @@
-"""The memory model against every forward measured on the H200 (ComfyUI 0.3.64 WanModel, real
-dims, random weights, cudaMallocAsync; bench/wan_forward_calibration.py and bench/compile_table.py).
+"""The memory model against every forward-peak record measured on the H200 (ComfyUI 0.3.64 WanModel, real
+dims, random weights, cudaMallocAsync; ``python -m bench.forward_peaks`` and ``python -m bench.compile_table``).
 
-The rows come in two roles.  *Fit* rows are the ones the model's terms and constants were set from
-(memory/calibration/h200_forward.jsonl; for the compiled terms h200_forward_compiled.jsonl and the
+The rows come in three roles.  *Fit* rows are the ones the model's terms and constants were set from
+(bench/records/forward-peaks/fit.jsonl; for the compiled terms forward-peaks/compiled.jsonl and the
 compile table).  *Check* rows were measured after the terms and constants were set and set none of
-them: the compiled Sage rows at the fit sizes (h200_forward_compiled_sage.jsonl), in both memory
-modes, against the compiled attention-op term set from one compile-table row.  *Held-out* rows use sizes the fit never saw (other aspect ratios, portrait, longer
-clips, other frame counts, each model): h200_forward_heldout.jsonl,
-h200_forward_compiled_heldout.jsonl and, with the Sage patch in both memory modes,
-h200_forward_compiled_sage_heldout.jsonl.  Both must lie in the band: never under the measured peak, at
+them: the compiled Sage rows at the fit sizes (forward-peaks/compiled-sage.jsonl), in both memory
+modes, against the compiled attention-op term set from one compile-table row.  *Held-out* rows use sizes
+the fit never saw (other aspect ratios, portrait, longer clips, other frame counts, each model):
+forward-peaks/held-out.jsonl, forward-peaks/compiled-held-out.jsonl and, with the Sage patch in both
+memory modes, forward-peaks/compiled-sage-held-out.jsonl.  Both must lie in the band: never under the measured peak, at
 most 10 % over it plus the fixed first-forward workspace term (an absolute 34 MiB that dominates
 only below about a third of a GiB).
 """
 import json
-from pathlib import Path
 
 import pytest
 
+from bench._records import RECORDS
+from bench.measured_rows import ROW_PRESETS as PRESET, head_groups, predict_forward
 from wan_sage.memory import activation_model
 from wan_sage.memory.estimate import CALIBRATED, activation_bytes
-from wan_sage.memory.measured_rows import ROW_PRESETS as PRESET, head_groups, predict_forward
 
-ROOT = Path(__file__).resolve().parents[2]
-DATA = ROOT / "memory" / "calibration"
-MEASURED = ROOT / "docs" / "measurements"
+DATA = RECORDS / "forward-peaks"
 
 
 def _rows(path, role):
     return [dict(json.loads(line), role=role, source=path.name) for line in path.read_text().splitlines() if line.strip()]
 
 
-FIT = _rows(DATA / "h200_forward.jsonl", "fit")
-HELDOUT = _rows(DATA / "h200_forward_heldout.jsonl", "heldout")
-COMPILED_FIT = _rows(DATA / "h200_forward_compiled.jsonl", "fit")
-COMPILED_HELDOUT = _rows(DATA / "h200_forward_compiled_heldout.jsonl", "heldout")
-COMPILED_SAGE = _rows(DATA / "h200_forward_compiled_sage.jsonl", "check")
-COMPILED_SAGE_HELDOUT = _rows(DATA / "h200_forward_compiled_sage_heldout.jsonl", "heldout")
+FIT = _rows(DATA / "fit.jsonl", "fit")
+HELDOUT = _rows(DATA / "held-out.jsonl", "heldout")
+COMPILED_FIT = _rows(DATA / "compiled.jsonl", "fit")
+COMPILED_HELDOUT = _rows(DATA / "compiled-held-out.jsonl", "heldout")
+COMPILED_SAGE = _rows(DATA / "compiled-sage.jsonl", "check")
+COMPILED_SAGE_HELDOUT = _rows(DATA / "compiled-sage-held-out.jsonl", "heldout")
 # Seen before CALIBRATED["slack_fixed"] was set (see its comment), so not held out for it.
 NOT_HELD_OUT = {("ti2v5b", True, 832, 480, 161)}
 
@@ -124,7 +122,7 @@ def test_held_out_rows_are_counted_apart_from_the_rows_set_from_them():
 
 def _compile_table_rows():
     out = []
-    for p in sorted(MEASURED.glob("2026-12-01-compile-table*-h200.jsonl")):
+    for p in sorted((RECORDS / "compile").glob("table*.jsonl")):
         out += [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
     return out
 

@@ -1,21 +1,17 @@
-"""Host tier: the forward calibration (bench/wan_forward_calibration.py) on the CPU through real
-ComfyUI with the tiny Wan model: eager and per-block compiled rows carry what the prediction needs."""
-from pathlib import Path
-
+"""Host tier: the forward-peak tool (``python -m bench.forward_peaks``) on the CPU through real ComfyUI
+with the tiny Wan model: eager and per-block compiled rows carry what the prediction needs."""
 import pytest
 
-import comfy_env
+from bench import _host
 
+comfy_env = _host.comfy_env()
 if comfy_env.skip_reason():
     pytest.skip(f"host tier: {comfy_env.skip_reason()}", allow_module_level=True)
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "wan_forward_calibration.py"
-
 
 def _run(args, tmp_path, timeout=600):
-    p, rows = comfy_env.run_script(SCRIPT, ["--cpu", "--models", "tiny", "--dtypes", "bf16", "--size", "64x64x5", *args],
-                                   tmp_path, timeout)
+    p, rows = _host.run_tool("forward_peaks", ["--cpu", "--models", "tiny", "--dtypes", "bf16", "--size", "64x64x5", *args],
+                             timeout)
     assert p.returncode == 0, p.stderr[-4000:]
     return [r for r in rows if "model" in r], p.stdout
 

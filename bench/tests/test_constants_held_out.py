@@ -1,43 +1,38 @@
-"""The fragmentation constants of memory/estimate.py on records they were not set from.
+"""The fragmentation constants and the cast rule of memory/estimate.py on records they were not set from.
 
-``partial_frag_factor`` was set from the reference budget run (docs/measurements/2026-11-29-reference-budget.jsonl,
-PyTorch's native allocator) and ``cast_frag_factor`` from the end-to-end fp8 runs of sessions 1 and 2
-(docs/measurements/e2e-h200-fp8.jsonl and e2e-h200-fp8-repeat.jsonl).  The partial-load benchmark's
-runs (sessions A, B and C, cudaMallocAsync, bench/partial_load.py) were set from neither: in every one
-of them, what the allocator held above the resident weights at its peak must fit in the reservation
-the estimate makes today for that configuration (weights partly offloaded, or all resident and cast
-per call for fp8).  The end-to-end GGUF runs with weights partly offloaded (docs/measurements/e2e-h200-gguf-budgets.jsonl: 1280x720x81
-at 16 and 12 GiB; e2e-h200-gguf-budgets-2.jsonl: 1280x720x81 at 12 and 8 GiB, 832x480x81 at 8 GiB,
-832x1472x49 at 10 GiB; eager and compiled per block, with the estimator or ComfyUI's reservation) and the fp8
-ones (e2e-h200-fp8-compile.jsonl, -2 and -3: 1280x720x81 at 24, 20, 16 and 12 GiB, eager and compiled per block)
-were set from neither either, and are checked the same way per completed expert.  The fp8 experts compiled per
-block with every weight resident in e2e-h200-fp8-compile-3.jsonl check the cast rule of
-memory/estimate.compiled_as_eager, which was made from one expert of e2e-h200-fp8-compile-2.jsonl.
+Which record files each was set from is ``bench._records.SET_FROM``: ``partial_frag_factor`` from the
+reference budget run (PyTorch's native allocator), ``cast_frag_factor`` from the end-to-end fp8 runs with
+every weight resident at 24 GiB and on the full card, and the cast rule of
+``memory/estimate.compiled_as_eager`` from one expert of the fp8 runs compiled per block at 24 GiB.  The
+partial-load benchmark's runs (cudaMallocAsync, ``python -m bench.partial_load``) were set from neither
+factor: in every one of them, what the allocator held above the resident weights at its peak must fit in
+the reservation the estimate makes for that configuration (weights partly offloaded, or all resident and
+cast per call for fp8).  The end-to-end experts sampled with weights partly offloaded, GGUF and fp8, eager
+and compiled per block, with the estimator or ComfyUI's reservation, in every end-to-end record file
+neither factor was set from, are checked the same way per completed expert.  The fp8 experts compiled per
+block with every weight resident in the files the cast rule was not made from check that rule.
 """
-import json
-from pathlib import Path
-
 import pytest
 
+from bench import _records
+from bench.measured_rows import e2e_estimate
 from wan_sage.memory import activation_model
 from wan_sage.memory.estimate import GiB, Setup, attention_plan, plan
-from wan_sage.memory.measured_rows import e2e_estimate
 from wan_sage.memory.weights import weights_for_key
 
-MEASURED = Path(__file__).resolve().parents[2] / "docs" / "measurements"
 A14B = activation_model.PRESETS["wan2.2-a14b"]
-RUNS = [(p.name, json.loads(line)) for p in sorted(MEASURED.glob("2026-11-29-partial-*.jsonl"))
-        for line in p.read_text().splitlines() if line.strip()]
+RUNS = [(p.name, r) for p in _records.not_set_from("partial_frag_factor", "partial-load") for r in _records.rows(p)]
 
 
-def _records(*names: str) -> list:
-    """Every record of these JSON-lines files of docs/measurements, in order."""
-    return [json.loads(line) for name in names for line in (MEASURED / name).read_text().splitlines() if line.strip()]
+def _records_of(paths) -> list:
+    """Every end-to-end run record of these record files, in order."""
+    return [r for p in paths for r in _records.rows(p) if "config" in r]
 
 
 def _case(name):
-    size = (1280, 720, 81) if "720p" in name else (832, 480, 81)
-    return size, "fp8" if "fp8" in name else "bf16", "lora" in name
+    """(size, weights, LoRA) of a partial-load record file, from its name (``720p81-fp8-lora64.jsonl``)."""
+    size = (1280, 720, 81) if name.startswith("720p81") else (832, 480, 81)
+    return size, "fp8" if "-fp8" in name else "bf16", "-lora" in name
 
 
 @pytest.mark.parametrize("name,r", RUNS, ids=lambda x: x if isinstance(x, str) else x["config"])
@@ -60,10 +55,11 @@ def test_the_records_cover_both_factors():
     assert len(partly) >= 10 and len(cast_resident) >= 4
 
 
-E2E_STREAMED_FILES = ("e2e-h200-gguf-budgets.jsonl", "e2e-h200-gguf-budgets-2.jsonl", "e2e-h200-fp8-compile.jsonl",
-                      "e2e-h200-fp8-compile-2.jsonl", "e2e-h200-fp8-compile-3.jsonl")
-E2E_STREAMED = [(f"{r['run']} {r['config']['weights']} {name}", r, e)
-                for r in _records(*E2E_STREAMED_FILES) if r["status"] == "ok"
+# every end-to-end record file neither fragmentation factor was set from
+E2E_CHECK_FILES = [p for p in _records.not_set_from("partial_frag_factor", "e2e")
+                   if p in _records.not_set_from("cast_frag_factor", "e2e")]
+E2E_STREAMED = [(f"{r['run']} {r['config']['weights']} {name} ({p.stem})", r, e)
+                for p in E2E_CHECK_FILES for r in _records_of([p]) if r["status"] == "ok"
                 for name, e in r["experts"].items() if e["resident_frac"] < 0.9999]
 
 
@@ -88,11 +84,11 @@ def test_the_end_to_end_records_stream_weights_eager_and_compiled():
 
 
 def test_the_compiled_fp8_expert_kept_resident_is_now_reserved_above_what_it_held():
-    """Regression guard, not validation: session 9's low-noise fp8 expert, compiled per block with every
-    weight resident, held more above its weights than the compiled figure reserved for it then; compiled
-    blocks with cast weights are now reserved for as eager ones (memory/estimate.compiled_as_eager),
-    a rule made after seeing this row."""
-    rs = _records("e2e-h200-fp8-compile-2.jsonl")
+    """Regression guard, not validation: the low-noise fp8 expert the cast rule was made from, compiled per
+    block with every weight resident, held more above its weights than the compiled figure reserved for it
+    then; compiled blocks with cast weights are now reserved for as eager ones
+    (memory/estimate.compiled_as_eager), a rule made after seeing this row."""
+    rs = _records_of(_records.set_from("compiled_as_eager"))
     resident = [(r, e) for r in rs if r["status"] == "ok" and r["config"].get("compile")
                 for e in r["experts"].values() if e["resident_frac"] >= 0.9999]
     assert resident
@@ -103,10 +99,10 @@ def test_the_compiled_fp8_expert_kept_resident_is_now_reserved_above_what_it_hel
         assert est.resident["compiled_as_eager"] == "cast"
 
 
-# The compiled fp8 runs measured after the cast rule, which it was not made from (session 10).
-CAST_RULE_CHECK_FILES = ("e2e-h200-fp8-compile-3.jsonl",)
-CAST_RULE_CHECK = [(f"{r['run']} {name}", r, e)
-                   for r in _records(*CAST_RULE_CHECK_FILES) if r["status"] == "ok" and r["config"].get("weights") == "fp8" and r["config"].get("compile")
+# The compiled fp8 runs of every record file the cast rule was not made from.
+CAST_RULE_CHECK = [(f"{r['run']} {name} ({p.stem})", r, e)
+                   for p in _records.not_set_from("compiled_as_eager", "e2e")
+                   for r in _records_of([p]) if r["status"] == "ok" and r["config"].get("weights") == "fp8" and r["config"].get("compile")
                    for name, e in r["experts"].items() if e["resident_frac"] >= 0.9999]
 
 
