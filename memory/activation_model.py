@@ -123,7 +123,7 @@ class Workload:
 
 # ComfyUI names compiled modules by their key in the BaseModel; the compiled figure is for keys that are
 # all transformer blocks (each block its own graph).  The whole diffusion model as one graph
-# (TorchCompileModel's default) peaks above it and is planned as eager (docs/memory-calibration.md).
+# (TorchCompileModel's default) peaks above it and is planned as eager (docs/memory-model.md).
 BLOCK_KEY_PREFIX = "diffusion_model.blocks."
 
 
@@ -134,19 +134,19 @@ def compiles_per_block(keys) -> bool:
 
 
 # The blocks under torch.compile (inductor), per block as ComfyUI's set_torch_compile_wrapper
-# compiles them.  Measured on the H200 with ComfyUI 0.3.64's WanModel (bench/wan_forward_calibration.py
-# --compile, bench/compile_table.py; docs/memory-calibration.md):
+# compiles them.  Measured on the H200 with ComfyUI 0.3.64's WanModel (python -m bench.forward_peaks
+# --compile, python -m bench.compile_table; docs/memory-model.md):
 # * RoPE fuses into one pass in the compute dtype: no fp32 temporaries, so its phase is at most the
 #   attention call's inputs (5 e d T).  Structural, from the fused kernels; no constant.
 # * "ffn_f_buffers": the FFN holds ONE ffn_dim-wide buffer (inductor writes the GELU in place of the
 #   first Linear's output) instead of eager's two.  Set from the compiled fit rows
-#   (memory/calibration/h200_forward_compiled.jsonl: TI2V-5B and 1.3B, where the FFN decides the peak),
-#   checked on the held-out compiled rows (h200_forward_compiled_heldout.jsonl).
+#   (bench/records/forward-peaks/compiled.jsonl: TI2V-5B and 1.3B, where the FFN decides the peak),
+#   checked on the held-out compiled rows (forward-peaks/compiled-held-out.jsonl).
 # * "op_d_buffers": around the patch's opaque attention op inductor has freed the block's normed
 #   input, leaving the residual and q, k, v (4 e d T) where eager keeps 5.  Set from the compile
-#   table's Sage rows (docs/measurements/2026-12-01-compile-table*-h200.jsonl: A14B 1280x720x81,
+#   table's Sage rows (bench/records/compile/table.jsonl and table-grouping-forced.jsonl: A14B 1280x720x81,
 #   grouped and ungrouped); checked on the 27 compiled Sage rows measured after it was set
-#   (h200_forward_compiled_sage.jsonl: every model, the fit sizes, both memory modes).
+#   (forward-peaks/compiled-sage.jsonl: every model, the fit sizes, both memory modes).
 # SDPA inside the compiled graph keeps eager's 5 e d T (the compiled SDPA rows).
 COMPILED = {"ffn_f_buffers": 1, "op_d_buffers": 4}
 

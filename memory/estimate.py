@@ -25,28 +25,28 @@ MiB = 1 << 20
 # Constants set from H200 records (ComfyUI 0.3.64), each with the records it was set from and the ones
 # that check it: the allocator/cuBLAS slack on top of the phase model, and the fragmentation terms
 # (streamed layers and per-call weight casts under memory pressure) as multiples of the largest single
-# activation block.  docs/memory-calibration.md renders the checks.
+# activation block.  docs/memory-model.md renders the checks.
 CALIBRATED = {
     # The cuBLAS workspace a process's first forward allocates (and a forward of a newly compiled
     # graph may allocate again), plus 1 % of the activations.  Set from the fit table
-    # (memory/calibration/h200_forward.jsonl): its first row, the process's first forward, measured
+    # (bench/records/forward-peaks/fit.jsonl): its first row, the process's first forward, measured
     # 33.9 MiB above the phase model where the other rows measured 0.14 %.  Checked on the held-out
     # rows, except one that was seen before this value was set and so is not held out for it: TI2V-5B
-    # compiled 832x480x161, which allocated 37 MiB in a later forward (docs/memory-calibration.md).
+    # compiled 832x480x161, which allocated 37 MiB in a later forward (docs/memory-model.md).
     "slack_fixed": 34 * MiB,
     # A margin, not a fit: the fit table's rows after the first measured about 0.14 % above the phase
     # model; 1 % covers that with room.  Checked on the held-out and compiled rows
-    # (tests/unit/test_memory_calibration.py).
+    # (bench/tests/test_forward_peaks_band.py).
     "slack_rel": 0.01,
     # Weights partly offloaded: set with partial_fixed from the reference budget run
-    # (docs/measurements/2026-11-29-reference-budget.jsonl, PyTorch's native allocator: the reservation
+    # (bench/records/partial-load/reference-budget.jsonl, PyTorch's native allocator: the reservation
     # per row between out of memory and safe).  Checked on records it was not set from, the
     # partial-load benchmark and the GGUF end-to-end runs with streamed weights
-    # (tests/unit/test_constants_held_out.py).
+    # (bench/tests/test_constants_held_out.py).
     "partial_frag_factor": 1.5,
     # Weights stored in another dtype than the compute dtype (fp8 checkpoints, cast per Linear call),
     # even when all are resident: the casts interleave with the activations and cudaMallocAsync's pool
-    # keeps holes.  Measured end to end on the H200 (docs/benchmarks.md; fp8 A14B + rank-64 LoRA,
+    # keeps holes.  Set from bench/records/e2e/fp8-24gib-full-card.jsonl (fp8 A14B + rank-64 LoRA,
     # 1280x720x81, weights resident): peak reserved minus (weights + predicted working memory) was
     # 1.13-3.12 GiB over 16 completed expert samplings, and one sampling at a 24 GiB budget ran out of
     # memory holding 3.47 GiB of it (a lower bound).  The largest block there is 1.95 GiB, so the factor
@@ -127,7 +127,7 @@ COMPILED_STREAMED_NOTE = ("weights partly offloaded: compiled blocks are reserve
 
 
 COMPILED_CAST_NOTE = ("weights cast at every layer call (fp8): compiled blocks are reserved for as eager ones (the "
-                      "allocator's holes around the casts stay under compile; docs/memory-calibration.md, "
+                      "allocator's holes around the casts stay under compile; docs/memory-model.md, "
                       "\"Compiled blocks with cast weights\")")
 COMPILED_AS_EAGER_NOTES = {"streamed": COMPILED_STREAMED_NOTE, "cast": COMPILED_CAST_NOTE}
 
@@ -136,13 +136,14 @@ def compiled_as_eager(w: activation_model.Workload, ws: activation_model.WeightS
     """Why compiled blocks are reserved for as eager ones ("" where the compiled figure stands):
 
     * "streamed": their weights stream (partial loading), and ComfyUI casts each streamed weight inside
-      the compiled graph.  Measured end to end with GGUF and fp8 weights (docs/memory-calibration.md,
+      the compiled graph.  Measured end to end with GGUF and fp8 weights (docs/memory-model.md,
       "Partly offloaded end to end"), within the eager reservation.
     * "cast": their weights are cast to the compute dtype at every layer call (fp8 checkpoints).  The
       allocator's holes around the casts are not smaller under compile: fully resident fp8 experts measured
       compiled per block held more than the compiled figure at 720p81 (the expert this rule was made from,
       and one it was not), and within the eager one on every expert it was not made from
-      (docs/memory-calibration.md, "Compiled blocks with cast weights").
+      (docs/memory-model.md, "Compiled blocks with cast weights"; made from
+      bench/records/e2e/fp8-compiled-24gib.jsonl, checked on fp8-compiled-cast-rule-check.jsonl).
     The compiled figure itself comes from forwards with resident weights in the compute dtype."""
     if not w.compiled:
         return ""

@@ -36,10 +36,7 @@ LATENT_480P81 = (1, 16, 21, 60, 104)  # 832x480, 81 frames -> 21 x 30 x 52 = 32,
 def _stub_pyav_if_missing():
     """ComfyUI 0.3.64's ``nodes`` imports PyAV for its video types; the H200 image has none, and this test
     does no video I/O.  The benchmark harness's stub (classes that raise when used) stands in for it."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    import _host
+    from bench import _host
     _host.ensure_av(allow_stub=True)
 
 

@@ -15,7 +15,7 @@ from setups import estimate, setup
 from wan_sage.nodes import comfy_bridge, estimator
 
 A14B = activation_model.PRESETS["wan2.2-a14b"]
-MEASURED_COMPILED_SDPA_720P81 = 4.412  # GiB, docs/measurements/2026-12-01-compile-table-h200.jsonl
+MEASURED_COMPILED_SDPA_720P81 = 4.412  # GiB, bench/records/compile/table.jsonl
 
 
 def _plan_json(capsys, *args):

@@ -25,8 +25,9 @@ def test_tokens(preset, size, tokens):
 
 
 def test_phase_model_reproduces_the_h200_a14b_forward_peaks():
-    # shared/measurements/2026-11-29-wan-forward-h200.md: SDPA 6.57 / Sage 6.94 GiB at 720p81,
-    # 2.88 / 3.04 GiB at 480p81 (cond only, bf16, weights resident).
+    # A14B forward peaks measured on the H200 (cond only, bf16, weights resident): SDPA 6.57 / Sage 6.94 GiB
+    # at 720p81, 2.88 / 3.04 GiB at 480p81 (the fit rows of bench/records/forward-peaks/fit.jsonl read
+    # 6.58 / 6.94 and 2.85 / 3.01 GiB).
     for L, sdpa, sage in ((75600, 6.57, 6.94), (32760, 2.88, 3.04)):
         for path, measured in (("sdpa", sdpa), ("sage2_sm90", sage)):
             phase, pers, _ = activation_model.forward_peak(A14B, activation_model.Workload(L=L, self_attn=path))
