@@ -221,6 +221,16 @@ class Mem:
             return {"error": f"{type(e).__name__}: {e}"[:200]}
 
 
+def _estimate_fields(est) -> dict:
+    """The estimator's figures a run record keeps (the node's outputs; the record's GiB keys end in _gb)."""
+    if est is None:
+        return {}
+    from wan_sage.memory import report
+    s = report.summary(est)
+    return {"tokens": s["tokens"], "activation_gb": _r(s["activation_gib"]), "sage_extra_gb": _r(s["sage_extra_gib"]),
+            "reservation_gb": _r(s["reservation_gib"])}
+
+
 def _r(x, n=3):
     return None if x is None else round(float(x), n)
 
@@ -625,8 +635,8 @@ class Host:
                 for e in ("high", "low"):
                     m = self.expert(e)
                     if spec.estimator:
-                        m, nums, report = apply_estimator(m, Settings(), shape)
-                        extras[f"est_{e}"] = {k: _r(v) if isinstance(v, float) else v for k, v in (nums or {}).items()}
+                        m, est, report = apply_estimator(m, Settings(), shape)
+                        extras[f"est_{e}"] = _estimate_fields(est)
                         extras[f"report_{e}"] = report
                     if spec.attention == "sage":
                         m, status = apply_patch(m, check_finite=self.args.sage_check_finite, **patch_kwargs(self.args))

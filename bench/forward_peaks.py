@@ -262,7 +262,7 @@ def main(argv=None):
     import comfy.sample
     from wan_sage.attention import stats
     from wan_sage.memory import activation_model
-    from wan_sage.memory.estimate import activation_bytes, attention_paths
+    from wan_sage.memory.estimate import activation_bytes, attention_plan
     from wan_sage.attention import kernels
 
     dev = mm.get_torch_device()
@@ -374,7 +374,8 @@ def main(argv=None):
                                 dynamo[attempt] = step
                             if not ok:
                                 break
-                        self_p, cross_p = attention_paths("sdpa" if attn == "sdpa" else "sage-auto", cc)
+                        paths = attention_plan("sdpa" if attn == "sdpa" else "sage-auto", cc)
+                        self_p, cross_p = paths.self_path, paths.cross_path
                         if st and not st.get("sage_calls"):
                             self_p = "sdpa"
                         wl = activation_model.Workload(L=L, rows=1, dtype=dname, self_attn=self_p, cross_attn=cross_p,

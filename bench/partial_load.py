@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import dataclasses
 import statistics
 import time
 
@@ -108,13 +107,11 @@ def main():
             m, _status = apply_patch(m, calibrate=False)
         reservation = None
         if kind == "ours":
-            m, nums, report = estimator.apply_estimator(m, estimator.Settings(), lat)
-            reservation = nums["reservation_gb"] if nums else None
+            m, est, report = estimator.apply_estimator(m, estimator.Settings(), lat)
+            reservation = est.reservation / GiB if est else None
         elif kind.startswith("fixed:"):
             R = float(kind.split(":")[1])
-            # the estimator's fixed-per-row figure: the field is fixed_gib (fixed_gb in older checkouts)
-            field = next(f.name for f in dataclasses.fields(estimator.Settings) if f.name in ("fixed_gib", "fixed_gb"))
-            m, nums, report = estimator.apply_estimator(m, estimator.Settings(policy=estimator.POLICIES[2], **{field: R}), lat)
+            m, est, report = estimator.apply_estimator(m, estimator.Settings(policy=estimator.POLICIES[2], fixed_gib=R), lat)
             reservation = R
         else:
             reservation = m.model.memory_required(lat) / GiB

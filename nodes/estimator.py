@@ -202,7 +202,7 @@ def _later_change(model, shape, model_options, settings: Settings, est: Estimate
         warn_once(("later-note", what, type(e).__name__), "wan-sage: estimating what a %s after the "
                   "Working-Memory Estimator changes failed (%s); the report leaves the figure out.", what, reason(e))
         return None
-    return other, (other.reservation - est.reservation) / GiB
+    return other, round((other.reservation - est.reservation) / GiB, 2) + 0.0  # + 0.0: no "-0.00"
 
 
 def _later_patch_note(model, shape, model_options, settings: Settings, est: Estimate) -> str:

@@ -73,7 +73,7 @@ def test_tiny_pipeline_end_to_end_through_real_loaders(e2e_rows):
         assert e["estimator"]["tokens"] == 32
         assert e["predicted_working_gib"] == pytest.approx(e["estimator"]["reservation_gb"], abs=2e-3)
         assert e["attention"]["sage_calls"] == 0 and e["attention"]["reasons"] == {"cpu": 8}   # 2 blocks x 2 x 2 steps
-    assert a["patch_status"]["high"].startswith("patched") and a["estimator_report"]["low"].startswith("Wan dim 256")
+    assert a["patch_status"]["high"].startswith("patched") and a["estimator_report"]["low"].startswith("Wan t2v, dim 256 x 2 layers")
     # run 2: ComfyUI alone with SDPA, budget requested on a CPU host: a no-op with a message
     assert not b["config"]["estimator"] and b["config"]["attention"] == "sdpa" and "decoded" not in b
     assert "no CUDA device" in b["budget"]["note"] and b["budget"]["ballast_gib"] == 0
