@@ -2,9 +2,9 @@
 
 ComfyUI boots on the CPU with its comfy_extras nodes, ComfyUI-GGUF (``$COMFYUI_GGUF_PATH``, default
 ``<COMFYUI_PATH>/../ComfyUI-GGUF``) and this pack. Each ``example_workflows/*.json`` is checked the
-way the frontend would load it (``workflow_check.check_workflow``), converted to the API format and
-passed through ComfyUI's own ``execution.validate_prompt`` with model-file names pointed at probe
-files that exist. A deliberately broken copy must be rejected with every problem named.
+way the frontend would load it (``workflow_check.check_workflow``), converted to the API format
+with the harness's converter (``bench.workflow_api.ui_to_api``) and passed through ComfyUI's own
+``execution.validate_prompt`` with model-file names pointed at probe files that exist. A deliberately broken copy must be rejected with every problem named.
 """
 import asyncio
 import copy
@@ -17,6 +17,7 @@ import pytest
 
 import comfy_env
 import workflow_check
+from bench import workflow_api as wa
 
 if comfy_env.skip_reason():
     pytest.skip(f"host tier: {comfy_env.skip_reason()}", allow_module_level=True)
@@ -44,7 +45,7 @@ def host(comfy):
     comfy_env.load_custom_node(workflow_check.gguf_path())
     comfy_env.load_custom_node(ROOT)
     with workflow_check.probe_file_lists(comfy.folder_paths) as probes:
-        info = workflow_check.object_info(comfy.nodes)
+        info = wa.object_info(comfy.nodes)
         yield type("Host", (), {"ns": comfy, "info": info, "files": workflow_check.file_combos(info, probes)})
 
 
@@ -53,7 +54,7 @@ def load(name: str) -> dict:
 
 
 def widgets(node: dict, info: dict) -> dict:
-    return {s.name: v for (s, role), v in zip(workflow_check.widget_layout(info[node["type"]]), node["widgets_values"])
+    return {s.name: v for (s, role), v in zip(wa.widget_layout(info[node["type"]]), node["widgets_values"])
             if role == "value"}
 
 
@@ -117,7 +118,7 @@ def test_workflow_matches_the_node_definitions(host, name):
 
 @pytest.mark.parametrize("name", WORKFLOWS)
 def test_workflow_passes_comfyui_validate_prompt(host, name):
-    prompt = workflow_check.to_api_prompt(load(name), host.info)
+    prompt = wa.ui_to_api(load(name), host.info)
     assert {n["class_type"] for n in prompt.values()} >= {"WanWorkingMemoryEstimator", "WanSageAttentionPatch"}
     ok, error, outputs, node_errors = workflow_check.validate_prompt(host.ns.execution, workflow_check.with_probe_files(prompt, host.files))
     assert ok, f"{error}\n{json.dumps(node_errors, indent=1, default=str)[:4000]}"
@@ -170,7 +171,7 @@ def test_every_node_names_its_pack_and_version(host):
     ours = set(json.loads((ROOT / "node_list.json").read_text(encoding="utf-8")))
     for name in WORKFLOWS:
         for n in load(name)["nodes"]:
-            if n["type"] in workflow_check.FRONTEND_ONLY:
+            if n["type"] in wa.FRONTEND_ONLY:
                 continue
             props = n["properties"]
             if n["type"] in ours:
@@ -321,7 +322,7 @@ def test_comfyui_validate_prompt_rejects_what_the_validator_rejects(host):
     """The API conversion is faithful: a bad combo / a bad link reaches ComfyUI's own validation."""
     wf = load(I2V_21)
     _node(wf, "KSampler")["widgets_values"][4] = "euler_typo"
-    prompt = workflow_check.with_probe_files(workflow_check.to_api_prompt(wf, host.info), host.files)
+    prompt = workflow_check.with_probe_files(wa.ui_to_api(wf, host.info), host.files)
     ok, error, _outputs, node_errors = workflow_check.validate_prompt(host.ns.execution, prompt)
     assert not ok
     ks_id = str(_node(wf, "KSampler")["id"])
@@ -330,7 +331,7 @@ def test_comfyui_validate_prompt_rejects_what_the_validator_rejects(host):
     wf = load(I2V_21)
     ks = _node(wf, "KSampler")
     _relink(wf, next(i["link"] for i in ks["inputs"] if i["name"] == "model"), _node(wf, "VAELoader"), 0)
-    prompt = workflow_check.with_probe_files(workflow_check.to_api_prompt(wf, host.info), host.files)
+    prompt = workflow_check.with_probe_files(wa.ui_to_api(wf, host.info), host.files)
     ok, _error, _outputs, node_errors = workflow_check.validate_prompt(host.ns.execution, prompt)
     assert not ok
     assert any(e["type"] == "return_type_mismatch" for e in node_errors[str(ks["id"])]["errors"]), node_errors
@@ -350,6 +351,6 @@ def test_api_conversion_follows_reroutes_and_skips_notes(host):
     wf["links"].append([60, vae["id"], 0, 50, 0, "VAE"])
     wf["last_node_id"], wf["last_link_id"] = 60, 60
     assert workflow_check.check_workflow(wf, host.info, host.files) == []
-    prompt = workflow_check.to_api_prompt(wf, host.info)
+    prompt = wa.ui_to_api(wf, host.info)
     assert prompt[str(decode["id"])]["inputs"]["vae"] == [str(vae["id"]), 0]
-    assert not any(n["class_type"] in workflow_check.FRONTEND_ONLY for n in prompt.values())
+    assert not any(n["class_type"] in wa.FRONTEND_ONLY for n in prompt.values())

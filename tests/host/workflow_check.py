@@ -1,38 +1,22 @@
 """Check ComfyUI UI-format workflows (what the frontend saves) against the live node definitions.
 
 Importing this module imports nothing from ComfyUI. Every function that needs ComfyUI takes the
-module it needs (``nodes``, ``folder_paths``, ``execution``) as an argument, so it works with the
-in-process host of :mod:`comfy_env`.
-
-The frontend rules mirrored here are those of ComfyUI frontend 1.27 (the one ComfyUI 0.3.64 ships):
-
-* A node's ``inputs`` are its sockets first (inputs whose type has no widget, or ``forceInput``), then
-  one input per widget (``"widget": {"name": ...}``); each group in ``input_order`` order (required,
-  then optional, then inputs that are not in ``input_order``).
-* ``widgets_values`` has one value per widget in that order. An INT whose spec has
-  ``control_after_generate`` (or, when the key is absent, one named ``seed``/``noise_seed``) is followed by
-  its control value (``fixed``/``increment``/``decrement``/``randomize``). A COMBO with
-  ``control_after_generate`` is followed by the control value and a filter string.
-* A COMBO with ``image_upload``/``video_upload``/``animated_image_upload`` gets an extra ``upload``
-  widget (type IMAGEUPLOAD, saved as ``"image"``) after all other inputs; it is not sent to the server.
-* Links are ``[id, origin_id, origin_slot, target_id, target_slot, type]``; ``type`` is the origin
-  output's type.
+module it needs (``folder_paths``, ``execution``) as an argument, so it works with the in-process
+host of :mod:`comfy_env`. The frontend's rules for a node's inputs and ``widgets_values``, and the
+conversion to the API prompt, are those of :mod:`bench.workflow_api` (imported from the repository
+root, which ``python -m pytest`` puts on ``sys.path``).
 
 Public API
 ----------
-``node_info(nodes, name)``               one node's definition as ``GET /object_info`` returns it
-``object_info(nodes)``                   all of them
-``input_specs(info)``                    the inputs as the frontend orders them (:class:`Spec`)
-``widget_layout(info)``                  ``[(spec, role)]``, one per ``widgets_values`` entry
-``expected_inputs(info)``                the node's ``inputs`` list as the frontend builds it
 ``probe_file_lists(folder_paths)``       context manager: one probe file per model folder + input dir
 ``file_combos(info_by_type, probes)``    which combos list model/input files, and their extensions
 ``check_workflow(wf, info_by_type, files)``  list of problems (empty: valid)
-``to_api_prompt(wf, info_by_type)``      the API-format prompt the frontend would queue
-``with_probe_files(prompt, files, info_by_type)``  model-file combo values replaced by probe files
+``with_probe_files(prompt, files)``      model-file combo values replaced by probe files
 ``validate_prompt(execution, prompt)``   ComfyUI's own ``execution.validate_prompt``
 ``gguf_path()`` / ``gguf_skip_reason()``  where ComfyUI-GGUF is (``$COMFYUI_GGUF_PATH``, default
                                          ``<COMFYUI_PATH>/../ComfyUI-GGUF``), or why it cannot be used
+
+The API prompt of a workflow is ``bench.workflow_api.ui_to_api(wf, info_by_type)``.
 """
 from __future__ import annotations
 
@@ -43,22 +27,14 @@ import math
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-FRONTEND_ONLY = frozenset({"Note", "MarkdownNote", "Reroute", "PrimitiveNode"})
-NOTE_TYPES = frozenset({"Note", "MarkdownNote"})
-# Widget constructors of frontend 1.27 (ComfyWidgets); a type not in here is a socket.
-WIDGET_TYPES = frozenset({"INT", "FLOAT", "BOOLEAN", "STRING", "MARKDOWN", "COMBO", "IMAGEUPLOAD",
-                          "FILEUPLOAD", "COLOR", "IMAGECOMPARE", "TREESELECT", "MULTISELECT", "CHART",
-                          "GALLERIA", "SELECTBUTTON", "TEXTAREA"})
-UPLOAD_FLAGS = ("image_upload", "video_upload", "animated_image_upload")
-CONTROL_VALUES = ("fixed", "increment", "decrement", "randomize")
-COMBO_CONTROL_VALUES = CONTROL_VALUES + ("increment-wrap",)
-SEED_NAMES = ("seed", "noise_seed")
+from bench.workflow_api import (COMBO_CONTROL_VALUES, CONTROL_VALUES, FRONTEND_ONLY, NOTE_TYPES, Spec, expected_inputs,
+                                input_specs, outputs_of, types_match, widget_layout)
+
 IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff"})
 PROBE_PREFIX = "wan_sage_probe__"
 INPUT_PROBE = PROBE_PREFIX + "input.png"
-MODE_ALWAYS, MODE_NEVER, MODE_BYPASS = 0, 2, 4
 
 
 # --------------------------------------------------------------------------- ComfyUI-GGUF
@@ -78,128 +54,6 @@ def gguf_skip_reason() -> str | None:
         return (f"ComfyUI-GGUF not found at {p} (set COMFYUI_GGUF_PATH to a ComfyUI-GGUF checkout; "
                 "the A14B example workflows use its UnetLoaderGGUF)")
     return None
-
-
-# --------------------------------------------------------------------------- node definitions
-
-def node_info(nodes, name: str) -> dict:
-    """``GET /object_info/<name>`` (server.py ``node_info``) for one node class, V1 or V3."""
-    cls = nodes.NODE_CLASS_MAPPINGS[name]
-    if hasattr(cls, "GET_NODE_INFO_V1"):  # V3 (comfy_api ... io.ComfyNode)
-        return cls.GET_NODE_INFO_V1()
-    inputs = cls.INPUT_TYPES()
-    out = tuple(cls.RETURN_TYPES)
-    return {
-        "input": inputs,
-        "input_order": {k: list(v.keys()) for k, v in inputs.items()},
-        "output": out,
-        "output_is_list": list(getattr(cls, "OUTPUT_IS_LIST", [False] * len(out))),
-        "output_name": tuple(getattr(cls, "RETURN_NAMES", out)),
-        "name": name,
-        "display_name": nodes.NODE_DISPLAY_NAME_MAPPINGS.get(name, name),
-        "description": getattr(cls, "DESCRIPTION", ""),
-        "python_module": getattr(cls, "RELATIVE_PYTHON_MODULE", "nodes"),
-        "category": getattr(cls, "CATEGORY", "sd"),
-        "output_node": getattr(cls, "OUTPUT_NODE", False) is True,
-    }
-
-
-def object_info(nodes) -> dict:
-    """``GET /object_info``: every registered node's definition."""
-    return {name: node_info(nodes, name) for name in list(nodes.NODE_CLASS_MAPPINGS)}
-
-
-@dataclass
-class Spec:
-    name: str
-    type: str                      # "COMBO" for option lists
-    extra: dict = field(default_factory=dict)
-    options: list | None = None    # COMBO options
-    optional: bool = False
-
-    @property
-    def is_widget(self) -> bool:
-        return self.type in WIDGET_TYPES and not self.extra.get("forceInput", False)
-
-
-def _spec(name: str, raw, optional: bool) -> Spec:
-    raw = list(raw) if isinstance(raw, (list, tuple)) else [raw]
-    typ = raw[0]
-    extra = raw[1] if len(raw) > 1 and isinstance(raw[1], dict) else {}
-    if isinstance(typ, (list, tuple)):
-        return Spec(name, "COMBO", extra, list(typ), optional)
-    if typ == "COMBO":
-        return Spec(name, "COMBO", extra, list(extra.get("options", [])), optional)
-    return Spec(name, str(typ), extra, None, optional)
-
-
-def input_specs(info: dict) -> list[Spec]:
-    """Inputs (not hidden) in the frontend's order, with the upload widget it adds."""
-    inp = info.get("input") or {}
-    required = dict(inp.get("required") or {})
-    optional = dict(inp.get("optional") or {})
-    specs = {n: _spec(n, r, False) for n, r in required.items()}
-    specs.update({n: _spec(n, r, True) for n, r in optional.items() if n not in specs})
-    # Comfy.UploadImage extension: an "upload" input after the first media combo.
-    for n, s in list(specs.items()):
-        if not s.optional and s.type == "COMBO" and any(s.extra.get(f) is True for f in UPLOAD_FLAGS):
-            specs["upload"] = Spec("upload", "IMAGEUPLOAD", {**s.extra, "imageInputName": n})
-            break
-    order = info.get("input_order")
-    if not order:
-        return list(specs.values())
-    out, seen = [], set()
-    for group, want_optional in (("required", False), ("optional", True)):
-        for n in order.get(group) or []:
-            s = specs.get(n)
-            if s is not None and s.optional == want_optional and n not in seen:
-                out.append(s)
-                seen.add(n)
-    out += [s for n, s in specs.items() if n not in seen]
-    return out
-
-
-def _int_has_control(spec: Spec) -> bool:
-    if "control_after_generate" in spec.extra and spec.extra["control_after_generate"] is not None:
-        return bool(spec.extra["control_after_generate"])
-    return spec.name in SEED_NAMES
-
-
-def widget_layout(info: dict) -> list[tuple[Spec, str]]:
-    """One ``(spec, role)`` per ``widgets_values`` entry; role is "value", "control" or "filter"."""
-    out = []
-    for s in input_specs(info):
-        if not s.is_widget:
-            continue
-        out.append((s, "value"))
-        if s.type == "INT" and _int_has_control(s):
-            out.append((s, "control"))
-        elif s.type == "COMBO" and s.extra.get("control_after_generate"):
-            out += [(s, "control"), (s, "filter")]
-    return out
-
-
-def expected_inputs(info: dict) -> list[dict]:
-    """The node's ``inputs`` as frontend 1.27 creates them: sockets, then one per widget."""
-    specs = input_specs(info)
-    socks = [{"name": s.name, "type": s.type, "optional": s.optional} for s in specs if not s.is_widget]
-    wids = [{"name": s.name, "type": s.type, "optional": s.optional, "widget": {"name": s.name}}
-            for s in specs if s.is_widget]
-    return socks + wids
-
-
-def outputs_of(info: dict) -> list[tuple[str, str]]:
-    types = list(info.get("output") or [])
-    names = list(info.get("output_name") or types)
-    return [(n, "COMBO" if isinstance(t, (list, tuple)) else str(t)) for n, t in zip(names, types)]
-
-
-def types_match(a: str, b: str) -> bool:
-    """LiteGraph's rule: equal, a wildcard, or overlapping comma-separated unions."""
-    if a in ("*", "", None) or b in ("*", "", None):
-        return True
-    a, b = str(a).upper(), str(b).upper()
-    return a == b or bool(set(a.split(",")) & set(b.split(",")))
 
 
 # --------------------------------------------------------------------------- model-file combos
@@ -534,60 +388,7 @@ def _check_widgets(n: dict, info: dict, files: dict, p) -> None:
             p(f"{_ref(n)}: widget {label}: {why}")
 
 
-# --------------------------------------------------------------------------- API format
-
-def _resolve(by_id: dict, links: dict, lid, seen=()):
-    """Follow a link back through Reroute and bypassed nodes: (origin node, slot) or None."""
-    raw = links.get(lid)
-    if raw is None:
-        return None
-    o, slot = by_id.get(raw[1]), raw[2]
-    if o is None or lid in seen:
-        return None
-    if o["type"] == "Reroute":
-        up = (o.get("inputs") or [{}])[0].get("link")
-        return _resolve(by_id, links, up, seen + (lid,)) if up is not None else None
-    if o.get("mode") == MODE_BYPASS:
-        otype = (o.get("outputs") or [])[slot].get("type")
-        for inp in o.get("inputs") or []:
-            if inp.get("link") is not None and types_match(inp.get("type"), otype):
-                return _resolve(by_id, links, inp["link"], seen + (lid,))
-        return None
-    if o.get("mode") == MODE_NEVER:
-        return None
-    return o, slot
-
-
-def to_api_prompt(wf: dict, info_by_type: dict) -> dict:
-    """The API-format prompt (``{id: {class_type, inputs, _meta}}``) the frontend would queue."""
-    nodes = [n for n in wf.get("nodes") or []]
-    by_id = {n["id"]: n for n in nodes}
-    links = {raw[0]: raw for raw in wf.get("links") or []}
-    prompt = {}
-    for n in nodes:
-        t = n["type"]
-        if t in FRONTEND_ONLY or n.get("mode") in (MODE_NEVER, MODE_BYPASS):
-            continue
-        info = info_by_type[t]
-        inputs = {}
-        for (spec, role), value in zip(widget_layout(info), n.get("widgets_values") or []):
-            if role == "value" and spec.type != "IMAGEUPLOAD":
-                inputs[spec.name] = {"__value__": value} if isinstance(value, list) else value
-        for inp in n.get("inputs") or []:
-            lid = inp.get("link")
-            if lid is None:
-                continue
-            src = _resolve(by_id, links, lid)
-            if src is None:
-                continue
-            o, slot = src
-            if o["type"] == "PrimitiveNode":
-                continue  # its value is already the target widget's value
-            inputs[inp["name"]] = [str(o["id"]), slot]
-        title = n.get("title") or info.get("display_name") or t
-        prompt[str(n["id"])] = {"class_type": t, "inputs": inputs, "_meta": {"title": title}}
-    return prompt
-
+# --------------------------------------------------------------------------- ComfyUI's validation of the API prompt
 
 def with_probe_files(prompt: dict, files: dict) -> dict:
     """A copy of *prompt* whose file-combo values (model files, input images) name the probe files."""
