@@ -1,12 +1,19 @@
 """Write ``example_workflows/*.json`` (and ``.jpg`` thumbnails) from the live node definitions.
 
+From the repository root::
+
     COMFYUI_PATH=/path/to/ComfyUI [COMFYUI_GGUF_PATH=/path/to/ComfyUI-GGUF] \\
-        python3 tests/host/make_example_workflows.py [--no-thumbnails] [--check]
+        python -m bench.make_workflows [--no-thumbnails] [--check]
+
+ComfyUI boots in-process on the CPU (``tests/host/comfy_env``) with its comfy_extras nodes,
+ComfyUI-GGUF (``$COMFYUI_GGUF_PATH``, default ``<COMFYUI_PATH>/../ComfyUI-GGUF``) and this pack, and
+every workflow is checked against their definitions (``tests/host/workflow_check``) before it is
+written.
 
 Each workflow is described below by its nodes (type + widget values by name), its links (by output
 and input *name*) and a column layout. The inputs/outputs arrays and the order of
 ``widgets_values`` (including ``control_after_generate``) come from the node definitions, the way the
-frontend builds them (see ``workflow_check``), so a saved file is what ComfyUI's frontend would save.
+frontend builds them (see ``bench.workflow_api``), so a saved file is what ComfyUI's frontend would save.
 ``--check`` writes nothing and exits 1 if a committed file differs from what would be written.
 """
 from __future__ import annotations
@@ -19,12 +26,10 @@ import sys
 import tomllib
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-OUT_DIR = ROOT / "example_workflows"
-sys.path.insert(0, str(HERE))
+from . import workflow_api as wa
 
-import workflow_check  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+OUT_DIR = ROOT / "example_workflows"
 
 FRONTEND_VERSION = "1.27.10"
 NOTE_COLOR, NOTE_BGCOLOR = "#432", "#653"          # the frontend's "yellow" node colour
@@ -89,7 +94,7 @@ class Graph:
         info = self.info[node_type]
         widgets = dict(widgets or {})
         values = []
-        for spec, role in workflow_check.widget_layout(info):
+        for spec, role in wa.widget_layout(info):
             if role == "value":
                 if spec.name in widgets:
                     v = widgets.pop(spec.name)
@@ -109,7 +114,7 @@ class Graph:
         if widgets:
             raise KeyError(f"{key}: {node_type} has no widgets {sorted(widgets)}")
         inputs = []
-        for e in workflow_check.expected_inputs(info):
+        for e in wa.expected_inputs(info):
             d = {"localized_name": e["name"], "name": e["name"], "type": e["type"]}
             if e["optional"]:
                 d["shape"] = 7  # RenderShape.HollowCircle
@@ -118,7 +123,7 @@ class Graph:
             d["link"] = None
             inputs.append(d)
         outputs = [{"localized_name": n, "name": n, "type": t, "links": [], "slot_index": i}
-                   for i, (n, t) in enumerate(workflow_check.outputs_of(info))]
+                   for i, (n, t) in enumerate(wa.outputs_of(info))]
         node = {"id": len(self.nodes) + 1, "type": node_type, "pos": [0, 0],
                 "size": list(size or self._size(info, node_type)), "flags": {}, "order": 0, "mode": 0,
                 "inputs": inputs, "outputs": outputs,
@@ -140,10 +145,10 @@ class Graph:
 
     @staticmethod
     def _size(info, node_type):
-        specs = workflow_check.input_specs(info)
+        specs = wa.input_specs(info)
         sockets = sum(1 for s in specs if not s.is_widget)
-        widgets = len(workflow_check.widget_layout(info))
-        rows = max(sockets, len(workflow_check.outputs_of(info)))
+        widgets = len(wa.widget_layout(info))
+        rows = max(sockets, len(wa.outputs_of(info)))
         width = 330
         height = rows * 20 + widgets * 24 + 16
         if node_type == "CLIPTextEncode":
@@ -540,19 +545,19 @@ def thumbnail(wf: dict, path: Path, info: dict | None = None, width: int = 768) 
         bx1, by1 = P(n["pos"][0] + n["size"][0], n["pos"][1] + n["size"][1])
         title_h = 30 * s
         color = n.get("color", "#353535")
-        bg = n.get("bgcolor", "#353535" if n["type"] not in workflow_check.NOTE_TYPES else NOTE_BGCOLOR)
+        bg = n.get("bgcolor", "#353535" if n["type"] not in wa.NOTE_TYPES else NOTE_BGCOLOR)
         d.rounded_rectangle([bx0, by0, bx1, by1], radius=max(2, int(8 * s)), fill=bg, outline="#111111")
         d.rounded_rectangle([bx0, by0, bx1, by0 + title_h], radius=max(2, int(8 * s)),
                             fill=color if n.get("color") else "#2b2b2b")
         title = n.get("title") or info.get(n["type"], {}).get("display_name") or n["type"]
-        if n["type"] in workflow_check.NOTE_TYPES:
+        if n["type"] in wa.NOTE_TYPES:
             title = n["widgets_values"][0].lstrip("# ").splitlines()[0]
         title = title.replace("×", "x").replace("·", "-")  # glyphs the default font may lack
         while title and d.textlength(title, font=font) > (bx1 - bx0) - 6:
             title = title[:-2] + "…" if len(title) > 2 else ""
         d.text((bx0 + 4, by0 + (title_h - font.size if hasattr(font, "size") else 0) / 2), title,
                fill="#DDDDDD", font=font)
-    note = next((n for n in nodes.values() if n["type"] in workflow_check.NOTE_TYPES), None)
+    note = next((n for n in nodes.values() if n["type"] in wa.NOTE_TYPES), None)
     if note is not None:
         caption = note["widgets_values"][0].lstrip("# ").splitlines()[0].replace("×", "x").replace("·", "|")
         try:
@@ -568,7 +573,8 @@ def thumbnail(wf: dict, path: Path, info: dict | None = None, width: int = 768) 
 # --------------------------------------------------------------------------- main
 
 def _host_info():
-    import comfy_env
+    """(node definitions, pack ids, file combos) of ComfyUI with ComfyUI-GGUF and this pack loaded."""
+    from tests.host import comfy_env, workflow_check
     reason = comfy_env.skip_reason() or workflow_check.gguf_skip_reason()
     if reason:
         raise SystemExit(f"cannot build the workflows: {reason}")
@@ -578,7 +584,7 @@ def _host_info():
     comfy_env.load_custom_node(ROOT)
     ns = comfy_env.boot()
     with workflow_check.probe_file_lists(ns.folder_paths) as probes:
-        info = workflow_check.object_info(ns.nodes)
+        info = wa.object_info(ns.nodes)
         ids = pack_ids(info, comfy_env.comfy_path(), workflow_check.gguf_path())
         return info, ids, workflow_check.file_combos(info, probes)
 
@@ -593,6 +599,7 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true", help="exit 1 if a committed file would change")
     a = ap.parse_args(argv)
     info, ids, files = _host_info()
+    from tests.host import workflow_check
     stale = []
     OUT_DIR.mkdir(exist_ok=True)
     built = build_all(info, ids)
