@@ -47,8 +47,9 @@ WAN_NEGATIVE = ("色调艳丽，过曝，静态，细节模糊不清，字幕，
                 "手指融合，静止不动的画面，杂乱的背景，三条腿，背景人很多，倒着走")
 UMT5 = "umt5_xxl_fp8_e4m3fn_scaled.safetensors"
 SAGE = {"kernel": "auto", "min_tokens": 1024, "calibrate": True, "memory_margin_mb": 256, "check_finite": True,
-        "memory_mode": "sdpa"}
-ESTIMATOR = {"batch_size": 1, "policy": "wan-sage estimate", "margin_gb": 0.0, "fixed_gb": 10.0,
+        "memory_mode": "within SDPA's memory"}
+SAGE_TITLE = "Wan 2.1/2.2 Sage Attention Patch"  # the node's display name
+ESTIMATOR = {"batch_size": 1, "policy": "wan-sage estimate", "margin_gib": 0.0, "fixed_gib": 10.0,
              "count_sage_extra": "auto-detect"}
 
 
@@ -239,54 +240,104 @@ class Graph:
 
 # --------------------------------------------------------------------------- the workflows
 
-def _note_a14b(width: int, height: int, label: str) -> str:
+# Where ComfyUI's own repackaged files are (Hugging Face, each under split_files/<models folder>/).
+REPACK_21 = "Comfy-Org/Wan_2.1_ComfyUI_repackaged"
+REPACK_22 = "Comfy-Org/Wan_2.2_ComfyUI_Repackaged"
+GGUF_PACK = "[ComfyUI-GGUF](https://github.com/city96/ComfyUI-GGUF)"
+GGUF_INSTALL = ("install it with ComfyUI-Manager (search *ComfyUI-GGUF*), or `git clone "
+                "https://github.com/city96/ComfyUI-GGUF` into `ComfyUI/custom_nodes` and "
+                "`pip install --upgrade gguf` in ComfyUI's Python, then restart ComfyUI")
+SAGE_LINE = ("**SageAttention** is optional: without it the Sage patch passes the model through and the "
+             "speed is ComfyUI's (see the wan-sage README, *Getting SageAttention*).")
+ESTIMATOR_LATENT = ("Its `latent` input is connected to the latent node, which sets the video size: change "
+                    "the size there (the estimator's width/height/frames/batch_size are greyed out meanwhile).")
+LIGHTNING = "wan2.2_t2v_lightx2v_4steps_lora_v1.1_{ex}_noise.safetensors"
+A14B_LOADERS = {
+    # loader type, title, file name pattern, extra widgets
+    "gguf": ("UnetLoaderGGUF", "Unet Loader (GGUF): {ex} noise", "wan2.2_t2v_{ex}_noise_14B_Q4_K_M.gguf", {}),
+    "fp8": ("UNETLoader", "Load Diffusion Model: {ex} noise", "wan2.2_t2v_{ex}_noise_14B_fp8_scaled.safetensors",
+            {"weight_dtype": "default"}),
+}
+
+
+def _note_a14b(width: int, height: int, weights: str) -> str:
+    gguf = weights == "gguf"
+    high, low = (A14B_LOADERS[weights][2].format(ex=ex) for ex in ("high", "low"))
+    tokens = (width // 16) * (height // 16) * 21
+    if gguf:
+        heading = f"Wan 2.2 T2V A14B · GGUF Q4_K_M · needs ComfyUI-GGUF · {width}×{height}, 81 frames"
+        packs = (f"**Needs the {GGUF_PACK} pack** for its *Unet Loader (GGUF)* nodes, which load the .gguf "
+                 f"experts: {GGUF_INSTALL}. Without it, use the *A14B fp8* templates, which need no other pack.")
+        models = (f"- diffusion_models: `{high}`, `{low}`: any Wan 2.2 T2V A14B Q4_K_M pair, e.g. "
+                  "QuantStack/Wan2.2-T2V-A14B-GGUF on Hugging Face (HighNoise/, LowNoise/); pick yours in the "
+                  "two loaders")
+        speed = ("with SageAttention 2.x about 1.25× PyTorch SDPA per step at 720p (measured on an H200 held to a "
+                 "24 GB budget: 1.26× stock ComfyUI)" if height >= 720 else
+                 "smaller than at 720p: Sage's self-attention is 1.23× SDPA at this size on an H200, and "
+                 "attention is a smaller share of the step")
+        memory = ("the estimator reserves the real activation peak (ComfyUI's own Wan figure is about 2× it) and "
+                  "counts GGUF dequantisation and the LoRA patches, so ComfyUI keeps more of each expert on the GPU "
+                  "(at a 16 GB budget 49 % against 22 %) and offloads only the rest")
+    else:
+        heading = f"Wan 2.2 T2V A14B · fp8 · ComfyUI's own loaders · {width}×{height}, 81 frames"
+        packs = ("**Packs:** wan-sage only: the experts load through ComfyUI's own *Load Diffusion Model* "
+                 "(UNETLoader), from ComfyUI's repackaged fp8 files.")
+        models = (f"- diffusion_models: `{high}`, `{low}` ({REPACK_22})")
+        speed = ("with SageAttention 2.x 1.27× PyTorch SDPA per step with both experts resident (H200), and "
+                 "1.26× stock ComfyUI at a 16 GB budget" if height >= 720 else
+                 "smaller than at 720p: Sage's self-attention is 1.23× SDPA at this size on an H200, and "
+                 "attention is a smaller share of the step")
+        memory = ("the estimator reserves the real activation peak (ComfyUI's own Wan figure is about 2× it) plus "
+                  "room for the fp8 weight casts, so ComfyUI keeps more of each expert on the GPU (at a 16 GB "
+                  "budget 28 % against 15 %) and offloads only the rest")
+    plan_weights = "q4_k_m --lora" if gguf else "fp8 --lora"
     return f"""
-# Wan 2.2 T2V A14B · GGUF Q4_K_M · Lightning 4 steps · {width}×{height}, 81 frames
+# {heading}
 
-{label}
+Text to video with both Wan 2.2 A14B experts ({"GGUF Q4_K_M" if gguf else "fp8"}), 4 steps with the
+Lightning LoRAs, at {width}×{height} and 81 frames ({tokens:,} tokens per forward), through the wan-sage
+nodes.
 
-Each expert (high noise, low noise) runs
-**UnetLoaderGGUF → LoRA (Lightning 4-step) → ModelSamplingSD3 → Wan Working-Memory Estimator →
-Wan 2.2 Sage Attention Patch → KSamplerAdvanced**.
+{packs} {SAGE_LINE}
 
-- **Wan Working-Memory Estimator** reserves the activation memory this denoise really needs
-  (ComfyUI's own Wan figure is about 2× the real peak), so ComfyUI keeps more of each expert's
-  weights on the GPU and offloads only the rest. It also counts what ComfyUI leaves out: GGUF
-  dequantisation, the LoRA patches and Sage's buffers. Its `latent` input is connected to the empty
-  latent, so the size comes from there: set the video size on **EmptyHunyuanLatentVideo** only (the
-  estimator's width/height/frames/batch_size widgets are greyed out while the latent is connected).
-- **Wan 2.2 Sage Attention Patch** runs the long self-attention on SageAttention where it was
-  measured faster on your GPU and fits in free VRAM; every other call stays on PyTorch SDPA.
-  Without SageAttention installed the model passes through unchanged.
-- The high-noise expert samples steps 0–2 and hands its leftover noise to the low-noise expert,
-  which finishes steps 2–4. cfg is 1, so the negative prompt is not used.
+- **Speed-up:** {speed}.
+- **Memory:** {memory}.
 
-**Models** (ComfyUI/models/…)
-- diffusion_models: `wan2.2_t2v_high_noise_14B_Q4_K_M.gguf`, `wan2.2_t2v_low_noise_14B_Q4_K_M.gguf`
-  (needs the ComfyUI-GGUF nodes)
-- loras: `wan2.2_t2v_lightx2v_4steps_lora_v1.1_high_noise.safetensors`,
-  `wan2.2_t2v_lightx2v_4steps_lora_v1.1_low_noise.safetensors`
-- text_encoders: `{UMT5}`
-- vae: `wan_2.1_vae.safetensors`
+**Files**, each in `ComfyUI/models/<folder>/` (ComfyUI's repackaged files are on Hugging Face, in
+`split_files/<folder>/` of the repository named)
+{models}
+- loras: `{LIGHTNING.format(ex="high")}`, `{LIGHTNING.format(ex="low")}` ({REPACK_22})
+- text_encoders: `{UMT5}` ({REPACK_21})
+- vae: `wan_2.1_vae.safetensors` ({REPACK_21})
+
+**How it runs.** Each expert (high noise, low noise) runs loader → Lightning LoRA → ModelSamplingSD3 →
+**Wan Working-Memory Estimator** → **Wan 2.1/2.2 Sage Attention Patch** → KSamplerAdvanced. The
+high-noise expert samples steps 0–2 and hands its leftover noise to the low-noise expert, which
+finishes steps 2–4; cfg is 1, so the negative prompt is not used.
+
+- The estimator reserves the activation memory this denoise needs before sampling. {ESTIMATOR_LATENT}
+- The Sage patch runs the long self-attention on SageAttention where it was measured faster on your
+  GPU and fits in free VRAM; every other call stays on PyTorch SDPA.
 
 The same estimate without ComfyUI or a GPU:
-`wan-sage plan --preset wan2.2-a14b --width {width} --height {height} --frames 81 --vram 24 --attention sage-auto`
+`wan-sage plan --preset wan2.2-a14b --width {width} --height {height} --frames 81 --vram 24 --attention sage-auto --weights {plan_weights}`
 """
 
 
-def a14b(info, ids, width: int, height: int, label: str, prefix: str) -> dict:
+def a14b(info, ids, width: int, height: int, weights: str, prefix: str) -> dict:
+    """Wan 2.2 T2V A14B, both experts with the Lightning 4-step LoRAs; ``weights`` "gguf"
+    (ComfyUI-GGUF's loader) or "fp8" (ComfyUI's UNETLoader)."""
+    loader, title, pattern, extra = A14B_LOADERS[weights]
     g = Graph(info, ids)
-    g.note("note", _note_a14b(width, height, label), size=(470, 760))
+    g.note("note", _note_a14b(width, height, weights), size=(480, 900))
     for ex in ("high", "low"):
-        g.add(f"unet_{ex}", "UnetLoaderGGUF", {"unet_name": f"wan2.2_t2v_{ex}_noise_14B_Q4_K_M.gguf"},
-              title=f"Unet Loader (GGUF): {ex} noise")
-        g.add(f"lora_{ex}", "LoraLoaderModelOnly",
-              {"lora_name": f"wan2.2_t2v_lightx2v_4steps_lora_v1.1_{ex}_noise.safetensors", "strength_model": 1.0},
+        g.add(f"unet_{ex}", loader, {"unet_name": pattern.format(ex=ex), **extra}, title=title.format(ex=ex))
+        g.add(f"lora_{ex}", "LoraLoaderModelOnly", {"lora_name": LIGHTNING.format(ex=ex), "strength_model": 1.0},
               title=f"Lightning 4-step LoRA: {ex} noise")
         g.add(f"shift_{ex}", "ModelSamplingSD3", {"shift": 5.0})
         g.add(f"est_{ex}", "WanWorkingMemoryEstimator", estimator_widgets(width, height, 81, 1.0),
               title=f"Wan Working-Memory Estimator: {ex} noise")
-        g.add(f"sage_{ex}", "WanSageAttentionPatch", dict(SAGE), title=f"Wan 2.2 Sage Attention Patch: {ex} noise")
+        g.add(f"sage_{ex}", "WanSageAttentionPatch", dict(SAGE), title=f"{SAGE_TITLE}: {ex} noise")
     g.add("clip", "CLIPLoader", {"clip_name": UMT5, "type": "wan", "device": "default"})
     g.add("pos", "CLIPTextEncode", {"text": (
         "A red fox trots through fresh snow in a pine forest at sunrise, its breath visible in the cold air. "
@@ -333,31 +384,42 @@ def a14b(info, ids, width: int, height: int, label: str, prefix: str) -> dict:
 
 
 NOTE_5B = f"""
-# Wan 2.2 TI2V-5B · 1280×704, 121 frames (24 fps)
+# Wan 2.2 TI2V-5B · ComfyUI's own loaders · 1280×704, 121 frames (24 fps)
 
-**UNETLoader → ModelSamplingSD3 → Wan Working-Memory Estimator → Wan 2.2 Sage Attention Patch →
-KSampler**, one model, 20 steps at cfg 5.
+Text to video with the Wan 2.2 TI2V-5B model at 1280×704 and 121 frames (27,280 tokens per forward;
+its VAE compresses 16× in space and has 48 latent channels), 20 steps at cfg 5, through the wan-sage
+nodes. For image to video, connect a *Load Image* to the latent node's `start_image`.
 
-- **Wan Working-Memory Estimator** reserves the activation memory the 5B model really needs for this
-  latent (48 channels, 16× spatial compression: 31×44×80 latent, 27 280 tokens) instead of
-  ComfyUI's own figure, about 2× too high, so more of the model stays on the GPU. Its `latent`
-  input is connected to the latent node, which sets the size (the estimator's own size widgets are
-  greyed out meanwhile); its `cfg` matches the sampler's (cfg ≠ 1 runs cond and uncond).
-- **Wan 2.2 Sage Attention Patch** runs the long self-attention on SageAttention where it was
-  measured faster and fits in free VRAM; every other call stays on PyTorch SDPA.
-- Text to video as it stands. For image to video, connect a `Load Image` to the latent node's
-  `start_image`.
+**Packs:** wan-sage only (ComfyUI's own loaders). {SAGE_LINE}
 
-**Models** (ComfyUI/models/…)
-- diffusion_models: `wan2.2_ti2v_5B_fp16.safetensors`
-- text_encoders: `{UMT5}`
-- vae: `wan2.2_vae.safetensors` (the Wan 2.2 VAE; the 2.1 VAE does not fit the 5B model)
+- **Speed-up:** with SageAttention 2.x Sage's self-attention is 1.21× PyTorch SDPA at this size on an
+  H200; the whole step gains less.
+- **Memory:** ComfyUI's own figure for the 5B is about 1.5× its real peak; the estimator reserves the real
+  one (cfg 5 counts cond and uncond), so more of the model stays on the GPU when VRAM is short.
+
+**Files**, each in `ComfyUI/models/<folder>/` (ComfyUI's repackaged files are on Hugging Face, in
+`split_files/<folder>/` of the repository named)
+- diffusion_models: `wan2.2_ti2v_5B_fp16.safetensors` ({REPACK_22})
+- text_encoders: `{UMT5}` ({REPACK_21})
+- vae: `wan2.2_vae.safetensors` ({REPACK_22}): the Wan 2.2 VAE; the 2.1 VAE does not
+  fit the 5B model
+
+**How it runs.** UNETLoader → ModelSamplingSD3 → **Wan Working-Memory Estimator** →
+**Wan 2.1/2.2 Sage Attention Patch** → KSampler.
+
+- The estimator reserves the activation memory this denoise needs before sampling. {ESTIMATOR_LATENT}
+  Its `cfg` matches the sampler's.
+- The Sage patch runs the long self-attention on SageAttention where it was measured faster and fits
+  in free VRAM; every other call stays on PyTorch SDPA.
+
+The same estimate without ComfyUI or a GPU:
+`wan-sage plan --preset wan2.2-ti2v-5b --width 1280 --height 704 --frames 121 --cfg 5 --vram 24 --attention sage-auto --weights fp16`
 """
 
 
 def ti2v_5b(info, ids) -> dict:
     g = Graph(info, ids)
-    g.note("note", NOTE_5B, size=(470, 560))
+    g.note("note", NOTE_5B, size=(480, 760))
     g.add("unet", "UNETLoader", {"unet_name": "wan2.2_ti2v_5B_fp16.safetensors", "weight_dtype": "default"})
     g.add("clip", "CLIPLoader", {"clip_name": UMT5, "type": "wan", "device": "default"})
     g.add("vae", "VAELoader", {"vae_name": "wan2.2_vae.safetensors"})
@@ -398,32 +460,43 @@ def ti2v_5b(info, ids) -> dict:
 
 
 NOTE_I2V = f"""
-# Wan 2.1 I2V 14B 480p · 832×480, 81 frames
+# Wan 2.1 I2V 14B 480p · fp8 · ComfyUI's own loaders · 832×480, 81 frames
 
-**UNETLoader → ModelSamplingSD3 → Wan Working-Memory Estimator → Wan 2.2 Sage Attention Patch →
-KSampler**; the start image goes to CLIP Vision and to `WanImageToVideo`.
+Image to video with the Wan 2.1 I2V 14B 480p model at 832×480 and 81 frames, 20 steps at cfg 6,
+through the wan-sage nodes: the start image goes to CLIP Vision and to `WanImageToVideo`. Load your
+own start image in *Load Image* (`example.png` is a placeholder).
 
-- **Wan Working-Memory Estimator** reads the I2V model's real config (36 input channels, the 257
-  CLIP-vision tokens of its image cross-attention) and reserves what this denoise needs, instead of
-  ComfyUI's own figure, about 2× too high. Its `latent` input is connected to `WanImageToVideo`'s
-  latent, which sets the size (the estimator's own size widgets are greyed out meanwhile); its `cfg`
-  matches the sampler's.
-- **Wan 2.2 Sage Attention Patch** works on Wan 2.1 too: the long self-attention runs on
-  SageAttention where it was measured faster and fits in free VRAM; every other call, the text
-  and image cross-attention included, stays on PyTorch SDPA.
-- Load your own start image in `Load Image` (`example.png` is a placeholder).
+**Packs:** wan-sage only (ComfyUI's own loaders). {SAGE_LINE}
 
-**Models** (ComfyUI/models/…)
-- diffusion_models: `wan2.1_i2v_480p_14B_fp8_e4m3fn.safetensors`
-- text_encoders: `{UMT5}`
-- clip_vision: `clip_vision_h.safetensors`
-- vae: `wan_2.1_vae.safetensors`
+- **Speed-up:** with SageAttention 2.x Sage's self-attention is 1.23× PyTorch SDPA at this size on an
+  H200; the text and image cross-attention stay on SDPA, where Sage is slower.
+- **Memory:** ComfyUI's own figure for the 14B is about 2× its real peak; the estimator reads the I2V
+  model's real config (36 input channels, 257 CLIP-vision tokens) and reserves the real one, so more of
+  the model stays on the GPU.
+
+**Files**, each in `ComfyUI/models/<folder>/` (ComfyUI's repackaged files are on Hugging Face, in
+`split_files/<folder>/` of the repository named)
+- diffusion_models: `wan2.1_i2v_480p_14B_fp8_e4m3fn.safetensors` ({REPACK_21})
+- text_encoders: `{UMT5}` ({REPACK_21})
+- clip_vision: `clip_vision_h.safetensors` ({REPACK_21})
+- vae: `wan_2.1_vae.safetensors` ({REPACK_21})
+
+**How it runs.** UNETLoader → ModelSamplingSD3 → **Wan Working-Memory Estimator** →
+**Wan 2.1/2.2 Sage Attention Patch** → KSampler.
+
+- The estimator reserves the activation memory this denoise needs before sampling. {ESTIMATOR_LATENT}
+  Its `cfg` matches the sampler's.
+- The Sage patch works on Wan 2.1 too: the long self-attention runs on SageAttention where it was
+  measured faster and fits in free VRAM; every other call stays on PyTorch SDPA.
+
+The same estimate without ComfyUI or a GPU:
+`wan-sage plan --preset wan2.1-i2v-14b --width 832 --height 480 --frames 81 --cfg 6 --vram 24 --attention sage-auto --weights fp8`
 """
 
 
 def i2v_21(info, ids) -> dict:
     g = Graph(info, ids)
-    g.note("note", NOTE_I2V, size=(470, 560))
+    g.note("note", NOTE_I2V, size=(480, 760))
     g.add("unet", "UNETLoader", {"unet_name": "wan2.1_i2v_480p_14B_fp8_e4m3fn.safetensors", "weight_dtype": "default"})
     g.add("clip", "CLIPLoader", {"clip_name": UMT5, "type": "wan", "device": "default"})
     g.add("clipvision", "CLIPVisionLoader", {"clip_name": "clip_vision_h.safetensors"})
@@ -473,22 +546,23 @@ def i2v_21(info, ids) -> dict:
 
 # The file names are the templates' titles: ComfyUI's GET /workflow_templates lists only the file
 # names of example_workflows/, and the Templates dialog (frontend 1.27 and 1.58) shows a custom
-# pack's template under its file name, and that name again as its description.
+# pack's template under its file name, and that name again as its description; its thumbnail
+# (the .jpg of the same name) carries the note's heading, which names the packs it needs.
 A14B_720P = "Wan 2.2 A14B text to video 720p"
 A14B_480P = "Wan 2.2 A14B text to video 480p"
+A14B_FP8_720P = "Wan 2.2 A14B fp8 T2V 720p"
+A14B_FP8_480P = "Wan 2.2 A14B fp8 T2V 480p"
 TI2V_5B = "Wan 2.2 5B text to video 704p"
 I2V_21 = "Wan 2.1 image to video 480p"
 
 
 def build_all(info, ids) -> dict:
+    """{template name: UI workflow} for every template."""
     return {
-        A14B_720P: a14b(
-            info, ids, 1280, 720, "The motivating case for wan-sage: Wan 2.2 A14B at 720p, 81 frames, on a 24 GB card.",
-            "wan22_a14b_720p81"),
-        A14B_480P: a14b(
-            info, ids, 832, 480,
-            "The 720p example at 832×480: 32 760 tokens instead of 75 600, for drafts or smaller cards.",
-            "wan22_a14b_480p81"),
+        A14B_720P: a14b(info, ids, 1280, 720, "gguf", "wan22_a14b_720p81"),
+        A14B_480P: a14b(info, ids, 832, 480, "gguf", "wan22_a14b_480p81"),
+        A14B_FP8_720P: a14b(info, ids, 1280, 720, "fp8", "wan22_a14b_fp8_720p81"),
+        A14B_FP8_480P: a14b(info, ids, 832, 480, "fp8", "wan22_a14b_fp8_480p81"),
         TI2V_5B: ti2v_5b(info, ids),
         I2V_21: i2v_21(info, ids),
     }
@@ -501,6 +575,23 @@ SLOT_COLORS = {"CLIP": "#FFD500", "CLIP_VISION": "#A8DADC", "CLIP_VISION_OUTPUT"
                "MODEL": "#B39DDB", "VAE": "#FF6E6E", "VIDEO": "#64B5F6"}
 
 
+def _caption_lines(note_text: str, font, room: float) -> list[str]:
+    """The note's heading as the thumbnail's caption: its " · " parts on one line, else on two (the
+    second cut with an ellipsis if it still does not fit)."""
+    heading = note_text.lstrip("# ").splitlines()[0] if note_text.strip() else ""
+    parts = heading.replace("×", "x").split(" · ")  # glyphs the default font may lack
+
+    def fits(text):
+        return font.getlength(text) <= room
+    if fits(" | ".join(parts)):
+        return [" | ".join(parts)] if heading else []
+    k = max((i for i in range(1, len(parts)) if fits(" | ".join(parts[:i]))), default=1)
+    first, second = " | ".join(parts[:k]), " | ".join(parts[k:])
+    while second and not fits(second):
+        second = second[:-2] + "…"
+    return [first, second]
+
+
 def thumbnail(wf: dict, path: Path, info: dict | None = None, width: int = 768) -> None:
     """A schematic of the graph (boxes, titles and links in the frontend's colours) as a JPEG."""
     from PIL import Image, ImageDraw, ImageFont
@@ -511,7 +602,13 @@ def thumbnail(wf: dict, path: Path, info: dict | None = None, width: int = 768) 
     x1 = max(n["pos"][0] + n["size"][0] for n in nodes.values())
     y1 = max(n["pos"][1] + n["size"][1] for n in nodes.values())
     pad = 16
-    cap = 44  # caption band: the note's heading
+    try:
+        big = ImageFont.load_default(size=20)
+    except TypeError:  # Pillow < 10.1
+        big = ImageFont.load_default()
+    note = next((n for n in nodes.values() if n["type"] in wa.NOTE_TYPES), None)
+    caption = _caption_lines(note["widgets_values"][0] if note else "", big, width - 2 * pad)
+    cap = 20 + 24 * max(1, len(caption))  # caption band: the note's heading, on one or two lines
     graph_h = int(min(max(width * (y1 - y0) / (x1 - x0), width * 0.4), width)) + 2 * pad
     height = graph_h + cap
     s = min((width - 2 * pad) / (x1 - x0), (graph_h - 2 * pad) / (y1 - y0))
@@ -557,16 +654,8 @@ def thumbnail(wf: dict, path: Path, info: dict | None = None, width: int = 768) 
             title = title[:-2] + "…" if len(title) > 2 else ""
         d.text((bx0 + 4, by0 + (title_h - font.size if hasattr(font, "size") else 0) / 2), title,
                fill="#DDDDDD", font=font)
-    note = next((n for n in nodes.values() if n["type"] in wa.NOTE_TYPES), None)
-    if note is not None:
-        caption = note["widgets_values"][0].lstrip("# ").splitlines()[0].replace("×", "x").replace("·", "|")
-        try:
-            big = ImageFont.load_default(size=20)
-        except TypeError:
-            big = ImageFont.load_default()
-        while caption and d.textlength(caption, font=big) > width - 2 * pad:
-            caption = caption[:-2] + "…"
-        d.text((pad, (cap - 20) / 2 + 6), caption, fill="#EEEEEE", font=big)
+    for i, line in enumerate(caption):
+        d.text((pad, 16 + 24 * i), line, fill="#EEEEEE", font=big)
     img.save(path, "JPEG", quality=85, optimize=True)
 
 

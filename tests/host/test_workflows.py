@@ -10,6 +10,7 @@ import asyncio
 import copy
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -26,14 +27,19 @@ ROOT = Path(__file__).resolve().parents[2]
 WF_DIR = ROOT / "example_workflows"
 A14B_720P = "Wan 2.2 A14B text to video 720p"
 A14B_480P = "Wan 2.2 A14B text to video 480p"
+A14B_FP8_720P = "Wan 2.2 A14B fp8 T2V 720p"
+A14B_FP8_480P = "Wan 2.2 A14B fp8 T2V 480p"
 TI2V_5B = "Wan 2.2 5B text to video 704p"
 I2V_21 = "Wan 2.1 image to video 480p"
-EXPECTED = {A14B_720P: (1280, 720, 81), A14B_480P: (832, 480, 81), TI2V_5B: (1280, 704, 121), I2V_21: (832, 480, 81)}
+EXPECTED = {A14B_720P: (1280, 720, 81), A14B_480P: (832, 480, 81), A14B_FP8_720P: (1280, 720, 81),
+            A14B_FP8_480P: (832, 480, 81), TI2V_5B: (1280, 704, 121), I2V_21: (832, 480, 81)}
+GGUF_TEMPLATES = (A14B_720P, A14B_480P)
 WORKFLOWS = sorted(p.stem for p in WF_DIR.glob("*.json"))
 SAMPLERS = ("KSampler", "KSamplerAdvanced")
 LATENT_NODES = {"EmptyHunyuanLatentVideo": ("width", "height", "length"),
                 "Wan22ImageToVideoLatent": ("width", "height", "length"),
                 "WanImageToVideo": ("width", "height", "length")}
+GGUF_URL = "https://github.com/city96/ComfyUI-GGUF"
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +75,25 @@ def upstream(wf: dict, node: dict, input_name: str) -> dict | None:
 
 # --------------------------------------------------------------------------- the files
 
-def test_the_four_example_workflows_are_there():
-    assert set(EXPECTED) <= set(WORKFLOWS), f"missing: {sorted(set(EXPECTED) - set(WORKFLOWS))}"
+def test_every_template_is_there_with_its_thumbnail():
+    assert set(WORKFLOWS) == set(EXPECTED), f"missing: {sorted(set(EXPECTED) - set(WORKFLOWS))}, " \
+        f"not tested: {sorted(set(WORKFLOWS) - set(EXPECTED))}"
     for name in WORKFLOWS:
         thumb = WF_DIR / f"{name}.jpg"
-        if thumb.exists():
-            assert thumb.read_bytes()[:3] == b"\xff\xd8\xff", f"{thumb.name} is not a JPEG"
+        assert thumb.is_file(), f"{thumb.name} is missing (python -m bench.make_workflows writes it)"
+        assert thumb.read_bytes()[:3] == b"\xff\xd8\xff", f"{thumb.name} is not a JPEG"
+
+
+def test_the_templates_are_what_the_generator_writes(host):
+    """example_workflows/*.json as bench/make_workflows.py builds them from these node definitions
+    (regenerate with ``python -m bench.make_workflows``)."""
+    from bench import make_workflows
+    ids = make_workflows.pack_ids(host.info, comfy_env.comfy_path(), workflow_check.gguf_path())
+    built = make_workflows.build_all(host.info, ids)
+    assert sorted(built) == WORKFLOWS
+    stale = [name for name, wf in built.items()
+             if make_workflows.dumps(wf) != (WF_DIR / f"{name}.json").read_text(encoding="utf-8")]
+    assert stale == [], f"out of date, run python -m bench.make_workflows: {stale}"
 
 
 def test_template_titles_are_human():
@@ -132,7 +151,12 @@ def test_every_sampler_gets_its_model_through_estimator_then_sage_patch(host, na
     samplers = [n for n in wf["nodes"] if n["type"] in SAMPLERS]
     assert samplers
     if "A14B" in name:
-        assert len(samplers) == 2 and sum(n["type"] == "UnetLoaderGGUF" for n in wf["nodes"]) == 2
+        loader = "UnetLoaderGGUF" if name in GGUF_TEMPLATES else "UNETLoader"
+        files = sorted(widgets(n, host.info)["unet_name"] for n in wf["nodes"] if n["type"] == loader)
+        assert len(samplers) == 2 and len(files) == 2, (name, files)
+        if loader == "UNETLoader":  # ComfyUI's repackaged fp8 experts
+            assert files == ["wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors",
+                             "wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors"], files
     latents = [n for n in wf["nodes"] if n["type"] in LATENT_NODES]
     assert len(latents) == 1
     lw = widgets(latents[0], host.info)
@@ -227,6 +251,88 @@ def test_templates_are_served_like_comfyui_serves_them(host):
             fp.folder_names_and_paths["custom_nodes"] = saved
     assert sorted(listing.get("wan-sage", [])) == WORKFLOWS
     assert status == 200 and json.loads(body) == load(WORKFLOWS[0])
+
+
+def _note(wf: dict) -> str:
+    (note,) = [n for n in wf["nodes"] if n["type"] in wa.NOTE_TYPES]
+    return note["widgets_values"][0]
+
+
+def _files_section(text: str) -> dict:
+    """{models folder: the bullet's text} of a note's "**Files** (ComfyUI/models/…)" list."""
+    section = text.split("**Files**", 1)[1].split("\n\n", 1)[0]
+    bullets = [b.replace("\n", " ") for b in section.split("\n- ")[1:]]
+    return {b.split(":", 1)[0].strip(): b for b in bullets}
+
+
+@pytest.mark.parametrize("name", WORKFLOWS)
+def test_the_description_says_what_it_does_needs_and_gives(host, name):
+    """The note (a template's description): what the workflow does, every file it loads under the
+    models folder it goes in, the packs it needs, one speed-up line and one memory line."""
+    wf = load(name)
+    text = _note(wf)
+    heading = text.splitlines()[0]
+    assert heading.startswith("# ") and len(text.split("\n\n")[1]) > 80, "a heading, then what the workflow does"
+    assert len(re.findall(r"^- \*\*Speed-up:\*\* ", text, re.M)) == 1, "one speed-up line"
+    assert len(re.findall(r"^- \*\*Memory:\*\* ", text, re.M)) == 1, "one memory line"
+    assert not re.search(r"\b(sessions?|issues?) #?\d|\b20\d\d-\d\d", text, re.I), "no history in a description"
+    files = _files_section(text)
+    folder_of = {"unet_gguf": "diffusion_models"}  # ComfyUI-GGUF lists models/diffusion_models (and unet)
+    for n in wf["nodes"]:
+        for (spec, role), value in zip(wa.widget_layout(host.info.get(n["type"], {})), n.get("widgets_values") or []):
+            combo = host.files.get((n["type"], spec.name))
+            if role != "value" or combo is None or "input" in combo.folders:
+                continue
+            folders = {folder_of.get(f, f) for f in combo.folders}
+            hits = [f for f in folders if f in files and f"`{value}`" in files[f]]
+            assert hits, f"{name}: {value} ({n['type']}) is not listed under models/{sorted(folders)} in {files}"
+    uses_gguf = any(n["type"] == "UnetLoaderGGUF" for n in wf["nodes"])
+    assert uses_gguf == (name in GGUF_TEMPLATES)
+    if uses_gguf:
+        assert "needs ComfyUI-GGUF" in heading, heading
+        assert "**Needs the [ComfyUI-GGUF]" in text and GGUF_URL in text and "ComfyUI-Manager" in text, text
+    else:
+        assert "ComfyUI's own loaders" in heading and "wan-sage only" in text, heading
+        assert {(n.get("properties") or {}).get("cnr_id") for n in wf["nodes"]} <= {"comfy-core", "wan-sage", None}
+
+
+def _old_save(node: dict, info: dict) -> dict:
+    """*node* as a frontend saved it before the estimator's widgets were renamed and the Sage node's
+    memory_mode took labels: widget inputs named margin_gb / fixed_gb, the mode id "sdpa", the policy
+    "fixed GB per row"."""
+    old = copy.deepcopy(node)
+    renamed = {"margin_gib": "margin_gb", "fixed_gib": "fixed_gb"}
+    for inp in old["inputs"]:
+        if inp["name"] in renamed:
+            inp["name"] = inp["localized_name"] = inp["widget"]["name"] = renamed[inp["name"]]
+    layout = [s.name for s, role in wa.widget_layout(info[old["type"]])]
+    values = dict(zip(layout, old["widgets_values"]))
+    if old["type"] == "WanSageAttentionPatch":
+        values["memory_mode"] = "sdpa"
+    else:
+        values.update(policy="fixed GB per row", margin_gib=0.5, fixed_gib=9.5)
+    old["widgets_values"] = [values[k] for k in layout]
+    return old
+
+
+@pytest.mark.parametrize("name", [A14B_720P, TI2V_5B])
+def test_a_workflow_saved_with_the_old_widget_names_still_runs(host, name):
+    """widgets_values are positional, so a workflow saved with the old names converts to a prompt
+    whose values sit under the new names, and ComfyUI's validation accepts it."""
+    wf = load(name)
+    wf["nodes"] = [_old_save(n, host.info) if n["type"] in ("WanWorkingMemoryEstimator", "WanSageAttentionPatch")
+                   else n for n in wf["nodes"]]
+    assert "margin_gb" in json.dumps(wf) and '"sdpa"' in json.dumps(wf)
+    prompt = wa.ui_to_api(wf, host.info)
+    est = [n["inputs"] for n in prompt.values() if n["class_type"] == "WanWorkingMemoryEstimator"]
+    sage = [n["inputs"] for n in prompt.values() if n["class_type"] == "WanSageAttentionPatch"]
+    assert est and all((e["margin_gib"], e["fixed_gib"], e["policy"]) == (0.5, 9.5, "fixed GB per row") for e in est)
+    assert all("margin_gb" not in e and "fixed_gb" not in e for e in est)
+    assert sage and all(s["memory_mode"] == "sdpa" for s in sage)
+    ok, error, outputs, node_errors = workflow_check.validate_prompt(
+        host.ns.execution, workflow_check.with_probe_files(prompt, host.files))
+    assert ok, f"{error}\n{json.dumps(node_errors, indent=1, default=str)[:4000]}"
+    assert outputs
 
 
 # --------------------------------------------------------------------------- the validator catches breakage
