@@ -1,5 +1,5 @@
 // wan-sage web extension: a live memory panel on every "Wan Working-Memory Estimator" node and a
-// status and run-stats panel on every "Wan 2.2 Sage Attention Patch" node.
+// status and run-stats panel on every "Wan 2.1/2.2 Sage Attention Patch" node.
 //
 // One DOM widget per node (node.addDOMWidget), so the same element shows in the classic
 // LiteGraph canvas and in Nodes 2.0.  No node prototype is patched: results arrive through
@@ -7,10 +7,13 @@
 // follows widget and link changes by comparing the request it would send (polled, and checked
 // at once on "graphChanged"), debounced.  Each panel is as tall as its content: the widget asks
 // for the content's height, and on the classic canvas the node is resized to fit whenever that
-// height changes.  The pure logic lives in ./lib (tested under node).
+// height changes.  Every line wraps at the node's width (none is cut off), so a narrow node is
+// as tall as its wrapped lines.  The pure logic lives in ./lib (tested under node).
 //
 // DOM contract (read by the browser test): the estimator panel is [data-testid="wan-sage-panel"]
-// with [data-field] assumption, verdict (with data-level fits|offloads|cannot|unknown|error),
+// with [data-field] problems (one [data-problem] line per problem the server found, e.g. a latent
+// of another channel count than the model's; first and red), assumption, verdict (with data-level
+// fits|offloads|cannot|unknown|error),
 // size (with data-from latent|latent-unread|widgets), model (with data-guessed), tokens,
 // activation_gib, sage_extra_gib, reservation_gib, comfy_gib, vram, error, source, report; its
 // data-state is idle|pending|ok|error.  The Sage panel is [data-testid="wan-sage-stats"] with
@@ -23,7 +26,7 @@ import { api } from "../../scripts/api.js";
 import { changeWatcher, sequencer } from "./lib/debounce.js";
 import {
   assumptionOf, detectedModel, errorMessage, estimateRows, execIdMatches, executedText, lastRunLine,
-  LEVEL_COLOURS, sizeLine, sourceLine, statsRows, verdictOf, vramFromSystemStats,
+  LEVEL_COLOURS, problemsOf, sizeLine, sourceLine, statsRows, verdictOf, vramFromSystemStats, wrappedLines,
 } from "./lib/format.js";
 import { ESTIMATOR_TYPE, SAGE_TYPE } from "./lib/graph.js";
 import { liteGraphView, nodeClass } from "./lib/litegraph.js";
@@ -66,7 +69,9 @@ const ROOT_STYLE = {
 };
 const INNER_STYLE = { padding: `${PAD_PX}px 6px` };
 const MUTED = { color: "var(--descrip-text, #999)", fontSize: "11px" };
-const ONE_LINE = { whiteSpace: "nowrap", overflow: "hidden", textOverflow: "ellipsis" };
+// A line longer than the node is wide wraps (at spaces, else anywhere), and the panel grows by it.
+const WRAP = { whiteSpace: "normal", overflowWrap: "anywhere" };
+const TEXT_PX = 2 * MARGIN_PX + 12; // the DOM widget's margins and the panel's side padding
 
 function rowsTable(rows) {
   const table = h("table", { style: { width: "100%", borderCollapse: "collapse" } });
@@ -75,7 +80,7 @@ function rowsTable(rows) {
     const tr = h("tr");
     tr.appendChild(h("td", { style: { ...MUTED, padding: "0 8px 0 0", whiteSpace: "nowrap" } }, r.label));
     const td = h("td", { "data-field": r.field, style: { padding: "0", textAlign: "right",
-      fontVariantNumeric: "tabular-nums" } }, r.value);
+      fontVariantNumeric: "tabular-nums", ...WRAP } }, r.value);
     tr.appendChild(td);
     table.appendChild(tr);
     cells[r.field] = td;
@@ -99,6 +104,17 @@ class Panel {
     this.root = h("div", { "data-testid": testid, "data-state": state, style: ROOT_STYLE });
     this.inner = h("div", { style: INNER_STYLE });
     this.root.appendChild(this.inner);
+  }
+
+  /** The width the panel's text wraps at, in px (the node's width less margins and padding). */
+  textWidth() {
+    const w = Array.isArray(this.node.size) || ArrayBuffer.isView(this.node.size) ? this.node.size[0] : NaN;
+    return Number.isFinite(w) ? w - TEXT_PX : NaN;
+  }
+
+  /** The lines ``el``'s text takes at the panel's width, 0 while it is hidden. */
+  linesOf(el) {
+    return el.hidden ? 0 : wrappedLines(el.textContent, this.textWidth());
   }
 
   /** Add the DOM widget once the content exists. */
@@ -231,21 +247,23 @@ class EstimatorPanel extends Panel {
     this.disabledSize = false;
     this.seq = sequencer();
     this.headline = h("div", { style: { fontWeight: "600" } });
-    this.assumption = h("div", { "data-field": "assumption", style: { color: WARN_COLOUR } }, "");
+    this.problems = h("div", { "data-field": "problems", style: { color: LEVEL_COLOURS.error, ...WRAP } });
+    this.assumption = h("div", { "data-field": "assumption", style: { color: WARN_COLOUR, ...WRAP } }, "");
     this.verdict = h("div", { "data-field": "verdict", "data-level": "unknown",
-      style: { color: LEVEL_COLOURS.unknown } }, ESTIMATOR_EMPTY);
-    this.headline.append(this.assumption, this.verdict);
-    this.size = h("div", { "data-field": "size", "data-from": "", style: { ...MUTED, ...ONE_LINE } }, "");
-    this.model = h("div", { "data-field": "model", "data-guessed": "false", style: { ...MUTED } }, "");
+      style: { color: LEVEL_COLOURS.unknown, ...WRAP } }, ESTIMATOR_EMPTY);
+    this.headline.append(this.problems, this.assumption, this.verdict);
+    this.size = h("div", { "data-field": "size", "data-from": "", style: { ...MUTED, ...WRAP } }, "");
+    this.model = h("div", { "data-field": "model", "data-guessed": "false", style: { ...MUTED, ...WRAP } }, "");
     const { table, cells, rows } = rowsTable(estimateRows(null, null));
     this.table = table;
     this.tableRows = rows;
     this.cells = cells;
-    this.error = h("div", { "data-field": "error", style: { color: LEVEL_COLOURS.error, whiteSpace: "pre-wrap" } }, "");
-    this.source = h("div", { "data-field": "source", style: { ...MUTED, ...ONE_LINE } }, "");
-    this.report = h("div", { "data-field": "report", style: { ...MUTED, ...ONE_LINE,
+    this.error = h("div", { "data-field": "error", style: { color: LEVEL_COLOURS.error, whiteSpace: "pre-wrap", overflowWrap: "anywhere" } }, "");
+    this.source = h("div", { "data-field": "source", style: { ...MUTED, ...WRAP } }, "");
+    this.report = h("div", { "data-field": "report", style: { ...MUTED, ...WRAP,
       borderTop: "1px solid var(--border-color, #444)", marginTop: "2px" } }, "");
-    for (const el of [this.assumption, this.size, this.model, this.table, this.error, this.source, this.report]) {
+    for (const el of [this.problems, this.assumption, this.size, this.model, this.table, this.error, this.source,
+      this.report]) {
       show(el, false);
     }
     this.inner.append(this.headline, this.size, this.model, this.table, this.error, this.source, this.report);
@@ -255,12 +273,11 @@ class EstimatorPanel extends Panel {
   }
 
   lineCount() {
-    const visible = (el) => !el.hidden;
-    let n = 1; // the verdict
-    for (const el of [this.assumption, this.size, this.source, this.report]) n += visible(el) ? 1 : 0;
-    if (visible(this.model)) n += 2; // type, dim, layers, heads and weights wrap to a second line
-    if (visible(this.table)) n += this.tableRows;
-    if (visible(this.error)) n += Math.max(1, this.error.textContent.split("\n").length);
+    let n = 0;
+    for (const el of [this.verdict, this.assumption, this.size, this.model, this.source, this.report]) n += this.linesOf(el);
+    for (const el of this.problems.hidden ? [] : this.problems.children) n += this.linesOf(el);
+    if (!this.table.hidden) n += this.tableRows;
+    if (!this.error.hidden) n += this.linesOf(this.error);
     return n;
   }
 
@@ -356,6 +373,7 @@ class EstimatorPanel extends Panel {
   showEstimate(body, info) {
     const s = body.summary;
     this.summary = s;
+    this.showProblems(problemsOf(s));
     for (const row of estimateRows(s, vram.value)) {
       if (this.cells[row.field]) this.cells[row.field].textContent = row.value;
     }
@@ -381,8 +399,20 @@ class EstimatorPanel extends Panel {
     this.setState("ok");
   }
 
+  /** One red line per problem, first in the panel; none: the block is hidden. */
+  showProblems(problems) {
+    const now = [...this.problems.children].map((el) => el.textContent);
+    if (now.length !== problems.length || now.some((t, i) => t !== problems[i])) {
+      this.problems.textContent = "";
+      problems.forEach((p, i) => this.problems.appendChild(h("div", { "data-problem": String(i) }, p)));
+    }
+    this.problems.title = problems.join("\n");
+    show(this.problems, problems.length > 0);
+  }
+
   showError(message, info) {
     this.summary = null;
+    this.showProblems([]);
     for (const row of estimateRows(null, vram.value)) this.cells[row.field].textContent = row.value;
     show(this.table, false);
     show(this.assumption, false);
@@ -411,13 +441,13 @@ class EstimatorPanel extends Panel {
 class SagePanel extends Panel {
   constructor(node) {
     super(node, "wan-sage-stats", "empty");
-    this.sage = h("div", { "data-field": "sage", "data-state": "unknown", style: { ...MUTED, ...ONE_LINE } }, "");
-    this.hint = h("div", { "data-field": "hint", style: { ...MUTED } }, "");
+    this.sage = h("div", { "data-field": "sage", "data-state": "unknown", style: { ...MUTED, ...WRAP } }, "");
+    this.hint = h("div", { "data-field": "hint", style: { ...MUTED, ...WRAP } }, "");
     this.hintText = h("span", {}, "");
     this.link = h("a", { "data-field": "link", target: "_blank", rel: "noopener noreferrer",
       style: { color: "var(--p-primary-color, #58a6ff)", marginLeft: "4px" } }, "Getting SageAttention (README)");
     this.hint.append(this.hintText, this.link);
-    this.status = h("div", { "data-field": "status", style: { ...MUTED, ...ONE_LINE } }, STATS_PLACEHOLDER);
+    this.status = h("div", { "data-field": "status", style: { ...MUTED, ...WRAP } }, STATS_PLACEHOLDER);
     const { table, cells, rows } = rowsTable(statsRows(null));
     this.cells = cells;
     this.table = table;
@@ -431,9 +461,7 @@ class SagePanel extends Panel {
   }
 
   lineCount() {
-    let n = this.status.hidden ? 0 : 1;
-    if (!this.sage.hidden) n += this.sage.style.whiteSpace === "normal" ? 2 : 1;
-    if (!this.hint.hidden) n += 2;
+    let n = this.linesOf(this.status) + this.linesOf(this.sage) + this.linesOf(this.hint);
     if (!this.table.hidden) n += this.tableRows;
     return n;
   }
@@ -450,8 +478,8 @@ class SagePanel extends Panel {
     this.sage.title = [v.headline, v.detail].filter(Boolean).join("\n");
     const warn = v.state === "missing" || v.state === "rejected";
     Object.assign(this.sage.style, warn
-      ? { color: WARN_COLOUR, fontWeight: "600", fontSize: "12px", whiteSpace: "normal" }
-      : { ...MUTED, fontWeight: "", ...ONE_LINE });
+      ? { color: WARN_COLOUR, fontWeight: "600", fontSize: "12px", ...WRAP }
+      : { ...MUTED, fontWeight: "", ...WRAP });
     show(this.sage, !!v.headline);
     this.hintText.textContent = v.hint;
     this.hint.title = v.detail;

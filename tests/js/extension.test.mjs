@@ -13,7 +13,7 @@ import { GGUF_FILE, wanGraph } from "./fixtures/graphs.mjs";
 import { fakeLiteGraph, widget } from "./fixtures/litegraph.mjs";
 
 const GiB = 1024 ** 3;
-const ESTIMATE_FIELDS = ["assumption", "verdict", "size", "model", "tokens", "activation_gib", "sage_extra_gib",
+const ESTIMATE_FIELDS = ["problems", "assumption", "verdict", "size", "model", "tokens", "activation_gib", "sage_extra_gib",
   "reservation_gib", "comfy_gib", "vram", "error", "source", "report"];
 const STATS_FIELDS = ["sage", "hint", "link", "status", "sage_calls", "sdpa_calls", "by_kernel", "reasons", "fallbacks",
   "head_split_calls", "saved", "calibration"];
@@ -27,7 +27,10 @@ const summary = (p) => ({
   source: p.model_file ? `header of ${p.model_file}` : "preset wan2.2-a14b", policy: "wan-sage estimate",
   detected: { model: p.model_file ?? "wan2.2-a14b", model_type: "t2v", dim: 5120, num_layers: 40, num_heads: 40,
     weight_dtype: p.model_file ? "q4_k_m" : "bf16", guessed: !p.model_file },
+  problems: p.latent_channels && p.latent_channels !== 16 ? [CHANNEL_PROBLEM] : [],
 });
+const CHANNEL_PROBLEM = "the latent has 48 channels but Wan 2.2 T2V A14B (one expert) takes 16: use a 16-channel "
+  + "latent node (EmptyHunyuanLatentVideo) or a 48-channel model (TI2V-5B)";
 
 function fakeApi() {
   const api = new EventTarget();
@@ -167,8 +170,9 @@ describe("web/wan_sage.js in a fake frontend", () => {
     assert.equal(api.posts.length, 1);
     assert.deepEqual(api.posts[0], {
       width: 832, height: 480, frames: 33, batch: 2, cfg: 3.5, attention: "sage-auto", margin_gib: 0,
-      model_file: GGUF_FILE, lora: true, vram_gib: 24,
+      latent_channels: 16, model_file: GGUF_FILE, lora: true, vram_gib: 24,
     });
+    assert.equal(field(estRoot, "problems").hidden, true, "no problem: no problem line");
     assert.equal(estRoot.getAttribute("data-state"), "ok");
     assert.equal(estRoot.getAttribute("data-node-id"), "3");
     assert.equal(field(estRoot, "tokens").textContent, "28,080");
@@ -238,6 +242,49 @@ describe("web/wan_sage.js in a fake frontend", () => {
     assert.equal(v.style.color, LEVEL_COLOURS.cannot);
   });
 
+  it("shows each problem the server finds first in the panel, in red, until it is gone", async () => {
+    const latent = graph.getNodeById(5);
+    latent.comfyClass = "Wan22ImageToVideoLatent"; // a 48-channel latent on the 16-channel A14B
+    advance(700);
+    await settle();
+    assert.equal(api.posts.at(-1).latent_channels, 48);
+    const p = field(estRoot, "problems");
+    assert.equal(p.hidden, false);
+    assert.equal(p.style.color, LEVEL_COLOURS.error);
+    assert.equal(p.parentNode.children[0], p, "the first line of the headline");
+    assert.equal(estRoot.children[0].children[0], p.parentNode, "the headline is the panel's first block");
+    assert.deepEqual(p.children.map((c) => c.textContent), [CHANNEL_PROBLEM]);
+    assert.equal(p.children[0].getAttribute("data-problem"), "0");
+    assert.equal(p.style.whiteSpace, "normal", "a long problem wraps");
+    assert.equal(field(estRoot, "verdict").hidden, false, "the verdict still follows");
+    const grown = est.widgets.at(-1).options.getMinHeight();
+    latent.comfyClass = "EmptyHunyuanLatentVideo";
+    advance(700);
+    await settle();
+    assert.equal(api.posts.at(-1).latent_channels, 16);
+    assert.equal(field(estRoot, "problems").hidden, true);
+    assert.ok(est.widgets.at(-1).options.getMinHeight() < grown, "the panel shrinks back");
+  });
+
+  it("wraps its lines at the node's width instead of cutting them off", () => {
+    for (const f of ["size", "source", "report", "model", "assumption", "verdict"]) {
+      assert.equal(field(estRoot, f).style.whiteSpace, "normal", f);
+      assert.equal(field(estRoot, f).style.overflowWrap, "anywhere", f);
+    }
+    for (const f of ["sage", "status", "hint"]) assert.equal(field(sageRoot, f).style.whiteSpace, "normal", f);
+    assert.equal(field(estRoot, "size").style.textOverflow, undefined, "no ellipsis");
+    const min = () => est.widgets.at(-1).options.getMinHeight();
+    est.size = [700, est.size[1]];
+    api.emit("graphChanged", {});
+    const wide = min();
+    est.size = [220, est.size[1]];
+    api.emit("graphChanged", {});
+    assert.ok(min() > wide, `a narrow node is taller: ${min()} > ${wide}`);
+    assert.equal(est.size[0], 220, "the node keeps the width it was given");
+    est.size = [300, est.size[1]];
+    api.emit("graphChanged", {});
+  });
+
   it("shows a 400 message", async () => {
     widget(graph.getNodeById(5), "width").value = 4000;
     advance(700);
@@ -247,6 +294,7 @@ describe("web/wan_sage.js in a fake frontend", () => {
     assert.equal(field(estRoot, "error").hidden, false);
     assert.equal(field(estRoot, "verdict").getAttribute("data-level"), "error");
     assert.equal(field(estRoot, "tokens").textContent, "\u2014");
+    assert.equal(field(estRoot, "problems").hidden, true, "no stale problem beside an error");
     widget(graph.getNodeById(5), "width").value = 832;
     advance(700);
     await settle();

@@ -2,17 +2,17 @@ import assert from "node:assert/strict";
 import { describe, it } from "node:test";
 
 import { graphFromSpec } from "../../web/lib/graph.js";
-import { attentionFor, buildEstimatePayload } from "../../web/lib/payload.js";
+import { attentionFor, buildEstimatePayload, LATENT_CHANNELS } from "../../web/lib/payload.js";
 import { GGUF_FILE, WAN_FILE, wanGraph } from "./fixtures/graphs.mjs";
 
 const build = (opts, vramGib) => buildEstimatePayload(graphFromSpec(wanGraph(opts)), 3, { vramGib });
 
 describe("buildEstimatePayload", () => {
   it("takes the size from the upstream latent node over the estimator's widgets", () => {
-    const { payload, info } = build({ widgets: { cfg: 3.5, margin_gb: 0.5 } }, 24);
+    const { payload, info } = build({ widgets: { cfg: 3.5, margin_gib: 0.5 } }, 24);
     assert.deepEqual(payload, {
       width: 832, height: 480, frames: 33, batch: 2, cfg: 3.5, attention: "sage-auto", margin_gib: 0.5,
-      model_file: WAN_FILE, lora: true, vram_gib: 24,
+      latent_channels: 16, model_file: WAN_FILE, lora: true, vram_gib: 24,
     });
     assert.deepEqual(info.latent, { id: 5, type: "EmptyHunyuanLatentVideo" });
     assert.equal(info.latentLinked, true);
@@ -110,14 +110,62 @@ describe("attentionFor", () => {
   });
 });
 
-it("sends a non-default policy with the request, the widgets' GB values as *_gib fields", () => {
-  const { payload } = build({ widgets: { cfg: 1.0, policy: "fixed GB per row", fixed_gb: 9.5 } }, 24);
-  assert.equal(payload.policy, "fixed GB per row");
+it("sends a non-default policy with the request, the GiB widgets as *_gib fields", () => {
+  const { payload } = build({ widgets: { cfg: 1.0, policy: "fixed GiB per row", fixed_gib: 9.5 } }, 24);
+  assert.equal(payload.policy, "fixed GiB per row");
   assert.equal(payload.fixed_gib, 9.5);
   assert.deepEqual(Object.keys(payload).filter((k) => /_gb$/.test(k)), [], "no *_gb field is sent");
-  const d = build({ widgets: { cfg: 1.0, policy: "wan-sage estimate", fixed_gb: 9.5 } }, 24).payload;
+  const d = build({ widgets: { cfg: 1.0, policy: "wan-sage estimate", fixed_gib: 9.5 } }, 24).payload;
   assert.equal(d.policy, undefined);
   assert.equal(d.fixed_gib, undefined);
+});
+
+it("still reads margin_gb / fixed_gb from a node that carries the names before the rename", () => {
+  const spec = wanGraph();
+  const est = spec.find((n) => n.id === 3);
+  const { margin_gib: _m, fixed_gib: _f, ...rest } = est.widgets;
+  est.widgets = { ...rest, margin_gb: 0.75, fixed_gb: 8.0, policy: "fixed GB per row" };
+  const { payload } = buildEstimatePayload(graphFromSpec(spec), 3, {});
+  assert.deepEqual([payload.margin_gib, payload.fixed_gib, payload.policy], [0.75, 8.0, "fixed GB per row"]);
+  assert.deepEqual(Object.keys(payload).filter((k) => /_gb$/.test(k)), []);
+  const both = build({ widgets: { margin_gib: 0.25, margin_gb: 0.75 } }).payload;
+  assert.equal(both.margin_gib, 0.25, "the current name wins");
+});
+
+describe("buildEstimatePayload and the latent's channels", () => {
+  const channels = (opts) => {
+    const { payload, info } = build(opts);
+    assert.equal(payload.latent_channels ?? null, info.latentChannels, "sent as the info says");
+    return info.latentChannels;
+  };
+
+  it("sends the channel count that the latent node's type tells", () => {
+    assert.equal(channels({}), 16, "EmptyHunyuanLatentVideo");
+    assert.equal(channels({ latentType: "WanImageToVideo" }), 16);
+    assert.equal(channels({ latentType: "HunyuanImageToVideo" }), 16);
+    assert.equal(channels({ latentType: "Wan22ImageToVideoLatent" }), 48, "the Wan 2.2 VAE (TI2V-5B)");
+    assert.equal(LATENT_CHANNELS.Wan22ImageToVideoLatent, 48);
+    assert.ok(Object.isFrozen(LATENT_CHANNELS));
+  });
+
+  it("sends none when the type does not tell, or nothing is connected", () => {
+    assert.equal(channels({ latentType: "WanFirstLastFrameToVideo" }), null, "its count follows the VAE");
+    assert.equal(channels({ latentType: "SomePackLatent" }), null);
+    assert.equal(channels({ latent: false }), null);
+    const unread = wanGraph({ latentType: "VAEEncode" });
+    unread.find((n) => n.id === 5).widgets = {};
+    assert.equal(buildEstimatePayload(graphFromSpec(unread), 3, {}).payload.latent_channels, undefined);
+  });
+
+  it("looks through a node without a size of its own to the latent node behind it", () => {
+    const spec = wanGraph({ latentType: "Wan22ImageToVideoLatent" });
+    const est = spec.find((n) => n.id === 3);
+    spec.push({ id: 30, type: "RepeatLatentBatch", widgets: { amount: 1 },
+      inputs: [{ name: "samples", type: "LATENT", from: [5, 0] }], outputs: [{ name: "LATENT", type: "LATENT" }] });
+    est.inputs[1].from = [30, 0];
+    const { payload, info } = buildEstimatePayload(graphFromSpec(spec), 3, {});
+    assert.deepEqual([payload.latent_channels, info.latent.type], [48, "Wan22ImageToVideoLatent"]);
+  });
 });
 
 describe("buildEstimatePayload and torch.compile", () => {

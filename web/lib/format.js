@@ -97,6 +97,25 @@ export function estimateRows(summary, vram) {
   ];
 }
 
+/**
+ * What makes the setup wrong, from the route's ``summary.problems`` (one-line strings, e.g. a latent
+ * of another channel count than the model takes): the non-empty strings, trimmed; [] without any.
+ */
+export function problemsOf(summary) {
+  const p = summary?.problems;
+  return Array.isArray(p) ? p.filter((x) => typeof x === "string" && x.trim()).map((x) => x.trim()) : [];
+}
+
+/**
+ * How many lines ``text`` takes when it wraps in a box ``widthPx`` wide at about ``charPx`` per
+ * character (at least one per line of the text; one for an empty text).  For the panel's height
+ * before its content has been laid out and measured.
+ */
+export function wrappedLines(text, widthPx, charPx = 6.5) {
+  const perLine = Math.max(8, Math.floor((isNum(widthPx) && widthPx > 0 ? widthPx : 300) / charPx));
+  return String(text ?? "").split("\n").reduce((n, line) => n + Math.max(1, Math.ceil(line.length / perLine)), 0);
+}
+
 /** The verdict line: {text, level, colour}; the text is the server's, as it sends it. */
 export function verdictOf(summary) {
   const { level, colour } = verdictStyle(summary?.level);
