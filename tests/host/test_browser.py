@@ -6,13 +6,18 @@ both frontends and both renderers: what a user sees on the canvas.
 * frontend 1.58.x, installed into a folder of its own and served with ``--front-end-root``, in the
   classic canvas and in Nodes 2.0 (the setting ``Comfy.VueNodes.Enabled``).
 
-For every example workflow it reads the wan-sage panels; on the 720p workflow it checks that the
+For every example workflow it reads the wan-sage panels and the estimate requests they send (with
+the latent's channel count); on the 720p workflow it checks that the
 size widgets are disabled while the latent is connected (and drive the size once it is not), that
 every panel is as tall as its content and inside its node, that no wan-sage node overlaps another
 node before or after a run, that the Sage panel says SageAttention is missing, and that the pack
 triggers no deprecation warning.  The run is simulated with the events the server sends
-(``executed`` with each node's ui text, ``wan_sage.stats``).  With 1.58 it also opens the workflow
-on a server without the pack and reads which pack the frontend names as missing.
+(``executed`` with each node's ui text, ``wan_sage.stats``).  No panel line is cut off at the node's
+width.  A Wan 2.1 1.3B model file on the TI2V-5B workflow's 48-channel latent must be flagged: the
+panel sends ``latent_channels``, shows the server's ``summary.problems`` red and first, and where the
+server's answer names no problem the check adds one to it, so the panel side is tested either way.
+With 1.58 it also opens the workflow on a server without the pack and reads which pack the frontend
+names as missing.
 
 Setting up (each missing piece skips its tests with the reason):
 
@@ -58,6 +63,11 @@ ARTIFACTS = Path(os.environ.get("WAN_SAGE_ARTIFACTS", HERE / "artifacts"))
 DOCS_SHOTS = ROOT / "docs" / "screenshots"
 WORKFLOWS = sorted((ROOT / "example_workflows").glob("*.json"))
 DETAIL = "Wan 2.2 A14B text to video 720p"
+MISMATCH = "Wan 2.2 5B text to video 704p"  # its Wan22ImageToVideoLatent makes 48 channels
+MISMATCH_UNET = "wan2.1_t2v_1.3B_fp16.safetensors"  # a 16-channel model
+CHANNEL_PROBLEM = ("the latent has 48 channels but Wan 2.1 T2V 1.3B takes 16: use a 16-channel latent node "
+                   "(EmptyHunyuanLatentVideo) or a 48-channel model (TI2V-5B)")
+ERROR_RED = "rgb(248, 81, 73)"  # LEVEL_COLOURS.error, #f85149
 TARGET_158 = Path(os.environ.get("WAN_SAGE_FRONTEND_158", BROWSER / "frontend-1.58"))
 INSTALL_158 = ("python -m pip install --no-deps --target tests/host/browser/frontend-1.58 "
                "comfyui-frontend-package==1.58.1 (or set WAN_SAGE_FRONTEND_158)")
@@ -108,7 +118,9 @@ def run_frontend(fe: str, tmp_root: Path) -> dict:
     assert WORKFLOWS, "no example workflows"
     out = ARTIFACTS / f"frontend-{fe}"
     cfg = {"outDir": str(out), "modes": [m for f, m in CASES if f == fe],
-           "workflows": [{"name": p.stem, "path": str(p)} for p in WORKFLOWS], "detail": DETAIL, "run": _run_texts()}
+           "workflows": [{"name": p.stem, "path": str(p)} for p in WORKFLOWS], "detail": DETAIL, "run": _run_texts(),
+           "mismatch": {"workflow": str(ROOT / "example_workflows" / f"{MISMATCH}.json"), "unetName": MISMATCH_UNET,
+                        "problem": CHANNEL_PROBLEM}}
     server = Server(tmp_root / f"comfy-{fe}", comfy_env.comfy_path(), extra_args=extra).wait()
     try:
         cfg["url"] = server.url
@@ -217,6 +229,7 @@ def test_panels_fit_their_content_and_no_node_overlaps(case):
             assert f["overflow"] <= 1, (when, p["id"], "clipped", f)
             assert f["box"] - f["content"] <= 2, (when, p["id"], "empty room in the panel", f)
             assert not f["outside"] and 0 <= f["below"] <= below, (when, p["id"], "panel and node disagree", f)
+            assert p["cut"] == [], (when, p["id"], "lines cut off at the node's width", p["cut"])
 
 
 def test_a_run_adds_its_lines_and_the_sage_table(case):
@@ -282,6 +295,45 @@ def test_close_ups_are_saved(case):
         if os.environ.get("WAN_SAGE_DOCS_SCREENSHOTS") == "1":
             DOCS_SHOTS.mkdir(parents=True, exist_ok=True)
             shutil.copy(path, DOCS_SHOTS / f"panels-{fe}-{mode}-{when}.jpg")
+
+
+def _channels(wf: dict) -> int:
+    return 48 if any(n["type"] == "Wan22ImageToVideoLatent" for n in wf["nodes"]) else 16
+
+
+def test_every_estimate_request_names_the_latents_channels(case):
+    _fe, _mode, _r, m = case
+    for path in WORKFLOWS:
+        posts = [p for p in m["workflows"][path.stem]["posts"] if p]
+        want = _channels(json.loads(path.read_text(encoding="utf-8")))
+        sent = {p.get("latent_channels") for p in posts}
+        # The detail workflow's latent is disconnected at its end: those requests name no latent.
+        assert sent == ({want, None} if path.stem == DETAIL else {want}), (path.stem, sent, posts[-1:])
+
+
+def test_the_panel_shows_a_wrong_channel_latent_red_and_first(case):
+    """The request names the 48-channel latent and the 1.3B file; the panel shows the problem (the
+    server's, or the one the check added to the server's answer) as its first line, in red, whole."""
+    _fe, _mode, _r, m = case
+    mm = m["mismatch"]
+    assert mm["post"] and mm["post"]["latent_channels"] == 48 and mm["post"]["model_file"] == MISMATCH_UNET, mm["post"]
+    want = mm["serverProblems"] or [CHANNEL_PROBLEM]
+    (e,) = mm["state"]["estimators"]
+    assert e["fields"]["problems"] == "".join(want), e["fields"]
+    assert e["firstLine"] == "problems" and e["problemColour"] == ERROR_RED, e
+    assert e["cut"] == [] and e["fit"]["overflow"] <= 1 and e["fit"]["box"] - e["fit"]["content"] <= 2, e["fit"]
+    assert e["fields"]["verdict"], "the verdict still shows below the problem"
+    assert Path(mm["closeup"]).is_file()
+
+
+def test_the_server_flags_a_wrong_channel_latent(case):
+    _fe, _mode, _r, m = case
+    mm = m["mismatch"]
+    assert mm["answers"] >= 1, "the estimate route answered the mismatched request"
+    if mm["serverProblems"] is None:
+        pytest.skip("the estimate route's answer has no summary.problems yet (the route change that reads "
+                    "latent_channels); the panel side is checked with a problem added to its answer")
+    assert any("48 channels" in p and "16" in p for p in mm["serverProblems"]), mm["serverProblems"]
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,13 @@
 // Headless Chromium against a running ComfyUI with this pack: for each renderer mode (classic
 // canvas, Nodes 2.0), load each workflow and read the wan-sage panels; on the detail workflow
 // also read how they fit, whether nodes overlap, the size widgets' state, the SageAttention
-// status, a simulated run (the events the server sends), and the latent disconnected.  Saves
-// screenshots.  Prints one JSON object on stdout.
+// status, a simulated run (the events the server sends), and the latent disconnected; and a model
+// wired to a latent of another channel count (what the panel sends, what the server answers, how
+// the panel shows the problem).  Saves screenshots.  Prints one JSON object on stdout.
 //
 // Usage: node panel_check.mjs CONFIG.json, where CONFIG is {url, outDir, modes: ["classic",
 // "vue"], workflows: [{name, path}], detail: name, run: {estimatorText, sageText, installedText,
-// stats, installedStatus}}.
+// stats, installedStatus}, mismatch: {workflow: path, unetName, problem}}.
 import { mkdirSync, readFileSync } from "node:fs";
 import { join } from "node:path";
 
@@ -35,6 +36,12 @@ function inspect(page) {
       const y = (b[1] + ds.offset[1]) * ds.scale + canvasRect.top;
       return [x, y, x + b[2] * ds.scale, y + b[3] * ds.scale];
     };
+    const text = (el, f) => el.querySelector(`[data-field="${f}"]`);
+    const shown = (el) => !!el && !el.hidden && el.offsetParent !== null;
+    // Fields whose text is cut at the panel's width (it should wrap instead).
+    const cutOff = (el) => [...el.querySelectorAll("[data-field]")].filter((e) => shown(e)
+      && (e.scrollWidth > e.clientWidth + 1 || e.getBoundingClientRect().right > el.getBoundingClientRect().right + 1))
+      .map((e) => e.dataset.field);
     const fit = (el, n) => {
       const inner = el.firstElementChild;
       const r = el.getBoundingClientRect();
@@ -45,8 +52,6 @@ function inspect(page) {
         below: (nr[3] - r.bottom) / ds.scale, outside: r.bottom > nr[3] + 1 || r.right > nr[2] + 1 || r.top < nr[1] - 1,
       };
     };
-    const text = (el, f) => el.querySelector(`[data-field="${f}"]`);
-    const shown = (el) => !!el && !el.hidden && el.offsetParent !== null;
     const panel = (n, testid) => document.querySelector(`[data-testid="${testid}"][data-node-id="${n.id}"]`);
     const widgetState = (n, name) => {
       const w = n.widgets.find((x) => x.name === name);
@@ -60,7 +65,7 @@ function inspect(page) {
       const el = panel(n, "wan-sage-panel");
       if (!el) return { id: n.id, missing: true };
       const fields = {};
-      for (const f of ["assumption", "verdict", "size", "model", "tokens", "activation_gib", "sage_extra_gib",
+      for (const f of ["problems", "assumption", "verdict", "size", "model", "tokens", "activation_gib", "sage_extra_gib",
         "reservation_gib", "comfy_gib", "vram", "error", "source", "report"]) {
         const e = text(el, f);
         fields[f] = shown(e) ? e.textContent.trim() : null;
@@ -70,7 +75,9 @@ function inspect(page) {
         level: text(el, "verdict")?.dataset.level ?? null, from: text(el, "size")?.dataset.from ?? null,
         latentConnected: latentSlot >= 0 && n.isInputConnected(latentSlot),
         widgets: Object.fromEntries(SIZE_WIDGETS.map((w) => [w, widgetState(n, w)])),
-        cfgWidget: widgetState(n, "cfg"), fit: fit(el, n) };
+        cfgWidget: widgetState(n, "cfg"), fit: fit(el, n), cut: cutOff(el),
+        firstLine: [...el.querySelectorAll("[data-field]")].find(shown)?.dataset.field ?? null,
+        problemColour: shown(text(el, "problems")) ? getComputedStyle(text(el, "problems")).color : null };
     });
     const sages = nodes.filter((n) => n.type === SAGE).map((n) => {
       const el = panel(n, "wan-sage-stats");
@@ -78,7 +85,7 @@ function inspect(page) {
       const f = (k) => (shown(text(el, k)) ? text(el, k).textContent.trim() : null);
       return { id: n.id, title: n.title, state: el.dataset.state, sage: text(el, "sage")?.dataset.state ?? null,
         headline: f("sage"), hint: f("hint"), link: text(el, "link")?.getAttribute("href") ?? null,
-        status: f("status"), sageCalls: f("sage_calls"), fit: fit(el, n) };
+        status: f("status"), sageCalls: f("sage_calls"), fit: fit(el, n), cut: cutOff(el) };
     });
     const ours = (n) => n.type === EST || n.type === SAGE;
     const overlaps = [];
@@ -146,6 +153,44 @@ async function unlinkLatent(page) {
     sel, { timeout: 10000 }).catch(() => {});
   const edited = (await inspect(page)).estimators.find((e) => e.id === id);
   return { unlinked, edited };
+}
+
+/**
+ * The TI2V-5B workflow (a 48-channel Wan22ImageToVideoLatent) with a Wan 2.1 1.3B model file (16
+ * channels) in its loader: the request the panel sends, the server's own ``summary.problems``
+ * (null when its answer has no such key), and the panel showing ``problem`` when the server names
+ * none (the route's answer, with the problem added).
+ */
+async function channelMismatch(page, { unetName, problem }, data, dir) {
+  const posts = [];
+  const answered = [];
+  await page.route("**/wan_sage/estimate", async (route) => {
+    const res = await route.fetch();
+    const body = await res.json().catch(() => null);
+    const sent = JSON.parse(route.request().postData() ?? "null");
+    if (sent?.model_file === unetName && body?.summary) {
+      answered.push(Array.isArray(body.summary.problems) ? body.summary.problems : null);
+      if (!body.summary.problems?.length) body.summary.problems = [problem];
+    }
+    await route.fulfill({ response: res, json: body });
+  });
+  page.on("request", (r) => { if (r.url().endsWith("/wan_sage/estimate")) posts.push(JSON.parse(r.postData() ?? "null")); });
+  await loadWorkflow(page, data);
+  await waitPanels(page, data);
+  await page.evaluate((unetName) => {
+    const app = window.app ?? window.comfyAPI.app.app;
+    const loader = app.graph._nodes.find((n) => n.type === "UNETLoader");
+    loader.widgets.find((w) => w.name === "unet_name").value = unetName;
+    app.graph.setDirtyCanvas?.(true, true);
+  }, unetName);
+  await page.waitForSelector('[data-testid="wan-sage-panel"] [data-field="problems"]:not([hidden])', { timeout: 15000 })
+    .catch(() => {});
+  await page.waitForTimeout(1200);
+  await frame(page, await packIds(page));
+  const state = await inspect(page);
+  const closeup = await shot(page, join(dir, "closeup-channel-problem.jpg"), await frame(page, await closeupIds(page)));
+  return { post: posts.filter((p) => p?.model_file === unetName).at(-1) ?? null, serverProblems: answered.at(-1) ?? null,
+    answers: answered.length, state, closeup };
 }
 
 /** The ids of the wan-sage nodes (framed for the checks: at a readable scale their panels show). */
@@ -223,6 +268,7 @@ try {
       await waitPanels(page, data);
       await frame(page, await packIds(page));
       const state = await inspect(page);
+      state.posts = posts;
       state.screenshot = await shot(page, join(dir, `${wf.name}.png`));
       out.workflows[wf.name] = state;
       if (wf.name === cfg.detail) {
@@ -267,6 +313,9 @@ try {
     out.installed = inst;
     result.templates ??= await templates(page, cfg.workflows.map((w) => w.name), join(cfg.outDir, "templates.png"));
     await page.close();
+    const mm = await openApp(browser, cfg.url, opts);
+    out.mismatch = await channelMismatch(mm, cfg.mismatch, JSON.parse(readFileSync(cfg.mismatch.workflow, "utf8")), dir);
+    await mm.close();
   }
 } finally {
   await browser.close();
