@@ -10,7 +10,8 @@ For every example workflow it reads the wan-sage panels and the estimate request
 the latent's channel count); on the 720p workflow it checks that the
 size widgets are disabled while the latent is connected (and drive the size once it is not), that
 every panel is as tall as its content and inside its node, that no wan-sage node overlaps another
-node before or after a run, that the Sage panel says SageAttention is missing, and that the pack
+node before or after a run, that the Sage panel says SageAttention is missing (where this environment
+has SageAttention, the stats route answers there as on a machine without it), and that the pack
 triggers no deprecation warning.  The run is simulated with the events the server sends
 (``executed`` with each node's ui text, ``wan_sage.stats``).  No panel line is cut off at the node's
 width.  A Wan 2.1 1.3B model file on the TI2V-5B workflow's 48-channel latent must be flagged: the
@@ -79,6 +80,10 @@ STATS = {"sage_calls": 80, "sdpa_calls": 160, "by_kernel": {"sage2_sm90": 80}, "
          "fallbacks": {}, "head_split_calls": 0, "saved_ms": 10400.0, "calibration_ms": 820.0}
 INSTALLED = {"sage_version": "2.2.0", "sage_error": None, "sm90_binding_broken": False, "ck_available": False,
              "self_test_failures": {}}
+# GET /wan_sage/stats's sage_status on a machine without SageAttention: the detail workflow's pages get it
+# where this environment has SageAttention, so they show the missing state either way.
+MISSING = {"sage_version": None, "sage_error": "ModuleNotFoundError: No module named 'sageattention'",
+           "sm90_binding_broken": False, "ck_available": False, "self_test_failures": {}}
 
 
 def frontend_root(fe: str) -> tuple:
@@ -102,7 +107,7 @@ def _run_texts() -> dict:
     return {"estimatorText": f"tokens: {s['tokens']:,} per row, 1 row(s) per forward\nverdict: {s['verdict']}",
             "sageText": "SageAttention not installed: passed through. Install SageAttention 2.x from source.",
             "installedText": "patched (id 5a9e01); kernel: auto; sageattention: 2.2.0; comfy-kitchen int8: no",
-            "stats": STATS, "installedStatus": INSTALLED}
+            "stats": STATS, "installedStatus": INSTALLED, "missingStatus": MISSING if SAGE_INSTALLED else None}
 
 
 _RUNS: dict = {}
@@ -245,13 +250,9 @@ def test_a_run_adds_its_lines_and_the_sage_table(case):
 def test_the_sage_panel_says_sageattention_is_missing(case):
     _fe, _mode, _r, m = case
     for s in m["detail"]["before"]["sages"] + m["detail"]["after"]["sages"]:
-        if SAGE_INSTALLED:
-            assert s["sage"] in ("ok", "rejected"), s
-            continue
         assert s["sage"] == "missing" and s["headline"] == MISSING_TEXT, s
         assert "sageattention==1.0.6" in s["hint"] and s["link"] == README_URL, s
-    if not SAGE_INSTALLED:
-        assert m["detail"]["before"]["sages"][0]["status"] is None, "no promise of call counts that will not come"
+    assert m["detail"]["before"]["sages"][0]["status"] is None, "no promise of call counts that will not come"
 
 
 def test_the_templates_dialog_shows_whole_titles(case):

@@ -7,7 +7,7 @@
 //
 // Usage: node panel_check.mjs CONFIG.json, where CONFIG is {url, outDir, modes: ["classic",
 // "vue"], workflows: [{name, path}], detail: name, run: {estimatorText, sageText, installedText,
-// stats, installedStatus}, mismatch: {workflow: path, unetName, problem}}.
+// stats, installedStatus, missingStatus (null: the server's own)}, mismatch: {workflow: path, unetName, problem}}.
 import { mkdirSync, readFileSync } from "node:fs";
 import { join } from "node:path";
 
@@ -259,7 +259,11 @@ try {
     for (const wf of cfg.workflows) {
       // A fresh page per workflow: the 1.27 frontend can report core nodes as missing when graphs
       // are loaded back to back before its node definitions settle.
-      const page = await openApp(browser, cfg.url, opts);
+      // The detail workflow shows a machine without SageAttention: where this server has it, the stats
+      // route answers as the server of such a machine does.
+      const missing = wf.name === cfg.detail && cfg.run.missingStatus
+        ? { routes: { "**/wan_sage/stats": { runs: [], sage_status: cfg.run.missingStatus } } } : {};
+      const page = await openApp(browser, cfg.url, { ...opts, ...missing });
       const posts = []; // the estimate requests the panels send
       page.on("request", (r) => { if (r.url().endsWith("/wan_sage/estimate")) posts.push(JSON.parse(r.postData() ?? "null")); });
       result.frontendVersion ??= await page.evaluate(() => window.__COMFYUI_FRONTEND_VERSION__ ?? null);
