@@ -101,7 +101,7 @@ def frontend_root(fe: str) -> tuple:
 def _run_texts() -> dict:
     """What the nodes send after a run on a 24 GiB card: the estimator's report (its verdict line is
     what the panel shows) and the Sage patch's status, without SageAttention and with it."""
-    from wan_sage.memory.api import estimate_from_json
+    from wan_sage.nodes.routes import estimate_answer as estimate_from_json
     s = estimate_from_json({"model_file": "wan2.2_t2v_high_noise_14B_Q4_K_M.gguf", "width": 1280, "height": 720,
                             "frames": 81, "attention": "sage-auto", "vram_gib": 24.0})["summary"]
     return {"estimatorText": f"tokens: {s['tokens']:,} per row, 1 row(s) per forward\nverdict: {s['verdict']}",
@@ -270,7 +270,7 @@ def test_a14b_720p_panel_numbers_and_model(case):
     """The panel shows the route's figures (GiB keys) for the request it sent, the verdict as the
     server words it, the model it detected, and, since the test server's model files are empty
     placeholders, that the model was guessed from its name."""
-    from wan_sage.memory.api import estimate_from_json
+    from wan_sage.nodes.routes import estimate_answer as estimate_from_json
     _fe, _mode, _r, m = case
     sent = [p for p in m["detail"]["posts"] if p and "high_noise" in p.get("model_file", "") and p["width"] == 1280]
     assert sent and "vram_gib" in sent[-1], m["detail"]["posts"]
@@ -331,9 +331,7 @@ def test_the_server_flags_a_wrong_channel_latent(case):
     _fe, _mode, _r, m = case
     mm = m["mismatch"]
     assert mm["answers"] >= 1, "the estimate route answered the mismatched request"
-    if mm["serverProblems"] is None:
-        pytest.skip("the estimate route's answer has no summary.problems yet (the route change that reads "
-                    "latent_channels); the panel side is checked with a problem added to its answer")
+    assert mm["serverProblems"] is not None, "the estimate route answers summary.problems"
     assert any("48 channels" in p and "16" in p for p in mm["serverProblems"]), mm["serverProblems"]
 
 
