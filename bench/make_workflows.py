@@ -548,8 +548,8 @@ def i2v_21(info, ids) -> dict:
 # names of example_workflows/, and the Templates dialog (frontend 1.27 and 1.58) shows a custom
 # pack's template under its file name, and that name again as its description; its thumbnail
 # (the .jpg of the same name) carries the note's heading, which names the packs it needs.
-A14B_720P = "Wan 2.2 A14B text to video 720p"
-A14B_480P = "Wan 2.2 A14B text to video 480p"
+A14B_720P = "Wan 2.2 A14B GGUF T2V 720p"
+A14B_480P = "Wan 2.2 A14B GGUF T2V 480p"
 A14B_FP8_720P = "Wan 2.2 A14B fp8 T2V 720p"
 A14B_FP8_480P = "Wan 2.2 A14B fp8 T2V 480p"
 TI2V_5B = "Wan 2.2 5B text to video 704p"

@@ -185,7 +185,7 @@ def test_saved_workflow_ui_format_runs_through_prompt_executor(e2e_rows, tmp_pat
 
 
 @pytest.mark.needs_sage
-@pytest.mark.parametrize("name", ["Wan 2.2 A14B text to video 720p.json"])
+@pytest.mark.parametrize("name", ["Wan 2.2 A14B GGUF T2V 720p.json"])
 def test_the_packs_saved_a14b_workflow_runs_at_tiny_scale(e2e_rows, name):
     path = ROOT / "example_workflows" / name
     if not path.is_file():

@@ -63,7 +63,7 @@ if not (BROWSER / "node_modules" / "playwright-core").is_dir():
 ARTIFACTS = Path(os.environ.get("WAN_SAGE_ARTIFACTS", HERE / "artifacts"))
 DOCS_SHOTS = ROOT / "docs" / "screenshots"
 WORKFLOWS = sorted((ROOT / "example_workflows").glob("*.json"))
-DETAIL = "Wan 2.2 A14B text to video 720p"
+DETAIL = "Wan 2.2 A14B GGUF T2V 720p"
 MISMATCH = "Wan 2.2 5B text to video 704p"  # its Wan22ImageToVideoLatent makes 48 channels
 MISMATCH_UNET = "wan2.1_t2v_1.3B_fp16.safetensors"  # a 16-channel model
 CHANNEL_PROBLEM = ("the latent has 48 channels but Wan 2.1 T2V 1.3B takes 16: use a 16-channel latent node "

@@ -25,8 +25,8 @@ if comfy_env.skip_reason():
 
 ROOT = Path(__file__).resolve().parents[2]
 WF_DIR = ROOT / "example_workflows"
-A14B_720P = "Wan 2.2 A14B text to video 720p"
-A14B_480P = "Wan 2.2 A14B text to video 480p"
+A14B_720P = "Wan 2.2 A14B GGUF T2V 720p"
+A14B_480P = "Wan 2.2 A14B GGUF T2V 480p"
 A14B_FP8_720P = "Wan 2.2 A14B fp8 T2V 720p"
 A14B_FP8_480P = "Wan 2.2 A14B fp8 T2V 480p"
 TI2V_5B = "Wan 2.2 5B text to video 704p"
