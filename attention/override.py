@@ -11,6 +11,10 @@ declined at run time (slower, cross_slower, memory, oom, error, nonfinite, no_ke
 failed, head_dim) run SDPA inside the run-time part; ``prev`` receives only the calls declined
 statically.
 
+On ComfyUI 0.38 and newer a call site that wraps q/k/v in ``AttentionTensorContainer``s reaches
+:meth:`SageAttentionOverride.container_function` instead, which takes the tensors and dispatches them
+the same way.
+
 The override is immutable, holds no tensors, deep-copies to itself and pickles by its arguments;
 all mutable state lives in :mod:`.state`.
 """
@@ -115,11 +119,53 @@ class SageAttentionOverride:
             if self.prev is not None:
                 return self.prev(func, *args, **kwargs)
             return self.sdpa(*args, **kwargs)
+        return self._dispatch(q, k, v, heads, skip_reshape, skip_out, shape, kwargs)
+
+    def _dispatch(self, q, k, v, heads, skip_reshape, skip_out, shape, kwargs):
+        """Run a statically eligible call: the custom op while compiling, else the run-time part."""
         scale = kwargs.get("scale")
         scale = None if scale is None else float(scale)
         if _is_compiling():
             return op.call_attention(q, k, v, heads, skip_reshape, skip_out, scale, self.graph_key)
         return execution.run_attention(self, q, k, v, heads, skip_reshape, skip_out, scale, shape)
+
+    def container_function(self, *args, **kwargs):
+        """The entry point ComfyUI (0.38 and newer) calls instead of ``override(func, ...)`` when the call
+        site handed q, k and v over in ``AttentionTensorContainer``s (single-owner boxes: ``peek()`` reads the
+        tensor, ``take()`` hands it over and empties the box).  ComfyUI's ``wrap_attn`` calls it with the
+        containers as they are and without ``func``.
+
+        The static checks of :meth:`__call__` run on the tensors the containers hold (read, not taken).  A
+        call they decline goes where ``override(func, ...)`` sends it: to the previous override, through its
+        own ``container_function`` with the containers untouched where it has one (as ComfyUI would call it
+        if it were alone in the slot), else as ``prev(func, q, k, v, ...)`` with the tensors taken and
+        ``func`` the raw SDPA function this override falls back to (ComfyUI's ``attention_pytorch``, what
+        Wan's call sites run without an override); with no previous override, to that SDPA.  An eligible
+        call takes the tensors out of the containers and is dispatched exactly as :meth:`__call__`
+        dispatches it (the custom op under ``torch.compile``, the run-time part in eager mode).
+
+        What owning q/k/v buys: once taken, the call site's containers are empty and the pack holds the
+        only references to the bf16 q, k and v, so each one can be freed as soon as the kernel no longer
+        needs it (once its quantised copy exists) instead of living until the call returns.  That
+        memory-saving execution is a separate piece of work; this method takes the tensors and dispatches
+        them as before.  Traceable by ``torch.compile`` without a graph break (the containers are plain
+        Python objects; tests/unit/test_current_comfy_containers.py)."""
+        boxes = args[:3]
+        q, k, v, heads, skip_reshape, skip_out, shape, reason = self._static(
+            (boxes[0].peek(), boxes[1].peek(), boxes[2].peek()) + args[3:], kwargs)
+        if reason is not None:
+            del q, k, v  # the previous override or SDPA may take the containers: hold no reference
+            if not _is_compiling():
+                stats.record(self.patch_id, reason=reason)
+            prev = self.prev
+            if prev is not None and getattr(prev, "container_function", None) is not None:
+                return prev.container_function(*args, **kwargs)
+            taken = (boxes[0].take(), boxes[1].take(), boxes[2].take()) + args[3:]
+            if prev is not None:
+                return prev(self.sdpa, *taken, **kwargs)
+            return self.sdpa(*taken, **kwargs)
+        q, k, v = boxes[0].take(), boxes[1].take(), boxes[2].take()
+        return self._dispatch(q, k, v, heads, skip_reshape, skip_out, shape, kwargs)
 
     def plan(self, q, k, v, heads, args=(), kwargs=None) -> Plan:
         """What a call would do, without running a kernel (except a kernel's one-time self-test):
