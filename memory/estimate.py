@@ -77,6 +77,7 @@ class AttentionPlan:
     cross_path: str = "sdpa"
     kernel: str | None = None
     note: str | None = None
+    self_by: str | None = None  # another node runs self-attention (e.g. KJNodes' Mem Eff Sage), in words
 
 
 def attention_plan(attention: str, cc: int | None = None) -> AttentionPlan:

@@ -43,6 +43,9 @@ def _g(x) -> str:
 
 def _attention(est: Estimate) -> str:
     a = est.setup.attention
+    if a.self_by:
+        cross = "SDPA" if a.cross_path == "sdpa" or a.kernel is None else a.kernel
+        return f"{a.self_by} for self-attention (planned at SDPA's memory), {cross} for cross-attention"
     if a.kernel is None:
         return "SDPA"
     split = f" in {est.sage_head_groups} head groups (memory mode)" if est.sage_head_groups > 1 else ""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import weakref
 
 import torch
@@ -17,6 +18,164 @@ from .log_once import reason, warn_once
 log = logging.getLogger("wan_sage")
 
 OVERRIDE_KEY = "optimized_attention_override"
+
+# Attributes in which a wrapping override keeps the override it hands calls to: wan-sage's own ``prev``,
+# and ComfyUI's core Model Sparse Attention (comfy_extras/sparse_attention_history.py,
+# mark_attention_override: ``_block_sparse_attention_previous``).
+PREVIOUS_ATTRS = ("prev", "_block_sparse_attention_previous")
+BSA_PATCH_ATTR = "_block_sparse_attention_patch"
+# ModelPatcher.set_model_optimized_attention's closure: it writes the slot without chaining, so the
+# function it closes over is a backend, not a previous override.
+SETTER_QUALNAME = "set_model_optimized_attention.<locals>.optimized_attention_override"
+MAX_CHAIN = 8
+
+
+def _closure_values(fn) -> list:
+    out = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            out.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+    return out
+
+
+def previous_overrides(ov) -> list:
+    """The overrides ``ov`` may hand calls to: the known attributes, then (where none is set) the callables its
+    closure holds (a wrapper written as a closure over the previous override).  Nothing for
+    set_model_optimized_attention's closure, which does not chain."""
+    found = [p for p in (getattr(ov, a, None) for a in PREVIOUS_ATTRS) if p is not None]
+    if found or str(getattr(ov, "__qualname__", "")).endswith(SETTER_QUALNAME):
+        return found
+    return [v for v in _closure_values(ov) if callable(v) and not isinstance(v, type)]
+
+
+def slot_chain(transformer_options, is_target) -> tuple:
+    """(the override in the slot, the path from it down to the first override ``is_target`` accepts, outermost
+    first, or None when none is reachable).  Walks :func:`previous_overrides` depth first, at most
+    :data:`MAX_CHAIN` overrides deep, each override once."""
+    top = (transformer_options or {}).get(OVERRIDE_KEY)
+    if top is None:
+        return None, None
+    seen = set()
+
+    def walk(ov, path):
+        if id(ov) in seen or len(path) >= MAX_CHAIN:
+            return None
+        seen.add(id(ov))
+        path = path + (ov,)
+        if is_target(ov):
+            return path
+        for p in previous_overrides(ov):
+            found = walk(p, path)
+            if found is not None:
+                return found
+        return None
+    return top, walk(top, ())
+
+
+def _name_of(fn) -> str:
+    fn = getattr(fn, "__func__", fn)
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    module = getattr(fn, "__module__", None) or type(fn).__module__
+    return f"{module}.{name}" if module and module != "builtins" else name
+
+
+def describe_override(ov) -> str:
+    """Who put ``ov`` in the attention slot, in words for a warning or a report."""
+    if getattr(ov, BSA_PATCH_ATTR, None) is not None:
+        return "ComfyUI's Model Sparse Attention (BlockSparseAttention)"
+    if str(getattr(ov, "__qualname__", "")).endswith(SETTER_QUALNAME):
+        backends = [v for v in _closure_values(ov) if callable(v)]
+        backend = getattr(getattr(backends[0], "__wrapped__", backends[0]), "__name__", "?") if backends else "?"
+        return (f"ComfyUI's set_model_optimized_attention (the Model Attention Backend node or a pack calling "
+                f"it) with {backend}")
+    return _name_of(ov)
+
+
+SELF_ATTN_PATCH = re.compile(r"diffusion_model\.blocks\.\d+\.self_attn\.forward")
+
+
+def self_attention_patch(model) -> tuple | None:
+    """(who, how many blocks, whether it is KJNodes' Sage patch) when object patches replace the blocks'
+    self-attention forward (KJNodes' WanVideo Mem Eff Sage Attention Patch patches
+    ``diffusion_model.blocks.N.self_attn.forward`` with its ``wan_sageattn_forward``, which runs its own
+    Sage call and never ComfyUI's attention); None when none does."""
+    patches = getattr(model, "object_patches", None) or {}
+    keys = [k for k in patches if isinstance(k, str) and SELF_ATTN_PATCH.fullmatch(k)]
+    if not keys:
+        return None
+    fn = getattr(patches[keys[0]], "__func__", patches[keys[0]])
+    name = getattr(fn, "__name__", type(fn).__name__)
+    module = str(getattr(fn, "__module__", "") or "")
+    kj = name == "wan_sageattn_forward" or ("kjnodes" in module.lower() and "sage" in name.lower())
+    return _name_of(fn), len(keys), kj
+
+
+def _percent_of_sigma(model_sampling, sigma: float) -> float:
+    """The schedule percent at which ``model_sampling.percent_to_sigma`` reaches ``sigma`` (it falls from
+    percent 0 to 1); bisection, so any model sampling with ``percent_to_sigma`` is read the same way."""
+    f = model_sampling.percent_to_sigma
+    if sigma >= float(f(0.0)):
+        return 0.0
+    if sigma <= float(f(1.0)):
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if float(f(mid)) > sigma:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def _model_sampling(model):
+    if hasattr(model, "get_model_object"):
+        try:
+            return model.get_model_object("model_sampling")
+        except AttributeError:  # a patcher whose model has no model_sampling
+            return None
+    return getattr(base_model(model), "model_sampling", None)
+
+
+SPARSE_HEAD_DIM = 128  # the head dim comfy-kitchen's sparse kernels take (nodes_sparse_attention.HEAD_DIM)
+
+
+def bsa_dense_share(patch, model, num_layers: int, tokens: int, head_dim: int) -> tuple:
+    """(share, words): the share of a sampling's self-attention calls that a core Model Sparse Attention patch
+    leaves dense, read from its options as comfy_extras/nodes_sparse_attention.py decides per call
+    (``dense_reason``, ``_ineligible``): every call in VSA mode, below ``min_tokens`` or at a head dim the
+    sparse kernel does not take; else the steps outside its sigma window (start/end percent) and its
+    ``dense_blocks``.  ``share`` is None where the schedule cannot be read (no ``percent_to_sigma``)."""
+    if getattr(patch, "vsa", False):
+        return 1.0, "VSA mode runs the generic override dense"
+    min_tokens = int(getattr(patch, "min_tokens", 0) or 0)
+    if tokens < min_tokens:
+        return 1.0, f"{tokens:,} tokens < its min_tokens {min_tokens:,}"
+    if head_dim != SPARSE_HEAD_DIM:
+        return 1.0, f"head dim {head_dim}: its kernel takes {SPARSE_HEAD_DIM}"
+    dense_blocks = {int(b) for b in (getattr(patch, "dense_blocks", None) or ()) if 0 <= int(b) < num_layers}
+    block_share = len(dense_blocks) / num_layers if num_layers else 0.0
+    blocks = f", dense_blocks {len(dense_blocks)} of {num_layers}" if dense_blocks else ""
+    ms = _model_sampling(model)
+    if ms is None or not hasattr(ms, "percent_to_sigma"):
+        return None, "its sigma window could not be read (no model sampling)" + blocks
+    start = _percent_of_sigma(ms, float(patch.sigma_start))
+    end = _percent_of_sigma(ms, float(patch.sigma_end))
+    sparse_steps = max(0.0, end - start)
+    share = 1.0 - sparse_steps * (1.0 - block_share)
+    return share, f"sparse from {start:.0%} to {end:.0%} of the schedule{blocks}"
+
+
+def bsa_patches(path) -> list:
+    """The core Model Sparse Attention patches (their options) among the overrides of ``path``."""
+    out = []
+    for ov in path or ():
+        patch = getattr(ov, BSA_PATCH_ATTR, None)
+        if patch is not None and all(patch is not p for p in out):
+            out.append(patch)
+    return out
 
 
 def base_model(obj):
@@ -155,7 +314,18 @@ def _compiled_module(obj) -> bool:
     return type(obj).__name__ == "OptimizedModule" and hasattr(obj, "_orig_mod")
 
 
-BLOCKS, WHOLE_MODEL = "blocks", "whole model"
+BLOCKS, WHOLE_MODEL, UNKNOWN_SCOPE = "blocks", "whole model", "scope unknown"
+
+
+def _compile_wrapper_name(wrapper) -> str:
+    """Who installed a compile wrapper whose compiled keys cannot be read (KJNodes' TorchCompileModelAdvanced
+    keeps them in a module-level dict by BaseModel, not in a closure)."""
+    fn = getattr(wrapper, "__func__", wrapper)
+    name = str(getattr(fn, "__name__", ""))
+    module = str(getattr(fn, "__module__", "") or "")
+    if name.startswith("_kj_") or "kjnodes" in module.lower():
+        return "KJNodes' TorchCompileModelAdvanced"
+    return f"a compile wrapper ({_name_of(fn)})"
 
 
 def _wrapper_keys(wrapper) -> set | None:
@@ -179,8 +349,10 @@ def compile_scope(model, model_options=None) -> tuple[str, str] | None:
     """(what torch.compile covers, how it was put there) for this model, or None when it runs eagerly.
 
     The scope is ``BLOCKS`` where each transformer block is its own compiled module (per-block compile
-    nodes, ``TorchCompileModel`` given block keys) and ``WHOLE_MODEL`` where one graph covers the diffusion
-    model (``TorchCompileModel``'s default) or where the compiled keys cannot be read."""
+    nodes, ``TorchCompileModel`` given block keys), ``WHOLE_MODEL`` where one graph covers the diffusion
+    model (``TorchCompileModel``'s default), and ``UNKNOWN_SCOPE`` where a compile wrapper is on the model
+    but its compiled keys cannot be read (KJNodes' TorchCompileModelAdvanced); only ``BLOCKS`` is planned
+    with the compiled figure."""
     options = model_options if model_options is not None else getattr(model, "model_options", {}) or {}
     # A ModelPatcher keeps its wrappers itself; while sampling, ComfyUI copies them into the
     # transformer options, where the BaseModel-level hooks find them.
@@ -192,8 +364,10 @@ def compile_scope(model, model_options=None) -> tuple[str, str] | None:
         for w in compile_wrappers:
             found = _wrapper_keys(w)
             if found is None:
-                return WHOLE_MODEL, "ComfyUI's compile wrapper"
+                return UNKNOWN_SCOPE, _compile_wrapper_name(w)
             keys |= found
+        if not keys:  # only the compile kwargs: the wrapper that uses them is not on the model here
+            return UNKNOWN_SCOPE, "torch_compile_kwargs without a readable compile wrapper"
         return _scope_of_keys(keys), "ComfyUI's compile wrapper"
     patches = getattr(model, "object_patches", None) or {}
     patched = {k for k, v in patches.items() if k.startswith("diffusion_model") and _compiled_module(v)}

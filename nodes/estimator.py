@@ -24,10 +24,11 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from ..attention import kernels, registry
+from ..attention.override import SageAttentionOverride
 from ..memory import activation_model, report
 from ..memory.estimate import DEFAULT_CC, GiB, POLICIES, AttentionPlan, Estimate, Setup, plan
 from ..memory.request import LEGACY_POLICIES
-from . import comfy_bridge
+from . import comfy_bridge, sage_patch
 from .log_once import reason, warn_once
 from .sage_patch import find_override
 
@@ -85,6 +86,48 @@ def attention_for(model_options, settings: Settings, dev) -> AttentionPlan:
     return AttentionPlan(self_path, cross_path, kernel)
 
 
+def chained_attention(model, model_options, dims: activation_model.WanDims, tokens: int,
+                      att: AttentionPlan) -> tuple:
+    """(the attention plan, notes) once what else on the model decides the calls is read:
+
+    * an override in the slot that does not reach the Sage patch (set_model_optimized_attention after it):
+      named in a note (the plan is SDPA's already, as no patch is found);
+    * ComfyUI's Model Sparse Attention over the Sage patch: the share of self-attention calls it leaves dense
+      (run on the Sage patch) from its options.  The Sage extra is a per-call peak, reached in every dense
+      call, so it is counted in full wherever that share is not 0; where it is 0 the sparse kernel's memory
+      (not measured) is planned at the Sage kernel's figure;
+    * an object patch that replaces the blocks' self-attention forward (KJNodes' WanVideo Mem Eff Sage
+      Attention Patch): self-attention never reaches wan-sage; it is planned at SDPA's memory, which that
+      patch's Sage call (it frees the bf16 q/k/v as it quantises them) stays within."""
+    notes = []
+    to = (model_options or {}).get("transformer_options", {}) or {}
+    top, path = comfy_bridge.slot_chain(to, lambda ov: isinstance(ov, SageAttentionOverride))
+    if top is not None and not path:
+        notes.append(f"attention: {comfy_bridge.describe_override(top)} is in the attention slot and does not hand "
+                     f"calls on to a Sage patch: planned as it runs them, on their own backend (SDPA's memory)")
+    elif path and len(path) > 1 and att.kernel is not None:
+        for patch in comfy_bridge.bsa_patches(path[:-1]):
+            share, why = comfy_bridge.bsa_dense_share(patch, model, dims.num_layers, tokens, dims.head_dim)
+            if share is None:
+                notes.append(f"ComfyUI's Model Sparse Attention wraps the Sage patch ({why}): the calls it leaves "
+                             f"dense run on {att.kernel}, whose extra is counted in full")
+            elif share > 0:
+                notes.append(f"ComfyUI's Model Sparse Attention wraps the Sage patch: {share:.0%} of self-attention "
+                             f"calls stay dense and run on {att.kernel} ({why}); the Sage extra is counted in full, "
+                             f"as every dense call reaches it")
+            else:
+                notes.append(f"ComfyUI's Model Sparse Attention wraps the Sage patch and runs every self-attention "
+                             f"call sparse ({why}): none reaches {att.kernel}; the sparse kernel's memory is not "
+                             f"measured and is planned at {att.kernel}'s figure")
+    bypass = sage_patch.bypass_text(model)
+    if bypass:
+        notes.append(bypass)
+        found = comfy_bridge.self_attention_patch(model)
+        who = "KJNodes' Mem Eff Sage" if found and found[2] else "another node's self-attention"
+        att = replace(att, self_path="sdpa", self_by=who)
+    return att, notes
+
+
 @dataclass(frozen=True)
 class RunMode:
     """How the forward runs, beyond the attention paths: compiled blocks, and whether the Sage patch
@@ -112,6 +155,8 @@ def run_mode(model, model_options, dims: activation_model.WanDims, shape) -> Run
     return RunMode(compiled, grouped)
 
 
+UNKNOWN_COMPILE_NOTE = ("compile scope unknown: planned as eager ({who} keeps the modules it compiles where wan-sage "
+                        "cannot read them, so whether they are the blocks one by one is not known)")
 WHOLE_MODEL_COMPILE_NOTE = ("the whole diffusion model is one compiled graph, which is reserved for as eager: the "
                             "compiled figure is measured for blocks compiled one by one, and a whole-model compile "
                             "peaked above it")
@@ -128,10 +173,12 @@ def setup_for(model, shape, model_options, settings: Settings, *, assume_compile
     dims = comfy_bridge.wan_dims(model)
     dtype = comfy_bridge.compute_dtype(model)
     mode = run_mode(model, model_options, dims, shape)
+    scope = comfy_bridge.compile_scope(model, model_options)
     compiled_by = comfy_bridge.compiled_by(model, model_options)
     notes = [compiled_by] if compiled_by else []
-    if compiled_by and not mode.compiled and not assume_compiled:
-        notes.append(WHOLE_MODEL_COMPILE_NOTE)
+    if scope is not None and not mode.compiled and not assume_compiled:
+        notes.append(UNKNOWN_COMPILE_NOTE.format(who=scope[1]) if scope[0] == comfy_bridge.UNKNOWN_SCOPE
+                     else WHOLE_MODEL_COMPILE_NOTE)
     extra = {}
     if weights:
         extra = {"weights": comfy_bridge.weight_setup(model, False), "weights_bytes": int(model.model_size()),
@@ -140,8 +187,11 @@ def setup_for(model, shape, model_options, settings: Settings, *, assume_compile
     else:
         extra = {"weights": activation_model.WeightSetup(streamed=bool(streamed))}
     dev = comfy_bridge.device_of(model) if weights else getattr(model, "load_device", None)
+    tokens = activation_model.tokens(dims, int(shape[2]), int(shape[3]), int(shape[4]))
+    att, chain_notes = chained_attention(model, model_options, dims, tokens, attention_for(model_options, settings, dev))
+    notes += chain_notes
     return Setup(dims=dims, latent=tuple(int(x) for x in shape[:5]), dtype=dtype,
-                 attention=attention_for(model_options, settings, dev), sage_grouped=mode.sage_grouped,
+                 attention=att, sage_grouped=mode.sage_grouped and att.self_path != "sdpa",
                  compiled=mode.compiled or assume_compiled, margin_bytes=int(settings.margin_gib * GiB),
                  policy=settings.policy, fixed_bytes=int(settings.fixed_gib * GiB), streamed=streamed,
                  img_tokens=257 if dims.has_img_emb else 0, per_frame_timesteps=dims.latent_channels == 48,

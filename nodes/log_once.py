@@ -8,12 +8,12 @@ log = logging.getLogger("wan_sage")
 warned: set = set()  # the keys already logged
 
 
-def warn_once(key, msg: str, *args) -> bool:
-    """Log ``msg % args`` as a warning the first time ``key`` is seen; True if it was logged now."""
+def warn_once(key, msg: str, *args, level: int = logging.WARNING) -> bool:
+    """Log ``msg % args`` (a warning, or ``level``) the first time ``key`` is seen; True if it was logged now."""
     if key in warned:
         return False
     warned.add(key)
-    log.warning(msg, *args)
+    log.log(level, msg, *args)
     return True
 
 

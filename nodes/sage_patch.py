@@ -29,26 +29,63 @@ OUTER_KEY = "wan_sage_attention_stats"
 
 
 def find_override(transformer_options) -> SageAttentionOverride | None:
-    """Our override in the slot, also when another override chains to it through ``prev``."""
-    ov = (transformer_options or {}).get(comfy_bridge.OVERRIDE_KEY)
-    seen = 0
-    while ov is not None and seen < 8:
-        if isinstance(ov, SageAttentionOverride):
-            return ov
-        ov = getattr(ov, "prev", None)
-        seen += 1
-    return None
+    """Our override in the slot, also under overrides that wrap it: through ``prev``, the core Model Sparse
+    Attention's ``_block_sparse_attention_previous``, or a readable closure over it
+    (:func:`comfy_bridge.slot_chain`)."""
+    _top, path = comfy_bridge.slot_chain(transformer_options, _is_ours)
+    return path[-1] if path else None
+
+
+def _is_ours(ov) -> bool:
+    return isinstance(ov, SageAttentionOverride)
+
+
+def chain_text(transformer_options) -> str | None:
+    """What wraps our override in the slot, in words (None when it is on top or absent)."""
+    _top, path = comfy_bridge.slot_chain(transformer_options, _is_ours)
+    if not path or len(path) == 1:
+        return None
+    return " over ".join(comfy_bridge.describe_override(ov) for ov in path[:-1]) + " over the Sage patch"
+
+
+KJ_BYPASS = "KJNodes' Sage patch on this model bypasses wan-sage"
+
+
+def bypass_text(model) -> str | None:
+    """The status line when another node replaced the blocks' self-attention forward (KJNodes' WanVideo Mem
+    Eff Sage Attention Patch): wan-sage's override then never sees self-attention."""
+    found = comfy_bridge.self_attention_patch(model)
+    if found is None:
+        return None
+    who, blocks, kj = found
+    if kj:
+        return (f"{KJ_BYPASS}: its WanVideo Mem Eff Sage Attention Patch replaces the self-attention of {blocks} "
+                f"blocks, so wan-sage serves only the calls left to ComfyUI's attention (cross-attention); keep one "
+                f"of the two")
+    return (f"another node replaces the self-attention forward of {blocks} blocks ({who}): wan-sage serves "
+            f"self-attention only if that forward calls ComfyUI's attention")
 
 
 def _stats_wrapper(patch_id: str, label: str, node_id: str | None = None):
     def outer_sample(executor, *args, **kwargs):
         guider = getattr(executor, "class_obj", None)
         mo = getattr(guider, "model_options", None) or {}
-        found = find_override(mo.get("transformer_options", {}))
+        to = mo.get("transformer_options", {})
+        found = find_override(to)
         if found is None or found.patch_id != patch_id:
-            warn_once(("displaced", patch_id), "wan-sage: another node replaced the Sage attention override on "
-                      "this model after the Wan 2.2 Sage Attention Patch (the slot keeps only the last writer). "
-                      "Put the patch after that node to use SageAttention.")
+            top = (to or {}).get(comfy_bridge.OVERRIDE_KEY)
+            who = "another node" if top is None else comfy_bridge.describe_override(top)
+            warn_once(("displaced", patch_id), "wan-sage: %s replaced the Sage attention override on this model "
+                      "after the Wan 2.1/2.2 Sage Attention Patch (the slot keeps only the last writer, and it does "
+                      "not hand calls on to the Sage patch). Put the patch after that node to use SageAttention.", who)
+        else:
+            over = chain_text(to)
+            if over:
+                warn_once(("wrapped", patch_id, over), "wan-sage: %s: the calls it leaves dense run on the Sage "
+                          "patch.", over, level=logging.INFO)
+        bypass = bypass_text(getattr(guider, "model_patcher", None))
+        if bypass:
+            warn_once(("bypass", patch_id), "wan-sage: %s.", bypass)
         stats.begin_run(patch_id, label)
         try:
             return executor(*args, **kwargs)
@@ -121,4 +158,9 @@ def apply_patch(model, kernel="auto", min_tokens=1024, calibrate=True, memory_ma
     ov = SageAttentionOverride(cfg, prev=prev, sdpa=comfy_bridge.raw_sdpa(), free_memory=free_fn)
     to[comfy_bridge.OVERRIDE_KEY] = ov
     m.add_wrapper_with_key(comfy_bridge.wrappers_mp().OUTER_SAMPLE, OUTER_KEY, _stats_wrapper(ov.patch_id, cfg.label, cfg.node_id))
-    return m, f"patched (id {ov.patch_id}); " + status_text(kernel)
+    text = f"patched (id {ov.patch_id}); " + status_text(kernel)
+    bypass = bypass_text(model)
+    if bypass:
+        warn_once(("bypass-at-patch", id(model)), "wan-sage: %s.", bypass)
+        text += "\n" + bypass
+    return m, text

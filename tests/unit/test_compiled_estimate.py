@@ -104,10 +104,10 @@ def test_compile_scope_tells_compiled_blocks_from_a_whole_model_graph():
     assert comfy_bridge.compile_scope(sampling, options)[0] == comfy_bridge.BLOCKS
     unreadable = SimpleNamespace(**vars(plain))
     unreadable.wrappers = {"apply_model": {"torch.compile": [object()]}}
-    assert comfy_bridge.compile_scope(unreadable)[0] == comfy_bridge.WHOLE_MODEL   # the conservative reading
+    assert comfy_bridge.compile_scope(unreadable)[0] == comfy_bridge.UNKNOWN_SCOPE  # planned as eager
     kwargs_only = SimpleNamespace(**vars(plain))
     kwargs_only.model_options = {"torch_compile_kwargs": {"backend": "inductor"}}
-    assert comfy_bridge.compile_scope(kwargs_only)[0] == comfy_bridge.WHOLE_MODEL
+    assert comfy_bridge.compile_scope(kwargs_only)[0] == comfy_bridge.UNKNOWN_SCOPE
     patched = SimpleNamespace(**vars(plain))
     patched.object_patches = {"diffusion_model.blocks.0": torch.compile(_Block(), backend="eager")}
     assert comfy_bridge.compile_scope(patched)[0] == comfy_bridge.BLOCKS
