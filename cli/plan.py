@@ -24,7 +24,7 @@ class PlanError(Exception):
 FLAGS = {"preset": "--preset", "width": "--width", "height": "--height", "frames": "--frames", "batch": "--batch",
          "cfg": "--cfg", "dtype": "--dtype", "attention": "--attention", "arch": "--arch", "vram_gib": "--vram",
          "weights": "--weights", "lora": "--lora", "compiled": "--compiled", "sage_grouped": "--sage-grouped",
-         "margin_gib": "--margin"}
+         "margin_gib": "--margin", "kernel_set": "--kernel-set"}
 
 
 def add_parser(sub) -> None:
@@ -56,6 +56,9 @@ def add_parser(sub) -> None:
                    help="the Sage patch splits self-attention into head groups (its memory mode, where the split "
                         "costs <= 2 %%); without it the estimate assumes the ungrouped call, which needs more")
     p.add_argument("--margin", default="0", help="GiB added to the reservation")
+    p.add_argument("--kernel-set", choices=list(activation_model.KERNEL_SETS), default=activation_model.KERNEL_SETS[0],
+                   help="Wan's elementwise kernels to plan for: comfy-0.3.64 (eager, as measured; the default) or "
+                        "comfy-kitchen (ComfyUI 0.38's fused RoPE and adaln; modelled, not measured)")
     p.add_argument("--json", action="store_true", help="print the route's JSON answer instead of the table")
 
 
@@ -96,7 +99,7 @@ def run(a) -> int:
     fields = {"preset": a.preset, "width": a.width, "height": a.height, "frames": a.frames, "batch": a.batch,
               "cfg": a.cfg, "dtype": None if a.dtype == "auto" else a.dtype, "attention": a.attention, "arch": a.arch,
               "vram_gib": a.vram, "weights": a.weights, "lora": a.lora or None, "compiled": a.compiled or None,
-              "sage_grouped": a.sage_grouped or None, "margin_gib": a.margin}
+              "sage_grouped": a.sage_grouped or None, "margin_gib": a.margin, "kernel_set": a.kernel_set}
     fields = {k: v for k, v in fields.items() if v is not None}
     info = _read_model(a.model) if a.model else None
     total = cc = gpu = note = None

@@ -25,13 +25,28 @@ call's argument alive until the callee returns, so each sub-module's input stays
 
 Persistent across blocks: RoPE ``freqs`` (fp32, ``8 * head_dim`` bytes per token, shared by the
 rows), the text/image context, and for VACE the control streams plus the un-blocked input.
+
+The phases above are for Wan's elementwise kernels in ComfyUI 0.3.64, where every figure was measured
+(:data:`KERNEL_SETS` ``comfy-0.3.64``).  Newer ComfyUI (0.38) runs them through comfy-kitchen
+(``comfy-kitchen``): ``ck.apply_rope1`` for RoPE, ``ck.adaln`` for the modulation, and the FFN through
+``comfy.ops.linear_input_act(down, up(x), "gelu_tanh")``.  Those phases are modelled from the code's
+structure, not measured (:data:`KITCHEN_UNMEASURED`):
+
+* ``rope``: the fused kernel makes no fp32 temporaries: ``5 e d T``, as the compiled figure's RoPE.
+* ``modulation``: ``adaln`` writes its output without the ``norm`` temporary: ``2 e d T`` (``4 e d T``
+  with per-frame timesteps, whose shift/scale are still repeated to ``[B, L, d]``).
+* ``ffn``: ``linear_input_act`` keeps the first Linear's output alive as its argument while the
+  down-projection runs.  With int8 tensorwise weights the GELU rides in the int8 quantiser (one
+  ``ffn_dim``-wide buffer plus its int8 copy): ``4 e d T + e f T + f T``; with any other weights the GELU
+  runs eagerly: ``4 e d T + 2 e f T``.
+* ``embed``, ``attn`` and ``cross``: the same code as 0.3.64: 0.3.64's figures.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
 
-__all__ = ["WanDims", "PRESETS", "COMPILED", "Workload", "latent_shape", "latent_elems", "tokens", "phase_peaks", "forward_peak",
+__all__ = ["WanDims", "PRESETS", "COMPILED", "KERNEL_SETS", "KITCHEN_UNMEASURED", "Workload", "latent_shape", "latent_elems", "tokens", "phase_peaks", "forward_peak",
            "largest_block", "weight_transient", "WeightSetup", "DTYPE_BYTES"]
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -103,6 +118,13 @@ def latent_elems(latent) -> int:
     return C * T * (H + H % 2) * (W + W % 2)
 
 
+# Wan's elementwise kernels the phases are modelled for: ComfyUI 0.3.64's (measured), or comfy-kitchen's
+# fused RoPE and adaln with linear_input_act's FFN (ComfyUI 0.38; modelled from the code, not measured).
+KERNEL_SETS = ("comfy-0.3.64", "comfy-kitchen")
+# The phases of the comfy-kitchen set modelled from the kernels' structure rather than measured.
+KITCHEN_UNMEASURED = ("rope", "modulation", "ffn")
+
+
 @dataclass(frozen=True)
 class Workload:
     """One forward: tokens per row, rows, compute dtype, conditioning extras, attention backends."""
@@ -119,6 +141,8 @@ class Workload:
     latent_elems_per_row: int = 0  # C*T*H*W of the (padded) latent, for the fp32 embed copy
     compiled: bool = False  # the blocks run under torch.compile (inductor): see COMPILED
     self_attn_groups: int = 1  # head groups the self-attention kernel call runs in (attention.head_groups)
+    kernels: str = KERNEL_SETS[0]  # Wan's elementwise kernels: one of KERNEL_SETS
+    int8_ffn: bool = False  # int8 tensorwise FFN weights: comfy-kitchen folds the GELU into the down-projection
 
 
 # ComfyUI names compiled modules by their key in the BaseModel; the compiled figure is for keys that are
@@ -173,6 +197,12 @@ def phase_peaks(dims: WanDims, w: Workload) -> dict:
         "cross": (5 + img) * e * d * T + _attn_extra(w.cross_attn, w.rows, H, w.L, w.text_tokens, hd, e),
         "ffn": 3 * e * d * T + 2 * e * f * T,
     }
+    if w.kernels == KERNEL_SETS[1]:
+        phases["rope"] = 5 * e * d * T
+        phases["modulation"] = (4 if w.per_frame_timesteps else 2) * e * d * T
+        phases["ffn"] = 4 * e * d * T + (e * f * T + f * T if w.int8_ffn else 2 * e * f * T)
+    elif w.kernels != KERNEL_SETS[0]:
+        raise ValueError(f"kernels must be one of {', '.join(KERNEL_SETS)}")
     if w.compiled:
         phases["rope"] = 5 * e * d * T
         phases["ffn"] = 3 * e * d * T + COMPILED["ffn_f_buffers"] * e * f * T

@@ -262,6 +262,7 @@ class Setup:
     vace_streams: int = 0
     comfy_flash: bool = True  # ComfyUI's own figure with PyTorch's flash attention (its CUDA default)
     dynamic_vram: bool = False  # ComfyUI manages this model's residency itself (dynamic VRAM)
+    kernel_set: str = activation_model.KERNEL_SETS[0]  # Wan's elementwise kernels (activation_model.KERNEL_SETS)
     pixels: tuple | None = None  # (width, height, frames) the latent was made from, for rounding notes
     source: str = ""  # where the model's dims came from, in words
     notes: tuple = ()  # the adapter's facts to show (weights, compile, the model file)
@@ -327,7 +328,8 @@ class Estimate:
                         "cross_attention": s.attention.cross_path, "compiled": s.compiled,
                         "sage_head_groups": self.sage_head_groups, "policy": s.policy,
                         "weights_bytes": s.weights_bytes, "vram_bytes": s.vram_bytes, "kept_free": s.kept_free,
-                        "margin_bytes": s.margin_bytes, "dynamic_vram": s.dynamic_vram}
+                        "margin_bytes": s.margin_bytes, "dynamic_vram": s.dynamic_vram,
+                        "kernel_set": s.kernel_set}
         d["reservation"] = self.reservation
         return d
 
@@ -352,6 +354,8 @@ def _needs(s: Setup, w: activation_model.Workload) -> tuple:
 def plan(s: Setup) -> Estimate:
     """The estimate for ``s``: see the module's docstring."""
     dims, latent = s.dims, tuple(int(x) for x in s.latent[:5])
+    if s.kernel_set not in activation_model.KERNEL_SETS:
+        raise ValueError(f"kernel_set must be one of {', '.join(activation_model.KERNEL_SETS)}")
     B, _C, T, H, W = latent
     L = activation_model.tokens(dims, T, H, W)
     att = s.attention
@@ -360,7 +364,7 @@ def plan(s: Setup) -> Estimate:
     w = activation_model.Workload(L=L, rows=rows_seq, dtype=s.dtype, self_attn=att.self_path, cross_attn=att.cross_path,
                                   img_tokens=s.img_tokens, per_frame_timesteps=T if s.per_frame_timesteps else 0,
                                   vace_streams=s.vace_streams, latent_elems_per_row=activation_model.latent_elems(latent),
-                                  compiled=s.compiled, self_attn_groups=groups)
+                                  compiled=s.compiled, self_attn_groups=groups, kernels=s.kernel_set)
     res, par, res_need, par_need = _needs(s, w)
     bat_res = bat_par = None
     if rows_bat != rows_seq:

@@ -13,7 +13,18 @@ from __future__ import annotations
 
 from .estimate import GiB, Estimate
 
-__all__ = ["summary", "report", "DYNAMIC_LINE"]
+__all__ = ["summary", "report", "DYNAMIC_LINE", "KERNEL_LINES", "KITCHEN_UNMEASURED_TEXT"]
+
+KITCHEN_UNMEASURED_TEXT = "planned with 0.3.64's figures where the fused kernels' memory is not measured"
+# The report's line for each of activation_model.KERNEL_SETS.
+KERNEL_LINES = {
+    "comfy-0.3.64": "kernels: ComfyUI 0.3.64's Wan kernels (eager RoPE, modulation and GELU), as the forward-peak "
+                    "records measured them",
+    "comfy-kitchen": "kernels: comfy-kitchen's fused RoPE and adaln, the FFN through linear_input_act (ComfyUI 0.38): "
+                     "RoPE, modulation and FFN modelled from the kernels' structure, not measured (the GELU is fused "
+                     "only with int8 weights, and the FFN's input stays alive through the down-projection); "
+                     + KITCHEN_UNMEASURED_TEXT + " (embedding, attention, cross-attention)",
+}
 
 DYNAMIC_LINE = ("memory path: dynamic VRAM. ComfyUI keeps or evicts this model's weights on demand, so the "
                 "reservation does not change which weights stay on the GPU; the estimate above is information, and "
@@ -34,6 +45,7 @@ def summary(est: Estimate) -> dict:
             "offload_gib": est.offload_bytes / GiB, "streamed": est.streamed, "verdict": est.verdict,
             "level": est.level, "dominant_phase": est.terms["dominant_phase"], "policy": s.policy,
             "compiled": s.compiled, "sage_head_groups": est.sage_head_groups, "dynamic_vram": s.dynamic_vram,
+            "kernel_set": s.kernel_set,
             "source": s.source, "notes": list(est.notes), "problems": list(est.problems)}
 
 
@@ -72,6 +84,7 @@ def report(est: Estimate, held: str | None = None, gpu: str | None = None) -> st
         lines.append(f"model: {s.source}")
     lines.append(f"compute: {s.dtype}" + (f"; weights held as {held}" if held else "") + f"; attention: {_attention(est)}"
                  + ("; blocks compiled (torch.compile, each block its own graph)" if s.compiled else ""))
+    lines.append(KERNEL_LINES[s.kernel_set])
     rows = [
         ("tokens per row", f"{est.tokens:,}", ""),
         ("rows per forward", _rows(est), ""),

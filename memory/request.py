@@ -42,7 +42,7 @@ LEGACY_POLICIES = {"fixed GB per row": POLICIES[2]}
 # Every field of a request, in the order docs/route.md documents them.
 FIELDS = ("preset", "model_file", "model", "width", "height", "frames", "batch", "cfg", "dtype", "weights", "lora",
           "attention", "arch", "compiled", "sage_grouped", "vram_gib", "margin_gib", "policy", "fixed_gib",
-          "latent_channels")
+          "latent_channels", "kernel_set")
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ class Env:
     cc: int | None = None  # the GPU a request without arch plans for
     resolve_model_file: object = None  # name -> path or None (the server: ComfyUI's model folders)
     comfy_flash: bool = True  # ComfyUI's own figure with flash attention (its CUDA default)
+    kernel_set: str = activation_model.KERNEL_SETS[0]  # the Wan kernels a request without kernel_set plans for
 
 
 @dataclass(frozen=True)
@@ -323,6 +324,7 @@ def build(p, env: Env = Env(), *, text: bool = False, labels: dict | None = None
     vram_bytes = int(vram * GiB) if vram is not None else env.vram_bytes
     lora, compiled, sage_grouped = f.flag("lora"), f.flag("compiled"), f.flag("sage_grouped")
     channels = f.number("latent_channels", None, *MODEL_LIMITS["latent_channels"], integer=True)
+    kernel_set = f.choice("kernel_set", activation_model.KERNEL_SETS, env.kernel_set)
     weights = {"lora": lora, "compute": None if dtype == "auto" else dtype, "cc": cc, "vram_bytes": vram_bytes}
     dims, wplan, source, detected, notes, assumed = _model(f, env, weights, model_info)
     if wplan is None:
@@ -337,7 +339,8 @@ def build(p, env: Env = Env(), *, text: bool = False, labels: dict | None = None
         dims=dims, latent=latent, dtype=wplan.compute, cfg=cfg, attention=attention_plan(attention, cc),
         sage_grouped=sage_grouped, compiled=compiled, weights=wplan.setup, weights_bytes=wplan.nbytes,
         vram_bytes=vram_bytes, margin_bytes=int(margin * GiB), policy=policy, fixed_bytes=int(fixed * GiB),
-        img_tokens=257 if dims.has_img_emb else 0, per_frame_timesteps=dims.latent_channels == 48, comfy_flash=env.comfy_flash, pixels=(width, height, frames),
+        img_tokens=257 if dims.has_img_emb else 0, per_frame_timesteps=dims.latent_channels == 48, comfy_flash=env.comfy_flash,
+        kernel_set=kernel_set, pixels=(width, height, frames),
         source=source, notes=tuple(([assumed] if assumed else []) + notes + list(wplan.notes)
                                    + ([COMPILED_NOTE] if compiled else [])))
     return Built(setup, wplan, detected, assumed)

@@ -257,6 +257,29 @@ def weight_setup(model, partial: bool) -> activation_model.WeightSetup:
     return activation_model.WeightSetup(name, lora=lora, streamed=partial)
 
 
+KITCHEN_NAMES = ("ck", "comfy_kitchen")
+
+
+def _calls_kitchen(fn) -> bool:
+    code = getattr(fn, "__code__", None)
+    return code is not None and any(n in code.co_names for n in KITCHEN_NAMES)
+
+
+def kernel_set() -> str:
+    """Which of activation_model.KERNEL_SETS this ComfyUI's Wan code runs: ``comfy-kitchen`` where RoPE
+    (comfy.ldm.flux.math.apply_rope1) or Wan's modulation (comfy.ldm.wan.model.modulate) call into
+    comfy-kitchen (``comfy.quant_ops.ck``, ComfyUI 0.38), else ``comfy-0.3.64``; read from the functions'
+    code, never from a version string.  Outside ComfyUI: ``comfy-0.3.64``."""
+    fns = []
+    for module, name in (("comfy.ldm.flux.math", "apply_rope1"), ("comfy.ldm.wan.model", "modulate")):
+        try:
+            mod = __import__(module, fromlist=[name])
+        except Exception:  # no ComfyUI here, or a module that fails to import: not this kernel's evidence
+            continue
+        fns.append(getattr(mod, name, None))
+    return activation_model.KERNEL_SETS[1 if any(_calls_kitchen(f) for f in fns) else 0]
+
+
 def device_of(model) -> torch.device:
     return model.load_device
 

@@ -195,7 +195,8 @@ def setup_for(model, shape, model_options, settings: Settings, *, assume_compile
                  compiled=mode.compiled or assume_compiled, margin_bytes=int(settings.margin_gib * GiB),
                  policy=settings.policy, fixed_bytes=int(settings.fixed_gib * GiB), streamed=streamed,
                  img_tokens=257 if dims.has_img_emb else 0, per_frame_timesteps=dims.latent_channels == 48,
-                 comfy_flash=comfy_bridge.comfy_uses_flash(), source="the loaded model", notes=tuple(notes), **extra)
+                 comfy_flash=comfy_bridge.comfy_uses_flash(), kernel_set=comfy_bridge.kernel_set(),
+                 source="the loaded model", notes=tuple(notes), **extra)
 
 
 @lru_cache(maxsize=128)

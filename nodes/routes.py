@@ -71,7 +71,7 @@ def handle_estimate(payload) -> tuple:
     try:
         vram, cc = _device_defaults()
         env = request.Env(vram_bytes=vram, cc=cc, resolve_model_file=resolve_model_file,
-                          comfy_flash=comfy_bridge.comfy_uses_flash())
+                          comfy_flash=comfy_bridge.comfy_uses_flash(), kernel_set=comfy_bridge.kernel_set())
         return 200, estimate_answer(payload, env)
     except RequestError as e:
         return 400, {"error": str(e), "field": e.field}
