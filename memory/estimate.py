@@ -17,7 +17,7 @@ from ..attention import registry
 
 __all__ = ["Setup", "AttentionPlan", "Estimate", "plan", "attention_plan", "activation_bytes", "comfy_figure",
            "fragmentation_bytes", "compiled_as_eager", "sage_groups", "rounding_notes", "latent_problems",
-           "verdict_for", "CALIBRATED", "COMFY_EXTRA_RESERVED", "DEFAULT_CC", "POLICIES", "GiB", "MiB"]
+           "verdict_for", "sage_mode_advice", "CALIBRATED", "COMFY_EXTRA_RESERVED", "DEFAULT_CC", "POLICIES", "GiB", "MiB"]
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -263,6 +263,8 @@ class Setup:
     comfy_flash: bool = True  # ComfyUI's own figure with PyTorch's flash attention (its CUDA default)
     dynamic_vram: bool = False  # ComfyUI manages this model's residency itself (dynamic VRAM)
     kernel_set: str = activation_model.KERNEL_SETS[0]  # Wan's elementwise kernels (activation_model.KERNEL_SETS)
+    legacy_reason: str | None = None  # why the reservation places the weights (the legacy path), when known
+    sage_memory_mode: str | None = None  # the Sage patch's memory mode ("sdpa", "fastest"); None: not known
     pixels: tuple | None = None  # (width, height, frames) the latent was made from, for rounding notes
     source: str = ""  # where the model's dims came from, in words
     notes: tuple = ()  # the adapter's facts to show (weights, compile, the model file)
@@ -292,6 +294,7 @@ class Estimate:
     sage_head_groups: int
     notes: tuple
     problems: tuple  # what makes the setup wrong (e.g. a latent of another channel count)
+    sage_advice: str | None = None  # the Sage memory mode that avoids running out of memory, when it matters
 
     @property
     def terms(self) -> dict:
@@ -351,6 +354,33 @@ def _needs(s: Setup, w: activation_model.Workload) -> tuple:
             _policy_need(s, par["total"] + s.margin_bytes, comfy, w.rows))
 
 
+DYNAMIC_VERDICTS = {
+    "fits": "fits: all weights resident",
+    "offloads": "fits with about {off:.1f} GiB of weights evicted on demand (dynamic VRAM)",
+    "cannot": ("cannot fit its activations even with every weight evicted: {need:.1f} GiB of working memory, "
+               "{room:.1f} GiB on the card after ComfyUI's kept-free memory; sampling may run out of memory"),
+}
+
+
+def sage_mode_advice(s: Setup, w: activation_model.Workload, need: int, room: int | None) -> str | None:
+    """Which Sage memory mode avoids running out of memory, where the ungrouped Sage call does not fit in
+    ``room`` with every weight streamed (``need``) but the call split into head groups of about SDPA's memory
+    (attention.head_groups, as the patch's "within SDPA's memory" mode splits it) does; None otherwise."""
+    if room is None or w.self_attn == "sdpa" or w.self_attn_groups > 1 or need <= room:
+        return None
+    groups = sage_groups(s.dims, w.self_attn, w.rows, w.L, s.dtype)
+    if groups <= 1:
+        return None
+    grouped = _needs(s, replace(w, self_attn_groups=groups))[3]
+    if grouped > room:
+        return None
+    head = (f"Sage memory mode: ungrouped Sage self-attention does not fit ({need / GiB:.1f} GiB of working memory, "
+            f"{max(room, 0) / GiB:.1f} GiB available); split into {groups} head groups it does ({grouped / GiB:.1f} GiB)")
+    if s.sage_memory_mode == "sdpa":
+        return head + ": the patch's memory_mode \"within SDPA's memory\" runs it grouped, keep it"
+    return head + ": set the Sage patch's memory_mode to \"within SDPA's memory\""
+
+
 def plan(s: Setup) -> Estimate:
     """The estimate for ``s``: see the module's docstring."""
     dims, latent = s.dims, tuple(int(x) for x in s.latent[:5])
@@ -376,6 +406,8 @@ def plan(s: Setup) -> Estimate:
     elif room is not None:
         verdict = "fits" if par_need <= room else "cannot fit its reservation even fully offloaded"
     level = next((lv for lv in ("fits", "offloads", "cannot") if verdict.startswith(lv)), "unknown")
+    if s.dynamic_vram and level in DYNAMIC_VERDICTS:
+        verdict = DYNAMIC_VERDICTS[level].format(off=offload / GiB, need=par_need / GiB, room=max(room or 0, 0) / GiB)
     streamed = s.streamed if s.streamed is not None else level != "fits"
     notes = list(rounding_notes(dims, *s.pixels) if s.pixels else []) + ([att.note] if att.note else [])
     eager_whys = [res["compiled_as_eager"]] + ([par["compiled_as_eager"]] if streamed else [])
@@ -385,4 +417,5 @@ def plan(s: Setup) -> Estimate:
         reservation_resident=res_need, reservation_partial=par_need, reservation_batched_resident=bat_res,
         reservation_batched_partial=bat_par, comfy_estimate=comfy_figure(dims, latent, s.dtype, s.comfy_flash),
         streamed=streamed, verdict=verdict, level=level, offload_bytes=max(0, offload), sage_head_groups=groups,
-        notes=tuple(s.notes) + tuple(notes), problems=tuple(latent_problems(dims, latent)))
+        notes=tuple(s.notes) + tuple(notes), problems=tuple(latent_problems(dims, latent)),
+        sage_advice=sage_mode_advice(s, w, par_need, room))

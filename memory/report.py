@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from .estimate import GiB, Estimate
 
-__all__ = ["summary", "report", "DYNAMIC_LINE", "KERNEL_LINES", "KITCHEN_UNMEASURED_TEXT"]
+__all__ = ["summary", "report", "memory_path_line", "DYNAMIC_LINE", "KERNEL_LINES", "KITCHEN_UNMEASURED_TEXT"]
 
 KITCHEN_UNMEASURED_TEXT = "planned with 0.3.64's figures where the fused kernels' memory is not measured"
 # The report's line for each of activation_model.KERNEL_SETS.
@@ -26,9 +26,28 @@ KERNEL_LINES = {
                      + KITCHEN_UNMEASURED_TEXT + " (embedding, attention, cross-attention)",
 }
 
-DYNAMIC_LINE = ("memory path: dynamic VRAM. ComfyUI keeps or evicts this model's weights on demand, so the "
-                "reservation does not change which weights stay on the GPU; the estimate above is information, and "
-                "it decides whether cond and uncond run batched")
+DYNAMIC_LINE = "memory path: dynamic VRAM: ComfyUI evicts weights on demand, so wan-sage reserves nothing for their placement"
+_FIT_WORDS = {"fits": "they fit with every weight resident",
+              "offloads": "they fit with about {off:.1f} GiB of weights evicted",
+              "cannot": "they do not fit even with every weight evicted"}
+
+
+def memory_path_line(est: Estimate) -> str | None:
+    """What the estimate does on this memory path, in one line (None where the adapter does not know it)."""
+    s = est.setup
+    batched = ""
+    if est.reservation_batched_resident is not None:
+        b = est.reservation_batched_partial if est.streamed else est.reservation_batched_resident
+        batched = (f"; cond/uncond batching gets {b / GiB:.2f} GiB for the batched forward (ComfyUI batches when "
+                   f"1.5 x that is free)")
+    if s.dynamic_vram:
+        fit = _FIT_WORDS.get(est.level, "the card is not known").format(off=est.offload_bytes / GiB)
+        card = "" if s.vram_bytes is None else f" ({s.vram_bytes / GiB:.1f} GiB less {s.kept_free / GiB:.1f} GiB kept free)"
+        return f"{DYNAMIC_LINE}; it checked the activations against the card{card}: {fit}{batched}"
+    if s.legacy_reason:
+        return (f"memory path: legacy ({s.legacy_reason}): the reservation of {est.reservation / GiB:.2f} GiB per "
+                f"forward decides which weights stay on the GPU{batched}")
+    return None
 
 
 def _gib(x) -> float | None:
@@ -45,7 +64,7 @@ def summary(est: Estimate) -> dict:
             "offload_gib": est.offload_bytes / GiB, "streamed": est.streamed, "verdict": est.verdict,
             "level": est.level, "dominant_phase": est.terms["dominant_phase"], "policy": s.policy,
             "compiled": s.compiled, "sage_head_groups": est.sage_head_groups, "dynamic_vram": s.dynamic_vram,
-            "kernel_set": s.kernel_set,
+            "kernel_set": s.kernel_set, "sage_advice": est.sage_advice, "memory_path": memory_path_line(est),
             "source": s.source, "notes": list(est.notes), "problems": list(est.problems)}
 
 
@@ -119,6 +138,9 @@ def report(est: Estimate, held: str | None = None, gpu: str | None = None) -> st
     lines += [f"problem: {p}" for p in est.problems]
     lines.append(f"verdict: {est.verdict}")
     lines += [f"note: {n}" for n in est.notes]
-    if s.dynamic_vram:
-        lines.append(DYNAMIC_LINE)
+    if est.sage_advice:
+        lines.append(est.sage_advice)
+    path = memory_path_line(est)
+    if path:
+        lines.append(path)
     return "\n".join(lines)

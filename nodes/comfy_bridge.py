@@ -303,6 +303,28 @@ def capacity(model) -> int:
     return total
 
 
+def total_memory(dev) -> int:
+    """The card's total memory (what a dynamic-VRAM model's activations are checked against: ComfyUI evicts
+    weights on demand, so all of it but the kept-free memory is theirs)."""
+    import comfy.model_management as mm
+    return int(mm.get_total_memory(dev))
+
+
+def legacy_reason(model) -> str:
+    """Why the reservation places this model's weights (the legacy memory path), in words."""
+    if type(model).__name__.startswith("GGUF") or weight_setup(model, False).gguf:
+        return "GGUF models stay on it"
+    if not aimdo_enabled():
+        try:
+            import comfy.memory_management  # noqa: F401  (present from the ComfyUI that has dynamic VRAM)
+        except ImportError:
+            return "this ComfyUI has no dynamic VRAM"
+        return "dynamic VRAM is off: --disable-dynamic-vram, --highvram, --gpu-only, --novram or --cpu"
+    if compile_scope(model) is not None:
+        return "a compile node turned dynamic VRAM off for this model"
+    return "this model's patcher is not dynamic"
+
+
 def extra_reserved() -> int:
     import comfy.model_management as mm
     return int(mm.extra_reserved_memory())

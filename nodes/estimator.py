@@ -181,9 +181,12 @@ def setup_for(model, shape, model_options, settings: Settings, *, assume_compile
                      else WHOLE_MODEL_COMPILE_NOTE)
     extra = {}
     if weights:
+        dynamic = comfy_bridge.is_dynamic(model)
         extra = {"weights": comfy_bridge.weight_setup(model, False), "weights_bytes": int(model.model_size()),
-                 "vram_bytes": comfy_bridge.capacity(model), "kept_free": comfy_bridge.extra_reserved(),
-                 "dynamic_vram": comfy_bridge.is_dynamic(model)}
+                 "vram_bytes": (comfy_bridge.total_memory(comfy_bridge.device_of(model)) if dynamic
+                                else comfy_bridge.capacity(model)),
+                 "kept_free": comfy_bridge.extra_reserved(), "dynamic_vram": dynamic,
+                 "legacy_reason": None if dynamic else comfy_bridge.legacy_reason(model)}
     else:
         extra = {"weights": activation_model.WeightSetup(streamed=bool(streamed))}
     dev = comfy_bridge.device_of(model) if weights else getattr(model, "load_device", None)
@@ -196,7 +199,13 @@ def setup_for(model, shape, model_options, settings: Settings, *, assume_compile
                  policy=settings.policy, fixed_bytes=int(settings.fixed_gib * GiB), streamed=streamed,
                  img_tokens=257 if dims.has_img_emb else 0, per_frame_timesteps=dims.latent_channels == 48,
                  comfy_flash=comfy_bridge.comfy_uses_flash(), kernel_set=comfy_bridge.kernel_set(),
+                 sage_memory_mode=_memory_mode(model_options),
                  source="the loaded model", notes=tuple(notes), **extra)
+
+
+def _memory_mode(model_options) -> str | None:
+    ov = find_override((model_options or {}).get("transformer_options", {}))
+    return None if ov is None else getattr(ov.config, "memory_mode", None)
 
 
 @lru_cache(maxsize=128)
@@ -297,12 +306,14 @@ def _prepare_wrapper(settings: Settings):
             return executor(model, noise_shape, conds, *args, **kwargs)
         text = report.report(est, held=_held(model))
         if est.setup.dynamic_vram:
-            log.info("wan-sage estimate (dynamic VRAM: residency managed by ComfyUI; the estimate informs cond "
-                     "batching only):\n%s", text)
-            total = (est.setup.vram_bytes or 0) + (est.setup.weights_bytes or 0)
-            if est.terms["total"] > total:
-                log.warning("wan-sage: the activations alone (%.1f GiB) exceed this GPU; lower frames or resolution, "
-                            "or raise --vram-headroom/--reserve-vram.", est.terms["total"] / GiB)
+            # ComfyUI places a dynamic model's weights itself and evicts them on demand: no swap here. The
+            # estimate is checked against the card and decides cond/uncond batching (the CALC_COND_BATCH wrapper).
+            log.info("wan-sage estimate:\n%s", text)
+            if est.level == "cannot":
+                log.warning("wan-sage: %s. Lower frames or resolution%s.", est.verdict,
+                            "; " + est.sage_advice if est.sage_advice else "")
+            elif est.sage_advice:
+                log.warning("wan-sage: %s.", est.sage_advice)
             return executor(model, noise_shape, conds, *args, **kwargs)
         log.info("wan-sage estimate:\n%s", text)
         if est.streamed:
@@ -333,13 +344,27 @@ def _trim_after_load(dev) -> None:
                   "sampling goes on with the cached blocks.", reason(e))
 
 
+def batching_setup(base, shape, model_options, settings: Settings) -> Setup:
+    """The setup ComfyUI's cond/uncond batching test (``memory_required(...) * 1.5 < free``) is answered from:
+    the same setup as the reservation's, built from the patcher that samples this BaseModel
+    (``current_patcher``), so the weights' casts and transients are counted as there; weights streamed as the
+    load left them (legacy path: ``model_lowvram``) or as the verdict against the card finds (dynamic VRAM).
+    Without a patcher: the BaseModel's own config, the weights taken as in the compute dtype."""
+    patcher = getattr(base, "current_patcher", None)
+    if patcher is None or getattr(patcher, "model", None) is not base:
+        return setup_for(base, shape, model_options, settings, streamed=bool(getattr(base, "model_lowvram", False)),
+                         weights=False)
+    if comfy_bridge.is_dynamic(patcher):
+        est = plan(setup_for(patcher, shape, model_options, settings))
+        return replace(est.setup, streamed=est.streamed)
+    return setup_for(patcher, shape, model_options, settings, streamed=bool(getattr(base, "model_lowvram", False)))
+
+
 def _cond_batch_wrapper(settings: Settings):
     def calc_cond_batch(executor, model, conds, x_in, timestep, model_options, *args, **kwargs):
         base = model  # BaseModel here, its weights loaded already
         try:
-            setup = setup_for(base, list(x_in.shape), model_options, settings,
-                              streamed=bool(getattr(base, "model_lowvram", False)), weights=False)
-            fn = MemoryRequired(setup)
+            fn = MemoryRequired(batching_setup(base, list(x_in.shape), model_options, settings))
         except Exception as e:  # never block sampling on the estimate; the reason is logged once
             warn_once(("cond-batch", type(e).__name__), "wan-sage: the working-memory estimate for cond/uncond "
                       "batching failed (%s); ComfyUI's own estimate decides the batching.", reason(e))
