@@ -47,7 +47,7 @@ import math
 from dataclasses import dataclass, replace
 
 __all__ = ["WanDims", "PRESETS", "COMPILED", "KERNEL_SETS", "KITCHEN_UNMEASURED", "Workload", "latent_shape", "latent_elems", "tokens", "phase_peaks", "forward_peak",
-           "largest_block", "weight_transient", "WeightSetup", "DTYPE_BYTES"]
+           "largest_block", "weight_transient", "WeightSetup", "DTYPE_BYTES", "QUANT_FORMATS"]
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -229,12 +229,26 @@ def largest_block(dims: WanDims, w: Workload) -> int:
     return max(4 * dims.dim * T, e * dims.ffn_dim * T, e * dims.dim * T * 2 if w.self_attn != "sdpa" else 0)
 
 
+# ComfyUI's QuantizedTensor weight formats (comfy/quant_ops.py QUANT_ALGOS, ComfyUI 0.38): bytes per stored
+# parameter (block scales included), and bytes per element of the quantised copy of a Linear's input that
+# the quantised matmul makes (int8 weight-only formats quantise their input inside the kernel).
+QUANT_FORMATS = {
+    "fp8 scaled": (1.0, 1.0),           # float8_e4m3fn / float8_e5m2 (TensorCoreFP8 layouts)
+    "mxfp8": (1.0 + 1 / 32, 1.0 + 1 / 32),
+    "nvfp4": (0.5 + 1 / 16, 0.5 + 1 / 16),
+    "int8": (1.0, 1.0),                 # int8_tensorwise, also with convrot
+    "convrot w4a4": (0.5, 0.5),
+    "w4a8 int8": (0.5, 1.0),
+}
+
+
 @dataclass(frozen=True)
 class WeightSetup:
     """How the weights reach the matmuls, which decides the per-layer transient."""
 
     weight_dtype: str | None = None  # None: the compute dtype; else bf16, fp16, fp32, fp8 or "gguf"
     gguf_bytes_per_param: float = 0.0  # > 0 for GGUF
+    quant_format: str | None = None  # ComfyUI QuantizedTensor weights: a key of QUANT_FORMATS
     lora: bool = False  # a LoRA on the model: applied at every forward for GGUF and streamed layers (fp32
     #                     transient), merged into resident weights of other formats at load (none)
     streamed: bool = False  # lowvram: some layers are copied to the GPU per forward
@@ -244,14 +258,19 @@ class WeightSetup:
         return self.gguf_bytes_per_param > 0
 
     def casts_to(self, compute: str) -> bool:
-        """Every Linear casts its stored weight to the compute dtype (fp8 checkpoints); GGUF dequantises."""
-        return not self.gguf and self.weight_dtype not in (None, "gguf", compute)
+        """Every Linear casts its stored weight to the compute dtype (fp8 checkpoints, QuantizedTensor
+        weights); GGUF dequantises."""
+        return self.quant_format is not None or (not self.gguf and self.weight_dtype not in (None, "gguf", compute))
 
 
-def weight_transient(dims: WanDims, ws: WeightSetup, compute: str = "bf16") -> int:
-    """Bytes a single Linear adds while it runs, for the largest layer (the FFN, d x f).
+def weight_transient(dims: WanDims, ws: WeightSetup, compute: str = "bf16", tokens: int = 0) -> int:
+    """Bytes a single Linear adds while it runs, for the largest layer (the FFN, d x f; ``tokens``: rows x L).
 
     * resident weights in the compute dtype: none;
+    * QuantizedTensor weights (ComfyUI 0.38, not measured): the larger of a dequantised copy in the compute
+      dtype (a format this GPU runs emulated, or a LoRA on it) and the quantised copy of the FFN
+      down-projection's input that a quantised matmul makes (``tokens x f``), plus the stored bytes when
+      streamed;
     * fp8 (or other) weights cast per call, or streamed layers: a copy in the compute dtype
       (plus the raw bytes when streamed and of another dtype);
     * GGUF: the raw quantised bytes when streamed, the block-dequantisation intermediate and the
@@ -262,6 +281,12 @@ def weight_transient(dims: WanDims, ws: WeightSetup, compute: str = "bf16") -> i
     e = DTYPE_BYTES[compute]
     P = dims.dim * dims.ffn_dim
     t = 0
+    if ws.quant_format is not None:
+        stored, per_input = QUANT_FORMATS.get(ws.quant_format, (1.0, 1.0))
+        t = max(e * P, int(per_input * tokens * dims.ffn_dim)) + (int(stored * P) if ws.streamed else 0)
+        if ws.lora and ws.streamed:
+            t += 8 * P
+        return t
     if ws.gguf:
         t = 2 * e * P + (int(ws.gguf_bytes_per_param * P) if ws.streamed else 0)
     elif ws.casts_to(compute):

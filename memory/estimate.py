@@ -165,7 +165,8 @@ def activation_bytes(dims: activation_model.WanDims, w: activation_model.Workloa
     base = phase + pers
     sdpa_w = replace(w, self_attn="sdpa", cross_attn="sdpa")
     sdpa_phase, sdpa_pers, _ = activation_model.forward_peak(dims, sdpa_w)
-    transient = activation_model.weight_transient(dims, replace(ws, streamed=ws.streamed or partial), w.dtype)
+    transient = activation_model.weight_transient(dims, replace(ws, streamed=ws.streamed or partial), w.dtype,
+                                                  tokens=w.rows * w.L)
     slack = CALIBRATED["slack_fixed"] + int(CALIBRATED["slack_rel"] * base)
     frag = fragmentation_bytes(dims, w, ws, partial)
     total = base + transient + slack + frag
@@ -362,6 +363,11 @@ DYNAMIC_VERDICTS = {
 }
 
 
+QUANT_NOTE = ("{fmt} weights (ComfyUI's QuantizedTensor): their per-layer transient is not measured; modelled as the "
+              "larger of a dequantised copy of the largest Linear and the quantised copy of its input, with the "
+              "fragmentation of fp8 casts")
+
+
 def sage_mode_advice(s: Setup, w: activation_model.Workload, need: int, room: int | None) -> str | None:
     """Which Sage memory mode avoids running out of memory, where the ungrouped Sage call does not fit in
     ``room`` with every weight streamed (``need``) but the call split into head groups of about SDPA's memory
@@ -394,7 +400,8 @@ def plan(s: Setup) -> Estimate:
     w = activation_model.Workload(L=L, rows=rows_seq, dtype=s.dtype, self_attn=att.self_path, cross_attn=att.cross_path,
                                   img_tokens=s.img_tokens, per_frame_timesteps=T if s.per_frame_timesteps else 0,
                                   vace_streams=s.vace_streams, latent_elems_per_row=activation_model.latent_elems(latent),
-                                  compiled=s.compiled, self_attn_groups=groups, kernels=s.kernel_set)
+                                  compiled=s.compiled, self_attn_groups=groups, kernels=s.kernel_set,
+                                  int8_ffn=s.weights.quant_format == "int8")
     res, par, res_need, par_need = _needs(s, w)
     bat_res = bat_par = None
     if rows_bat != rows_seq:
@@ -412,6 +419,8 @@ def plan(s: Setup) -> Estimate:
     notes = list(rounding_notes(dims, *s.pixels) if s.pixels else []) + ([att.note] if att.note else [])
     eager_whys = [res["compiled_as_eager"]] + ([par["compiled_as_eager"]] if streamed else [])
     notes += [COMPILED_AS_EAGER_NOTES[why] for why in dict.fromkeys(eager_whys) if why]
+    if s.weights.quant_format is not None:
+        notes.append(QUANT_NOTE.format(fmt=s.weights.quant_format))
     return Estimate(
         setup=s, tokens=L, rows_sequential=rows_seq, rows_batched=rows_bat, resident=res, partial=par,
         reservation_resident=res_need, reservation_partial=par_need, reservation_batched_resident=bat_res,

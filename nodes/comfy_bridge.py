@@ -241,13 +241,44 @@ def wan_dims(model) -> activation_model.WanDims:
         vace_layers=len(getattr(dm, "vace_blocks", ()) or ()))
 
 
+# ComfyUI 0.38's QuantizedTensor layouts (comfy/quant_ops.py), by class name, and the format each one is
+# (a key of activation_model.QUANT_FORMATS).
+QUANT_LAYOUTS = {"TensorCoreFP8Layout": "fp8 scaled", "TensorCoreFP8E4M3Layout": "fp8 scaled",
+                 "TensorCoreFP8E5M2Layout": "fp8 scaled", "TensorCoreMXFP8Layout": "mxfp8",
+                 "TensorCoreNVFP4Layout": "nvfp4", "TensorWiseINT8Layout": "int8",
+                 "TensorCoreConvRotW4A4Layout": "convrot w4a4", "AsymW4A8Int8Layout": "w4a8 int8"}
+
+
+def _is_quantized(p) -> bool:
+    return type(p).__name__ == "QuantizedTensor" or (hasattr(p, "_qdata") and hasattr(p, "_layout_cls"))
+
+
+def quant_format(params) -> str | None:
+    """The QuantizedTensor format most of these parameters are held in (comfy/quant_ops.py in ComfyUI 0.38:
+    a tensor subclass named QuantizedTensor with ``_qdata`` and ``_layout_cls``, the layout's class name),
+    feature-detected without importing ComfyUI; None when no parameter is one.  A layout not known here is
+    named by its class name."""
+    counts: dict = {}
+    for p in params:
+        if not _is_quantized(p):
+            continue
+        layout = getattr(p, "_layout_cls", None)
+        name = layout if isinstance(layout, str) else getattr(layout, "__name__", type(layout).__name__)
+        fmt = QUANT_LAYOUTS.get(name, name)
+        counts[fmt] = counts.get(fmt, 0) + 1
+    return max(counts, key=counts.get) if counts else None
+
+
 def weight_setup(model, partial: bool) -> activation_model.WeightSetup:
-    """GGUF, fp8 or plain weights, and whether a LoRA is on the model (memory.activation_model.weight_transient
-    decides where ComfyUI applies it per forward)."""
+    """GGUF, QuantizedTensor, fp8 or plain weights, and whether a LoRA is on the model
+    (memory.activation_model.weight_transient decides where ComfyUI applies it per forward)."""
     base = model.model
-    gguf = type(model).__name__.startswith("GGUF") or any(
-        type(p).__name__ == "GGMLTensor" for p in list(base.parameters())[:64])
+    params = list(base.parameters())
+    gguf = type(model).__name__.startswith("GGUF") or any(type(p).__name__ == "GGMLTensor" for p in params[:64])
     lora = bool(getattr(model, "patches", None))
+    quant = None if gguf else quant_format(params)
+    if quant is not None:
+        return activation_model.WeightSetup(quant, quant_format=quant, lora=lora, streamed=partial)
     wdt = base.get_dtype()
     name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(wdt, "fp8")
     if gguf:
