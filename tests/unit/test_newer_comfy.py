@@ -1,6 +1,7 @@
 """Newer-ComfyUI code paths, tested against their documented signatures with stand-in objects
 (no ComfyUI import): PREPARE_SAMPLING kwargs, dynamic VRAM, patcher free memory, chaining to a
-ModelAttentionBackend-style closure, the displacement warning."""
+ModelAttentionBackend-style closure, the displacement warning.  The stand-ins written after ComfyUI
+0.38's code, one per seam, are in test_current_comfy_*.py (docs/compatibility.md)."""
 import logging
 from types import SimpleNamespace
 
