@@ -142,13 +142,17 @@ def apply_patch(model, kernel="auto", min_tokens=1024, calibrate=True, memory_ma
     prev = to.get(comfy_bridge.OVERRIDE_KEY)
     if isinstance(prev, SageAttentionOverride):
         prev = prev.prev  # re-patching replaces our own earlier patch instead of stacking it
+    elif getattr(prev, comfy_bridge.BSA_PATCH_ATTR, None) is not None:
+        warn_once(("displacing-bsa",), "wan-sage: ComfyUI's Model Sparse Attention is on this model before the Sage "
+                  "patch; it puts itself back on top at every step, so while sampling it wraps the Sage patch and the "
+                  "calls it leaves dense run on SageAttention.", level=logging.INFO)
     elif prev is not None:
+        who = comfy_bridge.describe_override(prev)
         warn_once(("displacing", type(prev).__qualname__),
-                  "wan-sage: this model already has an attention override (%s, e.g. from ModelAttentionBackend or "
-                  "another pack). The slot keeps only the last writer, so the Sage patch takes it and hands the "
-                  "calls it cannot take (CPU, masks, short sequences, dtypes the kernels lack) to that override; "
-                  "calls it takes but then serves on SDPA (slower, memory, errors) use PyTorch SDPA.",
-                  getattr(prev, "__qualname__", type(prev).__qualname__))
+                  "wan-sage: this model already has an attention override (%s). The slot keeps only the last "
+                  "writer, so the Sage patch takes it and hands the calls it cannot take (CPU, masks, short "
+                  "sequences, dtypes the kernels lack) to that override; calls it takes but then serves on SDPA "
+                  "(slower, memory, errors) use PyTorch SDPA.", who)
     cfg = PatchConfig(kernel=kernel, min_tokens=int(min_tokens), calibrate=bool(calibrate),
                       memory_margin_mb=int(memory_margin_mb), check_finite=bool(check_finite),
                       memory_mode=memory_mode,

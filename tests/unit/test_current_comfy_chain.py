@@ -251,11 +251,15 @@ def test_the_patch_is_found_under_block_sparse_attention_and_its_reinstalls(comf
         assert any("Model Sparse Attention (BlockSparseAttention) over the Sage patch" in t for t in messages)
 
 
-def test_a_sparse_attention_node_before_the_patch_reinstalls_itself_on_top_and_dense_calls_run_on_sage(comfy, fake_gpu):
+def test_a_sparse_attention_node_before_the_patch_reinstalls_itself_on_top_and_dense_calls_run_on_sage(
+        comfy, fake_gpu, caplog):
     base = Patcher()
     patch = SparseAttnPatch(base.model.model_sampling)
     install_override(patch, base.model_options["transformer_options"])          # BSA first, then the Sage patch
-    m, _ = _patched(base)
+    with caplog.at_level(logging.INFO, logger="wan_sage"):
+        m, _ = _patched(base)
+    assert not any("already has an attention override" in r.getMessage() for r in caplog.records)
+    assert any("puts itself back on top at every step" in r.getMessage() for r in caplog.records)
     ours = m.model_options["transformer_options"]["optimized_attention_override"]
     assert isinstance(ours, SageAttentionOverride)
     prepare_state(patch, m.model_options)                                       # step 1: BSA wraps Sage now
