@@ -155,10 +155,11 @@ class DynamoWatch:
                 counts[cause] = counts.get(cause, 0) + 1
         return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:n])
 
-    def recompile_reasons(self, n: int = 8) -> list[str]:
-        """The distinct guard failures that caused recompiles (the first one named in each record)."""
+    def recompile_reasons(self, n: int = 8, start: int = 0) -> list[str]:
+        """The distinct guard failures that caused recompiles (the first one named in each record), from the
+        recompile ``start`` on (a :meth:`mark`)."""
         out = []
-        for msg in self.recompiles:
+        for msg in self.recompiles[start:]:
             lines = [x.strip() for x in msg.splitlines()]
             fails = _failures(msg)
             text = _short(lines[0] + (": " + fails[0] if fails else ""), 240)

@@ -122,20 +122,32 @@ NEGATIVE = "low quality, worst quality, static frame, overexposed, blurred"
 
 
 COMPILE_SUFFIX = {"model": ["compile"], "blocks": ["compileblocks"]}   # RunSpec.compile -> its spec suffix
+SPEC_FORM = ("{est|comfy}+{sdpa|sage}[+compile|+compileblocks]@{GB|full}:{WxHxF|720p81|480p81}"
+             "[:Nsteps][:cfgX][:nolora][:decode|:nodecode]")
 
 
 @dataclass(frozen=True)
 class RunSpec:
+    """One run of the harness: the graph's configuration.  ``steps``, ``cfg`` and ``decode`` left at None
+    take the command line's ``--steps``, ``--cfg`` and ``--decode``; a spec that names them (``:20steps``,
+    ``:cfg3.5``, ``:nodecode``) is a workflow of its own, so that a long and a short run are one call."""
     estimator: bool
     attention: str            # sdpa | sage
     budget_gib: float | None  # None: the whole card
     res: tuple
     compile: str = ""         # after the Sage patch: "model" (ComfyUI's TorchCompileModel), "blocks" (per block)
+    steps: int | None = None  # None: --steps
+    cfg: float | None = None  # None: --cfg
+    lora: bool = True         # False (":nolora"): no LoRA on the experts, as the 20-step workflows without Lightning
+    decode: bool | None = None  # None: --decode
 
     @classmethod
     def parse(cls, s: str) -> "RunSpec":
         try:
-            head, _, res = s.partition(":")
+            head, *tail = s.split(":")
+            if not tail:
+                raise ValueError
+            res, options = tail[0], tail[1:]
             kind, _, budget = head.partition("@")
             est, att, *extra = kind.split("+")
             if est not in ("est", "comfy") or att not in ("sdpa", "sage") or extra not in ([], *COMPILE_SUFFIX.values()):
@@ -144,17 +156,36 @@ class RunSpec:
             r = RES.get(res) or tuple(int(x) for x in res.split("x"))
             if len(r) != 3:
                 raise ValueError
-            return cls(est == "est", att, b, r, next((k for k, v in COMPILE_SUFFIX.items() if v == extra), ""))
+            fields = {}
+            for opt in options:
+                m = re.fullmatch(r"(\d+)steps|cfg(\d+(?:\.\d+)?)|(nolora)|(decode|nodecode)", opt)
+                if m is None:
+                    raise ValueError
+                key = ("steps", "cfg", "lora", "decode")[m.lastindex - 1]
+                if key in fields:
+                    raise ValueError
+                fields[key] = (int(m.group(1)) if key == "steps" else float(m.group(2)) if key == "cfg"
+                               else False if key == "lora" else m.group(4) == "decode")
+            if fields.get("steps") is not None and fields["steps"] < 2:
+                raise ValueError      # one step per expert at least
+            return cls(est == "est", att, b, r, next((k for k, v in COMPILE_SUFFIX.items() if v == extra), ""), **fields)
         except ValueError:
-            raise SystemExit(f"bad run spec {s!r}: expected "
-                             "{est|comfy}+{sdpa|sage}[+compile|+compileblocks]@{GB|full}:{WxHxF|720p81|480p81}")
+            raise SystemExit(f"bad run spec {s!r}: expected {SPEC_FORM}")
 
     @property
     def label(self) -> str:
         b = "full" if self.budget_gib is None else f"{self.budget_gib:g}"
         suffix = "".join("+" + x for x in COMPILE_SUFFIX.get(self.compile, []))
+        options = ("" if self.steps is None else f":{self.steps}steps") + ("" if self.cfg is None else f":cfg{self.cfg:g}") \
+            + ("" if self.lora else ":nolora") + ("" if self.decode is None else (":decode" if self.decode else ":nodecode"))
         return (f"{'est' if self.estimator else 'comfy'}+{self.attention}{suffix}"
-                f"@{b}:{'x'.join(map(str, self.res))}")
+                f"@{b}:{'x'.join(map(str, self.res))}{options}")
+
+    def steps_of(self, args) -> int:
+        return self.steps if self.steps is not None else args.steps
+
+    def cfg_of(self, args) -> float:
+        return self.cfg if self.cfg is not None else getattr(args, "cfg", 1.0)
 
 
 WARMUP_RES = (384, 384, 5)   # 2 x 24 x 24 = 1,152 tokens: above the patch's 1,024-token threshold, a multiple of 16
@@ -319,7 +350,13 @@ class ExpertProbe:
 
     def __init__(self, name: str, mem: Mem, log=None, t_run: float | None = None):
         self.name, self.mem = name, mem
-        self.log, self.t_run = log, t_run     # a step_line() per step through log, its run time from t_run
+        self.log = log
+        self.restart(t_run)
+
+    def restart(self, t_run: float | None = None):
+        """Forget the last sampling: the same probe (and the model it wraps) serves the next prompt, as
+        ComfyUI's node cache serves the same model object to a prompt queued again."""
+        self.t_run = t_run                    # a step_line() per step through log, its run time from t_run
         self.t_call = self.t0 = self.t1 = None
         self.marks = []
         self.patcher = None
@@ -441,6 +478,7 @@ def faithful(r: dict) -> bool:
 class Host:
     def __init__(self, args):
         self.args = args
+        t0 = time.perf_counter()
         _host.set_allocator(args.allocator)
         import torch
         self.torch = torch
@@ -465,6 +503,7 @@ class Host:
         self.dev = self.mm.get_torch_device()
         self.mem = Mem(torch, self.cuda)
         self.N = self.ns.nodes.NODE_CLASS_MAPPINGS
+        t1 = time.perf_counter()
         from . import e2e_models as EM
         self.files = EM.ensure_models(args.models_dir, scale=args.scale, weights=args.weights, te_dtype=args.te_dtype,
                                       lora_rank=args.lora_rank, seed=args.seed, device=args.gen_device, log=self.log)
@@ -473,9 +512,12 @@ class Host:
         for key, sub in (("diffusion_models", "diffusion_models"), ("text_encoders", "text_encoders"),
                          ("vae", "vae"), ("loras", "loras")):
             fp.add_model_folder_path(key, str(root / sub), is_default=True)
+        # torch, ComfyUI and its nodes, ComfyUI-GGUF and the pack; then the model files' check (or writing)
+        self.startup = {"comfyui_import_s": _r(t1 - t0), "model_files_s": _r(time.perf_counter() - t1)}
         self.cache = {}
         self.decoded = False
         self._dynamo = None
+        self.last_start = None     # perf_counter() at the start of the last run's first node
 
     def log(self, msg):
         print(msg, file=sys.stderr, flush=True)
@@ -547,18 +589,21 @@ class Host:
                 return self.N["CLIPLoader"]().load_clip(self.files["names"]["te"], "wan", "default")[0]
         return self._cached("clip", load)
 
-    def expert(self, e: str):
-        def load():
+    def expert(self, e: str, lora: bool = True):
+        def unet():
             name = self.files["names"][f"unet_{e}"]
             if self.args.weights == "gguf":
-                m = self.N["UnetLoaderGGUF"]().load_unet(name)[0]
-            else:
-                m = self.N["UNETLoader"]().load_unet(name, "default")[0]
-            m = self.N["LoraLoaderModelOnly"]().load_lora_model_only(m, self.files["names"][f"lora_{e}"], 1.0)[0]
+                return self.N["UnetLoaderGGUF"]().load_unet(name)[0]
+            return self.N["UNETLoader"]().load_unet(name, "default")[0]
+
+        def load():          # one loader per expert file, with or without the LoRA after it
+            m = self._cached(f"unet_{e}", unet)
+            if lora:
+                m = self.N["LoraLoaderModelOnly"]().load_lora_model_only(m, self.files["names"][f"lora_{e}"], 1.0)[0]
             if self.args.shift:          # as the pack's A14B workflows: LoRA -> ModelSamplingSD3 (shift 5)
                 m = self.N["ModelSamplingSD3"]().patch(m, self.args.shift)[0]
             return m
-        return self._cached(f"expert_{e}", load)
+        return self._cached(f"expert_{e}" + ("" if lora else "_nolora"), load)
 
     def vae(self):
         return self._cached("vae", lambda: self.N["VAELoader"]().load_vae(self.files["names"]["vae"])[0])
@@ -573,26 +618,39 @@ class Host:
             self.torch.cuda.empty_cache()
             self.torch.cuda.reset_peak_memory_stats()
 
-    def run(self, spec: RunSpec, decode: bool) -> dict:
+    def run(self, spec: RunSpec, decode: bool, seed: int | None = None, session: "PromptSession | None" = None) -> dict:
+        """One run of the graph; the record.  Without ``session`` the run stands alone: every model is unloaded
+        before and after it, its ballast is its own and a compiled run starts from ``torch._dynamo.reset()``.
+        With ``session`` it is one prompt queued to a ComfyUI process that keeps running: the session's
+        ballast stays for every prompt, nothing is unloaded between prompts, and a node whose inputs did not
+        change is not run again (ComfyUI's node cache): the text encode, the empty latent and each expert's
+        chain from its loader to the compile are served from the first prompt, so a repeat prompt with a new
+        seed runs the two samplers and the decode only.  ``seed``: the samplers' seed (default ``--seed``)."""
         torch, mem = self.torch, self.mem
         from wan_sage.nodes.estimator import Settings, apply_estimator
         from wan_sage.nodes.sage_patch import apply_patch, find_override
         W = self.ns.patcher_extension.WrappersMP
-        self.free_all()
-        inherited = mem.alloc()
-        ballast = Ballast(torch, self.mm, self.dev, spec.budget_gib, self.log)
+        seed = self.args.seed if seed is None else seed
+        steps, cfg = spec.steps_of(self.args), spec.cfg_of(self.args)
+        if session is None:
+            self.free_all()
+            inherited = mem.alloc()
+            ballast = Ballast(torch, self.mm, self.dev, spec.budget_gib, self.log)
+        else:
+            inherited, ballast = session.hold(self, spec.budget_gib)
         mem.ballast = ballast.nbytes
         mem.reset()
         w, h_px, f = spec.res
         if spec.compile:
-            self.dynamo().reset()       # a fresh process's compile state; the experts' modules are kept between runs
-            dynamo0 = self.dynamo().reading()
+            if session is None:
+                self.dynamo().reset()   # a fresh process's compile state; the experts' modules are kept between runs
+            dynamo0, mark0 = self.dynamo().reading(), self.dynamo().mark()
         dynamo_low = None                 # (reading, recompiles seen) when the low-noise expert starts
         row = {"schema": SCHEMA, "run": run_label(spec, self.args),
                "config": {"estimator": spec.estimator, "attention": spec.attention, "budget_gib": spec.budget_gib,
-                          "width": w, "height": h_px, "frames": f, "weights": self.args.weights, "steps": self.args.steps,
-                          "cfg": 1.0, "sampler": "euler", "scheduler": "simple", "shift": self.args.shift,
-                          "lora_rank": self.args.lora_rank,
+                          "width": w, "height": h_px, "frames": f, "weights": self.args.weights, "steps": steps,
+                          "cfg": cfg, "sampler": "euler", "scheduler": "simple", "shift": self.args.shift,
+                          "lora_rank": self.args.lora_rank if spec.lora else None,
                           "decode": decode,
                           **({"check_finite": False} if finite_check_off(spec, self.args) else {}),
                           **({"memory_mode": self.args.sage_memory_mode} if memory_mode_set(spec, self.args) else {}),
@@ -604,11 +662,14 @@ class Host:
                           "free_seen_gib": _r(ballast.free_seen and ballast.free_seen / GiB),
                           "ballast_gib": _r(ballast.nbytes / GiB), "note": ballast.note,
                           **budget_check(inherited, spec.budget_gib, self.log)},
-               "status": "ok", "error": None, "failed_phase": None}
+               "status": "ok", "error": None, "failed_phase": None, "seed": seed}
         phases, probes, extras, walls = {}, {}, {}, {}
         h = {}                      # every object of the run, cleared at the end
+        reused = []                 # what a session served from an earlier prompt (ComfyUI's node cache)
         phase = {"name": None}
         t_run = time.perf_counter()
+        self.last_start = t_run
+        t_latent = t_frames = None
 
         @contextmanager
         def timed(name):
@@ -625,56 +686,81 @@ class Host:
         retries0 = mem.retries()
         with torch.inference_mode():     # as ComfyUI's PromptExecutor runs every node
             try:
-                with timed("encode"):
-                    h["clip"] = self.clip()
-                    enc = self.N["CLIPTextEncode"]()
-                    h["pos"] = enc.encode(h["clip"], PROMPT)[0]
-                    h["neg"] = enc.encode(h["clip"], NEGATIVE)[0]
-                h["latent"] = self.N["EmptyHunyuanLatentVideo"]().generate(w, h_px, f, 1)[0]
+                if session is not None and "encode" in session.outputs:
+                    h["pos"], h["neg"] = session.outputs["encode"]
+                    reused.append("encode")
+                else:
+                    with timed("encode"):
+                        h["clip"] = self.clip()
+                        enc = self.N["CLIPTextEncode"]()
+                        h["pos"] = enc.encode(h["clip"], PROMPT)[0]
+                        h["neg"] = enc.encode(h["clip"], NEGATIVE)[0]
+                    if session is not None:
+                        session.outputs["encode"] = (h["pos"], h["neg"])
+                latent_key = ("latent", w, h_px, f)
+                if session is not None and latent_key in session.outputs:
+                    h["latent"] = session.outputs[latent_key]
+                else:
+                    h["latent"] = self.N["EmptyHunyuanLatentVideo"]().generate(w, h_px, f, 1)[0]
+                    if session is not None:
+                        session.outputs[latent_key] = h["latent"]
                 shape = list(h["latent"]["samples"].shape)
                 for e in ("high", "low"):
-                    m = self.expert(e)
+                    chain_key = ("expert", e, spec, tuple(shape))
+                    if session is not None and chain_key in session.outputs:
+                        h[f"model_{e}"], probes[e], kept = session.outputs[chain_key]
+                        probes[e].restart(t_run)
+                        extras.update(kept)
+                        reused.append(f"expert {e}")
+                        continue
+                    made = {}
+                    m = self.expert(e, spec.lora)
                     if spec.estimator:
                         m, est, report = apply_estimator(m, Settings(), shape)
-                        extras[f"est_{e}"] = _estimate_fields(est)
-                        extras[f"report_{e}"] = report
+                        made[f"est_{e}"] = _estimate_fields(est)
+                        made[f"report_{e}"] = report
                     if spec.attention == "sage":
                         m, status = apply_patch(m, check_finite=self.args.sage_check_finite, **patch_kwargs(self.args))
-                        extras[f"patch_{e}"] = status
+                        made[f"patch_{e}"] = status
                     if spec.compile == "model":  # after the patch, so the compiled model carries the override
                         m = self.N["TorchCompileModel"].execute(model=m, backend=self.args.compile_backend)[0]
-                        extras[f"compile_{e}"] = dict(m.model_options.get("torch_compile_kwargs") or {})
+                        made[f"compile_{e}"] = dict(m.model_options.get("torch_compile_kwargs") or {})
                     elif spec.compile == "blocks":
                         from . import _compile
                         m = m.clone()
                         _compile.set_recompile_limit(torch, _compile.BLOCK_RECOMPILE_LIMIT)
-                        extras[f"compile_{e}"] = _compile.compile_blocks(m, self.args.compile_backend)
+                        made[f"compile_{e}"] = _compile.compile_blocks(m, self.args.compile_backend)
                     ov = find_override(m.model_options.get("transformer_options", {}))
-                    extras[f"patch_id_{e}"] = ov.patch_id if ov is not None else None
+                    made[f"patch_id_{e}"] = ov.patch_id if ov is not None else None
                     if spec.attention == "sage" and ov is None:
                         self.log(f"e2e WARNING: the Sage patch passed the {e}-noise expert through ({status}); "
                                  "this run measures SDPA")
                     probes[e] = ExpertProbe(e, mem, log=self.log, t_run=t_run)
                     h[f"model_{e}"] = probes[e].install(m, W)
+                    extras.update(made)
+                    if session is not None:
+                        session.outputs[chain_key] = (h[f"model_{e}"], probes[e], made)
                     del m
                 ks = self.N["KSamplerAdvanced"]()
-                steps, half = self.args.steps, self.args.steps // 2
+                half = steps // 2
                 with timed("high"):
                     t = time.perf_counter()
-                    h["lat"] = ks.sample(h["model_high"], "enable", self.args.seed, steps, 1.0, "euler", "simple",
+                    h["lat"] = ks.sample(h["model_high"], "enable", seed, steps, cfg, "euler", "simple",
                                          h["pos"], h["neg"], h["latent"], 0, half, "enable")[0]
                     walls["high"] = time.perf_counter() - t
                 if spec.compile:
                     dynamo_low = (self.dynamo().reading(), self.dynamo().mark())
                 with timed("low"):
                     t = time.perf_counter()
-                    h["lat"] = ks.sample(h["model_low"], "disable", self.args.seed, steps, 1.0, "euler", "simple",
+                    h["lat"] = ks.sample(h["model_low"], "disable", seed, steps, cfg, "euler", "simple",
                                          h["pos"], h["neg"], h["lat"], half, steps, "disable")[0]
                     walls["low"] = time.perf_counter() - t
+                t_latent = time.perf_counter()       # timed() synchronised the device
                 row["latent_finite"] = bool(torch.isfinite(h["lat"]["samples"]).all())
                 if decode:
                     with timed("decode"):
                         h["images"] = self.N["VAEDecode"]().decode(self.vae(), h["lat"])[0]
+                    t_frames = time.perf_counter()
                     row["decoded"] = list(h["images"].shape)
                     row["images_finite"] = bool(torch.isfinite(h["images"]).all())
                     self.decoded = True
@@ -689,6 +775,12 @@ class Host:
                 row["status"], row["error"], row["failed_phase"] = "error", f"{type(e).__name__}: {e}"[:500], phase["name"]
                 self.log(traceback.format_exc())
         row["run_s"] = _r(time.perf_counter() - t_run)
+        # the user's clock: from the prompt's first node (text encode, model loads, both experts) to the latent,
+        # and to the decoded frames
+        row["to_latent_s"] = _r(t_latent - t_run) if t_latent is not None else None
+        row["to_frames_s"] = _r(t_frames - t_run) if t_frames is not None else None
+        if session is not None:
+            row["reused"] = reused
         retries1 = mem.retries()
         row["alloc_retries"] = None if retries0 is None or retries1 is None else retries1 - retries0
         row["experts"] = {}
@@ -714,15 +806,19 @@ class Host:
             end = watch.reading()
             row["compile"] = {"kwargs": {e: extras.get(f"compile_{e}") for e in ("high", "low")},
                               **watch.delta(end, dynamo0),
-                              "graph_break_reasons": watch.break_reasons(), "recompile_reasons": watch.recompile_reasons(),
+                              "graph_break_reasons": watch.break_reasons(), "recompile_reasons": watch.recompile_reasons(start=mark0),
                               "recompile_limit": _compile.set_recompile_limit(torch, None)}
             if dynamo_low is not None:    # each expert's share, and why its blocks missed their earlier graphs
                 row["compile"]["by_expert"] = {
-                    "high": {**watch.delta(dynamo_low[0], dynamo0), "guard_causes": watch.guard_causes(0, dynamo_low[1])},
+                    "high": {**watch.delta(dynamo_low[0], dynamo0), "guard_causes": watch.guard_causes(mark0, dynamo_low[1])},
                     "low": {**watch.delta(end, dynamo_low[0]), "guard_causes": watch.guard_causes(dynamo_low[1])}}
                 for e, got in row["compile"]["by_expert"].items():
                     self.log(f"e2e compile {e}: {got['unique_graphs']} graphs, {got['recompiles']} recompiles; "
                              f"causes {json.dumps(got['guard_causes'])}")
+        if session is not None:       # the process keeps running: models, ballast and compiled graphs stay
+            h.clear()
+            probes.clear()
+            return row
         # free everything before the next run (unload first, while the run's patchers are alive)
         self.mm.unload_all_models()
         h.clear()
@@ -899,6 +995,186 @@ def _read_version(pyproject: Path):
         return None
 
 
+# --------------------------------------------------------------------------- whole prompts (--whole-prompt)
+
+WHOLE_SCHEMA = "wan-sage-whole-prompt/1"
+PROMPT_NAMES = ("first", "repeat")
+# The caches a first prompt can find filled, by the variable that names each folder, and the folder's name
+# under a --caches kept DIR: the pack's timing cache (the Sage patch's calibration), TorchInductor's
+# compiled graphs and Triton's compiled kernels (SageAttention's quantisation kernels, inductor's kernels).
+CACHE_FOLDERS = {"WAN_SAGE_CACHE_DIR": "wan-sage", "TORCHINDUCTOR_CACHE_DIR": "torchinductor",
+                 "TRITON_CACHE_DIR": "triton"}
+
+
+def folder_contents(path) -> dict:
+    """Files and bytes under a folder (0 and 0 for a missing one)."""
+    n = size = 0
+    for root, _dirs, names in os.walk(path):
+        for name in names:
+            n += 1
+            try:
+                size += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return {"files": n, "bytes": size}
+
+
+def set_caches(mode: str, kept_dir: str | None, work_dir) -> dict:
+    """Point the three caches of :data:`CACHE_FOLDERS` at this run's folders, before torch is imported:
+    ``none``, fresh empty folders under ``work_dir`` (the first prompt after installing; removed at exit
+    by :func:`drop_caches`), or ``kept``, the folders under ``kept_dir``, made when missing and left for the
+    next process (the first prompt after a restart, once a process has filled them).  Returns the record's
+    ``caches``: the mode, each variable's folder and what it held at the start."""
+    import tempfile
+    if mode == "none":
+        base = Path(tempfile.mkdtemp(prefix="caches-none-", dir=str(work_dir)))
+    elif mode == "kept" and kept_dir:
+        base = Path(kept_dir).resolve()
+    else:
+        raise SystemExit("--caches takes 'none' or 'kept DIR'")
+    folders, at_start = {}, {}
+    for var, name in CACHE_FOLDERS.items():
+        p = base / name
+        p.mkdir(parents=True, exist_ok=True)
+        os.environ[var] = str(p)
+        folders[var] = str(p)
+        at_start[var] = folder_contents(p)
+    return {"mode": mode, "dir": str(base), "folders": folders, "at_start": at_start,
+            "filled_at_start": any(v["files"] for v in at_start.values())}
+
+
+def caches_in_use() -> dict:
+    """Where this process's pack, inductor and Triton read their caches (after the prompts): the check
+    that the folders of :func:`set_caches` are the ones used."""
+    out = {}
+    try:
+        from wan_sage.attention import timing
+        out["wan_sage_timing"] = str(timing.default_dir())
+    except Exception as e:
+        out["wan_sage_timing"] = f"? ({type(e).__name__})"
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        out["torchinductor"] = cache_dir()
+    except Exception as e:
+        out["torchinductor"] = f"? ({type(e).__name__})"
+    try:
+        import triton.knobs
+        out["triton"] = str(triton.knobs.cache.dir)
+    except Exception:
+        out["triton"] = os.environ.get("TRITON_CACHE_DIR")
+    return out
+
+
+def drop_caches(caches: dict) -> None:
+    """Remove the fresh folders of a ``--caches none`` process (a kept folder is left for the next one)."""
+    if caches.get("mode") == "none":
+        import shutil
+        shutil.rmtree(caches["dir"], ignore_errors=True)
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started, as the kernel counts it (``/proc/self/stat``, to 10 ms), or
+    None where there is no /proc."""
+    try:
+        ticks = os.sysconf("SC_CLK_TCK")
+        start = float(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]) / ticks
+        return float(Path("/proc/uptime").read_text().split()[0]) - start
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class PromptSession:
+    """What a running ComfyUI process keeps between queued prompts: the outputs of the nodes whose inputs
+    did not change (ComfyUI's node cache), the loaded models (nothing unloads them between prompts) and,
+    here, the ballast of the budget, made once before the first prompt and held to the end."""
+
+    def __init__(self):
+        self.outputs = {}
+        self.ballast = None
+        self.inherited = None
+
+    def hold(self, host, budget_gib):
+        if self.ballast is None:
+            self.inherited = host.mem.alloc()
+            self.ballast = Ballast(host.torch, host.mm, host.dev, budget_gib, host.log)
+        return self.inherited, self.ballast
+
+    @staticmethod
+    def between(host):
+        """What ComfyUI's prompt worker does while the queue is idle (after 10 s): collect garbage and
+        give the allocator's free cache back (``soft_empty_cache``); the models stay loaded."""
+        gc.collect()
+        host.mm.soft_empty_cache()
+
+
+def expert_summary(row: dict) -> dict:
+    """Per expert, the figures the first prompt and the repeat prompt are compared by: the first step (the
+    first Sage call of the process, the compile of a fresh process), the median of the later steps, the
+    sampler's wall time with the model loads, the Sage patch's calibration time and calls, dynamo's graphs
+    and recompiles."""
+    out = {}
+    by_compile = ((row.get("compile") or {}).get("by_expert") or {})
+    for e, x in (row.get("experts") or {}).items():
+        steps = x.get("step_s") or []
+        att = x.get("attention") or {}
+        comp = by_compile.get(e) or {}
+        out[e] = {"first_step_s": steps[0] if steps else None,
+                  "later_step_s": _r(statistics.median(steps[1:])) if len(steps) > 1 else None,
+                  "wall_s": x.get("wall_s"), "calibration_ms": att.get("calibration_ms"),
+                  "sage_calls": att.get("sage_calls"), "sdpa_calls": att.get("sdpa_calls"),
+                  "graphs": comp.get("unique_graphs"), "recompiles": comp.get("recompiles")}
+    return out
+
+
+def prompt_entry(name: str, row: dict) -> dict:
+    """One prompt of a whole-prompt record: the run record without what the process record holds once
+    (schema, run, config, budget), with ``prompt`` (first / repeat), ``first_step_s`` and ``by_expert``."""
+    d = {"prompt": name, **{k: v for k, v in row.items() if k not in ("schema", "run", "config", "budget")}}
+    d["by_expert"] = expert_summary(row)
+    d["first_step_s"] = {e: v["first_step_s"] for e, v in d["by_expert"].items()}
+    return d
+
+
+def whole_decode(spec, args) -> bool:
+    """Whether a whole-prompt run decodes: the spec's ``:decode`` / ``:nodecode``, else every prompt unless
+    ``--decode none``."""
+    return spec.decode if spec.decode is not None else args.decode != "none"
+
+
+def run_whole(host, spec, args, caches: dict, process_t0: float | None, t_main: float) -> dict:
+    """The first prompt of this process, then the repeat prompt with a new seed, in one session (no
+    warm-up, nothing unloaded between them); one record for the process.  ``process_t0``: the process's
+    start on the ``perf_counter`` clock (None where unknown), ``t_main``: the start of :func:`main`."""
+    session = PromptSession()
+    decode = whole_decode(spec, args)
+    seeds = (args.seed, args.repeat_seed if args.repeat_seed is not None else args.seed + 1)
+    prompts = []
+    for name, seed in zip(PROMPT_NAMES, seeds):
+        if prompts:
+            if prompts[-1]["status"] != "ok":
+                host.log(f"e2e prompt {name}: not run, the {prompts[-1]['prompt']} prompt ended {prompts[-1]['status']}")
+                break
+            session.between(host)
+        host.log(f"e2e prompt {name}: {spec.label}, seed {seed}")
+        row = host.run(spec, decode, seed=seed, session=session)
+        if not prompts:
+            config, budget = row["config"], row["budget"]
+            # the process's start to the first prompt: the interpreter, ComfyUI's import, the model files' check
+            process_start_s = None if process_t0 is None else _r(host.last_start - process_t0)
+            startup = {"python_s": None if process_t0 is None else _r(t_main - process_t0), **host.startup,
+                       "main_to_prompt_s": _r(host.last_start - t_main)}
+        host.log(f"e2e prompt {name}: {row['status']}, to the latent {row['to_latent_s']} s, "
+                 f"to the frames {row['to_frames_s']} s")
+        prompts.append(prompt_entry(name, row))
+    env = host.env()
+    return {"schema": WHOLE_SCHEMA, "run": run_label(spec, host.args),
+            "status": next((p["status"] for p in prompts if p["status"] != "ok"), "ok"),
+            "config": config, "caches": {**caches, "in_use": caches_in_use()},
+            "process": {"index": args.process_index, "count": args.process_count},
+            "process_start_s": process_start_s, "startup": startup, "budget": budget,
+            "prompts": prompts, "env": env, "commit": env.get("wan_sage_commit")}
+
+
 # --------------------------------------------------------------------------- CLI
 
 def parse_args(argv=None):
@@ -922,11 +1198,28 @@ def parse_args(argv=None):
     ap.add_argument("--res", default=None, help="single run / workflow: WxHxF or 720p81 / 480p81 (default 720p81; tiny: 64x64x5)")
     ap.add_argument("--vram-budget", type=float, default=None, metavar="GB",
                     help="single run / workflow: hold a ballast so ComfyUI sees GB GiB free; with --matrix: the small budget (24)")
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=4, help="sampler steps of a run whose spec names none (:Nsteps)")
+    ap.add_argument("--cfg", type=float, default=1.0, help="cfg of a run whose spec names none (:cfgX); 1.0 as with "
+                    "the Lightning LoRAs, the 20-step workflows without them use 3.5")
     ap.add_argument("--shift", type=float, default=5.0,
                     help="ModelSamplingSD3 shift after each LoRA, as in the pack's A14B workflows (0: no node)")
     ap.add_argument("--decode", choices=["all", "first", "none"], default="all",
-                    help="VAE decode in every run, only in the first, or never")
+                    help="VAE decode in every run, only in the first, or never (a spec's :decode / :nodecode wins); "
+                         "with --whole-prompt: in both prompts unless none")
+    ap.add_argument("--whole-prompt", action="store_true",
+                    help="one spec in this fresh process, no warm-up: the first prompt, then a repeat prompt with a "
+                         "new seed, as queued to a running ComfyUI (node cache, models kept loaded); one record "
+                         f"({WHOLE_SCHEMA}) with both. Needs --caches")
+    ap.add_argument("--caches", nargs="+", metavar=("none|kept", "DIR"), default=None,
+                    help="with --whole-prompt: the pack's timing cache, TorchInductor's and Triton's cache folders: "
+                         "'none' = fresh empty folders (the first prompt after installing), 'kept DIR' = DIR/wan-sage, "
+                         "DIR/torchinductor, DIR/triton, kept for the next process (the first prompt after a restart)")
+    ap.add_argument("--repeat-seed", type=int, default=None, help="with --whole-prompt: the repeat prompt's seed "
+                    "(default --seed + 1)")
+    ap.add_argument("--process-index", type=int, default=1, help="with --whole-prompt: this process's number in "
+                    "its driver's sequence (bench.whole_prompt), for the record")
+    ap.add_argument("--process-count", type=int, default=1, help="with --whole-prompt: how many processes the "
+                    "driver runs for this configuration, for the record")
     ap.add_argument("--warmup", action="store_true",
                     help="before the measured runs, one unrecorded comfy@full:384x384x5 run (with the Sage patch when a "
                          "measured run uses it): reads the files from disk, releases GGUF's mmap, initialises cuBLAS/cuDNN "
@@ -955,6 +1248,17 @@ def parse_args(argv=None):
     ap.add_argument("--quiet", action="store_true", help="ComfyUI logs at WARNING")
     a = ap.parse_args(argv)
     a.sage_check_finite = a.sage_check_finite == "on"
+    if a.whole_prompt:
+        why = [x for x, bad in (("--workflow", a.workflow), ("--matrix", a.matrix), ("--warmup", a.warmup),
+                                ("--reload", a.reload), ("--skip-done", a.skip_done)) if bad]
+        if why:
+            ap.error(f"--whole-prompt runs one spec in a fresh process as ComfyUI runs it: {', '.join(why)} do not apply")
+        if not a.runs or len([x for x in a.runs.split(",") if x.strip()]) != 1:
+            ap.error("--whole-prompt takes exactly one spec in --runs (one configuration per fresh process)")
+        if not a.caches or a.caches[0] not in ("none", "kept") or len(a.caches) != (1 if a.caches[0] == "none" else 2):
+            ap.error("--whole-prompt needs --caches none or --caches kept DIR: every record says which caches it had")
+    elif a.caches:
+        ap.error("--caches applies to --whole-prompt runs only")
     if a.work_dir is None:
         a.work_dir = str(Path(a.models_dir).resolve().parent / "e2e-work")
     return a
@@ -962,6 +1266,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     t_start = time.perf_counter()
+    age = process_age_s()
+    process_t0 = None if age is None else t_start - age
     args = parse_args(argv)
     if args.workflow and not Path(args.workflow).is_file():
         wf_dir = _host.ROOT / "example_workflows"
@@ -969,7 +1275,26 @@ def main(argv=None):
         raise SystemExit(f"workflow file {args.workflow} not found. The pack's saved workflows live in "
                          f"example_workflows/ ({', '.join(have) if have else 'none there yet'}).")
     Path(args.work_dir).mkdir(parents=True, exist_ok=True)
-    host = Host(args)
+    caches = set_caches(args.caches[0], args.caches[1:] and args.caches[1], args.work_dir) if args.whole_prompt else None
+    try:
+        host = Host(args)
+    except BaseException:
+        if caches:
+            drop_caches(caches)
+        raise
+    if args.whole_prompt:
+        try:
+            spec = RunSpec.parse(args.runs.strip().strip(","))
+            if spec.compile == "model" and "TorchCompileModel" not in host.N:
+                raise SystemExit("+compile runs need ComfyUI's TorchCompileModel node, which did not load")
+            check_sage_memory_mode(args.sage_memory_mode)
+            record = run_whole(host, spec, args, caches, process_t0, t_start)
+            emit = _host.JsonLines(args.out)
+            emit(record)
+            emit.close()
+        finally:
+            drop_caches(caches)
+        return 0
     check_sage_memory_mode(args.sage_memory_mode)
     whole_model = args.runs and any(RunSpec.parse(x.strip()).compile == "model" for x in args.runs.split(",") if x.strip())
     if whole_model and "TorchCompileModel" not in host.N:
@@ -1016,7 +1341,8 @@ def main(argv=None):
             if args.deadline_s is not None and time.perf_counter() - t_start > args.deadline_s:
                 emit({"schema": SCHEMA, "run": run, "status": "skipped", "error": f"deadline {args.deadline_s:g} s"})
                 continue
-            decode = args.decode == "all" or (args.decode == "first" and not host.decoded)
+            decode = spec.decode if spec.decode is not None else (
+                args.decode == "all" or (args.decode == "first" and not host.decoded))
             host.log(f"e2e run {i + 1}/{len(specs)}: {spec.label}")
             emit(host.run(spec, decode))
     if out:
