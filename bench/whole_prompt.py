@@ -1,0 +1,217 @@
+"""Whole prompts on the user's clock: each configuration run as fresh ComfyUI processes, one after another.
+
+    python -m bench.whole_prompt --runs SPECS --caches none|kept DIR [--processes N] [--out FILE] [--log FILE]
+        [--skip-done FILES] [--t0 EPOCH] [--budget-s S] [--process-s S]  BENCH.E2E OPTIONS (--models-dir ...)
+
+For each spec of ``--runs`` (``bench.e2e`` run specs, with ``:Nsteps``, ``:cfgX``, ``:nolora``,
+``:decode`` / ``:nodecode``), N processes of ``python -m bench.e2e --whole-prompt --runs SPEC``, each a
+fresh interpreter with no warm-up that runs the first prompt and then a repeat prompt with a new seed, and
+prints one record (``wan-sage-whole-prompt/1``: bench/README.md lists its fields).  Every option this tool
+does not know is passed to each process (``--models-dir``, ``--scale``, ``--weights``, ``--av-stub``, ...).
+
+Caches (``--caches``), the pack's timing cache (``WAN_SAGE_CACHE_DIR``), TorchInductor's and Triton's:
+
+* ``none``: every process starts with fresh empty folders (made and removed by the process): each record is
+  the very first prompt after installing.  Default: one process per configuration.
+* ``kept DIR``: the folders ``DIR/<weights>-<spec>/{wan-sage,torchinductor,triton}``, one set per
+  configuration, kept from one process to the next.  Default: two processes per configuration: process 1
+  fills them (its record says what it found: ``caches.filled_at_start``), process 2 is the first prompt after
+  a restart with the caches the pack and torch kept.  A configuration's folders are its own, so the order of
+  the specs and ``--skip-done`` change nothing in what a process finds.
+
+Budget: with ``--budget-s`` (seconds counted from ``--t0``, epoch seconds; default the tool's start), a
+configuration starts only when all its processes, at ``--process-s`` each, can end within it, and a process
+still running at the end is stopped (its line says ``timeout``).  ``--skip-done`` passes over a
+configuration whose last process already has a completed or out-of-memory record in those files (same run,
+weights and caches mode).  Each record is printed and appended to ``--out`` as soon as its process ends; the
+processes' stderr goes to ``--log`` (appended), their progress lines (``e2e ...``) to stderr, and the end of
+a failed process's stderr into its line (``status: error``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from . import _host, e2e
+
+DEFAULT_PROCESSES = {"none": 1, "kept": 2}
+PROGRESS = re.compile(r"^e2e ")      # the processes' progress lines; everything else goes to --log only
+
+
+def caches_slug(weights: str, spec: e2e.RunSpec) -> str:
+    """The folder name of a configuration's kept caches: its weights and run label, filename-safe."""
+    return re.sub(r"[^A-Za-z0-9.]+", "-", f"{weights}-{spec.label}").strip("-")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m bench.whole_prompt", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
+                                 epilog="Every other option goes to each bench.e2e process.")
+    ap.add_argument("--runs", required=True, help="comma list of bench.e2e run specs, one configuration each")
+    ap.add_argument("--caches", nargs="+", required=True, metavar=("none|kept", "DIR"),
+                    help="none: fresh empty cache folders in every process; kept DIR: one set of folders per "
+                         "configuration under DIR, kept from one process to the next")
+    ap.add_argument("--processes", type=int, default=None,
+                    help="processes per configuration (default: 1 with none, 2 with kept)")
+    ap.add_argument("--out", default=None, help="append the records to this file too")
+    ap.add_argument("--log", default=None, help="append the processes' stderr to this file")
+    ap.add_argument("--skip-done", default=None, metavar="JSONL[,JSONL]",
+                    help="pass over configurations whose last process has a completed or out-of-memory record there")
+    ap.add_argument("--t0", type=float, default=None, help="epoch seconds the budget counts from (default: now)")
+    ap.add_argument("--budget-s", type=float, default=None, help="end every process within this many seconds of --t0")
+    ap.add_argument("--process-s", type=float, default=200.0,
+                    help="the longest a process is expected to take, for --budget-s (default 200)")
+    a, rest = ap.parse_known_args(argv)
+    if a.caches[0] not in DEFAULT_PROCESSES or len(a.caches) != (1 if a.caches[0] == "none" else 2):
+        ap.error("--caches takes 'none' or 'kept DIR'")
+    a.processes = a.processes or DEFAULT_PROCESSES[a.caches[0]]
+    if a.processes < 1:
+        ap.error("--processes must be at least 1")
+    a.specs = [e2e.RunSpec.parse(s.strip()) for s in a.runs.split(",") if s.strip()]
+    if not a.specs:
+        ap.error("--runs names no spec")
+    if "--out" in rest or any(x.startswith("--out=") for x in rest):
+        ap.error("--out is this tool's: the processes' records come back through it")
+    # the processes' options, checked once here so that a typo stops the tool before any process starts
+    e2e_args = e2e.parse_args([*rest, "--whole-prompt", "--runs", a.specs[0].label, "--caches", "none"])
+    a.rest, a.weights = rest, e2e_args.weights
+    return a
+
+
+def done(paths: str | None, spec: e2e.RunSpec, weights: str, mode: str, count: int) -> bool:
+    """Whether the configuration's last process (index ``count``) already has a completed or out-of-memory
+    record with a faithful budget in those files."""
+    for r in _host.jsonl_records(paths):
+        if (r.get("schema") == e2e.WHOLE_SCHEMA and r.get("run") == spec.label and r.get("prompts")
+                and (r.get("config") or {}).get("weights") == weights
+                and (r.get("caches") or {}).get("mode") == mode
+                and (r.get("process") or {}).get("index") == count and r.get("status") in ("ok", "oom")
+                and e2e.faithful(r)):
+            return True
+    return False
+
+
+class Clock:
+    """Seconds since ``t0`` (epoch) and what is left of the budget."""
+
+    def __init__(self, t0: float | None, budget_s: float | None):
+        self.t0 = time.time() if t0 is None else t0
+        self.budget_s = budget_s
+
+    def elapsed(self) -> float:
+        return time.time() - self.t0
+
+    def left(self) -> float | None:
+        return None if self.budget_s is None else self.budget_s - self.elapsed()
+
+    def fits(self, seconds: float) -> bool:
+        return self.budget_s is None or self.elapsed() + seconds <= self.budget_s
+
+
+def _pump(stream, sink, echo: bool, log):
+    for line in stream:
+        sink.append(line)
+        if log is not None:
+            log.write(line)
+            log.flush()
+        if echo and PROGRESS.search(line):
+            sys.stderr.write(line)
+            sys.stderr.flush()
+
+
+def run_process(cmd: list[str], timeout: float | None, log) -> tuple[int | None, list[str], list[str]]:
+    """Run one process (its own process group, so that a stop at the budget reaches its children too);
+    returns (exit status or None when it was stopped, stdout lines, stderr lines)."""
+    out, err = [], []
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(_host.ROOT),
+                         env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+    threads = [threading.Thread(target=_pump, args=(p.stdout, out, False, None), daemon=True),
+               threading.Thread(target=_pump, args=(p.stderr, err, True, log), daemon=True)]
+    for t in threads:
+        t.start()
+    try:
+        rc = p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        rc = None
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                p.wait(timeout=15)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    for t in threads:
+        t.join(timeout=30)
+    return rc, out, err
+
+
+def process_command(a, spec: e2e.RunSpec, index: int) -> list[str]:
+    caches = ["none"] if a.caches[0] == "none" else \
+        ["kept", str(Path(a.caches[1]).resolve() / caches_slug(a.weights, spec))]
+    return [sys.executable, "-m", "bench.e2e", *a.rest, "--whole-prompt", "--runs", spec.label, "--caches", *caches,
+            "--process-index", str(index), "--process-count", str(a.processes)]
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    clock = Clock(a.t0 if a.t0 is not None else (float(os.environ["E2E_T0"]) if os.environ.get("E2E_T0") else None),
+                  a.budget_s)
+    emit = _host.JsonLines(a.out)
+    log = open(a.log, "a") if a.log else None
+    mode = a.caches[0]
+
+    def line(spec, index, status, error):
+        emit({"schema": e2e.WHOLE_SCHEMA, "run": spec.label, "status": status, "error": error,
+              "config": {"weights": a.weights}, "caches": {"mode": mode},
+              "process": {"index": index, "count": a.processes}})
+    try:
+        for n, spec in enumerate(a.specs, 1):
+            name = f"{spec.label} ({a.weights}, caches {mode})"
+            if a.skip_done and done(a.skip_done, spec, a.weights, mode, a.processes):
+                print(f"e2e whole {n}/{len(a.specs)}: {name} already recorded, skipped", file=sys.stderr, flush=True)
+                continue
+            if not clock.fits(a.processes * a.process_s):
+                print(f"e2e whole {n}/{len(a.specs)}: {name} skipped: {a.processes} x {a.process_s:g} s do not fit in "
+                      f"the {clock.left():.0f} s left", file=sys.stderr, flush=True)
+                line(spec, 1, "skipped", f"budget: {clock.left():.0f} s left, {a.processes * a.process_s:g} s needed")
+                continue
+            for index in range(1, a.processes + 1):
+                if index > 1 and not clock.fits(a.process_s):
+                    line(spec, index, "skipped", f"budget: {clock.left():.0f} s left")
+                    break
+                print(f"e2e whole {n}/{len(a.specs)}: {name}, process {index}/{a.processes} at "
+                      f"{clock.elapsed():.0f} s", file=sys.stderr, flush=True)
+                t = time.time()
+                rc, out, err = run_process(process_command(a, spec, index), clock.left(), log)
+                records = [json.loads(x) for x in out if x.startswith("{")]
+                if records:
+                    for r in records:
+                        emit(r)
+                    print(f"e2e whole: process {index} ended {records[-1].get('status')} after {time.time() - t:.0f} s",
+                          file=sys.stderr, flush=True)
+                else:
+                    tail = "".join(err[-20:])[-1500:]
+                    line(spec, index, "timeout" if rc is None else "error",
+                         f"stopped at the budget after {time.time() - t:.0f} s" if rc is None
+                         else f"exit status {rc}, no record: {tail}")
+                    break      # a later process of this configuration would not find what this one left
+    finally:
+        emit.close()
+        if log:
+            log.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
