@@ -11,11 +11,19 @@
 #   bash bench/e2e_h200.sh call W SPECS [ARGS..] setup + gen W + runs, starting no run that could end after
 #                                                the call's budget (E2E_CALL_BUDGET_S, default 570 s, counted
 #                                                from E2E_T0, the command's start in epoch seconds)
+#   bash bench/e2e_h200.sh whole W SPECS [ARGS]  setup + gen W + python3 -m bench.whole_prompt: each spec as fresh
+#                                                processes (first prompt, repeat prompt), no warm-up; ARGS must
+#                                                name the caches (--caches none | --caches kept DIR); no
+#                                                process starts that could end after the call's budget (each
+#                                                taken as E2E_LONGEST_PROCESS_S, default 210 s); JSON lines
+#                                                to $OUT/whole-prompt.jsonl, the processes' stderr to
+#                                                $OUT/whole-prompt.log
 #   bash bench/e2e_h200.sh info                  GPU, driver, torch, disk, memory
 #
 # Every sub-command is idempotent, so a call on a fresh machine can start with "setup; gen" and a
 # call on a machine that kept its files loses only seconds to them.
 # Inductor's and Triton's caches default to .e2e/ (kept on a warm machine): a later call reuses finished compiles.
+# A whole-prompt process sets its own (and the pack's timing cache) from --caches.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -35,6 +43,7 @@ export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$REPO/.e2e/inductor-ca
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$REPO/.e2e/triton-cache}
 BUDGET=${E2E_CALL_BUDGET_S:-570}
 LONGEST_RUN=${E2E_LONGEST_RUN_S:-100}     # a 720p81 run, fp8 at 24 GB, with margin
+LONGEST_PROCESS=${E2E_LONGEST_PROCESS_S:-210}   # a whole-prompt process, GGUF 720p81 4 steps at 24 GiB, with margin
 
 setup() {
   # only these three: a sageattention-1.0.6 wheel in .whl (the host tier's) would shadow the 2.x build
@@ -83,6 +92,16 @@ call() {
   runs "$specs" --weights "$weights" --deadline-s "$left" --warmup "$@"
 }
 
+whole() {
+  local weights=$1 specs=$2; shift 2
+  setup >/dev/null || { echo "setup failed"; return 1; }
+  gen "$weights" || return 1
+  echo "e2e whole: $(( $(date +%s) - E2E_T0 )) s spent before the processes; each taken as $LONGEST_PROCESS s, within $BUDGET s"
+  python3 -m bench.whole_prompt --runs "$specs" --t0 "$E2E_T0" --budget-s "$BUDGET" --process-s "$LONGEST_PROCESS" \
+    --out "$OUT/whole-prompt.jsonl" --log "$OUT/whole-prompt.log" \
+    --models-dir "$MODELS" --scale "${E2E_SCALE:-full}" --weights "$weights" --av-stub "$@"
+}
+
 info() {
   nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
@@ -95,6 +114,7 @@ case "$cmd" in
   gen) gen "$@" ;;
   runs) runs "$@" ;;
   call) call "$@" ;;
+  whole) whole "$@" ;;
   info) info ;;
-  *) sed -n '2,16p' "$0"; exit 2 ;;
+  *) sed -n '2,23p' "$0"; exit 2 ;;
 esac
