@@ -84,7 +84,7 @@ def e2e_records(weights: str | None = None, paths=None) -> list[tuple[Path, dict
     out = []
     for p in (files("e2e") if paths is None else paths):
         for r in rows(p):
-            if "config" in r and (weights is None or r["config"].get("weights") == weights):
+            if "config" in r and "prompts" not in r and (weights is None or r["config"].get("weights") == weights):
                 out.append((p, r))
     return out
 
@@ -891,6 +891,151 @@ def e2e_compiled_cast_section() -> list:
     return o
 
 
+# --------------------------------------------------------------------------- docs/benchmarks.md: whole generation
+
+WHOLE_HEADING = "Whole generation"
+WHOLE_CONFIGS = ((False, "sdpa"), (False, "sage"), (True, "sdpa"), (True, "sage"))
+WHOLE_CONFIG_NAMES = {(False, "sdpa"): "ComfyUI alone + SDPA", (False, "sage"): "ComfyUI alone + Sage",
+                      (True, "sdpa"): "estimator + SDPA", (True, "sage"): "estimator + Sage"}
+
+
+def whole_prompt_files() -> list[Path]:
+    """The record files whole-prompt records are read from: ``bench/records/whole-prompt/``, and ``e2e/``
+    should such a record be merged into a file there."""
+    return files("whole-prompt") + files("e2e")
+
+
+def whole_sets(paths=None) -> list[dict]:
+    """The sets of whole-prompt records (those with ``prompts``), one per machine: per file, or per
+    ``round`` of a file that merges several; each with its file, a label and its faithful records."""
+    sets = run_sets(whole_prompt_files() if paths is None else paths)
+    per_file: dict = {}
+    for p, rnd, _rs in sets:
+        per_file.setdefault(p, []).append(rnd)
+    out = []
+    for p, rnd, rs in sets:
+        recs = [r for r in rs if r.get("prompts") and r.get("config") and plot_e2e.faithful(r)]
+        if recs:
+            rounds = per_file[p]
+            label = p.stem + (f" ({'abcdefghij'[rounds.index(rnd)]})" if len(rounds) > 1 else "")
+            out.append(dict(file=p, label=label, runs=recs))
+    return out
+
+
+def _whole_workflow(c: dict) -> tuple:
+    """What makes two whole-prompt records the same workflow: weights, size, steps, cfg, LoRA, setup, decode."""
+    return (c.get("weights"), (c["width"], c["height"], c["frames"]), c.get("steps"), c.get("cfg", 1.0),
+            c.get("lora_rank") is not None, _setup(c), bool(c.get("decode")))
+
+
+def _whole_workflow_text(wf: tuple) -> str:
+    weights, size, steps, cfg, lora, setup, decode = wf
+    parts = [{"gguf": "GGUF Q4_K_M", "fp8": "fp8"}.get(weights, str(weights)), _size_text(size), f"{steps} steps"]
+    parts += ([f"cfg {cfg:g}"] if cfg != 1.0 else []) + ([] if lora else ["no LoRA"]) + [SETUP_NAMES[setup]]
+    return ", ".join(parts) + ("" if decode else ", no decode")
+
+
+def whole_caches(r: dict) -> str:
+    """The caches a process started with: ``kept`` when its folders held files (an earlier process filled
+    them), else ``empty`` (``--caches none``, or the process that filled a kept set)."""
+    return "kept" if (r.get("caches") or {}).get("filled_at_start") else "empty"
+
+
+def _prompt_median(recs, i: int, key: str, expert: str | None = None):
+    vals = []
+    for r in recs:
+        ps = r.get("prompts") or []
+        if len(ps) > i and ps[i].get("status") == "ok":
+            v = ps[i].get(key) if expert is None else (ps[i].get(key) or {}).get(expert)
+            if v is not None:
+                vals.append(v)
+    return statistics.median(vals) if vals else None
+
+
+def _seconds(v, base) -> str:
+    """``v`` seconds, and ComfyUI alone's seconds over them when there is a baseline."""
+    if v is None:
+        return "—"
+    return f"{v:.1f} s" + ("" if base is None else f" ({base / v:.2f}×)")
+
+
+def _record_link(p: Path, label: str) -> str:
+    try:
+        return link(name_of(p), label)
+    except ValueError:       # a file outside bench/records/ (the tests' records)
+        return f"`{label}`"
+
+
+def whole_rows(sets) -> list[dict]:
+    """Per set, workflow, budget and caches at the start: each configuration's medians over its processes,
+    with ComfyUI alone + SDPA of the same set, workflow, budget and caches as the baseline."""
+    out = []
+    for s in sets:
+        by: dict = {}
+        for r in s["runs"]:
+            c = r["config"]
+            if c.get("check_finite") is False or c.get("memory_mode"):
+                continue
+            by.setdefault((_whole_workflow(c), c.get("budget_gib"), whole_caches(r),
+                           (bool(c.get("estimator")), c.get("attention"))), []).append(r)
+        for (wf, budget, caches, cfg), recs in by.items():
+            base = by.get((wf, budget, caches, (False, "sdpa")))
+            figures = {}
+            for name, i in (("first", 0), ("repeat", 1)):
+                for key in ("to_latent_s", "to_frames_s"):
+                    v = _prompt_median(recs, i, key)
+                    b = _prompt_median(base, i, key) if base and cfg != (False, "sdpa") else None
+                    figures[f"{name}_{key}"] = (v, b)
+            starts = [r["process_start_s"] for r in recs if r.get("process_start_s") is not None]
+            out.append(dict(set=s, workflow=wf, budget=budget, caches=caches, config=cfg, recs=recs, figures=figures,
+                            first_steps=tuple(_prompt_median(recs, 0, "first_step_s", e) for e in ("high", "low")),
+                            start=statistics.median(starts) if starts else None))
+    order = lambda x: (x["workflow"][0], -x["workflow"][1][0] * x["workflow"][1][1], x["workflow"][2],  # noqa: E731
+                       SETUPS.index(x["workflow"][5]), not x["workflow"][6], x["budget"] is not None, -(x["budget"] or 0),
+                       x["caches"] != "empty", WHOLE_CONFIGS.index(x["config"]) if x["config"] in WHOLE_CONFIGS else 9,
+                       x["set"]["label"])
+    return sorted(out, key=order)
+
+
+def whole_generation_section(paths=None) -> list:
+    """The section of docs/benchmarks.md on the whole prompt as the user waits for it; empty when no record
+    has ``prompts``."""
+    sets = whole_sets(paths)
+    rows_ = whole_rows(sets)
+    if not rows_:
+        return []
+    envs = [r.get("env") or {} for s in sets for r in s["runs"]]
+    vals = lambda k: _and(sorted({str(e.get(k)) for e in envs if e.get(k)}))  # noqa: E731
+    o = [f"## {WHOLE_HEADING}\n",
+         "The time a user waits for a prompt, from pressing Run to the video: from the prompt's first node (text encode,",
+         "model loads, both experts' sampling) to the latent, and to the decoded frames. *First prompt*: the first prompt",
+         "of a freshly started ComfyUI process, with no warm-up; *repeat prompt*: the next one in the same process with a",
+         "new seed, as ComfyUI runs it (the nodes whose inputs did not change are served from its cache, the models stay",
+         "loaded). *Caches at start*: the pack's timing cache, TorchInductor's and Triton's folders were *empty* (the first",
+         "prompt after installing) or *kept* from an earlier process (the first prompt after a restart). × is ComfyUI",
+         "alone + SDPA's seconds over the row's (above 1: faster), same workflow, budget, caches and machine round;",
+         "medians where several processes ran. The process's own start (interpreter, ComfyUI's import) is apart, under",
+         "*start-up*. `python -m bench.whole_prompt` (bench/README.md) wrote the records, on",
+         f"{vals('device')} with torch {vals('torch')} and ComfyUI {vals('comfyui')}; the graph is that of *The case* below.\n",
+         "| workflow | budget | caches at start | configuration | first prompt: to the latent | first prompt: to the "
+         "frames | repeat prompt: to the latent | repeat prompt: to the frames | first prompt's first step, high / low "
+         "| start-up | processes | records | wan-sage |",
+         "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    for x in rows_:
+        f = x["figures"]
+        hi, lo = x["first_steps"]
+        steps = "—" if hi is None else f"{hi:.1f} / " + ("—" if lo is None else f"{lo:.1f}") + " s"
+        start = "—" if x["start"] is None else f"{x['start']:.0f} s"
+        o.append(f"| {_whole_workflow_text(x['workflow'])} | {_budget_text(x['budget'])} | {x['caches']} | "
+                 f"{WHOLE_CONFIG_NAMES.get(x['config'], str(x['config']))} | "
+                 + " | ".join(_seconds(*f[k]) for k in ("first_to_latent_s", "first_to_frames_s", "repeat_to_latent_s",
+                                                         "repeat_to_frames_s"))
+                 + f" | {steps} | {start} | "
+                 f"{len(x['recs'])} | {_record_link(x['set']['file'], x['set']['label'])} | "
+                 f"{', '.join(dict.fromkeys(f'`{commit_of(r)}`' for r in x['recs']))} |")
+    return o + [""]
+
+
 # --------------------------------------------------------------------------- docs/benchmarks.md
 
 SETUPS = ("", "compile per block", "compile")          # plot_e2e.compile_kind: eager, per block, whole model
@@ -1019,7 +1164,7 @@ def benchmarks_doc() -> str:
          f"{vals('allocator')} allocator (what ComfyUI's `main.py` selects), ComfyUI {vals('comfyui')}, ComfyUI-GGUF",
          f"{vals('comfyui_gguf')} and SageAttention built from source for sm90 (thu-ml/SageAttention main at commit",
          f"{vals('sageattention_commit')}; the first records read a build installed without package metadata as version",
-         "`unknown`). Every record carries these fields in its `env`.\n",
+         "`unknown`). Every record carries these fields in its `env`.\n"] + whole_generation_section() + [
          "## The case\n",
          "Wan 2.2 T2V A14B, both experts, a rank-64 LoRA on each (standing in for the 4-step Lightning LoRAs), 4 steps",
          "(high-noise expert steps 0–2, low-noise 2–4), euler / simple, cfg 1.0, seed 0, UMT5-XXL encoder loaded and used",

@@ -1,0 +1,112 @@
+"""The "Whole generation" section of docs/benchmarks.md, rendered from synthetic whole-prompt records in a
+temporary folder: first and repeat prompt per workflow, budget and caches, the ratio to ComfyUI alone of the
+same set only, decode on and off; no section at all without such records."""
+import json
+
+import pytest
+
+from bench import render_docs
+
+ENV = {"device": "NVIDIA H200", "torch": "2.8.0", "comfyui": "0.3.64", "wan_sage_commit": "abc1234"}
+
+
+def record(est, att, first, repeat, caches="empty", budget=24.0, decode=True, steps=4, first_step=(19.2, 11.9),
+           start=33.0, **extra):
+    """A whole-prompt record with the fields the section reads: ``first`` / ``repeat`` are (to the latent, to the
+    frames) in seconds."""
+    def prompt(name, t):
+        return {"prompt": name, "status": "ok", "to_latent_s": t[0], "to_frames_s": t[1] if decode else None,
+                "first_step_s": {"high": first_step[0], "low": first_step[1]}}
+    return {"schema": "wan-sage-whole-prompt/1", "run": f"{'est' if est else 'comfy'}+{att}@{budget:g}:1280x720x81",
+            "status": "ok", "config": {"estimator": est, "attention": att, "budget_gib": budget, "width": 1280, "height": 720,
+                                       "frames": 81, "weights": "gguf", "steps": steps, "cfg": 1.0, "lora_rank": 64,
+                                       "decode": decode},
+            "caches": {"mode": "kept" if caches == "kept" else "none", "filled_at_start": caches == "kept"},
+            "process": {"index": 2 if caches == "kept" else 1, "count": 2 if caches == "kept" else 1},
+            "process_start_s": start, "prompts": [prompt("first", first), prompt("repeat", repeat)],
+            "env": ENV, "commit": ENV["wan_sage_commit"], **extra}
+
+
+def _write(path, recs):
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path
+
+
+@pytest.fixture
+def files(tmp_path):
+    one = _write(tmp_path / "gguf-720p81-24gib.jsonl", [
+        record(False, "sdpa", (80.0, 88.8), (64.0, 70.0)),
+        record(True, "sage", (80.0, 87.2), (50.0, 56.0)),
+        record(True, "sage", (82.0, 89.2), (52.0, 58.0)),                    # a second process: medians
+        record(False, "sdpa", (81.0, 88.0), (64.0, 70.0), caches="kept"),
+        record(True, "sage", (70.0, 76.5), (50.0, 56.0), caches="kept", first_step=(11.6, 11.5)),
+        record(False, "sdpa", (80.0, None), (64.0, None), decode=False),
+        record(True, "sage", (64.0, None), (40.0, None), decode=False),
+        dict(record(True, "sage", (1.0, 2.0), (1.0, 2.0), budget=16.0), budget={"faithful": False}),   # left out
+        {"schema": "wan-sage-e2e/1", "run": "est+sage@24:1280x720x81", "config": {"estimator": True}},   # no prompts
+    ])
+    # another machine: the estimator's row has no ComfyUI alone of its own set, so no ratio
+    two = _write(tmp_path / "gguf-720p81-24gib-other-machine.jsonl", [record(True, "sage", (60.0, 66.0), (40.0, 45.0))])
+    return [one, two]
+
+
+def _rows(lines):
+    return [line for line in lines if line.startswith("| GGUF")]
+
+
+def test_the_section_has_first_and_repeat_prompt_with_ratios_to_comfyui_alone_of_the_same_set(files):
+    lines = render_docs.whole_generation_section(files)
+    assert lines[0] == "## Whole generation\n"
+    text = " ".join(lines)
+    assert "on NVIDIA H200 with torch 2.8.0 and ComfyUI 0.3.64" in text
+    rows = _rows(lines)
+    assert len(rows) == 7, rows
+    cells = [[c.strip() for c in r.strip("|").split("|")] for r in rows]
+    head = [c.strip() for c in lines[lines.index(rows[0]) - 2].strip("|").split("|")]
+    assert head[:9] == ["workflow", "budget", "caches at start", "configuration", "first prompt: to the latent",
+                        "first prompt: to the frames", "repeat prompt: to the latent", "repeat prompt: to the frames",
+                        "first prompt's first step, high / low"]
+    by = {(c[0], c[2], c[3], c[11]): c for c in cells}
+    wf = "GGUF Q4_K_M, 720p81, 4 steps, eager"
+    base = by[(wf, "empty", "ComfyUI alone + SDPA", "`gguf-720p81-24gib`")]
+    assert base[1] == "24 GiB" and base[4:8] == ["80.0 s", "88.8 s", "64.0 s", "70.0 s"]     # the baseline: no ratio
+    est = by[(wf, "empty", "estimator + Sage", "`gguf-720p81-24gib`")]
+    # the median of its two processes against ComfyUI alone's seconds: 80 / 81, 88.8 / 88.2, 64 / 51, 70 / 57
+    assert est[4:8] == ["81.0 s (0.99×)", "88.2 s (1.01×)", "51.0 s (1.25×)", "57.0 s (1.23×)"]
+    assert est[8] == "19.2 / 11.9 s" and est[9] == "33 s" and est[10] == "2" and est[12] == "`abc1234`"
+    kept = by[(wf, "kept", "estimator + Sage", "`gguf-720p81-24gib`")]
+    assert kept[4:6] == ["70.0 s (1.16×)", "76.5 s (1.15×)"] and kept[8] == "11.6 / 11.5 s"
+    nodecode = by[(wf + ", no decode", "empty", "estimator + Sage", "`gguf-720p81-24gib`")]
+    assert nodecode[4:8] == ["64.0 s (1.25×)", "—", "40.0 s (1.60×)", "—"]
+    other = by[(wf, "empty", "estimator + Sage", "`gguf-720p81-24gib-other-machine`")]
+    assert other[4:8] == ["60.0 s", "66.0 s", "40.0 s", "45.0 s"]               # no ComfyUI alone in its set
+    assert "16 GiB" not in text                                              # the record marked not faithful
+    # order: decoded before not decoded, empty caches before kept, ComfyUI alone first in each group
+    assert [(c[0].endswith("no decode"), c[2], c[3]) for c in cells[:4]] == [
+        (False, "empty", "ComfyUI alone + SDPA"), (False, "empty", "estimator + Sage"),
+        (False, "empty", "estimator + Sage"), (False, "kept", "ComfyUI alone + SDPA")]
+
+
+def test_a_long_workflow_is_a_workflow_of_its_own(tmp_path):
+    f = _write(tmp_path / "long.jsonl", [record(False, "sdpa", (300.0, 310.0), (280.0, 290.0), steps=20),
+                                          record(True, "sage", (240.0, 250.0), (220.0, 230.0), steps=20),
+                                          record(True, "sage", (80.0, 88.0), (60.0, 66.0))])
+    rows = _rows(render_docs.whole_generation_section([f]))
+    assert any("720p81, 20 steps, eager" in r and "240.0 s (1.25×)" in r for r in rows)
+    assert any("720p81, 4 steps, eager" in r and "80.0 s |" in r for r in rows)    # no 4-step ComfyUI alone: no ratio
+
+
+def test_no_section_without_whole_prompt_records(tmp_path):
+    assert render_docs.whole_generation_section([]) == []
+    plain = _write(tmp_path / "e2e.jsonl", [{"schema": "wan-sage-e2e/1", "run": "x", "config": {"estimator": True}}])
+    assert render_docs.whole_generation_section([plain]) == []
+    # the checkout's records: none has prompts yet, so the page has no such section (and no placeholder)
+    if not any(r.get("prompts") for s in render_docs.whole_sets() for r in s["runs"]):
+        assert render_docs.WHOLE_HEADING not in render_docs.benchmarks_doc()
+
+
+def test_the_section_comes_first_in_benchmarks_md_when_records_exist(files, monkeypatch):
+    monkeypatch.setattr(render_docs, "whole_prompt_files", lambda: files)
+    page = render_docs.benchmarks_doc()
+    headings = [line for line in page.splitlines() if line.startswith("## ")]
+    assert headings[0] == "## Whole generation" and headings[1] == "## The case"
