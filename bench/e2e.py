@@ -71,8 +71,20 @@ that ``comfy.model_management.get_free_memory()`` reads GB GiB (checked, correct
   the fallback on would run slowly instead.
 
 Run specs: ``{est|comfy}+{sdpa|sage}[+compile|+compileblocks]@{GB|full}:{WxHxF|720p81|480p81}``, e.g.
-``est+sage@24:720p81``.  ``--matrix`` runs the 16 combinations of the benchmark's targets for ``--weights`` in
-priority order (24 GB 720p81 first); ``--deadline-s`` stops starting runs after that many seconds.
+``est+sage@24:720p81``, optionally followed by ``:Nsteps``, ``:cfgX``, ``:nolora`` (no LoRA on the experts) and
+``:decode`` / ``:nodecode``, which make the run a workflow of its own (``est+sage@24:480p81:20steps:cfg3.5:nolora``
+is ComfyUI's 20-step template; without them ``--steps``, ``--cfg`` and ``--decode`` apply).  ``--matrix`` runs the
+16 combinations of the benchmark's targets for ``--weights`` in priority order (24 GB 720p81 first);
+``--deadline-s`` stops starting runs after that many seconds.  Every record has ``to_latent_s`` and
+``to_frames_s``: from the run's first node (the text encode) to the latent and to the decoded frames.
+
+``--whole-prompt --caches none|kept DIR`` runs one spec as the user's clock sees it, in this fresh process and
+with no warm-up: the first prompt, then a repeat prompt with a new seed, as queued to a running ComfyUI (one
+:class:`PromptSession`: the ballast held throughout, nothing unloaded between the prompts, the nodes whose
+inputs did not change served from the first prompt).  ``--caches`` points the pack's timing cache, TorchInductor's
+and Triton's caches at fresh empty folders (``none``) or at ``DIR``'s (``kept``) before torch is imported.  One
+record (``wan-sage-whole-prompt/1``) per process, with both prompts, the caches, the process's start and
+ComfyUI's import apart (``process_start_s``, ``startup``); ``python -m bench.whole_prompt`` drives the processes.
 
 ``+compile`` adds ComfyUI's own ``TorchCompileModel`` node (``comfy_extras/nodes_torch_compile.py``)
 to each expert after the Sage patch, so the compiled model carries the override.  In ComfyUI 0.3.64
