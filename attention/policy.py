@@ -32,7 +32,7 @@ the rest are decided at run time (the op runs SDPA itself).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -60,8 +60,10 @@ ELIGIBLE_DTYPES = tuple(dtype for dtype, name in DTYPE_NAMES.items()
 
 
 def static_reason(q, k, v, mask, kwargs) -> str | None:
-    """Reasons that need nothing beyond the tensors' own attributes and the kwargs."""
-    if q.device.type not in ACCEL_DEVICE_TYPES:
+    """Reasons that need nothing beyond the tensors' own attributes and the kwargs.  (Runs on
+    every call: each attribute is read once, and ``is_cuda`` spares a CUDA tensor the device
+    object.)"""
+    if not q.is_cuda and q.device.type not in ACCEL_DEVICE_TYPES:
         return "cpu"
     if mask is not None:
         return "mask"
@@ -69,21 +71,22 @@ def static_reason(q, k, v, mask, kwargs) -> str | None:
         return "low_precision_off"
     if kwargs.get("enable_gqa", False):
         return "gqa"
-    if q.dtype not in ELIGIBLE_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+    dtype = q.dtype
+    if dtype not in ELIGIBLE_DTYPES or k.dtype != dtype or v.dtype != dtype:
         return "dtype"
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return "grad"
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class CallShape:
+class CallShape(NamedTuple):
     """The shape of one attention call: batch, heads, query and key lengths, head dim, the layout
     q/k/v arrive in (``layout``) and the layout the caller wants the output in (``out_layout``).
 
     Built by :func:`call_shape` once per call, also inside ``torch.compile``'s traced region (the
-    override's static checks): dynamo traces the construction of this frozen dataclass without a
-    graph break (tests/unit/test_compile.py)."""
+    override's static checks): dynamo traces the construction of this named tuple without a graph
+    break (tests/unit/test_compile.py).  A named tuple is cheap to build and hashes in C, which the
+    per-call lookup of a settled decision needs; its fields are read by name."""
 
     B: int
     H: int
@@ -94,26 +97,32 @@ class CallShape:
     out_layout: str  # "NHD": output [B, N, H*D]; "HND": [B, H, N, D]
 
 
+# A named tuple built from its fields in order without its Python-level __new__ (a third of the cost).
+_new = tuple.__new__
+
+
 def call_shape(q, k, heads: int, skip_reshape: bool, skip_output_reshape: bool) -> CallShape | str:
     """The :class:`CallShape` of a call in either of ComfyUI's layouts, or the reason code when the
     shapes do not make one attention call.  ``layout`` is "NHD" for [B, N, H*D] (k/v possibly 4-D,
     as in Wan's Animate face block) and "HND" for [B, H, N, D] (``skip_reshape``); ``out_layout``
     is "HND" with ``skip_output_reshape``, else "NHD"."""
     out_layout = "HND" if skip_output_reshape else "NHD"
+    q_shape, k_shape = q.shape, k.shape
     if skip_reshape:
-        if q.ndim != 4 or k.ndim != 4:
+        if len(q_shape) != 4 or len(k_shape) != 4:
             return "layout"
-        B, H, Nq, D = q.shape
-        if k.shape[1] != H:
+        B, H, Nq, D = q_shape
+        if k_shape[1] != H:
             return "gqa"
-        return CallShape(B, H, Nq, k.shape[2], D, "HND", out_layout)
-    if q.ndim != 3 or q.shape[-1] % heads:
+        return _new(CallShape, (B, H, Nq, k_shape[2], D, "HND", out_layout))
+    if len(q_shape) != 3 or q_shape[2] % heads:
         return "layout"
-    B, Nq, H = q.shape[0], q.shape[1], heads
-    D = q.shape[-1] // heads
-    if k.numel() % (B * H * D) or (k.ndim == 3 and k.shape[-1] != H * D) or (k.ndim == 4 and k.shape[-2] != H):
+    B, Nq, C = q_shape
+    D = C // heads
+    n, row = k.numel(), B * C  # k's elements, and those of one key token over the batch (B * H * D)
+    if n % row or (len(k_shape) == 3 and k_shape[2] != C) or (len(k_shape) == 4 and k_shape[2] != heads):
         return "gqa"
-    return CallShape(B, H, Nq, k.numel() // (B * H * D), D, "NHD", out_layout)
+    return _new(CallShape, (B, heads, Nq, n // row, D, "NHD", out_layout))
 
 
 def is_cross(nq: int, nk: int) -> bool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from .policy import CallShape
@@ -26,10 +26,10 @@ __all__ = ["DispatchState", "STATE", "CallKey", "SelfTestKey", "FailureKey", "De
            "SelfTestTicket"]
 
 
-@dataclass(frozen=True, slots=True)
-class CallKey:
+class CallKey(NamedTuple):
     """What a decision is kept per: the patch's options (their :meth:`DispatchState.config_key`),
-    the normalised device index, the dtype and the call's shape.  Built once per call."""
+    the normalised device index, the dtype and the call's shape.  Built once per call, so it is a
+    named tuple: cheap to build, hashed in C; its fields are read by name."""
 
     config_key: int
     device_index: int
