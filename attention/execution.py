@@ -8,8 +8,10 @@ override's ``sdpa``, ComfyUI's own ``attention_pytorch`` inside ComfyUI), with i
 
 Decisions (:class:`.state.Decision`) are kept per call key (:class:`.state.CallKey`: patch
 options, device, dtype and the :class:`.policy.CallShape`) and settled on the first call, so a
-shape does the same thing step after step; per call only free memory is checked.  The rules that
-change a settled shape:
+shape does the same thing step after step; per call only free memory is checked.  A call whose
+key is settled on SDPA does no run-time work at all: one dict lookup, its count, SDPA
+(:func:`settled_sdpa`; the eager override makes the same lookup before it calls in here).  The
+rules that change a settled shape:
 
 * **free memory short**: the call splits into more head groups (the fewest that fit), and keeps
   that count from then on; when not even one head per group fits, that call runs on SDPA.
@@ -36,12 +38,15 @@ from .policy import DTYPE_NAMES
 from .policy import CallShape
 from .state import STATE, CallKey, Decision, FailureKey, OomMemory
 
-__all__ = ["run_attention", "decide", "run_kernel", "FINITE_FIRST_CALLS", "FINITE_EVERY", "fits", "available_bytes"]
+__all__ = ["run_attention", "decide", "run_kernel", "call_key", "settled_sdpa", "run_sdpa", "FINITE_FIRST_CALLS",
+           "FINITE_EVERY", "fits", "available_bytes"]
 
 log = logging.getLogger("wan_sage")
 
 FINITE_FIRST_CALLS = 4
 FINITE_EVERY = 64
+
+_new = tuple.__new__  # builds a CallKey from its fields in order, without its Python-level __new__
 
 
 # ------------------------------------------------------------------ free memory
@@ -139,12 +144,29 @@ def _budget_left(ov, shape: CallShape, names: tuple, groups: dict) -> bool:
     return False
 
 
+def call_key(ov, q, shape: CallShape) -> CallKey:
+    """The :class:`.state.CallKey` of a call of ``ov`` on q: q's device index (0 for a CPU
+    tensor, as :func:`.kernels.device_index` normalises it), dtype and ``shape``."""
+    index = q.get_device()
+    return _new(CallKey, (ov.config_key, index if index >= 0 else 0, q.dtype, shape))
+
+
+def settled_sdpa(key: CallKey) -> str | None:
+    """The reason when ``key`` is settled on SDPA (a settled SDPA decision stays until the state
+    is reset), else None.  One dict lookup, without the lock."""
+    decision = STATE.decisions.get(key)
+    if decision is not None and decision.kernel is None:
+        return decision.reason
+    return None
+
+
 def decide(ov, q, shape: CallShape, claim: bool = True) -> Plan:
     """The plan for one call (no kernel runs here, except a kernel's one-time self-test).
     ``claim=False`` reports a pending calibration without claiming it (a dry run)."""
-    device = q.device
-    index = device.index if device.index is not None else kernels.device_index(device)
-    key = CallKey(ov.config_key, index, q.dtype, shape)
+    return _decide(ov, q.device, call_key(ov, q, shape), claim)
+
+
+def _decide(ov, device, key: CallKey, claim: bool) -> Plan:
     decision = STATE.decisions.get(key)
     if decision is None:
         decision = _settle(ov, device, key, claim)
@@ -226,12 +248,19 @@ def run_kernel(name: str, q4, k4, v4, layout: str, out_layout: str, groups: int,
     return _run_split(name, q4, k4, v4, layout, out_layout, groups, scale, cc)
 
 
+def run_sdpa(ov, q, k, v, heads, skip_reshape, skip_output_reshape, scale):
+    """The call on the override's SDPA, in the caller's layout (contiguous); not counted."""
+    if scale is None:
+        out = ov.sdpa(q, k, v, heads, skip_reshape=skip_reshape, skip_output_reshape=skip_output_reshape)
+    else:
+        out = ov.sdpa(q, k, v, heads, skip_reshape=skip_reshape, skip_output_reshape=skip_output_reshape,
+                      scale=scale)
+    return out.contiguous()
+
+
 def _sdpa(ov, q, k, v, heads, skip_reshape, skip_output_reshape, scale, reason, fallback=None, calibration_ms=0.0):
     stats.record(ov.patch_id, reason=reason, fallback=fallback, calibration_ms=calibration_ms)
-    extra = {"skip_reshape": skip_reshape, "skip_output_reshape": skip_output_reshape}
-    if scale is not None:
-        extra["scale"] = scale
-    return ov.sdpa(q, k, v, heads, **extra).contiguous()
+    return run_sdpa(ov, q, k, v, heads, skip_reshape, skip_output_reshape, scale)
 
 
 def _all_finite(t) -> bool:
@@ -261,12 +290,20 @@ def _remember_failure(plan: Plan, name: str, text: str) -> None:
                     name, text)
 
 
-def run_attention(ov, q, k, v, heads: int, skip_reshape: bool, skip_output_reshape: bool, scale, shape=None):
+def run_attention(ov, q, k, v, heads: int, skip_reshape: bool, skip_output_reshape: bool, scale, shape=None,
+                  key=None):
     """The output of one statically eligible call, in the caller's layout (contiguous).
-    ``shape``: the call's :func:`.policy.call_shape`, when the caller has it already."""
-    if shape is None:
-        shape = policy.call_shape(q, k, heads, skip_reshape, skip_output_reshape)
-    plan = decide(ov, q, shape)
+    ``shape``: the call's :func:`.policy.call_shape`, when the caller has it already; ``key``: its
+    :func:`call_key`, when the caller has it and has found it not settled on SDPA."""
+    if key is None:
+        if shape is None:
+            shape = policy.call_shape(q, k, heads, skip_reshape, skip_output_reshape)
+        key = call_key(ov, q, shape)
+        reason = settled_sdpa(key)
+        if reason is not None:
+            stats.count_sdpa(ov.patch_id, reason)
+            return run_sdpa(ov, q, k, v, heads, skip_reshape, skip_output_reshape, scale)
+    plan = _decide(ov, q.device, key, True)
     if plan.calibrate:
         return _calibrate(ov, plan, q, k, v, heads, skip_reshape, skip_output_reshape, scale)
     if plan.kernel is None:

@@ -1,15 +1,19 @@
 """The callable ComfyUI calls for every attention call of a patched model:
 :class:`SageAttentionOverride`, installed as ``transformer_options["optimized_attention_override"]``.
 
-Its ``__call__`` does only what ``torch.compile`` can trace: the static checks of
-:mod:`.policy` (tensor attributes, kwargs, the patch's ``min_tokens``).  A call they decline goes
-to the override that was installed before this one (``prev(func, ...)``), else to SDPA, exactly
-as ComfyUI would run it.  An eligible call goes to the run-time part
+While ``torch.compile`` traces it, its ``__call__`` does only what can be traced: the static
+checks of :mod:`.policy` (tensor attributes, kwargs, the patch's ``min_tokens``).  A call they
+decline goes to the override that was installed before this one (``prev(func, ...)``), else to
+SDPA, exactly as ComfyUI would run it.  An eligible call goes to the run-time part
 (:func:`.execution.run_attention`): directly in eager mode, through the custom op
-``wan_sage::attention`` (:mod:`.op`) while being compiled, so the compiler sees one node.  Calls
-declined at run time (slower, cross_slower, memory, oom, error, nonfinite, no_kernel, disabled,
-failed, head_dim) run SDPA inside the run-time part; ``prev`` receives only the calls declined
-statically.
+``wan_sage::attention`` (:mod:`.op`) while being compiled, so the compiler sees one node.
+
+In eager mode a call like one seen before skips the static shape checks (its call key, or its
+static refusal, is found by the facts that decide them; its per-call options are checked again),
+and a call whose shape is settled on SDPA does not reach the run-time part: one lookup of its call
+key, its count, and SDPA.  Calls declined at run time (slower, cross_slower, memory, oom, error,
+nonfinite, no_kernel, disabled, failed, head_dim) run SDPA inside the run-time part,
+or here when settled; ``prev`` receives only the calls declined statically.
 
 On ComfyUI 0.38 and newer a call site that wraps q/k/v in ``AttentionTensorContainer``s reaches
 :meth:`SageAttentionOverride.container_function` instead, which takes the tensors and dispatches them
@@ -58,6 +62,17 @@ def settled_shapes() -> list:
     return shapes
 
 
+def _parse(args, kwargs):
+    """(q, k, v, heads, mask, skip_reshape, skip_output_reshape) of a call in ComfyUI's signature."""
+    q, k, v = args[0], args[1], args[2]
+    n = len(args)
+    heads = kwargs["heads"] if "heads" in kwargs else args[3]
+    mask = kwargs.get("mask", args[4] if n > 4 else None)
+    skip_reshape = bool(kwargs.get("skip_reshape", args[6] if n > 6 else False))
+    skip_out = bool(kwargs.get("skip_output_reshape", args[7] if n > 7 else False))
+    return q, k, v, heads, mask, skip_reshape, skip_out
+
+
 class SageAttentionOverride:
     """``override(func, q, k, v, heads, **kwargs)`` with ComfyUI's attention signature."""
 
@@ -92,42 +107,87 @@ class SageAttentionOverride:
         return (f"SageAttentionOverride(id={self.patch_id}, kernel={self.config.kernel}, "
                 f"chained={self.prev is not None})")
 
-    # ------------------------------------------------------------------ the traced part
+    # ------------------------------------------------------------------ the static checks
+    def _check(self, q, k, v, heads, mask, skip_reshape, skip_out, kwargs):
+        """(call shape, None) for a statically eligible call, else (None, reason)."""
+        reason = policy.static_reason(q, k, v, mask, kwargs)
+        if reason is not None:
+            return None, reason
+        shape = policy.call_shape(q, k, heads, skip_reshape, skip_out)
+        if isinstance(shape, str):
+            return None, shape
+        if shape.Nq < self.config.min_tokens:
+            return None, "short"
+        return shape, None
+
     def _static(self, args, kwargs):
         """(q, k, v, heads, skip_reshape, skip_output_reshape, call shape, reason or None)."""
-        q, k, v = args[0], args[1], args[2]
-        heads = kwargs["heads"] if "heads" in kwargs else args[3]
-        mask = kwargs["mask"] if "mask" in kwargs else (args[4] if len(args) > 4 else None)
-        skip_reshape = kwargs["skip_reshape"] if "skip_reshape" in kwargs else (args[6] if len(args) > 6 else False)
-        skip_out = kwargs["skip_output_reshape"] if "skip_output_reshape" in kwargs else (
-            args[7] if len(args) > 7 else False)
-        reason = policy.static_reason(q, k, v, mask, kwargs)
-        shape = None
-        if reason is None:
-            shape = policy.call_shape(q, k, heads, skip_reshape, skip_out)
-            if isinstance(shape, str):
-                reason = shape
-            elif shape.Nq < self.config.min_tokens:
-                reason = "short"
-        return q, k, v, heads, bool(skip_reshape), bool(skip_out), shape, reason
+        q, k, v, heads, mask, skip_reshape, skip_out = _parse(args, kwargs)
+        shape, reason = self._check(q, k, v, heads, mask, skip_reshape, skip_out, kwargs)
+        return q, k, v, heads, skip_reshape, skip_out, shape, reason
 
+    def _declined(self, func, args, kwargs):
+        if self.prev is not None:
+            return self.prev(func, *args, **kwargs)
+        return self.sdpa(*args, **kwargs)
+
+    # ------------------------------------------------------------------ calls
     def __call__(self, func, *args, **kwargs):
+        if _is_compiling():
+            return self._traced(func, args, kwargs)
+        q, k, v, heads, mask, skip_reshape, skip_out = _parse(args, kwargs)
+        # A call like one seen before (the same facts its static shape checks read: STATE.seen_calls)
+        # skips those checks; only its per-call options are checked again.
+        seen = found = None
+        if policy.options_allow(q, k, v, mask, kwargs):
+            seen = (self.config_key, q.is_cuda, q.get_device(), q.dtype, k.dtype, v.dtype, q.shape, k.shape, heads,
+                    skip_reshape, skip_out)
+            found = STATE.seen_calls.get(seen)
+        if found is None:
+            shape, reason = self._check(q, k, v, heads, mask, skip_reshape, skip_out, kwargs)
+            if shape is not None:
+                found = execution.call_key(self, q, shape)
+            elif reason in policy.SHAPE_REASONS:
+                found = reason
+            if seen is not None and found is not None:
+                STATE.remember_call(seen, found)
+            if reason is not None:
+                stats.count_sdpa(self.patch_id, reason)
+                return self._declined(func, args, kwargs)
+        elif found.__class__ is str:  # a shape refusal seen before
+            stats.count_sdpa(self.patch_id, found)
+            return self._declined(func, args, kwargs)
+        scale = kwargs.get("scale")
+        scale = None if scale is None else float(scale)
+        # A shape settled on SDPA is declined here, before any run-time work.
+        settled = STATE.decisions.get(found)
+        if settled is not None and settled.kernel is None:
+            stats.count_sdpa(self.patch_id, settled.reason)
+            return execution.run_sdpa(self, q, k, v, heads, skip_reshape, skip_out, scale)
+        return execution.run_attention(self, q, k, v, heads, skip_reshape, skip_out, scale, found.shape, found)
+
+    def _traced(self, func, args, kwargs):
+        """The call while ``torch.compile`` traces it: the static checks, then the custom op."""
         q, k, v, heads, skip_reshape, skip_out, shape, reason = self._static(args, kwargs)
         if reason is not None:
-            if not _is_compiling():
-                stats.record(self.patch_id, reason=reason)
-            if self.prev is not None:
-                return self.prev(func, *args, **kwargs)
-            return self.sdpa(*args, **kwargs)
-        return self._dispatch(q, k, v, heads, skip_reshape, skip_out, shape, kwargs)
+            return self._declined(func, args, kwargs)
+        scale = kwargs.get("scale")
+        scale = None if scale is None else float(scale)
+        return op.call_attention(q, k, v, heads, skip_reshape, skip_out, scale, self.graph_key)
 
     def _dispatch(self, q, k, v, heads, skip_reshape, skip_out, shape, kwargs):
-        """Run a statically eligible call: the custom op while compiling, else the run-time part."""
+        """Run a statically eligible call of ``shape``: the custom op while compiling, else SDPA for a shape
+        settled on it, else the run-time part (what :meth:`__call__` does after its checks)."""
         scale = kwargs.get("scale")
         scale = None if scale is None else float(scale)
         if _is_compiling():
             return op.call_attention(q, k, v, heads, skip_reshape, skip_out, scale, self.graph_key)
-        return execution.run_attention(self, q, k, v, heads, skip_reshape, skip_out, scale, shape)
+        key = execution.call_key(self, q, shape)
+        settled = STATE.decisions.get(key)
+        if settled is not None and settled.kernel is None:
+            stats.count_sdpa(self.patch_id, settled.reason)
+            return execution.run_sdpa(self, q, k, v, heads, skip_reshape, skip_out, scale)
+        return execution.run_attention(self, q, k, v, heads, skip_reshape, skip_out, scale, shape, key)
 
     def container_function(self, *args, **kwargs):
         """The entry point ComfyUI (0.38 and newer) calls instead of ``override(func, ...)`` when the call
@@ -156,7 +216,7 @@ class SageAttentionOverride:
         if reason is not None:
             del q, k, v  # the previous override or SDPA may take the containers: hold no reference
             if not _is_compiling():
-                stats.record(self.patch_id, reason=reason)
+                stats.count_sdpa(self.patch_id, reason)
             prev = self.prev
             if prev is not None and getattr(prev, "container_function", None) is not None:
                 return prev.container_function(*args, **kwargs)

@@ -38,10 +38,13 @@ import torch
 
 from .registry import KERNELS
 
-__all__ = ["static_reason", "call_shape", "CallShape", "is_cross", "REASONS", "STATIC_REASONS", "CROSS_MAX_NK",
+__all__ = ["static_reason", "options_allow", "call_shape", "CallShape", "SHAPE_REASONS", "is_cross", "REASONS", "STATIC_REASONS", "CROSS_MAX_NK",
            "ELIGIBLE_DTYPES", "DTYPE_NAMES"]
 
 STATIC_REASONS = ("cpu", "mask", "low_precision_off", "gqa", "dtype", "grad", "layout", "short")
+# The static refusals decided by the dtypes and shapes of q/k/v, the heads, the layout flags and the
+# patch's options alone, once :func:`options_allow` holds: the same for every call alike.
+SHAPE_REASONS = ("dtype", "layout", "gqa", "short")
 REASONS = STATIC_REASONS + ("head_dim", "cross_slower", "slower", "no_kernel", "disabled", "failed", "memory",
                             "oom", "error", "nonfinite")
 
@@ -77,6 +80,15 @@ def static_reason(q, k, v, mask, kwargs) -> str | None:
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return "grad"
     return None
+
+
+def options_allow(q, k, v, mask, kwargs) -> bool:
+    """Whether the per-call part of :func:`static_reason` lets the call through: no mask, low
+    precision not turned off, no grouped-query kwarg, no autograd recording.  (The rest of the
+    static checks reads only what decides them once for a shape: device, dtypes and shapes.)"""
+    return (mask is None and kwargs.get("low_precision_attention", True) is not False
+            and not kwargs.get("enable_gqa", False)
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)))
 
 
 class CallShape(NamedTuple):

@@ -1,10 +1,10 @@
 """All mutable state of wan-sage's attention dispatcher, in one object behind one lock.
 
 What the process has learnt lives here: the kernels each device offers, self-test verdicts,
-kernels that raised, the settled :class:`Decision` per :class:`CallKey`, calibration spend,
-remembered out-of-memory errors, finite-check counters, the timing caches, the registry of live
-patches (looked up by the custom op through graph keys), the probe of installed kernel packages
-and the run statistics.
+kernels that raised, the settled :class:`Decision` per :class:`CallKey`, the call key (or static
+refusal) of eager calls seen before, calibration spend, remembered out-of-memory errors,
+finite-check counters, the timing caches, the registry of live patches (looked up by the custom
+op through graph keys), the probe of installed kernel packages and the run statistics.
 
 Rules: every write holds :attr:`DispatchState.lock`; reads on the hot path are single dict
 lookups without it; nothing here runs GPU work, and callers never run GPU work (self-tests,
@@ -117,6 +117,9 @@ class DispatchState:
         self.timed_here: set = set()  # timing-cache keys this process measured
         self.ooms: dict = {}  # CallKey -> OomMemory
         self.calls: dict = {}  # (kernel, CallKey) -> calls run (finite-check sampling)
+        # facts of an eager call that decide its static shape checks (patch options, device, dtypes,
+        # shapes, heads, layout flags) -> its CallKey, or the static refusal they make (SHAPE_REASONS)
+        self.seen_calls: dict = {}
 
     def reset(self) -> None:
         """Forget every decision (tests; after reinstalling a kernel).  Live patches, the package
@@ -188,6 +191,10 @@ class DispatchState:
     def add_timed(self, keys) -> None:
         with self.lock:
             self.timed_here.update(keys)
+
+    def remember_call(self, seen: tuple, found) -> None:
+        with self.lock:
+            self.seen_calls[seen] = found
 
     def remember_oom(self, call_key, memory: OomMemory) -> None:
         with self.lock:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from .state import STATE
 
-__all__ = ["record", "begin_run", "end_run", "snapshot", "last_runs", "RunStats", "format_summary"]
+__all__ = ["record", "count_sdpa", "begin_run", "end_run", "snapshot", "last_runs", "RunStats", "format_summary"]
 
 
 @dataclass
@@ -68,6 +68,15 @@ def record(patch_id: str, *, kernel: str | None = None, reason: str | None = Non
         if fallback:
             st.fallbacks[fallback] += 1
         st.calibration_ms += calibration_ms
+
+
+def count_sdpa(patch_id: str, reason: str) -> None:
+    """Count one call that ran on SDPA for ``reason`` and nothing else: :func:`record` for the
+    per-call paths that know no more (a static refusal, a shape settled on SDPA)."""
+    with STATE.lock:
+        st = STATE.runs_current.get(patch_id) or _get(patch_id)
+        st.sdpa_calls += 1
+        st.reasons[reason or "unknown"] += 1
 
 
 def begin_run(patch_id: str, label: str = "") -> None:
