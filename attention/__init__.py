@@ -7,7 +7,8 @@ head_groups    the memory mode's head-group count and its bytes (torch-free)
 kernels        what the installed packages offer; calling a kernel
 policy         static eligibility (traceable), the CallShape of a call, the reason codes
 planning       candidates, self-test, the choice from timings
-execution      one call at run time: memory fit, head split, run, fallbacks, NaN/Inf guard
+execution      one call at run time: memory fit, head split, run, fallbacks, sampled output check
+accuracy       the accuracy bound, and the check of a kernel's output rows against SDPA
 timing         calibration on a real call and the timing cache (TimingCache)
 file_lock      the cross-process lock of the timing cache (torch-free)
 state          all mutable state behind one lock, its CallKey and Decision (torch-free)

@@ -1,6 +1,6 @@
 """Run one attention call that passed the static checks, at run time: settle its decision, check
-free memory, split it into head groups, run the kernel, fall back to SDPA, guard the output
-against NaN/Inf, and count it.
+free memory, split it into head groups, run the kernel, fall back to SDPA, check a sample of the
+outputs against SDPA (NaN/Inf and accuracy), and count it.
 
 The custom op (:mod:`.op`) calls :func:`run_attention` under ``torch.compile``; in eager mode the
 override calls it directly.  Every call that does not run on a kernel runs SDPA here (the
@@ -10,8 +10,9 @@ Decisions (:class:`.state.Decision`) are kept per call key (:class:`.state.CallK
 options, device, dtype and the :class:`.policy.CallShape`) and settled on the first call, so a
 shape does the same thing step after step; per call only free memory is checked.  A call whose
 key is settled on SDPA does no run-time work at all: one dict lookup, its count, SDPA
-(:func:`settled_sdpa`; the eager override makes the same lookup before it calls in here).  The
-rules that change a settled shape:
+(:func:`settled_sdpa`; the eager override makes the same lookup before it calls in here).
+Calibration rejects a kernel whose output on the call is beyond the accuracy bound of
+:mod:`.accuracy`.  The rules that change a settled shape:
 
 * **free memory short**: the call splits into more head groups (the fewest that fit), and keeps
   that count from then on; when not even one head per group fits, that call runs on SDPA.
@@ -20,9 +21,11 @@ rules that change a settled shape:
   the available memory has grown by more than that need, then the kernel is tried again.
 * **error**: the kernel is not used again on that (device, dtype, head dim); the shape plans
   again without it.
-* **NaN/Inf**: the first :data:`FINITE_FIRST_CALLS` calls of each (kernel, shape) and every
-  :data:`FINITE_EVERY`-th after that are checked (one host sync each; the rest never sync); a
-  non-finite output is redone on SDPA and the shape stays on SDPA.
+* **wrong output**: the first :data:`CHECK_FIRST_CALLS` calls of each (kernel, shape) and every
+  :data:`CHECK_EVERY`-th after that are checked (:func:`.accuracy.check`: NaN/Inf in the whole
+  output, and a slice of its query rows against SDPA on the same rows; one host sync each, the
+  rest never sync); an output with NaN/Inf (reason ``nonfinite``) or beyond the bound (reason
+  ``inaccurate``) is redone on SDPA, and the shape stays on SDPA.
 """
 from __future__ import annotations
 
@@ -32,19 +35,21 @@ import time
 
 import torch
 
-from . import kernels, planning, policy, stats, timing
+from . import accuracy, kernels, planning, policy, stats, timing
 from .planning import Plan
 from .policy import DTYPE_NAMES
 from .policy import CallShape
 from .state import STATE, CallKey, Decision, FailureKey, OomMemory
 
-__all__ = ["run_attention", "decide", "run_kernel", "call_key", "settled_sdpa", "run_sdpa", "FINITE_FIRST_CALLS",
-           "FINITE_EVERY", "fits", "available_bytes"]
+__all__ = ["run_attention", "decide", "run_kernel", "call_key", "settled_sdpa", "run_sdpa", "CHECK_FIRST_CALLS",
+           "CHECK_EVERY", "fits", "available_bytes"]
 
 log = logging.getLogger("wan_sage")
 
-FINITE_FIRST_CALLS = 4
-FINITE_EVERY = 64
+# The output check's sample: the first calls of each (kernel, call key), then one call in
+# CHECK_EVERY, so a kernel that goes wrong is caught within CHECK_EVERY calls of a shape.
+CHECK_FIRST_CALLS = 4
+CHECK_EVERY = 64
 
 _new = tuple.__new__  # builds a CallKey from its fields in order, without its Python-level __new__
 
@@ -111,7 +116,7 @@ def _settle(ov, device, key: CallKey, claim: bool):
         decision = Decision(None, "no_kernel", cc=info.cc)
         STATE.settle(key, decision)
         return decision
-    names, why = planning.candidates(info, device, key.device_index, dtype, shape.D, cfg.self_test)
+    names, why = planning.candidates(info, device, key, cfg.self_test)
     if not names:
         decision = Decision(None, why, cc=info.cc)
         STATE.settle(key, decision)
@@ -263,23 +268,36 @@ def _sdpa(ov, q, k, v, heads, skip_reshape, skip_output_reshape, scale, reason, 
     return run_sdpa(ov, q, k, v, heads, skip_reshape, skip_output_reshape, scale)
 
 
-def _all_finite(t) -> bool:
-    """NaN/Inf check by one min/max reduction: no tensor of the output's size is allocated
-    (``isfinite(t).all()`` would add a bool copy of the whole output); one host sync."""
-    lo, hi = torch.aminmax(t)
-    return bool(torch.isfinite(torch.stack((lo, hi))).all())
+def _check_output(out, ref: accuracy.Reference) -> accuracy.Verdict:
+    """The output check of one call (:func:`.accuracy.check`): one host sync."""
+    return accuracy.check(out, ref)
 
 
-def _finite_check_due(name: str, key: CallKey) -> bool:
+def _check_due(name: str, key: CallKey) -> bool:
     n = STATE.count_call((name, key))
-    return n <= FINITE_FIRST_CALLS or n % FINITE_EVERY == 0
+    return n <= CHECK_FIRST_CALLS or n % CHECK_EVERY == 0
 
 
-def _nonfinite(ov, plan: Plan, name: str) -> None:
-    STATE.settle(plan.call_key, Decision(None, "nonfinite", cc=plan.cc))
-    if STATE.log_once(("nonfinite", plan.call_key)):
-        log.warning("wan-sage: %s returned NaN/Inf for attention [B=%d, H=%d, Nq=%d, Nk=%d, D=%d]; that call was "
-                    "redone on SDPA and this shape stays on SDPA.", name, plan.B, plan.H, plan.Nq, plan.Nk, plan.D)
+def _measured(verdict: accuracy.Verdict) -> str:
+    if verdict.failure == "nonfinite":
+        return "NaN/Inf in its output"
+    return (f"relative L2 {verdict.rel_l2:.3g} and cosine {verdict.cosine:.4f} on {accuracy.CHECK_ROWS} query rows "
+            f"(the bound: {accuracy.bound_text()})")
+
+
+def _log_rejected(name: str, key: CallKey, failure: str, measured: str, what: str) -> None:
+    if STATE.log_once(("rejected", name, key)):
+        s = key.shape
+        log.warning("wan-sage: %s's output differed from SDPA's on attention [B=%d, H=%d, Nq=%d, Nk=%d, D=%d] (%s: "
+                    "%s); %s", name, s.B, s.H, s.Nq, s.Nk, s.D, failure, measured, what)
+
+
+def _reject(plan: Plan, name: str, verdict: accuracy.Verdict) -> None:
+    """A checked output of ``name`` failed: the shape settles on SDPA for the failure's reason."""
+    STATE.reject(name, plan.call_key, verdict.failure)
+    STATE.settle(plan.call_key, Decision(None, verdict.failure, cc=plan.cc))
+    _log_rejected(name, plan.call_key, verdict.failure, _measured(verdict),
+                  "that call was redone on SDPA and this shape stays on SDPA.")
 
 
 def _remember_failure(plan: Plan, name: str, text: str) -> None:
@@ -328,10 +346,13 @@ def run_attention(ov, q, k, v, heads: int, skip_reshape: bool, skip_output_resha
                         "needs (%.2f GiB).", name, plan.B, plan.H, plan.Nq, plan.Nk, plan.D, plan.need / 2**30)
     if failure:
         return _sdpa(ov, q, k, v, heads, skip_reshape, skip_output_reshape, scale, failure, fallback=failure)
-    if ov.config.check_finite and _finite_check_due(name, plan.call_key) and not _all_finite(out):
-        out = None
-        _nonfinite(ov, plan, name)
-        return _sdpa(ov, q, k, v, heads, skip_reshape, skip_output_reshape, scale, "nonfinite", fallback="nonfinite")
+    if ov.config.check_finite and _check_due(name, plan.call_key):
+        verdict = _check_output(out, accuracy.reference(q4, k4, v4, plan.layout, plan.out_layout, scale))
+        if verdict.failure is not None:
+            out = None
+            _reject(plan, name, verdict)
+            return _sdpa(ov, q, k, v, heads, skip_reshape, skip_output_reshape, scale, verdict.failure,
+                         fallback=verdict.failure)
     stats.record(ov.patch_id, kernel=name, split=plan.groups > 1, saved_ms=plan.saved_ms)
     return out
 
@@ -354,12 +375,17 @@ def _variants(ov, plan: Plan, groups: dict, q4, k4, v4, scale) -> list:
 
 def _record(ov, plan: Plan, result: timing.Calibration, variants: list, cache, keys: dict, groups: dict, device,
             dtype) -> None:
-    """Charge errors to the kernels that raised, cache the timings, and remember an out-of-memory
-    error when no variant could be timed."""
+    """Charge errors to the kernels that raised, reject on this call key the kernels whose output
+    failed the check, cache the timings, and remember an out-of-memory error when no variant could
+    be timed."""
     measured = {}
     for trial in result.trials:
         if trial.failure == "error":
             _remember_failure(plan, trial.kernel, trial.error)
+        elif trial.failure in ("inaccurate", "nonfinite"):
+            STATE.reject(trial.kernel, plan.call_key, trial.failure)
+            _log_rejected(trial.kernel, plan.call_key, trial.failure, trial.error,
+                          "calibration rejected it: another candidate or SDPA serves this shape.")
         elif trial.ms is not None:
             measured.setdefault(trial.kernel, {})[trial.groups] = trial.ms
     for name, times in measured.items():
@@ -378,7 +404,7 @@ def _settle_measured(ov, plan: Plan, info, device, dtype) -> planning.Choice:
     """Settle the shape from every candidate that may still run and its cache entry, old or new."""
     cfg = ov.config
     shape = plan.call_key.shape
-    names, why = planning.candidates(info, device, plan.call_key.device_index, dtype, plan.D, cfg.self_test)
+    names, why = planning.candidates(info, device, plan.call_key, cfg.self_test)
     if names:
         cache, keys, groups = _timing_context(ov, info, names, dtype, shape)
         entries = {n: e for n in names if (e := cache.get(keys[n])) is not None}
@@ -393,21 +419,28 @@ def _settle_measured(ov, plan: Plan, info, device, dtype) -> planning.Choice:
 def _calibrate(ov, plan: Plan, q, k, v, heads, skip_reshape, skip_output_reshape, scale):
     """Time the unmeasured kernels (ungrouped, and in the memory mode's head groups) and SDPA on
     this call, cache the timings, settle the shape, and return the output that the settling rule
-    favours (SDPA's unless a kernel beat it).  The time spent is charged to the budget whatever
-    happens; a kernel that raises is charged to itself; a variant that would not fit in free
-    memory is not timed."""
+    favours (SDPA's unless a kernel beat it).  Each kernel's output is checked against SDPA on a
+    slice of the call's query rows before it is timed (:mod:`.accuracy`): one beyond the bound is
+    rejected on this shape.  The time spent is charged to the budget whatever happens; a kernel
+    that raises is charged to itself; a variant that would not fit in free memory is not timed."""
     cfg = ov.config
     info = planning.device_info(q.device, plan.call_key.device_index, cfg.kernel)
     cache, keys, groups = _timing_context(ov, info, plan.calibrate, q.dtype, plan.call_key.shape)
-    variants = _variants(ov, plan, groups, *_views(q, k, v, plan), scale)
+    views = _views(q, k, v, plan)
+    variants = _variants(ov, plan, groups, *views, scale)
     sdpa_kwargs = {"skip_reshape": skip_reshape, "skip_output_reshape": skip_output_reshape}
     if scale is not None:
         sdpa_kwargs["scale"] = scale
+
+    def check(out):
+        verdict = accuracy.check(out, ref)
+        return verdict.failure, _measured(verdict)
     t0 = time.perf_counter()
     try:
+        ref = accuracy.reference(*views, plan.layout, plan.out_layout, scale)
         result = timing.calibrate(variants, lambda: ov.sdpa(q, k, v, heads, **sdpa_kwargs),
                                   lambda need: fits(q.device, need, ov.free_memory), kernels.out_of_memory_error(),
-                                  timing.time_cuda)
+                                  timing.time_cuda, check)
     finally:
         spent = time.perf_counter() - t0
         STATE.charge_calibration(spent)
@@ -420,17 +453,19 @@ def _calibrate(ov, plan: Plan, q, k, v, heads, skip_reshape, skip_output_reshape
     calibration_ms = spent * 1000
     source = result.output_from
     if source is None:
-        failures = [t.failure for t in result.trials if t.failure in ("oom", "error")]
+        failures = [t.failure for t in result.trials if t.failure in ("oom", "error", "inaccurate", "nonfinite")]
         reason = failures[0] if failures else (choice.reason if choice.kernel is None else "memory")
         stats.record(ov.patch_id, reason=reason, fallback=failures[0] if failures else None,
                      calibration_ms=calibration_ms)
         return result.output.contiguous()
     out = result.output
-    if cfg.check_finite and _finite_check_due(source.kernel, plan.call_key) and not _all_finite(out):
-        out = None
-        _nonfinite(ov, plan, source.kernel)
-        return _sdpa(ov, q, k, v, heads, skip_reshape, skip_output_reshape, scale, "nonfinite", fallback="nonfinite",
-                     calibration_ms=calibration_ms)
+    if cfg.check_finite and _check_due(source.kernel, plan.call_key):
+        verdict = _check_output(out, ref)
+        if verdict.failure is not None:
+            out = None
+            _reject(plan, source.kernel, verdict)
+            return _sdpa(ov, q, k, v, heads, skip_reshape, skip_output_reshape, scale, verdict.failure,
+                         fallback=verdict.failure, calibration_ms=calibration_ms)
     stats.record(ov.patch_id, kernel=source.kernel, split=source.groups > 1,
                  saved_ms=max(0.0, result.sdpa_ms - source.ms), calibration_ms=calibration_ms)
     return out

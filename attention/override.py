@@ -12,7 +12,7 @@ In eager mode a call like one seen before skips the static shape checks (its cal
 static refusal, is found by the facts that decide them; its per-call options are checked again),
 and a call whose shape is settled on SDPA does not reach the run-time part: one lookup of its call
 key, its count, and SDPA.  Calls declined at run time (slower, cross_slower, memory, oom, error,
-nonfinite, no_kernel, disabled, failed, head_dim) run SDPA inside the run-time part,
+nonfinite, inaccurate, no_kernel, disabled, failed, head_dim) run SDPA inside the run-time part,
 or here when settled; ``prev`` receives only the calls declined statically.
 
 On ComfyUI 0.38 and newer a call site that wraps q/k/v in ``AttentionTensorContainer``s reaches

@@ -139,18 +139,24 @@ def _passes_self_test(name: str, device, index: int, dtype, info: DeviceInfo) ->
     return verdict is None
 
 
-def candidates(info: DeviceInfo, device, index: int, dtype, head_dim: int, self_test: bool) -> tuple:
-    """(kernels that may serve the call, reason when there are none).  The registry's declared
-    dtypes and head dims decide first; then kernels that raised here before and kernels that fail
-    their self-test (run once per device and dtype) drop out."""
+def candidates(info: DeviceInfo, device, key: CallKey, self_test: bool) -> tuple:
+    """(kernels that may serve the call of ``key``, reason when there are none).  The registry's
+    declared dtypes and head dims decide first; then kernels that raised here before, kernels whose
+    output was rejected on this call key, and kernels that fail their self-test (run once per
+    device and dtype) drop out."""
+    shape, dtype, index = key.shape, key.dtype, key.device_index
     dtype_name = DTYPE_NAMES.get(dtype, str(dtype))
     names, why = [], "head_dim"
     for name in info.candidates:
         spec = KERNELS[name]
-        if not (spec.dtype_ok(dtype_name) and spec.head_dim_ok(head_dim)):
+        if not (spec.dtype_ok(dtype_name) and spec.head_dim_ok(shape.D)):
             continue
-        if FailureKey(index, name, dtype, head_dim) in STATE.failed:
+        if FailureKey(index, name, dtype, shape.D) in STATE.failed:
             why = "failed"
+            continue
+        rejected = STATE.rejected.get((name, key))
+        if rejected is not None:
+            why = rejected
             continue
         if self_test and not _passes_self_test(name, device, index, dtype, info):
             why = "disabled"

@@ -25,6 +25,8 @@ failed             the kernel raised on this (device, dtype, head dim) before; n
 memory             not even one head group fits in free VRAM (checked, or learnt from an
                    out-of-memory error on this shape until free memory grows by what it needs)
 oom / error / nonfinite   the kernel ran out of memory, raised, or returned NaN/Inf; redone on SDPA
+inaccurate         the kernel's output is beyond the accuracy bound against SDPA (calibration, or
+                   a sampled check after it, which redoes that call on SDPA; :mod:`.accuracy`)
 =================  ==========================================================================
 
 The first eight are static (the override hands those calls to the previous override or SDPA);
@@ -46,7 +48,7 @@ STATIC_REASONS = ("cpu", "mask", "low_precision_off", "gqa", "dtype", "grad", "l
 # patch's options alone, once :func:`options_allow` holds: the same for every call alike.
 SHAPE_REASONS = ("dtype", "layout", "gqa", "short")
 REASONS = STATIC_REASONS + ("head_dim", "cross_slower", "slower", "no_kernel", "disabled", "failed", "memory",
-                            "oom", "error", "nonfinite")
+                            "oom", "error", "nonfinite", "inaccurate")
 
 # Wan's text context is 512 tokens (T5 min_length) and CLIP image context 257 (514 for FLF2V);
 # anything up to 2048 keys against a much longer query is treated as cross-attention.

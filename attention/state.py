@@ -1,10 +1,11 @@
 """All mutable state of wan-sage's attention dispatcher, in one object behind one lock.
 
 What the process has learnt lives here: the kernels each device offers, self-test verdicts,
-kernels that raised, the settled :class:`Decision` per :class:`CallKey`, the call key (or static
-refusal) of eager calls seen before, calibration spend, remembered out-of-memory errors,
-finite-check counters, the timing caches, the registry of live patches (looked up by the custom
-op through graph keys), the probe of installed kernel packages and the run statistics.
+kernels that raised, kernels whose output was rejected on a call shape, the settled
+:class:`Decision` per :class:`CallKey`, the call key (or static refusal) of eager calls seen
+before, calibration spend, remembered out-of-memory errors, output-check counters, the timing
+caches, the registry of live patches (looked up by the custom op through graph keys), the probe
+of installed kernel packages and the run statistics.
 
 Rules: every write holds :attr:`DispatchState.lock`; reads on the hot path are single dict
 lookups without it; nothing here runs GPU work, and callers never run GPU work (self-tests,
@@ -116,7 +117,8 @@ class DispatchState:
         self.calibration_claimed: set = set()  # CallKeys whose calibration has started (once per process)
         self.timed_here: set = set()  # timing-cache keys this process measured
         self.ooms: dict = {}  # CallKey -> OomMemory
-        self.calls: dict = {}  # (kernel, CallKey) -> calls run (finite-check sampling)
+        self.calls: dict = {}  # (kernel, CallKey) -> calls run (output-check sampling)
+        self.rejected: dict = {}  # (kernel, CallKey) -> why its output was rejected there (not used there again)
         # facts of an eager call that decide its static shape checks (patch options, device, dtypes,
         # shapes, heads, layout flags) -> its CallKey, or the static refusal they make (SHAPE_REASONS)
         self.seen_calls: dict = {}
@@ -191,6 +193,12 @@ class DispatchState:
     def add_timed(self, keys) -> None:
         with self.lock:
             self.timed_here.update(keys)
+
+    def reject(self, kernel: str, call_key, failure: str) -> None:
+        """Kernel ``kernel`` gave a wrong output (``failure``: "inaccurate" or "nonfinite") on
+        ``call_key``: it does not serve that call key again in this process."""
+        with self.lock:
+            self.rejected[(kernel, call_key)] = failure
 
     def remember_call(self, seen: tuple, found) -> None:
         with self.lock:

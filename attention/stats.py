@@ -28,7 +28,7 @@ class RunStats:
     sdpa_calls: int = 0
     by_kernel: Counter = field(default_factory=Counter)
     reasons: Counter = field(default_factory=Counter)  # why calls went to SDPA (or prev)
-    fallbacks: Counter = field(default_factory=Counter)  # oom / error / nonfinite after a Sage try
+    fallbacks: Counter = field(default_factory=Counter)  # oom / error / nonfinite / inaccurate after a Sage try
     head_split_calls: int = 0
     saved_ms: float = 0.0
     calibration_ms: float = 0.0

@@ -1,5 +1,6 @@
-"""Kernel timings against SDPA: measuring them on a real call (calibration, :func:`calibrate`) and
-the timing cache that keeps them (:class:`TimingCache`).
+"""Kernel timings against SDPA: measuring them on a real call (calibration, :func:`calibrate`, which
+times only the kernels whose output on that call passes the caller's accuracy check) and the
+timing cache that keeps them (:class:`TimingCache`).
 
 Cache key: GPU name, compute capability, kernel with its package build identity (version plus a
 hash of the compiled extension files), the software environment (torch, CUDA and cuDNN
@@ -272,8 +273,10 @@ class Trial:
     kernel: str
     groups: int
     ms: float | None = None
-    failure: str | None = None  # "memory" (not tried: it would not fit), "oom" or "error"
-    error: str | None = None  # what it raised (text only: a kept exception would keep its tensors alive)
+    # "memory" (not tried: it would not fit), "oom", "error", or the output check's failure:
+    # "inaccurate" (beyond the accuracy bound against SDPA) or "nonfinite" (NaN/Inf)
+    failure: str | None = None
+    error: str | None = None  # what it raised, or what the output check measured (text only)
 
 
 @dataclass
@@ -292,32 +295,43 @@ def _failed(variant, e: BaseException, oom_error: type) -> Trial:
 
 
 def calibrate(variants, run_sdpa: Callable[[], object], fits: Callable[[int], bool], oom_error: type,
-              time_fn: Callable | None = None) -> Calibration:
+              time_fn: Callable | None = None, check: Callable[[object], tuple] | None = None) -> Calibration:
     """Time SDPA and each variant once after a warm-up run (JIT, autotune), then run the call once
     more on the winner (the fastest variant that beats SDPA by :data:`FASTER_BY`, else SDPA) for
-    its output.  Every output is dropped as soon as its run ends, so a calibrating call holds the
-    memory of one run at a time, as a settled call does, and a variant needs only its own bytes
-    free.  A variant that would not fit in free memory is not run; one that runs out of memory or
-    raises is recorded and skipped (after an error, that kernel's other variants are skipped too).
-    If the winner fails on its output run, SDPA gives the output.  SDPA's own errors propagate:
-    there is nothing to fall back to."""
+    its output.  With ``check``, each variant's warm-up output is checked first (``check(output)``
+    -> (failure or None, what it measured)); a variant whose output fails is not timed and its
+    kernel's other variants are skipped.  Every output is dropped as soon as its run (and check)
+    ends, so a calibrating call holds the memory of one run at a time, as a settled call does, and
+    a variant needs only its own bytes free.  A variant that would not fit in free memory is not
+    run; one that runs out of memory or raises is recorded and skipped (after an error, that
+    kernel's other variants are skipped too).  If the winner fails on its output run, SDPA gives
+    the output.  SDPA's own errors propagate: there is nothing to fall back to."""
     time_fn = time_fn or time_cuda
     run_sdpa()
     sdpa_ms = time_fn(run_sdpa)
-    best, trials, raised = None, [], set()
+    best, trials, skipped = None, [], set()
     for variant in variants:
-        if variant.kernel in raised:
+        if variant.kernel in skipped:
             continue
         if not fits(variant.need):
             trials.append(Trial(variant.kernel, variant.groups, failure="memory"))
             continue
         try:
-            variant.run()
-            ms = time_fn(variant.run)
+            failure = None
+            if check is None:
+                variant.run()
+            else:
+                failure, measured = check(variant.run())
+            if failure is None:
+                ms = time_fn(variant.run)
         except (oom_error, Exception) as e:  # an error is recorded against this kernel by the caller
             trials.append(_failed(variant, e, oom_error))
             if not isinstance(e, oom_error):
-                raised.add(variant.kernel)
+                skipped.add(variant.kernel)
+            continue
+        if failure is not None:
+            trials.append(Trial(variant.kernel, variant.groups, failure=failure, error=measured))
+            skipped.add(variant.kernel)
             continue
         trial = Trial(variant.kernel, variant.groups, ms=ms)
         trials.append(trial)

@@ -1,8 +1,8 @@
 """What ``wan-sage bench`` measures (:mod:`.bench` parses its flags): time every available kernel against SDPA on Wan attention shapes, ungrouped
 and split into the memory mode's head groups (the cost of running Sage at SDPA's memory); check
 accuracy against an fp32 reference and measured extra bytes against the formulas; run the "auto"
-override end to end in both memory modes, with and without the NaN/Inf check, and measure its
-per-call decision cost; write the timings into the timing cache the node reads."""
+override end to end in both memory modes, with and without the sampled output check, and measure
+its per-call decision cost; write the timings into the timing cache the node reads."""
 from __future__ import annotations
 
 import json
@@ -120,16 +120,30 @@ def _decision_us(override, q, k, v, H, n=400, repeats=7) -> float:
     return statistics.median(loops)
 
 
+def _replaying(real):
+    """An entry point that runs ``real`` once per input (each head group of a split call is one)
+    and returns that output on every later call with it: a kernel of no cost whose output is right
+    (the sampled output check passes it)."""
+    kept = {}
+
+    def entry(q, k, v, **options):
+        key = (q.data_ptr(), tuple(q.shape), tuple(q.stride()))
+        if key not in kept:
+            kept[key] = real(q, k, v, **options)
+        return kept[key]
+    return entry
+
+
 def _call_overhead_us(override, q, k, v, H, n=2000) -> float | None:
     """CPU microseconds per call of a settled shape for everything but the kernel: the call as
-    ComfyUI makes it, with the chosen kernel's entry point swapped for one that returns its q
-    (the views, head split and copies, finite-check sample and stats included).  None when the
-    shape runs on SDPA."""
+    ComfyUI makes it, with the chosen kernel's entry point swapped for one that replays its first
+    output for each input (:func:`_replaying`; the views, head split and copies, output-check
+    sample and stats included).  None when the shape runs on SDPA."""
     plan = override.plan(q, k, v, H)
     if plan.kernel is None:
         return None
     real = kernels.entry_point(plan.kernel)
-    kernels.install_test_kernel(plan.kernel, lambda q, k, v, **options: q)
+    kernels.install_test_kernel(plan.kernel, _replaying(real))
     try:
         call = lambda: override(attention_sdpa, q, k, v, heads=H, transformer_options={})  # noqa: E731
         call()
@@ -258,7 +272,7 @@ def table(rows) -> str:
         if r["backend"] == "auto":
             note = (f"chose {r['chosen']}; memory mode fastest: {r['fastest_groups']} group(s) "
                     f"x{r['ratio_fastest']:.3f} {r['extra_bytes_fastest'] / 1e6:.0f} MB; "
-                    f"without finite check x{r['ratio_no_finite_check']:.3f}; "
+                    f"without the output check x{r['ratio_no_finite_check']:.3f}; "
                     f"decision {r['decision_us']:.1f} us"
                     + (f", call without the kernel {r['call_overhead_us']:.1f} us" if r["call_overhead_us"] else ""))
         elif "grouping_cost" in r:

@@ -10,9 +10,12 @@ class FakeGPU:
     """Makes CPU tensors eligible and replaces the kernels, the device facts, free memory, the
     self-test and the timer.
 
-    ``mode`` (all kernels) or ``modes[name]``: "ok", "oom", "raise", "nan".  ``nan_from``: every
-    kernel call from that call number on returns NaN.  ``times[name]``: ms of an ungrouped call;
-    a call split into head groups takes ``1 + group_cost`` times as long."""
+    ``mode`` (all kernels) or ``modes[name]``: "ok", "oom", "raise", "nan", "noise" (finite random
+    output), "gray" (every value the mean of the right output: finite, the right magnitude, no
+    picture).  ``nan_from`` / ``noise_from``: every kernel call from that call number on returns
+    NaN / finite noise.  ``perturb``: every output carries an error of that relative L2 (random,
+    as a quantised kernel's).  ``times[name]``: ms of an ungrouped call; a call split into head
+    groups takes ``1 + group_cost`` times as long."""
 
     def __init__(self, monkeypatch, tmp_path, candidates=("sage2_sm90",), cc=90):
         from wan_sage.attention import execution, kernels, planning, policy, selftest, timing
@@ -23,6 +26,9 @@ class FakeGPU:
         self.mode = "ok"
         self.modes = {}
         self.nan_from = None
+        self.noise_from = None
+        self.perturb = 0.0
+        self._noise = torch.Generator().manual_seed(7)
         self.calls = []
         self.times = {"sdpa": 10.0, "sage2_sm90": 7.0, "sage1": 12.0, "ck_int8": 8.0, "sage2_fp16_cuda": 9.0}
         self.group_cost = 0.01
@@ -30,7 +36,7 @@ class FakeGPU:
         self.self_tests = []
         self.lock_held_in_self_test = []
         self.self_test_delay_s = 0.0
-        self.finite_checks = 0
+        self.output_checks = 0
         self.cache_dir = str(tmp_path / "cache")
         self._in_timing = None
         monkeypatch.setattr(policy, "ACCEL_DEVICE_TYPES", ("cuda", "cpu"))
@@ -42,12 +48,12 @@ class FakeGPU:
         monkeypatch.setattr(kernels, "run", self.run)
         monkeypatch.setattr(timing, "time_cuda", self.time_cuda)
         monkeypatch.setattr(planning, "kernel_build", lambda name: "test")
-        all_finite = execution._all_finite
+        check_output = execution._check_output
 
-        def counted_all_finite(t):
-            self.finite_checks += 1
-            return all_finite(t)
-        monkeypatch.setattr(execution, "_all_finite", counted_all_finite)
+        def counted_check(out, ref):
+            self.output_checks += 1
+            return check_output(out, ref)
+        monkeypatch.setattr(execution, "_check_output", counted_check)
 
     def reset_state(self) -> None:
         """Forget every decision, as a new process would (the cache file stays)."""
@@ -84,6 +90,13 @@ class FakeGPU:
         if mode == "nan" or (self.nan_from is not None and len(self.calls) >= self.nan_from):
             o = o.clone()
             o.view(-1)[0] = float("nan")
+        elif mode == "noise" or (self.noise_from is not None and len(self.calls) >= self.noise_from):
+            o = torch.randn(o.shape, generator=self._noise).to(o.dtype)
+        elif mode == "gray":
+            o = torch.full_like(o, o.float().mean().item())
+        elif self.perturb:
+            error = torch.randn(o.shape, generator=self._noise)
+            o = (o.float() + error * (self.perturb * o.float().norm() / error.norm())).to(o.dtype)
         return o
 
     def time_cuda(self, fn, repeats=1):

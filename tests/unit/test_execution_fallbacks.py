@@ -111,7 +111,7 @@ def test_steady_state_calls_are_not_each_checked_for_nan(fake_gpu):
     o = ov(fake_gpu, calibrate=False, min_tokens=0)
     for _ in range(200):
         o(raw_func, q, k, v, heads=2)
-    assert 1 <= fake_gpu.finite_checks <= 10  # the first calls and a sample, not 200 host syncs
+    assert 1 <= fake_gpu.output_checks <= 10  # the first calls and a sample, not 200 host syncs
 
 
 def test_a_kernel_that_starts_returning_nan_later_is_caught_and_its_shape_moves_to_sdpa(fake_gpu):
@@ -134,4 +134,4 @@ def test_check_finite_off_never_checks(fake_gpu):
     o = ov(fake_gpu, calibrate=False, check_finite=False, min_tokens=0)
     for _ in range(10):
         o(raw_func, q, k, v, heads=2)
-    assert fake_gpu.finite_checks == 0
+    assert fake_gpu.output_checks == 0

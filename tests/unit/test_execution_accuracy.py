@@ -1,0 +1,149 @@
+"""Never wrong: on injected fake kernels, an output beyond the accuracy bound against SDPA never
+serves a call when it is wrong from the first call (calibration or the first calls' check rejects
+it), is caught within one sampling interval when it goes wrong later (the shape settles on SDPA,
+reason "inaccurate"), and a kernel within the bound still serves."""
+import logging
+
+import pytest
+import torch
+
+from fakegpu import FakeGPU, qkv
+from wan_sage.attention import accuracy, execution, policy, stats
+from wan_sage.attention.config import PatchConfig
+from wan_sage.attention.override import SageAttentionOverride
+from wan_sage.attention.sdpa import attention_sdpa
+
+
+def raw_func(*a, **k):  # stands for ComfyUI's `func`; never called without a previous override
+    raise AssertionError("func must not be called when there is no previous override")
+
+
+def ov(fake, **cfg):
+    cfg.setdefault("cache_dir", fake.cache_dir)
+    return SageAttentionOverride(PatchConfig(**cfg))
+
+
+def rel_l2(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@pytest.mark.parametrize("calibrate", [True, False])
+@pytest.mark.parametrize("mode", ["noise", "gray"])
+def test_a_kernel_wrong_from_its_first_call_never_serves_a_call(fake_gpu, caplog, calibrate, mode):
+    fake_gpu.mode = mode  # finite, so a NaN/Inf check alone passes it; and faster than SDPA
+    q, k, v = qkv()
+    o = ov(fake_gpu, calibrate=calibrate)
+    stats.begin_run(o.patch_id)
+    with caplog.at_level(logging.WARNING, logger="wan_sage"):
+        for _ in range(5):
+            assert torch.equal(o(raw_func, q, k, v, heads=4), attention_sdpa(q, k, v, 4))
+    s = stats.end_run(o.patch_id)
+    assert s["sage_calls"] == 0 and s["by_kernel"] == {}
+    assert s["reasons"] == {"inaccurate": 5} and s["fallbacks"] == {"inaccurate": 1}
+    assert fake_gpu.kernel_calls() == 1  # the one checked output; never timed, never run again
+    assert o.plan(q, k, v, 4).reason == "inaccurate"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith("wan-sage: sage2_sm90's output differed from SDPA's")
+
+
+@pytest.mark.parametrize("calibrate", [True, False])
+def test_a_kernel_that_turns_to_noise_later_is_caught_within_one_sampling_interval(fake_gpu, calibrate):
+    fake_gpu.noise_from = 101
+    q, k, v = qkv(N=64, H=2)
+    o = ov(fake_gpu, calibrate=calibrate, min_tokens=0)
+    stats.begin_run(o.patch_id)
+    bad = 0
+    for _ in range(300):
+        out = o(raw_func, q, k, v, heads=2)
+        assert bool(torch.isfinite(out).all())
+        bad += rel_l2(out, attention_sdpa(q, k, v, 2)) > accuracy.MAX_REL_L2
+    s = stats.end_run(o.patch_id)
+    assert 0 < bad < execution.CHECK_EVERY <= 64  # the outputs between two sampled checks
+    assert s["fallbacks"] == {"inaccurate": 1}
+    assert s["reasons"] == {"inaccurate": 300 - s["sage_calls"]} and s["sage_calls"] > 0
+    assert fake_gpu.kernel_calls() == s["sage_calls"] + 1 + (2 if calibrate else 0)  # + warm-up, timing
+    assert o.plan(q, k, v, 2).reason == "inaccurate"
+
+
+def test_the_sampled_check_costs_sdpa_on_a_slice_of_query_rows(fake_gpu, monkeypatch):
+    rows = []
+    reference = accuracy.reference
+
+    def recording(q4, k4, v4, layout, out_layout, scale):
+        ref = reference(q4, k4, v4, layout, out_layout, scale)
+        rows.append((ref.output.shape, k4.shape))
+        return ref
+    monkeypatch.setattr(accuracy, "reference", recording)
+    q, k, v = qkv(N=2048)
+    o = ov(fake_gpu, calibrate=False)
+    for _ in range(3):
+        o(raw_func, q, k, v, heads=4)
+    assert rows == [((1, accuracy.CHECK_ROWS, 256), (1, 2048, 4, 64))] * 3  # 256 of 2048 rows, all keys
+
+
+@pytest.mark.parametrize("error,serves", [(0.04, True), (0.15, False)])
+def test_a_kernel_within_the_bound_serves_and_one_beyond_it_does_not(fake_gpu, error, serves):
+    fake_gpu.perturb = error  # about sage2_sm90's error against fp32 (0.036-0.039), and well beyond it
+    q, k, v = qkv(N=256, H=2)
+    ref = attention_sdpa(q, k, v, 2)
+    o = ov(fake_gpu, min_tokens=0)
+    stats.begin_run(o.patch_id)
+    outs = [o(raw_func, q, k, v, heads=2) for _ in range(2 * execution.CHECK_EVERY)]  # two sampled checks
+    s = stats.end_run(o.patch_id)
+    n = len(outs)
+    if serves:
+        assert s["by_kernel"] == {"sage2_sm90": n} and s["fallbacks"] == {}
+        assert all(0.02 < rel_l2(out, ref) < accuracy.MAX_REL_L2 for out in outs)
+    else:
+        assert s["sage_calls"] == 0 and s["reasons"] == {"inaccurate": n}
+        assert all(torch.equal(out, ref) for out in outs)
+
+
+def test_calibration_settles_on_an_accurate_candidate_when_the_fastest_is_rejected(monkeypatch, tmp_path):
+    fake = FakeGPU(monkeypatch, tmp_path, candidates=("sage2_sm90", "ck_int8"))
+    fake.modes["sage2_sm90"] = "noise"  # the fastest (7 ms) is noise; ck_int8 (8 ms) beats SDPA (10 ms)
+    q, k, v = qkv()
+    o = ov(fake)
+    stats.begin_run(o.patch_id)
+    for _ in range(3):
+        out = o(raw_func, q, k, v, heads=4)
+        assert rel_l2(out, attention_sdpa(q, k, v, 4)) < 0.02
+    s = stats.end_run(o.patch_id)
+    assert s["by_kernel"] == {"ck_int8": 3}
+    assert o.plan(q, k, v, 4).kernel == "ck_int8"
+    assert fake.kernel_calls("sage2_sm90") == 1
+    fake.reset_state()
+
+
+def test_a_rejected_kernel_stays_off_its_shape_when_the_shape_plans_again(monkeypatch, tmp_path):
+    """The shape's decision is forgotten when the kernel serving it raises; planning again must not
+    bring back the kernel calibration rejected there."""
+    fake = FakeGPU(monkeypatch, tmp_path, candidates=("sage2_sm90", "ck_int8"))
+    fake.modes["sage2_sm90"] = "noise"
+    q, k, v = qkv()
+    o = ov(fake)
+    o(raw_func, q, k, v, heads=4)
+    assert o.plan(q, k, v, 4).kernel == "ck_int8"
+    fake.modes["ck_int8"] = "raise"
+    o(raw_func, q, k, v, heads=4)
+    assert o.plan(q, k, v, 4).reason == "failed"  # not sage2_sm90
+    fake.reset_state()
+
+
+@pytest.mark.parametrize("values,failure", [
+    ((-1.0, 1.0, 0.0, 0.0, 0.0, 0.0), None),  # zero reference, zero output
+    ((-1.0, float("nan"), 0.0, 1.0, 1.0, 1.0), "nonfinite"),
+    ((float("-inf"), 1.0, 0.0, 1.0, 1.0, 1.0), "nonfinite"),
+    ((-1.0, 1.0, 0.099, 1.0, 0.999, 1.0), None),
+    ((-1.0, 1.0, 0.101, 1.0, 0.999, 1.0), "inaccurate"),  # relative L2 beyond the bound
+    ((-1.0, 1.0, 0.05, 1.0, 0.99, 1.0), "inaccurate"),  # cosine beyond the bound
+    ((-1.0, 1.0, 0.0, 1.0, float("nan"), 1.0), "inaccurate"),
+])
+def test_the_verdict_of_the_measured_numbers(values, failure):
+    assert accuracy.verdict(values).failure == failure
+
+
+def test_inaccurate_is_a_reason_code():
+    assert "inaccurate" in policy.REASONS and "inaccurate" in policy.__doc__
+    assert policy.REASONS[-2:] == ("nonfinite", "inaccurate")
+
