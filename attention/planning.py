@@ -141,15 +141,19 @@ def _passes_self_test(name: str, device, index: int, dtype, info: DeviceInfo) ->
 
 def candidates(info: DeviceInfo, device, key: CallKey, self_test: bool) -> tuple:
     """(kernels that may serve the call of ``key``, reason when there are none).  The registry's
-    declared dtypes and head dims decide first; then kernels that raised here before, kernels whose
-    output was rejected on this call key, and kernels that fail their self-test (run once per
-    device and dtype) drop out."""
+    declared dtypes, head dims and token limits decide first (a call longer than a kernel's limit
+    on this arch: reason "inaccurate"); then kernels that raised here before, kernels whose output
+    was rejected on this call key, and kernels that fail their self-test (run once per device and
+    dtype) drop out."""
     shape, dtype, index = key.shape, key.dtype, key.device_index
     dtype_name = DTYPE_NAMES.get(dtype, str(dtype))
     names, why = [], "head_dim"
     for name in info.candidates:
         spec = KERNELS[name]
         if not (spec.dtype_ok(dtype_name) and spec.head_dim_ok(shape.D)):
+            continue
+        if not spec.allows(info.cc, shape.Nq, shape.Nk):
+            why = "inaccurate"
             continue
         if FailureKey(index, name, dtype, shape.D) in STATE.failed:
             why = "failed"

@@ -26,7 +26,8 @@ memory             not even one head group fits in free VRAM (checked, or learnt
                    out-of-memory error on this shape until free memory grows by what it needs)
 oom / error / nonfinite   the kernel ran out of memory, raised, or returned NaN/Inf; redone on SDPA
 inaccurate         the kernel's output is beyond the accuracy bound against SDPA (calibration, or
-                   a sampled check after it, which redoes that call on SDPA; :mod:`.accuracy`)
+                   a sampled check after it, which redoes that call on SDPA; :mod:`.accuracy`),
+                   or the call is longer than the kernel's token limit on this architecture
 =================  ==========================================================================
 
 The first eight are static (the override hands those calls to the previous override or SDPA);

@@ -11,6 +11,9 @@ runner).  Everything else derives from these entries:
   VRAM check and the working-memory estimate both use;
 * the kernel a call runs on before its shape is timed (:func:`unmeasured_kernel`: SDPA for
   cross-attention), which the dispatcher's default rule and the estimate's attention paths share;
+* the calls a kernel must not serve on an architecture (:meth:`KernelSpec.allows`: its token
+  limits there, for paths known to return wrong output above them), which the dispatcher's
+  candidates and the estimate's planned kernels both respect;
 * how a call is made (:func:`KernelSpec.run`).
 
 Adding a kernel means adding one entry here and its formula in :mod:`.kernel_bytes`.
@@ -23,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 __all__ = ["KernelSpec", "PackageSpec", "KERNELS", "PACKAGES", "KNOWN_ARCHS", "auto_order", "known_archs",
-           "memory_path", "unmeasured_kernel", "unmeasured_paths", "parse_arch", "arch_name", "kernel_names",
-           "install_hint"]
+           "memory_path", "unmeasured_kernel", "unmeasured_paths", "planned_candidates", "within_limits", "parse_arch",
+           "arch_name", "kernel_names", "install_hint"]
 
 INSTALL_HINT = (
     "Install SageAttention 2.x from source (a build of thu-ml/SageAttention main at or after "
@@ -72,6 +75,9 @@ class KernelSpec:
     mutates_k: bool = False  # the entry point writes into k: the runner hands it a private copy
     memory: str = ""  # formula name in kernel_bytes (defaults to ``name``)
     memory_by_arch: dict = field(default_factory=dict)  # arch floor -> formula name, for arch-specific paths
+    # arch -> the most tokens (query or key) a call may have there; absent: no limit.  For paths
+    # known to return wrong output above a length; longer calls take another candidate or SDPA.
+    token_limits: dict = field(default_factory=dict)
     call: Callable | None = None  # (fn, q, k, v, layout, sm_scale, cc) -> output in ``layout``
 
     def runs_on(self, cc: int) -> bool:
@@ -84,6 +90,12 @@ class KernelSpec:
         if not self.runs_on(cc):
             return None
         return self.auto_rank.get(cc, self.auto_rank_elsewhere)
+
+    def allows(self, cc: int | None, nq: int, nk: int) -> bool:
+        """Whether a call of ``nq`` query and ``nk`` key tokens is within this kernel's token
+        limit on ``cc`` (always, where it declares none)."""
+        limit = self.token_limits.get(cc)
+        return limit is None or max(nq, nk) <= limit
 
     def head_dim_ok(self, d: int) -> bool:
         if self.explicit_head_dims:
@@ -157,24 +169,34 @@ PACKAGES = {
 }
 
 # Auto ranks: on each arch the fastest measured Sage kernel first, then comfy-kitchen's int8
-# kernel, then the others.  Calibration, not this order, decides which available candidate (or
+# kernel, then the others (on sm120/sm121 the FP16-PV kernel before it: the calls longer than the
+# FP8-PV kernel's token limit fall to it).  Calibration, not this order, decides which available candidate (or
 # SDPA) serves a shape; the order decides only when nothing has been measured.
-_ALL_SAGE1 = {80: 2, 86: 2, 87: 2, 89: 3, 90: 2, 120: 2, 121: 2}
+_ALL_SAGE1 = {80: 2, 86: 2, 87: 2, 89: 3, 90: 2, 120: 3, 121: 3}
+_CK_INT8 = {80: 1, 86: 1, 87: 1, 89: 1, 90: 1, 120: 2, 121: 2}
+
+# SageAttention's INT8-QK/FP8-PV kernel returns noise, silently, above about 160k tokens on sm120
+# (thu-ml/SageAttention#388, Comfy-Org/ComfyUI#15263: 151k and 154k tokens clean, 167k and more
+# noise, with FP16 PV clean at the same lengths).  The cause is not known, so the cliff may move
+# with the model's heads; the limit keeps a margin of 15 % below the last clean length.  Longer
+# calls go to the FP16-PV kernel, ranked right after it on sm120/sm121, or to SDPA.
+_FP8_PV_TOKEN_LIMIT = 131072
 
 KERNELS: dict = {k.name: k for k in (
     KernelSpec("sage2_sm90", "SageAttention 2 INT8-QK/FP8-PV (sm90 wgmma)", "sageattention", "sage2",
                "sageattn_qk_int8_pv_fp8_cuda_sm90", 90, frozenset({90}), {90: 0}, call=_sage2_sm90),
     KernelSpec("sage2_fp8_cuda", "SageAttention 2 INT8-QK/FP8-PV (sm89/sm120)", "sageattention", "sage2",
                "sageattn_qk_int8_pv_fp8_cuda", 89, frozenset({89, 90, 120, 121}), {89: 0, 120: 0, 121: 0},
-               memory_by_arch={120: "sage2_fp8_cuda_perwarp"}, call=_sage2_fp8_cuda),
+               memory_by_arch={120: "sage2_fp8_cuda_perwarp"},
+               token_limits={120: _FP8_PV_TOKEN_LIMIT, 121: _FP8_PV_TOKEN_LIMIT}, call=_sage2_fp8_cuda),
     KernelSpec("sage2_fp16_cuda", "SageAttention 2 INT8-QK/FP16-PV CUDA (sm80+)", "sageattention", "sage2",
-               "sageattn_qk_int8_pv_fp16_cuda", 80, None, {80: 0, 89: 2}, call=_sage2_fp16_cuda),
+               "sageattn_qk_int8_pv_fp16_cuda", 80, None, {80: 0, 89: 2, 120: 1, 121: 1}, call=_sage2_fp16_cuda),
     KernelSpec("sage2_fp16_triton", "SageAttention 2 INT8-QK/FP16-PV Triton", "sageattention", "sage2",
                "sageattn_qk_int8_pv_fp16_triton", 80, None, {86: 0, 87: 0}, call=_sage2_fp16_triton),
     KernelSpec("sage1", "SageAttention 1.0.6 (Triton)", "sageattention", "sage1", "sageattn", 80, None,
                _ALL_SAGE1, head_dims=(64, 96, 128), explicit_head_dims=True, mutates_k=True, call=_sage1),
     KernelSpec("ck_int8", "comfy-kitchen int8_attention", "comfy_kitchen", "ck", "int8_attention", 75, None,
-               {cc: 1 for cc in (80, 86, 87, 89, 90, 120, 121)}, auto_rank_elsewhere=0, head_dims=(1, 256),
+               _CK_INT8, auto_rank_elsewhere=0, head_dims=(1, 256),
                layouts=("HND",), call=_ck_int8),
 )}
 
@@ -196,20 +218,34 @@ def auto_order(cc: int | None) -> tuple:
     return tuple(name for _r, _i, name in sorted(ranked))
 
 
-def planned_candidates(kernel: str, cc: int) -> tuple:
+def within_limits(names, cc: int | None, tokens: int | None) -> tuple:
+    """The kernels of ``names`` whose :meth:`KernelSpec.allows` a self-attention call of
+    ``tokens`` tokens on ``cc`` (all of them when ``tokens`` is None), in order."""
+    if tokens is None:
+        return tuple(names)
+    return tuple(n for n in names if KERNELS[n].allows(cc, tokens, tokens))
+
+
+def planned_candidates(kernel: str, cc: int, tokens: int | None = None) -> tuple:
     """(candidate kernels in order, why there are none or None) for a patch whose kernel setting is
     ``kernel`` ("auto" or a registry name) on ``cc``, before availability is checked: the arch's
-    :func:`auto_order` for "auto", else the named kernel where it runs on ``cc``.  No candidates leave
-    every call on SDPA.  The working-memory estimate plans with this; the node narrows "auto" to the
-    kernels installed."""
+    :func:`auto_order` for "auto", else the named kernel where it runs on ``cc``; with ``tokens``
+    (a self-attention call's length), only the kernels whose token limit allows it.  No candidates
+    leave every call on SDPA.  The working-memory estimate plans with this; the node narrows "auto"
+    to the kernels installed."""
     if kernel == "auto":
-        names = auto_order(cc)
-        return names, (None if names else f"no kernel runs on sm{cc}")
+        names = within_limits(auto_order(cc), cc, tokens)
+        if names:
+            return names, None
+        return names, (f"no kernel runs on sm{cc}" if not auto_order(cc) else
+                       f"no kernel is accurate at {tokens} tokens on sm{cc}")
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be auto or one of {', '.join(KERNELS)}; got {kernel!r}")
-    if KERNELS[kernel].runs_on(cc):
-        return (kernel,), None
-    return (), f"{kernel} does not run on sm{cc}"
+    if not KERNELS[kernel].runs_on(cc):
+        return (), f"{kernel} does not run on sm{cc}"
+    if not within_limits((kernel,), cc, tokens):
+        return (), f"{kernel} returns wrong output above {KERNELS[kernel].token_limits[cc]} tokens on sm{cc}"
+    return (kernel,), None
 
 
 def memory_path(name: str, cc: int | None) -> str:
@@ -229,9 +265,12 @@ def unmeasured_kernel(names, cross: bool) -> str | None:
     return names[0]
 
 
-def unmeasured_paths(names, cc: int | None) -> tuple:
+def unmeasured_paths(names, cc: int | None, tokens: int | None = None) -> tuple:
     """(self-attention path, cross-attention path, self-attention kernel or None): the kernel_bytes
-    formulas a Wan forward's calls run on under :func:`unmeasured_kernel`, on ``cc``."""
+    formulas a Wan forward's calls run on under :func:`unmeasured_kernel`, on ``cc``; with
+    ``tokens`` (the self-attention length), of the kernels whose token limit allows that length,
+    as the dispatcher's candidates are."""
+    names = within_limits(names, cc, tokens)
     self_kernel, cross_kernel = unmeasured_kernel(names, False), unmeasured_kernel(names, True)
     return (memory_path(self_kernel or "sdpa", cc), memory_path(cross_kernel or "sdpa", cc), self_kernel)
 

@@ -1,14 +1,15 @@
 """Never wrong: on injected fake kernels, an output beyond the accuracy bound against SDPA never
 serves a call when it is wrong from the first call (calibration or the first calls' check rejects
 it), is caught within one sampling interval when it goes wrong later (the shape settles on SDPA,
-reason "inaccurate"), and a kernel within the bound still serves."""
+reason "inaccurate"), and a kernel within the bound still serves; the sm120 FP8-PV token limit
+moves long calls to the FP16-PV kernel or SDPA."""
 import logging
 
 import pytest
 import torch
 
 from fakegpu import FakeGPU, qkv
-from wan_sage.attention import accuracy, execution, policy, stats
+from wan_sage.attention import accuracy, execution, policy, registry, stats
 from wan_sage.attention.config import PatchConfig
 from wan_sage.attention.override import SageAttentionOverride
 from wan_sage.attention.sdpa import attention_sdpa
@@ -147,3 +148,66 @@ def test_inaccurate_is_a_reason_code():
     assert "inaccurate" in policy.REASONS and "inaccurate" in policy.__doc__
     assert policy.REASONS[-2:] == ("nonfinite", "inaccurate")
 
+
+# ------------------------------------------------------------------ the sm120 FP8-PV token limit
+def fp8_limit() -> int:
+    return registry.KERNELS["sage2_fp8_cuda"].token_limits[120]
+
+
+def test_the_fp8_pv_kernel_declares_a_token_limit_on_sm120_and_sm121_only():
+    fp8, LIMIT = registry.KERNELS["sage2_fp8_cuda"], fp8_limit()
+    assert 100_000 < LIMIT < 154_000  # below the last clean length of thu-ml/SageAttention#388
+    for cc in (120, 121):
+        assert fp8.allows(cc, LIMIT, LIMIT) and not fp8.allows(cc, LIMIT + 1, LIMIT + 1)
+        assert not fp8.allows(cc, LIMIT + 1, 512)
+        assert registry.auto_order(cc)[:2] == ("sage2_fp8_cuda", "sage2_fp16_cuda")
+    assert fp8.allows(89, 10**6, 10**6) and fp8.allows(90, 10**6, 10**6)
+    assert all(spec.allows(120, 10**6, 10**6) for name, spec in registry.KERNELS.items() if name != "sage2_fp8_cuda")
+
+
+def test_the_estimate_plans_long_calls_off_the_fp8_pv_kernel_when_given_the_length():
+    assert registry.planned_candidates("auto", 120)[0][0] == "sage2_fp8_cuda"  # no length: as before
+    names, why = registry.planned_candidates("auto", 120, tokens=200_000)
+    assert "sage2_fp8_cuda" not in names and names[0] == "sage2_fp16_cuda" and why is None
+    assert registry.planned_candidates("sage2_fp8_cuda", 120, tokens=200_000)[0] == ()
+    assert registry.planned_candidates("sage2_fp8_cuda", 89, tokens=200_000)[0] == ("sage2_fp8_cuda",)
+    names, LIMIT = registry.auto_order(120), fp8_limit()
+    assert registry.unmeasured_paths(names, 120) == (registry.memory_path("sage2_fp8_cuda", 120), "sdpa",
+                                                     "sage2_fp8_cuda")
+    assert registry.unmeasured_paths(names, 120, tokens=LIMIT + 1) == (registry.memory_path("sage2_fp16_cuda", 120),
+                                                                       "sdpa", "sage2_fp16_cuda")
+    assert registry.unmeasured_paths(names, 120, tokens=LIMIT)[2] == "sage2_fp8_cuda"
+
+
+@pytest.mark.parametrize("cc,candidates,long_kernel,long_reason", [
+    (120, ("sage2_fp8_cuda", "sage2_fp16_cuda"), "sage2_fp16_cuda", None),
+    (121, ("sage2_fp8_cuda",), None, "inaccurate"),
+    (89, ("sage2_fp8_cuda", "sage2_fp16_cuda"), "sage2_fp8_cuda", None),
+])
+def test_the_dispatcher_moves_calls_above_the_limit_off_the_fp8_pv_kernel(monkeypatch, tmp_path, cc, candidates,
+                                                                        long_kernel, long_reason):
+    fake = FakeGPU(monkeypatch, tmp_path, candidates=candidates, cc=cc)
+    o = ov(fake, calibrate=False)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, fp8_limit() + 8, 16, generator=g).bfloat16() for _ in range(3))  # one head of 16
+    plan = o.plan(q, k, v, 1)
+    assert (plan.kernel, plan.reason) == (long_kernel, long_reason)
+    q, k, v = qkv(N=2048, H=1, D=16)
+    assert o.plan(q, k, v, 1).kernel == "sage2_fp8_cuda"
+    fake.reset_state()
+
+
+def test_calls_above_the_limit_run_on_the_fp16_pv_kernel(monkeypatch, tmp_path):
+    fake = FakeGPU(monkeypatch, tmp_path, candidates=("sage2_fp8_cuda", "sage2_fp16_cuda"), cc=120)
+    monkeypatch.setitem(registry.KERNELS["sage2_fp8_cuda"].token_limits, 120, 1024)
+    fake.times.update(sage2_fp8_cuda=6.0, sage2_fp16_cuda=9.0)
+    o = ov(fake)
+    stats.begin_run(o.patch_id)
+    for n in (1024, 2048):
+        q, k, v = qkv(N=n)
+        for _ in range(2):
+            assert rel_l2(o(raw_func, q, k, v, heads=4), attention_sdpa(q, k, v, 4)) < 0.02
+    s = stats.end_run(o.patch_id)
+    assert s["by_kernel"] == {"sage2_fp8_cuda": 2, "sage2_fp16_cuda": 2}
+    assert {shape[1] for name, shape in fake.calls if name == "sage2_fp8_cuda"} == {1024}
+    fake.reset_state()

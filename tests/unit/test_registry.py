@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("cc,order", [
     (90, ("sage2_sm90", "ck_int8", "sage1")),
     (89, ("sage2_fp8_cuda", "ck_int8", "sage2_fp16_cuda", "sage1")),
-    (120, ("sage2_fp8_cuda", "ck_int8", "sage1")),
-    (121, ("sage2_fp8_cuda", "ck_int8", "sage1")),
+    (120, ("sage2_fp8_cuda", "sage2_fp16_cuda", "ck_int8", "sage1")),
+    (121, ("sage2_fp8_cuda", "sage2_fp16_cuda", "ck_int8", "sage1")),
     (80, ("sage2_fp16_cuda", "ck_int8", "sage1")),
     (86, ("sage2_fp16_triton", "ck_int8", "sage1")),
     (87, ("sage2_fp16_triton", "ck_int8", "sage1")),
