@@ -163,3 +163,13 @@ def test_shape_refusals_are_remembered_and_still_counted(fake_gpu):
     assert set(STATE.seen_calls.values()) == {"short", "dtype", "gqa"}
     assert set(policy.SHAPE_REASONS) < set(policy.STATIC_REASONS)
 
+
+def test_the_overhead_measurement_runs_on_the_cpu_and_leaves_everything_as_it_was():
+    from wan_sage.attention import kernels
+    from wan_sage.cli import bench_kernels
+    devices, entry = policy.ACCEL_DEVICE_TYPES, kernels.entry_point("sage2_sm90")
+    r = bench_kernels.dispatch_overhead("cpu", (1, 2, 64, 64, 32), n=20, rounds=1)
+    assert {"sdpa_us", "settled_sdpa_us", "settled_sdpa_overhead_us", "decision_us", "settled_kernel_us"} <= set(r)
+    assert r["sdpa_us"] > 0 and r["settled_sdpa_us"] > 0
+    assert policy.ACCEL_DEVICE_TYPES == devices and kernels.entry_point("sage2_sm90") is entry
+    STATE.reset()
