@@ -157,13 +157,14 @@ class SageAttentionOverride:
         elif found.__class__ is str:  # a shape refusal seen before
             stats.count_sdpa(self.patch_id, found)
             return self._declined(func, args, kwargs)
-        scale = kwargs.get("scale")
-        scale = None if scale is None else float(scale)
-        # A shape settled on SDPA is declined here, before any run-time work.
+        # A shape settled on SDPA is declined here, before any run-time work: the call goes to the
+        # patch's SDPA exactly as ComfyUI makes it, so it returns what plain SDPA returns.
         settled = STATE.decisions.get(found)
         if settled is not None and settled.kernel is None:
             stats.count_sdpa(self.patch_id, settled.reason)
-            return execution.run_sdpa(self, q, k, v, heads, skip_reshape, skip_out, scale)
+            return self.sdpa(*args, **kwargs)
+        scale = kwargs.get("scale")
+        scale = None if scale is None else float(scale)
         return execution.run_attention(self, q, k, v, heads, skip_reshape, skip_out, scale, found.shape, found)
 
     def _traced(self, func, args, kwargs):
