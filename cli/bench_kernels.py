@@ -178,19 +178,21 @@ def _eligible(device_type: str):
         policy.ACCEL_DEVICE_TYPES = saved
 
 
-def _loops_us(fns: dict, n: int, rounds: int, sync) -> dict:
-    """Median microseconds per call of each function, in interleaved loops of ``n`` calls."""
+def _loops_us(fns: dict, n: int, rounds: int, sync, clock=time.perf_counter) -> dict:
+    """Median microseconds per call of each function, in interleaved loops of ``n`` calls timed by
+    ``clock`` (wall time, with ``sync`` after each loop; or :func:`time.thread_time`, this thread's
+    CPU time, for calls that do no GPU work: not moved by other processes on the machine)."""
     times = {name: [] for name in fns}
     for fn in fns.values():
         fn()
     sync()
     for _ in range(rounds):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(n):
                 fn()
             sync()
-            times[name].append((time.perf_counter() - t0) / n * 1e6)
+            times[name].append((clock() - t0) / n * 1e6)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -204,10 +206,10 @@ def dispatch_overhead(device: str = "cuda", shape=(1, 2, 1024, 1024, 64), dtype=
       the loops are bound by the CPU for a small shape);
     * ``decision_us``: the override on the SDPA-settled shape with an SDPA that returns a kept
       output, less that SDPA's own cost: the per-call cost of a declined shape, free of SDPA's
-      time and noise;
+      time and noise (this thread's CPU time);
     * ``settled_kernel_us``: everything but the kernel on the shape settled on ``kernel`` (whose
       entry point replays one SDPA output: the views, free-memory check, sampled output check and
-      stats), less the bare replaying entry point.
+      stats), less the bare replaying entry point (CPU time too).
 
     On ``device="cpu"`` the CPU tensors are treated as eligible and free memory is taken as ample;
     the patches made here have their own options, so no other patch's decisions change."""
@@ -244,13 +246,15 @@ def dispatch_overhead(device: str = "cuda", shape=(1, 2, 1024, 1024, 64), dtype=
             us = _loops_us({
                 "sdpa_us": lambda: attention_sdpa(q, k, v, H),
                 "settled_sdpa_us": lambda: on_sdpa(attention_sdpa, q, k, v, heads=H, transformer_options=options),
+            }, n, rounds, sync)
+            us.update(_loops_us({
                 "kept_sdpa_us": lambda: kept_sdpa(q, k, v, H),
                 "settled_kept_sdpa_us": lambda: on_sdpa_kept(attention_sdpa, q, k, v, heads=H,
                                                              transformer_options=options),
                 "replay_us": lambda: kernels.run(kernel, q4, k4, v4, "NHD", None, cc),
                 "settled_kernel_call_us": lambda: on_kernel(attention_sdpa, q, k, v, heads=H,
                                                             transformer_options=options),
-            }, n, rounds, sync)
+            }, n, rounds, sync, time.thread_time))
     finally:
         kernels.install_test_kernel(kernel, real)
     return {"device": str(dev), "shape": list(shape), "dtype": str(dtype).replace("torch.", ""),
