@@ -41,8 +41,8 @@ import torch
 
 from .registry import KERNELS
 
-__all__ = ["static_reason", "options_allow", "call_shape", "CallShape", "SHAPE_REASONS", "is_cross", "REASONS", "STATIC_REASONS", "CROSS_MAX_NK",
-           "ELIGIBLE_DTYPES", "DTYPE_NAMES"]
+__all__ = ["static_reason", "options_allow", "call_shape", "CallShape", "is_cross", "REASONS", "STATIC_REASONS",
+           "SHAPE_REASONS", "CROSS_MAX_NK", "ELIGIBLE_DTYPES", "DTYPE_NAMES"]
 
 STATIC_REASONS = ("cpu", "mask", "low_precision_off", "gqa", "dtype", "grad", "layout", "short")
 # The static refusals decided by the dtypes and shapes of q/k/v, the heads, the layout flags and the

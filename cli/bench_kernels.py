@@ -439,8 +439,9 @@ def _overhead_main(argv=None) -> int:
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     r = dispatch_overhead(device, tuple(int(x) for x in a.shape.split(",")), n=a.calls)
     print(json.dumps(r))
-    print(f"{r['device']} {r['shape']}: plain SDPA {r['sdpa_us']:.1f} us, settled on SDPA {r['settled_sdpa_us']:.1f} us "
-          f"({r['settled_sdpa_overhead_us']:+.2f} us); decision of a settled SDPA shape {r['decision_us']:.2f} us; "
+    print(f"{r['device']} {r['shape']}: plain SDPA {r['sdpa_us']:.1f} us, settled on SDPA "
+          f"{r['settled_sdpa_us']:.1f} us ({r['settled_sdpa_overhead_us']:+.2f} us); decision of a settled SDPA "
+          f"shape {r['decision_us']:.2f} us; "
           f"everything but the kernel on a settled kernel shape {r['settled_kernel_us']:.2f} us")
     return 0
 
