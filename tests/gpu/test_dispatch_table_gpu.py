@@ -11,8 +11,9 @@ calibrates each on the real kernels, then the settled call is measured against p
 
 The table is printed (``pytest -s``) and written as JSON lines to ``$WAN_SAGE_GPU_TABLE`` when set.
 Asserted: every served output within the accuracy bound (:mod:`wan_sage.attention.accuracy`); every
-declined shape's decision at most :data:`DECISION_MAX_US`; no served shape slower than SDPA beyond
-noise (:data:`SERVED_MIN_RATIO`).  Every other number is reported, not asserted."""
+declined shape's output SDPA's and its decision at most :data:`DECISION_MAX_US`; no served shape
+slower than SDPA beyond noise (:data:`SERVED_MIN_RATIO`).  Every other number is reported, not
+asserted."""
 import gc
 import json
 import os
@@ -163,7 +164,7 @@ def test_the_dispatch_table_of_held_out_shapes(tmp_path):
             if r["ratio"] < SERVED_MIN_RATIO:
                 problems.append(f"{where}: {r['served']} served at {r['ratio']:.3f}x SDPA")
         else:
-            if r["rel_l2"] != 0.0:
+            if r["rel_l2"] > 1e-3:  # the same SDPA on the same inputs (0 unless the backend is nondeterministic)
                 problems.append(f"{where}: declined, yet its output differs from SDPA's (rel L2 {r['rel_l2']:.4f})")
             if r["decision_us"] > DECISION_MAX_US:
                 problems.append(f"{where}: declined ({r['reason']}), yet the patch adds {r['decision_us']:.2f} us "
