@@ -210,7 +210,7 @@ class SageAttentionOverride:
         needs it (once its quantised copy exists) instead of living until the call returns.  That
         memory-saving execution is a separate piece of work; this method takes the tensors and dispatches
         them as before.  Traceable by ``torch.compile`` without a graph break (the containers are plain
-        Python objects; tests/unit/test_current_comfy_containers.py)."""
+        Python objects; tests/unit/test_current_comfy_attention.py)."""
         boxes = args[:3]
         q, k, v, heads, skip_reshape, skip_out, shape, reason = self._static(
             (boxes[0].peek(), boxes[1].peek(), boxes[2].peek()) + args[3:], kwargs)

@@ -80,14 +80,15 @@ class AttentionPlan:
     self_by: str | None = None  # another node runs self-attention (e.g. KJNodes' Mem Eff Sage), in words
 
 
-def attention_plan(attention: str, cc: int | None = None) -> AttentionPlan:
+def attention_plan(attention: str, cc: int | None = None, tokens: int | None = None) -> AttentionPlan:
     """The attention of a forward for an ``attention`` choice (``sdpa``, ``sage-auto``/``auto`` or a
     registry kernel) on compute capability ``cc`` (None: sm90), before any shape is timed.
 
     The candidates are the registry's :func:`~attention.registry.planned_candidates` (the arch's auto
     order for ``sage-auto``; the named kernel where it runs), and the paths the registry's
     :func:`~attention.registry.unmeasured_paths` over them: cross-attention on SDPA, self-attention on
-    the first candidate, as the dispatcher runs a shape it has not timed."""
+    the first candidate, as the dispatcher runs a shape it has not timed.  ``tokens`` (the self-attention
+    length) leaves out the kernels whose registry token limit that length exceeds on ``cc``."""
     arch = cc or DEFAULT_CC
     if attention == "sdpa":
         return AttentionPlan()
@@ -97,8 +98,8 @@ def attention_plan(attention: str, cc: int | None = None) -> AttentionPlan:
         kernel = attention
     else:
         raise ValueError(f"attention must be sdpa, sage-auto or one of {', '.join(registry.KERNELS)}")
-    names, why = registry.planned_candidates(kernel, arch)
-    self_path, cross_path, name = registry.unmeasured_paths(names, arch)
+    names, why = registry.planned_candidates(kernel, arch, tokens)
+    self_path, cross_path, name = registry.unmeasured_paths(names, arch, tokens)
     return AttentionPlan(self_path, cross_path, name, None if why is None else f"{why}: attention stays on SDPA")
 
 

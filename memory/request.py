@@ -336,7 +336,7 @@ def build(p, env: Env = Env(), *, text: bool = False, labels: dict | None = None
     if channels is not None:
         latent = (latent[0], channels) + tuple(latent[2:])
     setup = Setup(
-        dims=dims, latent=latent, dtype=wplan.compute, cfg=cfg, attention=attention_plan(attention, cc),
+        dims=dims, latent=latent, dtype=wplan.compute, cfg=cfg, attention=attention_plan(attention, cc, activation_model.tokens(dims, *latent[2:5])),
         sage_grouped=sage_grouped, compiled=compiled, weights=wplan.setup, weights_bytes=wplan.nbytes,
         vram_bytes=vram_bytes, margin_bytes=int(margin * GiB), policy=policy, fixed_bytes=int(fixed * GiB),
         img_tokens=257 if dims.has_img_emb else 0, per_frame_timesteps=dims.latent_channels == 48, comfy_flash=env.comfy_flash,

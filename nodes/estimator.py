@@ -62,7 +62,7 @@ def _cc(dev) -> int | None:
         return None
 
 
-def attention_for(model_options, settings: Settings, dev) -> AttentionPlan:
+def attention_for(model_options, settings: Settings, dev, tokens: int | None = None) -> AttentionPlan:
     """The attention the memory model counts, detecting the Sage patch on the model.
 
     Counted as the dispatcher runs the calls: the patch's kernel (for ``auto``, this GPU's
@@ -77,12 +77,13 @@ def attention_for(model_options, settings: Settings, dev) -> AttentionPlan:
     name = ov.config.kernel if ov is not None else "auto"
     if name != "auto" and name not in registry.KERNELS:
         return AttentionPlan(note=f"{name} is not a kernel of this version: attention stays on SDPA")
-    names, why = registry.planned_candidates(name, cc)
+    names, why = registry.planned_candidates(name, cc, tokens)
     if name == "auto" and found_cc:
-        names = kernels.auto_candidates(cc) or names  # the kernels installed here, in the same order
+        # the kernels installed here, in the same order, within their token limits
+        names = registry.within_limits(kernels.auto_candidates(cc), cc, tokens) or names
     if not names:
         return AttentionPlan(note=f"{why}: attention stays on SDPA")
-    self_path, cross_path, kernel = registry.unmeasured_paths(names, cc)
+    self_path, cross_path, kernel = registry.unmeasured_paths(names, cc, tokens)
     return AttentionPlan(self_path, cross_path, kernel)
 
 
@@ -191,7 +192,7 @@ def setup_for(model, shape, model_options, settings: Settings, *, assume_compile
         extra = {"weights": activation_model.WeightSetup(streamed=bool(streamed))}
     dev = comfy_bridge.device_of(model) if weights else getattr(model, "load_device", None)
     tokens = activation_model.tokens(dims, int(shape[2]), int(shape[3]), int(shape[4]))
-    att, chain_notes = chained_attention(model, model_options, dims, tokens, attention_for(model_options, settings, dev))
+    att, chain_notes = chained_attention(model, model_options, dims, tokens, attention_for(model_options, settings, dev, tokens))
     notes += chain_notes
     return Setup(dims=dims, latent=tuple(int(x) for x in shape[:5]), dtype=dtype,
                  attention=att, sage_grouped=mode.sage_grouped and att.self_path != "sdpa",

@@ -36,8 +36,10 @@ class WanSageAttentionPatch(io.ComfyNode):
                 io.Int.Input("memory_margin_mb", default=256, min=0, max=65536, step=64,
                              tooltip="VRAM kept free on top of the kernel's exact extra bytes"),
                 io.Boolean.Input("check_finite", default=True,
-                                 tooltip="catch a broken kernel: the first calls of each shape and a sample after "
-                                         "them are checked for NaN/Inf and redone on SDPA"),
+                                 tooltip="catch a kernel that goes wrong: the first calls of each shape and one in "
+                                         "64 after them are compared with SDPA on a slice of query rows (and checked "
+                                         "for NaN/Inf); a call off by more than the accuracy bound is redone on "
+                                         "SDPA and the shape stays there"),
                 io.Combo.Input("memory_mode", options=list(MEMORY_MODE_LABELS), default=MEMORY_MODE_LABELS[0],
                                optional=True,
                                tooltip="within SDPA's memory: split Sage calls into head groups so they need "

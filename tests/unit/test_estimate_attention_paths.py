@@ -103,7 +103,29 @@ def test_the_cli_and_the_node_take_their_candidate_kernels_from_one_registry_rul
     monkeypatch.setattr(estimator, "_cc", lambda dev: 89)
     assert estimator.attention_for(mo, estimator.Settings(), None) == AttentionPlan(
         note="sage2_sm90 does not run on sm89: attention stays on SDPA")
-    monkeypatch.setattr(registry, "planned_candidates", lambda kernel, cc: (("sage2_sm90",), None))
+    monkeypatch.setattr(registry, "planned_candidates", lambda kernel, cc, tokens=None: (("sage2_sm90",), None))
     sm90 = registry.memory_path("sage2_sm90", 89)
     assert attention_plan("sage2_sm90", 89) == AttentionPlan(sm90, "sdpa", "sage2_sm90")
     assert estimator.attention_for(mo, estimator.Settings(), None) == AttentionPlan(sm90, "sdpa", "sage2_sm90")
+
+
+def test_the_estimate_follows_the_registry_token_limit_of_sm120(monkeypatch):
+    """Above the FP8-PV kernel's token limit on sm120 the dispatcher takes the fp16-PV kernel; the route's,
+    the CLI's and the node's estimates plan with the same kernel (one rule, the registry's)."""
+    from wan_sage.attention.config import PatchConfig
+    from wan_sage.attention.override import SageAttentionOverride
+    from wan_sage.memory import request
+    from wan_sage.nodes import comfy_bridge, estimator
+    limit = registry.KERNELS["sage2_fp8_cuda"].token_limits[120]
+    short = {"preset": "wan2.2-a14b", "width": 832, "height": 480, "frames": 81, "attention": "sage-auto", "arch": "sm120"}
+    long = {**short, "width": 1920, "height": 1088, "frames": 121}
+    lengths = {name: estimate(A14B, b["width"], b["height"], b["frames"]).tokens for name, b in (("short", short),
+                                                                                                ("long", long))}
+    assert lengths["short"] <= limit < lengths["long"]
+    assert request.build(short).setup.attention.kernel == "sage2_fp8_cuda"
+    assert request.build(long).setup.attention.kernel == "sage2_fp16_cuda"
+    monkeypatch.setattr(estimator.kernels, "auto_candidates", lambda cc: ("sage2_fp8_cuda", "sage2_fp16_cuda"))
+    monkeypatch.setattr(estimator, "_cc", lambda dev: 120)
+    mo = {"transformer_options": {comfy_bridge.OVERRIDE_KEY: SageAttentionOverride(PatchConfig())}}
+    assert estimator.attention_for(mo, estimator.Settings(), None, lengths["short"]).kernel == "sage2_fp8_cuda"
+    assert estimator.attention_for(mo, estimator.Settings(), None, lengths["long"]).kernel == "sage2_fp16_cuda"
