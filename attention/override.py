@@ -135,13 +135,28 @@ class SageAttentionOverride:
     def __call__(self, func, *args, **kwargs):
         if _is_compiling():
             return self._traced(func, args, kwargs)
-        q, k, v, heads, mask, skip_reshape, skip_out = _parse(args, kwargs)
-        # A call like one seen before (the same facts its static shape checks read: STATE.seen_calls)
-        # skips those checks; only its per-call options are checked again.
+        if len(args) == 3:  # how Wan's blocks call it: q, k, v, and the rest by keyword
+            q, k, v = args
+            heads, mask = kwargs["heads"], kwargs.get("mask")
+            skip_reshape = bool(kwargs.get("skip_reshape", False))
+            skip_out = bool(kwargs.get("skip_output_reshape", False))
+        else:
+            q, k, v, heads, mask, skip_reshape, skip_out = _parse(args, kwargs)
+        # A call like one seen before (the same facts its static shape checks read) skips those checks;
+        # only its per-call options are checked again.  One that goes straight to SDPA (a static shape
+        # refusal, or a shape settled on SDPA) is found in STATE.declined_calls by one lookup.
         seen = found = None
-        if policy.options_allow(q, k, v, mask, kwargs):
-            seen = (self.config_key, q.is_cuda, q.get_device(), q.dtype, k.dtype, v.dtype, q.shape, k.shape, heads,
-                    skip_reshape, skip_out)
+        if (mask is None and kwargs.get("low_precision_attention", True) is not False
+                and not kwargs.get("enable_gqa", False)
+                and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
+            seen = (self.config_key, q.device, q.dtype, k.dtype, v.dtype, q.shape, k.shape, heads, skip_reshape,
+                    skip_out)
+            declined = STATE.declined_calls.get(seen)
+            if declined is not None:
+                stats.count_sdpa(self.patch_id, declined[0])
+                if declined[1]:
+                    return self._declined(func, args, kwargs)
+                return self.sdpa(*args, **kwargs)
             found = STATE.seen_calls.get(seen)
         if found is None:
             shape, reason = self._check(q, k, v, heads, mask, skip_reshape, skip_out, kwargs)
@@ -151,6 +166,8 @@ class SageAttentionOverride:
                 found = reason
             if seen is not None and found is not None:
                 STATE.remember_call(seen, found)
+                if reason is not None:
+                    STATE.remember_declined(seen, reason, True)
             if reason is not None:
                 stats.count_sdpa(self.patch_id, reason)
                 return self._declined(func, args, kwargs)
@@ -161,6 +178,8 @@ class SageAttentionOverride:
         # patch's SDPA exactly as ComfyUI makes it, so it returns what plain SDPA returns.
         settled = STATE.decisions.get(found)
         if settled is not None and settled.kernel is None:
+            if seen is not None:
+                STATE.remember_declined(seen, settled.reason, False, settled)
             stats.count_sdpa(self.patch_id, settled.reason)
             return self.sdpa(*args, **kwargs)
         scale = kwargs.get("scale")

@@ -122,6 +122,10 @@ class DispatchState:
         # facts of an eager call that decide its static shape checks (patch options, device, dtypes,
         # shapes, heads, layout flags) -> its CallKey, or the static refusal they make (SHAPE_REASONS)
         self.seen_calls: dict = {}
+        # the same facts -> (reason, static) for a call that goes straight to SDPA: a static shape refusal
+        # (static: to the previous override, as the full checks send it) or a shape settled on SDPA; one
+        # lookup on the hot path.  Emptied whenever a decision is written, so it never outlives one.
+        self.declined_calls: dict = {}
 
     def reset(self) -> None:
         """Forget every decision (tests; after reinstalling a kernel).  Live patches, the package
@@ -172,15 +176,20 @@ class DispatchState:
             for call_key, decision in list(self.decisions.items()):
                 if decision.kernel == key.kernel:
                     del self.decisions[call_key]
+            self.declined_calls.clear()
 
     def settle(self, call_key, decision: Decision) -> None:
         with self.lock:
             self.decisions[call_key] = decision
+            self.declined_calls.clear()
 
     def settle_if_absent(self, call_key, decision: Decision) -> Decision:
         """Settle ``call_key`` unless it is settled already; returns the decision in force."""
         with self.lock:
-            return self.decisions.setdefault(call_key, decision)
+            found = self.decisions.setdefault(call_key, decision)
+            if found is decision:
+                self.declined_calls.clear()
+            return found
 
     def claim_calibration(self, call_key) -> bool:
         """True for the first caller (it calibrates); False when this shape was claimed before."""
@@ -203,6 +212,13 @@ class DispatchState:
     def remember_call(self, seen: tuple, found) -> None:
         with self.lock:
             self.seen_calls[seen] = found
+
+    def remember_declined(self, seen: tuple, reason: str, static: bool, decision=None) -> None:
+        """``seen`` goes straight to SDPA for ``reason`` from now on; for a settled shape, only while
+        ``decision`` is still the one in force (a decision written meanwhile empties the table)."""
+        with self.lock:
+            if decision is None or self.decisions.get(self.seen_calls.get(seen)) is decision:
+                self.declined_calls[seen] = (reason, static)
 
     def remember_oom(self, call_key, memory: OomMemory) -> None:
         with self.lock:

@@ -17,6 +17,9 @@ class Ballast:
         self.held = []
 
     def __call__(self, free_bytes: int) -> int:
+        # Collect garbage first: tensors an earlier test left in reference cycles would otherwise be
+        # freed later, into the allocator's cache, and count as free beside the ballast.
+        gc.collect()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info()
