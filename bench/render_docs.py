@@ -203,18 +203,25 @@ def gpu_tier_table() -> list:
 
 
 def calibrating_peaks() -> tuple:
-    """(calibrating call, settled call, one output) in GiB, and the gpu-tier logs that print them (one
-    answer: the logs that print the line must agree)."""
+    """((lowest, highest) calibrating call, (lowest, highest) settled call, one output) in GiB over the
+    gpu-tier logs that print the line, and those logs."""
     found = {}
     for g in gpu_tier_logs():
         m = re.search(r"calibrating call ([0-9.]+) GiB, settled call ([0-9.]+) GiB above the inputs \(one output ([0-9.]+) GiB\)",
                       g["calibrating"])
         if m:
-            found.setdefault(tuple(float(x) for x in m.groups()), []).append(g["file"])
-    if len(found) != 1:
-        raise SystemExit(f"render_docs: the gpu-tier logs print {len(found)} different calibrating-call peaks: {found}")
-    (peaks, logs), = found.items()
-    return peaks, logs
+            found[g["file"]] = tuple(float(x) for x in m.groups())
+    if not found:
+        raise SystemExit("render_docs: no gpu-tier log prints the calibrating call's peak")
+    cal, settled, out = zip(*found.values())
+    if len(set(out)) != 1:
+        raise SystemExit(f"render_docs: the gpu-tier logs print different output sizes: {found}")
+    return ((min(cal), max(cal)), (min(settled), max(settled)), out[0]), sorted(found)
+
+
+def _gib_range(lo_hi) -> str:
+    lo, hi = lo_hi
+    return f"{lo:.3f}" if lo == hi else f"{lo:.3f}–{hi:.3f}"
 
 
 def compile_section() -> list:
@@ -794,8 +801,8 @@ def e2e_compiled_resident_section() -> list:
             o.append("that step held one output more than a settled step, which the estimate does not count; ComfyUI's own")
             o.append("extra reserve (400 MiB by default) covered it. The dispatcher drops each output when its timing run")
             o.append("ends and runs the winner once more for the call's output: on the H200 a timing call at A14B 720p81")
-            o.append(f"held {cal:.3f} GiB above its inputs and a settled call {settled:.3f} GiB (one output: {out:.3f} GiB; gpu tier,")
-            o.append(f"{_and([link(x) for x in logs])}, `tests/gpu/test_dispatch_gpu.py`).")
+            o.append(f"held {_gib_range(cal)} GiB above its inputs and a settled call {_gib_range(settled)} GiB (one output: {out:.3f} GiB;")
+            o.append(f"gpu tier, {_and([link(x) for x in logs])}, `tests/gpu/test_execution_gpu.py`).")
         o.append("")
     return o
 
@@ -995,6 +1002,16 @@ def whole_rows(sets) -> list[dict]:
                        x["caches"] != "empty", WHOLE_CONFIGS.index(x["config"]) if x["config"] in WHOLE_CONFIGS else 9,
                        x["set"]["label"])
     return sorted(out, key=order)
+
+
+def whole_headline(w: dict) -> tuple:
+    """A README results row of one whole-generation row: the prompt to the frames, first and repeat, against
+    ComfyUI alone + SDPA."""
+    (f1, b1), (f2, b2) = w["figures"]["first_to_frames_s"], w["figures"]["repeat_to_frames_s"]
+    what = (f"whole prompt, {_whole_workflow_text(w['workflow'])}, {_budget_text(w['budget'])}, estimator + Sage "
+            f"against stock ComfyUI: first prompt of a fresh ComfyUI, no caches / repeat prompt")
+    return (what, f"**{b1 / f1:.2f}× / {b2 / f2:.2f}×** ({f1:.0f} / {f2:.0f} s against {b1:.0f} / {b2:.0f} s)",
+            f"[benchmarks](docs/benchmarks.md#{anchor('Whole generation')})")
 
 
 def whole_generation_section(paths=None) -> list:
@@ -1508,7 +1525,9 @@ def readme_results(summary) -> str:
             oom_why.append(f"{where}, before {RULE_TEXT[rule_source(s['file'])]} set from it")
         else:
             oom_why.append(f"{where}, where ComfyUI alone completed")
-    rows_ = [
+    rows_ = [whole_headline(w) for w in whole_rows(whole_sets()) if w["config"] == (True, "sage")
+             and w["caches"] == "empty" and w["figures"]["first_to_frames_s"][1]]
+    rows_ += [
         ("A14B 720p81 self-attention, `auto` against SDPA", f"**{auto720['ratio']:.2f}×** ({auto720['chosen']})",
          f"[attention](docs/attention.md#{anchor('The `auto` override end to end')})"),
         ("torch.compile + Sage per forward, against eager SDPA (A14B 720p81)",

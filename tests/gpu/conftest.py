@@ -17,16 +17,23 @@ class Ballast:
         self.held = []
 
     def __call__(self, free_bytes: int) -> int:
-        # Collect garbage first: tensors an earlier test left in reference cycles would otherwise be
-        # freed later, into the allocator's cache, and count as free beside the ballast.
+        """Hold memory until the dispatcher's measure of what is free (the driver's free memory plus the
+        allocator's cached-but-unused blocks, attention.execution.available_bytes) reads ``free_bytes``.
+        Garbage is collected first: tensors an earlier test left in reference cycles would otherwise be
+        freed later, into the cache, and count as free beside the ballast.  Cached blocks the allocator
+        cannot hand back count as free as well, so the ballast takes them into account too."""
+        from wan_sage.attention.execution import available_bytes
         gc.collect()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        free, _ = torch.cuda.mem_get_info()
-        n = free - free_bytes
-        if n > 0:
+        held = 0
+        for _ in range(8):
+            n = available_bytes(torch.device("cuda", torch.cuda.current_device()), None) - free_bytes
+            if n <= 16 << 20:
+                break
             self.held.append(torch.empty(n, dtype=torch.uint8, device="cuda"))
-        return n
+            held += n
+        return held
 
     def release(self) -> None:
         self.held.clear()
