@@ -21,8 +21,7 @@ from .registry import KERNELS, install_hint
 from .state import STATE
 
 __all__ = [
-    "KERNELS", "probe", "available", "unavailable_reason", "auto_candidates", "device_cc", "install_hint",
-    "run", "build_identity", "Probe", "entry_point", "install_test_kernel", "out_of_memory_error",
+    "probe", "available", "unavailable_reason", "auto_candidates", "device_cc", "run", "build_identity", "Probe", "entry_point", "install_test_kernel", "out_of_memory_error",
     "device_index",
 ]
 

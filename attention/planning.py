@@ -80,7 +80,7 @@ def device_info(device, index: int, choice: str) -> DeviceInfo:
         reason = None if names else (
             f"no quantised attention kernel is usable on {gpu} (sm{cc}): "
             f"sageattention: {probe.sage_error or probe.sage_version}; comfy-kitchen: "
-            f"{probe.ck_error or 'no kernel for this GPU'}. " + kernels.install_hint())
+            f"{probe.ck_error or 'no kernel for this GPU'}. " + registry.install_hint())
     else:
         why = kernels.unavailable_reason(choice, cc)
         names, reason = ((), why) if why else ((choice,), None)

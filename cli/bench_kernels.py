@@ -303,7 +303,7 @@ def run_bench(shapes, kernel_names, dtype=torch.bfloat16, iters=5, accuracy=True
                 rows.append(r)
                 emit(json.dumps(r))
                 continue
-            path = kernels.KERNELS[name].memory_path(cc)
+            path = registry.KERNELS[name].memory_path(cc)
             split = head_groups.head_groups(path, shape, "sdpa")
             measured = {}
             for groups in sorted({1, split.groups}):
@@ -407,7 +407,7 @@ def main(a) -> int:
     if a.kernels == "auto":
         names = list(registry.auto_order(cc))
     elif a.kernels == "all":
-        names = list(kernels.KERNELS)
+        names = list(registry.KERNELS)
     else:
         names = a.kernels.split(",")
     p = kernels.probe()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from . import activation_model
 from .errors import ModelFileError, RequestError
-from .estimate import DEFAULT_CC, GiB, POLICIES, Setup, attention_plan
+from .estimate import GiB, POLICIES, Setup, attention_plan
 from .headers import read_model_file
 from .weights import HEADER_DTYPES, WEIGHT_BYTES, WeightPlan, weights_for_file, weights_for_key
 from ..attention import registry

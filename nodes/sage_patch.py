@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from ..attention import kernels, stats
+from ..attention import kernels, registry, stats
 from ..attention.config import PatchConfig
 from ..attention.override import SageAttentionOverride
 from . import comfy_bridge
@@ -131,8 +131,8 @@ def apply_patch(model, kernel="auto", min_tokens=1024, calibrate=True, memory_ma
     if not kernels.any_kernel_importable():
         p = kernels.probe()
         warn_once("nosage", "wan-sage: SageAttention is not installed (%s), so the Sage Attention Patch passes "
-                  "the model through. %s", p.sage_error, kernels.install_hint())
-        return model, "SageAttention not installed: passed through. " + kernels.install_hint()
+                  "the model through. %s", p.sage_error, registry.install_hint())
+        return model, "SageAttention not installed: passed through. " + registry.install_hint()
     if kernel != "auto":
         why = kernels.unavailable_reason(kernel)
         if why:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
-from ..attention import kernels
+from ..attention import registry
 from ..memory import activation_model
 from ..memory import report, request
 from ..memory.errors import RequestError
@@ -26,7 +26,7 @@ class WanSageAttentionPatch(io.ComfyNode):
             inputs=[
                 io.Model.Input("model", tooltip="the Wan 2.1/2.2 model to patch (from the loader, LoRA, "
                                                 "ModelSampling or the Working-Memory Estimator)"),
-                io.Combo.Input("kernel", options=["auto", *kernels.KERNELS], default="auto",
+                io.Combo.Input("kernel", options=["auto", *registry.KERNELS], default="auto",
                                tooltip="auto: the best kernel for this GPU, chosen per shape by measurement"),
                 io.Int.Input("min_tokens", default=1024, min=0, max=1 << 20, step=64,
                              tooltip="calls with fewer query tokens stay on SDPA"),

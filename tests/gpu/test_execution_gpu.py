@@ -13,7 +13,7 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     pytest.skip("gpu tier: no CUDA device (run on the GPU machine)", allow_module_level=True)
 
-from wan_sage.attention import execution, head_groups, kernel_bytes, kernels, planning, stats  # noqa: E402
+from wan_sage.attention import execution, head_groups, kernel_bytes, kernels, planning, registry, stats  # noqa: E402
 from wan_sage.attention.config import PatchConfig  # noqa: E402
 from wan_sage.attention.override import SageAttentionOverride, self_test_failures  # noqa: E402
 from wan_sage.cli.bench_kernels import peak_extra  # noqa: E402
@@ -26,7 +26,7 @@ AUTO = kernels.auto_candidates(CC)
 if not AUTO:
     pytest.skip("no SageAttention / comfy-kitchen kernel for this GPU in the auto order", allow_module_level=True)
 KERNEL = AUTO[0]
-PATH = kernels.KERNELS[KERNEL].memory_path(CC)
+PATH = registry.KERNELS[KERNEL].memory_path(CC)
 A14B_720P = (1, 40, 75600, 75600, 128)
 A14B_480P = (1, 40, 32760, 32760, 128)
 GiB = 1 << 30

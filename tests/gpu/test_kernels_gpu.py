@@ -12,7 +12,7 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     pytest.skip("gpu tier: no CUDA device (run on the GPU machine)", allow_module_level=True)
 
-from wan_sage.attention import kernel_bytes, kernels, stats  # noqa: E402
+from wan_sage.attention import kernel_bytes, kernels, registry, stats  # noqa: E402
 from wan_sage.attention.config import PatchConfig  # noqa: E402
 from wan_sage.attention.override import SageAttentionOverride  # noqa: E402
 from wan_sage.attention.sdpa import attention_sdpa  # noqa: E402
@@ -20,7 +20,7 @@ from wan_sage.attention.state import STATE  # noqa: E402
 
 DEV = torch.device("cuda")
 CC = kernels.device_cc(DEV)
-AVAILABLE = [n for n in kernels.KERNELS if kernels.available(n, CC)]
+AVAILABLE = [n for n in registry.KERNELS if kernels.available(n, CC)]
 if not AVAILABLE:
     pytest.skip("no SageAttention / comfy-kitchen kernel installed", allow_module_level=True)
 
@@ -63,7 +63,7 @@ def test_accuracy_and_exact_extra_bytes(name, shape):
     o = kernels.run(name, q4, k4, v4, "NHD", None, CC)
     torch.cuda.synchronize()
     measured = torch.cuda.max_memory_allocated() - base
-    formula = kernel_bytes.extra_bytes(kernels.KERNELS[name].memory_path(CC), kernel_bytes.AttnShape(B, H, NQ, NK, D))
+    formula = kernel_bytes.extra_bytes(registry.KERNELS[name].memory_path(CC), kernel_bytes.AttnShape(B, H, NQ, NK, D))
     assert abs(measured - formula) <= 0.01 * formula, (measured, formula)
     ref = ref_slice(q, k, v, H)
     out = o.reshape(B, NQ, H * D)[:, :ref.shape[1]].float()

@@ -49,7 +49,7 @@ def test_the_cli_table_its_json_and_the_route_give_the_same_figures(capsys):
 
 def test_the_node_words_its_estimate_as_the_route_does(monkeypatch):
     """A stand-in A14B patcher with the route's budget: the same terms, activation peak and reservation."""
-    from test_newer_comfy import Patcher
+    from test_current_comfy_patcher import Patcher
     monkeypatch.setattr(comfy_bridge, "capacity", lambda model: 24 * GiB)
     monkeypatch.setattr(comfy_bridge, "extra_reserved", lambda: 400 << 20)
     m = Patcher()
