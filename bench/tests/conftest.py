@@ -31,25 +31,10 @@ _load("bench", ROOT / "bench")
 
 import pytest  # noqa: E402
 
-_sage_missing: list = []  # the one answer of sage_missing_reason(), once computed
-
-
-def sage_missing_reason() -> str | None:
-    """None when ``sageattention`` imports (the Sage patch is then active), else why it does not."""
-    if not _sage_missing:
-        try:
-            importlib.import_module("sageattention")
-            _sage_missing.append(None)
-        except Exception as e:  # any import failure means the same thing here: no active patch
-            _sage_missing.append(
-                f"needs an active Sage patch, but sageattention is not importable ({type(e).__name__}: {e}); "
-                "install the host tier's packages: tests/host/requirements-host.txt (sageattention==1.0.6)")
-    return _sage_missing[0]
-
-
 def pytest_runtest_setup(item):
     if item.get_closest_marker("needs_sage") is not None:
-        reason = sage_missing_reason()
+        from bench import _host
+        reason = _host.comfy_env().sage_missing_reason()
         if reason:
             pytest.skip(reason)
 

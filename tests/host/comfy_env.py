@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import importlib
 import os
 import subprocess
 import sys
@@ -95,6 +96,23 @@ def skip_reason(path: str | os.PathLike | None = None) -> str | None:
     except Exception as e:  # pragma: no cover
         return f"cannot probe torch: {e}"
     return None
+
+
+_sage_missing: list = []  # the one answer of sage_missing_reason(), once computed
+
+
+def sage_missing_reason() -> str | None:
+    """None when ``sageattention`` imports (the Sage patch is then active), else why it does not: the
+    reason the tests marked ``needs_sage`` skip with."""
+    if not _sage_missing:
+        try:
+            importlib.import_module("sageattention")
+            _sage_missing.append(None)
+        except Exception as e:  # any import failure means the same thing here: no active patch
+            _sage_missing.append(
+                f"needs an active Sage patch, but sageattention is not importable ({type(e).__name__}: {e}); "
+                "install the host tier's packages: tests/host/requirements-host.txt (sageattention==1.0.6)")
+    return _sage_missing[0]
 
 
 def booted() -> bool:

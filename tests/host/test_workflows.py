@@ -19,18 +19,13 @@ import pytest
 import comfy_env
 import workflow_check
 from bench import workflow_api as wa
+from bench.make_workflows import A14B_480P, A14B_720P, A14B_FP8_480P, A14B_FP8_720P, I2V_21, TI2V_5B
 
 if comfy_env.skip_reason():
     pytest.skip(f"host tier: {comfy_env.skip_reason()}", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[2]
 WF_DIR = ROOT / "example_workflows"
-A14B_720P = "Wan 2.2 A14B GGUF T2V 720p"
-A14B_480P = "Wan 2.2 A14B GGUF T2V 480p"
-A14B_FP8_720P = "Wan 2.2 A14B fp8 T2V 720p"
-A14B_FP8_480P = "Wan 2.2 A14B fp8 T2V 480p"
-TI2V_5B = "Wan 2.2 5B text to video 704p"
-I2V_21 = "Wan 2.1 image to video 480p"
 EXPECTED = {A14B_720P: (1280, 720, 81), A14B_480P: (832, 480, 81), A14B_FP8_720P: (1280, 720, 81),
             A14B_FP8_480P: (832, 480, 81), TI2V_5B: (1280, 704, 121), I2V_21: (832, 480, 81)}
 GGUF_TEMPLATES = (A14B_720P, A14B_480P)
