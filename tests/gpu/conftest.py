@@ -46,3 +46,14 @@ def ballast():
     b = Ballast()
     yield b
     b.release()
+
+
+@pytest.fixture
+def fresh_state():
+    """Every decision of the process forgotten before and after the test, and its memory handed back."""
+    from wan_sage.attention.state import STATE
+    STATE.reset()
+    yield
+    STATE.reset()
+    gc.collect()
+    torch.cuda.empty_cache()

@@ -55,13 +55,7 @@ SHAPES = {
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-@pytest.fixture(autouse=True)
-def fresh():
-    STATE.reset()
-    yield
-    STATE.reset()
-    gc.collect()
-    torch.cuda.empty_cache()
+pytestmark = pytest.mark.usefixtures("fresh_state")
 
 
 def _decision_us(config, q, k, v, H, n=2000, rounds=9) -> float:

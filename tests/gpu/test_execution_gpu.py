@@ -2,7 +2,6 @@
 against ungrouped numerics, Sage at SDPA's memory, and the failure paths forced on real kernels
 (an injected raising kernel, a real out-of-memory error under a VRAM ballast, NaN appearing
 later).  The decision cost is printed (``-s``), not asserted; ``wan-sage bench`` reports it."""
-import gc
 import logging
 import time
 
@@ -56,13 +55,7 @@ class Counting:
         return out
 
 
-@pytest.fixture(autouse=True)
-def fresh():
-    STATE.reset()
-    yield
-    STATE.reset()
-    gc.collect()
-    torch.cuda.empty_cache()
+pytestmark = pytest.mark.usefixtures("fresh_state")
 
 
 @pytest.fixture

@@ -24,8 +24,8 @@ import torch
 
 from fakegpu import qkv
 from test_current_comfy_attention import AttentionTensorContainer, optimized_attention, set_model_optimized_attention
+from test_current_comfy_patcher import Base as PatcherBase
 from wan_sage.attention import kernels, stats
-from wan_sage.attention.config import PatchConfig
 from wan_sage.attention.override import SageAttentionOverride
 from wan_sage.memory.estimate import plan
 from wan_sage.nodes import comfy_bridge, estimator, sage_patch
@@ -141,22 +141,12 @@ def _kj_apply_torch_compile_wrapper(executor, *args, **kwargs):
 _kj_apply_torch_compile_wrapper.__module__ = "custom_nodes.ComfyUI-KJNodes.nodes.model_optimization_nodes"
 
 
-class Base:
-    """A Wan 2.1 14B BaseModel stand-in (its config read by comfy_bridge.wan_dims)."""
+class Base(PatcherBase):
+    """The Wan 14B BaseModel stand-in of the patcher tests, with the flow model sampling BSA reads."""
 
     def __init__(self):
-        self.diffusion_model = SimpleNamespace(dim=5120, ffn_dim=13824, num_heads=40, blocks=[0] * 40, in_dim=16,
-                                               out_dim=16, patch_size=(1, 2, 2), img_emb=None)
-        self.model_config = SimpleNamespace(unet_config={"model_type": "t2v", "dim": 5120})
-        self.latent_format = SimpleNamespace(latent_channels=16)
-        self.manual_cast_dtype = None
+        super().__init__()
         self.model_sampling = ModelSamplingDiscreteFlow()
-
-    def get_dtype(self):
-        return torch.bfloat16
-
-    def parameters(self):
-        return iter([torch.zeros(1, dtype=torch.bfloat16)])
 
 
 class Patcher:
