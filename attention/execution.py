@@ -67,12 +67,17 @@ def fits(device, need: int, free_memory) -> bool:
 
 
 def available_bytes(device, free_memory) -> int:
-    """Memory a kernel could use: the driver's free memory plus torch's cached-but-unused."""
+    """Memory a kernel's buffers can get: the driver's free memory plus what torch's allocator holds
+    unused and can hand back.  Cached blocks split off a segment that is partly in use
+    (``inactive_split_bytes``) are left out: the allocator can release only whole segments, so such a
+    block serves only a request that fits in it, and counting it would let a call plan on memory that
+    a large buffer cannot get."""
     if free_memory is not None:
         return int(free_memory(device))
     free, _total = torch.cuda.mem_get_info(device)
     allocator = torch.cuda.memory_stats(device)
-    return free + allocator.get("reserved_bytes.all.current", 0) - allocator.get("allocated_bytes.all.current", 0)
+    unused = allocator.get("reserved_bytes.all.current", 0) - allocator.get("allocated_bytes.all.current", 0)
+    return free + max(0, unused - allocator.get("inactive_split_bytes.all.current", 0))
 
 
 # ------------------------------------------------------------------ decisions
