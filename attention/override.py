@@ -37,6 +37,9 @@ from .state import STATE
 
 __all__ = ["SageAttentionOverride", "self_test_failures", "settled_shapes"]
 
+# The keyword arguments of Wan's attention calls (ComfyUI pops ``preferred_attention`` before the override).
+_WAN_KWARGS = frozenset(("heads", "transformer_options"))
+
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or torch._dynamo.is_compiling
 
 
@@ -135,29 +138,48 @@ class SageAttentionOverride:
     def __call__(self, func, *args, **kwargs):
         if _is_compiling():
             return self._traced(func, args, kwargs)
-        if len(args) == 3:  # how Wan's blocks call it: q, k, v, and the rest by keyword
+        if len(args) == 3 and kwargs.keys() == _WAN_KWARGS:
+            # Wan's call sites pass q, k, v and nothing by keyword but heads and transformer_options: no
+            # mask, scale, layout flag or precision switch to read, so their facts make a shorter key.  A
+            # call found declined goes to SDPA whether or not it records autograd (SDPA serves both), so
+            # the autograd check waits until the call could go to a kernel.
             q, k, v = args
-            heads, mask = kwargs["heads"], kwargs.get("mask")
-            skip_reshape = bool(kwargs.get("skip_reshape", False))
-            skip_out = bool(kwargs.get("skip_output_reshape", False))
-        else:
-            q, k, v, heads, mask, skip_reshape, skip_out = _parse(args, kwargs)
-        # A call like one seen before (the same facts its static shape checks read) skips those checks;
-        # only its per-call options are checked again.  One that goes straight to SDPA (a static shape
-        # refusal, or a shape settled on SDPA) is found in STATE.declined_calls by one lookup.
-        seen = found = None
-        if (mask is None and kwargs.get("low_precision_attention", True) is not False
-                and not kwargs.get("enable_gqa", False)
-                and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
-            seen = (self.config_key, q.device, q.dtype, k.dtype, v.dtype, q.shape, k.shape, heads, skip_reshape,
-                    skip_out)
+            heads = kwargs["heads"]
+            seen = (self.config_key, q.is_cuda, q.get_device(), q.dtype, k.dtype, v.dtype, q.shape, k.shape, heads)
             declined = STATE.declined_calls.get(seen)
             if declined is not None:
                 stats.count_sdpa(self.patch_id, declined[0])
                 if declined[1]:
                     return self._declined(func, args, kwargs)
                 return self.sdpa(*args, **kwargs)
-            found = STATE.seen_calls.get(seen)
+            mask, skip_reshape, skip_out = None, False, False
+            if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+                seen = None
+            found = None if seen is None else STATE.seen_calls.get(seen)
+        else:
+            if len(args) == 3:
+                q, k, v = args
+                heads, mask = kwargs["heads"], kwargs.get("mask")
+                skip_reshape = bool(kwargs.get("skip_reshape", False))
+                skip_out = bool(kwargs.get("skip_output_reshape", False))
+            else:
+                q, k, v, heads, mask, skip_reshape, skip_out = _parse(args, kwargs)
+            seen = found = None
+            if (mask is None and kwargs.get("low_precision_attention", True) is not False
+                    and not kwargs.get("enable_gqa", False)
+                    and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
+                seen = (self.config_key, q.device, q.dtype, k.dtype, v.dtype, q.shape, k.shape, heads, skip_reshape,
+                        skip_out)
+                declined = STATE.declined_calls.get(seen)
+                if declined is not None:
+                    stats.count_sdpa(self.patch_id, declined[0])
+                    if declined[1]:
+                        return self._declined(func, args, kwargs)
+                    return self.sdpa(*args, **kwargs)
+                found = STATE.seen_calls.get(seen)
+        # A call like one seen before (the same facts its static shape checks read) skips those checks;
+        # only its per-call options are checked again.  One that goes straight to SDPA (a static shape
+        # refusal, or a shape settled on SDPA) was found in STATE.declined_calls above by one lookup.
         if found is None:
             shape, reason = self._check(q, k, v, heads, mask, skip_reshape, skip_out, kwargs)
             if shape is not None:

@@ -172,3 +172,67 @@ def test_the_overhead_measurement_runs_on_the_cpu_and_leaves_everything_as_it_wa
     assert r["sdpa_us"] > 0 and r["settled_sdpa_us"] > 0
     assert policy.ACCEL_DEVICE_TYPES == devices and kernels.entry_point("sage2_sm90") is entry
     STATE.reset()
+
+
+WAN_KWARGS = {"heads": 4, "transformer_options": {"block_index": 0}}
+
+
+def test_wan_keyword_calls_settled_on_sdpa_are_declined_before_the_run_time_part(fake_gpu, no_run_time_part):
+    """Wan's call sites pass heads and transformer_options only: the shorter key of that path finds a
+    shape settled on SDPA, and the call returns plain SDPA's output, counted by its reason."""
+    fake_gpu.times["sage2_sm90"] = 17.0
+    q, k, v = qkv()
+    o = ov(fake_gpu)
+    o(raw_func, q, k, v, **WAN_KWARGS)  # calibrates and settles the shape on SDPA
+    no_run_time_part()
+    stats.begin_run(o.patch_id)
+    for _ in range(3):
+        assert torch.equal(o(raw_func, q, k, v, **WAN_KWARGS), attention_sdpa(q, k, v, 4))
+    assert stats.end_run(o.patch_id)["reasons"] == {"slower": 3}
+
+
+def test_wan_keyword_calls_recording_autograd_never_reach_a_kernel(fake_gpu):
+    """The autograd check of the Wan keyword path runs after its declined-call lookup: a call on a
+    shape settled on a kernel still goes to SDPA (reason "grad") while it records autograd."""
+    o = ov(fake_gpu, calibrate=False)
+    q, k, v = qkv()
+    o(raw_func, q, k, v, **WAN_KWARGS)  # settles the shape on the kernel
+    before = fake_gpu.kernel_calls()
+    qg = q.detach().clone().requires_grad_(True)
+    stats.begin_run(o.patch_id)
+    with torch.enable_grad():
+        out = o(raw_func, qg, k, v, **WAN_KWARGS)
+    assert out.requires_grad and fake_gpu.kernel_calls() == before
+    o(raw_func, q, k, v, **WAN_KWARGS)
+    s = stats.end_run(o.patch_id)
+    assert s["reasons"] == {"grad": 1} and s["by_kernel"] == {"sage2_sm90": 1}
+
+
+def test_wan_keyword_calls_with_mismatched_dtypes_keep_their_static_refusal(fake_gpu):
+    """The key of the Wan keyword path holds all three dtypes: a k of another dtype than q's is
+    refused statically every time (to the previous override), never served by the decision of the
+    matching call."""
+    def prev(func, *args, **kwargs):
+        return "from-prev"
+    q, k, v = qkv()
+    o = SageAttentionOverride(PatchConfig(cache_dir=fake_gpu.cache_dir, calibrate=False), prev=prev)
+    o(raw_func, q, k, v, **WAN_KWARGS)
+    stats.begin_run(o.patch_id)
+    assert [o(raw_func, q, k.half(), v, **WAN_KWARGS) for _ in range(2)] == ["from-prev"] * 2
+    assert torch.is_tensor(o(raw_func, q, k, v, **WAN_KWARGS))
+    s = stats.end_run(o.patch_id)
+    assert s["reasons"] == {"dtype": 2} and s["by_kernel"] == {"sage2_sm90": 1}
+
+
+def test_available_memory_leaves_out_cached_blocks_split_off_segments_in_use(monkeypatch):
+    """What the allocator caches in segments that are partly in use cannot be released for a large
+    buffer: the dispatcher's measure of free memory counts only the driver's free memory and the
+    cached memory the allocator can hand back."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (633 << 20, 140 << 30))
+    stats_now = {"reserved_bytes.all.current": 10 << 30, "allocated_bytes.all.current": (10 << 30) - (900 << 20),
+                 "inactive_split_bytes.all.current": 617 << 20}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: stats_now)
+    assert execution.available_bytes(torch.device("cuda", 0), None) == (633 + 900 - 617) << 20
+    stats_now["inactive_split_bytes.all.current"] = 0
+    assert execution.available_bytes(torch.device("cuda", 0), None) == (633 + 900) << 20
+    assert execution.available_bytes(torch.device("cuda", 0), lambda device: 123) == 123
