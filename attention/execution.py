@@ -85,14 +85,21 @@ def _plan(decision: Decision, key: CallKey) -> Plan:
     s = key.shape
     return Plan(kernel=decision.kernel, reason=decision.reason, layout=s.layout, out_layout=s.out_layout, B=s.B,
                 H=s.H, Nq=s.Nq, Nk=s.Nk, D=s.D, groups=decision.groups, saved_ms=decision.saved_ms, cc=decision.cc,
-                need=decision.need, output_copy=decision.output_copy, call_key=key)
+                need=decision.need, output_copy=decision.output_copy, into_q=decision.into_q, call_key=key)
 
 
 def _decision_of(choice: planning.Choice, cc: int, shape: CallShape, dtype, margin: int) -> Decision:
     if choice.kernel is None:
         return Decision(None, choice.reason, cc=cc)
+    aspec = planning.attn_shape(shape, dtype)
+    if shape.into_q:
+        # q is handed over: the write-into-q path in the fewest groups within SDPA's bytes, where it exists
+        found = planning.into_q_groups(choice.kernel, cc, aspec)
+        if found is not None:
+            need = planning.need_bytes(choice.kernel, cc, aspec, found.groups, False, margin, True)
+            return Decision(choice.kernel, None, found.groups, need, choice.saved_ms, cc, False, True)
     copy = choice.groups == 1 and planning.output_copy(choice.kernel, shape.layout, shape.out_layout)
-    need = planning.need_bytes(choice.kernel, cc, planning.attn_shape(shape, dtype), choice.groups, copy, margin)
+    need = planning.need_bytes(choice.kernel, cc, aspec, choice.groups, copy, margin)
     return Decision(choice.kernel, None, choice.groups, need, choice.saved_ms, cc, copy)
 
 
@@ -197,7 +204,7 @@ def _fit_memory(ov, device, key: CallKey, decision: Decision) -> Plan:
         return _plan(decision, key)
     margin = ov.config.memory_margin_mb << 20
     found = planning.more_groups(decision.kernel, decision.cc, planning.attn_shape(key.shape, key.dtype),
-                                 decision.groups, available_bytes(device, ov.free_memory), margin)
+                                 decision.groups, available_bytes(device, ov.free_memory), margin, decision.into_q)
     if found is None:
         return _plan(Decision(None, "memory", cc=decision.cc), key)
     groups, need = found
@@ -333,6 +340,8 @@ def run_attention(ov, q, k, v, heads: int, skip_reshape: bool, skip_output_resha
         return _sdpa(ov, q, k, v, heads, skip_reshape, skip_output_reshape, scale, plan.reason)
     name = plan.kernel
     q4, k4, v4 = _views(q, k, v, plan)
+    if plan.into_q:
+        return _run_into_q(ov, plan, q, k, v, q4, k4, v4, heads, skip_reshape, skip_output_reshape, scale)
     oom_error = kernels.out_of_memory_error()
     failure = None
     try:
@@ -360,6 +369,61 @@ def run_attention(ov, q, k, v, heads: int, skip_reshape: bool, skip_output_resha
                          fallback=verdict.failure)
     stats.record(ov.patch_id, kernel=name, split=plan.groups > 1, saved_ms=plan.saved_ms)
     return out
+
+
+def _sdpa_into_q(q4, k4, v4, h0: int, scale) -> None:
+    """SDPA on heads ``h0:`` of q4/k4/v4 ([B, N, H, D]), written into those heads of q4."""
+    q_h, k_h, v_h = (t[:, :, h0:].transpose(1, 2) for t in (q4, k4, v4))
+    out = torch.nn.functional.scaled_dot_product_attention(q_h, k_h, v_h, scale=scale)
+    q4[:, :, h0:].copy_(out.transpose(1, 2))
+
+
+def _run_into_q(ov, plan: Plan, q, k, v, q4, k4, v4, heads, skip_reshape, skip_output_reshape, scale):
+    """A call whose q was handed over, on the kernel's write-into-q path: head group by head group, each
+    group's output written into its heads of q, so the call allocates no output and peaks at one group's
+    quantised q, k and V (:func:`.head_groups.into_q_groups`: at or below SDPA's bytes).  Returns q.
+
+    The output check cannot redo the call on SDPA once q is overwritten, so a call that is due a check
+    runs the same path first on a copy of :data:`.accuracy.CHECK_ROWS` query rows with all of k and v,
+    and compares those rows with SDPA's; a failure settles the shape on SDPA, and this call runs there
+    with q intact.  A kernel that raises (or runs out of memory) in a group leaves that group's heads
+    of q unwritten: SDPA finishes them and the heads after them, so the output is whole."""
+    name = plan.kernel
+    if ov.config.check_finite and _check_due(name, plan.call_key):
+        ref = accuracy.reference(q4, k4, v4, "NHD", "NHD", scale)
+        probe = q4.index_select(1, ref.rows)
+        try:
+            for h0 in range(0, plan.H, -(-plan.H // plan.groups)):
+                kernels.run_into_q(name, probe, k4, v4, scale, h0, min(plan.H, h0 + -(-plan.H // plan.groups)))
+            B, R, H, D = probe.shape
+            verdict = _check_output(probe.reshape(B, R, H * D),
+                                    accuracy.Reference(torch.arange(R, device=probe.device), ref.output, "NHD"))
+        except Exception as e:  # raised on the probe: nothing of q was written
+            del probe
+            failure = "oom" if isinstance(e, kernels.out_of_memory_error()) else "error"
+            if failure == "error":
+                _remember_failure(plan, name, f"{type(e).__name__}: {e}")
+            return _sdpa(ov, q, k, v, heads, skip_reshape, skip_output_reshape, scale, failure, fallback=failure)
+        del probe
+        if verdict.failure is not None:
+            _reject(plan, name, verdict)
+            return _sdpa(ov, q, k, v, heads, skip_reshape, skip_output_reshape, scale, verdict.failure,
+                         fallback=verdict.failure)
+    per_group = -(-plan.H // plan.groups)
+    for h0 in range(0, plan.H, per_group):
+        try:
+            kernels.run_into_q(name, q4, k4, v4, scale, h0, min(plan.H, h0 + per_group))
+        except Exception as e:
+            failure = "oom" if isinstance(e, kernels.out_of_memory_error()) else "error"
+            if failure == "oom":
+                STATE.remember_oom(plan.call_key, OomMemory(available_bytes(q.device, ov.free_memory), plan.need))
+            else:
+                _remember_failure(plan, name, f"{type(e).__name__}: {e}")
+            _sdpa_into_q(q4, k4, v4, h0, scale)
+            stats.record(ov.patch_id, reason=failure, fallback=failure)
+            return q
+    stats.record(ov.patch_id, kernel=name, split=plan.groups > 1, saved_ms=plan.saved_ms)
+    return q
 
 
 # ------------------------------------------------------------------ calibration

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from .kernel_bytes import AttnShape, extra_bytes
 
 __all__ = ["MEMORY_MODES", "SDPA_SLACK_BYTES", "HeadGroups", "head_groups", "group_counts", "split_bytes",
-           "fewest_groups_within"]
+           "fewest_groups_within", "into_q_groups"]
 
 MEMORY_MODES = ("sdpa", "fastest")
 SDPA_SLACK_BYTES = 1 << 29  # 0.5 GiB
@@ -59,12 +59,16 @@ def group_counts(heads: int) -> tuple:
     return tuple(counts)
 
 
-def split_bytes(path: str, shape: AttnShape, groups: int, output_copy: bool = False) -> int:
+def split_bytes(path: str, shape: AttnShape, groups: int, output_copy: bool = False, into_q: bool = False) -> int:
     """Peak extra bytes of a call of the kernel behind ``path`` run in ``groups`` head groups.
 
     ``output_copy``: the ungrouped call's output is copied into the caller's layout afterwards
     (the kernel's native layout differs); only the output is alive then.  A grouped call writes
-    every group straight into the full output, allocated in the caller's layout."""
+    every group straight into the full output, allocated in the caller's layout.  ``into_q``: ``path``
+    writes the output into q's own memory, so no full output is allocated; each group's peak is the
+    kernel's bytes for its heads."""
+    if into_q:
+        return extra_bytes(path, shape.with_heads(_heads_per_group(shape.Hq, max(1, groups))))
     if groups <= 1:
         direct = extra_bytes(path, shape)
         if output_copy:
@@ -105,3 +109,22 @@ def head_groups(path: str, shape: AttnShape, mode: str = "sdpa", output_copy: bo
         found = (groups, split_bytes(path, shape, groups, output_copy))
     groups, nbytes = found
     return HeadGroups(groups, _heads_per_group(shape.Hq, groups), nbytes, ungrouped, sdpa)
+
+
+def into_q_groups(path: str, shape: AttnShape) -> HeadGroups | None:
+    """The fewest head groups in which the kernel path ``path``, writing its output into q's memory,
+    stays at or below SDPA's extra bytes for the same call: SDPA allocates the full output, this path
+    only one group's quantised q, k and V.  None when not even one head per group gets there (then
+    the call takes the ordinary path)."""
+    sdpa = extra_bytes("sdpa", shape)
+    found = None
+    for groups in group_counts(shape.Hq):
+        nbytes = split_bytes(path, shape, groups, into_q=True)
+        if nbytes <= sdpa:
+            found = (groups, nbytes)
+            break
+    if found is None:
+        return None
+    groups, nbytes = found
+    return HeadGroups(groups, _heads_per_group(shape.Hq, groups), nbytes, split_bytes(path, shape, 1, into_q=True),
+                      sdpa)

@@ -109,16 +109,19 @@ def _sage2_fp8_cuda(a: AttnShape, per_warp: bool = False) -> int:
     return pad + km + Eq + Ek + sc + max(kt, o + vt + v8 + vs)
 
 
-def _sage2_sm90(a: AttnShape) -> int:
-    # Hopper wgmma kernel, per_thread quantisation, V zero-padded to 128 tokens.
+def _sage2_sm90(a: AttnShape, into_q: bool = False) -> int:
+    # Hopper wgmma kernel, per_thread quantisation, V zero-padded to 128 tokens.  ``into_q``: the path
+    # that writes the output into q's own memory (q is handed over by the call site, and each head's q
+    # is quantised before its output is written): no output buffer, and V always copied into a
+    # contiguous padded buffer (its heads are a strided slice of the caller's tensor).
     Dp, Eq, Ek, pad, km = _common2(a)
     sc = 4 * a.B * (32 * a.Hq * _c(a.Nq, 64) + 4 * a.hkv * _c(a.Nk, 128))
     nk128 = 128 * _c(a.Nk, 128)
-    vc = a.s * a.B * a.hkv * Dp * nk128 if a.Nk % 128 else 0
+    vc = a.s * a.B * a.hkv * Dp * nk128 if (a.Nk % 128 or into_q) else 0
     vt = a.s * a.B * a.hkv * Dp * nk128
     v8 = a.B * a.hkv * Dp * nk128
     vs = 8 * a.B * a.hkv * Dp
-    kt, o = a.s * Ek, a.s * Eq
+    kt, o = a.s * Ek, 0 if into_q else a.s * Eq
     return pad + km + Eq + Ek + sc + max(kt, o + vc + vt + v8 + vs)
 
 
@@ -146,6 +149,7 @@ MEMORY_PATHS = {
     "sage2_fp8_cuda": _sage2_fp8_cuda,
     "sage2_fp8_cuda_perwarp": lambda a: _sage2_fp8_cuda(a, per_warp=True),
     "sage2_sm90": _sage2_sm90,
+    "sage2_sm90_into_q": lambda a: _sage2_sm90(a, into_q=True),
     "ck_int8": _ck_int8,
 }
 

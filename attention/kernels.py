@@ -22,7 +22,7 @@ from .state import STATE
 
 __all__ = [
     "probe", "available", "unavailable_reason", "auto_candidates", "device_cc", "run", "build_identity", "Probe", "entry_point", "install_test_kernel", "out_of_memory_error",
-    "device_index",
+    "device_index", "into_q_module", "run_into_q",
 ]
 
 log = logging.getLogger("wan_sage")
@@ -247,3 +247,30 @@ def run(name: str, q, k, v, layout: str, sm_scale: float | None, cc: int):
     """Call kernel ``name`` on q, k, v in ``layout`` ("NHD" [B,N,H,D] or "HND" [B,H,N,D]);
     returns the output in the same layout."""
     return KERNELS[name].run(STATE.entry_points[name], q, k, v, layout, sm_scale, cc)
+
+
+def into_q_module(name: str):
+    """The module that provides kernel ``name``'s write-into-q pieces (None: not installed, or the
+    kernel has no such path).  Imported once; a build that lacks a piece has no such path."""
+    spec = KERNELS[name]
+    if not spec.into_q_module or name not in STATE.entry_points:
+        return None
+    found = STATE.into_q_modules.get(name, False)
+    if found is False:
+        try:
+            found = importlib.import_module(spec.into_q_module)
+            if not all(callable(getattr(found, attr, None)) for attr in ("per_thread_int8_triton", "per_channel_fp8")) \
+                    or not callable(getattr(getattr(found, "sm90_compile", None),
+                                            "qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf", None)):
+                found = None
+        except Exception as e:  # a broken build: the ordinary path stays
+            log.debug("wan-sage: %s has no write-into-q path: %s", name, e)
+            found = None
+        with STATE.lock:
+            STATE.into_q_modules[name] = found
+    return found
+
+
+def run_into_q(name: str, q4, k4, v4, sm_scale, h0: int, h1: int) -> None:
+    """Kernel ``name``'s write-into-q path on heads ``h0:h1`` of q4/k4/v4 ([B, N, H, D])."""
+    KERNELS[name].call_into_q(into_q_module(name), q4, k4, v4, sm_scale, h0, h1)

@@ -24,6 +24,7 @@ all mutable state lives in :mod:`.state`.
 """
 from __future__ import annotations
 
+import sys
 import uuid
 from typing import Callable
 
@@ -41,6 +42,38 @@ __all__ = ["SageAttentionOverride", "self_test_failures", "settled_shapes"]
 _WAN_KWARGS = frozenset(("heads", "transformer_options"))
 
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or torch._dynamo.is_compiling
+
+
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _holders(t) -> tuple:
+    """(Python references to ``t``, tensors on ``t``'s storage), counted the same way for every caller."""
+    return sys.getrefcount(t), _storage_use_count(t.untyped_storage()._cdata)
+
+
+def _counted(t) -> tuple:
+    return _holders(t)  # one call deep, as _handed_over reads it
+
+
+def _sole_holder_counts() -> tuple | None:
+    """What :func:`_handed_over` reads for a tensor held by one local variable of its caller and by nothing
+    else (None where torch cannot count a storage's tensors)."""
+    if _storage_use_count is None:
+        return None
+    t = torch.empty(1)
+    return _counted(t)
+
+
+_SOLE = _sole_holder_counts()
+
+
+def _handed_over(q) -> bool:
+    """Whether q, taken out of its container into one local variable of the caller, is held by nothing
+    else: no other Python reference, no other tensor on its memory (a view's base, a patch's copy of
+    q), so the call may write its output into it.  Contiguous only (its [B, N, H, D] view is then q's
+    own memory), and never while autograd records."""
+    return (_SOLE is not None and q.is_contiguous() and not q.requires_grad and _holders(q) == _SOLE)
 
 
 def self_test_failures() -> dict:
@@ -246,12 +279,13 @@ class SageAttentionOverride:
         call takes the tensors out of the containers and is dispatched exactly as :meth:`__call__`
         dispatches it (the custom op under ``torch.compile``, the run-time part in eager mode).
 
-        What owning q/k/v buys: once taken, the call site's containers are empty and the pack holds the
-        only references to the bf16 q, k and v, so each one can be freed as soon as the kernel no longer
-        needs it (once its quantised copy exists) instead of living until the call returns.  That
-        memory-saving execution is a separate piece of work; this method takes the tensors and dispatches
-        them as before.  Traceable by ``torch.compile`` without a graph break (the containers are plain
-        Python objects; tests/unit/test_current_comfy_attention.py)."""
+        What owning q buys: once taken, the call site's container is empty, and when nothing else holds q
+        (:func:`_handed_over`) the call's shape is marked ``into_q``: a kernel with a write-into-q path
+        (:meth:`.registry.KernelSpec.into_q_path`) writes the output into q's memory head group by head
+        group, so the call allocates no output and its peak stays at or below SDPA's
+        (:func:`.execution._run_into_q`).  In eager mode only; traceable by ``torch.compile`` without a
+        graph break (the containers are plain Python objects; tests/unit/test_current_comfy_attention.py),
+        where the custom op runs the ordinary path."""
         boxes = args[:3]
         q, k, v, heads, skip_reshape, skip_out, shape, reason = self._static(
             (boxes[0].peek(), boxes[1].peek(), boxes[2].peek()) + args[3:], kwargs)
@@ -267,6 +301,8 @@ class SageAttentionOverride:
                 return prev(self.sdpa, *taken, **kwargs)
             return self.sdpa(*taken, **kwargs)
         q, k, v = boxes[0].take(), boxes[1].take(), boxes[2].take()
+        if shape.layout == "NHD" and shape.out_layout == "NHD" and not _is_compiling() and _handed_over(q):
+            shape = shape._replace(into_q=True)
         return self._dispatch(q, k, v, heads, skip_reshape, skip_out, shape, kwargs)
 
     def plan(self, q, k, v, heads, args=(), kwargs=None) -> Plan:

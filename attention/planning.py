@@ -17,7 +17,7 @@ from .registry import KERNELS
 from .state import STATE, CallKey, FailureKey, SelfTestKey
 
 __all__ = ["Plan", "DeviceInfo", "Choice", "device_info", "kernel_build", "timing_cache", "timing_key",
-           "candidates", "attn_shape", "output_copy", "mode_groups", "need_bytes", "more_groups", "choose",
+           "candidates", "attn_shape", "output_copy", "mode_groups", "need_bytes", "into_q_groups", "more_groups", "choose",
            "default_choice", "calibration_estimate_s"]
 
 log = logging.getLogger("wan_sage")
@@ -47,6 +47,7 @@ class Plan:
     need: int = 0  # bytes checked free before the call
     out_layout: str = "NHD"
     output_copy: bool = False
+    into_q: bool = False  # the kernel writes the output into q's memory, group by group
     call_key: CallKey | None = None
 
 
@@ -184,19 +185,28 @@ def mode_groups(name: str, cc: int, shape: kernel_bytes.AttnShape, mode: str, co
     return head_groups.head_groups(KERNELS[name].memory_path(cc), shape, mode, copy)
 
 
-def need_bytes(name: str, cc: int, shape: kernel_bytes.AttnShape, groups: int, copy: bool, margin: int) -> int:
-    """Bytes that must be free to run ``name`` in ``groups`` groups: the exact peak, the
-    allocator's rounding and the patch's margin."""
-    peak = head_groups.split_bytes(KERNELS[name].memory_path(cc), shape, groups, copy)
+def need_bytes(name: str, cc: int, shape: kernel_bytes.AttnShape, groups: int, copy: bool, margin: int,
+               into_q: bool = False) -> int:
+    """Bytes that must be free to run ``name`` in ``groups`` groups (``into_q``: on its path that writes
+    the output into q): the exact peak, the allocator's rounding and the patch's margin."""
+    path = KERNELS[name].into_q_path(cc, shape.D) if into_q else KERNELS[name].memory_path(cc)
+    peak = head_groups.split_bytes(path, shape, groups, copy, into_q)
     return kernel_bytes.with_margin(peak) + margin
 
 
+def into_q_groups(name: str, cc: int, shape: kernel_bytes.AttnShape) -> head_groups.HeadGroups | None:
+    """The head groups of ``name``'s write-into-q path that keep a call within SDPA's bytes (None: the
+    kernel has no such path for this head dim, or no group count gets there)."""
+    path = KERNELS[name].into_q_path(cc, shape.D)
+    return head_groups.into_q_groups(path, shape) if path else None
+
+
 def more_groups(name: str, cc: int, shape: kernel_bytes.AttnShape, groups: int, available: int,
-                margin: int) -> tuple | None:
+                margin: int, into_q: bool = False) -> tuple | None:
     """(groups, need) of the fewest groups above ``groups`` whose need fits in ``available``."""
     for count in head_groups.group_counts(shape.Hq):
         if count > groups:
-            need = need_bytes(name, cc, shape, count, False, margin)
+            need = need_bytes(name, cc, shape, count, False, margin, into_q)
             if need <= available:
                 return count, need
     return None

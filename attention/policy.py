@@ -110,6 +110,9 @@ class CallShape(NamedTuple):
     D: int
     layout: str  # "NHD": q/k/v [B, N, H*D] (k/v possibly [B, N, H, D]); "HND": [B, H, N, D]
     out_layout: str  # "NHD": output [B, N, H*D]; "HND": [B, H, N, D]
+    # The call site handed q over (ComfyUI's attention containers, q held nowhere else), so a kernel may
+    # write the output into q's memory; a call of the same shape that did not is another call shape.
+    into_q: bool = False
 
 
 # A named tuple built from its fields in order without its Python-level __new__ (a third of the cost).
@@ -129,7 +132,7 @@ def call_shape(q, k, heads: int, skip_reshape: bool, skip_output_reshape: bool) 
         B, H, Nq, D = q_shape
         if k_shape[1] != H:
             return "gqa"
-        return _new(CallShape, (B, H, Nq, k_shape[2], D, "HND", out_layout))
+        return _new(CallShape, (B, H, Nq, k_shape[2], D, "HND", out_layout, False))
     if len(q_shape) != 3 or q_shape[2] % heads:
         return "layout"
     B, Nq, C = q_shape
@@ -137,7 +140,7 @@ def call_shape(q, k, heads: int, skip_reshape: bool, skip_output_reshape: bool) 
     n, row = k.numel(), B * C  # k's elements, and those of one key token over the batch (B * H * D)
     if n % row or (len(k_shape) == 3 and k_shape[2] != C) or (len(k_shape) == 4 and k_shape[2] != heads):
         return "gqa"
-    return _new(CallShape, (B, heads, Nq, n // row, D, "NHD", out_layout))
+    return _new(CallShape, (B, heads, Nq, n // row, D, "NHD", out_layout, False))
 
 
 def is_cross(nq: int, nk: int) -> bool:

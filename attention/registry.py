@@ -79,6 +79,13 @@ class KernelSpec:
     # known to return wrong output above a length; longer calls take another candidate or SDPA.
     token_limits: dict = field(default_factory=dict)
     call: Callable | None = None  # (fn, q, k, v, layout, sm_scale, cc) -> output in ``layout``
+    # The path that writes the output into q's own memory, for calls whose call site hands q over
+    # (ComfyUI's attention containers): the kernel_bytes formula, the package module that provides its
+    # pieces and the runner of one head group, (module, q, k, v, sm_scale, h0, h1) with q/k/v in "NHD",
+    # writing heads h0:h1 of the output into q.
+    into_q_memory: str = ""
+    into_q_module: str = ""
+    call_into_q: Callable | None = None
 
     def runs_on(self, cc: int) -> bool:
         if cc < self.min_cc:
@@ -120,6 +127,13 @@ class KernelSpec:
         output's memory stays in the native layout)."""
         return layout if layout in self.layouts else self.layouts[0]
 
+    def into_q_path(self, cc: int | None, D: int) -> str:
+        """The kernel_bytes formula of the path that writes into q on ``cc`` for head dim ``D``, or ""
+        where there is none (the kernel has no such path, or ``D`` would need padding)."""
+        if not self.into_q_memory or not self.runs_on(cc or 0) or D not in (64, 128):
+            return ""
+        return self.into_q_memory
+
     def run(self, fn, q, k, v, layout: str, sm_scale, cc: int):
         """Call the entry point ``fn`` on q, k, v in ``layout`` ("NHD" [B,N,H,D] or "HND"
         [B,H,N,D]); the output comes back in the same layout."""
@@ -138,6 +152,26 @@ class KernelSpec:
 def _sage2_sm90(fn, q, k, v, layout, sm_scale, cc):
     return fn(q, k, v, tensor_layout=layout, is_causal=False, qk_quant_gran="per_thread", sm_scale=sm_scale,
               pv_accum_dtype="fp32+fp32", smooth_k=True, return_lse=False)
+
+
+def _sage2_sm90_into_q(core, q, k, v, sm_scale, h0, h1):
+    """The sm90 kernel on heads ``h0:h1`` of q, k, v ([B, N, H, D], D 64 or 128), its output written into
+    those heads of q once they are quantised, so no output buffer is allocated.  As
+    ``sageattn_qk_int8_pv_fp8_cuda_sm90`` does for a whole call: K's mean over tokens is subtracted, q and
+    k are quantised to INT8 per thread, V is zero-padded to 128 tokens and quantised to FP8 per channel,
+    and the kernel runs with FP32 PV accumulation."""
+    import torch
+    B, Nk, _H, D = k.shape
+    qg, kg = q[:, :, h0:h1], k[:, :, h0:h1]
+    km = kg.mean(dim=1, keepdim=True)
+    q8, q_scale, k8, k_scale = core.per_thread_int8_triton(qg, kg, km, tensor_layout="NHD", BLKQ=64, WARPQ=16,
+                                                          BLKK=128, WARPK=128)
+    del km
+    vg = torch.cat([v[:, :, h0:h1], v.new_zeros(B, -Nk % 128, h1 - h0, D)], dim=1)
+    v8, v_scale, _ = core.per_channel_fp8(vg, tensor_layout="NHD", smooth_v=False)
+    del vg
+    core.sm90_compile.qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf(
+        q8, k8, v8, qg, q_scale, k_scale, v_scale, 0, 0, 3, float(D ** -0.5 if sm_scale is None else sm_scale), 0)
 
 
 def _sage2_fp8_cuda(fn, q, k, v, layout, sm_scale, cc):
@@ -184,7 +218,8 @@ _FP8_PV_TOKEN_LIMIT = 131072
 
 KERNELS: dict = {k.name: k for k in (
     KernelSpec("sage2_sm90", "SageAttention 2 INT8-QK/FP8-PV (sm90 wgmma)", "sageattention", "sage2",
-               "sageattn_qk_int8_pv_fp8_cuda_sm90", 90, frozenset({90}), {90: 0}, call=_sage2_sm90),
+               "sageattn_qk_int8_pv_fp8_cuda_sm90", 90, frozenset({90}), {90: 0}, call=_sage2_sm90,
+               into_q_memory="sage2_sm90_into_q", into_q_module="sageattention.core", call_into_q=_sage2_sm90_into_q),
     KernelSpec("sage2_fp8_cuda", "SageAttention 2 INT8-QK/FP8-PV (sm89/sm120)", "sageattention", "sage2",
                "sageattn_qk_int8_pv_fp8_cuda", 89, frozenset({89, 90, 120, 121}), {89: 0, 120: 0, 121: 0},
                memory_by_arch={120: "sage2_fp8_cuda_perwarp"},

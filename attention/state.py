@@ -68,6 +68,7 @@ class Decision:
     saved_ms: float = 0.0  # measured SDPA time minus kernel time (0 when not measured)
     cc: int = 0
     output_copy: bool = False  # the ungrouped kernel output needs a copy into the caller's layout
+    into_q: bool = False  # the kernel writes the output into q's memory (the call site handed q over)
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class DispatchState:
         self.runs_last: dict = {}  # patch id -> summary of the last closed window
         self.probe = None  # kernels.Probe of the installed packages
         self.entry_points: dict = {}  # kernel name -> callable entry point
+        self.into_q_modules: dict = {}  # kernel name -> module of its write-into-q pieces, or None
         self.build_ids: dict = {}  # package -> build identity
         self.config_keys: dict = {}  # PatchConfig -> small int used in call keys
         self._clear_decisions()

@@ -46,6 +46,8 @@ class FakeGPU:
         monkeypatch.setattr(execution, "available_bytes", lambda device, free_fn: self.free)
         monkeypatch.setattr(selftest, "self_test", self._self_test)
         monkeypatch.setattr(kernels, "run", self.run)
+        monkeypatch.setattr(kernels, "run_into_q", self.run_into_q)
+        self.into_q_calls = []
         monkeypatch.setattr(timing, "time_cuda", self.time_cuda)
         monkeypatch.setattr(planning, "kernel_build", lambda name: "test")
         check_output = execution._check_output
@@ -98,6 +100,13 @@ class FakeGPU:
             error = torch.randn(o.shape, generator=self._noise)
             o = (o.float() + error * (self.perturb * o.float().norm() / error.norm())).to(o.dtype)
         return o
+
+    def run_into_q(self, name, q4, k4, v4, scale, h0, h1):
+        """The write-into-q path of ``name`` on heads h0:h1 of [B, N, H, D] tensors: this fake kernel's
+        output for those heads (with its mode) written into them."""
+        self.into_q_calls.append((name, tuple(q4.shape), h0, h1))
+        out = self.run(name, q4[:, :, h0:h1], k4[:, :, h0:h1], v4[:, :, h0:h1], "NHD", scale, 90)
+        q4[:, :, h0:h1].copy_(out)
 
     def time_cuda(self, fn, repeats=1):
         self._in_timing = []

@@ -1,0 +1,126 @@
+"""Never bigger: a call whose q is handed over (ComfyUI's attention containers, q held nowhere else) runs
+on the kernel's write-into-q path, head group by head group, its output written into q's memory, in the
+fewest groups whose peak is at or below SDPA's extra bytes; a q held anywhere else takes the ordinary
+path.  The output check runs on a copy of query rows before q is written, and a kernel that fails in a
+group leaves the rest of the heads to SDPA, so the output is whole.  Fake kernels on the CPU
+(tests/unit/fakegpu.py); the real kernel's bytes and output are checked in tests/gpu."""
+import pytest
+import torch
+
+from fakegpu import qkv
+from test_current_comfy_attention import AttentionTensorContainer as Box
+from wan_sage.attention import head_groups, kernel_bytes, planning, stats
+from wan_sage.attention.config import PatchConfig
+from wan_sage.attention.override import SageAttentionOverride
+from wan_sage.attention.sdpa import attention_sdpa
+
+H, D = 8, 64
+
+
+def ov(fake, **cfg):
+    cfg.setdefault("cache_dir", fake.cache_dir)
+    cfg.setdefault("calibrate", False)
+    return SageAttentionOverride(PatchConfig(**cfg))
+
+
+def boxed_call(o, n=2048, seed=0, keep=None):
+    """One call as ComfyUI 0.38's Wan self-attention makes it: fresh q, k, v in containers (``keep``
+    receives q as well, as another holder would)."""
+    q, k, v = qkv(N=n, H=H, D=D, seed=seed)
+    expected = attention_sdpa(q, k, v, H)
+    q_ptr = q.data_ptr()
+    if keep is not None:
+        keep.append(q)
+    boxes = (Box(q), Box(k), Box(v))
+    del q, k, v
+    out = o.container_function(*boxes, heads=H, transformer_options={})
+    return out, expected, q_ptr
+
+
+def close(out, expected):
+    return (out.float() - expected.float()).norm() / expected.float().norm() < 0.02
+
+
+def test_a_handed_over_q_receives_the_output_group_by_group(fake_gpu):
+    o = ov(fake_gpu)
+    stats.begin_run(o.patch_id)
+    out, expected, q_ptr = boxed_call(o)
+    assert out.data_ptr() == q_ptr and close(out, expected)
+    probes = [(h0, h1) for _n, shape, h0, h1 in fake_gpu.into_q_calls if shape[1] == 256]
+    groups = head_groups.into_q_groups("sage2_sm90_into_q", kernel_bytes.AttnShape(1, H, 2048, 2048, D))
+    spans = [(h0, h1) for _n, shape, h0, h1 in fake_gpu.into_q_calls if shape[1] == 2048]
+    per = -(-H // groups.groups)
+    assert spans == [(h0, min(H, h0 + per)) for h0 in range(0, H, per)] and groups.groups > 1
+    assert probes == spans  # the output check ran first, on CHECK_ROWS query rows of every head
+    assert stats.end_run(o.patch_id)["by_kernel"] == {"sage2_sm90": 1}
+
+
+def test_the_groups_keep_the_call_within_sdpas_bytes():
+    for B, Hq, N, Dh in [(1, 40, 75600, 128), (1, 40, 32760, 128), (2, 12, 32760, 128), (1, 24, 109120, 128),
+                         (1, 40, 7480, 128), (1, 16, 4096, 64)]:
+        shape = kernel_bytes.AttnShape(B, Hq, N, N, Dh)
+        found = head_groups.into_q_groups("sage2_sm90_into_q", shape)
+        assert found is not None and found.extra_bytes <= kernel_bytes.extra_bytes("sdpa", shape)
+        fewer = [g for g in head_groups.group_counts(Hq) if g < found.groups]
+        assert all(head_groups.split_bytes("sage2_sm90_into_q", shape, g, into_q=True) > found.sdpa_bytes
+                   for g in fewer)
+        assert found.extra_bytes < head_groups.split_bytes("sage2_sm90", shape, found.groups)
+
+
+def test_a_q_held_elsewhere_takes_the_ordinary_path(fake_gpu):
+    o = ov(fake_gpu)
+    kept = []
+    out, expected, q_ptr = boxed_call(o, keep=kept)
+    assert out.data_ptr() != q_ptr and close(out, expected)
+    assert fake_gpu.into_q_calls == [] and torch.equal(kept[0], qkv(N=2048, H=H, D=D)[0])
+
+
+def test_a_view_whose_base_is_alive_takes_the_ordinary_path(fake_gpu):
+    o = ov(fake_gpu)
+    q, k, v = qkv(N=2048, H=H, D=D)
+    q4 = q.view(1, 2048, H, D).clone()  # the call site keeps the 4-D q; the container holds a view of it
+    out = o.container_function(Box(q4.view(1, 2048, H * D)), Box(k), Box(v), heads=H, transformer_options={})
+    assert fake_gpu.into_q_calls == [] and torch.equal(q4.view(1, 2048, H * D), q)
+    assert close(out, attention_sdpa(q, k, v, H))
+
+
+def test_a_probe_beyond_the_bound_leaves_q_intact_and_settles_sdpa(fake_gpu):
+    fake_gpu.mode = "noise"
+    o = ov(fake_gpu)
+    stats.begin_run(o.patch_id)
+    out, expected, q_ptr = boxed_call(o)
+    assert torch.equal(out, expected)  # SDPA on the untouched q
+    assert all(shape[1] < 2048 for _n, shape, _h0, _h1 in fake_gpu.into_q_calls)
+    out, expected, _ = boxed_call(o, seed=1)
+    assert torch.equal(out, expected)
+    s = stats.end_run(o.patch_id)
+    assert s["fallbacks"] == {"inaccurate": 1} and s["reasons"] == {"inaccurate": 2}
+
+
+@pytest.mark.parametrize("mode", ["oom", "raise"])
+def test_a_group_that_fails_leaves_its_heads_and_the_rest_to_sdpa(fake_gpu, monkeypatch, mode):
+    o = ov(fake_gpu, check_finite=False)
+    real = fake_gpu.run_into_q
+
+    def fail_second_group(name, q4, k4, v4, scale, h0, h1):
+        if h0 > 0:
+            raise torch.OutOfMemoryError("fake") if mode == "oom" else RuntimeError("fake")
+        real(name, q4, k4, v4, scale, h0, h1)
+    from wan_sage.attention import kernels
+    monkeypatch.setattr(kernels, "run_into_q", fail_second_group)
+    stats.begin_run(o.patch_id)
+    out, expected, q_ptr = boxed_call(o)
+    assert out.data_ptr() == q_ptr and close(out, expected)
+    assert stats.end_run(o.patch_id)["fallbacks"] == {"oom" if mode == "oom" else "error": 1}
+
+
+def test_short_free_memory_splits_the_write_into_q_path_further(fake_gpu):
+    o = ov(fake_gpu, check_finite=False)
+    shape = kernel_bytes.AttnShape(1, H, 2048, 2048, D)
+    groups = head_groups.into_q_groups("sage2_sm90_into_q", shape).groups
+    more = [g for g in head_groups.group_counts(H) if g > groups][0]
+    fake_gpu.free = planning.need_bytes("sage2_sm90", 90, shape, more, False, 0, True) + (
+        o.config.memory_margin_mb << 20)
+    out, expected, q_ptr = boxed_call(o)
+    assert out.data_ptr() == q_ptr and close(out, expected)
+    assert len(fake_gpu.into_q_calls) == more
