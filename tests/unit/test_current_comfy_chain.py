@@ -412,3 +412,15 @@ def test_patch_registers_its_factory_when_raylight_is_loaded(comfy, monkeypatch)
     _patched()
     _patched()
     assert isinstance(registered[PROCESSOR_NAME](min_tokens=2048), InnerAttention)
+
+
+def test_estimator_reads_raylight_degrees_from_the_xfuser_runtime(comfy, monkeypatch):
+    import sys
+    from wan_sage.nodes import raylight_bridge
+    assert _estimate(Patcher()).per_rank is None  # one GPU: no xFuser runtime, no FSDP
+    xd = SimpleNamespace(model_parallel_is_initialized=lambda: True, get_ulysses_parallel_world_size=lambda: 2,
+                         get_ring_parallel_world_size=lambda: 1, get_classifier_free_guidance_world_size=lambda: 2)
+    monkeypatch.setitem(sys.modules, raylight_bridge.XFUSER_MODULE, xd)
+    r = _estimate(Patcher()).per_rank
+    assert (r["ulysses"], r["ring"], r["cfg_parallel"], r["fsdp"]) == (2, 1, True, False)
+    assert r["heads_per_rank"] == 20
