@@ -8,7 +8,9 @@ inner-attention API lets a node replace the ring function: the processor object 
 ``processor(dense, q, k, v, transformer_options=..., **kwargs)``, where ``dense`` is the ring
 function it replaces and ``kwargs`` are the flash-attention options xFuser passes (``softmax_scale``,
 ``causal``, ``dropout_p``, ``group`` (the ring process group), the joint tensors, ...).  Raylight's
-scope refuses a processor under ring degree > 1 unless it says ``supports_ring``.
+scope refuses a processor under ring degree > 1 unless it says ``supports_ring`` (komikndr/raylight
+src/raylight/distributed_modules/inner_attention/dispatcher.py@55ea37bbbc1ec241c794269703e62ad937806d7a; xFuser's call:
+xdit-project/xDiT xfuser/core/long_ctx_attention/hybrid/attn_layer.py@0058bb0089d06773949bf40b0867fed519562d61).
 
 :class:`InnerAttention` is that processor for a :class:`.override.SageAttentionOverride`: each rank
 runs the pack's dispatch (measured kernel choice, free-memory check, head groups, fallbacks, sampled

@@ -6,13 +6,15 @@ Nothing of theirs is patched.
 
 * :func:`install_inner_attention` puts the Sage patch's :class:`~..attention.inner_attention.InnerAttention`
   in ``transformer_options["raylight_inner_attention"]`` of the model clone the patch returns: the object
-  itself, as Raylight's ``set_inner_attention`` stores it (``distributed_modules/inner_attention/registry.py``).
+  itself, as Raylight's ``set_inner_attention`` stores it (komikndr/raylight
+  src/raylight/distributed_modules/inner_attention/registry.py@55ea37bbbc1ec241c794269703e62ad937806d7a).
   Raylight's attention reads it from the options of each call.  Raylight refuses a processor without
   ``supports_ring`` when the ring degree is above 1, so where this process's xFuser runtime says so, the
   processor is not installed and Raylight's own attention runs.
 * :func:`parallel_degrees` reads the Ulysses, ring and CFG degrees and FSDP of the model being patched or
   estimated.  Raylight keeps them in its actors' ``parallel_dict`` and hands them to xFuser's
-  ``initialize_model_parallel``; it writes none of them into ``model_options``, so they are read from
+  ``initialize_model_parallel`` (komikndr/raylight
+src/raylight/distributed_worker/parallel_group_manager.py@c0495710d960c413443727b5c640e22d6bd9ef61); it writes none of them into ``model_options``, so they are read from
   xFuser's runtime (``xfuser.core.distributed``'s getters) and FSDP from the model's
   ``torch.distributed.fsdp`` wrapping.
 """
