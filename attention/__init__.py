@@ -14,6 +14,7 @@ file_lock      the cross-process lock of the timing cache (torch-free)
 state          all mutable state behind one lock, its CallKey and Decision (torch-free)
 op             the wan_sage::attention custom op torch.compile sees
 override       the callable ComfyUI calls (SageAttentionOverride) and what it settled
+inner_attention  the same patch as Raylight's inner-attention processor (multi-GPU Ulysses)
 config         PatchConfig, the patch's options
 stats          per-patch run statistics
 selftest       the numerical self-test of a kernel

@@ -9,13 +9,14 @@ compiled graph; every call that reaches the custom op is.
 """
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 from .state import STATE
 
-__all__ = ["record", "count_sdpa", "begin_run", "end_run", "snapshot", "last_runs", "RunStats", "format_summary"]
+__all__ = ["record", "count_sdpa", "begin_run", "end_run", "snapshot", "last_runs", "RunStats", "format_summary", "rank"]
 
 
 @dataclass
@@ -32,15 +33,28 @@ class RunStats:
     head_split_calls: int = 0
     saved_ms: float = 0.0
     calibration_ms: float = 0.0
+    rank: int | None = field(default_factory=lambda: rank())  # this process's rank under torch.distributed
 
     def as_dict(self) -> dict:
-        return {
+        d = {
             "patch_id": self.patch_id, "label": self.label, "started": self.started,
             "ended": self.ended, "sage_calls": self.sage_calls, "sdpa_calls": self.sdpa_calls,
             "by_kernel": dict(self.by_kernel), "reasons": dict(self.reasons),
             "fallbacks": dict(self.fallbacks), "head_split_calls": self.head_split_calls,
             "saved_ms": round(self.saved_ms, 1), "calibration_ms": round(self.calibration_ms, 1),
         }
+        if self.rank is not None:
+            d["rank"] = self.rank
+        return d
+
+
+def rank() -> int | None:
+    """This process's global rank when torch.distributed is initialised (multi-GPU runs count per rank:
+    each rank's window holds its own calls), else None.  Reads torch.distributed only if it was imported."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist.get_rank()
 
 
 def _get(patch_id: str) -> RunStats:
@@ -116,7 +130,8 @@ def format_summary(d: dict) -> str:
     kern = ", ".join(f"{k} {n}" for k, n in sorted(d.get("by_kernel", {}).items())) or "none"
     why = ", ".join(f"{k} {n}" for k, n in sorted(d.get("reasons", {}).items(), key=lambda x: -x[1])) or "none"
     fb = ", ".join(f"{k} {n}" for k, n in sorted(d.get("fallbacks", {}).items())) or "none"
-    return (f"{d.get('sage_calls', 0)}/{total} attention calls on Sage ({kern}); "
+    where = f"rank {d['rank']}: " if d.get("rank") is not None else ""
+    return (f"{where}{d.get('sage_calls', 0)}/{total} attention calls on Sage ({kern}); "
             f"{d.get('sdpa_calls', 0)} on SDPA (by reason: {why}); fallbacks: {fb}; "
             f"head-split calls: {d.get('head_split_calls', 0)}; est. time saved "
             f"{d.get('saved_ms', 0.0) / 1000:.1f} s; calibration cost {d.get('calibration_ms', 0.0) / 1000:.2f} s")

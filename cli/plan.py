@@ -24,7 +24,8 @@ class PlanError(Exception):
 FLAGS = {"preset": "--preset", "width": "--width", "height": "--height", "frames": "--frames", "batch": "--batch",
          "cfg": "--cfg", "dtype": "--dtype", "attention": "--attention", "arch": "--arch", "vram_gib": "--vram",
          "weights": "--weights", "lora": "--lora", "compiled": "--compiled", "sage_grouped": "--sage-grouped",
-         "margin_gib": "--margin", "kernel_set": "--kernel-set"}
+         "margin_gib": "--margin", "kernel_set": "--kernel-set", "ulysses": "--ulysses", "ring": "--ring",
+         "fsdp": "--fsdp", "cfg_parallel": "--cfg-parallel"}
 
 
 def add_parser(sub) -> None:
@@ -59,6 +60,11 @@ def add_parser(sub) -> None:
     p.add_argument("--kernel-set", choices=list(activation_model.KERNEL_SETS), default=activation_model.KERNEL_SETS[0],
                    help="Wan's elementwise kernels to plan for: comfy-0.3.64 (eager, as measured; the default) or "
                         "comfy-kitchen (ComfyUI 0.38's fused RoPE and adaln; modelled, not measured)")
+    multi = p.add_argument_group("multi-GPU (Raylight: xDiT USP, FSDP, CFG parallel); the figures are per rank")
+    multi.add_argument("--ulysses", default=None, help="Ulysses degree U: heads split over U ranks (must divide the heads)")
+    multi.add_argument("--ring", default=None, help="ring degree R: the sequence split over R ranks")
+    multi.add_argument("--fsdp", action="store_true", help="weights sharded over every rank (FSDP2)")
+    multi.add_argument("--cfg-parallel", action="store_true", help="cond and uncond rows on different ranks")
     p.add_argument("--json", action="store_true", help="print the route's JSON answer instead of the table")
 
 
@@ -99,7 +105,8 @@ def run(a) -> int:
     fields = {"preset": a.preset, "width": a.width, "height": a.height, "frames": a.frames, "batch": a.batch,
               "cfg": a.cfg, "dtype": None if a.dtype == "auto" else a.dtype, "attention": a.attention, "arch": a.arch,
               "vram_gib": a.vram, "weights": a.weights, "lora": a.lora or None, "compiled": a.compiled or None,
-              "sage_grouped": a.sage_grouped or None, "margin_gib": a.margin, "kernel_set": a.kernel_set}
+              "sage_grouped": a.sage_grouped or None, "margin_gib": a.margin, "kernel_set": a.kernel_set,
+              "ulysses": a.ulysses, "ring": a.ring, "fsdp": a.fsdp or None, "cfg_parallel": a.cfg_parallel or None}
     fields = {k: v for k, v in fields.items() if v is not None}
     info = _read_model(a.model) if a.model else None
     total = cc = gpu = note = None

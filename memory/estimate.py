@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from . import activation_model
+from . import activation_model, parallel
 from .activation_model import WanDims, WeightSetup
+from .parallel import Parallel
 from ..attention import registry
 
 __all__ = ["Setup", "AttentionPlan", "Estimate", "plan", "attention_plan", "activation_bytes", "comfy_figure",
@@ -270,6 +271,7 @@ class Setup:
     pixels: tuple | None = None  # (width, height, frames) the latent was made from, for rounding notes
     source: str = ""  # where the model's dims came from, in words
     notes: tuple = ()  # the adapter's facts to show (weights, compile, the model file)
+    parallel: Parallel = Parallel()  # multi-GPU degrees (Raylight's Ulysses, ring, FSDP, CFG parallel)
 
     def with_latent(self, latent) -> "Setup":
         """The same setup for another latent shape (ComfyUI asks per batch of rows)."""
@@ -297,6 +299,7 @@ class Estimate:
     notes: tuple
     problems: tuple  # what makes the setup wrong (e.g. a latent of another channel count)
     sage_advice: str | None = None  # the Sage memory mode that avoids running out of memory, when it matters
+    per_rank: dict | None = None  # one rank's figures under s.parallel (memory.parallel.per_rank); None: one GPU
 
     @property
     def terms(self) -> dict:
@@ -334,7 +337,8 @@ class Estimate:
                         "sage_head_groups": self.sage_head_groups, "policy": s.policy,
                         "weights_bytes": s.weights_bytes, "vram_bytes": s.vram_bytes, "kept_free": s.kept_free,
                         "margin_bytes": s.margin_bytes, "dynamic_vram": s.dynamic_vram,
-                        "kernel_set": s.kernel_set}
+                        "kernel_set": s.kernel_set, "ulysses": s.parallel.ulysses, "ring": s.parallel.ring,
+                        "fsdp": s.parallel.fsdp, "cfg_parallel": s.parallel.cfg_parallel}
         d["reservation"] = self.reservation
         return d
 
@@ -422,10 +426,16 @@ def plan(s: Setup) -> Estimate:
     notes += [COMPILED_AS_EAGER_NOTES[why] for why in dict.fromkeys(eager_whys) if why]
     if s.weights.quant_format is not None:
         notes.append(QUANT_NOTE.format(fmt=s.weights.quant_format))
+    per = None
+    if s.parallel.active:
+        def local_total(local: int) -> int:
+            return activation_bytes(dims, replace(w, L=local), s.weights, partial=False)["total"]
+        per = parallel.per_rank(s.parallel, dims, L, rows_seq, activation_model.DTYPE_BYTES[s.dtype], att.self_path,
+                                s.weights_bytes, local_total, uncond=s.cfg != 1.0)
     return Estimate(
         setup=s, tokens=L, rows_sequential=rows_seq, rows_batched=rows_bat, resident=res, partial=par,
         reservation_resident=res_need, reservation_partial=par_need, reservation_batched_resident=bat_res,
         reservation_batched_partial=bat_par, comfy_estimate=comfy_figure(dims, latent, s.dtype, s.comfy_flash),
         streamed=streamed, verdict=verdict, level=level, offload_bytes=max(0, offload), sage_head_groups=groups,
         notes=tuple(s.notes) + tuple(notes), problems=tuple(latent_problems(dims, latent)),
-        sage_advice=sage_mode_advice(s, w, par_need, room))
+        sage_advice=sage_mode_advice(s, w, par_need, room), per_rank=per)

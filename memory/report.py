@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from .estimate import GiB, Estimate
 
-__all__ = ["summary", "report", "memory_path_line", "DYNAMIC_LINE", "KERNEL_LINES", "KITCHEN_UNMEASURED_TEXT"]
+__all__ = ["summary", "report", "memory_path_line", "per_rank_lines", "DYNAMIC_LINE", "KERNEL_LINES", "KITCHEN_UNMEASURED_TEXT"]
 
 KITCHEN_UNMEASURED_TEXT = "planned with 0.3.64's figures where the fused kernels' memory is not measured"
 # The report's line for each of activation_model.KERNEL_SETS.
@@ -65,7 +65,8 @@ def summary(est: Estimate) -> dict:
             "level": est.level, "dominant_phase": est.terms["dominant_phase"], "policy": s.policy,
             "compiled": s.compiled, "sage_head_groups": est.sage_head_groups, "dynamic_vram": s.dynamic_vram,
             "kernel_set": s.kernel_set, "sage_advice": est.sage_advice, "memory_path": memory_path_line(est),
-            "source": s.source, "notes": list(est.notes), "problems": list(est.problems)}
+            "source": s.source, "notes": list(est.notes), "problems": list(est.problems),
+            "per_rank": None if est.per_rank is None else dict(est.per_rank)}
 
 
 def _g(x) -> str:
@@ -143,4 +144,24 @@ def report(est: Estimate, held: str | None = None, gpu: str | None = None) -> st
     path = memory_path_line(est)
     if path:
         lines.append(path)
+    lines += per_rank_lines(est)
     return "\n".join(lines)
+
+
+def per_rank_lines(est: Estimate) -> list:
+    """The per-rank figures of a multi-GPU estimate (memory.parallel), as lines; empty on one GPU."""
+    r = est.per_rank
+    if not r:
+        return []
+    how = [f"Ulysses {r['ulysses']}", f"ring {r['ring']}"] + (["FSDP"] if r["fsdp"] else []) + (
+        ["CFG parallel"] if r["cfg_parallel"] else [])
+    lines = [f"per rank ({r['world_size']} ranks: {', '.join(how)}; modelled, not measured on multiple GPUs):",
+             f"  tokens per rank {r['tokens_per_rank']:,} of {r['tokens']:,}; attention: {r['heads_per_rank']} heads "
+             f"over {r['attention_tokens']:,} tokens, {r['rows_per_rank']} row(s), {r['forwards_per_step']} "
+             f"forward(s) per step",
+             f"  activations of its slice {_g(r['activation_bytes'])}; all-to-all buffers {_g(r['all_to_all_bytes'])}; "
+             f"attention call {_g(r['attention_bytes'])}; working memory {_g(r['working_bytes'])}"]
+    if r["weights_bytes"] is not None:
+        held = "sharded, plus one block gathered" if r["fsdp"] else "all weights on every rank"
+        lines.append(f"  weights {_g(r['weights_bytes'])} ({held}); total per rank {_g(r['total_bytes'])}")
+    return lines

@@ -16,6 +16,7 @@ from . import activation_model
 from .errors import ModelFileError, RequestError
 from .estimate import GiB, POLICIES, Setup, attention_plan
 from .headers import read_model_file
+from .parallel import DEGREE_MAX, Parallel, problem
 from .weights import HEADER_DTYPES, WEIGHT_BYTES, WeightPlan, weights_for_file, weights_for_key
 from ..attention import registry
 
@@ -42,7 +43,7 @@ LEGACY_POLICIES = {"fixed GB per row": POLICIES[2]}
 # Every field of a request, in the order docs/route.md documents them.
 FIELDS = ("preset", "model_file", "model", "width", "height", "frames", "batch", "cfg", "dtype", "weights", "lora",
           "attention", "arch", "compiled", "sage_grouped", "vram_gib", "margin_gib", "policy", "fixed_gib",
-          "latent_channels", "kernel_set")
+          "latent_channels", "kernel_set", "ulysses", "ring", "fsdp", "cfg_parallel")
 
 
 @dataclass(frozen=True)
@@ -332,6 +333,12 @@ def build(p, env: Env = Env(), *, text: bool = False, labels: dict | None = None
             wplan = weights_for_key(dims, detected["weight_dtype"], **weights)
         except ValueError as e:
             raise RequestError("weights", str(e)) from None
+    par = Parallel(ulysses=f.number("ulysses", 1, 1, DEGREE_MAX, integer=True),
+                   ring=f.number("ring", 1, 1, DEGREE_MAX, integer=True), fsdp=f.flag("fsdp"),
+                   cfg_parallel=f.flag("cfg_parallel"))
+    wrong = problem(par, dims.num_heads, cfg)
+    if wrong is not None:
+        raise RequestError(wrong[0], f"{f.label(wrong[0])} {wrong[1]}")
     latent = activation_model.latent_shape(dims, width, height, frames, batch)
     if channels is not None:
         latent = (latent[0], channels) + tuple(latent[2:])
@@ -340,7 +347,7 @@ def build(p, env: Env = Env(), *, text: bool = False, labels: dict | None = None
         sage_grouped=sage_grouped, compiled=compiled, weights=wplan.setup, weights_bytes=wplan.nbytes,
         vram_bytes=vram_bytes, margin_bytes=int(margin * GiB), policy=policy, fixed_bytes=int(fixed * GiB),
         img_tokens=257 if dims.has_img_emb else 0, per_frame_timesteps=dims.latent_channels == 48, comfy_flash=env.comfy_flash,
-        kernel_set=kernel_set, pixels=(width, height, frames),
+        kernel_set=kernel_set, pixels=(width, height, frames), parallel=par,
         source=source, notes=tuple(([assumed] if assumed else []) + notes + list(wplan.notes)
                                    + ([COMPILED_NOTE] if compiled else [])))
     return Built(setup, wplan, detected, assumed)

@@ -27,8 +27,9 @@ from ..attention import kernels, registry
 from ..attention.override import SageAttentionOverride
 from ..memory import activation_model, report
 from ..memory.estimate import DEFAULT_CC, GiB, POLICIES, AttentionPlan, Estimate, Setup, plan
+from ..memory.parallel import Parallel, problem
 from ..memory.request import LEGACY_POLICIES
-from . import comfy_bridge, sage_patch
+from . import comfy_bridge, raylight_bridge, sage_patch
 from .log_once import reason, warn_once
 from .sage_patch import find_override
 
@@ -194,7 +195,18 @@ def setup_for(model, shape, model_options, settings: Settings, *, assume_compile
     tokens = activation_model.tokens(dims, int(shape[2]), int(shape[3]), int(shape[4]))
     att, chain_notes = chained_attention(model, model_options, dims, tokens, attention_for(model_options, settings, dev, tokens))
     notes += chain_notes
-    return Setup(dims=dims, latent=tuple(int(x) for x in shape[:5]), dtype=dtype,
+    degrees = raylight_bridge.parallel_degrees(model) if weights else None
+    par = Parallel()
+    if degrees is not None:
+        # Raylight's degrees, read from this process's xFuser runtime and the model's FSDP wrapping
+        # (raylight_bridge: Raylight does not write them into model_options)
+        par = Parallel(ulysses=degrees["ulysses"], ring=degrees["ring"], fsdp=degrees["fsdp"],
+                       cfg_parallel=degrees["cfg"] > 1)
+        wrong = problem(par, dims.num_heads, 2.0)
+        if wrong is not None:  # degrees this model cannot run: estimate one GPU and say why
+            notes.append(f"Raylight degrees not used: {wrong[0]} {wrong[1]}")
+            par = Parallel()
+    return Setup(dims=dims, parallel=par, latent=tuple(int(x) for x in shape[:5]), dtype=dtype,
                  attention=att, sage_grouped=mode.sage_grouped and att.self_path != "sdpa",
                  compiled=mode.compiled or assume_compiled, margin_bytes=int(settings.margin_gib * GiB),
                  policy=settings.policy, fixed_bytes=int(settings.fixed_gib * GiB), streamed=streamed,

@@ -1,5 +1,6 @@
 """Wiring of the "Wan 2.2 Sage Attention Patch": clone the MODEL, install the attention override
-(chained to any override already there), and open/close a stats window around each sampling run."""
+(chained to any override already there) and the same patch as Raylight's inner-attention processor
+(:mod:`.raylight_bridge`), and open/close a stats window around each sampling run."""
 from __future__ import annotations
 
 import logging
@@ -7,7 +8,7 @@ import logging
 from ..attention import kernels, registry, stats
 from ..attention.config import PatchConfig
 from ..attention.override import SageAttentionOverride
-from . import comfy_bridge
+from . import comfy_bridge, raylight_bridge
 from .log_once import reason, warn_once
 
 log = logging.getLogger("wan_sage")
@@ -161,8 +162,11 @@ def apply_patch(model, kernel="auto", min_tokens=1024, calibrate=True, memory_ma
     free_fn = comfy_bridge.PatcherFreeMemory(m.model) if (comfy_bridge.is_dynamic(m) or comfy_bridge.aimdo_enabled()) else None
     ov = SageAttentionOverride(cfg, prev=prev, sdpa=comfy_bridge.raw_sdpa(), free_memory=free_fn)
     to[comfy_bridge.OVERRIDE_KEY] = ov
+    ring_note = raylight_bridge.install_inner_attention(to, ov, m)
     m.add_wrapper_with_key(comfy_bridge.wrappers_mp().OUTER_SAMPLE, OUTER_KEY, _stats_wrapper(ov.patch_id, cfg.label, cfg.node_id))
     text = f"patched (id {ov.patch_id}); " + status_text(kernel)
+    if ring_note:
+        text += "\n" + ring_note
     bypass = bypass_text(model)
     if bypass:
         warn_once(("bypass-at-patch", id(model)), "wan-sage: %s.", bypass)

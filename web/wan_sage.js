@@ -18,7 +18,7 @@
 // activation_gib, sage_extra_gib, reservation_gib, comfy_gib, vram, error, source, report; its
 // data-state is idle|pending|ok|error.  The Sage panel is [data-testid="wan-sage-stats"] with
 // [data-field] sage (with data-state missing|rejected|ok|unknown), hint, link, status,
-// sage_calls, sdpa_calls, by_kernel, reasons, fallbacks, head_split_calls, saved, calibration;
+// rank (multi-GPU runs only), sage_calls, sdpa_calls, by_kernel, reasons, fallbacks, head_split_calls, saved, calibration;
 // its data-state is empty|ok.  Both carry data-node-id and data-content-height (px).
 
 import { app } from "../../scripts/app.js";

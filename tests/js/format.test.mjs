@@ -184,6 +184,12 @@ describe("stats rows", () => {
     });
   });
 
+  it("leads with the rank when the run was one rank of a multi-GPU run", () => {
+    const rows = statsRows({ rank: 1, sage_calls: 3, sdpa_calls: 1 });
+    assert.deepEqual(rows[0], { field: "rank", label: "Rank", value: "1 (its own calls)" });
+    assert.equal(statsRows({ sage_calls: 3 })[0].field, "sage_calls");
+  });
+
   it("copes with an empty or partial summary", () => {
     const v = Object.fromEntries(statsRows(null).map((r) => [r.field, r.value]));
     assert.equal(v.sage_calls, "0 of 0");

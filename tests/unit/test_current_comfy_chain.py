@@ -348,3 +348,79 @@ def test_kjnodes_compile_wrapper_is_planned_as_eager_with_its_scope_unknown(comf
     est = _estimate(m)
     assert not est.setup.compiled
     assert any(n.startswith("compile scope unknown: planned as eager") for n in est.notes)
+
+
+# ------------------------------------------------------------------ Raylight's inner-attention slot
+
+def test_patch_installs_the_inner_attention_processor_on_the_clone(comfy):
+    from wan_sage.attention.inner_attention import INNER_ATTENTION_KEY, InnerAttention
+    model = Patcher()
+    m, _text = _patched(model)
+    p = m.model_options["transformer_options"][INNER_ATTENTION_KEY]
+    assert isinstance(p, InnerAttention) and p.prev is None
+    assert p.override is m.model_options["transformer_options"][comfy_bridge.OVERRIDE_KEY]
+    assert INNER_ATTENTION_KEY not in model.model_options["transformer_options"]
+    assert m.clone().model_options["transformer_options"][INNER_ATTENTION_KEY] is p  # deepcopy keeps it
+
+
+def test_patch_chains_another_processor_and_replaces_its_own(comfy):
+    from wan_sage.attention.inner_attention import INNER_ATTENTION_KEY
+
+    class Other:
+        supports_ring = False
+    other = Other()
+    model = Patcher()
+    model.model_options["transformer_options"][INNER_ATTENTION_KEY] = other
+    m, _ = _patched(model)
+    again, _ = _patched(m)
+    p = again.model_options["transformer_options"][INNER_ATTENTION_KEY]
+    assert isinstance(p.prev, Other) and not isinstance(p.prev.__dict__.get("prev"), Other)
+    assert p is not m.model_options["transformer_options"][INNER_ATTENTION_KEY]
+
+
+def test_patch_leaves_raylight_ring_attention_alone(comfy, monkeypatch):
+    import sys
+    from wan_sage.attention.inner_attention import INNER_ATTENTION_KEY
+    from wan_sage.nodes import raylight_bridge
+    xd = SimpleNamespace(model_parallel_is_initialized=lambda: True, get_ulysses_parallel_world_size=lambda: 2,
+                         get_ring_parallel_world_size=lambda: 2, get_classifier_free_guidance_world_size=lambda: 1)
+    monkeypatch.setitem(sys.modules, raylight_bridge.XFUSER_MODULE, xd)
+    m, text = _patched()
+    assert INNER_ATTENTION_KEY not in m.model_options["transformer_options"]
+    assert "ring degree 2" in text
+
+
+def test_patch_registers_its_factory_when_raylight_is_loaded(comfy, monkeypatch):
+    import sys
+    from wan_sage.attention.inner_attention import PROCESSOR_NAME, InnerAttention
+    from wan_sage.nodes import raylight_bridge
+    registered = {}
+
+    class Registry:
+        @classmethod
+        def available(cls):
+            return tuple(registered)
+
+    def register_inner_attention(name):
+        def deco(factory):
+            assert name not in registered
+            registered[name] = factory
+            return factory
+        return deco
+    fake = SimpleNamespace(InnerAttentionRegistry=Registry, register_inner_attention=register_inner_attention)
+    monkeypatch.setitem(sys.modules, raylight_bridge.RAYLIGHT_REGISTRY_MODULE, fake)
+    _patched()
+    _patched()
+    assert isinstance(registered[PROCESSOR_NAME](min_tokens=2048), InnerAttention)
+
+
+def test_estimator_reads_raylight_degrees_from_the_xfuser_runtime(comfy, monkeypatch):
+    import sys
+    from wan_sage.nodes import raylight_bridge
+    assert _estimate(Patcher()).per_rank is None  # one GPU: no xFuser runtime, no FSDP
+    xd = SimpleNamespace(model_parallel_is_initialized=lambda: True, get_ulysses_parallel_world_size=lambda: 2,
+                         get_ring_parallel_world_size=lambda: 1, get_classifier_free_guidance_world_size=lambda: 2)
+    monkeypatch.setitem(sys.modules, raylight_bridge.XFUSER_MODULE, xd)
+    r = _estimate(Patcher()).per_rank
+    assert (r["ulysses"], r["ring"], r["cfg_parallel"], r["fsdp"]) == (2, 1, True, False)
+    assert r["heads_per_rank"] == 20

@@ -216,7 +216,10 @@ export function statsRows(summary) {
   const total = sage + sdpa;
   const pct = total ? ` (${Math.round((100 * sage) / total)} %)` : "";
   const fallbacks = Object.values(s.fallbacks ?? {}).reduce((a, n) => a + (isNum(n) ? n : 0), 0);
+  // Under torch.distributed (multi-GPU runs) each rank counts its own calls: the row says whose.
+  const rank = isNum(s.rank) ? [{ field: "rank", label: "Rank", value: `${fmtInt(s.rank)} (its own calls)` }] : [];
   return [
+    ...rank,
     { field: "sage_calls", label: "Sage calls", value: `${fmtInt(sage)} of ${fmtInt(total)}${pct}` },
     { field: "sdpa_calls", label: "SDPA calls", value: fmtInt(sdpa) },
     { field: "by_kernel", label: "By kernel", value: fmtCounts(s.by_kernel) },
