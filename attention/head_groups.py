@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .kernel_bytes import AttnShape, extra_bytes
+from .kernel_bytes import INTO_Q_PATHS, AttnShape, extra_bytes
 
 __all__ = ["MEMORY_MODES", "SDPA_SLACK_BYTES", "HeadGroups", "head_groups", "group_counts", "split_bytes",
            "fewest_groups_within", "into_q_groups"]
@@ -67,7 +67,7 @@ def split_bytes(path: str, shape: AttnShape, groups: int, output_copy: bool = Fa
     every group straight into the full output, allocated in the caller's layout.  ``into_q``: ``path``
     writes the output into q's own memory, so no full output is allocated; each group's peak is the
     kernel's bytes for its heads."""
-    if into_q:
+    if into_q or path in INTO_Q_PATHS:
         return extra_bytes(path, shape.with_heads(_heads_per_group(shape.Hq, max(1, groups))))
     if groups <= 1:
         direct = extra_bytes(path, shape)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["AttnShape", "extra_bytes", "with_margin", "MEMORY_PATHS"]
+__all__ = ["AttnShape", "extra_bytes", "with_margin", "MEMORY_PATHS", "INTO_Q_PATHS"]
 
 
 def _c(x: int, b: int) -> int:
@@ -152,6 +152,10 @@ MEMORY_PATHS = {
     "sage2_sm90_into_q": lambda a: _sage2_sm90(a, into_q=True),
     "ck_int8": _ck_int8,
 }
+
+
+# The paths that write the output into q's memory (no output buffer; a split allocates no full output).
+INTO_Q_PATHS = frozenset({"sage2_sm90_into_q"})
 
 
 def extra_bytes(path: str, shape: AttnShape) -> int:

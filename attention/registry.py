@@ -128,9 +128,10 @@ class KernelSpec:
         return layout if layout in self.layouts else self.layouts[0]
 
     def into_q_path(self, cc: int | None, D: int) -> str:
-        """The kernel_bytes formula of the path that writes into q on ``cc`` for head dim ``D``, or ""
-        where there is none (the kernel has no such path, or ``D`` would need padding)."""
-        if not self.into_q_memory or not self.runs_on(cc or 0) or D not in (64, 128):
+        """The kernel_bytes formula of the path that writes into q on ``cc`` (None: the arch the kernel was
+        planned for) for head dim ``D``, or "" where there is none (the kernel has no such path, or ``D``
+        would need padding)."""
+        if not self.into_q_memory or (cc is not None and not self.runs_on(cc)) or D not in (64, 128):
             return ""
         return self.into_q_memory
 

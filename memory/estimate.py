@@ -392,6 +392,24 @@ def sage_mode_advice(s: Setup, w: activation_model.Workload, need: int, room: in
     return head + ": set the Sage patch's memory_mode to \"within SDPA's memory\""
 
 
+def into_q_plan(s: Setup, att: AttentionPlan, rows: int, tokens: int) -> tuple | None:
+    """(path, head groups) of the Sage self-attention call when it writes its output into q, else None.
+    ComfyUI with comfy-kitchen's Wan kernels (0.38 and newer) hands q over to the patch in its attention
+    containers, so an eager call runs on the kernel's write-into-q path in the fewest head groups within
+    SDPA's bytes, whatever the memory mode (the dispatcher's rule, attention.head_groups.into_q_groups);
+    compiled calls run the ordinary path."""
+    if s.kernel_set != "comfy-kitchen" or s.compiled or att.kernel is None or att.self_by is not None:
+        return None
+    path = registry.KERNELS[att.kernel].into_q_path(None, s.dims.head_dim)
+    if not path:
+        return None
+    from ..attention.head_groups import into_q_groups
+    from ..attention.kernel_bytes import AttnShape
+    found = into_q_groups(path, AttnShape(rows, s.dims.num_heads, tokens, tokens, s.dims.head_dim,
+                                          activation_model.DTYPE_BYTES[s.dtype], None, True))
+    return None if found is None else (path, found.groups)
+
+
 def plan(s: Setup) -> Estimate:
     """The estimate for ``s``: see the module's docstring."""
     dims, latent = s.dims, tuple(int(x) for x in s.latent[:5])
@@ -402,7 +420,11 @@ def plan(s: Setup) -> Estimate:
     att = s.attention
     rows_seq, rows_bat = B, B * (2 if s.cfg != 1.0 else 1)
     groups = sage_groups(dims, att.self_path, rows_seq, L, s.dtype) if s.sage_grouped else 1
-    w = activation_model.Workload(L=L, rows=rows_seq, dtype=s.dtype, self_attn=att.self_path, cross_attn=att.cross_path,
+    self_path = att.self_path
+    into_q = into_q_plan(s, att, rows_seq, L)
+    if into_q is not None:
+        self_path, groups = into_q
+    w = activation_model.Workload(L=L, rows=rows_seq, dtype=s.dtype, self_attn=self_path, cross_attn=att.cross_path,
                                   img_tokens=s.img_tokens, per_frame_timesteps=T if s.per_frame_timesteps else 0,
                                   vace_streams=s.vace_streams, latent_elems_per_row=activation_model.latent_elems(latent),
                                   compiled=s.compiled, self_attn_groups=groups, kernels=s.kernel_set,
