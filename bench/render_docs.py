@@ -154,6 +154,24 @@ def attention_reading(a, ab, s1) -> list:
     cost, at = max(checks, key=lambda x: x[0])
     sage1_auto = [r for r in s1 if r["backend"] == "auto"]
     return [f"""
+## Memory: a handed-over q takes the output
+
+ComfyUI with comfy-kitchen's Wan kernels (0.38 and newer) hands q, k and v to the patch in attention
+containers. When nothing else holds q (no other reference, no other tensor on its memory, not recording
+autograd), the call runs on the kernel's write-into-q path, head group by head group: each group's q and k
+are quantised to INT8, its V is padded and quantised to FP8, and the kernel writes the group's output into
+its own heads of q. No output buffer is allocated, so the call peaks at one group's quantised tensors. The
+group count is the fewest whose peak is at or below SDPA's extra bytes for the same call
+(`attention.head_groups.into_q_groups`; A14B 1280×720×81: 4 groups, 647 MiB against SDPA's 738 MiB and
+3,329 MiB for the ungrouped kernel). The estimate plans the same path and groups for that ComfyUI. The
+sm90 kernel has this path; other kernels, calls under `torch.compile`, ComfyUI 0.3.64's call sites (which
+keep q) and a q held elsewhere take the ordinary path and its memory mode.
+
+Since q is overwritten, a call that is due an output check runs the same path first on a copy of 256 query
+rows with all of k and v, and compares those rows with SDPA's: a failure settles the shape on SDPA with q
+intact. A kernel that raises or runs out of memory in a group leaves that group's heads of q unwritten, and
+SDPA finishes them and the heads after them.
+
 ## Reading
 
 - On Hopper only the sm90 kernel of SageAttention 2.x beats cuDNN SDPA: {sm90_ab["a14b_720p81_self"]:.2f}× on A14B 720p81
