@@ -178,7 +178,7 @@ class SageAttentionOverride:
             # the autograd check waits until the call could go to a kernel.
             q, k, v = args
             heads = kwargs["heads"]
-            seen = (self.config_key, q.is_cuda, q.get_device(), q.dtype, k.dtype, v.dtype, q.shape, k.shape, heads)
+            seen = (self.config_key, q.device, q.dtype, k.dtype, v.dtype, q.shape, k.shape, heads)
             declined = STATE.declined_calls.get(seen)
             if declined is not None:
                 stats.count_sdpa(self.patch_id, declined[0])
