@@ -227,6 +227,7 @@ def _estimate(attention: str) -> dict:
             "tokens_per_rank": r["tokens_per_rank"], "heads_per_rank": r["heads_per_rank"]}
 
 
+@torch.no_grad()  # sampling runs without autograd
 def _rank_row(up) -> dict:
     rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device())
