@@ -17,6 +17,14 @@ from wan_sage.attention.sdpa import attention_sdpa
 H, D = 8, 64
 
 
+@pytest.fixture(autouse=True)
+def no_allocator_slack(request, monkeypatch):
+    """The fake calls are a few MiB: the allocator's slack (a fact of CUDA's caching allocator, measured in
+    tests/gpu) is left out of their group choice, except where a test says otherwise."""
+    if "keep_slack" not in request.keywords:
+        monkeypatch.setattr(head_groups, "INTO_Q_SLACK_BYTES", 0)
+
+
 def ov(fake, **cfg):
     cfg.setdefault("cache_dir", fake.cache_dir)
     cfg.setdefault("calibrate", False)
@@ -55,14 +63,16 @@ def test_a_handed_over_q_receives_the_output_group_by_group(fake_gpu):
     assert stats.end_run(o.patch_id)["by_kernel"] == {"sage2_sm90": 1}
 
 
+@pytest.mark.keep_slack
 def test_the_groups_keep_the_call_within_sdpas_bytes():
     for B, Hq, N, Dh in [(1, 40, 75600, 128), (1, 40, 32760, 128), (2, 12, 32760, 128), (1, 24, 109120, 128),
-                         (1, 40, 7480, 128), (1, 16, 4096, 64)]:
+                         (1, 40, 7480, 128), (1, 16, 16384, 64)]:
         shape = kernel_bytes.AttnShape(B, Hq, N, N, Dh)
         found = head_groups.into_q_groups("sage2_sm90_into_q", shape)
-        assert found is not None and found.extra_bytes <= kernel_bytes.extra_bytes("sdpa", shape)
+        slack = head_groups.INTO_Q_SLACK_BYTES
+        assert found is not None and found.extra_bytes + slack <= kernel_bytes.extra_bytes("sdpa", shape)
         fewer = [g for g in head_groups.group_counts(Hq) if g < found.groups]
-        assert all(head_groups.split_bytes("sage2_sm90_into_q", shape, g, into_q=True) > found.sdpa_bytes
+        assert all(head_groups.split_bytes("sage2_sm90_into_q", shape, g, into_q=True) + slack > found.sdpa_bytes
                    for g in fewer)
         assert found.extra_bytes < head_groups.split_bytes("sage2_sm90", shape, found.groups)
 
@@ -126,6 +136,7 @@ def test_short_free_memory_splits_the_write_into_q_path_further(fake_gpu):
     assert len(fake_gpu.into_q_calls) == more
 
 
+@pytest.mark.keep_slack
 def test_the_estimate_plans_the_write_into_q_path_where_comfyui_hands_q_over():
     """With comfy-kitchen's Wan kernels (ComfyUI 0.38 and newer, whose call sites hand q over) the estimate
     plans eager Sage self-attention on the write-into-q path, in the dispatcher's groups, whatever the
@@ -147,3 +158,12 @@ def test_the_estimate_plans_the_write_into_q_path_where_comfyui_hands_q_over():
     compiled_old = estimate(a14b, 1280, 720, 81, attention="sage-auto", compiled=True)
     assert old.resident["total"] > sdpa.resident["total"]
     assert compiled.sage_head_groups == compiled_old.sage_head_groups
+
+
+@pytest.mark.keep_slack
+def test_a_call_too_small_for_the_slack_takes_the_ordinary_path(fake_gpu):
+    """Where SDPA's output is not larger than one group's bytes plus the allocator's slack, no group count
+    keeps the write-into-q call within SDPA's bytes: the call runs as if q were held."""
+    o = ov(fake_gpu)
+    out, expected, q_ptr = boxed_call(o)
+    assert fake_gpu.into_q_calls == [] and out.data_ptr() != q_ptr and close(out, expected)
