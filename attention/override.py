@@ -177,18 +177,9 @@ class SageAttentionOverride:
             # call found declined goes to SDPA whether or not it records autograd (SDPA serves both), so
             # the autograd check waits until the call could go to a kernel.
             q, k, v = args
-            heads = kwargs["heads"]
+            heads, mask, skip_reshape, skip_out = kwargs["heads"], None, False, False
             seen = (self.config_key, q.device, q.dtype, k.dtype, v.dtype, q.shape, k.shape, heads)
-            declined = STATE.declined_calls.get(seen)
-            if declined is not None:
-                stats.count_sdpa(self.patch_id, declined[0])
-                if declined[1]:
-                    return self._declined(func, args, kwargs)
-                return self.sdpa(*args, **kwargs)
-            mask, skip_reshape, skip_out = None, False, False
-            if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-                seen = None
-            found = None if seen is None else STATE.seen_calls.get(seen)
+            wan_call = True
         else:
             if len(args) == 3:
                 q, k, v = args
@@ -197,18 +188,23 @@ class SageAttentionOverride:
                 skip_out = bool(kwargs.get("skip_output_reshape", False))
             else:
                 q, k, v, heads, mask, skip_reshape, skip_out = _parse(args, kwargs)
-            seen = found = None
+            seen = wan_call = None
             if (mask is None and kwargs.get("low_precision_attention", True) is not False
                     and not kwargs.get("enable_gqa", False)
                     and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
                 seen = (self.config_key, q.device, q.dtype, k.dtype, v.dtype, q.shape, k.shape, heads, skip_reshape,
                         skip_out)
-                declined = STATE.declined_calls.get(seen)
-                if declined is not None:
-                    stats.count_sdpa(self.patch_id, declined[0])
-                    if declined[1]:
-                        return self._declined(func, args, kwargs)
-                    return self.sdpa(*args, **kwargs)
+        found = None
+        if seen is not None:
+            declined = STATE.declined_calls.get(seen)
+            if declined is not None:
+                stats.count_sdpa(self.patch_id, declined[0])
+                if declined[1]:
+                    return self._declined(func, args, kwargs)
+                return self.sdpa(*args, **kwargs)
+            if wan_call and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+                seen = None
+            else:
                 found = STATE.seen_calls.get(seen)
         # A call like one seen before (the same facts its static shape checks read) skips those checks;
         # only its per-call options are checked again.  One that goes straight to SDPA (a static shape
