@@ -266,6 +266,11 @@ class Setup:
     comfy_flash: bool = True  # ComfyUI's own figure with PyTorch's flash attention (its CUDA default)
     dynamic_vram: bool = False  # ComfyUI manages this model's residency itself (dynamic VRAM)
     kernel_set: str = activation_model.KERNEL_SETS[0]  # Wan's elementwise kernels (activation_model.KERNEL_SETS)
+    # Wan's self-attention hands q over to the Sage patch (ComfyUI's attention containers, or the patch's own
+    # forward where ComfyUI has none: nodes/handover.py) and the kernel's write-into-q pieces are installed, so
+    # an eager Sage call writes its output into q.  The node sets it from what it finds; the route and the CLI
+    # plan without it (the ordinary path holds more, so their plan never falls short).
+    q_handed_over: bool = False
     legacy_reason: str | None = None  # why the reservation places the weights (the legacy path), when known
     sage_memory_mode: str | None = None  # the Sage patch's memory mode ("sdpa", "fastest"); None: not known
     pixels: tuple | None = None  # (width, height, frames) the latent was made from, for rounding notes
@@ -394,11 +399,12 @@ def sage_mode_advice(s: Setup, w: activation_model.Workload, need: int, room: in
 
 def into_q_plan(s: Setup, att: AttentionPlan, rows: int, tokens: int) -> tuple | None:
     """(path, head groups) of the Sage self-attention call when it writes its output into q, else None.
-    ComfyUI with comfy-kitchen's Wan kernels (0.38 and newer) hands q over to the patch in its attention
-    containers, so an eager call runs on the kernel's write-into-q path in the fewest head groups within
-    SDPA's bytes, whatever the memory mode (the dispatcher's rule, attention.head_groups.into_q_groups);
-    compiled calls run the ordinary path."""
-    if s.kernel_set != "comfy-kitchen" or s.compiled or att.kernel is None or att.self_by is not None:
+    Where Wan's self-attention hands q over (``s.q_handed_over``: ComfyUI 0.38's attention containers, or the
+    patch's own forward on 0.3.64), an eager call runs on the kernel's write-into-q path in the fewest head
+    groups within SDPA's bytes, whatever the memory mode (the dispatcher's rule,
+    attention.head_groups.into_q_groups); compiled calls, and self-attention run by another node, run the
+    ordinary path."""
+    if not s.q_handed_over or s.compiled or att.kernel is None or att.self_by is not None:
         return None
     path = registry.KERNELS[att.kernel].into_q_path(None, s.dims.head_dim)
     if not path:

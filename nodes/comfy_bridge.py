@@ -101,8 +101,10 @@ def self_attention_patch(model) -> tuple | None:
     self-attention forward (KJNodes' WanVideo Mem Eff Sage Attention Patch patches
     ``diffusion_model.blocks.N.self_attn.forward`` with its ``wan_sageattn_forward``, which runs its own
     Sage call and never ComfyUI's attention); None when none does."""
+    from .handover import HandOverForward
     patches = getattr(model, "object_patches", None) or {}
-    keys = [k for k in patches if isinstance(k, str) and SELF_ATTN_PATCH.fullmatch(k)]
+    keys = [k for k in patches if isinstance(k, str) and SELF_ATTN_PATCH.fullmatch(k)
+            and not isinstance(patches[k], HandOverForward)]  # the Sage patch's own hand-over forward
     if not keys:
         return None
     fn = getattr(patches[keys[0]], "__func__", patches[keys[0]])
@@ -469,6 +471,22 @@ def aimdo_enabled() -> bool:
     except ImportError:  # ComfyUI before dynamic VRAM (0.3.64 has no comfy.memory_management)
         return False
     return bool(getattr(mem, "aimdo_enabled", False))
+
+
+def has_attention_containers() -> bool:
+    """Whether this ComfyUI hands attention inputs over in containers (0.38 and newer)."""
+    try:
+        import comfy.ldm.modules.attention as attention
+    except ImportError:
+        return False
+    return hasattr(attention, "AttentionTensorContainer")
+
+
+def q_handed_over(model) -> bool:
+    """Whether Wan's self-attention on ``model`` hands q over to the Sage patch: ComfyUI's attention
+    containers, or the patch's own forward (:mod:`.handover`), installed or about to be."""
+    from . import handover
+    return has_attention_containers() or handover.would_install(model, diffusion_model(model))
 
 
 def raw_sdpa():

@@ -212,8 +212,17 @@ def setup_for(model, shape, model_options, settings: Settings, *, assume_compile
                  policy=settings.policy, fixed_bytes=int(settings.fixed_gib * GiB), streamed=streamed,
                  img_tokens=257 if dims.has_img_emb else 0, per_frame_timesteps=dims.latent_channels == 48,
                  comfy_flash=comfy_bridge.comfy_uses_flash(), kernel_set=comfy_bridge.kernel_set(),
+                 q_handed_over=_q_handed_over(model, att),
                  sage_memory_mode=_memory_mode(model_options),
                  source="the loaded model", notes=tuple(notes), **extra)
+
+
+def _q_handed_over(model, att) -> bool:
+    """Whether the Sage self-attention of ``model`` writes its output into q: the call site hands q over
+    (:func:`comfy_bridge.q_handed_over`) and the planned kernel's write-into-q pieces are installed."""
+    if att.kernel is None or not comfy_bridge.q_handed_over(model):
+        return False
+    return kernels.into_q_module(att.kernel) is not None
 
 
 def _memory_mode(model_options) -> str | None:

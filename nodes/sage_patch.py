@@ -1,5 +1,6 @@
 """Wiring of the "Wan 2.2 Sage Attention Patch": clone the MODEL, install the attention override
-(chained to any override already there) and the same patch as Raylight's inner-attention processor
+(chained to any override already there), on a ComfyUI without attention containers the blocks' forward that
+hands q over to it (:mod:`.handover`), the same patch as Raylight's inner-attention processor
 (:mod:`.raylight_bridge`), and open/close a stats window around each sampling run."""
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import logging
 from ..attention import kernels, registry, stats
 from ..attention.config import PatchConfig
 from ..attention.override import SageAttentionOverride
-from . import comfy_bridge, raylight_bridge
+from . import comfy_bridge, handover, raylight_bridge
 from .log_once import reason, warn_once
 
 log = logging.getLogger("wan_sage")
@@ -162,6 +163,8 @@ def apply_patch(model, kernel="auto", min_tokens=1024, calibrate=True, memory_ma
     free_fn = comfy_bridge.PatcherFreeMemory(m.model) if (comfy_bridge.is_dynamic(m) or comfy_bridge.aimdo_enabled()) else None
     ov = SageAttentionOverride(cfg, prev=prev, sdpa=comfy_bridge.raw_sdpa(), free_memory=free_fn)
     to[comfy_bridge.OVERRIDE_KEY] = ov
+    if not comfy_bridge.has_attention_containers():
+        handover.install(m, comfy_bridge.diffusion_model(m))
     ring_note = raylight_bridge.install_inner_attention(to, ov, m)
     m.add_wrapper_with_key(comfy_bridge.wrappers_mp().OUTER_SAMPLE, OUTER_KEY, _stats_wrapper(ov.patch_id, cfg.label, cfg.node_id))
     text = f"patched (id {ov.patch_id}); " + status_text(kernel)

@@ -138,14 +138,14 @@ def test_short_free_memory_splits_the_write_into_q_path_further(fake_gpu):
 
 @pytest.mark.keep_slack
 def test_the_estimate_plans_the_write_into_q_path_where_comfyui_hands_q_over():
-    """With comfy-kitchen's Wan kernels (ComfyUI 0.38 and newer, whose call sites hand q over) the estimate
-    plans eager Sage self-attention on the write-into-q path, in the dispatcher's groups, whatever the
-    memory mode: its activation peak is then at or below the same forward on SDPA.  Compiled, and on
-    0.3.64's kernels, it plans the ordinary path."""
+    """Where Wan hands q over (the node finds it so; the route and the CLI plan without it) the estimate plans
+    eager Sage self-attention on the write-into-q path, in the dispatcher's groups, whatever the memory
+    mode: its activation peak is then at or below the same forward on SDPA.  Compiled, or with q kept, it
+    plans the ordinary path."""
     from setups import estimate
     from wan_sage.memory.activation_model import PRESETS
     a14b = PRESETS["wan2.2-a14b"]
-    new = dict(kernel_set="comfy-kitchen")
+    new = dict(kernel_set="comfy-kitchen", q_handed_over=True)
     sage = estimate(a14b, 1280, 720, 81, attention="sage-auto", **new)
     sdpa = estimate(a14b, 1280, 720, 81, attention="sdpa", **new)
     fastest = estimate(a14b, 1280, 720, 81, attention="sage-auto", sage_grouped=False, **new)
@@ -153,7 +153,7 @@ def test_the_estimate_plans_the_write_into_q_path_where_comfyui_hands_q_over():
                                                                                    sage.tokens, a14b.head_dim))
     assert sage.sage_head_groups == fastest.sage_head_groups == found.groups > 1
     assert sage.resident["total"] <= sdpa.resident["total"]
-    old = estimate(a14b, 1280, 720, 81, attention="sage-auto")
+    old = estimate(a14b, 1280, 720, 81, attention="sage-auto", kernel_set="comfy-kitchen")  # q kept
     compiled = estimate(a14b, 1280, 720, 81, attention="sage-auto", compiled=True, **new)
     compiled_old = estimate(a14b, 1280, 720, 81, attention="sage-auto", compiled=True)
     assert old.resident["total"] > sdpa.resident["total"]
