@@ -145,3 +145,24 @@ def test_memory_mode_labels_and_the_ids_of_saved_workflows(comfy):
         assert WanSageAttentionPatch.validate_inputs(memory_mode=value) is True
     bad = WanSageAttentionPatch.validate_inputs(memory_mode="smallest")
     assert isinstance(bad, str) and "memory_mode" in bad and "within SDPA's memory" in bad
+
+
+@pytest.mark.needs_sage
+def test_the_patch_hands_q_over_through_its_own_forward_on_0_3_64(comfy):
+    """0.3.64 has no attention containers: the patch object-patches every block's self-attention forward
+    (it mirrors 0.3.64's, nodes/handover.py), says nothing of a bypass for it, samples exactly like SDPA on
+    the CPU, and leaves the unpatched model's blocks as they were."""
+    from wan_sage.nodes import comfy_bridge, handover
+    from wan_sage.nodes.sage_patch import apply_patch, bypass_text
+    assert not comfy_bridge.has_attention_containers()
+    base = comfy_env.tiny_wan_patcher(num_layers=LAYERS)
+    m, _ = apply_patch(base)
+    assert handover.installed_blocks(m) == LAYERS and handover.installed_blocks(base) == 0
+    assert comfy_bridge.self_attention_patch(m) is None and bypass_text(m) is None
+    assert comfy_bridge.q_handed_over(m)
+    out = comfy_env.sample_tiny(m, steps=STEPS, cfg=5.0)
+    ref = base.clone()
+    ref.model_options["transformer_options"]["optimized_attention_override"] = (
+        lambda func, *a, **k: comfy.attention.attention_pytorch(*a, **k))
+    assert torch.equal(out, comfy_env.sample_tiny(ref, steps=STEPS, cfg=5.0))
+    assert all("forward" not in vars(b.self_attn) for b in base.model.diffusion_model.blocks)
