@@ -156,22 +156,25 @@ def attention_reading(a, ab, s1) -> list:
     return [f"""
 ## Memory: a handed-over q takes the output
 
-ComfyUI with comfy-kitchen's Wan kernels (0.38 and newer) hands q, k and v to the patch in attention
-containers. When nothing else holds q (no other reference, no other tensor on its memory, not recording
-autograd), the call runs on the kernel's write-into-q path, head group by head group: each group's q and k
-are quantised to INT8, its V is padded and quantised to FP8, and the kernel writes the group's output into
-its own heads of q. No output buffer is allocated, so the call peaks at one group's quantised tensors. The
-group count is the fewest whose peak is at or below SDPA's extra bytes for the same call
-with 16 MiB to spare for the allocator, which serves a request from a cached block up to 1 MiB larger than
-asked (`attention.head_groups.into_q_groups`). On the H200 (gpu tier, `509f663.log`) an A14B 1280×720×81 call
-ran in 4 groups and held 650.6 MiB above its inputs, against 749.8 MiB for SDPA and 3,330 MiB for the ungrouped
-kernel, at relative L2 0.039; A14B 480p81, 1.3B 480p81 with cfg batch 2, 5B 704p121 and A14B 1080p49 held
-0.87× SDPA's bytes. The split costs 2.6 % against the ungrouped kernel at 720p81 (148.8 against 145.1 ms). At
-7,480 tokens the allocator's rounding took 4 groups over SDPA's 74.2 MiB (78.1 MiB), which the 16 MiB slack now
-sends to 5 groups (not yet measured). The estimate plans the same path and groups for that
-ComfyUI. The
-sm90 kernel has this path; other kernels, calls under `torch.compile`, ComfyUI 0.3.64's call sites (which
-keep q) and a q held elsewhere take the ordinary path and its memory mode.
+ComfyUI 0.38 and newer hand Wan's q, k and v to the patch in attention containers. ComfyUI 0.3.64's Wan
+self-attention keeps them, so there the patch sets, on the model it returns, its own forward of each block's
+self-attention (an object patch, `nodes/handover.py`; only over a forward that reads 0.3.64's names and that
+no other node patched): it computes q, k and v as 0.3.64 does and hands them over in the same way, and runs
+the class forward unchanged while `torch.compile` traces it. When nothing else holds q (no other reference, no
+other tensor on its memory, not recording autograd), the call runs on the kernel's write-into-q path, head
+group by head group: each group's q and k are quantised to INT8, its V is padded and quantised to FP8, and the
+kernel writes the group's output into its own heads of q. No output buffer is allocated, so the call peaks at
+one group's quantised tensors. The group count is the fewest whose peak is at or below SDPA's extra bytes for
+the same call with 16 MiB to spare for the allocator, which serves a request from a cached block up to 1 MiB
+larger than asked (`attention.head_groups.into_q_groups`). On the H200 (gpu tier, `509f663.log`) an A14B
+1280×720×81 call ran in 4 groups and held 650.6 MiB above its inputs, against 749.8 MiB for SDPA and 3,330 MiB
+for the ungrouped kernel, at relative L2 0.039; A14B 480p81, 1.3B 480p81 with cfg batch 2, 5B 704p121 and A14B
+1080p49 held 0.87× SDPA's bytes. The split costs 2.6 % against the ungrouped kernel at 720p81 (148.8 against
+145.1 ms). At 7,480 tokens the allocator's rounding took 4 groups over SDPA's 74.2 MiB (78.1 MiB), which the
+16 MiB slack now sends to 5 groups (not yet measured). The estimator node plans the same path and groups where
+it finds q handed over; the route and `wan-sage plan` plan the ordinary path, which holds more. The sm90
+kernel has this path; other kernels, calls under `torch.compile` and a q held elsewhere take the ordinary path
+and its memory mode.
 
 Since q is overwritten, a call that is due an output check runs the same path first on a copy of 256 query
 rows with all of k and v, and compares those rows with SDPA's: a failure settles the shape on SDPA with q
