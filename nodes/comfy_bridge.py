@@ -101,10 +101,10 @@ def self_attention_patch(model) -> tuple | None:
     self-attention forward (KJNodes' WanVideo Mem Eff Sage Attention Patch patches
     ``diffusion_model.blocks.N.self_attn.forward`` with its ``wan_sageattn_forward``, which runs its own
     Sage call and never ComfyUI's attention); None when none does."""
-    from .handover import HandOverForward
+    from .handover import is_hand_over
     patches = getattr(model, "object_patches", None) or {}
     keys = [k for k in patches if isinstance(k, str) and SELF_ATTN_PATCH.fullmatch(k)
-            and not isinstance(patches[k], HandOverForward)]  # the Sage patch's own hand-over forward
+            and not is_hand_over(patches[k])]  # the Sage patch's own hand-over forward
     if not keys:
         return None
     fn = getattr(patches[keys[0]], "__func__", patches[keys[0]])

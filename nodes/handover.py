@@ -4,7 +4,7 @@ ComfyUI 0.38 and newer wrap Wan's q, k and v in attention containers and give th
 (``container_function``), so the Sage patch may write the output into q's memory and hold less than SDPA
 (attention/execution.py, ``_run_into_q``).  ComfyUI 0.3.64's ``WanSelfAttention.forward`` keeps q and k in
 its locals until it returns, so the patch could not.  On such a ComfyUI the patch sets, on the model clone
-it returns, an object patch of each block's ``self_attn.forward``: :class:`HandOverForward` computes q, k
+it returns, an object patch of each block's ``self_attn.forward``: :func:`hand_over_forward` computes q, k
 and v as that forward does (Comfy-Org/ComfyUI comfy/ldm/wan/model.py@a125cd84, ``WanSelfAttention.forward``:
 the q/k/v projections, the q/k RMS norms, RoPE on q and k, the output projection) and hands them to the
 patch's ``container_function`` in containers of its own, keeping no reference.
@@ -17,12 +17,13 @@ names of 0.3.64's (:data:`FORWARD_NAMES`) and no other node has patched the same
 from __future__ import annotations
 
 import re
+import types
 
 import torch
 
 from ..attention.override import SageAttentionOverride
 
-__all__ = ["HandOverForward", "install", "FORWARD_NAMES", "installed_blocks", "would_install"]
+__all__ = ["hand_over_forward", "is_hand_over", "install", "FORWARD_NAMES", "installed_blocks", "would_install"]
 
 OVERRIDE_KEY = "optimized_attention_override"
 SELF_ATTN_KEY = "diffusion_model.blocks.{}.self_attn.forward"
@@ -65,35 +66,31 @@ def mirrors(cls) -> bool:
     return code is not None and _names(code) == FORWARD_NAMES
 
 
-class HandOverForward:
-    """The object patch of one block's ``self_attn.forward``: ``(x, freqs, transformer_options={})``."""
+def hand_over_forward(self, x, freqs, transformer_options={}):  # noqa: B006 (ComfyUI's signature)
+    """The forward set on each block's self-attention module, bound to it (``types.MethodType``, as other
+    packs bind theirs): one function for every block, so that ``torch.compile`` guards on its code and on
+    the module, and compiled blocks share their graphs as they do with the class forward."""
+    override = transformer_options.get(OVERRIDE_KEY)
+    if torch.compiler.is_compiling() or not isinstance(override, SageAttentionOverride):
+        return type(self).forward(self, x, freqs, transformer_options=transformer_options)
+    from comfy.ldm.flux.math import apply_rope1
+    b, s, n, d = *x.shape[:2], self.num_heads, self.head_dim
+    boxes = (_Box(apply_rope1(self.norm_q(self.q(x)).view(b, s, n, d), freqs).view(b, s, n * d)),
+             _Box(apply_rope1(self.norm_k(self.k(x)).view(b, s, n, d), freqs).view(b, s, n * d)),
+             _Box(self.v(x).view(b, s, n * d)))
+    return self.o(override.container_function(*boxes, heads=self.num_heads, transformer_options=transformer_options))
 
-    __slots__ = ("module",)
 
-    def __init__(self, module):
-        self.module = module
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def __call__(self, x, freqs, transformer_options={}):  # noqa: B006 (ComfyUI's signature)
-        m = self.module
-        override = transformer_options.get(OVERRIDE_KEY)
-        if torch.compiler.is_compiling() or not isinstance(override, SageAttentionOverride):
-            return type(m).forward(m, x, freqs, transformer_options=transformer_options)
-        from comfy.ldm.flux.math import apply_rope1
-        b, s, n, d = *x.shape[:2], m.num_heads, m.head_dim
-        boxes = (_Box(apply_rope1(m.norm_q(m.q(x)).view(b, s, n, d), freqs).view(b, s, n * d)),
-                 _Box(apply_rope1(m.norm_k(m.k(x)).view(b, s, n, d), freqs).view(b, s, n * d)),
-                 _Box(m.v(x).view(b, s, n * d)))
-        return m.o(override.container_function(*boxes, heads=m.num_heads, transformer_options=transformer_options))
+def is_hand_over(obj) -> bool:
+    """Whether an object patch is :func:`hand_over_forward` bound to a module."""
+    return getattr(obj, "__func__", None) is hand_over_forward
 
 
 def installed_blocks(model) -> int:
-    """How many blocks of ``model`` (a ModelPatcher) carry :class:`HandOverForward`."""
+    """How many blocks of ``model`` (a ModelPatcher) carry :func:`hand_over_forward`."""
     patches = getattr(model, "object_patches", None) or {}
     return sum(1 for k, v in patches.items() if isinstance(k, str) and SELF_ATTN_PATCH.fullmatch(k)
-               and isinstance(v, HandOverForward))
+               and is_hand_over(v))
 
 
 def install(model, diffusion_model) -> int:
@@ -106,9 +103,9 @@ def install(model, diffusion_model) -> int:
         key = SELF_ATTN_KEY.format(i)
         if attn is None or not mirrors(type(attn)):
             continue
-        if key in patches and not isinstance(patches[key], HandOverForward):
+        if key in patches and not is_hand_over(patches[key]):
             continue
-        model.add_object_patch(key, HandOverForward(attn))
+        model.add_object_patch(key, types.MethodType(hand_over_forward, attn))
         count += 1
     return count
 
@@ -120,4 +117,4 @@ def would_install(model, diffusion_model) -> bool:
         return False
     attn = getattr(blocks[0], "self_attn", None)
     patch = (getattr(model, "object_patches", None) or {}).get(SELF_ATTN_KEY.format(0))
-    return attn is not None and mirrors(type(attn)) and (patch is None or isinstance(patch, HandOverForward))
+    return attn is not None and mirrors(type(attn)) and (patch is None or is_hand_over(patch))

@@ -165,4 +165,4 @@ def test_the_patch_hands_q_over_through_its_own_forward_on_0_3_64(comfy):
     ref.model_options["transformer_options"]["optimized_attention_override"] = (
         lambda func, *a, **k: comfy.attention.attention_pytorch(*a, **k))
     assert torch.equal(out, comfy_env.sample_tiny(ref, steps=STEPS, cfg=5.0))
-    assert not any(isinstance(b.self_attn.forward, handover.HandOverForward) for b in base.model.diffusion_model.blocks)
+    assert not any(handover.is_hand_over(b.self_attn.forward) for b in base.model.diffusion_model.blocks)
