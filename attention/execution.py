@@ -231,6 +231,12 @@ def _to_caller_layout(out, layout: str, out_layout: str):
     return out
 
 
+def _head_spans(heads: int, groups: int) -> list:
+    """[(h0, h1), ...]: the heads of each of ``groups`` head groups, ``ceil(heads / groups)`` to a group."""
+    per_group = -(-heads // groups)
+    return [(h0, min(heads, h0 + per_group)) for h0 in range(0, heads, per_group)]
+
+
 def _run_split(name: str, q4, k4, v4, layout: str, out_layout: str, groups: int, scale, cc: int):
     """The call in ``groups`` head groups.  The full output is allocated once, in the caller's
     layout, and each group's output is copied into it and freed: peak = full output + one
@@ -243,10 +249,9 @@ def _run_split(name: str, q4, k4, v4, layout: str, out_layout: str, groups: int,
     out = torch.empty(full, dtype=q4.dtype, device=q4.device)
     target = out if layout == out_layout else out.transpose(1, 2)
     head_dim = 2 if layout == "NHD" else 1
-    per_group = -(-H // groups)
-    for h0 in range(0, H, per_group):
+    for h0, h1 in _head_spans(H, groups):
         index = [slice(None)] * 4
-        index[head_dim] = slice(h0, min(H, h0 + per_group))
+        index[head_dim] = slice(h0, h1)
         index = tuple(index)
         part = kernels.run(name, q4[index], k4[index], v4[index], layout, scale, cc)
         target[index].copy_(part)
@@ -393,8 +398,8 @@ def _run_into_q(ov, plan: Plan, q, k, v, q4, k4, v4, heads, skip_reshape, skip_o
         ref = accuracy.reference(q4, k4, v4, "NHD", "NHD", scale)
         probe = q4.index_select(1, ref.rows)
         try:
-            for h0 in range(0, plan.H, -(-plan.H // plan.groups)):
-                kernels.run_into_q(name, probe, k4, v4, scale, h0, min(plan.H, h0 + -(-plan.H // plan.groups)))
+            for h0, h1 in _head_spans(plan.H, plan.groups):
+                kernels.run_into_q(name, probe, k4, v4, scale, h0, h1)
             B, R, H, D = probe.shape
             verdict = _check_output(probe.reshape(B, R, H * D),
                                     accuracy.Reference(torch.arange(R, device=probe.device), ref.output, "NHD"))
@@ -409,10 +414,9 @@ def _run_into_q(ov, plan: Plan, q, k, v, q4, k4, v4, heads, skip_reshape, skip_o
             _reject(plan, name, verdict)
             return _sdpa(ov, q, k, v, heads, skip_reshape, skip_output_reshape, scale, verdict.failure,
                          fallback=verdict.failure)
-    per_group = -(-plan.H // plan.groups)
-    for h0 in range(0, plan.H, per_group):
+    for h0, h1 in _head_spans(plan.H, plan.groups):
         try:
-            kernels.run_into_q(name, q4, k4, v4, scale, h0, min(plan.H, h0 + per_group))
+            kernels.run_into_q(name, q4, k4, v4, scale, h0, h1)
         except Exception as e:
             failure = "oom" if isinstance(e, kernels.out_of_memory_error()) else "error"
             if failure == "oom":

@@ -65,15 +65,15 @@ def group_counts(heads: int) -> tuple:
     return tuple(counts)
 
 
-def split_bytes(path: str, shape: AttnShape, groups: int, output_copy: bool = False, into_q: bool = False) -> int:
+def split_bytes(path: str, shape: AttnShape, groups: int, output_copy: bool = False) -> int:
     """Peak extra bytes of a call of the kernel behind ``path`` run in ``groups`` head groups.
 
     ``output_copy``: the ungrouped call's output is copied into the caller's layout afterwards
     (the kernel's native layout differs); only the output is alive then.  A grouped call writes
-    every group straight into the full output, allocated in the caller's layout.  ``into_q``: ``path``
-    writes the output into q's own memory, so no full output is allocated; each group's peak is the
-    kernel's bytes for its heads."""
-    if into_q or path in INTO_Q_PATHS:
+    every group straight into the full output, allocated in the caller's layout.  A path that writes
+    the output into q's own memory (:data:`.kernel_bytes.INTO_Q_PATHS`) allocates no full output: each
+    group's peak is the kernel's bytes for its heads."""
+    if path in INTO_Q_PATHS:
         return extra_bytes(path, shape.with_heads(_heads_per_group(shape.Hq, max(1, groups))))
     if groups <= 1:
         direct = extra_bytes(path, shape)
@@ -123,14 +123,8 @@ def into_q_groups(path: str, shape: AttnShape) -> HeadGroups | None:
     SDPA allocates the full output, this path only one group's quantised q, k and V.  None when not
     even one head per group gets there (then the call takes the ordinary path)."""
     sdpa = extra_bytes("sdpa", shape)
-    found = None
-    for groups in group_counts(shape.Hq):
-        nbytes = split_bytes(path, shape, groups, into_q=True)
-        if nbytes + INTO_Q_SLACK_BYTES <= sdpa:
-            found = (groups, nbytes)
-            break
+    found = fewest_groups_within(path, shape, sdpa - INTO_Q_SLACK_BYTES)
     if found is None:
         return None
     groups, nbytes = found
-    return HeadGroups(groups, _heads_per_group(shape.Hq, groups), nbytes, split_bytes(path, shape, 1, into_q=True),
-                      sdpa)
+    return HeadGroups(groups, _heads_per_group(shape.Hq, groups), nbytes, split_bytes(path, shape, 1), sdpa)

@@ -190,7 +190,7 @@ def need_bytes(name: str, cc: int, shape: kernel_bytes.AttnShape, groups: int, c
     """Bytes that must be free to run ``name`` in ``groups`` groups (``into_q``: on its path that writes
     the output into q): the exact peak, the allocator's rounding and the patch's margin."""
     path = KERNELS[name].into_q_path(cc, shape.D) if into_q else KERNELS[name].memory_path(cc)
-    peak = head_groups.split_bytes(path, shape, groups, copy, into_q)
+    peak = head_groups.split_bytes(path, shape, groups, copy)
     return kernel_bytes.with_margin(peak) + margin
 
 

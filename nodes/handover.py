@@ -23,7 +23,7 @@ import torch
 
 from ..attention.override import SageAttentionOverride
 
-__all__ = ["hand_over_forward", "is_hand_over", "install", "FORWARD_NAMES", "installed_blocks", "would_install"]
+__all__ = ["Container", "hand_over_forward", "is_hand_over", "install", "FORWARD_NAMES", "installed_blocks", "would_install"]
 
 OVERRIDE_KEY = "optimized_attention_override"
 SELF_ATTN_KEY = "diffusion_model.blocks.{}.self_attn.forward"
@@ -35,8 +35,9 @@ FORWARD_NAMES = frozenset({"apply_rope1", "head_dim", "k", "norm_k", "norm_q", "
                            "optimized_attention", "q", "shape", "v", "view"})
 
 
-class _Box:
-    """ComfyUI's attention-container protocol: ``peek`` reads the tensor, ``take`` hands it over."""
+class Container:
+    """ComfyUI's attention-container protocol (0.38's ``AttentionTensorContainer``): ``peek`` reads the
+    tensor, ``take`` hands it over and empties the container."""
 
     __slots__ = ("tensor",)
 
@@ -75,9 +76,9 @@ def hand_over_forward(self, x, freqs, transformer_options={}):  # noqa: B006 (Co
         return type(self).forward(self, x, freqs, transformer_options=transformer_options)
     from comfy.ldm.flux.math import apply_rope1
     b, s, n, d = *x.shape[:2], self.num_heads, self.head_dim
-    boxes = (_Box(apply_rope1(self.norm_q(self.q(x)).view(b, s, n, d), freqs).view(b, s, n * d)),
-             _Box(apply_rope1(self.norm_k(self.k(x)).view(b, s, n, d), freqs).view(b, s, n * d)),
-             _Box(self.v(x).view(b, s, n * d)))
+    boxes = (Container(apply_rope1(self.norm_q(self.q(x)).view(b, s, n, d), freqs).view(b, s, n * d)),
+             Container(apply_rope1(self.norm_k(self.k(x)).view(b, s, n, d), freqs).view(b, s, n * d)),
+             Container(self.v(x).view(b, s, n * d)))
     return self.o(override.container_function(*boxes, heads=self.num_heads, transformer_options=transformer_options))
 
 

@@ -16,6 +16,7 @@ from wan_sage.attention import head_groups, kernel_bytes, kernels  # noqa: E402
 from wan_sage.attention.config import PatchConfig  # noqa: E402
 from wan_sage.attention.override import SageAttentionOverride  # noqa: E402
 from wan_sage.attention.sdpa import attention_sdpa  # noqa: E402
+from wan_sage.nodes.handover import Container as Box  # noqa: E402  (the containers ComfyUI 0.38 hands over)
 
 DEV = torch.device("cuda")
 if kernels.device_cc(DEV) != 90 or not kernels.available("sage2_sm90", 90) or kernels.into_q_module("sage2_sm90") is None:
@@ -26,20 +27,6 @@ pytestmark = pytest.mark.usefixtures("fresh_state")
 
 SHAPES = {"a14b_720p81": (1, 40, 75600, 128), "a14b_480p81": (1, 40, 32760, 128), "t2v1.3b_480p81_cfg2": (2, 12, 32760, 128),
           "ti2v5b_704p121": (1, 24, 27280, 128), "a14b_1080p49": (1, 40, 106080, 128), "a14b_7480": (1, 40, 7480, 128)}
-
-
-class Box:
-    """ComfyUI 0.38's AttentionTensorContainer protocol: peek, and take (hands the tensor over)."""
-
-    def __init__(self, tensor):
-        self.tensor = tensor
-
-    def peek(self):
-        return self.tensor
-
-    def take(self):
-        tensor, self.tensor = self.tensor, None
-        return tensor
 
 
 def fresh(B, H, N, D, seed):

@@ -72,7 +72,7 @@ def test_the_groups_keep_the_call_within_sdpas_bytes():
         slack = head_groups.INTO_Q_SLACK_BYTES
         assert found is not None and found.extra_bytes + slack <= kernel_bytes.extra_bytes("sdpa", shape)
         fewer = [g for g in head_groups.group_counts(Hq) if g < found.groups]
-        assert all(head_groups.split_bytes("sage2_sm90_into_q", shape, g, into_q=True) + slack > found.sdpa_bytes
+        assert all(head_groups.split_bytes("sage2_sm90_into_q", shape, g) + slack > found.sdpa_bytes
                    for g in fewer)
         assert found.extra_bytes < head_groups.split_bytes("sage2_sm90", shape, found.groups)
 
