@@ -38,8 +38,10 @@ from .state import STATE
 
 __all__ = ["SageAttentionOverride", "self_test_failures", "settled_shapes"]
 
-# The keyword arguments of Wan's attention calls (ComfyUI pops ``preferred_attention`` before the override).
-_WAN_KWARGS = frozenset(("heads", "transformer_options"))
+# The keyword arguments of Wan's attention calls as the override receives them: ComfyUI's ``wrap_attn``
+# adds ``_inside_attn_wrapper`` (and pops 0.38's ``preferred_attention``); a direct call has neither.
+_WAN_KWARGS = frozenset(("heads", "transformer_options", "_inside_attn_wrapper"))
+_WAN_KWARGS_DIRECT = frozenset(("heads", "transformer_options"))
 
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or torch._dynamo.is_compiling
 
@@ -171,15 +173,27 @@ class SageAttentionOverride:
     def __call__(self, func, *args, **kwargs):
         if _is_compiling():
             return self._traced(func, args, kwargs)
-        if len(args) == 3 and kwargs.keys() == _WAN_KWARGS:
+        keys = kwargs.keys()
+        if len(args) == 3 and (keys == _WAN_KWARGS or keys == _WAN_KWARGS_DIRECT):
             # Wan's call sites pass q, k, v and nothing by keyword but heads and transformer_options: no
-            # mask, scale, layout flag or precision switch to read, so their facts make a shorter key.  A
-            # call found declined goes to SDPA whether or not it records autograd (SDPA serves both), so
-            # the autograd check waits until the call could go to a kernel.
+            # mask, scale, layout flag or precision switch to read, so their facts make a short key (the
+            # same key in container_function).  A call found declined goes to SDPA whether or not it
+            # records autograd (SDPA serves both), so the autograd check waits until the call could go
+            # to a kernel.
             q, k, v = args
-            heads, mask, skip_reshape, skip_out = kwargs["heads"], None, False, False
-            seen = (self.config_key, q.device, q.dtype, k.dtype, v.dtype, q.shape, k.shape, heads)
-            wan_call = True
+            heads = kwargs["heads"]
+            fast = (self.patch_id, q.shape, k.shape, heads, q.dtype, k.dtype, v.dtype, q.device)
+            declined = STATE.declined_calls.get(fast)
+            if declined is not None:
+                declined.calls += 1
+                if declined.static:
+                    return self._declined(func, args, kwargs)
+                return self.sdpa(*args, **kwargs)
+            mask, skip_reshape, skip_out = None, False, False
+            if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+                seen = None
+            else:
+                seen = (self.config_key, q.device, q.dtype, k.dtype, v.dtype, q.shape, k.shape, heads)
         else:
             if len(args) == 3:
                 q, k, v = args
@@ -188,24 +202,21 @@ class SageAttentionOverride:
                 skip_out = bool(kwargs.get("skip_output_reshape", False))
             else:
                 q, k, v, heads, mask, skip_reshape, skip_out = _parse(args, kwargs)
-            seen = wan_call = None
+            seen = fast = None
             if (mask is None and kwargs.get("low_precision_attention", True) is not False
                     and not kwargs.get("enable_gqa", False)
                     and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
                 seen = (self.config_key, q.device, q.dtype, k.dtype, v.dtype, q.shape, k.shape, heads, skip_reshape,
                         skip_out)
-        found = None
-        if seen is not None:
-            declined = STATE.declined_calls.get(seen)
-            if declined is not None:
-                stats.count_sdpa(self.patch_id, declined[0])
-                if declined[1]:
-                    return self._declined(func, args, kwargs)
-                return self.sdpa(*args, **kwargs)
-            if wan_call and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-                seen = None
-            else:
-                found = STATE.seen_calls.get(seen)
+                # two items longer than the Wan key: the two never meet
+                fast = (self.patch_id,) + seen[1:]
+                declined = STATE.declined_calls.get(fast)
+                if declined is not None:
+                    declined.calls += 1
+                    if declined.static:
+                        return self._declined(func, args, kwargs)
+                    return self.sdpa(*args, **kwargs)
+        found = None if seen is None else STATE.seen_calls.get(seen)
         # A call like one seen before (the same facts its static shape checks read) skips those checks;
         # only its per-call options are checked again.  One that goes straight to SDPA (a static shape
         # refusal, or a shape settled on SDPA) was found in STATE.declined_calls above by one lookup.
@@ -217,8 +228,8 @@ class SageAttentionOverride:
                 found = reason
             if seen is not None and found is not None:
                 STATE.remember_call(seen, found)
-                if reason is not None:
-                    STATE.remember_declined(seen, reason, True)
+                if reason is not None and fast is not None:
+                    STATE.remember_declined(fast, self.patch_id, reason, True)
             if reason is not None:
                 stats.count_sdpa(self.patch_id, reason)
                 return self._declined(func, args, kwargs)
@@ -229,8 +240,8 @@ class SageAttentionOverride:
         # patch's SDPA exactly as ComfyUI makes it, so it returns what plain SDPA returns.
         settled = STATE.decisions.get(found)
         if settled is not None and settled.kernel is None:
-            if seen is not None:
-                STATE.remember_declined(seen, settled.reason, False, settled)
+            if fast is not None:
+                STATE.remember_declined(fast, self.patch_id, settled.reason, False, found, settled)
             stats.count_sdpa(self.patch_id, settled.reason)
             return self.sdpa(*args, **kwargs)
         scale = kwargs.get("scale")
@@ -283,23 +294,49 @@ class SageAttentionOverride:
         graph break (the containers are plain Python objects; tests/unit/test_current_comfy_attention.py),
         where the custom op runs the ordinary path."""
         boxes = args[:3]
+        fast = None
+        if not _is_compiling():
+            keys = kwargs.keys()
+            if len(args) == 3 and (keys == _WAN_KWARGS or keys == _WAN_KWARGS_DIRECT):
+                # Wan's calls: the declined table under __call__'s short key, one lookup.
+                q, k, v = boxes[0].peek(), boxes[1].peek(), boxes[2].peek()
+                fast = (self.patch_id, q.shape, k.shape, kwargs["heads"], q.dtype, k.dtype, v.dtype, q.device)
+                declined = STATE.declined_calls.get(fast)
+                if declined is not None:
+                    del q, k, v
+                    declined.calls += 1
+                    if declined.static:
+                        return self._declined_containers(args, kwargs)
+                    return self.sdpa(boxes[0].take(), boxes[1].take(), boxes[2].take(), **kwargs)
+                del q, k, v
         q, k, v, heads, skip_reshape, skip_out, shape, reason = self._static(
             (boxes[0].peek(), boxes[1].peek(), boxes[2].peek()) + args[3:], kwargs)
         if reason is not None:
             del q, k, v  # the previous override or SDPA may take the containers: hold no reference
             if not _is_compiling():
                 stats.count_sdpa(self.patch_id, reason)
-            prev = self.prev
-            if prev is not None and getattr(prev, "container_function", None) is not None:
-                return prev.container_function(*args, **kwargs)
-            taken = (boxes[0].take(), boxes[1].take(), boxes[2].take()) + args[3:]
-            if prev is not None:
-                return prev(self.sdpa, *taken, **kwargs)
-            return self.sdpa(*taken, **kwargs)
+                if fast is not None and reason in policy.SHAPE_REASONS:
+                    STATE.remember_declined(fast, self.patch_id, reason, True)
+            return self._declined_containers(args, kwargs)
         q, k, v = boxes[0].take(), boxes[1].take(), boxes[2].take()
+        if fast is not None:
+            key = execution.call_key(self, q, shape)
+            settled = STATE.decisions.get(key)
+            if settled is not None and settled.kernel is None:
+                STATE.remember_declined(fast, self.patch_id, settled.reason, False, key, settled)
         if shape.layout == "NHD" and shape.out_layout == "NHD" and not _is_compiling() and _handed_over(q):
             shape = shape._replace(into_q=True)
         return self._dispatch(q, k, v, heads, skip_reshape, skip_out, shape, kwargs)
+
+    def _declined_containers(self, args, kwargs):
+        """Where a container call the static checks decline goes (see :meth:`container_function`)."""
+        prev = self.prev
+        if prev is not None and getattr(prev, "container_function", None) is not None:
+            return prev.container_function(*args, **kwargs)
+        taken = (args[0].take(), args[1].take(), args[2].take()) + args[3:]
+        if prev is not None:
+            return prev(self.sdpa, *taken, **kwargs)
+        return self.sdpa(*taken, **kwargs)
 
     def plan(self, q, k, v, heads, args=(), kwargs=None) -> Plan:
         """What a call would do, without running a kernel (except a kernel's one-time self-test):

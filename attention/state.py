@@ -90,6 +90,17 @@ class SelfTestTicket:
         self.done = done
 
 
+class Declined:
+    """A call that goes straight to SDPA: the patch, why, whether to the previous override (``static``),
+    and the calls served so since :mod:`.stats` last took the count (counted without the lock, as
+    :func:`.stats.count_sdpa` counts)."""
+
+    __slots__ = ("patch_id", "reason", "static", "calls")
+
+    def __init__(self, patch_id: str, reason: str, static: bool):
+        self.patch_id, self.reason, self.static, self.calls = patch_id, reason, static, 0
+
+
 class DispatchState:
     def __init__(self):
         self.lock = threading.Lock()
@@ -104,6 +115,8 @@ class DispatchState:
         self.into_q_modules: dict = {}  # kernel name -> module of its write-into-q pieces, or None
         self.build_ids: dict = {}  # package -> build identity
         self.config_keys: dict = {}  # PatchConfig -> small int used in call keys
+        self.declined_calls: dict = {}  # see _clear_decisions
+        self.declined_counts: dict = {}  # patch id -> {reason: calls} counted by dropped Declined entries
         self._clear_decisions()
 
     def _clear_decisions(self) -> None:
@@ -124,10 +137,12 @@ class DispatchState:
         # facts of an eager call that decide its static shape checks (patch options, device, dtypes,
         # shapes, heads, layout flags) -> its CallKey, or the static refusal they make (SHAPE_REASONS)
         self.seen_calls: dict = {}
-        # the same facts -> (reason, static) for a call that goes straight to SDPA: a static shape refusal
-        # (static: to the previous override, as the full checks send it) or a shape settled on SDPA; one
-        # lookup on the hot path.  Emptied whenever a decision is written, so it never outlives one.
-        self.declined_calls: dict = {}
+        # a patch's call that goes straight to SDPA -> its Declined entry: a static shape refusal (static:
+        # to the previous override, as the full checks send it) or a shape settled on SDPA; one lookup on
+        # the hot path.  Keyed by the patch id and the call's facts (override.py builds the keys).  Emptied
+        # whenever a decision is written, so it never outlives one; the calls it counted move to
+        # declined_counts first.
+        self._drop_declined()
 
     def reset(self) -> None:
         """Forget every decision (tests; after reinstalling a kernel).  Live patches, the package
@@ -178,19 +193,19 @@ class DispatchState:
             for call_key, decision in list(self.decisions.items()):
                 if decision.kernel == key.kernel:
                     del self.decisions[call_key]
-            self.declined_calls.clear()
+            self._drop_declined()
 
     def settle(self, call_key, decision: Decision) -> None:
         with self.lock:
             self.decisions[call_key] = decision
-            self.declined_calls.clear()
+            self._drop_declined()
 
     def settle_if_absent(self, call_key, decision: Decision) -> Decision:
         """Settle ``call_key`` unless it is settled already; returns the decision in force."""
         with self.lock:
             found = self.decisions.setdefault(call_key, decision)
             if found is decision:
-                self.declined_calls.clear()
+                self._drop_declined()
             return found
 
     def claim_calibration(self, call_key) -> bool:
@@ -215,12 +230,33 @@ class DispatchState:
         with self.lock:
             self.seen_calls[seen] = found
 
-    def remember_declined(self, seen: tuple, reason: str, static: bool, decision=None) -> None:
-        """``seen`` goes straight to SDPA for ``reason`` from now on; for a settled shape, only while
-        ``decision`` is still the one in force (a decision written meanwhile empties the table)."""
+    def remember_declined(self, key: tuple, patch_id: str, reason: str, static: bool, call_key=None,
+                          decision=None) -> None:
+        """Patch ``patch_id``'s call ``key`` goes straight to SDPA for ``reason`` from now on; for a
+        shape settled on SDPA (``decision``, the one read for ``call_key``), only while that decision is
+        still the one in force (a decision written meanwhile empties the table)."""
         with self.lock:
-            if decision is None or self.decisions.get(self.seen_calls.get(seen)) is decision:
-                self.declined_calls[seen] = (reason, static)
+            if decision is None or self.decisions.get(call_key) is decision:
+                self.declined_calls[key] = Declined(patch_id, reason, static)
+
+    def _drop_declined(self) -> None:
+        """Empty the declined table, keeping the calls its entries counted (under the lock)."""
+        for entry in self.declined_calls.values():
+            if entry.calls:
+                counts = self.declined_counts.setdefault(entry.patch_id, {})
+                counts[entry.reason] = counts.get(entry.reason, 0) + entry.calls
+                entry.calls = 0
+        self.declined_calls.clear()
+
+    def take_declined_counts(self, patch_id: str) -> dict:
+        """{reason: calls} that went straight to SDPA for ``patch_id`` since the last take (under the
+        lock; :mod:`.stats` adds them to the patch's window)."""
+        counts = self.declined_counts.pop(patch_id, {})
+        for entry in self.declined_calls.values():
+            if entry.calls and entry.patch_id == patch_id:
+                counts[entry.reason] = counts.get(entry.reason, 0) + entry.calls
+                entry.calls = 0
+        return counts
 
     def remember_oom(self, call_key, memory: OomMemory) -> None:
         with self.lock:

@@ -64,6 +64,17 @@ def _get(patch_id: str) -> RunStats:
     return st
 
 
+def _take_declined(patch_id: str) -> None:
+    """Add the calls the declined table served for ``patch_id`` to its window (under the lock): the hot
+    path of a declined call counts on its table entry, not here."""
+    counts = STATE.take_declined_counts(patch_id)
+    if counts:
+        st = _get(patch_id)
+        for reason, n in counts.items():
+            st.sdpa_calls += n
+            st.reasons[reason] += n
+
+
 def record(patch_id: str, *, kernel: str | None = None, reason: str | None = None,
            fallback: str | None = None, split: bool = False, saved_ms: float = 0.0,
            calibration_ms: float = 0.0) -> None:
@@ -100,12 +111,14 @@ def count_sdpa(patch_id: str, reason: str) -> None:
 
 def begin_run(patch_id: str, label: str = "") -> None:
     with STATE.lock:
+        STATE.take_declined_counts(patch_id)  # calls before the window are not the window's
         STATE.runs_current[patch_id] = RunStats(patch_id, label)
 
 
 def end_run(patch_id: str) -> dict:
     """Close the run window and return its summary (also kept for :func:`last_runs`)."""
     with STATE.lock:
+        _take_declined(patch_id)
         st = STATE.runs_current.pop(patch_id, None) or RunStats(patch_id)
         st.ended = time.time()
         d = st.as_dict()
@@ -115,6 +128,7 @@ def end_run(patch_id: str) -> dict:
 
 def snapshot(patch_id: str) -> dict:
     with STATE.lock:
+        _take_declined(patch_id)
         st = STATE.runs_current.get(patch_id)
         return st.as_dict() if st else dict(STATE.runs_last.get(patch_id, {}))
 

@@ -245,15 +245,19 @@ def dispatch_overhead(device: str = "cuda", shape=(1, 2, 1024, 1024, 64), dtype=
         with _eligible(dev.type):
             us = _loops_us({
                 "sdpa_us": lambda: attention_sdpa(q, k, v, H),
-                "settled_sdpa_us": lambda: on_sdpa(attention_sdpa, q, k, v, heads=H, transformer_options=options),
+                # the override called as ComfyUI's wrap_attn calls it
+                "settled_sdpa_us": lambda: on_sdpa(attention_sdpa, q, k, v, heads=H, transformer_options=options,
+                                                   _inside_attn_wrapper=True),
             }, n, rounds, sync)
             us.update(_loops_us({
                 "kept_sdpa_us": lambda: kept_sdpa(q, k, v, H),
                 "settled_kept_sdpa_us": lambda: on_sdpa_kept(attention_sdpa, q, k, v, heads=H,
-                                                             transformer_options=options),
+                                                             transformer_options=options,
+                                                             _inside_attn_wrapper=True),
                 "replay_us": lambda: kernels.run(kernel, q4, k4, v4, "NHD", None, cc),
                 "settled_kernel_call_us": lambda: on_kernel(attention_sdpa, q, k, v, heads=H,
-                                                            transformer_options=options),
+                                                            transformer_options=options,
+                                                            _inside_attn_wrapper=True),
             }, n, rounds, sync, time.thread_time))
     finally:
         kernels.install_test_kernel(kernel, real)

@@ -286,3 +286,36 @@ def test_container_calls_compile_without_a_graph_break_and_match_eager(fake_gpu)
         assert torch.equal(got, expect)
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_container_call_known_declined_skips_the_checks_and_keeps_its_route(fake_gpu, monkeypatch, static):
+    """Wan's container calls (the 0.38 entry) on a shape settled on SDPA (after the call that settles it), or
+    refused by the static shape checks, are declined by one lookup: no checks run again, the tensors are taken, a
+    static refusal still reaches the previous override, and every call is counted by its reason."""
+    prev_calls = []
+
+    def prev(func, *args, **kwargs):
+        prev_calls.append(args[0].shape)
+        return func(*args, **kwargs)
+    o = SageAttentionOverride(PatchConfig(cache_dir=fake_gpu.cache_dir), prev=prev)
+    options = {"optimized_attention_override": o}
+    if static:
+        q, k, v = qkv(N=256)  # short: a static shape refusal
+    else:
+        fake_gpu.times["sage2_sm90"] = 17.0  # calibration measures SDPA faster: settled on SDPA
+        q, k, v = qkv()
+    _no_plain_call(monkeypatch)
+    stats.begin_run(o.patch_id)
+    for _ in range(2):  # checks, calibrates and settles; finds the shape settled
+        wan_self_attention(q, k, v, 4, options, ComfyAttention())
+    checks = []
+    monkeypatch.setattr(SageAttentionOverride, "_static", lambda *a, **kw: checks.append(1))
+    for _ in range(3):
+        boxes = [AttentionTensorContainer(t) for t in (q, k, v)]
+        out = optimized_attention(*boxes, heads=4, preferred_attention=ComfyAttention(), transformer_options=options)
+        assert torch.equal(out, attention_sdpa(q, k, v, 4)) and all(b.tensor is None for b in boxes)
+    s = stats.end_run(o.patch_id)
+    assert not checks and s["sage_calls"] == 0
+    assert s["reasons"] == ({"short": 5} if static else {"slower": 5})
+    assert len(prev_calls) == (5 if static else 0)

@@ -236,3 +236,24 @@ def test_available_memory_leaves_out_cached_blocks_split_off_segments_in_use(mon
     stats_now["inactive_split_bytes.all.current"] = 0
     assert execution.available_bytes(torch.device("cuda", 0), None) == (633 + 900) << 20
     assert execution.available_bytes(torch.device("cuda", 0), lambda device: 123) == 123
+
+
+def test_declined_calls_are_counted_in_their_window_across_a_new_decision(fake_gpu):
+    """The declined table counts on its entries: the calls made before a window opens are not the window's,
+    and the calls counted before a new decision empties the table stay counted."""
+    fake_gpu.times["sage2_sm90"] = 17.0
+    q, k, v = qkv()
+    o = ov(fake_gpu)
+    wrapped = dict(WAN_KWARGS, _inside_attn_wrapper=True)  # as ComfyUI's wrap_attn passes them
+    for _ in range(4):
+        o(raw_func, q, k, v, **wrapped)  # settles the shape on SDPA, then declined calls outside a window
+    stats.begin_run(o.patch_id)
+    for _ in range(3):
+        o(raw_func, q, k, v, **wrapped)
+    o(raw_func, *qkv(N=4096), **wrapped)  # a new shape: its decision empties the declined table
+    for _ in range(2):
+        o(raw_func, q, k, v, **wrapped)
+    assert stats.snapshot(o.patch_id)["reasons"] == {"slower": 6}
+    o(raw_func, q, k, v, **wrapped)
+    s = stats.end_run(o.patch_id)
+    assert s["reasons"] == {"slower": 7} and s["sdpa_calls"] == 7 and s["sage_calls"] == 0
