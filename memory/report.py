@@ -8,12 +8,19 @@ node's ``report`` output shows and the server logs).  Every figure has one defin
   streamed, as the verdict finds;
 * room for weights: the VRAM for this model minus what ComfyUI keeps free minus the reservation, so that
   weights minus room is what is offloaded.
+
+:func:`compile_payback_line` and :func:`compile_payback_summary` word a :class:`~.compile_payback.Payback` (the Sage
+patch's report and panel after a compiled sampling run).
 """
 from __future__ import annotations
 
+from dataclasses import asdict
+
+from .compile_payback import Payback
 from .estimate import GiB, Estimate
 
-__all__ = ["summary", "report", "memory_path_line", "per_rank_lines", "DYNAMIC_LINE", "KERNEL_LINES", "KITCHEN_UNMEASURED_TEXT"]
+__all__ = ["summary", "report", "memory_path_line", "per_rank_lines", "compile_payback_line", "compile_payback_summary",
+           "DYNAMIC_LINE", "KERNEL_LINES", "KITCHEN_UNMEASURED_TEXT"]
 
 KITCHEN_UNMEASURED_TEXT = "planned with 0.3.64's figures where the fused kernels' memory is not measured"
 # The report's line for each of activation_model.KERNEL_SETS.
@@ -165,3 +172,27 @@ def per_rank_lines(est: Estimate) -> list:
         held = "sharded, plus one block gathered" if r["fsdp"] else "all weights on every rank"
         lines.append(f"  weights {_g(r['weights_bytes'])} ({held}); total per rank {_g(r['total_bytes'])}")
     return lines
+
+
+def compile_payback_line(p: Payback) -> str:
+    """Compiling this model against running it eagerly, in one line: the compile cost in a fresh process, the
+    step count per model at which it pays back, and the verdict for the steps this model samples."""
+    if p.whole_model:
+        graphs = "1 graph for the whole model"
+    elif p.graphs > 1:
+        graphs = f"weights streamed: up to {p.graphs} graphs, one per block"
+    else:
+        graphs = "1 graph for the blocks"
+    if p.shared_by > 1:
+        graphs += f", shared with the other model of this schedule: {p.compile_s / p.shared_by:.0f} s each"
+    line = (f"compile: about {p.compile_s:.0f} s to compile in a fresh process ({graphs}); saves about "
+            f"{p.step_gain_s:.2f} s per step; pays back after {p.payback_steps} steps per model")
+    if p.steps is None:
+        return line + "; the steps of this run are not known"
+    return f"{line}; this model samples {p.steps}: {'compile pays back' if p.pays_back else 'run eager'}"
+
+
+def compile_payback_summary(p: Payback) -> dict:
+    """The payback's figures, its verdict (``pays_back``: True, False, or None with the steps unknown) and its
+    line, for the panel."""
+    return {**asdict(p), "pays_back": p.pays_back, "text": compile_payback_line(p)}

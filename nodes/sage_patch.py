@@ -1,7 +1,8 @@
 """Wiring of the "Wan 2.2 Sage Attention Patch": clone the MODEL, install the attention override
 (chained to any override already there), on a ComfyUI without attention containers the blocks' forward that
 hands q over to it (:mod:`.handover`), the same patch as Raylight's inner-attention processor
-(:mod:`.raylight_bridge`), and open/close a stats window around each sampling run."""
+(:mod:`.raylight_bridge`), and open/close a stats window around each sampling run, which also reports whether
+torch.compile on the model pays back for the run (:mod:`.compile_advice`)."""
 from __future__ import annotations
 
 import logging
@@ -9,7 +10,8 @@ import logging
 from ..attention import kernels, registry, stats
 from ..attention.config import PatchConfig
 from ..attention.override import SageAttentionOverride
-from . import comfy_bridge, handover, raylight_bridge
+from ..memory import report
+from . import comfy_bridge, compile_advice, handover, raylight_bridge
 from .log_once import reason, warn_once
 
 log = logging.getLogger("wan_sage")
@@ -95,9 +97,25 @@ def _stats_wrapper(patch_id: str, label: str, node_id: str | None = None):
             summary = stats.end_run(patch_id)
             if summary.get("sage_calls", 0) + summary.get("sdpa_calls", 0):
                 log.info("wan-sage %s: %s", label or patch_id, stats.format_summary(summary))
+                payback = _compile_payback(guider, args, kwargs)
+                if payback is not None:
+                    log.info("wan-sage %s: %s", label or patch_id, payback["text"])
                 comfy_bridge.send_event(STATS_EVENT, {"patch_id": patch_id, "node_id": node_id, "summary": summary,
-                                           "text": stats.format_summary(summary)})
+                                           "text": stats.format_summary(summary), "compile": payback})
     return outer_sample
+
+
+def _compile_payback(guider, args, kwargs) -> dict | None:
+    """The compile payback of a compiled model's sampling run, for the log and the panel
+    (:func:`memory.report.compile_payback_summary`); None where it runs eagerly.  A courtesy: a failure to read
+    it is logged once and never fails the sampling."""
+    try:
+        found = compile_advice.payback_for(guider, args, kwargs)
+    except Exception as e:
+        warn_once(("compile-payback", type(e).__name__), "wan-sage: the compile payback of this sampling run "
+                  "could not be worked out (%s); the report leaves it out.", reason(e))
+        return None
+    return None if found is None else report.compile_payback_summary(found)
 
 
 def status_text(kernel: str) -> str:

@@ -18,14 +18,15 @@
 // activation_gib, sage_extra_gib, reservation_gib, comfy_gib, vram, error, source, report; its
 // data-state is idle|pending|ok|error.  The Sage panel is [data-testid="wan-sage-stats"] with
 // [data-field] sage (with data-state missing|rejected|ok|unknown), hint, link, status,
-// rank (multi-GPU runs only), sage_calls, sdpa_calls, by_kernel, reasons, fallbacks, head_split_calls, saved, calibration;
-// its data-state is empty|ok.  Both carry data-node-id and data-content-height (px).
+// rank (multi-GPU runs only), sage_calls, sdpa_calls, by_kernel, reasons, fallbacks, head_split_calls, saved, calibration,
+// compile (runs of a compiled model only; with data-verdict compile|eager|unknown|none); its data-state is empty|ok.
+// Both carry data-node-id and data-content-height (px).
 
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { changeWatcher, sequencer } from "./lib/debounce.js";
 import {
-  assumptionOf, detectedModel, errorMessage, estimateRows, execIdMatches, executedText, lastRunLine,
+  assumptionOf, compileView, detectedModel, errorMessage, estimateRows, execIdMatches, executedText, lastRunLine,
   LEVEL_COLOURS, problemsOf, sizeLine, sourceLine, statsRows, verdictOf, vramFromSystemStats, wrappedLines,
 } from "./lib/format.js";
 import { ESTIMATOR_TYPE, SAGE_TYPE } from "./lib/graph.js";
@@ -452,16 +453,18 @@ class SagePanel extends Panel {
     this.cells = cells;
     this.table = table;
     this.tableRows = rows;
+    this.compile = h("div", { "data-field": "compile", "data-verdict": "none", style: { ...MUTED, ...WRAP } }, "");
     show(this.sage, false);
     show(this.hint, false);
     show(this.table, false);
-    this.inner.append(this.sage, this.hint, this.status, table);
+    show(this.compile, false);
+    this.inner.append(this.sage, this.hint, this.status, table, this.compile);
     this.mount();
     this.showSageStatus();
   }
 
   lineCount() {
-    let n = this.linesOf(this.status) + this.linesOf(this.sage) + this.linesOf(this.hint);
+    let n = this.linesOf(this.status) + this.linesOf(this.sage) + this.linesOf(this.hint) + this.linesOf(this.compile);
     if (!this.table.hidden) n += this.tableRows;
     return n;
   }
@@ -504,6 +507,12 @@ class SagePanel extends Panel {
     }
     this.table.title = typeof detail.text === "string" ? detail.text : "";
     show(this.table, true);
+    const c = compileView(detail.compile);
+    this.compile.textContent = c.text;
+    this.compile.title = c.text;
+    this.compile.setAttribute("data-verdict", c.verdict);
+    this.compile.style.color = c.verdict === "eager" ? WARN_COLOUR : MUTED.color;
+    show(this.compile, !!c.text);
     this.root.setAttribute("data-state", "ok");
     this.fit();
   }

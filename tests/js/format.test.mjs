@@ -4,7 +4,7 @@ import { describe, it } from "node:test";
 import {
   DASH, GiB, LEVEL_COLOURS, assumptionOf, bytesToGiB, detectedModel, errorMessage, estimateRows, execIdMatches,
   executedText, fmtCounts, fmtGiB, fmtInt, fmtSeconds, fmtSignedGiB, fmtVram, lastRunLine, DYNAMIC_VRAM_LINE, sizeLine, sourceLine,
-  statsRows, verdictOf, verdictStyle, vramFromSystemStats,
+  compileView, statsRows, verdictOf, verdictStyle, vramFromSystemStats,
 } from "../../web/lib/format.js";
 
 const DETECTED = { model: "x.gguf", model_type: "t2v", dim: 5120, num_layers: 40, num_heads: 40, weight_dtype: "q4_k_m",
@@ -202,6 +202,23 @@ describe("stats rows", () => {
     assert.equal(fmtCounts({ b: 2, a: 2, c: 5, z: 0 }), "c 5, a 2, b 2");
     assert.equal(fmtCounts({}), "none");
     assert.equal(fmtCounts(undefined), "none");
+  });
+});
+
+describe("compile line", () => {
+  const TEXT = "compile: about 20 s to compile in a fresh process (1 graph for the blocks); saves about 0.80 s per step; "
+    + "pays back after 25 steps per model; this model samples 2: run eager";
+
+  it("gives the line of a compiled run and its verdict", () => {
+    assert.deepEqual(compileView({ text: TEXT, pays_back: false }), { text: TEXT, verdict: "eager" });
+    assert.deepEqual(compileView({ text: TEXT, pays_back: true }), { text: TEXT, verdict: "compile" });
+    assert.deepEqual(compileView({ text: TEXT, pays_back: null }), { text: TEXT, verdict: "unknown" });
+  });
+
+  it("gives no line for an eager run or a malformed object", () => {
+    for (const c of [null, undefined, {}, { text: "" }, { text: 3, pays_back: true }, "compile"]) {
+      assert.deepEqual(compileView(c), { text: "", verdict: "none" });
+    }
   });
 });
 

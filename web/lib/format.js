@@ -232,6 +232,18 @@ export function statsRows(summary) {
 }
 
 /**
+ * The Sage panel's compile line from a stats event's ``compile`` object (memory.report.compile_payback_summary):
+ * {text, verdict} with verdict "compile" (compiling pays back for the steps this model samples), "eager" (it does
+ * not: run eagerly), "unknown" (the steps were not known) or "none" (the model ran eagerly: no line).
+ */
+export function compileView(payback) {
+  const text = payback && typeof payback === "object" && typeof payback.text === "string" ? payback.text : "";
+  if (!text) return { text: "", verdict: "none" };
+  const verdict = payback.pays_back === true ? "compile" : payback.pays_back === false ? "eager" : "unknown";
+  return { text, verdict };
+}
+
+/**
  * Whether an execution id from the server ("12", or "7:12" for a node inside a subgraph) is the
  * node ``nodeId``.  ``nested``: the node lives in a subgraph (then only the last part is compared).
  */

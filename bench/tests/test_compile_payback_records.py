@@ -1,0 +1,93 @@
+"""The compile payback model (memory/compile_payback.py) on records its constants were not set from.
+
+Its constants were set from ``compile/table.jsonl`` (the first graph, the saving per forward),
+``e2e/fp8-compiled-24gib.jsonl`` (a streamed graph) and the whole-model run of ``e2e/gguf-compile.jsonl``.  Checked
+here: the saving per forward on the held-out forward rows, each model and size timed eager and compiled, which
+the model must not overstate (overstating it would call compile worth it where it is not); and the verdict on
+every end-to-end pair of one set that ran compiled per block and eagerly with otherwise the same run spec, where
+the whole sampling (each expert's first step, which carries the compile, included) must be slower compiled
+exactly where the model says "run eager".
+"""
+import statistics
+
+import pytest
+
+from bench import _records
+from wan_sage.memory import activation_model
+from wan_sage.memory.compile_payback import compile_payback
+
+A14B = activation_model.PRESETS["wan2.2-a14b"]
+DIMS = {"a14b": A14B, "ti2v5b": activation_model.PRESETS["wan2.2-ti2v-5b"],
+        "1.3b": activation_model.PRESETS["wan2.1-1.3b"]}
+
+
+def _key(r):
+    return r["model"], r["attn"], r.get("memory_mode"), r["width"], r["height"], r["frames"]
+
+
+def _forward_pairs() -> list:
+    """(id, model, tokens, seconds saved per forward) for each held-out size timed eager and compiled."""
+    eager = {_key(r): r for r in _records.rows("forward-peaks/held-out.jsonl") if r.get("ok")}
+    compiled = [r for name in ("compiled-held-out", "compiled-sage-held-out")
+                for r in _records.rows(f"forward-peaks/{name}.jsonl") if r.get("ok")]
+    return [("{} {} {} {}x{}x{}".format(*_key(r)), r["model"], r["tokens"], eager[_key(r)]["sec"] - r["sec"])
+            for r in compiled if _key(r) in eager]
+
+
+FORWARD_PAIRS = _forward_pairs()
+
+
+def _predicted(model, tokens) -> float:
+    return compile_payback(DIMS[model], tokens).step_gain_s
+
+
+@pytest.mark.parametrize("name,model,tokens,saved", FORWARD_PAIRS, ids=[x[0] for x in FORWARD_PAIRS])
+def test_the_saving_per_forward_is_not_overstated(name, model, tokens, saved):
+    assert _predicted(model, tokens) <= 1.15 * saved, (_predicted(model, tokens), saved)
+
+
+def test_the_saving_per_forward_of_a14b_is_met_at_the_median():
+    ratios = [_predicted(m, t) / s for _n, m, t, s in FORWARD_PAIRS if m == "a14b"]
+    assert len(ratios) >= 10
+    assert 0.8 <= statistics.median(ratios) <= 1.15, sorted(ratios)
+
+
+def _twin(run: str) -> str:
+    return run.replace("+compileblocks", "")
+
+
+def _e2e_pairs() -> list:
+    """(id, compiled run, eager run) for each run compiled per block with an eager twin in the same file."""
+    out = []
+    for p in _records.files("e2e"):
+        if p.name == "fp8-compiled-24gib.jsonl":  # the streamed graph's cost was set from it
+            continue
+        rs = [r for r in _records.rows(p) if "config" in r and r["status"] == "ok"]
+        by_run = {r["run"]: r for r in rs}
+        out += [(f"{r['run']} ({p.stem})", r, by_run[_twin(r["run"])]) for r in rs
+                if "+compileblocks" in r["run"] and _twin(r["run"]) in by_run]
+    return out
+
+
+E2E_PAIRS = _e2e_pairs()
+
+
+def _sampling_s(r) -> float:
+    return sum(sum(e["step_s"]) for e in r["experts"].values())
+
+
+@pytest.mark.parametrize("name,compiled,eager", E2E_PAIRS, ids=[x[0] for x in E2E_PAIRS])
+def test_the_verdict_agrees_with_the_measured_sampling(name, compiled, eager):
+    c = compiled["config"]
+    tokens = activation_model.tokens(A14B, *activation_model.latent_shape(A14B, c["width"], c["height"], c["frames"])[2:])
+    verdicts = {compile_payback(A14B, tokens, 1, len(e["step_s"]), streamed=e["resident_frac"] < 0.9999,
+                                shared_by=2).pays_back for e in compiled["experts"].values()}
+    assert len(verdicts) == 1 and c["cfg"] == 1.0
+    assert (_sampling_s(compiled) > _sampling_s(eager)) == (verdicts == {False}), (_sampling_s(compiled),
+                                                                                   _sampling_s(eager), verdicts)
+
+
+def test_the_pairs_cover_gguf_and_fp8_resident_and_streamed():
+    assert len(E2E_PAIRS) >= 6
+    assert {r["config"]["weights"] for _n, r, _e in E2E_PAIRS} == {"gguf", "fp8"}
+    assert {min(e["resident_frac"] for e in r["experts"].values()) >= 0.9999 for _n, r, _e in E2E_PAIRS} == {True, False}
