@@ -166,12 +166,14 @@ group by head group: each group's q and k are quantised to INT8, its V is padded
 kernel writes the group's output into its own heads of q. No output buffer is allocated, so the call peaks at
 one group's quantised tensors. The group count is the fewest whose peak is at or below SDPA's extra bytes for
 the same call with 16 MiB to spare for the allocator, which serves a request from a cached block up to 1 MiB
-larger than asked (`attention.head_groups.into_q_groups`). On the H200 (gpu tier, `509f663.log`) an A14B
+larger than asked (`attention.head_groups.into_q_groups`; the slack was set from an A14B call of 7,480
+tokens, whose 4 groups held 78.1 MiB against SDPA's 74.2). On the H200 (gpu tier, `1071ee5.log`) an A14B
 1280×720×81 call ran in 4 groups and held 650.6 MiB above its inputs, against 749.8 MiB for SDPA and 3,330 MiB
 for the ungrouped kernel, at relative L2 0.039; A14B 480p81, 1.3B 480p81 with cfg batch 2, 5B 704p121 and A14B
-1080p49 held 0.87× SDPA's bytes. The split costs 2.6 % against the ungrouped kernel at 720p81 (148.8 against
-145.1 ms). At 7,480 tokens the allocator's rounding took 4 groups over SDPA's 74.2 MiB (78.1 MiB), which the
-16 MiB slack now sends to 5 groups (not yet measured). The estimator node plans the same path and groups where
+1080p49 held 0.87× SDPA's bytes; the 7,480-token call, now in 5 groups, 0.86×; and four short calls the slack
+was not set from (A14B 4,680 and 3,120 tokens, TI2V-5B 9,000, 1.3B 15,000 with cfg batch 2; 6–8 groups)
+0.66–0.81×. The split costs 3.0 % against the ungrouped kernel at 720p81 (147.0 against 142.7 ms; 2.6 % in
+`509f663.log`). The estimator node plans the same path and groups where
 it finds q handed over; the route and `wan-sage plan` plan the ordinary path, which holds more. The sm90
 kernel has this path; other kernels, calls under `torch.compile` and a q held elsewhere take the ordinary path
 and its memory mode.
@@ -325,7 +327,38 @@ appears later caught within one sampling interval. One log per wan-sage commit i
 `sageattention-2`: the first runs, with each SageAttention build), with what each printed:
 """)
     o += gpu_tier_table()
+    o += dispatch_table_section()
     o += grouping_cost_section()
+    return o
+
+
+def dispatch_table_section() -> list:
+    """The gpu tier's dispatch table of held-out shapes (``attention/dispatch-table.jsonl``): the rows of the
+    newest commit in it."""
+    table = [r for r in rows("attention/dispatch-table.jsonl") if r.get("commit")]
+    if not table:
+        return []
+    newest = table[-1]["commit"]
+    rs = [r for r in table if r["commit"] == newest]
+    o = ["", "### The dispatch table of held-out shapes\n",
+         f"The gpu tier's `tests/gpu/test_dispatch_table_gpu.py` at `{newest}` "
+         f"({link('attention/dispatch-table.jsonl', 'dispatch-table.jsonl')}): the `auto` patch on shapes no other test "
+         "names, calibrated on the real kernels, then the settled call against plain SDPA. × SDPA: SDPA's time over the "
+         "patched call's; peak: above the inputs, against SDPA's for the same call; relative L2 and cosine against SDPA "
+         "in the call's dtype (first 1,024 query rows of every head). Decision: what a declined call adds over plain SDPA, "
+         "through `override(func, ...)` (0.3.64) and through `container_function` (0.38), as ComfyUI's `wrap_attn` calls "
+         "them (the least of 15 rounds of 2,000 calls, this thread's CPU time). The served calls here keep their q (the "
+         "caller holds it), so they run the ordinary path, ungrouped; where q is handed over the output goes into q "
+         f"and the call holds less than SDPA (*{'Memory: a handed-over q takes the output'}* above).\n",
+         "| shape | dtype | runs on | × SDPA | peak MiB | SDPA MiB | rel L2 | cosine | decision µs (0.3.64 / 0.38) |",
+         "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rs:
+        runs = (r["served"] + (f" ×{r['groups']}" if r.get("groups") and r["groups"] > 1 else "")) if r["served"] \
+            else f"SDPA ({r['reason']})"
+        dec = (f"{r['decision_us']:.2f} / {r['decision_containers_us']:.2f}" if "decision_containers_us" in r
+               else "—")
+        o.append(f"| {r['shape']} | {r['dtype']} | {runs} | {r['ratio']:.3f} | {r['peak'] / 2**20:.1f} | "
+                 f"{r['sdpa_peak'] / 2**20:.1f} | {r['rel_l2']:.4f} | {r['cos']:.5f} | {dec} |")
     return o
 
 
