@@ -252,6 +252,9 @@ class WeightSetup:
     lora: bool = False  # a LoRA on the model: applied at every forward for GGUF and streamed layers (fp32
     #                     transient), merged into resident weights of other formats at load (none)
     streamed: bool = False  # lowvram: some layers are copied to the GPU per forward
+    # fp8 weights multiplied in fp8 (ComfyUI's ``fp8_e4m3fn_fast`` weight dtype on a GPU with fp8 compute):
+    # each Linear copies its input to fp8 instead of casting its weight
+    fp8_matmul: bool = False
 
     @property
     def gguf(self) -> bool:
@@ -271,6 +274,9 @@ def weight_transient(dims: WanDims, ws: WeightSetup, compute: str = "bf16", toke
       dtype (a format this GPU runs emulated, or a LoRA on it) and the quantised copy of the FFN
       down-projection's input that a quantised matmul makes (``tokens x f``), plus the stored bytes when
       streamed;
+    * fp8 weights multiplied in fp8 (``fp8_matmul``; ComfyUI 0.3.64 comfy/ops.py ``fp8_linear``): the weight
+      as stored, and the input copied to fp8, ``tokens x f`` bytes for the FFN down-projection (not measured),
+      plus the stored bytes when streamed;
     * fp8 (or other) weights cast per call, or streamed layers: a copy in the compute dtype
       (plus the raw bytes when streamed and of another dtype);
     * GGUF: the raw quantised bytes when streamed, the block-dequantisation intermediate and the
@@ -289,6 +295,8 @@ def weight_transient(dims: WanDims, ws: WeightSetup, compute: str = "bf16", toke
         return t
     if ws.gguf:
         t = 2 * e * P + (int(ws.gguf_bytes_per_param * P) if ws.streamed else 0)
+    elif ws.fp8_matmul:
+        t = tokens * dims.ffn_dim + (P if ws.streamed else 0)
     elif ws.casts_to(compute):
         wb = {"fp8": 1, "fp16": 2, "bf16": 2, "fp32": 4}.get(ws.weight_dtype, 2)
         t = e * P + (wb * P if ws.streamed else 0)

@@ -378,6 +378,10 @@ QUANT_NOTE = ("{fmt} weights (ComfyUI's QuantizedTensor): their per-layer transi
               "fragmentation of fp8 casts")
 
 
+FP8_MATMUL_NOTE = ("fp8 weights multiply in fp8 (fp8_e4m3fn_fast): each layer call copies its input to fp8 instead "
+                   "of casting the weight; that copy is modelled, not measured")
+
+
 def sage_mode_advice(s: Setup, w: activation_model.Workload, need: int, room: int | None) -> str | None:
     """Which Sage memory mode avoids running out of memory, where the ungrouped Sage call does not fit in
     ``room`` with every weight streamed (``need``) but the call split into head groups of about SDPA's memory
@@ -454,6 +458,8 @@ def plan(s: Setup) -> Estimate:
     notes += [COMPILED_AS_EAGER_NOTES[why] for why in dict.fromkeys(eager_whys) if why]
     if s.weights.quant_format is not None:
         notes.append(QUANT_NOTE.format(fmt=s.weights.quant_format))
+    if s.weights.fp8_matmul:
+        notes.append(FP8_MATMUL_NOTE)
     per = None
     if s.parallel.active:
         def local_total(local: int) -> int:

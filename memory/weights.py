@@ -8,6 +8,8 @@ or newer, without ``--fp16-unet``-style overrides:
 * Wan lists fp16 first among its supported inference dtypes, and ``should_use_fp16`` holds on
   these GPUs, so Wan **computes in fp16** whatever the file holds.
 * bf16, fp16 and fp32 files are **converted to fp16 when loaded**: no per-call cast.
+* fp8 files loaded as ``fp8_e4m3fn_fast`` (key ``fp8_fast``) multiply in fp8 on GPUs with fp8 compute:
+  the weights stay fp8 and each Linear copies its input to fp8 (``fp8_ops``); elsewhere they load as fp8.
 * fp8 files keep fp8 weights and cast them to fp16 at every Linear call (``manual_cast``), on
   GPUs with fp8 compute (sm89 and newer), or when fp16 weights would not fit in
   ``0.88 x VRAM - 1.2 GiB``; otherwise ``unet_dtype`` loads them as fp16.  Scaled fp8 files
@@ -30,7 +32,7 @@ __all__ = ["WEIGHT_BYTES", "HEADER_DTYPES", "COMFY_COMPUTE_DTYPE", "WeightPlan",
 GiB = 1 << 30
 MiB = 1 << 20
 
-WEIGHT_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "fp8": 1.0, "q8_0": 1.0625, "q6_k": 0.8203,
+WEIGHT_BYTES = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0, "fp8": 1.0, "fp8_fast": 1.0, "q8_0": 1.0625, "q6_k": 0.8203,
                 "q5_k_m": 0.6875, "q4_k_m": 0.5625, "q3_k_m": 0.4297}
 FLOAT_WEIGHTS = ("bf16", "fp16", "fp32")
 HEADER_DTYPES = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F8_E4M3": "fp8", "F8_E5M2": "fp8"}
@@ -67,7 +69,10 @@ def _plan(params: int, key: str, lora: bool, compute: str | None, cc, vram_bytes
     if key in FLOAT_WEIGHTS:
         note = () if key == compute else (f"{key} weights are converted to {compute} when ComfyUI loads them",)
         return WeightPlan(WeightSetup(compute, lora=lora), params * DTYPE_BYTES[compute], compute, compute, note)
-    if key == "fp8":
+    if key == "fp8_fast" and (cc is None or cc >= FP8_COMPUTE_CC):
+        # UNETLoader's fp8_e4m3fn_fast: fp8_ops, picked where the GPU has fp8 compute (comfy/ops.py pick_operations)
+        return WeightPlan(WeightSetup("fp8", lora=lora, fp8_matmul=True), file_bytes or params, compute, "fp8")
+    if key in ("fp8", "fp8_fast"):  # fp8_fast without fp8 compute: ComfyUI's ordinary fp8 path
         if explicit or keep_fp8 or fp8_stays_fp8(cc, params, vram_bytes):
             nbytes = file_bytes if file_bytes is not None else params
             return WeightPlan(WeightSetup("fp8", lora=lora), nbytes, compute, "fp8",

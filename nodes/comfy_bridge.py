@@ -287,7 +287,26 @@ def weight_setup(model, partial: bool) -> activation_model.WeightSetup:
         size = model.model_size() or 1
         numel = sum(getattr(p, "tensor_shape", p.shape).numel() for p in base.parameters()) or 1
         return activation_model.WeightSetup("gguf", gguf_bytes_per_param=size / numel, lora=lora, streamed=partial)
-    return activation_model.WeightSetup(name, lora=lora, streamed=partial)
+    return activation_model.WeightSetup(name, lora=lora, streamed=partial,
+                                        fp8_matmul=name == "fp8" and fp8_matmul(base))
+
+
+def fp8_matmul(base) -> bool:
+    """Whether the model's Linear layers multiply fp8 weights in fp8: ComfyUI built them from ``fp8_ops``
+    (UNETLoader's ``fp8_e4m3fn_fast`` on a GPU with fp8 compute), or from a scaled-fp8 class with its
+    ``fp8_matrix_mult`` switch on (comfy/ops.py@a125cd84, ``pick_operations``).  Read from the class's
+    ``forward_comfy_cast_weights``: it calls ``fp8_linear``, unconditionally or behind that switch."""
+    for module in getattr(getattr(base, "diffusion_model", None), "modules", lambda: ())():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        fn = getattr(type(module), "forward_comfy_cast_weights", None)
+        code = getattr(fn, "__code__", None)
+        if code is None or "fp8_linear" not in code.co_names:
+            return False
+        cells = dict(zip(code.co_freevars, fn.__closure__ or ()))
+        switch = cells.get("fp8_matrix_mult")
+        return bool(switch.cell_contents) if switch is not None else True
+    return False
 
 
 KITCHEN_NAMES = ("ck", "comfy_kitchen")
