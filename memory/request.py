@@ -233,11 +233,11 @@ def _header_dtype(info) -> str:
 def _from_file(info, shown_name: str, wkey, weights: dict) -> tuple:
     """(dims, WeightPlan, source, detected, notes) of a model file's header; ValueError for weights of a
     dtype ComfyUI does not load as Wan."""
-    plan = weights_for_file(info, loader_dtype="fp8" if wkey == "fp8" else None, **weights)
+    plan = weights_for_file(info, loader_dtype=wkey if wkey in ("fp8", "fp8_fast") else None, **weights)
     notes = []
     if wkey is not None and info.format == "gguf":
         notes.append(f"weights {wkey} ignored: a GGUF file's header gives its quant types")
-    elif wkey not in (None, "fp8"):
+    elif wkey not in (None, "fp8", "fp8_fast"):
         notes.append(f"weights {wkey} ignored: the file's header gives {_header_dtype(info)}")
     return (info.dims, plan, f"header of {shown_name}", _detected(info.dims, shown_name, _header_dtype(info), False),
             notes)

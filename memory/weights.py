@@ -99,7 +99,8 @@ def weights_for_key(dims: WanDims, key: str, lora: bool, compute: str | None = N
 def weights_for_file(info, lora: bool, compute: str | None = None, cc: int | None = None,
                      vram_bytes: int | None = None, loader_dtype: str | None = None) -> WeightPlan:
     """The weights of a file read by :func:`memory.headers.read_model_file`.  ``loader_dtype``: the
-    dtype a safetensors loader was told to store the weights in (UNETLoader's ``weight_dtype``)."""
+    dtype a safetensors loader was told to store the weights in (UNETLoader's ``weight_dtype``: ``fp8``, or
+    ``fp8_fast`` for ``fp8_e4m3fn_fast``)."""
     if info.format == "gguf":
         compute = compute or COMFY_COMPUTE_DTYPE
         float_key = HEADER_DTYPES.get(info.main_dtype)
@@ -110,8 +111,8 @@ def weights_for_file(info, lora: bool, compute: str | None = None, cc: int | Non
         return WeightPlan(WeightSetup("gguf", gguf_bytes_per_param=info.bytes_per_param, lora=lora),
                           info.weights_bytes, compute, held,
                           (f"GGUF {held} weights are dequantised to {compute} at every layer call",))
-    if loader_dtype == "fp8":
-        return _plan(info.params, "fp8", lora, compute, cc, vram_bytes, keep_fp8=True)
+    if loader_dtype in ("fp8", "fp8_fast"):
+        return _plan(info.params, loader_dtype, lora, compute, cc, vram_bytes, keep_fp8=True)
     key = HEADER_DTYPES.get(info.main_dtype)
     if key is None:
         raise ValueError(f"its weights are {info.main_dtype}, which ComfyUI does not load as a Wan model")

@@ -59,8 +59,10 @@ describe("buildEstimatePayload", () => {
     assert.equal("weights" in payload, false);
   });
 
-  it("sends weights fp8 when UNETLoader casts to fp8", () => {
+  it("sends weights fp8 when UNETLoader casts to fp8, fp8_fast when it multiplies in fp8", () => {
     assert.equal(build({ weightDtype: "fp8_e4m3fn" }).payload.weights, "fp8");
+    assert.equal(build({ weightDtype: "fp8_e5m2" }).payload.weights, "fp8");
+    assert.equal(build({ weightDtype: "fp8_e4m3fn_fast" }).payload.weights, "fp8_fast");
     assert.equal("weights" in build({ weightDtype: "default" }).payload, false);
   });
 

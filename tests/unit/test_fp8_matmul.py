@@ -77,3 +77,11 @@ def test_fp8_fast_weights_plan_the_fp8_matmul_only_with_fp8_compute():
            for w in (hopper, weights_for_key(A14B, "fp8", False, cc=90))}
     assert est[True].reservation_resident > est[False].reservation_resident
     assert any("fp8_e4m3fn_fast" in n for n in est[True].notes) and not any("fp8_e4m3fn_fast" in n for n in est[False].notes)
+
+
+def test_the_route_and_the_cli_take_fp8_fast():
+    from wan_sage.memory import request
+    built = request.build({"preset": "wan2.2-a14b", "width": 1280, "height": 720, "frames": 81, "weights": "fp8_fast",
+                           "arch": "sm90"}, request.Env())
+    assert built.weights.setup.fp8_matmul and built.setup.weights.fp8_matmul
+    assert any("fp8_e4m3fn_fast" in n for n in plan(built.setup).notes)

@@ -126,7 +126,8 @@ export function buildEstimatePayload(view, estimatorId, opts = {}) {
   if (channels !== null) payload.latent_channels = channels;
   if (chain.modelFile) payload.model_file = chain.modelFile;
   const wd = chain.loader?.widgets?.weight_dtype;
-  if (typeof wd === "string" && wd.startsWith("fp8")) payload.weights = "fp8";
+  // UNETLoader's fp8_e4m3fn_fast multiplies in fp8 (the route's fp8_fast); its other fp8 choices cast per call
+  if (typeof wd === "string" && wd.startsWith("fp8")) payload.weights = wd === "fp8_e4m3fn_fast" ? "fp8_fast" : "fp8";
   if (chain.lora) payload.lora = true;
   if (chain.compiled) payload.compiled = true;
   const vram = toNum(opts.vramGib);
