@@ -73,7 +73,9 @@ that ``comfy.model_management.get_free_memory()`` reads GB GiB (checked, correct
 Run specs: ``{est|comfy}+{sdpa|sage}[+compile|+compileblocks]@{GB|full}:{WxHxF|720p81|480p81}``, e.g.
 ``est+sage@24:720p81``, optionally followed by ``:Nsteps``, ``:cfgX``, ``:nolora`` (no LoRA on the experts) and
 ``:decode`` / ``:nodecode``, which make the run a workflow of its own (``est+sage@24:480p81:20steps:cfg3.5:nolora``
-is ComfyUI's 20-step template; without them ``--steps``, ``--cfg`` and ``--decode`` apply).  ``--matrix`` runs the
+is ComfyUI's 20-step template; without them ``--steps``, ``--cfg`` and ``--decode`` apply); ``:fp8fast`` (with
+``--weights fp8``) loads the experts with UNETLoader's ``fp8_e4m3fn_fast`` (fp8 matmuls; ``config.weights``
+``fp8_fast``).  ``--matrix`` runs the
 16 combinations of the benchmark's targets for ``--weights`` in priority order (24 GB 720p81 first);
 ``--deadline-s`` stops starting runs after that many seconds.  Every record has ``to_latent_s`` and
 ``to_frames_s``: from the run's first node (the text encode) to the latent and to the decoded frames.
@@ -135,7 +137,7 @@ NEGATIVE = "low quality, worst quality, static frame, overexposed, blurred"
 
 COMPILE_SUFFIX = {"model": ["compile"], "blocks": ["compileblocks"]}   # RunSpec.compile -> its spec suffix
 SPEC_FORM = ("{est|comfy}+{sdpa|sage}[+compile|+compileblocks]@{GB|full}:{WxHxF|720p81|480p81}"
-             "[:Nsteps][:cfgX][:nolora][:decode|:nodecode]")
+             "[:Nsteps][:cfgX][:nolora][:decode|:nodecode][:fp8fast]")
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,7 @@ class RunSpec:
     cfg: float | None = None  # None: --cfg
     lora: bool = True         # False (":nolora"): no LoRA on the experts, as the 20-step workflows without Lightning
     decode: bool | None = None  # None: --decode
+    fp8_fast: bool = False    # ":fp8fast" (with --weights fp8): UNETLoader's weight_dtype fp8_e4m3fn_fast (fp8 matmuls)
 
     @classmethod
     def parse(cls, s: str) -> "RunSpec":
@@ -170,14 +173,14 @@ class RunSpec:
                 raise ValueError
             fields = {}
             for opt in options:
-                m = re.fullmatch(r"(\d+)steps|cfg(\d+(?:\.\d+)?)|(nolora)|(decode|nodecode)", opt)
+                m = re.fullmatch(r"(\d+)steps|cfg(\d+(?:\.\d+)?)|(nolora)|(decode|nodecode)|(fp8fast)", opt)
                 if m is None:
                     raise ValueError
-                key = ("steps", "cfg", "lora", "decode")[m.lastindex - 1]
+                key = ("steps", "cfg", "lora", "decode", "fp8_fast")[m.lastindex - 1]
                 if key in fields:
                     raise ValueError
                 fields[key] = (int(m.group(1)) if key == "steps" else float(m.group(2)) if key == "cfg"
-                               else False if key == "lora" else m.group(4) == "decode")
+                               else False if key == "lora" else True if key == "fp8_fast" else m.group(4) == "decode")
             if fields.get("steps") is not None and fields["steps"] < 2:
                 raise ValueError      # one step per expert at least
             return cls(est == "est", att, b, r, next((k for k, v in COMPILE_SUFFIX.items() if v == extra), ""), **fields)
@@ -189,7 +192,8 @@ class RunSpec:
         b = "full" if self.budget_gib is None else f"{self.budget_gib:g}"
         suffix = "".join("+" + x for x in COMPILE_SUFFIX.get(self.compile, []))
         options = ("" if self.steps is None else f":{self.steps}steps") + ("" if self.cfg is None else f":cfg{self.cfg:g}") \
-            + ("" if self.lora else ":nolora") + ("" if self.decode is None else (":decode" if self.decode else ":nodecode"))
+            + ("" if self.lora else ":nolora") + ("" if self.decode is None else (":decode" if self.decode else ":nodecode")) \
+            + (":fp8fast" if self.fp8_fast else "")
         return (f"{'est' if self.estimator else 'comfy'}+{self.attention}{suffix}"
                 f"@{b}:{'x'.join(map(str, self.res))}{options}")
 
@@ -601,21 +605,21 @@ class Host:
                 return self.N["CLIPLoader"]().load_clip(self.files["names"]["te"], "wan", "default")[0]
         return self._cached("clip", load)
 
-    def expert(self, e: str, lora: bool = True):
+    def expert(self, e: str, lora: bool = True, fp8_fast: bool = False):
         def unet():
             name = self.files["names"][f"unet_{e}"]
             if self.args.weights == "gguf":
                 return self.N["UnetLoaderGGUF"]().load_unet(name)[0]
-            return self.N["UNETLoader"]().load_unet(name, "default")[0]
+            return self.N["UNETLoader"]().load_unet(name, "fp8_e4m3fn_fast" if fp8_fast else "default")[0]
 
-        def load():          # one loader per expert file, with or without the LoRA after it
-            m = self._cached(f"unet_{e}", unet)
+        def load():          # one loader per expert file and weight dtype, with or without the LoRA after it
+            m = self._cached(f"unet_{e}" + ("_fp8fast" if fp8_fast else ""), unet)
             if lora:
                 m = self.N["LoraLoaderModelOnly"]().load_lora_model_only(m, self.files["names"][f"lora_{e}"], 1.0)[0]
             if self.args.shift:          # as the pack's A14B workflows: LoRA -> ModelSamplingSD3 (shift 5)
                 m = self.N["ModelSamplingSD3"]().patch(m, self.args.shift)[0]
             return m
-        return self._cached(f"expert_{e}" + ("" if lora else "_nolora"), load)
+        return self._cached(f"expert_{e}" + ("" if lora else "_nolora") + ("_fp8fast" if fp8_fast else ""), load)
 
     def vae(self):
         return self._cached("vae", lambda: self.N["VAELoader"]().load_vae(self.files["names"]["vae"])[0])
@@ -660,7 +664,8 @@ class Host:
         dynamo_low = None                 # (reading, recompiles seen) when the low-noise expert starts
         row = {"schema": SCHEMA, "run": run_label(spec, self.args),
                "config": {"estimator": spec.estimator, "attention": spec.attention, "budget_gib": spec.budget_gib,
-                          "width": w, "height": h_px, "frames": f, "weights": self.args.weights, "steps": steps,
+                          "width": w, "height": h_px, "frames": f,
+                          "weights": "fp8_fast" if spec.fp8_fast else self.args.weights, "steps": steps,
                           "cfg": cfg, "sampler": "euler", "scheduler": "simple", "shift": self.args.shift,
                           "lora_rank": self.args.lora_rank if spec.lora else None,
                           "decode": decode,
@@ -726,7 +731,7 @@ class Host:
                         reused.append(f"expert {e}")
                         continue
                     made = {}
-                    m = self.expert(e, spec.lora)
+                    m = self.expert(e, spec.lora, spec.fp8_fast)
                     if spec.estimator:
                         m, est, report = apply_estimator(m, Settings(), shape)
                         made[f"est_{e}"] = _estimate_fields(est)
@@ -995,7 +1000,19 @@ def done_runs(paths: str, weights: str) -> set:
     """Labels of the runs with an ``ok`` or ``oom`` record for these weights in the JSONL files (a budget
     run marked not faithful does not count: it is run again)."""
     return {r.get("run") for r in _host.jsonl_records(paths) if r.get("schema") == SCHEMA and r.get("status") in
-            ("ok", "oom") and (r.get("config") or {}).get("weights") == weights and faithful(r)}
+            ("ok", "oom") and model_files((r.get("config") or {}).get("weights")) == weights and faithful(r)}
+
+
+def model_files(weights: str | None) -> str | None:
+    """The ``--weights`` whose model files a record's ``config.weights`` ran on (``fp8_fast``: the fp8 files)."""
+    return "fp8" if weights == "fp8_fast" else weights
+
+
+def check_specs(specs, weights: str) -> None:
+    """Refuse run specs the model files cannot serve: ``:fp8fast`` loads the fp8 files."""
+    for spec in specs:
+        if spec.fp8_fast and weights != "fp8":
+            raise SystemExit(f"run spec {spec.label!r}: :fp8fast loads fp8 model files; run it with --weights fp8")
 
 
 def _read_version(pyproject: Path):
@@ -1297,6 +1314,7 @@ def main(argv=None):
     if args.whole_prompt:
         try:
             spec = RunSpec.parse(args.runs.strip().strip(","))
+            check_specs([spec], args.weights)
             if spec.compile == "model" and "TorchCompileModel" not in host.N:
                 raise SystemExit("+compile runs need ComfyUI's TorchCompileModel node, which did not load")
             check_sage_memory_mode(args.sage_memory_mode)
@@ -1339,6 +1357,7 @@ def main(argv=None):
                 specs = [RunSpec(s.estimator, s.attention, s.budget_gib, RES["tiny"]) for s in specs]
         else:
             specs = [RunSpec(args.estimator, args.attention, args.vram_budget, res or default_res)]
+        check_specs(specs, args.weights)
         done = done_runs(args.skip_done, args.weights) if args.skip_done else set()
         todo = [s for s in specs if run_label(s, args) not in done]
         if args.warmup and todo and not (args.deadline_s is not None and time.perf_counter() - t_start > args.deadline_s):

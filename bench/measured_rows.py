@@ -17,7 +17,7 @@ ROW_PRESETS = {"a14b": "wan2.2-a14b", "1.3b": "wan2.1-1.3b", "ti2v5b": "wan2.2-t
 MEASURED_CC = 90
 MEASURED_SAGE_PATH = "sage2_sm90"
 # The end-to-end records' ``config.weights`` and the weight keys they stand for.
-E2E_WEIGHT_KEYS = {"gguf": "q4_k_m", "fp8": "fp8"}
+E2E_WEIGHT_KEYS = {"gguf": "q4_k_m", "fp8": "fp8", "fp8_fast": "fp8_fast"}
 
 
 def row_dims(r: dict) -> activation_model.WanDims:
@@ -60,7 +60,7 @@ def e2e_estimate(config: dict, preset: str = "wan2.2-a14b") -> Estimate:
     (``record["config"]``): its weights with their LoRA, its size, attention and compile, on sm90 in bf16.
     A whole-model compile is planned as eager, as the node plans it."""
     d = activation_model.PRESETS[preset]
-    weights = weights_for_key(d, E2E_WEIGHT_KEYS[config.get("weights", "gguf")], config.get("lora_rank", 0) > 0,
+    weights = weights_for_key(d, E2E_WEIGHT_KEYS[config.get("weights", "gguf")], (config.get("lora_rank") or 0) > 0,
                               compute="bf16")
     return plan(Setup(dims=d, latent=activation_model.latent_shape(d, config["width"], config["height"], config["frames"]),
                       attention=attention_plan("sage-auto" if config["attention"] == "sage" else "sdpa", MEASURED_CC),

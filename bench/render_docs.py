@@ -1006,7 +1006,8 @@ def _whole_workflow(c: dict) -> tuple:
 
 def _whole_workflow_text(wf: tuple) -> str:
     weights, size, steps, cfg, lora, setup, decode = wf
-    parts = [{"gguf": "GGUF Q4_K_M", "fp8": "fp8"}.get(weights, str(weights)), _size_text(size), f"{steps} steps"]
+    parts = [{"gguf": "GGUF Q4_K_M", "fp8": "fp8", "fp8_fast": "fp8 as fp8_e4m3fn_fast"}.get(weights, str(weights)),
+             _size_text(size), f"{steps} steps"]
     parts += ([f"cfg {cfg:g}"] if cfg != 1.0 else []) + ([] if lora else ["no LoRA"]) + [SETUP_NAMES[setup]]
     return ", ".join(parts) + ("" if decode else ", no decode")
 

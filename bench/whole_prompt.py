@@ -91,7 +91,7 @@ def done(paths: str | None, spec: e2e.RunSpec, weights: str, mode: str, count: i
     record with a faithful budget in those files."""
     for r in _host.jsonl_records(paths):
         if (r.get("schema") == e2e.WHOLE_SCHEMA and r.get("run") == spec.label and r.get("prompts")
-                and (r.get("config") or {}).get("weights") == weights
+                and e2e.model_files((r.get("config") or {}).get("weights")) == weights
                 and (r.get("caches") or {}).get("mode") == mode
                 and (r.get("process") or {}).get("index") == count and r.get("status") in ("ok", "oom")
                 and e2e.faithful(r)):

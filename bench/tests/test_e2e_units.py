@@ -608,3 +608,18 @@ def test_a_record_names_the_commit_and_says_when_the_files_are_not_that_commit(t
     assert _host.git_head() == f"{head}+tree:{tree[:12]}"
     monkeypatch.setenv("WAN_SAGE_COMMIT", "abc1234")
     assert _host.git_head() == "abc1234"
+
+
+def test_the_fp8fast_option_loads_the_fp8_files_as_fp8_e4m3fn_fast():
+    from bench import e2e
+    s = e2e.RunSpec.parse("est+sage@24:720p81:fp8fast")
+    assert s.fp8_fast and s.label == "est+sage@24:1280x720x81:fp8fast" and e2e.RunSpec.parse(s.label) == s
+    assert not e2e.RunSpec.parse("est+sage@24:720p81").fp8_fast
+    e2e.check_specs([s], "fp8")
+    with pytest.raises(SystemExit, match="--weights fp8"):
+        e2e.check_specs([s], "gguf")
+    assert e2e.model_files("fp8_fast") == "fp8" and e2e.model_files("gguf") == "gguf"
+    # its records are estimated as the fp8 matmul path
+    from bench.measured_rows import e2e_estimate
+    c = {"weights": "fp8_fast", "lora_rank": None, "width": 1280, "height": 720, "frames": 81, "attention": "sage"}
+    assert e2e_estimate(c).setup.weights.fp8_matmul and not e2e_estimate({**c, "weights": "fp8"}).setup.weights.fp8_matmul
