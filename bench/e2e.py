@@ -1094,6 +1094,21 @@ def caches_in_use() -> dict:
     return out
 
 
+def record_caches(caches: dict) -> dict:
+    """The ``caches`` of a record: its folders inside this checkout named relative to it (a record names no
+    absolute path of the machine that wrote it); folders elsewhere (a ``kept DIR`` given on the command line)
+    as given."""
+    root = str(ROOT).rstrip("/") + "/"
+
+    def rel(p):
+        return p[len(root):] if isinstance(p, str) and p.startswith(root) else p
+    out = dict(caches, dir=rel(caches.get("dir")))
+    for key in ("folders", "in_use"):
+        if isinstance(caches.get(key), dict):
+            out[key] = {k: rel(v) for k, v in caches[key].items()}
+    return out
+
+
 def drop_caches(caches: dict) -> None:
     """Remove the fresh folders of a ``--caches none`` process (a kept folder is left for the next one)."""
     if caches.get("mode") == "none":
@@ -1198,7 +1213,7 @@ def run_whole(host, spec, args, caches: dict, process_t0: float | None, t_main: 
     env = host.env()
     return {"schema": WHOLE_SCHEMA, "run": run_label(spec, host.args),
             "status": next((p["status"] for p in prompts if p["status"] != "ok"), "ok"),
-            "config": config, "caches": {**caches, "in_use": caches_in_use()},
+            "config": config, "caches": record_caches({**caches, "in_use": caches_in_use()}),
             "process": {"index": args.process_index, "count": args.process_count},
             "process_start_s": process_start_s, "startup": startup, "budget": budget,
             "prompts": prompts, "env": env, "commit": env.get("wan_sage_commit")}

@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 from . import _host, e2e
+from ._paths import machine_free
 
 DEFAULT_PROCESSES = {"none": 1, "kept": 2}
 PROGRESS = re.compile(r"^e2e ")      # the processes' progress lines; everything else goes to --log only
@@ -119,8 +120,8 @@ class Clock:
 def _pump(stream, sink, echo: bool, log):
     for line in stream:
         sink.append(line)
-        if log is not None:
-            log.write(line)
+        if log is not None:  # the log is kept with the records: no absolute path of this machine in it
+            log.write(machine_free(line))
             log.flush()
         if echo and PROGRESS.search(line):
             sys.stderr.write(line)

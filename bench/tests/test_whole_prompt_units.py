@@ -179,3 +179,17 @@ def test_a_process_past_the_budget_is_stopped_and_its_output_kept():
     assert rc is None and out == ['{"a": 1}\n'] and err == ["e2e step\n"]
     rc, out, _ = whole_prompt.run_process([sys.executable, "-c", "print(1)"], None, None)
     assert rc == 0 and out == ["1\n"]
+
+
+def test_a_record_names_the_cache_folders_inside_the_checkout_relative_to_it():
+    from bench import e2e
+    root = str(e2e.ROOT)
+    caches = {"mode": "none", "dir": f"{root}/.e2e/e2e-work/caches-none-x",
+              "folders": {"TRITON_CACHE_DIR": f"{root}/.e2e/e2e-work/caches-none-x/triton"},
+              "in_use": {"triton": f"{root}/.e2e/e2e-work/caches-none-x/triton", "wan_sage_timing": "? (ImportError)"}}
+    rec = e2e.record_caches(caches)
+    assert rec["dir"] == ".e2e/e2e-work/caches-none-x" and rec["folders"]["TRITON_CACHE_DIR"].startswith(".e2e/")
+    assert rec["in_use"] == {"triton": ".e2e/e2e-work/caches-none-x/triton", "wan_sage_timing": "? (ImportError)"}
+    assert caches["dir"].startswith(root)  # the process keeps its own paths (drop_caches removes that folder)
+    kept = e2e.record_caches({"mode": "kept", "dir": "/tmp/wan-sage-caches/x", "folders": {}})
+    assert kept["dir"] == "/tmp/wan-sage-caches/x"
