@@ -292,7 +292,8 @@ class SageAttentionOverride:
         group, so the call allocates no output and its peak stays at or below SDPA's
         (:func:`.execution._run_into_q`).  In eager mode only; traceable by ``torch.compile`` without a
         graph break (the containers are plain Python objects; tests/unit/test_current_comfy_attention.py),
-        where the custom op runs the ordinary path."""
+        where the custom op runs the ordinary path: a graph has no reference count to tell whether the call
+        site reads q again (see :meth:`dead_q_call`)."""
         boxes = args[:3]
         fast = None
         if not _is_compiling():
@@ -327,6 +328,21 @@ class SageAttentionOverride:
         if shape.layout == "NHD" and shape.out_layout == "NHD" and not _is_compiling() and _handed_over(q):
             shape = shape._replace(into_q=True)
         return self._dispatch(q, k, v, heads, skip_reshape, skip_out, shape, kwargs)
+
+    def dead_q_call(self, q, k, v, *, heads: int, transformer_options):
+        """A Wan self-attention call (q, k, v ``[B, N, H*D]``) from a call site that never reads q again: the
+        patch's own forward (nodes/handover.py), which computes q for this call alone.  Under
+        ``torch.compile`` an eligible self-attention call is the write-into-q op (:mod:`.op`), which leaves
+        the output in q; inductor reinplaces it on q's buffer, so the compiled call allocates no output.
+        Elsewhere, and for a call the static checks decline, it is the call ``override(func, ...)`` makes."""
+        if _is_compiling() and op.INTO_Q_OP is not None:
+            kwargs = {"heads": heads, "transformer_options": transformer_options}
+            shape, reason = self._static((q, k, v), kwargs)[6:]
+            if (reason is None and shape.layout == "NHD" and shape.out_layout == "NHD"
+                    and not policy.is_cross(shape.Nq, shape.Nk)):
+                op.call_attention_into_q(q, k, v, heads, None, self.graph_key)
+                return q
+        return self(self.sdpa, q, k, v, heads=heads, transformer_options=transformer_options)
 
     def _declined_containers(self, args, kwargs):
         """Where a container call the static checks decline goes (see :meth:`container_function`)."""

@@ -10,8 +10,9 @@ the q/k/v projections, the q/k RMS norms, RoPE on q and k, the output projection
 patch's ``container_function`` in containers of its own, keeping no reference.
 
 It runs the forward of the module's class unchanged (so the calls reach ComfyUI's attention as before)
-while ``torch.compile`` traces it, and whenever the override on top of the slot is not the Sage patch
-(another override wraps it, or it is gone).  It is installed only where the class forward reads exactly the
+whenever the override on top of the slot is not the Sage patch (another override wraps it, or it is gone).
+Under ``torch.compile`` it hands the tensors over as well: the patch's write-into-q op then runs in the
+graph (attention/op.py).  It is installed only where the class forward reads exactly the
 names of 0.3.64's (:data:`FORWARD_NAMES`) and no other node has patched the same forward.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import re
 import types
 
-import torch
+from torch.compiler import is_compiling
 
 from ..attention.override import SageAttentionOverride
 
@@ -70,15 +71,20 @@ def mirrors(cls) -> bool:
 def hand_over_forward(self, x, freqs, transformer_options={}):  # noqa: B006 (ComfyUI's signature)
     """The forward set on each block's self-attention module, bound to it (``types.MethodType``, as other
     packs bind theirs): one function for every block, so that ``torch.compile`` guards on its code and on
-    the module, and compiled blocks share their graphs as they do with the class forward."""
+    the module, and compiled blocks share their graphs as they do with the class forward.  Under
+    ``torch.compile`` too the tensors are handed over: q is dead after the call here, so the override's
+    write-into-q op may take it (:meth:`.SageAttentionOverride.dead_q_call`)."""
     override = transformer_options.get(OVERRIDE_KEY)
-    if torch.compiler.is_compiling() or not isinstance(override, SageAttentionOverride):
+    if not isinstance(override, SageAttentionOverride):
         return type(self).forward(self, x, freqs, transformer_options=transformer_options)
     from comfy.ldm.flux.math import apply_rope1
     b, s, n, d = *x.shape[:2], self.num_heads, self.head_dim
     boxes = (Container(apply_rope1(self.norm_q(self.q(x)).view(b, s, n, d), freqs).view(b, s, n * d)),
              Container(apply_rope1(self.norm_k(self.k(x)).view(b, s, n, d), freqs).view(b, s, n * d)),
              Container(self.v(x).view(b, s, n * d)))
+    if is_compiling():
+        q, k, v = (box.take() for box in boxes)
+        return self.o(override.dead_q_call(q, k, v, heads=self.num_heads, transformer_options=transformer_options))
     return self.o(override.container_function(*boxes, heads=self.num_heads, transformer_options=transformer_options))
 
 

@@ -104,6 +104,21 @@ def test_the_op_passes_opcheck_in_every_layout(fake_gpu, skip_reshape, skip_outp
     assert torch.allclose(out.float(), expect.float(), atol=2e-2)
 
 
+def test_the_write_into_q_op_passes_opcheck_and_leaves_the_output_in_q(fake_gpu, monkeypatch):
+    if op.INTO_Q_OP is None:
+        pytest.skip("this torch has no torch.library.custom_op")
+    from wan_sage.attention import head_groups
+    monkeypatch.setattr(head_groups, "INTO_Q_SLACK_BYTES", 0)  # a call of a few MiB: no allocator slack
+    override = SageAttentionOverride(PatchConfig(cache_dir=fake_gpu.cache_dir, calibrate=False))
+    q, k, v = qkv(N=1024)
+    expect = attention_sdpa(q, k, v, 4)
+    torch.library.opcheck(op.INTO_Q_OP, (q.clone(), k, v, 4, None, override.patch_id))
+    ptr = q.data_ptr()
+    assert op.INTO_Q_OP(q, k, v, 4, None, override.patch_id) is None
+    assert q.data_ptr() == ptr and torch.allclose(q.float(), expect.float(), atol=2e-2)
+    assert fake_gpu.into_q_calls  # the kernel wrote into q's heads
+
+
 def test_eager_calls_do_not_go_through_the_dispatcher(fake_gpu, monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("eager calls must run the implementation directly")
