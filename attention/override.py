@@ -177,23 +177,12 @@ class SageAttentionOverride:
         if len(args) == 3 and (keys == _WAN_KWARGS or keys == _WAN_KWARGS_DIRECT):
             # Wan's call sites pass q, k, v and nothing by keyword but heads and transformer_options: no
             # mask, scale, layout flag or precision switch to read, so their facts make a short key (the
-            # same key in container_function).  A call found declined goes to SDPA whether or not it
-            # records autograd (SDPA serves both), so the autograd check waits until the call could go
-            # to a kernel.
+            # same key in container_function; two items shorter than the general one, so the two never
+            # meet).  A call found declined goes to SDPA whether or not it records autograd (SDPA serves
+            # both), so the autograd check waits until the call could go to a kernel.
             q, k, v = args
-            heads = kwargs["heads"]
-            fast = (self.patch_id, q.shape, k.shape, heads, q.dtype, k.dtype, v.dtype, q.device)
-            declined = STATE.declined_calls.get(fast)
-            if declined is not None:
-                declined.calls += 1
-                if declined.static:
-                    return self._declined(func, args, kwargs)
-                return self.sdpa(*args, **kwargs)
-            mask, skip_reshape, skip_out = None, False, False
-            if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-                seen = None
-            else:
-                seen = (self.config_key, q.device, q.dtype, k.dtype, v.dtype, q.shape, k.shape, heads)
+            heads, mask, skip_reshape, skip_out = kwargs["heads"], None, False, False
+            fast = (self.patch_id, q.device, q.dtype, k.dtype, v.dtype, q.shape, k.shape, heads)
         else:
             if len(args) == 3:
                 q, k, v = args
@@ -202,20 +191,24 @@ class SageAttentionOverride:
                 skip_out = bool(kwargs.get("skip_output_reshape", False))
             else:
                 q, k, v, heads, mask, skip_reshape, skip_out = _parse(args, kwargs)
-            seen = fast = None
+            fast = None
             if (mask is None and kwargs.get("low_precision_attention", True) is not False
                     and not kwargs.get("enable_gqa", False)
                     and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
-                seen = (self.config_key, q.device, q.dtype, k.dtype, v.dtype, q.shape, k.shape, heads, skip_reshape,
+                fast = (self.patch_id, q.device, q.dtype, k.dtype, v.dtype, q.shape, k.shape, heads, skip_reshape,
                         skip_out)
-                # two items longer than the Wan key: the two never meet
-                fast = (self.patch_id,) + seen[1:]
-                declined = STATE.declined_calls.get(fast)
-                if declined is not None:
-                    declined.calls += 1
-                    if declined.static:
-                        return self._declined(func, args, kwargs)
-                    return self.sdpa(*args, **kwargs)
+        seen = None
+        if fast is not None:
+            declined = STATE.declined_calls.get(fast)
+            if declined is not None:
+                declined.calls += 1
+                if declined.static:
+                    return self._declined(func, args, kwargs)
+                return self.sdpa(*args, **kwargs)
+            # the same facts under the patch's options rather than the patch: patches of equal options share
+            # what their static checks found
+            if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+                seen = (self.config_key,) + fast[1:]
         found = None if seen is None else STATE.seen_calls.get(seen)
         # A call like one seen before (the same facts its static shape checks read) skips those checks;
         # only its per-call options are checked again.  One that goes straight to SDPA (a static shape
@@ -301,7 +294,7 @@ class SageAttentionOverride:
             if len(args) == 3 and (keys == _WAN_KWARGS or keys == _WAN_KWARGS_DIRECT):
                 # Wan's calls: the declined table under __call__'s short key, one lookup.
                 q, k, v = boxes[0].peek(), boxes[1].peek(), boxes[2].peek()
-                fast = (self.patch_id, q.shape, k.shape, kwargs["heads"], q.dtype, k.dtype, v.dtype, q.device)
+                fast = (self.patch_id, q.device, q.dtype, k.dtype, v.dtype, q.shape, k.shape, kwargs["heads"])
                 declined = STATE.declined_calls.get(fast)
                 if declined is not None:
                     del q, k, v

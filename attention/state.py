@@ -239,24 +239,24 @@ class DispatchState:
             if decision is None or self.decisions.get(call_key) is decision:
                 self.declined_calls[key] = Declined(patch_id, reason, static)
 
-    def _drop_declined(self) -> None:
-        """Empty the declined table, keeping the calls its entries counted (under the lock)."""
+    def _fold_declined(self) -> None:
+        """Move the calls the declined table's entries counted into ``declined_counts`` (under the lock)."""
         for entry in self.declined_calls.values():
             if entry.calls:
                 counts = self.declined_counts.setdefault(entry.patch_id, {})
                 counts[entry.reason] = counts.get(entry.reason, 0) + entry.calls
                 entry.calls = 0
+
+    def _drop_declined(self) -> None:
+        """Empty the declined table, keeping the calls its entries counted (under the lock)."""
+        self._fold_declined()
         self.declined_calls.clear()
 
     def take_declined_counts(self, patch_id: str) -> dict:
         """{reason: calls} that went straight to SDPA for ``patch_id`` since the last take (under the
         lock; :mod:`.stats` adds them to the patch's window)."""
-        counts = self.declined_counts.pop(patch_id, {})
-        for entry in self.declined_calls.values():
-            if entry.calls and entry.patch_id == patch_id:
-                counts[entry.reason] = counts.get(entry.reason, 0) + entry.calls
-                entry.calls = 0
-        return counts
+        self._fold_declined()
+        return self.declined_counts.pop(patch_id, {})
 
     def remember_oom(self, call_key, memory: OomMemory) -> None:
         with self.lock:
