@@ -183,6 +183,13 @@ class SageAttentionOverride:
             q, k, v = args
             heads, mask, skip_reshape, skip_out = kwargs["heads"], None, False, False
             fast = (self.patch_id, q.device, q.dtype, k.dtype, v.dtype, q.shape, k.shape, heads)
+            declined = STATE.declined_calls.get(fast)
+            if declined is not None:
+                # the hot path of a settled model: one lookup, then SDPA called as plainly as it can be
+                declined.calls += 1
+                if declined.static and self.prev is not None:
+                    return self.prev(func, q, k, v, **kwargs)
+                return self.sdpa(q, k, v, heads)
         else:
             if len(args) == 3:
                 q, k, v = args
@@ -197,14 +204,15 @@ class SageAttentionOverride:
                     and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
                 fast = (self.patch_id, q.device, q.dtype, k.dtype, v.dtype, q.shape, k.shape, heads, skip_reshape,
                         skip_out)
+            if fast is not None:
+                declined = STATE.declined_calls.get(fast)
+                if declined is not None:
+                    declined.calls += 1
+                    if declined.static:
+                        return self._declined(func, args, kwargs)
+                    return self.sdpa(*args, **kwargs)
         seen = None
         if fast is not None:
-            declined = STATE.declined_calls.get(fast)
-            if declined is not None:
-                declined.calls += 1
-                if declined.static:
-                    return self._declined(func, args, kwargs)
-                return self.sdpa(*args, **kwargs)
             # the same facts under the patch's options rather than the patch: patches of equal options share
             # what their static checks found
             if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
@@ -301,7 +309,7 @@ class SageAttentionOverride:
                     declined.calls += 1
                     if declined.static:
                         return self._declined_containers(args, kwargs)
-                    return self.sdpa(boxes[0].take(), boxes[1].take(), boxes[2].take(), **kwargs)
+                    return self.sdpa(boxes[0].take(), boxes[1].take(), boxes[2].take(), kwargs["heads"])
                 del q, k, v
         q, k, v, heads, skip_reshape, skip_out, shape, reason = self._static(
             (boxes[0].peek(), boxes[1].peek(), boxes[2].peek()) + args[3:], kwargs)
