@@ -7,7 +7,7 @@ calibrates each on the real kernels, then the settled call is measured against p
   ``sdpa_rel_l2_fp32``) against an fp32 reference, on the first 1,024 query rows of every head;
 * ``decision_us``: what the patch adds per call over plain SDPA on a shape settled on SDPA (the
   patch's SDPA swapped for one that returns a kept output: the CPU cost of the declined call, free
-  of SDPA's time), through ``override(func, ...)``; ``decision_containers_us``: the same through
+  of SDPA's time; the least of two passes, one as the row is measured and one after the table), through ``override(func, ...)``; ``decision_containers_us``: the same through
   ``container_function`` (ComfyUI 0.38's entry); ``call_overhead_us``: everything but the kernel on a
   shape served by a kernel.
 
@@ -101,6 +101,30 @@ def _decision_us(config, q, k, v, H, n=2000, rounds=15) -> dict:
             "decision_containers_median_us": med["patched_containers"] - med["plain_containers"]}
 
 
+def _second_pass(rows) -> None:
+    """Measure every declined row's decision again once the whole table has run, and keep the least of the
+    two passes: a decision's cost is the code's, and one pass can fall in a stretch where other work on the
+    host slows this thread (a first pass of 3.3 us against 1.7 us for the same shape in fp16, next to it).
+    Both passes stay in the row."""
+    fields = ("decision_us", "decision_containers_us")
+    for r in rows:
+        again = r.pop("_again", None)
+        if again is None:
+            continue
+        config, (B, H, NQ, NK, D, dtype) = again
+        STATE.reset()
+        gen = torch.Generator(device=DEV).manual_seed(11)
+        q, k, v = (torch.randn(B, n, H * D, device=DEV, dtype=dtype, generator=gen) for n in (NQ, NK, NK))
+        second = _decision_us(config, q, k, v, H)
+        del q, k, v
+        for f in fields:
+            r[f + "_passes"] = [r[f], second[f]]
+            r[f] = min(r[f], second[f])
+        STATE.reset()
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def _compare(out, ref):
     o, r = out[:, :ROWS].float(), ref[:, :ROWS].float()
     return ((o - r).norm() / r.norm()).item(), F.cosine_similarity(o.flatten(), r.flatten(), dim=0).item()
@@ -129,6 +153,7 @@ def _row(name, B, H, NQ, NK, D, dt, tmp_path) -> dict:
     del out, ref_out, ref32
     if plan.kernel is None:
         row.update(_decision_us(config, q, k, v, H))
+        row["_again"] = (config, (B, H, NQ, NK, D, dtype))  # for the second pass, after the whole table
     else:
         row["call_overhead_us"] = _call_overhead_us(patch, q, k, v, H)
     return row
@@ -163,6 +188,7 @@ def test_the_dispatch_table_of_held_out_shapes(tmp_path):
             STATE.reset()
             gc.collect()
             torch.cuda.empty_cache()
+    _second_pass(rows)
     p = kernels.probe()
     print(f"\n{torch.cuda.get_device_name()} (sm{CC}), torch {torch.__version__}, sageattention "
           f"{p.sage_version or 'not installed'}, comfy-kitchen {p.ck_version or 'not installed'}; auto candidates "
