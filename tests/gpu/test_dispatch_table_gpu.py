@@ -101,6 +101,18 @@ def _decision_us(config, q, k, v, H, n=2000, rounds=15) -> dict:
             "decision_containers_median_us": med["patched_containers"] - med["plain_containers"]}
 
 
+def _sdpa_backends() -> str:
+    """Which backends PyTorch's SDPA may pick, in its priority order: the baseline of every ratio in the table.
+    A process that ran ComfyUI's own SDPA (which asks for cuDNN first) may have another order than a fresh one."""
+    names = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
+    get = getattr(torch._C, "_get_sdp_priority_order", None)
+    order = ", ".join(names.get(int(b), str(int(b))) for b in get()) if get else "unknown"
+    cuda = torch.backends.cuda
+    enabled = {"flash": cuda.flash_sdp_enabled(), "efficient": cuda.mem_efficient_sdp_enabled(),
+               "cudnn": getattr(cuda, "cudnn_sdp_enabled", lambda: None)(), "math": cuda.math_sdp_enabled()}
+    return f"SDPA backends, priority order: {order}; enabled: " + ", ".join(k for k, v in enabled.items() if v)
+
+
 def _second_pass(rows) -> None:
     """Measure every declined row's decision again once the whole table has run, and keep the least of the
     two passes: a decision's cost is the code's, and one pass can fall in a stretch where other work on the
@@ -192,7 +204,7 @@ def test_the_dispatch_table_of_held_out_shapes(tmp_path):
     p = kernels.probe()
     print(f"\n{torch.cuda.get_device_name()} (sm{CC}), torch {torch.__version__}, sageattention "
           f"{p.sage_version or 'not installed'}, comfy-kitchen {p.ck_version or 'not installed'}; auto candidates "
-          f"{', '.join(AUTO) or 'none'}\n" + _table(rows))
+          f"{', '.join(AUTO) or 'none'}\n{_sdpa_backends()}\n" + _table(rows))
     target = os.environ.get("WAN_SAGE_GPU_TABLE")
     if target:
         with open(target, "w") as f:

@@ -95,7 +95,7 @@ def test_the_report_says_which_set_and_what_is_not_measured():
     assert report.KERNEL_LINES["comfy-0.3.64"] in report.report(old)
     text = report.report(new)
     assert "kernels: comfy-kitchen's fused RoPE and adaln" in text
-    assert "planned with 0.3.64's figures where the fused kernels' memory is not measured" in text
+    assert "the FFN modelled from its structure, not measured" in text
     assert report.summary(new)["kernel_set"] == "comfy-kitchen" and new.as_dict()["request"]["kernel_set"] == "comfy-kitchen"
     # A14B: the FFN (the input kept alive) now decides the peak, above 0.3.64's RoPE phase.
     assert old.resident["dominant_phase"] == "rope" and new.resident["dominant_phase"] == "ffn"

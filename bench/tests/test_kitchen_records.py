@@ -1,0 +1,49 @@
+"""The comfy-kitchen phases of the activation model (memory/activation_model.py, ``KERNEL_SETS``
+``comfy-kitchen``) against what the fused kernels allocated on the H200 (``python -m bench.kitchen_kernels``,
+``kitchen/kernels.jsonl``; no constant was set from these rows: the phases are structural).
+
+The model's RoPE and modulation phases for the comfy-kitchen set hold no temporaries beside each kernel's
+output, and its 0.3.64 RoPE phase holds ``8 d T`` of fp32 temporaries more.  Each record row must say the same,
+and a phase the records measure must not be listed as unmeasured."""
+import pytest
+
+from bench import _records
+from bench import kitchen_kernels
+from wan_sage.memory import activation_model
+
+ROWS = _records.rows("kitchen/kernels.jsonl")
+MIB = 2**20
+
+
+def test_the_records_cover_every_size_and_kernel_the_tool_measures():
+    assert {(r["size"], r["kernel"]) for r in ROWS} == {
+        (s[0], k) for s in kitchen_kernels.SIZES for k in ("apply_rope1", "adaln_per_sample", "adaln_per_token")}
+
+
+@pytest.mark.parametrize("row", ROWS, ids=lambda r: f"{r['size']}-{r['kernel']}")
+def test_a_fused_kernel_allocates_its_output_and_no_more(row):
+    assert row["output_bytes"] == row["tokens"] * row["dim"] * 2  # bf16 [1, T, d]
+    assert 0 <= row["cuda_peak_bytes"] - row["output_bytes"] <= 1 * MIB
+    assert row["rel_l2_vs_eager"] < 1e-2  # the fused kernel computes what the eager one does
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if r["kernel"] == "apply_rope1"], ids=lambda r: r["size"])
+def test_the_eager_rope_holds_the_fp32_temporaries_the_0_3_64_phase_models(row):
+    d, T = row["dim"], row["tokens"]
+    w = activation_model.Workload(L=T)
+    old = activation_model.phase_peaks(_dims(row), w)["rope"]
+    new = activation_model.phase_peaks(_dims(row), activation_model.Workload(L=T, kernels="comfy-kitchen"))["rope"]
+    assert old - new == 8 * d * T
+    assert abs(row["eager_peak_bytes"] - row["output_bytes"] - 8 * d * T) <= 1 * MIB
+
+
+def test_phases_the_records_measure_are_not_listed_unmeasured():
+    assert "rope" not in activation_model.KITCHEN_UNMEASURED
+    assert "modulation" not in activation_model.KITCHEN_UNMEASURED
+
+
+def _dims(row):
+    for d in activation_model.PRESETS.values():
+        if d.dim == row["dim"] and d.num_heads == row["heads"]:
+            return d
+    raise AssertionError(f"no preset with dim {row['dim']} and {row['heads']} heads")
