@@ -159,8 +159,8 @@ def attention_reading(a, ab, s1) -> list:
 ComfyUI 0.38 and newer hand Wan's q, k and v to the patch in attention containers. ComfyUI 0.3.64's Wan
 self-attention keeps them, so there the patch sets, on the model it returns, its own forward of each block's
 self-attention (an object patch, `nodes/handover.py`; only over a forward that reads 0.3.64's names and that
-no other node patched): it computes q, k and v as 0.3.64 does and hands them over in the same way, and runs
-the class forward unchanged while `torch.compile` traces it. When nothing else holds q (no other reference, no
+no other node patched): it computes q, k and v as 0.3.64 does and hands them over in the same way. When
+nothing else holds q (no other reference, no
 other tensor on its memory, not recording autograd), the call runs on the kernel's write-into-q path, head
 group by head group: each group's q and k are quantised to INT8, its V is padded and quantised to FP8, and the
 kernel writes the group's output into its own heads of q. No output buffer is allocated, so the call peaks at
@@ -172,11 +172,22 @@ tokens, whose 4 groups held 78.1 MiB against SDPA's 74.2). On the H200 (gpu tier
 for the ungrouped kernel, at relative L2 0.039; A14B 480p81, 1.3B 480p81 with cfg batch 2, 5B 704p121 and A14B
 1080p49 held 0.87× SDPA's bytes; the 7,480-token call, now in 5 groups, 0.86×; and four short calls the slack
 was not set from (A14B 4,680 and 3,120 tokens, TI2V-5B 9,000, 1.3B 15,000 with cfg batch 2; 6–8 groups)
-0.66–0.81×. The split costs 3.0 % against the ungrouped kernel at 720p81 (147.0 against 142.7 ms; 2.6 % in
-`509f663.log`). The estimator node plans the same path and groups where
-it finds q handed over; the route and `wan-sage plan` plan the ordinary path, which holds more. The sm90
-kernel has this path; other kernels, calls under `torch.compile` and a q held elsewhere take the ordinary path
-and its memory mode.
+0.66–0.81×. The split costs 1.6–3.4 % against the ungrouped kernel at 720p81 over five gpu-tier runs (146.5
+against 144.2 ms in `e9eec03.log`, 147.0 against 143.4 in `e97e33e.log`; 2.6 %, 3.0 % and 3.4 % in
+`509f663.log`, `1071ee5.log` and `d212ce0.log`).
+
+Under `torch.compile` the patch's own forward on 0.3.64 hands the tensors to a second custom op,
+`wan_sage::attention_into_q`, which mutates q (`SageAttentionOverride.dead_q_call`, `attention/op.py`): inductor
+reinplaces the mutation on q's own buffer, so the compiled call allocates no output either. A compiled A14B
+block at 480p81 on the H200 peaked 1,504.0 MiB above its inputs with it, against 1,599.9 MiB for compiled SDPA
+and 1,784.8 MiB for the ordinary op, at relative L2 5.2e-4 against the ordinary op (`e9eec03.log`,
+`e97e33e.log`; `tests/gpu/test_compile_gpu.py`). Container calls under compile (0.38's own call sites) keep the
+ordinary op: a graph has no reference count to tell whether the caller reads q again.
+
+The estimator node plans the write-into-q path and groups where it finds q handed over in eager mode; compiled
+plans keep the ordinary path's bytes, which are more (the op was measured on a compiled block, not yet on a
+whole compiled forward). The route and `wan-sage plan` plan the ordinary path. The sm90 kernel has this path;
+other kernels and a q held elsewhere take the ordinary path and its memory mode.
 
 Since q is overwritten, a call that is due an output check runs the same path first on a copy of 256 query
 rows with all of k and v, and compares those rows with SDPA's: a failure settles the shape on SDPA with q
@@ -347,7 +358,11 @@ def dispatch_table_section() -> list:
          "patched call's; peak: above the inputs, against SDPA's for the same call; relative L2 and cosine against SDPA "
          "in the call's dtype (first 1,024 query rows of every head). Decision: what a declined call adds over plain SDPA, "
          "through `override(func, ...)` (0.3.64) and through `container_function` (0.38), as ComfyUI's `wrap_attn` calls "
-         "them (the least of 15 rounds of 2,000 calls, this thread's CPU time). The served calls here keep their q (the "
+         "them (this thread's CPU time, the least of 15 rounds of 2,000 calls in each of two passes: as the row runs and "
+         "after the whole table). SDPA is PyTorch's, in the backend order the log's header line prints: in the whole "
+         "tier, after tests that run a ComfyUI `WanModel`, the same SDPA calls took 1.3–1.7× as long as in the table's "
+         "file run alone (`e97e33e.log` against `84ac0d6-dispatch-table.log`), so served ratios differ between the two "
+         "by that much; the cause is not found yet. The served calls here keep their q (the "
          "caller holds it), so they run the ordinary path, ungrouped; where q is handed over the output goes into q "
          f"and the call holds less than SDPA (*{'Memory: a handed-over q takes the output'}* above).\n",
          "| shape | dtype | runs on | × SDPA | peak MiB | SDPA MiB | rel L2 | cosine | decision µs (0.3.64 / 0.38) |",
@@ -1074,13 +1089,21 @@ def whole_rows(sets) -> list[dict]:
     return sorted(out, key=order)
 
 
-def whole_headline(w: dict) -> tuple:
-    """A README results row of one whole-generation row: the prompt to the frames, first and repeat, against
-    ComfyUI alone + SDPA."""
-    (f1, b1), (f2, b2) = w["figures"]["first_to_frames_s"], w["figures"]["repeat_to_frames_s"]
-    what = f"whole prompt: {_whole_workflow_text(w['workflow'])}, {_budget_text(w['budget'])}"
-    return (what, f"**{b1 / f1:.2f}× / {b2 / f2:.2f}×** ({f1:.0f} / {f2:.0f} s against {b1:.0f} / {b2:.0f} s)",
-            f"[benchmarks](docs/benchmarks.md#{anchor('Whole generation')})")
+def whole_headlines(ws: list) -> list:
+    """The README's results rows of the whole-generation rows, one per workflow (three lines for the three
+    workflows): per budget the prompt to the frames, first and repeat, against ComfyUI alone + SDPA."""
+    by = {}
+    for w in ws:
+        by.setdefault(_whole_workflow_text(w["workflow"]), []).append(w)
+    out = []
+    for text, group in by.items():
+        parts = []
+        for w in group:
+            (f1, b1), (f2, b2) = w["figures"]["first_to_frames_s"], w["figures"]["repeat_to_frames_s"]
+            parts.append(f"{_budget_text(w['budget'])} **{b1 / f1:.2f}× / {b2 / f2:.2f}×**")
+        out.append((f"whole prompt: {text}", "; ".join(parts),
+                    f"[benchmarks](docs/benchmarks.md#{anchor('Whole generation')})"))
+    return out
 
 
 def whole_generation_section(paths=None) -> list:
@@ -1592,8 +1615,8 @@ def readme_results(summary) -> str:
             oom_why.append(f"{where}, before {RULE_TEXT[rule_source(s['file'])]} set from it")
         else:
             oom_why.append(f"{where}, where ComfyUI alone completed")
-    rows_ = [whole_headline(w) for w in whole_rows(whole_sets()) if w["config"] == (True, "sage")
-             and w["caches"] == "empty" and w["figures"]["first_to_frames_s"][1]]
+    rows_ = whole_headlines([w for w in whole_rows(whole_sets()) if w["config"] == (True, "sage")
+                             and w["caches"] == "empty" and w["figures"]["first_to_frames_s"][1]])
     rows_ += [
         ("A14B 720p81 self-attention, `auto` against SDPA", f"**{auto720['ratio']:.2f}×** ({auto720['chosen']})",
          f"[attention](docs/attention.md#{anchor('The `auto` override end to end')})"),
