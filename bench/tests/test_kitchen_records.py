@@ -12,15 +12,17 @@ from bench import kitchen_kernels
 from wan_sage.memory import activation_model
 
 ROWS = _records.rows("kitchen/kernels.jsonl")
+ELEMENTWISE = [r for r in ROWS if not r["kernel"].startswith("int8_linear")]
+INT8_FFN = [r for r in ROWS if r["kernel"].startswith("int8_linear")]
 MIB = 2**20
 
 
 def test_the_records_cover_every_size_and_kernel_the_tool_measures():
-    assert {(r["size"], r["kernel"]) for r in ROWS} == {
+    assert {(r["size"], r["kernel"]) for r in ELEMENTWISE} == {
         (s[0], k) for s in kitchen_kernels.SIZES for k in ("apply_rope1", "adaln_per_sample", "adaln_per_token")}
 
 
-@pytest.mark.parametrize("row", ROWS, ids=lambda r: f"{r['size']}-{r['kernel']}")
+@pytest.mark.parametrize("row", ELEMENTWISE, ids=lambda r: f"{r['size']}-{r['kernel']}")
 def test_a_fused_kernel_allocates_its_output_and_no_more(row):
     assert row["output_bytes"] == row["tokens"] * row["dim"] * 2  # bf16 [1, T, d]
     assert 0 <= row["cuda_peak_bytes"] - row["output_bytes"] <= 1 * MIB
@@ -35,6 +37,22 @@ def test_the_eager_rope_holds_the_fp32_temporaries_the_0_3_64_phase_models(row):
     new = activation_model.phase_peaks(_dims(row), activation_model.Workload(L=T, kernels="comfy-kitchen"))["rope"]
     assert old - new == 8 * d * T
     assert abs(row["eager_peak_bytes"] - row["output_bytes"] - 8 * d * T) <= 1 * MIB
+
+
+@pytest.mark.parametrize("row", INT8_FFN, ids=lambda r: f"{r['size']}-{r['kernel']}")
+def test_the_int8_down_projection_holds_at_most_the_modelled_int8_copy(row):
+    assert row["cuda_peak_bytes"] - row["output_bytes"] <= row["ffn_dim"] * row["tokens"] + 1 * MIB
+
+
+def test_the_tool_runs_on_the_cpu_with_the_eager_backend():
+    """Its calls as written (shapes, arguments, the row fields), on a tiny size: the GPU figures need the H200."""
+    torch = pytest.importorskip("torch")
+    ck = pytest.importorskip("comfy_kitchen")
+    rows = kitchen_kernels.measure(torch, ck, sizes=(("tiny", 64, 4, 256, 40),), ffn=True, device="cpu",
+                                   backends=("eager",))
+    assert {r["kernel"] for r in rows} == {"apply_rope1", "adaln_per_sample", "adaln_per_token",
+                                           "int8_linear_gelu", "int8_linear_gelu_convrot"}
+    assert all(r["output_bytes"] == 40 * 64 * 2 for r in rows)
 
 
 def test_phases_the_records_measure_are_not_listed_unmeasured():
