@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the helpers every tier shares (fake_device)
 
 if "wan_sage" not in sys.modules or Path(sys.modules["wan_sage"].__file__).resolve().parent != ROOT:
     spec = importlib.util.spec_from_file_location("wan_sage", ROOT / "__init__.py",

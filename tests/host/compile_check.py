@@ -20,8 +20,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
 
 import comfy_env  # noqa: E402
+import fake_device  # noqa: E402
 
 comfy = comfy_env.boot(cpu=True, attention="pytorch")
 
@@ -35,7 +37,7 @@ pack = importlib.util.module_from_spec(spec)
 sys.modules["wan_sage"] = pack
 spec.loader.exec_module(pack)
 
-from wan_sage.attention import execution, kernels, planning, policy, selftest, stats, timing  # noqa: E402
+from wan_sage.attention import stats, timing  # noqa: E402
 from wan_sage.attention.config import PatchConfig  # noqa: E402
 from wan_sage.attention.override import SageAttentionOverride  # noqa: E402
 
@@ -59,14 +61,8 @@ def fake_timer(fn, repeats=1):
     return 7.0 if len(KERNEL_CALLS) > before else 10.0
 
 
-policy.ACCEL_DEVICE_TYPES = ("cuda", "cpu")
-planning.device_info = lambda device, index, choice: planning.DeviceInfo(90, "FakeGPU", ("sage2_sm90",), None)
-planning.kernel_build = lambda name: "stand-in"
-execution.fits = lambda device, need, free_memory: True
-execution.available_bytes = lambda device, free_memory: 1 << 40
-selftest.self_test = lambda name, device, dtype, cc: None
+fake_device.install({"sage2_sm90": stand_in_sm90}, build="stand-in")
 timing.time_cuda = fake_timer
-kernels.install_test_kernel("sage2_sm90", stand_in_sm90)
 torch._dynamo.config.cache_size_limit = 64
 
 CACHE = tempfile.mkdtemp(prefix="wan-sage-compile-")

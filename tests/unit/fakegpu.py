@@ -2,6 +2,7 @@
 timings.  Used only to test the logic of wan-sage's dispatcher; real kernels are tested in tests/gpu."""
 import time
 
+import fake_device
 import torch
 import torch.nn.functional as F
 
@@ -18,7 +19,7 @@ class FakeGPU:
     groups takes ``1 + group_cost`` times as long."""
 
     def __init__(self, monkeypatch, tmp_path, candidates=("sage2_sm90",), cc=90):
-        from wan_sage.attention import execution, kernels, planning, policy, selftest, timing
+        from wan_sage.attention import execution, kernels, timing
         from wan_sage.attention.state import STATE
         self.state = STATE
         STATE.reset()
@@ -39,17 +40,14 @@ class FakeGPU:
         self.output_checks = 0
         self.cache_dir = str(tmp_path / "cache")
         self._in_timing = None
-        monkeypatch.setattr(policy, "ACCEL_DEVICE_TYPES", ("cuda", "cpu"))
-        monkeypatch.setattr(planning, "device_info",
-                            lambda device, index, choice: planning.DeviceInfo(cc, "FakeGPU", tuple(candidates), None))
-        monkeypatch.setattr(execution, "fits", lambda device, need, free_fn: need <= self.free)
-        monkeypatch.setattr(execution, "available_bytes", lambda device, free_fn: self.free)
-        monkeypatch.setattr(selftest, "self_test", self._self_test)
+        for module, name, value in fake_device.seams(
+                candidates=candidates, cc=cc, fits=lambda device, need, free_fn: need <= self.free,
+                available=lambda device, free_fn: self.free, self_test=self._self_test):
+            monkeypatch.setattr(module, name, value)
         monkeypatch.setattr(kernels, "run", self.run)
         monkeypatch.setattr(kernels, "run_into_q", self.run_into_q)
         self.into_q_calls = []
         monkeypatch.setattr(timing, "time_cuda", self.time_cuda)
-        monkeypatch.setattr(planning, "kernel_build", lambda name: "test")
         check_output = execution._check_output
 
         def counted_check(out, ref):

@@ -7,9 +7,9 @@ all-to-all written here on gloo (yunchang and xFuser do not run on the CPU): q, 
 rank's heads), the processor computes attention on that share with ``dense`` being local SDPA (the ring
 function at ring degree 1), and a second all-to-all turns the output back into [B, N/U, H, D].
 
-The kernel is a fake installed through ``kernels.install_test_kernel`` (SDPA in fp32 on the CPU); with
-``oom_rank`` it raises torch's out-of-memory error on that rank only, so that rank falls back to ``dense``
-while the other stays on the kernel.
+The kernel is a fake installed through ``fake_device.install`` (tests/fake_device.py; SDPA in fp32 on the
+CPU); with ``oom_rank`` it raises torch's out-of-memory error on that rank only, so that rank falls back to
+``dense`` while the other stays on the kernel.
 """
 import importlib.util
 import os
@@ -27,6 +27,9 @@ if "wan_sage" not in sys.modules:  # load this checkout as wan_sage, as tests/co
     module = importlib.util.module_from_spec(spec)
     sys.modules["wan_sage"] = module
     spec.loader.exec_module(module)
+
+sys.path.insert(0, str(ROOT / "tests"))
+import fake_device  # noqa: E402
 
 B, N, H, D = 1, 2048, 4, 64
 CALLS = 2  # two attention calls: the collectives after a fallback must still line up
@@ -57,15 +60,6 @@ def all_to_all(x, scatter_dim: int, gather_dim: int, world: int):
 
 
 def _fake_gpu(oom: bool):
-    from wan_sage.attention import execution, kernels, planning, policy, selftest
-
-    policy.ACCEL_DEVICE_TYPES = ("cuda", "cpu")
-    planning.device_info = lambda device, index, choice: planning.DeviceInfo(90, "FakeGPU", ("sage2_sm90",), None)
-    planning.kernel_build = lambda name: "test"
-    execution.fits = lambda device, need, free_fn: True
-    execution.available_bytes = lambda device, free_fn: 1 << 40
-    selftest.self_test = lambda name, device, dtype, cc: None
-
     def kernel(q, k, v, tensor_layout="HND", sm_scale=None, **kwargs):
         if oom:
             raise torch.OutOfMemoryError("fake out of memory on this rank")
@@ -73,7 +67,7 @@ def _fake_gpu(oom: bool):
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         o = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=sm_scale).to(q.dtype)
         return o.transpose(1, 2) if tensor_layout == "NHD" else o
-    kernels.install_test_kernel("sage2_sm90", kernel)
+    fake_device.install({"sage2_sm90": kernel})
 
 
 def dense(q, k, v, **kwargs):
