@@ -360,8 +360,7 @@ def dispatch_table_section() -> list:
          "through `override(func, ...)` (0.3.64) and through `container_function` (0.38), as ComfyUI's `wrap_attn` calls "
          "them (this thread's CPU time, the least of 15 rounds of 2,000 calls in each of two passes: as the row runs and "
          "after the whole table). SDPA is PyTorch's, in the backend order the log's header line prints: in the whole "
-         "tier, after tests that run a ComfyUI `WanModel`, the same SDPA calls took 1.3–1.7× as long as in the table's "
-         "file run alone (`e97e33e.log` against `84ac0d6-dispatch-table.log`), so served ratios differ between the two "
+         "tier the same SDPA calls took 1.3–1.7× as long as in the table's file run alone (`e97e33e.log` against `84ac0d6-dispatch-table.log`), so served ratios differ between the two "
          "by that much; the cause is not found yet. The served calls here keep their q (the "
          "caller holds it), so they run the ordinary path, ungrouped; where q is handed over the output goes into q "
          f"and the call holds less than SDPA (*{'Memory: a handed-over q takes the output'}* above).\n",
