@@ -688,18 +688,33 @@ class Host:
         self.last_start = t_run
         t_latent = t_frames = None
 
+        def loaded():
+            """What ComfyUI holds on the GPU now: {model class: GiB of its weights loaded}, summed per class."""
+            out = {}
+            for lm in list(getattr(self.mm, "current_loaded_models", ())):
+                try:
+                    name = type(lm.model.model).__name__
+                    out[name] = _r(out.get(name, 0.0) + lm.model_loaded_memory() / 2**30)
+                except Exception:  # a model being unloaded; the record is diagnostics only
+                    continue
+            return out
+
         @contextmanager
         def timed(name):
             phase["name"] = name
             mem.sync()
             mem.reset()
+            before = loaded()
             t = time.perf_counter()
             try:
                 yield
             finally:
                 mem.sync()
                 pa, pr = mem.peaks()
-                phases[name] = {"s": _r(time.perf_counter() - t), "peak_alloc_gib": _r(pa), "peak_reserved_gib": _r(pr)}
+                # the weights ComfyUI held on the GPU as the phase began and ended: what a phase evicted or
+                # loaded (a decode after a sampling that kept more weights resident has more to move)
+                phases[name] = {"s": _r(time.perf_counter() - t), "peak_alloc_gib": _r(pa), "peak_reserved_gib": _r(pr),
+                                "loaded_gib_before": before, "loaded_gib_after": loaded()}
         retries0 = mem.retries()
         with torch.inference_mode():     # as ComfyUI's PromptExecutor runs every node
             try:

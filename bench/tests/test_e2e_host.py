@@ -62,6 +62,10 @@ def test_tiny_pipeline_end_to_end_through_real_loaders(e2e_rows):
             assert e["inference_mode"] is True
         assert r["denoise_s"] >= r["denoise_steps_s"] > 0
         assert set(r["phases"]) >= {"encode", "high", "low"}
+        # the expert a phase samples is among the models ComfyUI holds as it ends (on the CPU, "loaded" with
+        # --cpu), by its model class
+        assert any(k.startswith("WAN") and v > 0 for k, v in r["phases"]["high"]["loaded_gib_after"].items())
+        assert isinstance(r["phases"]["encode"]["loaded_gib_before"], dict)
         assert r["env"]["comfyui"] and r["env"]["device"] == "cpu" and r["env"]["weights"] == "gguf"
         assert r["peak_alloc_gib"] is None          # no CUDA: no memory readings, no ballast
         assert r["alloc_retries"] is None and r["budget"]["inherited_alloc_gib"] is None
