@@ -26,6 +26,8 @@ import argparse
 import json
 import sys
 
+from . import _host
+
 # name, model dim, heads, ffn dim, tokens per row (latent frames x (H/16) x (W/16))
 SIZES = (
     ("a14b_1280x720x81", 5120, 40, 13824, 21 * 45 * 80),
@@ -36,20 +38,15 @@ SIZES = (
 
 
 def _extra(torch, fn):
-    """(peak bytes allocated above what was allocated before the call, output bytes); on the CPU (the tool's
-    own test) the peak reads 0."""
-    if not torch.cuda.is_available():
-        out = fn()
-        return 0, out.numel() * out.element_size()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    out = fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    nbytes = out.numel() * out.element_size()
-    del out
-    return peak, nbytes
+    """(peak bytes allocated above what was allocated before the call, output bytes), as ``wan-sage bench``
+    measures them; on the CPU (the tool's own test) the peak reads 0."""
+    if torch.cuda.is_available():
+        _host.load_pack()
+        from wan_sage.cli.bench_kernels import peak_extra
+        out, peak = peak_extra(fn)
+    else:
+        out, peak = fn(), 0
+    return peak, out.numel() * out.element_size()
 
 
 def measure(torch, ck, sizes=SIZES, dtype_name="bf16", ffn=False, device="cuda",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import statistics
 import sys
@@ -97,7 +98,9 @@ def _ab(fa, fb, rounds=7):
 
 
 def peak_extra(fn):
-    """(fn's output, the most bytes allocated above what was allocated before it, while it ran)."""
+    """(fn's output, the most bytes allocated above what was allocated before it, while it ran).  Garbage in
+    reference cycles is collected first, so that none of it is freed during ``fn`` below the base."""
+    gc.collect()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()

@@ -24,6 +24,7 @@ from wan_sage.attention import kernels, stats  # noqa: E402
 from wan_sage.attention.config import PatchConfig  # noqa: E402
 from wan_sage.attention.override import SageAttentionOverride  # noqa: E402
 from wan_sage.attention.state import STATE  # noqa: E402
+from wan_sage.cli.bench_kernels import peak_extra  # noqa: E402
 
 CC = kernels.device_cc(torch.device("cuda"))
 AUTO = kernels.auto_candidates(CC)
@@ -149,16 +150,6 @@ def test_the_patched_block_matches_sdpa(wan_block, tmp_path):
     assert cos > 0.99
 
 
-def _peak_above(fn):
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    out = fn()
-    torch.cuda.synchronize()
-    return out, torch.cuda.max_memory_allocated() - base
-
-
 def test_compiled_block_with_the_hand_over_forward_peaks_at_or_below_compiled_sdpa(wan_block, tmp_path):
     """Never bigger, compiled: the patch's own self-attention forward (nodes/handover.py) puts the write-into-q
     op in the graph, and inductor reinplaces it on q's buffer, so the compiled block's peak above its inputs is
@@ -185,7 +176,7 @@ def test_compiled_block_with_the_hand_over_forward_peaks_at_or_below_compiled_sd
                     fn = torch.compile(lambda: run_block(block, args, kwargs, override), fullgraph=True,
                                        backend="inductor")
                 fn()  # compiles (and settles the shapes)
-                outs[name], peaks[name] = _peak_above(fn)
+                outs[name], peaks[name] = peak_extra(fn)
             finally:
                 block.self_attn.__dict__.pop("forward", None)
     torch._dynamo.reset()

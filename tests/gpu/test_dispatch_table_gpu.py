@@ -113,6 +113,12 @@ def _sdpa_backends() -> str:
     return f"SDPA backends, priority order: {order}; enabled: " + ", ".join(k for k, v in enabled.items() if v)
 
 
+def _inputs(B, H, NQ, NK, D, dtype):
+    """A row's q, k and v ([B, N, H*D]), the same on every call for the same shape."""
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    return tuple(torch.randn(B, n, H * D, device=DEV, dtype=dtype, generator=gen) for n in (NQ, NK, NK))
+
+
 def _second_pass(rows) -> None:
     """Measure every declined row's decision again once the whole table has run, and keep the least of the
     two passes: a decision's cost is the code's, and one pass can fall in a stretch where other work on the
@@ -125,8 +131,7 @@ def _second_pass(rows) -> None:
             continue
         config, (B, H, NQ, NK, D, dtype) = again
         STATE.reset()
-        gen = torch.Generator(device=DEV).manual_seed(11)
-        q, k, v = (torch.randn(B, n, H * D, device=DEV, dtype=dtype, generator=gen) for n in (NQ, NK, NK))
+        q, k, v = _inputs(B, H, NQ, NK, D, dtype)
         second = _decision_us(config, q, k, v, H)
         del q, k, v
         for f in fields:
@@ -144,8 +149,7 @@ def _compare(out, ref):
 
 def _row(name, B, H, NQ, NK, D, dt, tmp_path) -> dict:
     dtype = DTYPES[dt]
-    gen = torch.Generator(device=DEV).manual_seed(11)
-    q, k, v = (torch.randn(B, n, H * D, device=DEV, dtype=dtype, generator=gen) for n in (NQ, NK, NK))
+    q, k, v = _inputs(B, H, NQ, NK, D, dtype)
     config = PatchConfig(calibration_budget_s=3600.0, cache_dir=str(tmp_path / f"{name}-{dt}"))
     patch = SageAttentionOverride(config)
     sdpa = lambda: attention_sdpa(q, k, v, H)  # noqa: E731

@@ -3,7 +3,6 @@ sage2_sm90's write-into-q path: its measured peak above the inputs is at or belo
 call, its bytes are the formula's (head_groups.into_q_groups), and its output is within the accuracy
 bound.  The shapes include ones the formula was not written from.  Speed against the ungrouped call is
 printed, not asserted."""
-import gc
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from wan_sage.attention import head_groups, kernel_bytes, kernels  # noqa: E402
 from wan_sage.attention.config import PatchConfig  # noqa: E402
 from wan_sage.attention.override import SageAttentionOverride  # noqa: E402
 from wan_sage.attention.sdpa import attention_sdpa  # noqa: E402
+from wan_sage.cli.bench_kernels import peak_extra  # noqa: E402
 from wan_sage.nodes.handover import Container as Box  # noqa: E402  (the containers ComfyUI 0.38 hands over)
 
 DEV = torch.device("cuda")
@@ -38,16 +38,6 @@ def fresh(B, H, N, D, seed):
     return [torch.randn(B, N, H * D, device=DEV, dtype=torch.bfloat16, generator=g) for _ in range(3)]
 
 
-def peak_above(fn):
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    out = fn()
-    torch.cuda.synchronize()
-    return out, torch.cuda.max_memory_allocated() - base
-
-
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_a_handed_over_call_peaks_at_or_below_sdpa(name, tmp_path):
     B, H, N, D = SHAPES[name]
@@ -58,12 +48,12 @@ def test_a_handed_over_call_peaks_at_or_below_sdpa(name, tmp_path):
     expected = F.scaled_dot_product_attention(*(t.view(B, -1, H, D).transpose(1, 2) for t in
                                                 (q.index_select(1, rows), k, v))).transpose(1, 2).reshape(B, -1, H * D)
     del q, k, v
-    sdpa_out, sdpa_peak = peak_above(lambda: attention_sdpa(*tensors, H))
+    sdpa_out, sdpa_peak = peak_extra(lambda: attention_sdpa(*tensors, H))
     del sdpa_out
     q_ptr = tensors[0].data_ptr()
     boxes = [Box(t) for t in tensors]
     tensors.clear()
-    out, peak = peak_above(lambda: o.container_function(*boxes, heads=H, transformer_options={}))
+    out, peak = peak_extra(lambda: o.container_function(*boxes, heads=H, transformer_options={}))
     found = head_groups.into_q_groups("sage2_sm90_into_q", kernel_bytes.AttnShape(B, H, N, N, D))
     got = out.index_select(1, rows).float()
     rel = ((got - expected.float()).norm() / expected.float().norm()).item()

@@ -35,7 +35,6 @@ Asserted: both ranks finished, and every rank's output within the accuracy bound
 from __future__ import annotations
 
 import datetime
-import gc
 import importlib
 import importlib.metadata
 import importlib.util
@@ -82,6 +81,7 @@ from wan_sage.attention import accuracy, stats  # noqa: E402
 from wan_sage.attention.config import PatchConfig  # noqa: E402
 from wan_sage.attention.inner_attention import INNER_ATTENTION_KEY, InnerAttention  # noqa: E402
 from wan_sage.attention.override import SageAttentionOverride  # noqa: E402
+from wan_sage.cli.bench_kernels import peak_extra  # noqa: E402
 from wan_sage.memory import request  # noqa: E402
 from wan_sage.memory.estimate import plan  # noqa: E402
 from wan_sage.nodes import raylight_bridge  # noqa: E402
@@ -185,17 +185,6 @@ def _version(name: str) -> str:
         return "?"
 
 
-def _peak_above(call):
-    """(call's output, the most bytes allocated above what was allocated before it, while it ran)."""
-    gc.collect()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = call()
-    torch.cuda.synchronize()
-    return out, torch.cuda.max_memory_allocated() - base
-
-
 def _timed(call) -> float:
     dist.barrier()  # both ranks enter the all-to-alls together
     torch.cuda.synchronize()
@@ -253,8 +242,8 @@ def _rank_row(up) -> dict:
     stats.begin_run(override.patch_id, "raylight usp gpu")
     dense()
     pack()  # the first call on this shape calibrates it on this rank
-    ref, dense_peak = _peak_above(dense)
-    out, pack_peak = _peak_above(pack)
+    ref, dense_peak = peak_extra(dense)
+    out, pack_peak = peak_extra(pack)
     times = {"dense": [], "pack": []}
     for _ in range(ITERS):
         times["dense"].append(_timed(dense))
