@@ -52,14 +52,17 @@ def add_parser(sub) -> None:
     p.add_argument("--compiled", action="store_true",
                    help="the transformer blocks run under torch.compile, each its own graph (per-block compile "
                         "nodes): fused RoPE and FFN lower the peak. ComfyUI's TorchCompileModel compiles the whole "
-                        "model as one graph; plan that without --compiled (it is reserved for as eager)")
+                        "model as one graph; plan that without --compiled (it is reserved for as eager, except that "
+                        "streamed GGUF weights keep the larger partial-load term under any compile, which the "
+                        "node applies and this plan does not)")
     p.add_argument("--sage-grouped", action="store_true",
                    help="the Sage patch splits self-attention into head groups (its memory mode, where the split "
                         "costs <= 2 %%); without it the estimate assumes the ungrouped call, which needs more")
     p.add_argument("--margin", default="0", help="GiB added to the reservation")
     p.add_argument("--kernel-set", choices=list(activation_model.KERNEL_SETS), default=activation_model.KERNEL_SETS[0],
                    help="Wan's elementwise kernels to plan for: comfy-0.3.64 (eager, as measured; the default) or "
-                        "comfy-kitchen (ComfyUI 0.38's fused RoPE and adaln; modelled, not measured)")
+                        "comfy-kitchen (ComfyUI 0.38's fused RoPE and adaln, measured; its FFN measured only with "
+                        "int8 weights)")
     multi = p.add_argument_group("multi-GPU (Raylight: xDiT USP, FSDP, CFG parallel); the figures are per rank")
     multi.add_argument("--ulysses", default=None, help="Ulysses degree U: heads split over U ranks (must divide the heads)")
     multi.add_argument("--ring", default=None, help="ring degree R: the sequence split over R ranks")

@@ -34,15 +34,18 @@ fused kernels allocate, measured on the H200 with comfy-kitchen 0.2.40 at four W
 (``python -m bench.kitchen_kernels``, bench/records/kitchen/kernels.jsonl): each call allocates its output and
 nothing more (at most 0.2 MiB beyond it), where the eager arithmetic beside it holds the fp32 temporaries this
 model gives 0.3.64's RoPE (``8 d T``, to the byte).  The FFN phase is ComfyUI 0.38 code, not comfy-kitchen's,
-and is modelled from its structure, not measured (:data:`KITCHEN_UNMEASURED`):
+and is modelled from its structure, not measured, except with int8 weights (:data:`KITCHEN_UNMEASURED`):
 
 * ``rope``: the fused kernel makes no fp32 temporaries: ``5 e d T``, as the compiled figure's RoPE.
 * ``modulation``: ``adaln`` writes its output without the ``norm`` temporary: ``2 e d T`` (``4 e d T``
   with per-frame timesteps, whose shift/scale are still repeated to ``[B, L, d]``).
 * ``ffn``: ``linear_input_act`` keeps the first Linear's output alive as its argument while the
-  down-projection runs.  With int8 tensorwise weights the GELU rides in the int8 quantiser (one
-  ``ffn_dim``-wide buffer plus its int8 copy): ``4 e d T + e f T + f T``; with any other weights the GELU
-  runs eagerly: ``4 e d T + 2 e f T``.
+  down-projection runs: ``4 e d T + 2 e f T`` with the GELU's output.  With int8 tensorwise weights
+  comfy-kitchen's ``int8_linear`` quantises the GELU's output to int8 (``f T``, the weights' per-layer
+  transient in :func:`weight_transient`); with convrot weights the GELU runs inside the quantiser and writes
+  no output of its own: ``4 e d T + e f T``.  Both int8 paths measured on the H200 (``kitchen/kernels.jsonl``:
+  ``3 f T`` and ``f T`` in bf16 beside the kept input).  With any other weights the GELU runs eagerly: modelled,
+  not measured.
 * ``embed``, ``attn`` and ``cross``: the same code as 0.3.64: 0.3.64's figures.
 """
 from __future__ import annotations
@@ -50,7 +53,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-__all__ = ["WanDims", "PRESETS", "COMPILED", "KERNEL_SETS", "KITCHEN_UNMEASURED", "Workload", "latent_shape", "latent_elems", "tokens", "phase_peaks", "forward_peak",
+__all__ = ["WanDims", "PRESETS", "COMPILED", "KERNEL_SETS", "KITCHEN_UNMEASURED", "INT8_FFN_FORMATS", "Workload", "latent_shape", "latent_elems", "tokens", "phase_peaks", "forward_peak",
            "largest_block", "weight_transient", "WeightSetup", "DTYPE_BYTES", "QUANT_FORMATS"]
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -125,8 +128,11 @@ def latent_elems(latent) -> int:
 # Wan's elementwise kernels the phases are modelled for: ComfyUI 0.3.64's (measured), or comfy-kitchen's
 # fused RoPE and adaln with linear_input_act's FFN (ComfyUI 0.38; modelled from the code, not measured).
 KERNEL_SETS = ("comfy-0.3.64", "comfy-kitchen")
-# The phase of the comfy-kitchen set modelled from the code's structure rather than measured.
+# The phase of the comfy-kitchen set modelled from the code's structure rather than measured (with int8
+# weights its int8 kernel is measured; with other weights the GELU is ComfyUI's eager code).
 KITCHEN_UNMEASURED = ("ffn",)
+# The FFN weight formats whose down-projection runs comfy-kitchen's int8 kernel (QUANT_FORMATS keys).
+INT8_FFN_FORMATS = ("int8", "int8 convrot")
 
 
 @dataclass(frozen=True)
@@ -146,7 +152,9 @@ class Workload:
     compiled: bool = False  # the blocks run under torch.compile (inductor): see COMPILED
     self_attn_groups: int = 1  # head groups the self-attention kernel call runs in (attention.head_groups)
     kernels: str = KERNEL_SETS[0]  # Wan's elementwise kernels: one of KERNEL_SETS
-    int8_ffn: bool = False  # int8 tensorwise FFN weights: comfy-kitchen folds the GELU into the down-projection
+    # int8 tensorwise FFN weights (one of INT8_FFN_FORMATS): comfy-kitchen quantises the GELU's output to int8
+    # in the down-projection, fused into the quantiser with convrot weights
+    int8_ffn: str | None = None
 
 
 # ComfyUI names compiled modules by their key in the BaseModel; the compiled figure is for keys that are
@@ -204,7 +212,11 @@ def phase_peaks(dims: WanDims, w: Workload) -> dict:
     if w.kernels == KERNEL_SETS[1]:
         phases["rope"] = 5 * e * d * T
         phases["modulation"] = (4 if w.per_frame_timesteps else 2) * e * d * T
-        phases["ffn"] = 4 * e * d * T + (e * f * T + f * T if w.int8_ffn else 2 * e * f * T)
+        if w.int8_ffn not in (None,) + INT8_FFN_FORMATS:
+            raise ValueError(f"int8_ffn must be one of {', '.join(INT8_FFN_FORMATS)} or None")
+        # the kept input and the GELU's output, which convrot weights fuse into the int8 quantiser; the int8
+        # copy itself is the quantised weights' per-layer transient (weight_transient: tokens x f)
+        phases["ffn"] = 4 * e * d * T + (1 if w.int8_ffn == "int8 convrot" else 2) * e * f * T
     elif w.kernels != KERNEL_SETS[0]:
         raise ValueError(f"kernels must be one of {', '.join(KERNEL_SETS)}")
     if w.compiled:
@@ -240,7 +252,8 @@ QUANT_FORMATS = {
     "fp8 scaled": (1.0, 1.0),           # float8_e4m3fn / float8_e5m2 (TensorCoreFP8 layouts)
     "mxfp8": (1.0 + 1 / 32, 1.0 + 1 / 32),
     "nvfp4": (0.5 + 1 / 16, 0.5 + 1 / 16),
-    "int8": (1.0, 1.0),                 # int8_tensorwise, also with convrot
+    "int8": (1.0, 1.0),                 # int8_tensorwise
+    "int8 convrot": (1.0, 1.0),         # int8_tensorwise with convrot (Hadamard-rotated) weights
     "convrot w4a4": (0.5, 0.5),
     "w4a8 int8": (0.5, 1.0),
 }

@@ -464,7 +464,8 @@ def plan(s: Setup) -> Estimate:
                                   img_tokens=s.img_tokens, per_frame_timesteps=T if s.per_frame_timesteps else 0,
                                   vace_streams=s.vace_streams, latent_elems_per_row=activation_model.latent_elems(latent),
                                   compiled=s.compiled, self_attn_groups=groups, kernels=s.kernel_set,
-                                  int8_ffn=s.weights.quant_format == "int8")
+                                  int8_ffn=(s.weights.quant_format if s.weights.quant_format in activation_model.INT8_FFN_FORMATS
+                                            else None))
     res, par, res_need, par_need = _needs(s, w)
     bat_res = bat_par = None
     if rows_bat != rows_seq:

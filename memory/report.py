@@ -22,15 +22,15 @@ from .estimate import GiB, Estimate
 __all__ = ["summary", "report", "memory_path_line", "per_rank_lines", "compile_payback_line", "compile_payback_summary",
            "DYNAMIC_LINE", "KERNEL_LINES", "KITCHEN_UNMEASURED_TEXT"]
 
-KITCHEN_UNMEASURED_TEXT = "the FFN modelled from its structure, not measured"
+KITCHEN_UNMEASURED_TEXT = "the FFN modelled from its structure, not measured, except its int8 kernel"
 # The report's line for each of activation_model.KERNEL_SETS.
 KERNEL_LINES = {
     "comfy-0.3.64": "kernels: ComfyUI 0.3.64's Wan kernels (eager RoPE, modulation and GELU), as the forward-peak "
                     "records measured them",
     "comfy-kitchen": "kernels: comfy-kitchen's fused RoPE and adaln, the FFN through linear_input_act (ComfyUI 0.38): "
                      "RoPE and modulation from the fused kernels' measured bytes (each allocates its output and "
-                     "nothing more); " + KITCHEN_UNMEASURED_TEXT + " (the GELU is fused only with int8 weights, and "
-                     "the FFN's input stays alive through the down-projection); embedding, attention and "
+                     "nothing more); " + KITCHEN_UNMEASURED_TEXT + " (int8 weights: the GELU's output quantised "
+                     "in the down-projection, measured; the FFN's input stays alive through it); embedding, attention and "
                      "cross-attention as 0.3.64's",
 }
 

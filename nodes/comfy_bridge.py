@@ -258,8 +258,8 @@ def _is_quantized(p) -> bool:
 def quant_format(params) -> str | None:
     """The QuantizedTensor format most of these parameters are held in (comfy/quant_ops.py in ComfyUI 0.38:
     a tensor subclass named QuantizedTensor with ``_qdata`` and ``_layout_cls``, the layout's class name),
-    feature-detected without importing ComfyUI; None when no parameter is one.  A layout not known here is
-    named by its class name."""
+    feature-detected without importing ComfyUI; None when no parameter is one.  int8 tensorwise weights whose
+    ``_params.convrot`` is set are "int8 convrot".  A layout not known here is named by its class name."""
     counts: dict = {}
     for p in params:
         if not _is_quantized(p):
@@ -267,6 +267,8 @@ def quant_format(params) -> str | None:
         layout = getattr(p, "_layout_cls", None)
         name = layout if isinstance(layout, str) else getattr(layout, "__name__", type(layout).__name__)
         fmt = QUANT_LAYOUTS.get(name, name)
+        if fmt == "int8" and getattr(getattr(p, "_params", None), "convrot", False):
+            fmt = "int8 convrot"  # TensorWiseINT8Layout.Params.convrot (comfy-kitchen 0.2.40, tensor/int8.py)
         counts[fmt] = counts.get(fmt, 0) + 1
     return max(counts, key=counts.get) if counts else None
 

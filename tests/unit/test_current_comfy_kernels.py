@@ -75,8 +75,12 @@ def test_comfy_kitchen_phases_follow_the_fused_kernels_structure():
     assert old["rope"] == 5 * e * d * T + 8 * d * T and new["rope"] == 5 * e * d * T   # no fp32 temporaries
     assert new["modulation"] == 2 * e * d * T < old["modulation"]
     assert new["ffn"] == 4 * e * d * T + 2 * e * f * T            # eager GELU, the FFN input still alive
-    int8 = phase_peaks(A14B, Workload(L=75_600, kernels="comfy-kitchen", int8_ffn=True))
-    assert int8["ffn"] == 4 * e * d * T + e * f * T + f * T        # GELU folded into the int8 quantiser
+    rot = phase_peaks(A14B, Workload(L=75_600, kernels="comfy-kitchen", int8_ffn="int8 convrot"))
+    assert rot["ffn"] == 4 * e * d * T + e * f * T                 # GELU folded into the int8 quantiser
+    int8 = phase_peaks(A14B, Workload(L=75_600, kernels="comfy-kitchen", int8_ffn="int8"))
+    assert int8["ffn"] == new["ffn"]                               # the GELU's output written first
+    with pytest.raises(ValueError, match="int8_ffn must be one of"):
+        phase_peaks(A14B, Workload(L=100, kernels="comfy-kitchen", int8_ffn=True))
     for phase in ("embed", "attn", "cross"):
         assert new[phase] == old[phase]                            # 0.3.64's figure
     with pytest.raises(ValueError, match="kernels must be one of"):
@@ -95,7 +99,7 @@ def test_the_report_says_which_set_and_what_is_not_measured():
     assert report.KERNEL_LINES["comfy-0.3.64"] in report.report(old)
     text = report.report(new)
     assert "kernels: comfy-kitchen's fused RoPE and adaln" in text
-    assert "the FFN modelled from its structure, not measured" in text
+    assert "the FFN modelled from its structure, not measured, except its int8 kernel" in text
     assert report.summary(new)["kernel_set"] == "comfy-kitchen" and new.as_dict()["request"]["kernel_set"] == "comfy-kitchen"
     # A14B: the FFN (the input kept alive) now decides the peak, above 0.3.64's RoPE phase.
     assert old.resident["dominant_phase"] == "rope" and new.resident["dominant_phase"] == "ffn"

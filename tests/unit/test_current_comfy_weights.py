@@ -31,20 +31,20 @@ class QuantizedTensor:
 
 
 class QuantBase(Base):
-    def __init__(self, layout):
+    def __init__(self, layout, **params):
         super().__init__()
-        self.layout = layout
+        self.layout, self.params = layout, params
 
     def parameters(self):
-        params = SimpleNamespace(orig_dtype=torch.bfloat16, scale=torch.ones(()))
+        params = SimpleNamespace(orig_dtype=torch.bfloat16, scale=torch.ones(()), **self.params)
         yield torch.zeros(4, dtype=torch.bfloat16)                           # the patch embedding: not quantised
         for _ in range(3):
             yield QuantizedTensor(torch.zeros(4, 4, dtype=torch.uint8), self.layout, params)
 
 
-def _patcher(layout):
+def _patcher(layout, **params):
     p = Patcher()
-    p.model = QuantBase(layout)
+    p.model = QuantBase(layout, **params)
     return p
 
 
@@ -54,6 +54,10 @@ def test_quantized_weights_are_recognised_not_read_as_bf16(comfy):
         ws = comfy_bridge.weight_setup(_patcher(layout), False)
         assert ws.quant_format == fmt and ws.weight_dtype == fmt and ws.casts_to("bf16"), layout
     assert comfy_bridge.weight_setup(Patcher(), False).quant_format is None
+    # comfy-kitchen's TensorWiseINT8Layout.Params carries convrot (comfy-kitchen 0.2.40, tensor/int8.py)
+    rotated = comfy_bridge.weight_setup(_patcher("TensorWiseINT8Layout", convrot=True, convrot_groupsize=256), False)
+    assert rotated.quant_format == "int8 convrot"
+    assert comfy_bridge.weight_setup(_patcher("TensorWiseINT8Layout", convrot=False), False).quant_format == "int8"
 
 
 def test_their_per_layer_transient_is_modelled_and_marked_unmeasured(comfy):
@@ -72,6 +76,12 @@ def test_int8_weights_fold_the_gelu_under_comfy_kitchen(comfy, monkeypatch):
     _m, int8, _ = estimator.apply_estimator(_patcher("TensorWiseINT8Layout"), estimator.Settings(), LATENT)
     _m, nvfp4, _ = estimator.apply_estimator(_patcher("TensorCoreNVFP4Layout"), estimator.Settings(), LATENT)
     assert int8.setup.kernel_set == "comfy-kitchen" and int8.resident["dominant_phase"] == "ffn"
-    assert int8.resident["phase_peak"] < nvfp4.resident["phase_peak"]      # one ffn-wide buffer, not two
+    _m, rot, _ = estimator.apply_estimator(_patcher("TensorWiseINT8Layout", convrot=True), estimator.Settings(), LATENT)
+    T, f, e = 75_600, A14B.ffn_dim, 2
+    # the GELU's output quantised to int8 beside the kept input (the int8 copy, f T, is the transient): fused into
+    # the quantiser with convrot weights, written first without (kitchen/kernels.jsonl: f T and 3 f T beside it)
+    assert int8.resident["weight_transient"] == rot.resident["weight_transient"] == f * T
+    assert int8.resident["phase_peak"] - rot.resident["phase_peak"] == e * f * T
+    assert rot.resident["phase_peak"] < nvfp4.resident["phase_peak"]      # one ffn-wide buffer, not two
     assert activation_model.QUANT_FORMATS.keys() >= set(comfy_bridge.QUANT_LAYOUTS.values())
     assert report.summary(int8)["kernel_set"] == "comfy-kitchen"
