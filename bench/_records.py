@@ -14,8 +14,9 @@ from pathlib import Path
 from ._host import ROOT
 
 RECORDS = ROOT / "bench" / "records"
-# A record file whose name starts with this holds records kept so that nobody reuses them (a run whose
-# budget was not the one named); no table reads it.
+# A record file whose name starts with this holds records kept so that nobody reuses them as the pack's
+# (a run whose budget was not the one named, or one made with a rule the pack then dropped); no table reads
+# it, and a page quotes it only where it says why.
 VOID_PREFIX = "void-"
 
 # Which record files each rule or constant of the pack was set from.  The rows of these files are its
