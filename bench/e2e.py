@@ -227,6 +227,50 @@ def matrix(budget: float) -> list[RunSpec]:
 
 # --------------------------------------------------------------------------- measurement helpers
 
+class ComfyTimers:
+    """Wall seconds this harness process spends inside ComfyUI's model-memory calls, per call name: how a phase's
+    time splits between moving weights (loading, evicting, ComfyUI's garbage collection) and running nodes.  Times
+    are inclusive (load_models_gpu contains free_memory, which contains the partial unloads).  Each target is
+    wrapped for the harness's process only, and :meth:`close` puts the originals back."""
+
+    def __init__(self, mm, patcher_cls):
+        self.totals: dict = {}
+        self._undo = []
+        targets = [(mm, "load_models_gpu"), (mm, "free_memory"), (mm, "cleanup_models_gc"),
+                   (getattr(mm, "LoadedModel", None), "model_unload"),
+                   (patcher_cls, "partially_unload"), (patcher_cls, "partially_load"), (patcher_cls, "detach")]
+        for owner, name in targets:
+            fn = getattr(owner, name, None) if owner is not None else None
+            if fn is None:
+                continue
+            setattr(owner, name, self._timed(fn, name))
+            self._undo.append((owner, name, fn))
+
+    def _timed(self, fn, name):
+        totals = self.totals
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                totals[name] = totals.get(name, 0.0) + time.perf_counter() - t
+        timed.__wrapped__ = fn
+        return timed
+
+    def snapshot(self) -> dict:
+        return dict(self.totals)
+
+    def since(self, before: dict) -> dict:
+        """Seconds per call name since ``before`` (a :meth:`snapshot`), the names that took any time."""
+        return {k: round(v - before.get(k, 0.0), 3) for k, v in self.totals.items() if v - before.get(k, 0.0) > 0}
+
+    def close(self) -> None:
+        for owner, name, fn in reversed(self._undo):
+            setattr(owner, name, fn)
+        self._undo.clear()
+
+
 class Mem:
     """CUDA memory readings above the ballast (all None on CPU)."""
 
@@ -517,6 +561,8 @@ class Host:
         self.ce = ce
         self.mm = self.ns.model_management
         self.dev = self.mm.get_torch_device()
+        import comfy.model_patcher  # noqa: E402  (ComfyUI is on sys.path once booted)
+        self.comfy_timers = ComfyTimers(self.mm, comfy.model_patcher.ModelPatcher)
         self.mem = Mem(torch, self.cuda)
         self.N = self.ns.nodes.NODE_CLASS_MAPPINGS
         t1 = time.perf_counter()
@@ -705,6 +751,7 @@ class Host:
             mem.sync()
             mem.reset()
             before = loaded()
+            timers0 = self.comfy_timers.snapshot()
             t = time.perf_counter()
             try:
                 yield
@@ -712,9 +759,11 @@ class Host:
                 mem.sync()
                 pa, pr = mem.peaks()
                 # the weights ComfyUI held on the GPU as the phase began and ended: what a phase evicted or
-                # loaded (a decode after a sampling that kept more weights resident has more to move)
+                # loaded (a decode after a sampling that kept more weights resident has more to move), and the
+                # seconds the phase spent in ComfyUI's loading and evicting calls
                 phases[name] = {"s": _r(time.perf_counter() - t), "peak_alloc_gib": _r(pa), "peak_reserved_gib": _r(pr),
-                                "loaded_gib_before": before, "loaded_gib_after": loaded()}
+                                "loaded_gib_before": before, "loaded_gib_after": loaded(),
+                                "comfy_memory_s": self.comfy_timers.since(timers0)}
         retries0 = mem.retries()
         with torch.inference_mode():     # as ComfyUI's PromptExecutor runs every node
             try:
@@ -1341,6 +1390,14 @@ def main(argv=None):
         if caches:
             drop_caches(caches)
         raise
+    try:
+        return _main_runs(host, args, caches, process_t0, t_start)
+    finally:
+        host.comfy_timers.close()
+
+
+def _main_runs(host, args, caches, process_t0, t_start) -> int:
+    """main's runs on a booted host: one whole-prompt process, a workflow, or the run specs."""
     if args.whole_prompt:
         try:
             spec = RunSpec.parse(args.runs.strip().strip(","))

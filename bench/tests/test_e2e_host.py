@@ -66,12 +66,15 @@ def test_tiny_pipeline_end_to_end_through_real_loaders(e2e_rows):
         # --cpu), by its model class
         assert any(k.startswith("WAN") and v > 0 for k, v in r["phases"]["high"]["loaded_gib_after"].items())
         assert isinstance(r["phases"]["encode"]["loaded_gib_before"], dict)
+        # the seconds a phase spent in ComfyUI's loading calls: loading the expert is inside the sampling phase
+        assert r["phases"]["high"]["comfy_memory_s"].get("load_models_gpu", 0) > 0
         assert r["env"]["comfyui"] and r["env"]["device"] == "cpu" and r["env"]["weights"] == "gguf"
         assert r["peak_alloc_gib"] is None          # no CUDA: no memory readings, no ballast
         assert r["alloc_retries"] is None and r["budget"]["inherited_alloc_gib"] is None
     # run 1: estimator + Sage patch (on the CPU every call goes to SDPA with reason "cpu"), decoded
     assert a["config"]["estimator"] and a["config"]["attention"] == "sage"
     assert a["decoded"] == [5, 64, 64, 3] and a["images_finite"] is True
+    assert a["phases"]["decode"]["comfy_memory_s"].get("load_models_gpu", 0) > 0   # the VAE loaded for the decode
     for e in a["experts"].values():
         assert e["reservation_source"] == "wan-sage"
         assert e["estimator"]["tokens"] == 32

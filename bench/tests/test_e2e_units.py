@@ -623,3 +623,29 @@ def test_the_fp8fast_option_loads_the_fp8_files_as_fp8_e4m3fn_fast():
     from bench.measured_rows import e2e_estimate
     c = {"weights": "fp8_fast", "lora_rank": None, "width": 1280, "height": 720, "frames": 81, "attention": "sage"}
     assert e2e_estimate(c).setup.weights.fp8_matmul and not e2e_estimate({**c, "weights": "fp8"}).setup.weights.fp8_matmul
+
+
+def test_comfy_timers_add_up_each_call_and_put_the_originals_back():
+    from types import SimpleNamespace
+    from bench.e2e import ComfyTimers
+
+    calls = []
+
+    class Patcher:
+        def partially_unload(self, device_to, memory_to_free=0):
+            calls.append(("unload", memory_to_free))
+            return memory_to_free
+
+    mm = SimpleNamespace(free_memory=lambda need, dev: calls.append(("free", need)) or [],
+                         load_models_gpu=lambda models, **k: calls.append(("load", len(models))))
+    originals = (mm.free_memory, mm.load_models_gpu, Patcher.partially_unload)
+    timers = ComfyTimers(mm, Patcher)
+    start = timers.snapshot()
+    assert mm.free_memory(5, "cuda") == [] and Patcher().partially_unload("cpu", memory_to_free=7) == 7
+    mm.load_models_gpu([1, 2])
+    took = timers.since(start)
+    assert set(took) == {"free_memory", "partially_unload", "load_models_gpu"} and all(v >= 0 for v in took.values())
+    assert calls == [("free", 5), ("unload", 7), ("load", 2)]      # the calls themselves are unchanged
+    assert timers.since(timers.snapshot()) == {}                   # nothing ran since
+    timers.close()
+    assert (mm.free_memory, mm.load_models_gpu, Patcher.partially_unload) == originals
