@@ -319,3 +319,31 @@ def test_a_container_call_known_declined_skips_the_checks_and_keeps_its_route(fa
     assert not checks and s["sage_calls"] == 0
     assert s["reasons"] == ({"short": 5} if static else {"slower": 5})
     assert len(prev_calls) == (5 if static else 0)
+
+
+def _roped_site(q, k, v, heads, options):
+    """0.38's ``WanSelfAttention.forward`` after RoPE (wan/model.py@0c9a69ae): the roped ``[B, N, H, D]`` q and k,
+    viewed ``[B, N, H*D]`` into containers whose names replace them."""
+    b, s, n, d = *q.shape[:2], heads, q.shape[-1] // heads
+    q = (q * 1.0).view(b, s, n, d)  # a fresh tensor, as apply_rope1's output is
+    k = (k * 1.0).view(b, s, n, d)
+    q = AttentionTensorContainer(q.view(b, s, n * d))
+    k = AttentionTensorContainer(k.view(b, s, n * d))
+    v = AttentionTensorContainer(v)
+    return optimized_attention(q, k, v, heads=heads, preferred_attention=ComfyAttention(), transformer_options=options)
+
+
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+def test_the_0_38_site_hands_over_its_roped_q_view_as_comfyui_runs_nodes(fake_gpu, override, monkeypatch, mode):
+    """The container holds a view of the roped q.  Under ``torch.inference_mode`` (ComfyUI's executor runs every
+    node in it) a view keeps no base tensor, so the call owns q's memory and the kernel writes the output into it;
+    under ``no_grad`` the view keeps its base alive, another tensor on q's memory, so the call keeps the
+    ordinary path and returns a new output."""
+    monkeypatch.setattr(head_groups, "INTO_Q_SLACK_BYTES", 0)  # a call of a few MiB: no allocator slack
+    q, k, v = qkv()
+    expect = attention_sdpa(q, k, v, 4)
+    with getattr(torch, mode)():
+        out = _roped_site(q, k, v, 4, {"optimized_attention_override": override})
+    assert torch.allclose(out.float(), expect.float(), atol=2e-2)
+    assert bool(fake_gpu.into_q_calls) == (mode == "inference_mode")
+    assert fake_gpu.kernel_calls("sage2_sm90") > 0
