@@ -91,6 +91,27 @@ def e2e_records(weights: str | None = None, paths=None) -> list[tuple[Path, dict
 
 # --------------------------------------------------------------------------- docs/attention.md
 
+INTO_Q_COST = re.compile(r"A14B 720p81: ungrouped ([\d.]+) ms, write-into-q ([\d.]+) ms")
+
+
+def into_q_cost_text() -> str:
+    """What the write-into-q split costs against the ungrouped kernel at A14B 720p81, over every gpu-tier log
+    that measured it (``tests/gpu/test_into_q_gpu.py``)."""
+    runs = []
+    for p in sorted((RECORDS / "gpu-tier").glob("*.log")):
+        m = INTO_Q_COST.search(p.read_text())
+        if m:
+            ungrouped, into_q = float(m.group(1)), float(m.group(2))
+            runs.append((into_q / ungrouped - 1, ungrouped, into_q, p.name))
+    if not runs:
+        return ""
+    runs.sort()
+    costs = [100 * c for c, *_ in runs]
+    each = "; ".join(f"{100 * c:.1f} % in `{n}` ({q:.1f} against {u:.1f} ms)" for c, u, q, n in runs)
+    return (f"The split costs {_span(costs, '{:.1f}')} % (median {statistics.median(costs):.1f} %) against the "
+            f"ungrouped kernel at 720p81 over {len(runs)} gpu-tier runs: {each}.")
+
+
 def attention_doc() -> str:
     a = rows("attention/kernels.jsonl")
     ab = rows("attention/auto-interleaved.jsonl")
@@ -172,9 +193,7 @@ tokens, whose 4 groups held 78.1 MiB against SDPA's 74.2). On the H200 (gpu tier
 for the ungrouped kernel, at relative L2 0.039; A14B 480p81, 1.3B 480p81 with cfg batch 2, 5B 704p121 and A14B
 1080p49 held 0.87× SDPA's bytes; the 7,480-token call, now in 5 groups, 0.86×; and four short calls the slack
 was not set from (A14B 4,680 and 3,120 tokens, TI2V-5B 9,000, 1.3B 15,000 with cfg batch 2; 6–8 groups)
-0.66–0.81×. The split costs 1.6–3.4 % against the ungrouped kernel at 720p81 over five gpu-tier runs (146.5
-against 144.2 ms in `e9eec03.log`, 147.0 against 143.4 in `e97e33e.log`; 2.6 %, 3.0 % and 3.4 % in
-`509f663.log`, `1071ee5.log` and `d212ce0.log`).
+0.66–0.81×. {into_q_cost_text()}
 
 Under `torch.compile` the patch's own forward on 0.3.64 hands the tensors to a second custom op,
 `wan_sage::attention_into_q`, which mutates q (`SageAttentionOverride.dead_q_call`, `attention/op.py`): inductor
