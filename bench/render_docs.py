@@ -851,13 +851,12 @@ def stream_term_trial_lines() -> list:
         return []
     if not trial or not before:
         return []
-    held, reserved, resident = [], [], []
+    held, reserved = [], []
     for r in trial:
         for p in r["prompts"]:
             for e in p["experts"].values():
                 held.append(held_above_weights(e))
                 reserved.append(e["predicted_working_gib"])
-                resident.append(e["resident_frac"])
     def decode(rs, budget):
         return [(p["phases"]["decode"]["s"], p["to_frames_s"], p["phases"]["decode"].get("loaded_gib_before", {}),
                  p["phases"]["decode"].get("loaded_gib_after", {}))
@@ -882,7 +881,7 @@ def stream_term_trial_lines() -> list:
         f"{' / '.join(f'{s:.1f}' for s, _f, _b, _a in new16)} s (first / repeat prompt) against "
         f"{' / '.join(f'{s:.1f}' for s, _f, _b, _a in old16)} s, and the prompt to the frames took "
         f"{' / '.join(f'{f:.1f}' for _s, f, _b, _a in new16)} s against {' / '.join(f'{f:.1f}' for _s, f, _b, _a in old16)} s "
-        "(another machine, the session before). So the pack keeps the partial-load term: reserving what the sampling holds "
+        "(an earlier run, on another machine). So the pack keeps the partial-load term: reserving what the sampling holds "
         "is not a gain on the user's clock until the decode that follows is planned for too.",
     ]
 
@@ -1221,6 +1220,13 @@ def whole_generation_section(paths=None) -> list:
     return o + [""] + whole_decode_lines(rows_) + [""]
 
 
+def _decode_phases(recs) -> list:
+    """(seconds, GiB loaded before, GiB loaded after) of each completed prompt's VAE decode in ``recs``."""
+    return [(p["phases"]["decode"]["s"], p["phases"]["decode"].get("loaded_gib_before"),
+             p["phases"]["decode"].get("loaded_gib_after")) for r in recs for p in r["prompts"]
+            if p.get("status") == "ok" and "decode" in p.get("phases", {})]
+
+
 def whole_decode_lines(rows_) -> list:
     """The VAE decode after the estimator's sampling, where it took longer than after ComfyUI alone's in the same
     set: its seconds, and the GiB of the diffusion model it evicted (records that say what was loaded)."""
@@ -1232,11 +1238,7 @@ def whole_decode_lines(rows_) -> list:
                      and b["budget"] == x["budget"] and b["caches"] == x["caches"] and b["config"] == (False, "sdpa")), None)
         if base is None:
             continue
-        def decodes(recs):
-            return [(p["phases"]["decode"]["s"], p["phases"]["decode"].get("loaded_gib_before"),
-                     p["phases"]["decode"].get("loaded_gib_after")) for r in recs for p in r["prompts"]
-                    if p.get("status") == "ok" and "decode" in p.get("phases", {})]
-        mine, theirs = decodes(x["recs"]), decodes(base["recs"])
+        mine, theirs = _decode_phases(x["recs"]), _decode_phases(base["recs"])
         if not mine or not theirs or min(s for s, _b, _a in mine) <= 1.5 * max(s for s, _b, _a in theirs):
             continue
         evicted = [sum(b.values()) - sum(v for k, v in a.items() if k in b) for _s, b, a in mine if b and a]

@@ -52,9 +52,7 @@ def add_parser(sub) -> None:
     p.add_argument("--compiled", action="store_true",
                    help="the transformer blocks run under torch.compile, each its own graph (per-block compile "
                         "nodes): fused RoPE and FFN lower the peak. ComfyUI's TorchCompileModel compiles the whole "
-                        "model as one graph; plan that without --compiled (it is reserved for as eager, except that "
-                        "streamed GGUF weights keep the larger partial-load term under any compile, which the "
-                        "node applies and this plan does not)")
+                        "model as one graph; plan that without --compiled (it is reserved for as eager)")
     p.add_argument("--sage-grouped", action="store_true",
                    help="the Sage patch splits self-attention into head groups (its memory mode, where the split "
                         "costs <= 2 %%); without it the estimate assumes the ungrouped call, which needs more")

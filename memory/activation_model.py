@@ -126,7 +126,7 @@ def latent_elems(latent) -> int:
 
 
 # Wan's elementwise kernels the phases are modelled for: ComfyUI 0.3.64's (measured), or comfy-kitchen's
-# fused RoPE and adaln with linear_input_act's FFN (ComfyUI 0.38; modelled from the code, not measured).
+# fused RoPE and adaln (measured) with linear_input_act's FFN (ComfyUI 0.38; measured only with int8 weights).
 KERNEL_SETS = ("comfy-0.3.64", "comfy-kitchen")
 # The phase of the comfy-kitchen set modelled from the code's structure rather than measured (with int8
 # weights its int8 kernel is measured; with other weights the GELU is ComfyUI's eager code).

@@ -408,8 +408,8 @@ def into_q_plan(s: Setup, att: AttentionPlan, rows: int, tokens: int) -> tuple |
     groups within SDPA's bytes, whatever the memory mode (the dispatcher's rule,
     attention.head_groups.into_q_groups).  Compiled calls write into q as well (attention/op.py's
     write-into-q op), but its peak is measured on one compiled block (gpu tier), not on a whole compiled
-    forward, so a compiled plan keeps the ordinary path's bytes, which are more: the reservation never falls short.  Self-attention run by
-    another node runs the ordinary path."""
+    forward, so a compiled plan keeps the ordinary path's bytes, which are more: the reservation never falls
+    short.  Self-attention run by another node runs the ordinary path."""
     if not s.q_handed_over or s.compiled or att.kernel is None or att.self_by is not None:
         return None
     path = registry.KERNELS[att.kernel].into_q_path(None, s.dims.head_dim)
