@@ -291,10 +291,10 @@ class SageAttentionOverride:
         (:func:`_handed_over`) the call's shape is marked ``into_q``: a kernel with a write-into-q path
         (:meth:`.registry.KernelSpec.into_q_path`) writes the output into q's memory head group by head
         group, so the call allocates no output and its peak stays at or below SDPA's
-        (:func:`.execution._run_into_q`).  In eager mode only; traceable by ``torch.compile`` without a
-        graph break (the containers are plain Python objects; tests/unit/test_current_comfy_attention.py),
-        where the custom op runs the ordinary path: a graph has no reference count to tell whether the call
-        site reads q again (see :meth:`dead_q_call`)."""
+        (:func:`.execution._run_into_q`).  Traceable by ``torch.compile`` without a graph break (the
+        containers are plain Python objects; tests/unit/test_current_comfy_attention.py): there Wan's
+        self-attention is the write-into-q op (:meth:`_compiled_q_is_dead` says when), which inductor
+        reinplaces on q's buffer, and every other call the ordinary op."""
         boxes = args[:3]
         fast = None
         if not _is_compiling():
@@ -321,6 +321,9 @@ class SageAttentionOverride:
                     STATE.remember_declined(fast, self.patch_id, reason, True)
             return self._declined_containers(args, kwargs)
         q, k, v = boxes[0].take(), boxes[1].take(), boxes[2].take()
+        if _is_compiling() and self._compiled_q_is_dead(q, shape, kwargs):
+            op.call_attention_into_q(q, k, v, heads, None, self.graph_key)
+            return q
         if fast is not None:
             key = execution.call_key(self, q, shape)
             settled = STATE.decisions.get(key)
@@ -329,6 +332,22 @@ class SageAttentionOverride:
         if shape.layout == "NHD" and shape.out_layout == "NHD" and not _is_compiling() and _handed_over(q):
             shape = shape._replace(into_q=True)
         return self._dispatch(q, k, v, heads, skip_reshape, skip_out, shape, kwargs)
+
+    @staticmethod
+    def _compiled_q_is_dead(q, shape, kwargs) -> bool:
+        """Whether a container call being compiled may write its output into q: Wan's self-attention, whose q the
+        call site hands over in its container and never reads again, in the layout the write-into-q op takes.
+        A graph has no reference count, so the call site's contract stands in for :func:`_handed_over`: ComfyUI
+        0.38's ``WanSelfAttention.forward`` (comfy/ldm/wan/model.py at 0c9a69ae) puts the roped q in the container
+        and rebinds its name, keeping q only as ``q_patch`` for the ``attn1_patch`` patches, so a model with such
+        patches keeps the ordinary op.  Cross-attention keeps it too (the I2V site hands the same q to two calls),
+        and so does a call with a mask, a scale or any other option (the op takes none)."""
+        if op.INTO_Q_OP is None or shape.layout != "NHD" or shape.out_layout != "NHD" or policy.is_cross(shape.Nq, shape.Nk):
+            return False
+        if kwargs.keys() - _WAN_KWARGS:
+            return False
+        options = kwargs.get("transformer_options") or {}
+        return not (options.get("patches") or {}).get("attn1_patch") and q.is_contiguous()
 
     def dead_q_call(self, q, k, v, *, heads: int, transformer_options):
         """A Wan self-attention call (q, k, v ``[B, N, H*D]``) from a call site that never reads q again: the

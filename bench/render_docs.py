@@ -200,8 +200,12 @@ Under `torch.compile` the patch's own forward on 0.3.64 hands the tensors to a s
 reinplaces the mutation on q's own buffer, so the compiled call allocates no output either. A compiled A14B
 block at 480p81 on the H200 peaked 1,504.0 MiB above its inputs with it, against 1,599.9 MiB for compiled SDPA
 and 1,784.8 MiB for the ordinary op, at relative L2 5.2e-4 against the ordinary op (`e9eec03.log`,
-`e97e33e.log`; `tests/gpu/test_compile_gpu.py`). Container calls under compile (0.38's own call sites) keep the
-ordinary op: a graph has no reference count to tell whether the caller reads q again.
+`e97e33e.log`; `tests/gpu/test_compile_gpu.py`). 0.38's own container call sites take the same op under compile
+where the call site hands q over and keeps no copy of it (`SageAttentionOverride._compiled_q_is_dead`: Wan's
+self-attention without `attn1_patch` patches, in the op's layout, with no other option); a graph has no reference
+count, so 0.38's call-site contract stands in for it. Cross-attention and calls with patches keep the ordinary op.
+Tested on the CPU with fake kernels (`tests/unit/test_current_comfy_attention.py`); the peak of a compiled block
+through 0.38's call site on the H200 is the gpu tier's `test_compile_gpu.py` (not run yet).
 
 The estimator node plans the write-into-q path and groups where it finds q handed over in eager mode; compiled
 plans keep the ordinary path's bytes, which are more (the op was measured on a compiled block, not yet on a

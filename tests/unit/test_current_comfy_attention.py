@@ -347,3 +347,91 @@ def test_the_0_38_site_hands_over_its_roped_q_view_as_comfyui_runs_nodes(fake_gp
     assert torch.allclose(out.float(), expect.float(), atol=2e-2)
     assert bool(fake_gpu.into_q_calls) == (mode == "inference_mode")
     assert fake_gpu.kernel_calls("sage2_sm90") > 0
+class WanSelfAttention038(torch.nn.Module):
+    """``WanSelfAttention.forward`` (wan/model.py@0c9a69ae) without its norms and RoPE: q and k are fresh tensors
+    (the roped ones there), viewed ``[B, N, H*D]`` into containers whose names replace them; with ``attn1_patch``
+    patches the call site keeps q as ``q_patch`` and hands it to them after the call."""
+
+    def __init__(self, dim=256, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(dim, dim) for _ in range(4))
+        self.comfy_attention = ComfyAttention()
+
+    def forward(self, x, options):
+        patches = options.get("patches", {})
+        b, s, n, d = *x.shape[:2], self.heads, x.shape[-1] // self.heads
+        q = (self.q(x) * 1.5).view(b, s, n, d)
+        k = (self.k(x) * 1.5).view(b, s, n, d)
+        if patches.get("attn1_patch"):
+            q_patch = q
+        q = AttentionTensorContainer(q.view(b, s, n * d))
+        k = AttentionTensorContainer(k.view(b, s, n * d))
+        v = AttentionTensorContainer(self.v(x).view(b, s, n * d))
+        x = optimized_attention(q, k, v, heads=self.heads, preferred_attention=self.comfy_attention,
+                                transformer_options=options)
+        for p in patches.get("attn1_patch", ()):
+            x = p({"x": x, "q": q_patch})
+        return self.o(x)
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_compiled_container_self_attention_writes_into_q_unless_the_site_keeps_q(fake_gpu, monkeypatch, patched):
+    """Compiled (fullgraph, inductor), Wan's container self-attention is the write-into-q op, reinplaced on q's
+    buffer, and matches eager; where ``attn1_patch`` patches make the call site keep q, the ordinary op, and the
+    patch reads q as it was."""
+    from torch._inductor.utils import run_and_get_code
+
+    from wan_sage.attention import op
+    if op.INTO_Q_OP is None:
+        pytest.skip("this torch has no torch.library.custom_op")
+    monkeypatch.setattr(head_groups, "INTO_Q_SLACK_BYTES", 0)  # a call of a few MiB: no allocator slack
+    torch.manual_seed(0)
+    attn = WanSelfAttention038().bfloat16().eval()
+    x = torch.randn(1, 2048, 256).bfloat16()
+    seen = []
+    options = {"optimized_attention_override": SageAttentionOverride(PatchConfig(cache_dir=fake_gpu.cache_dir,
+                                                                                 calibrate=False))}
+    if patched:
+        options["patches"] = {"attn1_patch": [lambda a: seen.append(a["q"].clone()) or a["x"]]}
+    torch._dynamo.reset()
+    try:
+        with torch.inference_mode():  # as ComfyUI's executor runs every node
+            eager = attn(x, options)
+            fake_gpu.into_q_calls.clear()
+            got, code = run_and_get_code(torch.compile(attn, fullgraph=True, backend="inductor"), x, options)
+    finally:
+        torch._dynamo.reset()
+    assert torch.allclose(got.float(), eager.float(), atol=3e-2, rtol=3e-2)
+    if patched:
+        assert "attention_into_q" not in code[0] and not fake_gpu.into_q_calls
+        assert torch.equal(seen[0], seen[1])        # q reached the patch unchanged, eager and compiled
+    else:
+        assert "attention_into_q" in code[0] and "clone" not in code[0]
+        assert fake_gpu.into_q_calls                # the compiled call wrote into q's heads
+
+
+def test_compiled_container_cross_attention_keeps_the_ordinary_op(fake_gpu):
+    """The I2V site hands one q to two cross-attention calls: a compiled cross-attention call never writes into q."""
+    from wan_sage.attention import op
+    if op.INTO_Q_OP is None:
+        pytest.skip("this torch has no torch.library.custom_op")
+    ov = SageAttentionOverride(PatchConfig(cache_dir=fake_gpu.cache_dir, calibrate=False))
+    options = {"optimized_attention_override": ov}
+
+    def two_calls(q, k, v):
+        a = optimized_attention(AttentionTensorContainer(q), AttentionTensorContainer(k), AttentionTensorContainer(v),
+                                heads=4, transformer_options=options)
+        b = optimized_attention(AttentionTensorContainer(q), AttentionTensorContainer(k), AttentionTensorContainer(v),
+                                heads=4, transformer_options=options)
+        return a + b
+    q, k, v = qkv()
+    k, v = k[:, :512].contiguous(), v[:, :512].contiguous()
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            explained = torch._dynamo.explain(two_calls)(q, k, v)
+    finally:
+        torch._dynamo.reset()
+    assert explained.graph_break_count == 0
+    assert not any("attention_into_q" in g.code for g in explained.graphs)
