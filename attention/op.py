@@ -70,23 +70,32 @@ def _op_name() -> str:
     return "attention_" + re.sub(r"\W", "_", package)
 
 
-def _define():
+def _register(name: str, impl, fake, schema: str, mutates_args: tuple, instead: str):
+    """``impl`` registered as the custom op ``wan_sage::<name>`` with ``fake`` for tracing, tagged
+    ``cudagraph_unsafe`` where torch has the tag; None (logged, with what happens ``instead``) on a torch
+    without ``torch.library.custom_op`` or whose custom-op API differs."""
     custom_op = getattr(getattr(torch, "library", None), "custom_op", None)
     if custom_op is None:
-        return None, None
-    name = _op_name()
-    options = {"mutates_args": (), "schema": SCHEMA}
+        return None
+    options = {"mutates_args": mutates_args, "schema": schema}
     unsafe = getattr(getattr(torch, "Tag", None), "cudagraph_unsafe", None)
     if unsafe is not None and "tags" in inspect.signature(custom_op).parameters:
         options["tags"] = (unsafe,)
     try:
-        definition = custom_op(f"{NAMESPACE}::{name}", run_registered, **options)
-        definition.register_fake(_fake)
-        return getattr(getattr(torch.ops, NAMESPACE), name), name
+        definition = custom_op(f"{NAMESPACE}::{name}", impl, **options)
+        definition.register_fake(fake)
+        return getattr(getattr(torch.ops, NAMESPACE), name)
     except (RuntimeError, TypeError, ValueError) as e:  # a torch whose custom-op API differs
-        log.warning("wan-sage: could not register the %s::%s custom op (%s: %s); under torch.compile each Sage "
-                    "call is kept out of the graph instead.", NAMESPACE, name, type(e).__name__, e)
-        return None, None
+        log.warning("wan-sage: could not register the %s::%s custom op (%s: %s); %s", NAMESPACE, name,
+                    type(e).__name__, e, instead)
+        return None
+
+
+def _define():
+    name = _op_name()
+    registered = _register(name, run_registered, _fake, SCHEMA, (),
+                           "under torch.compile each Sage call is kept out of the graph instead.")
+    return (registered, name) if registered is not None else (None, None)
 
 
 OP, OP_NAME = _define()
@@ -113,22 +122,10 @@ def run_registered_into_q(q, k, v, heads, scale, graph_key):
 
 
 def _define_into_q():
-    custom_op = getattr(getattr(torch, "library", None), "custom_op", None)
-    if custom_op is None or OP is None:
+    if OP is None:
         return None
-    name = OP_NAME + "_into_q"
-    options = {"mutates_args": ("q",), "schema": INTO_Q_SCHEMA}
-    unsafe = getattr(getattr(torch, "Tag", None), "cudagraph_unsafe", None)
-    if unsafe is not None and "tags" in inspect.signature(custom_op).parameters:
-        options["tags"] = (unsafe,)
-    try:
-        definition = custom_op(f"{NAMESPACE}::{name}", run_registered_into_q, **options)
-        definition.register_fake(lambda q, k, v, heads, scale, graph_key: None)
-        return getattr(getattr(torch.ops, NAMESPACE), name)
-    except (RuntimeError, TypeError, ValueError) as e:  # a torch whose custom-op API differs
-        log.warning("wan-sage: could not register the %s::%s custom op (%s: %s); compiled Sage calls return a new "
-                    "output instead of writing it into q.", NAMESPACE, name, type(e).__name__, e)
-        return None
+    return _register(OP_NAME + "_into_q", run_registered_into_q, lambda q, k, v, heads, scale, graph_key: None,
+                     INTO_Q_SCHEMA, ("q",), "compiled Sage calls return a new output instead of writing it into q.")
 
 
 # Under torch.compile a mutating op on a tensor that nothing reads afterwards is reinplaced by inductor: the

@@ -70,6 +70,13 @@ def _sole_holder_counts() -> tuple | None:
 _SOLE = _sole_holder_counts()
 
 
+def _into_q_op_takes(shape) -> bool:
+    """Whether the write-into-q op (registered) takes a statically eligible call of this shape: self-attention
+    with q, k and v ``[B, N, H*D]`` and the output in the same layout."""
+    return (op.INTO_Q_OP is not None and shape.layout == "NHD" and shape.out_layout == "NHD"
+            and not policy.is_cross(shape.Nq, shape.Nk))
+
+
 def _handed_over(q) -> bool:
     """Whether q, taken out of its container into one local variable of the caller, is held by nothing
     else: no other Python reference, no other tensor on its memory (a view's base, a patch's copy of
@@ -342,9 +349,7 @@ class SageAttentionOverride:
         and rebinds its name, keeping q only as ``q_patch`` for the ``attn1_patch`` patches, so a model with such
         patches keeps the ordinary op.  Cross-attention keeps it too (the I2V site hands the same q to two calls),
         and so does a call with a mask, a scale or any other option (the op takes none)."""
-        if op.INTO_Q_OP is None or shape.layout != "NHD" or shape.out_layout != "NHD" or policy.is_cross(shape.Nq, shape.Nk):
-            return False
-        if kwargs.keys() - _WAN_KWARGS:
+        if not _into_q_op_takes(shape) or kwargs.keys() - _WAN_KWARGS:
             return False
         options = kwargs.get("transformer_options") or {}
         return not (options.get("patches") or {}).get("attn1_patch") and q.is_contiguous()
@@ -358,8 +363,7 @@ class SageAttentionOverride:
         if _is_compiling() and op.INTO_Q_OP is not None:
             kwargs = {"heads": heads, "transformer_options": transformer_options}
             shape, reason = self._static((q, k, v), kwargs)[6:]
-            if (reason is None and shape.layout == "NHD" and shape.out_layout == "NHD"
-                    and not policy.is_cross(shape.Nq, shape.Nk)):
+            if reason is None and _into_q_op_takes(shape):
                 op.call_attention_into_q(q, k, v, heads, None, self.graph_key)
                 return q
         return self(self.sdpa, q, k, v, heads=heads, transformer_options=transformer_options)
