@@ -349,8 +349,8 @@ class SageAttentionOverride:
         and rebinds its name, keeping q only as ``q_patch`` for the ``attn1_patch`` patches, so a model with such
         patches keeps the ordinary op.  Cross-attention keeps it too (the I2V site hands the same q to two calls),
         and so does a call with a mask, a scale or any other option (the op takes none)."""
-        if not _into_q_op_takes(shape) or kwargs.keys() - _WAN_KWARGS:
-            return False
+        if not _into_q_op_takes(shape) or any(key not in _WAN_KWARGS for key in kwargs):
+            return False  # a loop, not a set difference of dict keys, which torch 2.11's dynamo cannot trace
         options = kwargs.get("transformer_options") or {}
         return not (options.get("patches") or {}).get("attn1_patch") and q.is_contiguous()
 
