@@ -338,6 +338,19 @@ def device_of(model) -> torch.device:
     return model.load_device
 
 
+def trim_allocator(dev, when: str) -> None:
+    """Hand the allocator's free blocks back to the device (ComfyUI's ``soft_empty_cache``); CUDA only, one
+    synchronisation.  ``when`` names the moment for the warning, logged once, if it fails; the caller goes on."""
+    if getattr(dev, "type", None) != "cuda":
+        return
+    try:
+        import comfy.model_management as mm
+        mm.soft_empty_cache()
+    except Exception as e:  # never fail a node over a cache trim
+        warn_once(("trim", when, type(e).__name__), "wan-sage: emptying the allocator cache %s failed (%s); "
+                  "the run goes on with the cached blocks.", when, reason(e))
+
+
 def free_memory(dev) -> int:
     import comfy.model_management as mm
     return int(mm.get_free_memory(dev))

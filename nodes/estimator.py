@@ -356,14 +356,7 @@ def _trim_after_load(dev) -> None:
     text encoder, moving the weights, patching a LoRA into them) leaves free blocks between the
     weights: 0.25-2.09 GiB for fp8 A14B at a 24 GiB budget on the H200, and a run that started with
     the 2.09 ran out of memory in its first step.  One synchronisation per sampling call; CUDA only."""
-    if getattr(dev, "type", None) != "cuda":
-        return
-    try:
-        import comfy.model_management as mm
-        mm.soft_empty_cache()
-    except Exception as e:  # never fail a sampling over a cache trim; the reason is logged once
-        warn_once(("trim", type(e).__name__), "wan-sage: emptying the allocator cache after loading failed (%s); "
-                  "sampling goes on with the cached blocks.", reason(e))
+    comfy_bridge.trim_allocator(dev, "after loading")
 
 
 def batching_setup(base, shape, model_options, settings: Settings) -> Setup:

@@ -94,6 +94,11 @@ def _stats_wrapper(patch_id: str, label: str, node_id: str | None = None):
         try:
             return executor(*args, **kwargs)
         finally:
+            # The sampling's free blocks go back to the device before the next node (the VAE decode) runs:
+            # left cached, they are scattered between the resident weights, and the decode that follows
+            # Sage sampling found too little room in one piece for its convolutions' workspaces.
+            comfy_bridge.trim_allocator(getattr(getattr(guider, "model_patcher", None), "load_device", None),
+                                        "after sampling")
             summary = stats.end_run(patch_id)
             if summary.get("sage_calls", 0) + summary.get("sdpa_calls", 0):
                 log.info("wan-sage %s: %s", label or patch_id, stats.format_summary(summary))

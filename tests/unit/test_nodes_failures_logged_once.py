@@ -195,3 +195,33 @@ def test_an_unreadable_gpu_in_the_estimate_falls_back_to_sm90_and_says_so(monkey
         assert estimator._cc(torch.device("cpu")) is None
     (record,) = _warnings(caplog, "compute capability of cuda:0 could not be read")
     assert "assumes sm90" in record.getMessage()
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_sage_sampling_hands_the_cached_blocks_back_when_it_ends(monkeypatch, fails):
+    """The patch's OUTER_SAMPLE wrapper empties the allocator cache after the sampling on a CUDA model, once,
+    after the sampler ran (the VAE decode that follows gets the room in one piece), also when the sampling
+    raised; on a CPU model it does not."""
+    events = []
+    _module(monkeypatch, "comfy.model_management", soft_empty_cache=lambda: events.append("trim"))
+    wrapper = sage_patch._stats_wrapper("trim-test", "t")
+
+    def run(device):
+        class Exec:
+            class_obj = SimpleNamespace(model_options={}, model_patcher=SimpleNamespace(load_device=device))
+
+            def __call__(self, *a, **k):
+                events.append("sample")
+                if fails:
+                    raise torch.OutOfMemoryError("fake")
+                return "sampled"
+        try:
+            return wrapper(Exec())
+        except torch.OutOfMemoryError:
+            return "raised"
+
+    assert run(torch.device("cuda", 0)) == ("raised" if fails else "sampled")
+    assert events == ["sample", "trim"]
+    events.clear()
+    run(torch.device("cpu"))
+    assert events == ["sample"]
