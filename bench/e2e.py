@@ -235,8 +235,9 @@ class ComfyTimers:
 
     def __init__(self, mm, patcher_cls):
         self.totals: dict = {}
+        self.counts: dict = {}
         self._undo = []
-        targets = [(mm, "load_models_gpu"), (mm, "free_memory"), (mm, "cleanup_models_gc"),
+        targets = [(mm, "load_models_gpu"), (mm, "free_memory"), (mm, "cleanup_models_gc"), (mm, "soft_empty_cache"),
                    (getattr(mm, "LoadedModel", None), "model_unload"),
                    (patcher_cls, "partially_unload"), (patcher_cls, "partially_load"), (patcher_cls, "detach")]
         for owner, name in targets:
@@ -247,7 +248,7 @@ class ComfyTimers:
             self._undo.append((owner, name, fn))
 
     def _timed(self, fn, name):
-        totals = self.totals
+        totals, counts = self.totals, self.counts
 
         def timed(*a, **k):
             t = time.perf_counter()
@@ -255,15 +256,20 @@ class ComfyTimers:
                 return fn(*a, **k)
             finally:
                 totals[name] = totals.get(name, 0.0) + time.perf_counter() - t
+                counts[name] = counts.get(name, 0) + 1
         timed.__wrapped__ = fn
         return timed
 
-    def snapshot(self) -> dict:
-        return dict(self.totals)
+    def snapshot(self) -> tuple:
+        return dict(self.totals), dict(self.counts)
 
-    def since(self, before: dict) -> dict:
+    def since(self, before: tuple) -> dict:
         """Seconds per call name since ``before`` (a :meth:`snapshot`), the names that took any time."""
-        return {k: round(v - before.get(k, 0.0), 3) for k, v in self.totals.items() if v - before.get(k, 0.0) > 0}
+        return {k: round(v - before[0].get(k, 0.0), 3) for k, v in self.totals.items() if v - before[0].get(k, 0.0) > 0}
+
+    def calls_since(self, before: tuple) -> dict:
+        """Calls per call name since ``before`` (a :meth:`snapshot`), the names called."""
+        return {k: n - before[1].get(k, 0) for k, n in self.counts.items() if n > before[1].get(k, 0)}
 
     def close(self) -> None:
         for owner, name, fn in reversed(self._undo):
@@ -296,6 +302,10 @@ class Mem:
             return None, None
         t = self.torch.cuda
         return (t.max_memory_allocated() - self.ballast) / GiB, (t.max_memory_reserved() - self.ballast) / GiB
+
+    def pool(self) -> dict | None:
+        """Allocated and reserved (above the ballast) and the device's free memory, in GiB; None on CPU."""
+        return self.at_oom()
 
     def at_oom(self) -> dict | None:
         """Allocated and reserved (above the ballast) and the device's free memory
@@ -751,6 +761,7 @@ class Host:
             mem.sync()
             mem.reset()
             before = loaded()
+            pool = mem.pool()
             timers0 = self.comfy_timers.snapshot()
             t = time.perf_counter()
             try:
@@ -760,10 +771,12 @@ class Host:
                 pa, pr = mem.peaks()
                 # the weights ComfyUI held on the GPU as the phase began and ended: what a phase evicted or
                 # loaded (a decode after a sampling that kept more weights resident has more to move), and the
-                # seconds the phase spent in ComfyUI's loading and evicting calls
+                # seconds the phase spent in ComfyUI's loading and evicting calls and how often each ran (a
+                # soft_empty_cache hands the allocator's cached blocks back); the allocator's state as it began
                 phases[name] = {"s": _r(time.perf_counter() - t), "peak_alloc_gib": _r(pa), "peak_reserved_gib": _r(pr),
                                 "loaded_gib_before": before, "loaded_gib_after": loaded(),
-                                "comfy_memory_s": self.comfy_timers.since(timers0)}
+                                "comfy_memory_s": self.comfy_timers.since(timers0),
+                                "comfy_memory_calls": self.comfy_timers.calls_since(timers0), "pool_before": pool}
         retries0 = mem.retries()
         with torch.inference_mode():     # as ComfyUI's PromptExecutor runs every node
             try:

@@ -637,15 +637,22 @@ def test_comfy_timers_add_up_each_call_and_put_the_originals_back():
             return memory_to_free
 
     mm = SimpleNamespace(free_memory=lambda need, dev: calls.append(("free", need)) or [],
-                         load_models_gpu=lambda models, **k: calls.append(("load", len(models))))
-    originals = (mm.free_memory, mm.load_models_gpu, Patcher.partially_unload)
+                         load_models_gpu=lambda models, **k: calls.append(("load", len(models))),
+                         soft_empty_cache=lambda: calls.append(("trim",)))
+    originals = (mm.free_memory, mm.load_models_gpu, mm.soft_empty_cache, Patcher.partially_unload)
     timers = ComfyTimers(mm, Patcher)
     start = timers.snapshot()
     assert mm.free_memory(5, "cuda") == [] and Patcher().partially_unload("cpu", memory_to_free=7) == 7
     mm.load_models_gpu([1, 2])
+    mm.soft_empty_cache()
+    mm.soft_empty_cache()
     took = timers.since(start)
-    assert set(took) == {"free_memory", "partially_unload", "load_models_gpu"} and all(v >= 0 for v in took.values())
-    assert calls == [("free", 5), ("unload", 7), ("load", 2)]      # the calls themselves are unchanged
-    assert timers.since(timers.snapshot()) == {}                   # nothing ran since
+    assert set(took) <= {"free_memory", "partially_unload", "load_models_gpu", "soft_empty_cache"}
+    assert all(v >= 0 for v in took.values())
+    assert timers.calls_since(start) == {"free_memory": 1, "partially_unload": 1, "load_models_gpu": 1,
+                                         "soft_empty_cache": 2}
+    assert calls == [("free", 5), ("unload", 7), ("load", 2), ("trim",), ("trim",)]  # the calls are unchanged
+    now = timers.snapshot()
+    assert timers.since(now) == {} and timers.calls_since(now) == {}  # nothing ran since
     timers.close()
-    assert (mm.free_memory, mm.load_models_gpu, Patcher.partially_unload) == originals
+    assert (mm.free_memory, mm.load_models_gpu, mm.soft_empty_cache, Patcher.partially_unload) == originals
