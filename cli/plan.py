@@ -25,7 +25,7 @@ FLAGS = {"preset": "--preset", "width": "--width", "height": "--height", "frames
          "cfg": "--cfg", "dtype": "--dtype", "attention": "--attention", "arch": "--arch", "vram_gib": "--vram",
          "weights": "--weights", "lora": "--lora", "compiled": "--compiled", "sage_grouped": "--sage-grouped",
          "margin_gib": "--margin", "kernel_set": "--kernel-set", "ulysses": "--ulysses", "ring": "--ring",
-         "fsdp": "--fsdp", "cfg_parallel": "--cfg-parallel"}
+         "fsdp": "--fsdp", "cfg_parallel": "--cfg-parallel", "no_decode": "--no-decode"}
 
 
 def add_parser(sub) -> None:
@@ -57,6 +57,9 @@ def add_parser(sub) -> None:
                    help="the Sage patch splits self-attention into head groups (its memory mode, where the split "
                         "costs <= 2 %%); without it the estimate assumes the ungrouped call, which needs more")
     p.add_argument("--margin", default="0", help="GiB added to the reservation")
+    p.add_argument("--no-decode", action="store_true",
+                   help="no Wan VAE decode follows the sampling (by default the reservation keeps room for the one "
+                        "ComfyUI runs after it, where that fits, so the decode evicts no resident weights)")
     p.add_argument("--kernel-set", choices=list(activation_model.KERNEL_SETS), default=activation_model.KERNEL_SETS[0],
                    help="Wan's elementwise kernels to plan for: comfy-0.3.64 (eager, as measured; the default) or "
                         "comfy-kitchen (ComfyUI 0.38's fused RoPE and adaln, measured; its FFN measured only with "
@@ -107,7 +110,8 @@ def run(a) -> int:
               "cfg": a.cfg, "dtype": None if a.dtype == "auto" else a.dtype, "attention": a.attention, "arch": a.arch,
               "vram_gib": a.vram, "weights": a.weights, "lora": a.lora or None, "compiled": a.compiled or None,
               "sage_grouped": a.sage_grouped or None, "margin_gib": a.margin, "kernel_set": a.kernel_set,
-              "ulysses": a.ulysses, "ring": a.ring, "fsdp": a.fsdp or None, "cfg_parallel": a.cfg_parallel or None}
+              "ulysses": a.ulysses, "ring": a.ring, "fsdp": a.fsdp or None, "cfg_parallel": a.cfg_parallel or None,
+              "no_decode": a.no_decode or None}
     fields = {k: v for k, v in fields.items() if v is not None}
     info = _read_model(a.model) if a.model else None
     total = cc = gpu = note = None

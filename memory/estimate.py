@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from . import activation_model, parallel
+from . import activation_model, parallel, vae_decode
 from .activation_model import WanDims, WeightSetup
 from .parallel import Parallel
 from ..attention import registry
@@ -272,6 +272,10 @@ class Setup:
     # plan without it (the ordinary path holds more, so their plan never falls short).
     q_handed_over: bool = False
     legacy_reason: str | None = None  # why the reservation places the weights (the legacy path), when known
+    # A Wan VAE decode of this latent follows the sampling, in a dtype of this many bytes: on the legacy path the
+    # reservation in force keeps room for what ComfyUI frees for it (memory.vae_decode), so the decode evicts
+    # none of the weights kept resident.  None: not planned (the cond/uncond batching test, a caller that says so).
+    decode_dtype_size: int | None = None
     sage_memory_mode: str | None = None  # the Sage patch's memory mode ("sdpa", "fastest"); None: not known
     pixels: tuple | None = None  # (width, height, frames) the latent was made from, for rounding notes
     source: str = ""  # where the model's dims came from, in words
@@ -304,6 +308,7 @@ class Estimate:
     notes: tuple
     problems: tuple  # what makes the setup wrong (e.g. a latent of another channel count)
     sage_advice: str | None = None  # the Sage memory mode that avoids running out of memory, when it matters
+    decode_floor: int = 0  # the room kept for the VAE decode after the sampling (memory.vae_decode); 0: none
     per_rank: dict | None = None  # one rank's figures under s.parallel (memory.parallel.per_rank); None: one GPU
 
     @property
@@ -313,8 +318,9 @@ class Estimate:
 
     @property
     def reservation(self) -> int:
-        """What ComfyUI is told to keep free per forward of ``rows_sequential`` rows."""
-        return self.reservation_partial if self.streamed else self.reservation_resident
+        """What ComfyUI is told to keep free per forward of ``rows_sequential`` rows: the working memory of the
+        forward, or the room the VAE decode after the sampling takes where that is more (:attr:`decode_floor`)."""
+        return max(self.reservation_partial if self.streamed else self.reservation_resident, self.decode_floor)
 
     @property
     def activation_peak(self) -> int:
@@ -378,6 +384,10 @@ QUANT_NOTE = ("{fmt} weights (ComfyUI's QuantizedTensor): their per-layer transi
               "fragmentation of fp8 casts")
 
 
+DECODE_NOTE = ("the reservation in force is the room ComfyUI frees for the {vae} decode after the sampling ({gib:.2f} "
+               "GiB), more than the sampling's own: weights kept resident past it would be evicted by the decode, "
+               "which then runs among their holes")
+
 FP8_MATMUL_NOTE = ("fp8 weights multiply in fp8 (fp8_e4m3fn_fast): each layer call copies its input to fp8 instead "
                    "of casting the weight; that copy is modelled, not measured")
 
@@ -422,6 +432,20 @@ def into_q_plan(s: Setup, att: AttentionPlan, rows: int, tokens: int) -> tuple |
     return None if found is None else (path, found.groups)
 
 
+def decode_floor(s: Setup, latent: tuple, room: int | None) -> int:
+    """The room the reservation in force keeps for the VAE decode after the sampling: what ComfyUI frees for it
+    (:func:`.vae_decode.decode_bytes`), on the legacy path where that fits in ``room``; else 0.  Weights kept
+    resident past it are evicted by the decode, a few modules at a time, and the decode then runs among their
+    holes: on the H200 an fp8 A14B 720p81 decode after such an eviction took 8.6-14.9 s against 4.5-5.0 s
+    without one (bench/records/whole-prompt/fp8-720p81-4steps-24gib-eager.jsonl).  Where the decode needs more
+    than ``room``, ComfyUI unloads this model whole for it, and keeping room for it would only stream weights.
+    Dynamic VRAM evicts on demand and is left to ComfyUI; the fixed policy's reservation is the user's own."""
+    if s.decode_dtype_size is None or s.dynamic_vram or room is None or s.policy == POLICIES[2]:
+        return 0
+    need = vae_decode.decode_bytes(latent, s.decode_dtype_size)
+    return need if need is not None and need <= room else 0
+
+
 def plan(s: Setup) -> Estimate:
     """The estimate for ``s``: see the module's docstring."""
     dims, latent = s.dims, tuple(int(x) for x in s.latent[:5])
@@ -448,10 +472,12 @@ def plan(s: Setup) -> Estimate:
         _r, _p, bat_res, bat_par = _needs(s, activation_model.with_rows(w, rows_bat))
     verdict, offload = "unknown (no VRAM given)", 0
     room = None if s.vram_bytes is None else s.vram_bytes - s.kept_free
+    floor = decode_floor(s, latent, room)
     if room is not None and s.weights_bytes is not None:
-        verdict, offload = verdict_for(s.weights_bytes, res_need, par_need, room, s.margin_bytes)
+        verdict, offload = verdict_for(s.weights_bytes, max(res_need, floor), max(par_need, floor), room,
+                                       s.margin_bytes)
     elif room is not None:
-        verdict = "fits" if par_need <= room else "cannot fit its reservation even fully offloaded"
+        verdict = "fits" if max(par_need, floor) <= room else "cannot fit its reservation even fully offloaded"
     level = next((lv for lv in ("fits", "offloads", "cannot") if verdict.startswith(lv)), "unknown")
     if s.dynamic_vram and level in DYNAMIC_VERDICTS:
         verdict = DYNAMIC_VERDICTS[level].format(off=offload / GiB, need=par_need / GiB, room=max(room or 0, 0) / GiB)
@@ -463,6 +489,8 @@ def plan(s: Setup) -> Estimate:
         notes.append(QUANT_NOTE.format(fmt=s.weights.quant_format))
     if s.weights.fp8_matmul:
         notes.append(FP8_MATMUL_NOTE)
+    if floor > (par_need if streamed else res_need):
+        notes.append(DECODE_NOTE.format(vae=vae_decode.vae_name(latent), gib=floor / GiB))
     per = None
     if s.parallel.active:
         def local_total(local: int) -> int:
@@ -475,4 +503,4 @@ def plan(s: Setup) -> Estimate:
         reservation_batched_partial=bat_par, comfy_estimate=comfy_figure(dims, latent, s.dtype, s.comfy_flash),
         streamed=streamed, verdict=verdict, level=level, offload_bytes=max(0, offload), sage_head_groups=groups,
         notes=tuple(s.notes) + tuple(notes), problems=tuple(latent_problems(dims, latent)),
-        sage_advice=sage_mode_advice(s, w, par_need, room), per_rank=per)
+        sage_advice=sage_mode_advice(s, w, par_need, room), per_rank=per, decode_floor=floor)

@@ -6,8 +6,10 @@ node's ``report`` output shows and the server logs).  Every figure has one defin
 * Sage extra: what Sage adds to that peak over SDPA (never negative);
 * reservation: what ComfyUI is told to keep free per forward, under the policy, with weights resident or
   streamed, as the verdict finds;
-* room for weights: the VRAM for this model minus what ComfyUI keeps free minus the reservation, so that
-  weights minus room is what is offloaded.
+* room for the VAE decode: what ComfyUI frees for the Wan VAE decode after the sampling; on the legacy path the
+  reservation in force is at least this where it fits, so the decode evicts none of the resident weights;
+* room for weights: the VRAM for this model minus what ComfyUI keeps free minus the reservation in force, so
+  that weights minus room is what is offloaded.
 
 :func:`compile_payback_line` and :func:`compile_payback_summary` word a :class:`~.compile_payback.Payback` (the Sage
 patch's report and panel after a compiled sampling run).
@@ -17,6 +19,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from .compile_payback import Payback
+from . import vae_decode
 from .estimate import GiB, Estimate
 
 __all__ = ["summary", "report", "memory_path_line", "per_rank_lines", "compile_payback_line", "compile_payback_summary",
@@ -67,6 +70,7 @@ def summary(est: Estimate) -> dict:
     s = est.setup
     return {"tokens": est.tokens, "activation_gib": est.activation_peak / GiB, "sage_extra_gib": est.sage_extra / GiB,
             "reservation_gib": est.reservation / GiB, "comfy_gib": est.comfy_estimate / GiB,
+            "decode_room_gib": est.decode_floor / GiB,
             "weights_gib": (s.weights_bytes or 0) / GiB, "vram_gib": _gib(s.vram_bytes),
             "kept_free_gib": s.kept_free / GiB, "room_for_weights_gib": _gib(est.room_for_weights),
             "offload_gib": est.offload_bytes / GiB, "streamed": est.streamed, "verdict": est.verdict,
@@ -134,6 +138,8 @@ def report(est: Estimate, held: str | None = None, gpu: str | None = None) -> st
         rows.append((f"  cfg batched ({est.rows_batched} rows)", _g(est.reservation_batched_resident),
                      _g(est.reservation_batched_partial)))
     rows.append(("ComfyUI's own estimate", _g(est.comfy_estimate), ""))
+    if est.decode_floor:
+        rows.append((f"{vae_decode.vae_name(s.latent)} decode after sampling", _g(est.decode_floor), ""))
     if s.vram_bytes is not None:
         rows += [("VRAM for this model", _g(s.vram_bytes) + (f" ({gpu})" if gpu else ""), ""),
                  ("  kept free by ComfyUI", "- " + _g(s.kept_free), ""),

@@ -43,7 +43,12 @@ LEGACY_POLICIES = {"fixed GB per row": POLICIES[2]}
 # Every field of a request, in the order docs/route.md documents them.
 FIELDS = ("preset", "model_file", "model", "width", "height", "frames", "batch", "cfg", "dtype", "weights", "lora",
           "attention", "arch", "compiled", "sage_grouped", "vram_gib", "margin_gib", "policy", "fixed_gib",
-          "latent_channels", "kernel_set", "ulysses", "ring", "fsdp", "cfg_parallel")
+          "latent_channels", "kernel_set", "ulysses", "ring", "fsdp", "cfg_parallel", "no_decode")
+
+
+# The bytes of the dtype a request plans the Wan VAE decode in: bf16 or fp16, what ComfyUI picks for it on
+# every NVIDIA GPU with either (model_management.vae_dtype over the Wan VAEs' working dtypes).
+VAE_DTYPE_SIZE = 2
 
 
 @dataclass(frozen=True)
@@ -348,6 +353,7 @@ def build(p, env: Env = Env(), *, text: bool = False, labels: dict | None = None
         vram_bytes=vram_bytes, margin_bytes=int(margin * GiB), policy=policy, fixed_bytes=int(fixed * GiB),
         img_tokens=257 if dims.has_img_emb else 0, per_frame_timesteps=dims.latent_channels == 48, comfy_flash=env.comfy_flash,
         kernel_set=kernel_set, pixels=(width, height, frames), parallel=par,
+        decode_dtype_size=None if f.flag("no_decode") else VAE_DTYPE_SIZE,
         source=source, notes=tuple(([assumed] if assumed else []) + notes + list(wplan.notes)
                                    + ([COMPILED_NOTE] if compiled else [])))
     return Built(setup, wplan, detected, assumed)

@@ -165,13 +165,14 @@ WHOLE_MODEL_COMPILE_NOTE = ("the whole diffusion model is one compiled graph, wh
 
 
 def setup_for(model, shape, model_options, settings: Settings, *, assume_compiled: bool = False,
-              streamed: bool | None = None, weights: bool = True) -> Setup:
+              streamed: bool | None = None, weights: bool = True, decode: bool = False) -> Setup:
     """The estimate's setup for this ModelPatcher (or BaseModel, with ``weights=False``) and latent ``shape``.
 
     ``assume_compiled``: plan as if its blocks were compiled (what a compile node after the estimator
     brings); ``streamed``: force the weights streamed or resident (None: as the VRAM budget finds);
     ``weights``: read the weights and the VRAM budget from the patcher (the cond-batch wrapper, which gets
-    the BaseModel with its weights loaded already, leaves them out)."""
+    the BaseModel with its weights loaded already, leaves them out); ``decode``: plan room for the VAE decode
+    that follows the sampling (the reservation that places the weights; not the cond/uncond batching test)."""
     dims = comfy_bridge.wan_dims(model)
     dtype = comfy_bridge.compute_dtype(model)
     mode = run_mode(model, model_options, dims, shape)
@@ -188,7 +189,8 @@ def setup_for(model, shape, model_options, settings: Settings, *, assume_compile
                  "vram_bytes": (comfy_bridge.total_memory(comfy_bridge.device_of(model)) if dynamic
                                 else comfy_bridge.capacity(model)),
                  "kept_free": comfy_bridge.extra_reserved(), "dynamic_vram": dynamic,
-                 "legacy_reason": None if dynamic else comfy_bridge.legacy_reason(model)}
+                 "legacy_reason": None if dynamic else comfy_bridge.legacy_reason(model),
+                 "decode_dtype_size": comfy_bridge.vae_dtype_size(comfy_bridge.device_of(model)) if decode else None}
     else:
         extra = {"weights": activation_model.WeightSetup(streamed=bool(streamed))}
     dev = comfy_bridge.device_of(model) if weights else getattr(model, "load_device", None)
@@ -257,7 +259,7 @@ class MemoryRequired:
 def sampling_plan(model, shape, model_options, settings: Settings, **assume) -> tuple:
     """(MemoryRequired, Estimate) for this model and latent shape: the estimate with the budget's verdict,
     and the reservation function that holds to it (weights streamed or resident, as the verdict found)."""
-    est = plan(setup_for(model, shape, model_options, settings, **assume))
+    est = plan(setup_for(model, shape, model_options, settings, decode=True, **assume))
     return MemoryRequired(replace(est.setup, streamed=est.streamed)), est
 
 
@@ -279,7 +281,7 @@ def _later_change(model, shape, model_options, settings: Settings, est: Estimate
     when planning it fails.  The notes built from it are a courtesy: the node never fails over them,
     and the reason is logged once."""
     try:
-        other = plan(setup_for(model, shape, model_options, settings, **assume))
+        other = plan(setup_for(model, shape, model_options, settings, decode=True, **assume))
     except Exception as e:
         warn_once(("later-note", what, type(e).__name__), "wan-sage: estimating what a %s after the "
                   "Working-Memory Estimator changes failed (%s); the report leaves the figure out.", what, reason(e))
@@ -405,7 +407,7 @@ def apply_estimator(model, settings: Settings, shape, model_options=None, pixels
     m.add_wrapper_with_key(W.PREPARE_SAMPLING, PREPARE_KEY, _prepare_wrapper(settings))
     m.add_wrapper_with_key(W.CALC_COND_BATCH, BATCH_KEY, _cond_batch_wrapper(settings))
     mo = model_options or m.model_options
-    setup = setup_for(m, shape, mo, settings)
+    setup = setup_for(m, shape, mo, settings, decode=True)
     est = plan(replace(setup, pixels=pixels, cfg=float(cfg)))
     text = report.report(est, held=_held(m))
     if settings.count_sage == "auto-detect" and est.setup.attention.kernel is None:

@@ -189,6 +189,7 @@ def comfy(monkeypatch):
     monkeypatch.setattr(comfy_bridge, "raw_sdpa", lambda: None)
     monkeypatch.setattr(comfy_bridge, "capacity", lambda model: 200 * GiB)
     monkeypatch.setattr(comfy_bridge, "extra_reserved", lambda: 400 << 20)
+    monkeypatch.setattr(comfy_bridge, "vae_dtype_size", lambda dev: 2)   # bf16, as ComfyUI decodes a Wan VAE on CUDA
     monkeypatch.setattr(sage_patch, "status_text", lambda kernel: f"kernel: {kernel}")
     warned.clear()
     yield

@@ -58,6 +58,7 @@ class Patcher:
 def roomy(monkeypatch):
     monkeypatch.setattr(comfy_bridge, "capacity", lambda model: 200 << 30)
     monkeypatch.setattr(comfy_bridge, "extra_reserved", lambda: 400 << 20)
+    monkeypatch.setattr(comfy_bridge, "vae_dtype_size", lambda dev: 2)   # bf16, as ComfyUI decodes a Wan VAE on CUDA
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
@@ -77,7 +78,9 @@ def test_prepare_wrapper_forwards_new_kwargs_and_swaps_only_on_the_legacy_path(r
         assert seen["mr"] is None
     else:
         assert isinstance(seen["mr"], estimator.MemoryRequired)
-        assert 6.5 * (1 << 30) < seen["mr"](input_shape=[1, 16, 21, 90, 160]) < 8 * (1 << 30)
+        # the reservation in force: the room ComfyUI frees for the Wan 2.1 VAE decode that follows (its bf16
+        # memory_used_decode for a 90 x 160 latent plus 1.1 x the VAE), more than the sampling's own 6.5-8 GiB
+        assert seen["mr"](input_shape=[1, 16, 21, 90, 160]) == int(7000 * 90 * 160 * 64 * 2 + 1.1 * 126_892_531 * 2)
     assert "memory_required" not in m.model.__dict__
 
 

@@ -52,6 +52,7 @@ def test_the_node_words_its_estimate_as_the_route_does(monkeypatch):
     from test_current_comfy_patcher import Patcher
     monkeypatch.setattr(comfy_bridge, "capacity", lambda model: 24 * GiB)
     monkeypatch.setattr(comfy_bridge, "extra_reserved", lambda: 400 << 20)
+    monkeypatch.setattr(comfy_bridge, "vae_dtype_size", lambda dev: 2)   # bf16, as ComfyUI decodes a Wan VAE on CUDA
     m = Patcher()
     m.model_size = lambda: request.build(BODY).setup.weights_bytes
     _fn, node = estimator.sampling_plan(m, [1, 16, 21, 90, 160], m.model_options, estimator.Settings())

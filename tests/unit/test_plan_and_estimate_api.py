@@ -41,10 +41,21 @@ def test_estimate_api_json_and_field_errors():
     from wan_sage.memory.errors import RequestError
     from wan_sage.memory.request import guess_preset
     from wan_sage.nodes.routes import estimate_answer as estimate_from_json
-    r = estimate_from_json({"preset": "wan2.2-a14b", "width": 1280, "height": 720, "frames": 81, "vram_gib": 24,
-                            "attention": "sage-auto", "arch": "sm90"})
+    req = {"preset": "wan2.2-a14b", "width": 1280, "height": 720, "frames": 81, "vram_gib": 24, "attention": "sage-auto",
+           "arch": "sm90"}
+    r = estimate_from_json({**req, "no_decode": True})
     assert r["summary"]["tokens"] == 75600 and r["summary"]["level"] == "offloads"
     assert 9.5 < r["summary"]["reservation_gib"] < 11 and r["summary"]["sage_extra_gib"] > 0.3
+    assert r["summary"]["decode_room_gib"] == 0
+    # By default the reservation in force keeps room for the Wan 2.1 VAE decode ComfyUI runs next: its
+    # memory_used_decode for a 90 x 160 latent in bf16 (comfy/sd.py) plus 1.1 x the VAE's bf16 weights.
+    d = estimate_from_json(req)["summary"]
+    comfy_frees = (7000 * 90 * 160 * 64 * 2 + 1.1 * 126_892_531 * 2) / (1 << 30)
+    assert abs(d["decode_room_gib"] - comfy_frees) < 1e-6 and d["reservation_gib"] == d["decode_room_gib"]
+    assert abs(d["room_for_weights_gib"] - (24 - d["kept_free_gib"] - comfy_frees)) < 1e-6
+    assert d["offload_gib"] > r["summary"]["offload_gib"]
+    with pytest.raises(RequestError, match="no_decode"):
+        estimate_from_json({**req, "no_decode": "yes"})
     r = estimate_from_json({"model_file": "wan2.2_t2v_high_noise_14B_Q4_K_M.gguf", "width": 832, "height": 480,
                             "frames": 81, "vram_gib": 24})
     assert r["summary"]["tokens"] == 32760 and "guessed" in r["summary"]["source"]
@@ -73,7 +84,7 @@ def test_route_handler_answers_400_not_500():
 def test_estimate_api_policies():
     from wan_sage.memory.errors import RequestError
     from wan_sage.nodes.routes import estimate_answer as estimate_from_json
-    base = {"preset": "wan2.2-a14b", "width": 1280, "height": 720, "frames": 81, "vram_gib": 24}
+    base = {"preset": "wan2.2-a14b", "width": 1280, "height": 720, "frames": 81, "vram_gib": 24, "no_decode": True}
     ours = estimate_from_json(base)["summary"]["reservation_gib"]
     assert estimate_from_json({**base, "policy": "fixed GB per row", "fixed_gib": 9.5})["summary"]["reservation_gib"] == 9.5
     assert estimate_from_json({**base, "policy": "max(wan-sage, ComfyUI)"})["summary"]["reservation_gib"] == pytest.approx(13.61, abs=0.01)

@@ -1,0 +1,69 @@
+"""The VAE decode after the sampling: on the legacy path the reservation in force keeps the room ComfyUI frees
+for it (comfy/sd.py's memory_used_decode for the latent's Wan VAE, plus 1.1 x the VAE's weights), so the
+decode evicts none of the weights kept resident; where that room does not fit in the budget (ComfyUI then
+unloads the model whole for the decode), on dynamic VRAM, under the fixed policy and with no decode, it
+keeps none."""
+from dataclasses import replace
+
+import pytest
+
+from wan_sage.memory import vae_decode
+from wan_sage.memory.estimate import GiB, POLICIES, plan
+from wan_sage.memory.request import build
+
+A14B_720P = {"preset": "wan2.2-a14b", "width": 1280, "height": 720, "frames": 81, "attention": "sage-auto",
+             "arch": "sm90", "weights": "fp8"}
+
+
+def _est(**fields):
+    return plan(build({**A14B_720P, **fields}).setup)
+
+
+def test_comfyuis_figures_for_the_two_wan_vaes():
+    # comfy/sd.py: Wan 2.1 VAE 7000 x h x w x 64, Wan 2.2 VAE 8000 x h x w x 256 bytes per dtype byte;
+    # frames and batch do not enter it
+    assert vae_decode.decode_bytes((1, 16, 21, 90, 160)) == int(7000 * 90 * 160 * 64 * 2 + 1.1 * 126_892_531 * 2)
+    assert vae_decode.decode_bytes((2, 16, 31, 90, 160)) == vae_decode.decode_bytes((1, 16, 21, 90, 160))
+    assert vae_decode.decode_bytes((1, 48, 31, 44, 80), 4) == int(8000 * 44 * 80 * 256 * 4 + 1.1 * 704_688_668 * 4)
+    assert vae_decode.decode_bytes((1, 36, 21, 90, 160)) is None
+
+
+def test_the_reservation_in_force_keeps_the_decodes_room_where_it_fits():
+    est = _est(vram_gib=24)
+    no = _est(vram_gib=24, no_decode=True)
+    need = vae_decode.decode_bytes(est.setup.latent)
+    assert no.reservation < need and est.decode_floor == need and est.reservation == need
+    assert est.room_for_weights == 24 * GiB - est.setup.kept_free - need
+    assert est.offload_bytes == no.offload_bytes + (need - no.reservation)
+    assert "Wan 2.1 VAE decode after sampling" in _text(est) and "decode after sampling" not in _text(no)
+
+
+@pytest.mark.parametrize("vram", [12, 9.5])
+def test_no_room_is_kept_where_the_decode_does_not_fit_the_budget(vram):
+    est = _est(vram_gib=vram)
+    assert est.decode_floor == 0 and est.reservation == _est(vram_gib=vram, no_decode=True).reservation
+
+
+def test_a_longer_video_keeps_its_own_reservation():
+    # the decode's room does not grow with the frames; the sampling's does, and above it stays in force
+    est = _est(frames=161, vram_gib=48)
+    assert 0 < est.decode_floor < est.reservation == _est(frames=161, vram_gib=48, no_decode=True).reservation
+    assert not any("decode after the sampling" in n for n in est.notes)
+
+
+def test_dynamic_vram_and_the_fixed_policy_keep_no_room():
+    s = build({**A14B_720P, "vram_gib": 24}).setup
+    assert plan(replace(s, dynamic_vram=True)).decode_floor == 0
+    fixed = plan(replace(s, policy=POLICIES[2], fixed_bytes=9 * GiB))
+    assert fixed.decode_floor == 0 and fixed.reservation == 9 * GiB
+
+
+def test_the_2_2_vae_of_ti2v_5b():
+    est = plan(build({"preset": "wan2.2-ti2v-5b", "width": 1280, "height": 704, "frames": 121, "vram_gib": 40}).setup)
+    assert est.setup.latent[1] == 48 and est.decode_floor == vae_decode.decode_bytes(est.setup.latent)
+    assert "Wan 2.2 VAE decode after sampling" in _text(est)
+
+
+def _text(est):
+    from wan_sage.memory import report
+    return report.report(est)
