@@ -351,9 +351,12 @@ def trim_allocator(dev, when: str) -> None:
                   "the run goes on with the cached blocks.", when, reason(e))
 
 
-def vae_dtype_size(dev) -> int:
+def vae_dtype_size(dev) -> int | None:
     """Bytes per element of the dtype ComfyUI decodes a Wan VAE in on ``dev`` (``model_management.vae_dtype`` over
-    the Wan VAEs' working dtypes, bf16, fp16 and fp32, as comfy/sd.py asks it; its ``--*-vae`` flags win)."""
+    the Wan VAEs' working dtypes, bf16, fp16 and fp32, as comfy/sd.py asks it; its ``--*-vae`` flags win); None on
+    the CPU, where ``load_models_gpu`` frees nothing for a decode."""
+    if getattr(dev, "type", "cpu") == "cpu":
+        return None
     import comfy.model_management as mm
     return int(mm.dtype_size(mm.vae_dtype(dev, [torch.bfloat16, torch.float16, torch.float32])))
 
