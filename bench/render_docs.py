@@ -96,6 +96,45 @@ INTO_Q_FAILED = re.compile(r"tests/gpu/test_into_q_gpu\.py:\d+: \w+")
 INTO_Q_COST = re.compile(r"A14B 720p81: ungrouped ([\d.]+) ms, write-into-q ([\d.]+) ms")
 
 
+INTO_Q_ROW = re.compile(r"^(\S+): into-q (\d+) groups, peak ([\d.]+) MiB \(formula ([\d.]+)\), SDPA ([\d.]+) MiB, "
+                        r"ungrouped Sage formula ([\d.]+) MiB, rel L2 ([\d.]+)", re.M)
+
+
+def into_q_measured_text() -> str:
+    """What the write-into-q calls held against SDPA in the gpu-tier logs whose into-q tests passed and that ran
+    every shape in the groups this checkout picks (``head_groups.into_q_groups``)."""
+    from wan_sage.attention import head_groups, kernel_bytes
+    found = {}
+    for p in sorted((RECORDS / "gpu-tier").glob("*.log")):
+        text = p.read_text()
+        rows = {m.group(1): (int(m.group(2)), float(m.group(3)), float(m.group(5)), float(m.group(6)), float(m.group(7)))
+                for m in INTO_Q_ROW.finditer(text)}
+        if not rows or INTO_Q_FAILED.search(text) or set(rows) - set(INTO_Q_SHAPES):
+            continue
+        if all(head_groups.into_q_groups("sage2_sm90_into_q", kernel_bytes.AttnShape(B, H, N, N, D)).groups == rows[n][0]
+               for n, (B, H, N, D) in INTO_Q_SHAPES.items() if n in rows):
+            found[p.name] = rows
+    if not found:
+        return ""
+    main = [r["a14b_720p81"] for r in found.values()]
+    g, ungrouped = main[0][0], main[0][3]
+    others = [x for r in found.values() for n, x in r.items() if n != "a14b_720p81"]
+    return (f"On the H200 (gpu tier, {_and([f'`{n}`' for n in found])}) an A14B 1280×720×81 call ran in {g} groups and held "
+            f"{_span([x[1] for x in main], '{:.1f}')} MiB above its inputs, against {_span([x[2] for x in main], '{:.1f}')} MiB "
+            f"for SDPA and {ungrouped:,.0f} MiB for the ungrouped kernel, at relative L2 {_span([x[4] for x in main], '{:.3f}')}; "
+            f"A14B 480p81 and 1080p49, 1.3B 480p81 with cfg batch 2, 5B 704p121, and short calls of 3,120 to 15,000 tokens "
+            f"the slack was not set from ran in {_span(sorted({x[0] for x in others}), '{:d}')} groups and held "
+            f"{_span([x[1] / x[2] for x in others])}× SDPA's bytes.")
+
+
+# The shapes of tests/gpu/test_into_q_gpu.py: [B, H, N, D].
+INTO_Q_SHAPES = {"a14b_720p81": (1, 40, 75600, 128), "a14b_480p81": (1, 40, 32760, 128),
+                 "t2v1.3b_480p81_cfg2": (2, 12, 32760, 128), "ti2v5b_704p121": (1, 24, 27280, 128),
+                 "a14b_1080p49": (1, 40, 106080, 128), "a14b_7480": (1, 40, 7480, 128), "a14b_4680": (1, 40, 4680, 128),
+                 "ti2v5b_9000": (1, 24, 9000, 128), "t2v1.3b_15000_cfg2": (2, 12, 15000, 128),
+                 "t2v14b_3120": (1, 40, 3120, 128)}
+
+
 def into_q_cost_text() -> str:
     """What the write-into-q split costs against the ungrouped kernel at A14B 720p81, per group count of that
     call, over every gpu-tier log that measured it (``tests/gpu/test_into_q_gpu.py``), except a run in which a
@@ -190,17 +229,16 @@ self-attention (an object patch, `nodes/handover.py`; only over a forward that r
 no other node patched): it computes q, k and v as 0.3.64 does and hands them over in the same way. When
 nothing else holds q (no other reference, no
 other tensor on its memory, not recording autograd), the call runs on the kernel's write-into-q path, head
-group by head group: each group's q and k are quantised to INT8, its V is padded and quantised to FP8, and the
-kernel writes the group's output into its own heads of q. No output buffer is allocated, so the call peaks at
-one group's quantised tensors. The group count is the fewest whose peak is at or below SDPA's extra bytes for
+group by head group: each group's V is quantised to FP8 first (read from its strided heads, and copied out with
+its padding only where SageAttention's padding to 64 tokens falls short of the 128 the kernel takes), then its
+q and k are quantised to INT8 (K less its mean over tokens), and the kernel writes the group's output into its
+own heads of q. No output buffer is allocated, and V's BF16 transients are gone before K's copy and the INT8 q
+and k exist, so the call peaks at the larger of those two steps of one group. The group count is the fewest
+whose peak is at or below SDPA's extra bytes for
 the same call with 16 MiB to spare for the allocator, which serves a request from a cached block up to 1 MiB
 larger than asked (`attention.head_groups.into_q_groups`; the slack was set from an A14B call of 7,480
-tokens, whose 4 groups held 78.1 MiB against SDPA's 74.2). On the H200 (gpu tier, `1071ee5.log`) an A14B
-1280×720×81 call ran in 4 groups and held 650.6 MiB above its inputs, against 749.8 MiB for SDPA and 3,330 MiB
-for the ungrouped kernel, at relative L2 0.039; A14B 480p81, 1.3B 480p81 with cfg batch 2, 5B 704p121 and A14B
-1080p49 held 0.87× SDPA's bytes; the 7,480-token call, now in 5 groups, 0.86×; and four short calls the slack
-was not set from (A14B 4,680 and 3,120 tokens, TI2V-5B 9,000, 1.3B 15,000 with cfg batch 2; 6–8 groups)
-0.66–0.81×. {into_q_cost_text()}
+tokens, whose 4 groups held 78.1 MiB against SDPA's 74.2, when each group quantised q and k before V).
+{into_q_measured_text()} {into_q_cost_text()}
 
 Under `torch.compile` the patch's own forward on 0.3.64 hands the tensors to a second custom op,
 `wan_sage::attention_into_q`, which mutates q (`SageAttentionOverride.dead_q_call`, `attention/op.py`): inductor
@@ -572,7 +610,60 @@ def memory_doc(summary) -> str:
     o += e2e_streamed_fp8_section()
     o += e2e_compiled_resident_section()
     o += e2e_compiled_cast_section()
+    o += decode_room_section()
     return "\n".join(o) + "\n"
+
+
+def decode_room_rows() -> list[dict]:
+    """The VAE decodes of the whole-prompt records that say what was loaded around them: per process, its set,
+    configuration, commit, the diffusion model's GiB resident as the decode began, what the decode evicted, the
+    device's free GiB as it began (records that read the allocator) and its seconds, first and repeat prompt."""
+    out = []
+    for st in whole_sets():
+        for r in st["runs"]:
+            ph = [p["phases"]["decode"] for p in r["prompts"] if p.get("status") == "ok" and "decode" in p.get("phases", {})]
+            if not ph or any(not d.get("loaded_gib_before") for d in ph):
+                continue
+            before = [sum(v for k, v in d["loaded_gib_before"].items() if k != "WanVAE") for d in ph]
+            after = [sum(v for k, v in d["loaded_gib_after"].items() if k != "WanVAE") for d in ph]
+            free = [(d.get("pool_before") or {}).get("free_gib") for d in ph]
+            c = r["config"]
+            out.append(dict(set=st, run=r, config=WHOLE_CONFIG_NAMES.get((c["estimator"], c["attention"]), r["run"]),
+                            resident=before, evicted=[b - a for b, a in zip(before, after)], free=free,
+                            seconds=[d["s"] for d in ph]))
+    return out
+
+
+def decode_room_section() -> list:
+    """How the VAE decode after the sampling ran against the weights the sampling left resident."""
+    rows = decode_room_rows()
+    if not rows:
+        return []
+    fig = comfy_wan_vae_decode_gib(1280, 720)
+    vae = 1.1 * 126_892_531 * 2 / GiB
+    o = ["\n## The VAE decode after the sampling\n",
+         "ComfyUI's `VAE.decode` (comfy/sd.py) loads the VAE with its own figure for the decode as the memory required,",
+         f"and `load_models_gpu` frees that figure plus 1.1× the VAE's weights first: for the Wan 2.1 VAE at 1280×720 in bf16,",
+         f"{fig:.2f} + {vae:.2f} = {fig + vae:.2f} GiB above what it always keeps free (`memory/vae_decode.py`). Weights the sampling kept",
+         "resident beyond that are evicted there, smallest modules first, and the decode runs among the holes they leave.",
+         "Whole prompts on the H200 (the decode of each prompt, first / repeat; *resident*: the diffusion model's GiB on",
+         "the GPU as the decode began; *free*: the device's free GiB then, where the record read it):\n",
+         "| record | configuration | wan-sage | resident GiB | evicted GiB | free GiB | decode s |",
+         "|---|---|---|---:|---:|---:|---:|"]
+    for x in rows:
+        free = " / ".join("—" if f is None else f"{f:.2f}" for f in x["free"])
+        o.append(f"| {_record_link(x['set']['file'], x['set']['label'])} | {x['config']} | `{commit_of(x['run'])}` | "
+                 f"{' / '.join(f'{v:.2f}' for v in x['resident'])} | {' / '.join(f'{v:.2f}' for v in x['evicted'])} | "
+                 f"{free} | {' / '.join(f'{v:.1f}' for v in x['seconds'])} |")
+    o += ["",
+          "From `1f8f94f` the Sage patch empties the allocator cache when its sampling ends (`comfy_bridge.trim_allocator`),",
+          "so the decode does not start among the sampling's cached blocks. From `087d8a9` the estimator's reservation in",
+          "force is at least the room ComfyUI frees for the decode, where that fits in the budget",
+          "(`memory.estimate.decode_floor`): the weights it keeps resident are the ones the decode leaves in place. Where",
+          "the decode needs more than the budget, ComfyUI unloads the model whole for it and no room is kept. The cond /",
+          "uncond batching test, dynamic VRAM and the fixed policy keep none; `wan-sage plan --no-decode` and the route's",
+          "`no_decode` plan a sampling with no decode after it.", ""]
+    return o
 
 
 def comfy_ratios(summary) -> dict:
@@ -1146,6 +1237,8 @@ def whole_rows(sets) -> list[dict]:
     """Per set, workflow, budget and caches at the start: each configuration's medians over its processes,
     with ComfyUI alone + SDPA of the same set, workflow, budget and caches as the baseline."""
     out = []
+    stock_of_file: dict = {}  # (file, workflow, budget, caches) -> (set label, records) of the file's last set with one
+    groups = []
     for s in sets:
         by: dict = {}
         for r in s["runs"]:
@@ -1155,7 +1248,16 @@ def whole_rows(sets) -> list[dict]:
             by.setdefault((_whole_workflow(c), c.get("budget_gib"), whole_caches(r),
                            (bool(c.get("estimator")), c.get("attention"))), []).append(r)
         for (wf, budget, caches, cfg), recs in by.items():
-            base = by.get((wf, budget, caches, (False, "sdpa")))
+            if cfg == (False, "sdpa"):
+                stock_of_file[(s["file"], wf, budget, caches)] = (s["label"], recs)
+        groups.append((s, by))
+    for s, by in groups:
+        for (wf, budget, caches, cfg), recs in by.items():
+            base, base_set = by.get((wf, budget, caches, (False, "sdpa"))), None
+            if base is None and cfg != (False, "sdpa") and (s["file"], wf, budget, caches) in stock_of_file:
+                # a set without ComfyUI alone is compared with the same file's (same workflow, budget and
+                # caches; another machine), and says so
+                base_set, base = stock_of_file[(s["file"], wf, budget, caches)]
             figures = {}
             for name, i in (("first", 0), ("repeat", 1)):
                 for key in ("to_latent_s", "to_frames_s"):
@@ -1164,6 +1266,7 @@ def whole_rows(sets) -> list[dict]:
                     figures[f"{name}_{key}"] = (v, b)
             starts = [r["process_start_s"] for r in recs if r.get("process_start_s") is not None]
             out.append(dict(set=s, workflow=wf, budget=budget, caches=caches, config=cfg, recs=recs, figures=figures,
+                            base_set=base_set,
                             first_steps=tuple(_prompt_median(recs, 0, "first_step_s", e) for e in ("high", "low")),
                             start=statistics.median(starts) if starts else None))
     order = lambda x: (x["workflow"][0], -x["workflow"][1][0] * x["workflow"][1][1], x["workflow"][2],  # noqa: E731
@@ -1182,11 +1285,12 @@ def whole_headlines(ws: list) -> list:
     out = []
     for text, group in by.items():
         per_budget: dict = {}
-        for w in group:  # a budget measured in several sets (machines) gets each set's ratios
+        for w in group:  # a budget measured in several sets (machines): the last set of its file, the code as it is
+            per_budget[_budget_text(w["budget"])] = w
+        parts = []
+        for budget, w in per_budget.items():
             (f1, b1), (f2, b2) = w["figures"]["first_to_frames_s"], w["figures"]["repeat_to_frames_s"]
-            per_budget.setdefault(_budget_text(w["budget"]), []).append(f"**{b1 / f1:.2f}× / {b2 / f2:.2f}×**")
-        parts = [f"{budget} " + ", ".join(ratios) + (f" ({len(ratios)} runs)" if len(ratios) > 1 else "")
-                 for budget, ratios in per_budget.items()]
+            parts.append(f"{budget} **{b1 / f1:.2f}× / {b2 / f2:.2f}×**")
         out.append((f"whole prompt: {text}", "; ".join(parts),
                     f"[benchmarks](docs/benchmarks.md#{anchor('Whole generation')})"))
     return out
@@ -1221,8 +1325,9 @@ def whole_generation_section(paths=None) -> list:
         hi, lo = x["first_steps"]
         steps = "—" if hi is None else f"{hi:.1f} / " + ("—" if lo is None else f"{lo:.1f}") + " s"
         start = "—" if x["start"] is None else f"{x['start']:.0f} s"
+        against = f" (× against ComfyUI alone + SDPA of ({x['base_set'][-2]}))" if x.get("base_set") else ""
         o.append(f"| {_whole_workflow_text(x['workflow'])} | {_budget_text(x['budget'])} | {x['caches']} | "
-                 f"{WHOLE_CONFIG_NAMES.get(x['config'], str(x['config']))} | "
+                 f"{WHOLE_CONFIG_NAMES.get(x['config'], str(x['config']))}{against} | "
                  + " | ".join(_seconds(*f[k]) for k in ("first_to_latent_s", "first_to_frames_s", "repeat_to_latent_s",
                                                          "repeat_to_frames_s"))
                  + f" | {steps} | {start} | "
@@ -1260,8 +1365,8 @@ def whole_decode_lines(rows_) -> list:
                    + (f"; it evicted {_span(evicted)} GiB of the diffusion model, which the estimator's reservation had kept "
                       "resident" if evicted else "")
                    + f". ComfyUI frees its own figure for the Wan VAE decode ({comfy_wan_vae_decode_gib(*x['workflow'][1][:2]):.1f} "
-                     "GiB here) before decoding, so weights kept resident past the sampling are evicted there; the cost "
-                     "is not modelled yet.")
+                     "GiB here) before decoding, so weights kept resident past the sampling are evicted there "
+                     f"([memory model](memory-model.md#{anchor('The VAE decode after the sampling')})).")
     return out
 
 
