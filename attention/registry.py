@@ -158,24 +158,19 @@ def _sage2_sm90(fn, q, k, v, layout, sm_scale, cc):
 def _sage2_sm90_into_q(core, q, k, v, sm_scale, h0, h1):
     """The sm90 kernel on heads ``h0:h1`` of q, k, v ([B, N, H, D], D 64 or 128), its output written into
     those heads of q once they are quantised, so no output buffer is allocated.  As
-    ``sageattn_qk_int8_pv_fp8_cuda_sm90`` does for a whole call: V is zero-padded to 128 tokens and
-    quantised to FP8 per channel, K's mean over tokens is subtracted, q and k are quantised to INT8 per
-    thread, and the kernel runs with FP32 PV accumulation.  V goes first, so its BF16 transients are
-    gone before K's copy and the INT8 q and k exist (:func:`.kernel_bytes._sage2_sm90`).  SageAttention's
-    transpose reads the strided heads of V and zero-pads them to 64 tokens; only where that falls short
-    of 128 is V copied out with its padding first."""
+    ``sageattn_qk_int8_pv_fp8_cuda_sm90`` does for a whole call: K's mean over tokens is subtracted, q and
+    k are quantised to INT8 per thread, V is zero-padded to 128 tokens and quantised to FP8 per channel,
+    and the kernel runs with FP32 PV accumulation."""
     import torch
     B, Nk, _H, D = k.shape
-    vg = v[:, :, h0:h1]
-    if 0 < Nk % 128 <= 64:
-        vg = torch.cat([vg, v.new_zeros(B, -Nk % 128, h1 - h0, D)], dim=1)
-    v8, v_scale, _ = core.per_channel_fp8(vg, tensor_layout="NHD", smooth_v=False)
-    del vg
     qg, kg = q[:, :, h0:h1], k[:, :, h0:h1]
     km = kg.mean(dim=1, keepdim=True)
     q8, q_scale, k8, k_scale = core.per_thread_int8_triton(qg, kg, km, tensor_layout="NHD", BLKQ=64, WARPQ=16,
                                                           BLKK=128, WARPK=128)
     del km
+    vg = torch.cat([v[:, :, h0:h1], v.new_zeros(B, -Nk % 128, h1 - h0, D)], dim=1)
+    v8, v_scale, _ = core.per_channel_fp8(vg, tensor_layout="NHD", smooth_v=False)
+    del vg
     core.sm90_compile.qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf(
         q8, k8, v8, qg, q_scale, k_scale, v_scale, 0, 0, 3, float(D ** -0.5 if sm_scale is None else sm_scale), 0)
 

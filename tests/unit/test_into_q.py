@@ -167,39 +167,3 @@ def test_a_call_too_small_for_the_slack_takes_the_ordinary_path(fake_gpu):
     o = ov(fake_gpu)
     out, expected, q_ptr = boxed_call(o)
     assert fake_gpu.into_q_calls == [] and out.data_ptr() != q_ptr and close(out, expected)
-
-
-class _Core:
-    """Stands in for ``sageattention.core`` on the CPU: records the order of the quantisation steps and the V
-    each step gets, with outputs of the real steps' shapes."""
-
-    def __init__(self):
-        self.steps = []
-        self.sm90_compile = self
-
-    def per_channel_fp8(self, v, tensor_layout, smooth_v):
-        B, N, H, D = v.shape
-        self.steps.append(("v", N, v.is_contiguous()))
-        return torch.zeros(B, D, H, -(-N // 64) * 64, dtype=torch.uint8), torch.ones(B, H, D), None
-
-    def per_thread_int8_triton(self, q, k, km, **kw):
-        self.steps.append(("qk", k.shape[1], None))
-        return (torch.zeros(q.shape, dtype=torch.int8), torch.ones(1), torch.zeros(k.shape, dtype=torch.int8),
-                torch.ones(1))
-
-    def qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf(self, q8, k8, v8, out, *args):
-        self.steps.append(("attn", v8.shape[-1], None))
-
-
-@pytest.mark.parametrize("N, copied", [(2048, False), (2000, False), (1950, True), (2100, True)])
-def test_the_sm90_write_into_q_quantises_v_first_and_copies_it_only_to_pad_it(N, copied):
-    """V is quantised before K's copy and the INT8 q and k exist (the peak is the larger of the two steps,
-    not their sum: kernel_bytes), from its strided heads where SageAttention's padding to 64 tokens already
-    reaches a multiple of 128, and from a padded copy only where it does not; the kernel gets V padded to
-    128 tokens either way."""
-    from wan_sage.attention import registry
-    core = _Core()
-    q, k, v = (t.view(1, N, 4, 64) for t in qkv(N=N, H=4, D=64))
-    registry._sage2_sm90_into_q(core, q, k, v, None, 1, 3)
-    padded = -(-N // 128) * 128
-    assert core.steps == [("v", padded if copied else N, copied), ("qk", N, None), ("attn", padded, None)]
