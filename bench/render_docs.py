@@ -229,15 +229,15 @@ self-attention (an object patch, `nodes/handover.py`; only over a forward that r
 no other node patched): it computes q, k and v as 0.3.64 does and hands them over in the same way. When
 nothing else holds q (no other reference, no
 other tensor on its memory, not recording autograd), the call runs on the kernel's write-into-q path, head
-group by head group: each group's V is quantised to FP8 first (read from its strided heads, and copied out with
-its padding only where SageAttention's padding to 64 tokens falls short of the 128 the kernel takes), then its
-q and k are quantised to INT8 (K less its mean over tokens), and the kernel writes the group's output into its
-own heads of q. No output buffer is allocated, and V's BF16 transients are gone before K's copy and the INT8 q
-and k exist, so the call peaks at the larger of those two steps of one group. The group count is the fewest
-whose peak is at or below SDPA's extra bytes for
+group by head group: each group's q and k are quantised to INT8, its V is padded and quantised to FP8, and the
+kernel writes the group's output into its own heads of q. No output buffer is allocated, so the call peaks at
+one group's quantised tensors. The group count is the fewest whose peak is at or below SDPA's extra bytes for
 the same call with 16 MiB to spare for the allocator, which serves a request from a cached block up to 1 MiB
 larger than asked (`attention.head_groups.into_q_groups`; the slack was set from an A14B call of 7,480
-tokens, whose 4 groups held 78.1 MiB against SDPA's 74.2, when each group quantised q and k before V).
+tokens, whose 4 groups held 78.1 MiB against SDPA's 74.2). Quantising V first, so that its BF16 transients are
+gone before K's copy and the INT8 q and k exist, would fit A14B 720p81 in 3 groups: in `a3f84bb.log` it held 651.2
+MiB there for a 648.2 MiB formula at +0.7 % against the ungrouped call, but calls of 3,120 to 15,000 tokens held up
+to twice that order's formula and more than SDPA, so the path quantises q and k first.
 {into_q_measured_text()} {into_q_cost_text()}
 
 Under `torch.compile` the patch's own forward on 0.3.64 hands the tensors to a second custom op,
