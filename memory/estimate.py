@@ -436,7 +436,7 @@ def decode_floor(s: Setup, latent: tuple, room: int | None) -> int:
     """The room the reservation in force keeps for the VAE decode after the sampling: what ComfyUI frees for it
     (:func:`.vae_decode.decode_bytes`), on the legacy path where that fits in ``room``; else 0.  Weights kept
     resident past it are evicted by the decode, a few modules at a time, and the decode then runs among their
-    holes: on the H200 an fp8 A14B 720p81 decode after such an eviction took 8.6-14.9 s against 4.5-5.0 s
+    holes: on the H200 an fp8 A14B 720p81 decode after such an eviction took 8.6-14.9 s against 4.5-5.2 s
     without one (bench/records/whole-prompt/fp8-720p81-4steps-24gib-eager.jsonl).  Where the decode needs more
     than ``room``, ComfyUI unloads this model whole for it, and keeping room for it would only stream weights.
     Dynamic VRAM evicts on demand and is left to ComfyUI; the fixed policy's reservation is the user's own."""

@@ -94,9 +94,9 @@ def _stats_wrapper(patch_id: str, label: str, node_id: str | None = None):
         try:
             return executor(*args, **kwargs)
         finally:
-            # The sampling's free blocks go back to the device before the next node (the VAE decode) runs:
-            # left cached, they are scattered between the resident weights, and the decode that follows
-            # Sage sampling found too little room in one piece for its convolutions' workspaces.
+            # The sampling's cached free blocks go back to the device before the next node (the VAE decode)
+            # runs: left in the allocator, the decode after Sage sampling ran 2-3x slower on the H200 (fp8
+            # A14B 720p81 at 24 GiB, ComfyUI alone + Sage: 12.0 s against 4.5 s with them handed back).
             comfy_bridge.trim_allocator(getattr(getattr(guider, "model_patcher", None), "load_device", None),
                                         "after sampling")
             summary = stats.end_run(patch_id)

@@ -80,8 +80,9 @@ class WanWorkingMemoryEstimator(io.ComfyNode):
             display_name="Wan Working-Memory Estimator",
             category="model_patches/wan-sage",
             description=("Predicts the activation memory of a Wan denoise from the model's config and the latent "
-                         "size, and reserves it before sampling so ComfyUI offloads just enough weights. With the "
-                         "latent connected its size comes from the latent; otherwise from the size widgets."),
+                         "size, and reserves it before sampling so ComfyUI offloads just enough weights; where the "
+                         "VAE decode that follows needs more room, it reserves that, so the decode evicts nothing. "
+                         "With the latent connected its size comes from the latent; otherwise from the size widgets."),
             inputs=[
                 io.Model.Input("model", tooltip="the Wan 2.1/2.2 model to sample; its config (layers, width, "
                                                 "weights) sets the estimate"),
