@@ -662,8 +662,18 @@ def decode_room_section() -> list:
           "(`memory.estimate.decode_floor`): the weights it keeps resident are the ones the decode leaves in place. Where",
           "the decode needs more than the budget, ComfyUI unloads the model whole for it and no room is kept. The cond /",
           "uncond batching test, dynamic VRAM and the fixed policy keep none; `wan-sage plan --no-decode` and the route's",
-          "`no_decode` plan a sampling with no decode after it.", ""]
-    return o
+          "`no_decode` plan a sampling with no decode after it."]
+    kept = [(r, e) for st in whole_sets() for r in st["runs"] if r["config"].get("estimator") and r["prompts"]
+            and any(abs(e.get("predicted_working_gib", 0) - comfy_wan_vae_decode_gib(r["config"]["width"], r["config"]["height"])
+                        - vae) < 0.01 for p in r["prompts"] for e in p.get("experts", {}).values())
+            for p in r["prompts"] for e in p.get("experts", {}).values()]
+    if kept:
+        o.append(f"While the experts sample, that room is more than they use: in the records where it was in force they "
+                 f"held {_span([e['working_gib'] for _r, e in kept])} GiB above their weights against "
+                 f"{_span([e['predicted_working_gib'] for _r, e in kept])} GiB reserved. The budget the sampling leaves "
+                 "unused is the decode's, the next node's, and the prompt as a whole is faster for it "
+                 f"([benchmarks](benchmarks.md#{anchor('Whole generation')})).")
+    return o + [""]
 
 
 def comfy_ratios(summary) -> dict:
