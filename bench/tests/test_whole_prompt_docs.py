@@ -110,3 +110,17 @@ def test_the_section_comes_first_in_benchmarks_md_when_records_exist(files, monk
     page = render_docs.benchmarks_doc()
     headings = [line for line in page.splitlines() if line.startswith("## ")]
     assert headings[0] == "## Whole generation" and headings[1] == "## The case"
+
+
+def test_a_later_round_without_comfyui_alone_is_compared_with_its_files_and_says_so(tmp_path):
+    f = _write(tmp_path / "fp8.jsonl", [record(False, "sdpa", (80.0, 88.0), (60.0, 66.0)),
+                                         record(True, "sage", (80.0, 88.0), (60.0, 66.0)),
+                                         dict(record(True, "sage", (64.0, 80.0), (48.0, 55.0)), round="b")])
+    rows = _rows(render_docs.whole_generation_section([f]))
+    later = next(r for r in rows if "fp8 (b)" in r)
+    assert "estimator + Sage (× against ComfyUI alone + SDPA of (a))" in later
+    assert "64.0 s (1.25×)" in later and "55.0 s (1.20×)" in later
+    # the README gives a budget's newest set: the later round's ratios, not the first's 1.00×
+    heads = render_docs.whole_headlines([w for w in render_docs.whole_rows(render_docs.whole_sets([f]))
+                                         if w["config"] == (True, "sage")])
+    assert [h[1] for h in heads] == ["24 GiB **1.10× / 1.20×**"]
