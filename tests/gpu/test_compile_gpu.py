@@ -25,6 +25,7 @@ from wan_sage.attention.config import PatchConfig  # noqa: E402
 from wan_sage.attention.override import SageAttentionOverride  # noqa: E402
 from wan_sage.attention.state import STATE  # noqa: E402
 from wan_sage.cli.bench_kernels import peak_extra  # noqa: E402
+from wan_sage.nodes.handover import Container  # noqa: E402  (0.38's AttentionTensorContainer protocol)
 
 CC = kernels.device_cc(torch.device("cuda"))
 AUTO = kernels.auto_candidates(CC)
@@ -150,23 +151,6 @@ def test_the_patched_block_matches_sdpa(wan_block, tmp_path):
     assert cos > 0.99
 
 
-class _Container:
-    """ComfyUI 0.38's ``AttentionTensorContainer`` (comfy/ldm/modules/attention.py at 05080f60): a box whose
-    ``take`` hands the tensor over."""
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor):
-        self.tensor = tensor
-
-    def peek(self):
-        return self.tensor
-
-    def take(self):
-        tensor, self.tensor = self.tensor, None
-        return tensor
-
-
 def containers_forward(self, x, freqs, transformer_options={}):
     """0.38's ``WanSelfAttention.forward`` (comfy/ldm/wan/model.py at 0c9a69ae) on 0.3.64's module, without
     ``attn1_patch``: the roped q and k and v viewed into containers that replace them, handed to the override's
@@ -175,9 +159,9 @@ def containers_forward(self, x, freqs, transformer_options={}):
     b, s, n, d = *x.shape[:2], self.num_heads, self.head_dim
     q = apply_rope1(self.norm_q(self.q(x)).view(b, s, n, d), freqs)
     k = apply_rope1(self.norm_k(self.k(x)).view(b, s, n, d), freqs)
-    q = _Container(q.view(b, s, n * d))
-    k = _Container(k.view(b, s, n * d))
-    v = _Container(self.v(x).view(b, s, n * d))
+    q = Container(q.view(b, s, n * d))
+    k = Container(k.view(b, s, n * d))
+    v = Container(self.v(x).view(b, s, n * d))
     override = transformer_options["optimized_attention_override"]
     x = override.container_function(q, k, v, heads=self.num_heads, transformer_options=transformer_options,
                                     _inside_attn_wrapper=True)
