@@ -24,6 +24,7 @@ from ._records import RECORDS, SET_FROM, files, name_of, not_set_from, path, row
 from .measured_rows import compiled_blocks, e2e_estimate, head_groups, predict_forward
 
 _host.load_pack()
+from wan_sage.memory import vae_decode  # noqa: E402
 from wan_sage.memory.estimate import CALIBRATED  # noqa: E402
 
 GiB = 2 ** 30
@@ -640,7 +641,8 @@ def decode_room_section() -> list:
     if not rows:
         return []
     fig = comfy_wan_vae_decode_gib(1280, 720)
-    vae = 1.1 * 126_892_531 * 2 / GiB
+    total = wan_vae_decode_room_gib(1280, 720)
+    vae = total - fig
     o = ["\n## The VAE decode after the sampling\n",
          "ComfyUI's `VAE.decode` (comfy/sd.py) loads the VAE with its own figure for the decode as the memory required,",
          f"and `load_models_gpu` frees that figure plus 1.1× the VAE's weights first: for the Wan 2.1 VAE at 1280×720 in bf16,",
@@ -663,14 +665,14 @@ def decode_room_section() -> list:
           "the decode needs more than the budget, ComfyUI unloads the model whole for it and no room is kept. The cond /",
           "uncond batching test, dynamic VRAM and the fixed policy keep none; `wan-sage plan --no-decode` and the route's",
           "`no_decode` plan a sampling with no decode after it."]
-    kept = [(r, e) for st in whole_sets() for r in st["runs"] if r["config"].get("estimator") and r["prompts"]
-            and any(abs(e.get("predicted_working_gib", 0) - comfy_wan_vae_decode_gib(r["config"]["width"], r["config"]["height"])
-                        - vae) < 0.01 for p in r["prompts"] for e in p.get("experts", {}).values())
-            for p in r["prompts"] for e in p.get("experts", {}).values()]
+    # the experts whose reservation was the decode's room (their records give it to the GiB's hundredth)
+    kept = [e for st in whole_sets() for r in st["runs"] if r["config"].get("estimator")
+            for p in r["prompts"] for e in p.get("experts", {}).values()
+            if abs(e.get("predicted_working_gib", 0) - wan_vae_decode_room_gib(r["config"]["width"], r["config"]["height"])) < 0.01]
     if kept:
         o.append(f"While the experts sample, that room is more than they use: in the records where it was in force they "
-                 f"held {_span([e['working_gib'] for _r, e in kept])} GiB above their weights against "
-                 f"{_span([e['predicted_working_gib'] for _r, e in kept])} GiB reserved. The budget the sampling leaves "
+                 f"held {_span([e['working_gib'] for e in kept])} GiB above their weights against "
+                 f"{_span([e['predicted_working_gib'] for e in kept])} GiB reserved. The budget the sampling leaves "
                  "unused is the decode's, the next node's, and the prompt as a whole is faster for it "
                  f"([benchmarks](benchmarks.md#{anchor('Whole generation')})).")
     return o + [""]
@@ -1380,10 +1382,19 @@ def whole_decode_lines(rows_) -> list:
     return out
 
 
+def _wan21_latent(width: int, height: int) -> tuple:
+    return (1, 16, 1, height // 8, width // 8)
+
+
 def comfy_wan_vae_decode_gib(width: int, height: int) -> float:
-    """ComfyUI 0.3.64's memory figure for a Wan 2.1 VAE decode (comfy/sd.py, ``memory_used_decode``: 7000 x the
-    latent's height x width x 64 x the bf16 size), which it frees before decoding; frames do not enter it."""
-    return 7000 * (height // 8) * (width // 8) * 64 * 2 / GiB
+    """ComfyUI 0.3.64's memory figure for a Wan 2.1 VAE decode in bf16 (comfy/sd.py, ``memory_used_decode``;
+    ``memory.vae_decode``), which it frees before decoding; frames do not enter it."""
+    return vae_decode.comfy_figure_bytes(_wan21_latent(width, height)) / GiB
+
+
+def wan_vae_decode_room_gib(width: int, height: int) -> float:
+    """What ComfyUI frees for that decode: the figure plus 1.1x the VAE's bf16 weights (``memory.vae_decode``)."""
+    return vae_decode.decode_bytes(_wan21_latent(width, height)) / GiB
 
 
 # --------------------------------------------------------------------------- docs/benchmarks.md

@@ -19,16 +19,21 @@ WAN_VAES = {
 LOAD_FACTOR = 1.1  # load_models_gpu frees this many times a model's weights before loading it
 
 
+def comfy_figure_bytes(latent, dtype_size: int = 2) -> int | None:
+    """ComfyUI's ``memory_used_decode`` for ``latent`` ([B, C, T, H, W]) with the Wan VAE of its channel count in
+    a dtype of ``dtype_size`` bytes; None for a latent no Wan VAE decodes."""
+    found = WAN_VAES.get(int(latent[1]))
+    return None if found is None else found[1] * int(latent[3]) * int(latent[4]) * dtype_size
+
+
 def decode_bytes(latent, dtype_size: int = 2) -> int | None:
     """What ComfyUI frees on the GPU, beyond the memory it always keeps free, before it decodes ``latent``
     ([B, C, T, H, W]) with the Wan VAE of its channel count in a dtype of ``dtype_size`` bytes: the VAE's
     ``memory_used_decode`` figure plus 1.1 x its weights.  None for a latent no Wan VAE decodes."""
-    found = WAN_VAES.get(int(latent[1]))
-    if found is None:
+    figure = comfy_figure_bytes(latent, dtype_size)
+    if figure is None:
         return None
-    _name, per_pixel, params = found
-    H, W = int(latent[3]), int(latent[4])
-    return int(per_pixel * H * W * dtype_size + LOAD_FACTOR * params * dtype_size)
+    return int(figure + LOAD_FACTOR * WAN_VAES[int(latent[1])][2] * dtype_size)
 
 
 def vae_name(latent) -> str | None:
