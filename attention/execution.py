@@ -394,12 +394,19 @@ def _run_into_q(ov, plan: Plan, q, k, v, q4, k4, v4, heads, skip_reshape, skip_o
     with q intact.  A kernel that raises (or runs out of memory) in a group leaves that group's heads
     of q unwritten: SDPA finishes them and the heads after them, so the output is whole."""
     name = plan.kernel
+    try:
+        shared = kernels.into_q_shared(name, k4)
+    except Exception as e:  # nothing of q was written
+        failure = "oom" if isinstance(e, kernels.out_of_memory_error()) else "error"
+        if failure == "error":
+            _remember_failure(plan, name, f"{type(e).__name__}: {e}")
+        return _sdpa(ov, q, k, v, heads, skip_reshape, skip_output_reshape, scale, failure, fallback=failure)
     if ov.config.check_finite and _check_due(name, plan.call_key):
         ref = accuracy.reference(q4, k4, v4, "NHD", "NHD", scale)
         probe = q4.index_select(1, ref.rows)
         try:
             for h0, h1 in _head_spans(plan.H, plan.groups):
-                kernels.run_into_q(name, probe, k4, v4, scale, h0, h1)
+                kernels.run_into_q(name, probe, k4, v4, scale, h0, h1, shared)
             B, R, H, D = probe.shape
             verdict = _check_output(probe.reshape(B, R, H * D),
                                     accuracy.Reference(torch.arange(R, device=probe.device), ref.output, "NHD"))
@@ -416,7 +423,7 @@ def _run_into_q(ov, plan: Plan, q, k, v, q4, k4, v4, heads, skip_reshape, skip_o
                          fallback=verdict.failure)
     for h0, h1 in _head_spans(plan.H, plan.groups):
         try:
-            kernels.run_into_q(name, q4, k4, v4, scale, h0, h1)
+            kernels.run_into_q(name, q4, k4, v4, scale, h0, h1, shared)
         except Exception as e:
             failure = "oom" if isinstance(e, kernels.out_of_memory_error()) else "error"
             if failure == "oom":

@@ -31,11 +31,11 @@ __all__ = ["MEMORY_MODES", "SDPA_SLACK_BYTES", "INTO_Q_SLACK_BYTES", "HeadGroups
 
 MEMORY_MODES = ("sdpa", "fastest")
 SDPA_SLACK_BYTES = 1 << 29  # 0.5 GiB
-# What a write-into-q call holds beyond its formula: the caching allocator hands a request a cached block
+# What a write-into-q call may hold beyond its formula: the caching allocator hands a request a cached block
 # up to 1 MiB larger than asked without splitting it, and about eight blocks live at once in a group (q, k
-# and V quantised, their scales, K's mean, the padded and transposed V); the output check's probe and its
-# SDPA reference add a few MiB more on a call that is due a check.  Measured on an H200 at 7,480 tokens:
-# 9.5 MiB over the formula, 14.5 MiB with the check (bench/records/gpu-tier/); under 3 MiB at 75,600.
+# and V quantised, their scales, K's copy, the transposed V); the output check's probe and its SDPA
+# reference add a few MiB on a call that is due a check.  On an H200 the groups held within 0.5 MiB of the
+# formula at 1,560 to 106,080 tokens on a fresh allocator (bench/records/gpu-tier/ has the check's).
 INTO_Q_SLACK_BYTES = 16 << 20
 
 

@@ -110,19 +110,25 @@ def _sage2_fp8_cuda(a: AttnShape, per_warp: bool = False) -> int:
 
 
 def _sage2_sm90(a: AttnShape, into_q: bool = False) -> int:
-    # Hopper wgmma kernel, per_thread quantisation, V zero-padded to 128 tokens.  ``into_q``: the path
-    # that writes the output into q's own memory (q is handed over by the call site, and each head's q
-    # is quantised before its output is written): no output buffer, and V always copied into a
-    # contiguous padded buffer (its heads are a strided slice of the caller's tensor).
+    # Hopper wgmma kernel, per_thread quantisation, V zero-padded to 128 tokens.  ``into_q``: one head group
+    # of the path that writes the output into q's own memory (q is handed over by the call site, and each
+    # head's q is quantised before its output is written): no output buffer; K's mean comes from a
+    # matrix-vector product for the whole call (registry.sm90_key_mean: no reduction buffer); V is quantised
+    # first, from its strided heads, and copied out with its padding only where SageAttention's transpose
+    # (which pads to 64 tokens) falls short of 128; then K's copy and the INT8 q and k beside the FP8 V.  The
+    # group's peak is the larger of the two steps.
     Dp, Eq, Ek, pad, km = _common2(a)
     sc = 4 * a.B * (32 * a.Hq * _c(a.Nq, 64) + 4 * a.hkv * _c(a.Nk, 128))
     nk128 = 128 * _c(a.Nk, 128)
-    vc = a.s * a.B * a.hkv * Dp * nk128 if (a.Nk % 128 or into_q) else 0
     vt = a.s * a.B * a.hkv * Dp * nk128
     v8 = a.B * a.hkv * Dp * nk128
     vs = 8 * a.B * a.hkv * Dp
-    kt, o = a.s * Ek, 0 if into_q else a.s * Eq
-    return pad + km + Eq + Ek + sc + max(kt, o + vc + vt + v8 + vs)
+    kt = a.s * Ek
+    if into_q:
+        vc = vt if 0 < a.Nk % 128 <= 64 else 0
+        return pad + max(vc + vt + v8 + vs, v8 + vs + km + Eq + Ek + sc + kt)
+    vc = vt if a.Nk % 128 else 0
+    return pad + km + Eq + Ek + sc + max(kt, a.s * Eq + vc + vt + v8 + vs)
 
 
 def _ck_int8(a: AttnShape) -> int:

@@ -271,6 +271,14 @@ def into_q_module(name: str):
     return found
 
 
-def run_into_q(name: str, q4, k4, v4, sm_scale, h0: int, h1: int) -> None:
-    """Kernel ``name``'s write-into-q path on heads ``h0:h1`` of q4/k4/v4 ([B, N, H, D])."""
-    KERNELS[name].call_into_q(into_q_module(name), q4, k4, v4, sm_scale, h0, h1)
+def into_q_shared(name: str, k4):
+    """What every head group of one write-into-q call of kernel ``name`` shares, computed once from k4
+    ([B, N, H, D]); None where the kernel shares nothing."""
+    shared = KERNELS[name].into_q_shared
+    return None if shared is None else shared(k4)
+
+
+def run_into_q(name: str, q4, k4, v4, sm_scale, h0: int, h1: int, shared=None) -> None:
+    """Kernel ``name``'s write-into-q path on heads ``h0:h1`` of q4/k4/v4 ([B, N, H, D]), with the call's
+    :func:`into_q_shared`."""
+    KERNELS[name].call_into_q(into_q_module(name), q4, k4, v4, sm_scale, h0, h1, shared)

@@ -81,11 +81,13 @@ class KernelSpec:
     call: Callable | None = None  # (fn, q, k, v, layout, sm_scale, cc) -> output in ``layout``
     # The path that writes the output into q's own memory, for calls whose call site hands q over
     # (ComfyUI's attention containers): the kernel_bytes formula, the package module that provides its
-    # pieces and the runner of one head group, (module, q, k, v, sm_scale, h0, h1) with q/k/v in "NHD",
-    # writing heads h0:h1 of the output into q.
+    # pieces, the runner of one head group, (module, q, k, v, sm_scale, h0, h1, shared) with q/k/v in
+    # "NHD", writing heads h0:h1 of the output into q, and what every group of one call shares, computed
+    # once per call from k: (k) -> shared (None: nothing is shared).
     into_q_memory: str = ""
     into_q_module: str = ""
     call_into_q: Callable | None = None
+    into_q_shared: Callable | None = None
 
     def runs_on(self, cc: int) -> bool:
         if cc < self.min_cc:
@@ -155,24 +157,48 @@ def _sage2_sm90(fn, q, k, v, layout, sm_scale, cc):
               pv_accum_dtype="fp32+fp32", smooth_k=True, return_lse=False)
 
 
-def _sage2_sm90_into_q(core, q, k, v, sm_scale, h0, h1):
+def _sage2_sm90_into_q(core, q, k, v, sm_scale, h0, h1, km=None):
     """The sm90 kernel on heads ``h0:h1`` of q, k, v ([B, N, H, D], D 64 or 128), its output written into
     those heads of q once they are quantised, so no output buffer is allocated.  As
-    ``sageattn_qk_int8_pv_fp8_cuda_sm90`` does for a whole call: K's mean over tokens is subtracted, q and
-    k are quantised to INT8 per thread, V is zero-padded to 128 tokens and quantised to FP8 per channel,
-    and the kernel runs with FP32 PV accumulation."""
-    import torch
+    ``sageattn_qk_int8_pv_fp8_cuda_sm90`` does for a whole call: K's mean over tokens is subtracted, q and k
+    are quantised to INT8 per thread, V is zero-padded to 128 tokens and quantised to FP8 per channel, and
+    the kernel runs with FP32 PV accumulation.
+
+    ``km``: K's mean over tokens for all heads, ``[B, 1, H, D]`` (:func:`sm90_key_mean`, the call's shared
+    piece; computed here when None).  V goes before q and k, so its BF16 transients are gone before K's copy and the INT8 q and k exist
+    (:func:`.kernel_bytes._sage2_sm90`).  SageAttention's transpose reads V's strided heads and zero-pads
+    them to 64 tokens; only where that falls short of 128 tokens is V copied out with its padding first."""
     B, Nk, _H, D = k.shape
-    qg, kg = q[:, :, h0:h1], k[:, :, h0:h1]
-    km = kg.mean(dim=1, keepdim=True)
-    q8, q_scale, k8, k_scale = core.per_thread_int8_triton(qg, kg, km, tensor_layout="NHD", BLKQ=64, WARPQ=16,
-                                                          BLKK=128, WARPK=128)
-    del km
-    vg = torch.cat([v[:, :, h0:h1], v.new_zeros(B, -Nk % 128, h1 - h0, D)], dim=1)
+    if km is None:
+        km = sm90_key_mean(k)
+    vg = v[:, :, h0:h1]
+    if 0 < Nk % 128 <= 64:
+        padded = v.new_empty(B, Nk - Nk % 128 + 128, h1 - h0, D)
+        padded[:, :Nk].copy_(vg)
+        padded[:, Nk:].zero_()
+        vg = padded
+        del padded
     v8, v_scale, _ = core.per_channel_fp8(vg, tensor_layout="NHD", smooth_v=False)
     del vg
+    qg = q[:, :, h0:h1]
+    q8, q_scale, k8, k_scale = core.per_thread_int8_triton(qg, k[:, :, h0:h1], km[:, :, h0:h1], tensor_layout="NHD",
+                                                          BLKQ=64, WARPQ=16, BLKK=128, WARPK=128)
     core.sm90_compile.qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf(
         q8, k8, v8, qg, q_scale, k_scale, v_scale, 0, 0, 3, float(D ** -0.5 if sm_scale is None else sm_scale), 0)
+
+
+def sm90_key_mean(k):
+    """K's mean over tokens, ``[B, 1, H, D]`` in k's dtype, for k ``[B, N, H, D]``: one matrix-vector
+    product with FP32 accumulation.  ``k.mean(dim=1)`` is the same mean, but torch's reduction over the
+    token axis stages partial sums in a buffer of up to about 130 MiB (measured on an H200: 58.5 MiB for 8
+    of A14B's heads at 7,480 tokens, more than the rest of the call), where this holds only its output.
+    A k whose heads cannot be viewed as one row per token takes ``k.mean``."""
+    import torch
+    B, Nk, H, D = k.shape
+    if k.stride(3) != 1 or k.stride(2) != D:
+        return k.mean(dim=1, keepdim=True)
+    weights = torch.full((B, 1, Nk), 1.0 / Nk, dtype=k.dtype, device=k.device)
+    return torch.matmul(weights, k.view(B, Nk, H * D)).view(B, 1, H, D)
 
 
 def _sage2_fp8_cuda(fn, q, k, v, layout, sm_scale, cc):
@@ -220,7 +246,7 @@ _FP8_PV_TOKEN_LIMIT = 131072
 KERNELS: dict = {k.name: k for k in (
     KernelSpec("sage2_sm90", "SageAttention 2 INT8-QK/FP8-PV (sm90 wgmma)", "sageattention", "sage2",
                "sageattn_qk_int8_pv_fp8_cuda_sm90", 90, frozenset({90}), {90: 0}, call=_sage2_sm90,
-               into_q_memory="sage2_sm90_into_q", into_q_module="sageattention.core", call_into_q=_sage2_sm90_into_q),
+               into_q_memory="sage2_sm90_into_q", into_q_module="sageattention.core", call_into_q=_sage2_sm90_into_q, into_q_shared=sm90_key_mean),
     KernelSpec("sage2_fp8_cuda", "SageAttention 2 INT8-QK/FP8-PV (sm89/sm120)", "sageattention", "sage2",
                "sageattn_qk_int8_pv_fp8_cuda", 89, frozenset({89, 90, 120, 121}), {89: 0, 120: 0, 121: 0},
                memory_by_arch={120: "sage2_fp8_cuda_perwarp"},

@@ -99,7 +99,7 @@ class FakeGPU:
             o = (o.float() + error * (self.perturb * o.float().norm() / error.norm())).to(o.dtype)
         return o
 
-    def run_into_q(self, name, q4, k4, v4, scale, h0, h1):
+    def run_into_q(self, name, q4, k4, v4, scale, h0, h1, shared=None):
         """The write-into-q path of ``name`` on heads h0:h1 of [B, N, H, D] tensors: this fake kernel's
         output for those heads (with its mode) written into them."""
         self.into_q_calls.append((name, tuple(q4.shape), h0, h1))

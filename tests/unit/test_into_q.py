@@ -112,10 +112,10 @@ def test_a_group_that_fails_leaves_its_heads_and_the_rest_to_sdpa(fake_gpu, monk
     o = ov(fake_gpu, check_finite=False)
     real = fake_gpu.run_into_q
 
-    def fail_second_group(name, q4, k4, v4, scale, h0, h1):
+    def fail_second_group(name, q4, k4, v4, scale, h0, h1, shared=None):
         if h0 > 0:
             raise torch.OutOfMemoryError("fake") if mode == "oom" else RuntimeError("fake")
-        real(name, q4, k4, v4, scale, h0, h1)
+        real(name, q4, k4, v4, scale, h0, h1, shared)
     from wan_sage.attention import kernels
     monkeypatch.setattr(kernels, "run_into_q", fail_second_group)
     stats.begin_run(o.patch_id)
@@ -167,3 +167,87 @@ def test_a_call_too_small_for_the_slack_takes_the_ordinary_path(fake_gpu):
     o = ov(fake_gpu)
     out, expected, q_ptr = boxed_call(o)
     assert fake_gpu.into_q_calls == [] and out.data_ptr() != q_ptr and close(out, expected)
+
+
+class _Core:
+    """Stands in for ``sageattention.core`` on the CPU: records the order of the quantisation steps, the V
+    and K's mean each step gets, with outputs of the real steps' shapes."""
+
+    def __init__(self):
+        self.steps = []
+        self.sm90_compile = self
+
+    def per_channel_fp8(self, v, tensor_layout, smooth_v):
+        B, N, H, D = v.shape
+        self.steps.append(("v", N, v.is_contiguous()))
+        self.v = v.clone()
+        return torch.zeros(B, D, H, -(-N // 64) * 64, dtype=torch.uint8), torch.ones(B, H, D), None
+
+    def per_thread_int8_triton(self, q, k, km, **kw):
+        self.steps.append(("qk", k.shape[1], km))
+        return (torch.zeros(q.shape, dtype=torch.int8), torch.ones(1), torch.zeros(k.shape, dtype=torch.int8),
+                torch.ones(1))
+
+    def qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf(self, q8, k8, v8, out, *args):
+        self.steps.append(("attn", v8.shape[-1], None))
+
+
+@pytest.mark.parametrize("N, copied", [(2048, False), (2000, False), (1950, True), (2100, True)])
+def test_the_sm90_write_into_q_quantises_v_first_and_copies_it_only_to_pad_it(N, copied):
+    """V is quantised before K's copy and the INT8 q and k exist (the peak is the larger of the two steps,
+    not their sum: kernel_bytes), from its strided heads where SageAttention's padding to 64 tokens already
+    reaches a multiple of 128, and from a zero-padded copy only where it does not; the kernel gets V padded
+    to 128 tokens either way, and q and k get the call's shared mean of K for their heads."""
+    from wan_sage.attention import registry
+    core = _Core()
+    q, k, v = (t.view(1, N, 4, 64) for t in qkv(N=N, H=4, D=64))
+    km = registry.sm90_key_mean(k)
+    registry._sage2_sm90_into_q(core, q, k, v, None, 1, 3, km)
+    padded = -(-N // 128) * 128
+    (v_step, qk_step, attn_step) = core.steps
+    assert v_step == ("v", padded if copied else N, copied)
+    assert torch.equal(core.v[:, :N], v[:, :, 1:3]) and not core.v[:, N:].any()  # zero-padded, not garbage
+    assert qk_step[:2] == ("qk", N) and torch.equal(qk_step[2], km[:, :, 1:3])
+    assert attn_step == ("attn", padded, None)
+
+
+def test_the_sm90_key_mean_is_the_mean_over_tokens_for_any_layout_of_k():
+    from wan_sage.attention import registry
+    k = torch.randn(2, 3000, 6, 64, dtype=torch.float32)
+    expected = k.mean(dim=1, keepdim=True)
+    assert torch.allclose(registry.sm90_key_mean(k), expected, atol=1e-5)
+    strided = torch.randn(2, 3000, 6, 128)[..., ::2]  # heads not viewable as one row per token
+    assert torch.allclose(registry.sm90_key_mean(strided), strided.mean(dim=1, keepdim=True), atol=1e-5)
+    bf16 = k.to(torch.bfloat16)
+    got = registry.sm90_key_mean(bf16)
+    assert got.dtype == torch.bfloat16 and torch.allclose(got.float(), expected, atol=2e-2)
+
+
+def test_every_group_of_a_call_gets_the_shared_piece_computed_once(fake_gpu, monkeypatch):
+    from wan_sage.attention import kernels
+    o = ov(fake_gpu, check_finite=False)
+    made, seen = [], []
+    monkeypatch.setattr(kernels, "into_q_shared", lambda name, k4: made.append(object()) or made[-1])
+    real = fake_gpu.run_into_q
+
+    def record(name, q4, k4, v4, scale, h0, h1, shared=None):
+        seen.append(shared)
+        real(name, q4, k4, v4, scale, h0, h1, shared)
+    monkeypatch.setattr(kernels, "run_into_q", record)
+    out, expected, q_ptr = boxed_call(o)
+    assert out.data_ptr() == q_ptr and close(out, expected)
+    assert len(made) == 1 and len(seen) > 1 and all(s is made[0] for s in seen)
+
+
+@pytest.mark.parametrize("mode", ["oom", "raise"])
+def test_a_shared_piece_that_fails_leaves_the_call_to_sdpa_with_q_intact(fake_gpu, monkeypatch, mode):
+    from wan_sage.attention import kernels
+    o = ov(fake_gpu, check_finite=False)
+
+    def fail(name, k4):
+        raise torch.OutOfMemoryError("fake") if mode == "oom" else RuntimeError("fake")
+    monkeypatch.setattr(kernels, "into_q_shared", fail)
+    stats.begin_run(o.patch_id)
+    out, expected, _q_ptr = boxed_call(o)
+    assert close(out, expected) and fake_gpu.into_q_calls == []
+    assert stats.end_run(o.patch_id)["fallbacks"] == {"oom" if mode == "oom" else "error": 1}
