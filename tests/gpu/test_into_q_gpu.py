@@ -74,7 +74,7 @@ def test_write_into_q_costs_against_the_ungrouped_call(tmp_path):
                                              cache_dir=str(tmp_path / "a")))
     owned = SageAttentionOverride(PatchConfig(calibrate=False, check_finite=False, cache_dir=str(tmp_path / "b")))
     times = {"ungrouped": [], "into_q": []}
-    for _ in range(7):
+    for _ in range(11):
         for name in times:
             q = src[0].clone()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
