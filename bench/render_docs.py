@@ -101,33 +101,6 @@ INTO_Q_ROW = re.compile(r"^(\S+): into-q (\d+) groups, peak ([\d.]+) MiB \(formu
                         r"ungrouped Sage formula ([\d.]+) MiB, rel L2 ([\d.]+)", re.M)
 
 
-def into_q_measured_text() -> str:
-    """What the write-into-q calls held against SDPA in the gpu-tier logs whose into-q tests passed and that ran
-    every shape in the groups this checkout picks (``head_groups.into_q_groups``)."""
-    from wan_sage.attention import head_groups, kernel_bytes
-    found = {}
-    for p in sorted((RECORDS / "gpu-tier").glob("*.log")):
-        text = p.read_text()
-        rows = {m.group(1): (int(m.group(2)), float(m.group(3)), float(m.group(5)), float(m.group(6)), float(m.group(7)))
-                for m in INTO_Q_ROW.finditer(text)}
-        if not rows or INTO_Q_FAILED.search(text) or set(rows) - set(INTO_Q_SHAPES):
-            continue
-        if all(head_groups.into_q_groups("sage2_sm90_into_q", kernel_bytes.AttnShape(B, H, N, N, D)).groups == rows[n][0]
-               for n, (B, H, N, D) in INTO_Q_SHAPES.items() if n in rows):
-            found[p.name] = rows
-    if not found:
-        return ""
-    main = [r["a14b_720p81"] for r in found.values()]
-    g, ungrouped = main[0][0], main[0][3]
-    others = [x for r in found.values() for n, x in r.items() if n != "a14b_720p81"]
-    return (f"On the H200 (gpu tier, {_and([f'`{n}`' for n in found])}) an A14B 1280×720×81 call ran in {g} groups and held "
-            f"{_span([x[1] for x in main], '{:.1f}')} MiB above its inputs, against {_span([x[2] for x in main], '{:.1f}')} MiB "
-            f"for SDPA and {ungrouped:,.0f} MiB for the ungrouped kernel, at relative L2 {_span([x[4] for x in main], '{:.3f}')}; "
-            f"A14B 480p81 and 1080p49, 1.3B 480p81 with cfg batch 2, 5B 704p121, and short calls of 3,120 to 15,000 tokens "
-            f"the slack was not set from ran in {_span(sorted({x[0] for x in others}), '{:d}')} groups and held "
-            f"{_span([x[1] / x[2] for x in others])}× SDPA's bytes.")
-
-
 # The shapes of tests/gpu/test_into_q_gpu.py: [B, H, N, D].
 INTO_Q_SHAPES = {"a14b_720p81": (1, 40, 75600, 128), "a14b_480p81": (1, 40, 32760, 128),
                  "t2v1.3b_480p81_cfg2": (2, 12, 32760, 128), "ti2v5b_704p121": (1, 24, 27280, 128),
@@ -136,27 +109,58 @@ INTO_Q_SHAPES = {"a14b_720p81": (1, 40, 75600, 128), "a14b_480p81": (1, 40, 3276
                  "t2v14b_3120": (1, 40, 3120, 128)}
 
 
-def into_q_cost_text() -> str:
-    """What the write-into-q split costs against the ungrouped kernel at A14B 720p81, per group count of that
-    call, over every gpu-tier log that measured it (``tests/gpu/test_into_q_gpu.py``), except a run in which a
-    test of that file failed: it is no evidence of the path it timed."""
-    per_groups: dict = {}
+def into_q_logs() -> dict:
+    """{log name: (rows, cost)} of the gpu-tier logs that are evidence of this checkout's write-into-q path: their
+    into-q tests passed, they ran no shape outside :data:`INTO_Q_SHAPES`, and every shape ran in the groups this
+    checkout picks (``head_groups.into_q_groups``).  rows: {shape: (groups, peak MiB, formula MiB, SDPA MiB,
+    ungrouped formula MiB, relative L2)}; cost: (ungrouped ms, write-into-q ms) at A14B 720p81, or None."""
+    from wan_sage.attention import head_groups, kernel_bytes
+    found = {}
     for p in sorted((RECORDS / "gpu-tier").glob("*.log")):
         text = p.read_text()
-        m, g = INTO_Q_COST.search(text), INTO_Q_GROUPS.search(text)
-        if m and g and not INTO_Q_FAILED.search(text):
-            ungrouped, into_q = float(m.group(1)), float(m.group(2))
-            per_groups.setdefault(int(g.group(1)), []).append((into_q / ungrouped - 1, ungrouped, into_q, p.name))
-    parts = []
-    for groups, runs in sorted(per_groups.items(), reverse=True):
-        runs.sort()
-        costs = [100 * c for c, *_ in runs]
-        each = "; ".join(f"{100 * c:.1f} % in `{n}` ({q:.1f} against {u:.1f} ms)" for c, u, q, n in runs)
-        parts.append(f"in {groups} groups, {_span(costs, '{:.1f}')} % (median {statistics.median(costs):.1f} %) over "
-                     f"{len(runs)} gpu-tier run{'s' if len(runs) > 1 else ''}: {each}")
-    if not parts:
+        rows = {m.group(1): (int(m.group(2)), float(m.group(3)), float(m.group(4)), float(m.group(5)), float(m.group(6)),
+                             float(m.group(7))) for m in INTO_Q_ROW.finditer(text)}
+        if not rows or INTO_Q_FAILED.search(text) or set(rows) - set(INTO_Q_SHAPES):
+            continue
+        if all(head_groups.into_q_groups("sage2_sm90_into_q", kernel_bytes.AttnShape(B, H, N, N, D)).groups == rows[n][0]
+               for n, (B, H, N, D) in INTO_Q_SHAPES.items() if n in rows):
+            m = INTO_Q_COST.search(text)
+            found[p.name] = (rows, (float(m.group(1)), float(m.group(2))) if m else None)
+    return found
+
+
+def into_q_measured_text() -> str:
+    """What the write-into-q calls held against SDPA and against their formula in :func:`into_q_logs`."""
+    found = into_q_logs()
+    if not found or not all("a14b_720p81" in rows for rows, _cost in found.values()):
         return ""
-    return "Against the ungrouped kernel at 720p81 the split costs " + "; ".join(parts) + "."
+    main = [rows["a14b_720p81"] for rows, _cost in found.values()]
+    g, ungrouped = main[0][0], main[0][4]
+    others = [x for rows, _cost in found.values() for n, x in rows.items() if n != "a14b_720p81"]
+    over = max((x[1] - x[2], n) for rows, _cost in found.values() for n, x in rows.items())
+    return (f"On the H200 (gpu tier, {_and([f'`{n}`' for n in found])}) an A14B 1280×720×81 call ran in {g} groups and held "
+            f"{_span([x[1] for x in main], '{:.1f}')} MiB above its inputs, against {_span([x[3] for x in main], '{:.1f}')} MiB "
+            f"for SDPA and {ungrouped:,.0f} MiB for the ungrouped kernel, at relative L2 {_span([x[5] for x in main], '{:.3f}')}; "
+            f"A14B 480p81 and 1080p49, 1.3B 480p81 with cfg batch 2, 5B 704p121, and short calls of 3,120 to 15,000 tokens "
+            f"ran in {_span(sorted({x[0] for x in others}), '{:d}')} groups and held "
+            f"{_span([x[1] / x[3] for x in others])}× SDPA's bytes. The most a call held above its formula, with the output "
+            f"check, was {over[0]:.1f} MiB ({over[1]}).")
+
+
+def into_q_cost_text() -> str:
+    """What the write-into-q call costs against the ungrouped kernel at A14B 720p81 in :func:`into_q_logs`."""
+    runs = sorted((into_q / ungrouped - 1, ungrouped, into_q, name)
+                  for name, (rows, cost) in into_q_logs().items() if cost for ungrouped, into_q in [cost])
+    if not runs:
+        return ""
+    groups = into_q_logs()[runs[0][3]][0]["a14b_720p81"][0]
+    costs = [100 * c for c, *_ in runs]
+    each = "; ".join(f"{100 * c:+.1f} % in `{n}` ({q:.1f} against {u:.1f} ms)" for c, u, q, n in runs)
+    median = f" (median {statistics.median(costs):+.1f} %)" if len(runs) > 2 else ""
+    if len(runs) == 1:
+        return f"Against the ungrouped kernel at 720p81 the write-into-q call in {groups} groups took {each}."
+    return (f"Against the ungrouped kernel at 720p81 the write-into-q call in {groups} groups took "
+            f"{_span(costs, '{:+.1f}')} %{median} over {len(runs)} gpu-tier runs: {each}.")
 
 
 def attention_doc() -> str:
@@ -230,15 +234,15 @@ self-attention (an object patch, `nodes/handover.py`; only over a forward that r
 no other node patched): it computes q, k and v as 0.3.64 does and hands them over in the same way. When
 nothing else holds q (no other reference, no
 other tensor on its memory, not recording autograd), the call runs on the kernel's write-into-q path, head
-group by head group: each group's q and k are quantised to INT8, its V is padded and quantised to FP8, and the
-kernel writes the group's output into its own heads of q. No output buffer is allocated, so the call peaks at
-one group's quantised tensors. The group count is the fewest whose peak is at or below SDPA's extra bytes for
-the same call with 16 MiB to spare for the allocator, which serves a request from a cached block up to 1 MiB
-larger than asked (`attention.head_groups.into_q_groups`; the slack was set from an A14B call of 7,480
-tokens, whose 4 groups held 78.1 MiB against SDPA's 74.2). Quantising V first, so that its BF16 transients are
-gone before K's copy and the INT8 q and k exist, would fit A14B 720p81 in 3 groups: in `a3f84bb.log` it held 651.2
-MiB there for a 648.2 MiB formula at +0.7 % against the ungrouped call, but calls of 3,120 to 15,000 tokens held up
-to twice that order's formula and more than SDPA, so the path quantises q and k first.
+group by head group: K's mean over tokens is taken once for the call, by one matrix-vector product (torch's
+`k.mean` over the token axis stages partial sums in up to about 130 MiB, more than the rest of a short call);
+then each group's V is quantised to FP8 from its own heads (copied out with its zero padding only where
+SageAttention's padding to 64 tokens falls short of the kernel's 128), its q and k are quantised to INT8, and
+the kernel writes the group's output into its own heads of q. No output buffer is allocated, and V's BF16
+transients are gone before K's copy and the INT8 q and k exist, so a group peaks at the larger of the two steps
+(`attention.kernel_bytes`, `sage2_sm90_into_q`). The group count is the fewest whose peak is at or below SDPA's
+extra bytes for the same call with 16 MiB to spare for the allocator, which serves a request from a cached
+block up to 1 MiB larger than asked, and for the output check's probe (`attention.head_groups.into_q_groups`).
 {into_q_measured_text()} {into_q_cost_text()}
 
 Under `torch.compile` the patch's own forward on 0.3.64 hands the tensors to a second custom op,
@@ -250,8 +254,9 @@ and 1,784.8 MiB for the ordinary op, at relative L2 5.2e-4 against the ordinary 
 where the call site hands q over and keeps no copy of it (`SageAttentionOverride._compiled_q_is_dead`: Wan's
 self-attention without `attn1_patch` patches, in the op's layout, with no other option); a graph has no reference
 count, so 0.38's call-site contract stands in for it. Cross-attention and calls with patches keep the ordinary op.
-Tested on the CPU with fake kernels (`tests/unit/test_current_comfy_attention.py`); the peak of a compiled block
-through 0.38's call site on the H200 is the gpu tier's `test_compile_gpu.py` (not run yet).
+Tested on the CPU with fake kernels (`tests/unit/test_current_comfy_attention.py`); on the H200 a compiled A14B
+block at 480p81 whose self-attention calls hand over containers like 0.38's (`nodes.handover.Container`) peaked
+1,504.0 MiB above its inputs as well (`8fed20d.log`, `c83b7ae.log`; ComfyUI 0.38 itself has not run on the GPU).
 
 The estimator node plans the write-into-q path and groups where it finds q handed over in eager mode; compiled
 plans keep the ordinary path's bytes, which are more (the op was measured on a compiled block, not yet on a
