@@ -105,7 +105,8 @@ def one(args) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        out = vae.decode(latent)
+        with torch.inference_mode():     # as ComfyUI runs every node
+            out = vae.decode(latent)
         torch.cuda.synchronize()
         s = time.perf_counter() - t0
         row = {"s": _r(s), "before": before, "frames": list(out.shape),
