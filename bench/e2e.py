@@ -277,6 +277,44 @@ class ComfyTimers:
         self._undo.clear()
 
 
+@contextmanager
+def profiled(torch, top: int):
+    """Profile the block with torch.profiler when ``top`` > 0 and fill the yielded dict with where its time
+    went: ``device_s`` (the kernels' own device time, summed), ``kernels`` (how many ran) and ``top`` (the
+    ``top`` kernels by device time: name, calls, ms).  Nothing is profiled (and the dict stays empty) when
+    ``top`` is 0; a profiler failure is recorded as ``{"error": ...}`` and never fails the run."""
+    out: dict = {}
+    if top <= 0:
+        yield out
+        return
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        prof = profile(activities=acts)
+        prof.__enter__()
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"[:200]
+        yield out
+        return
+    try:
+        yield out
+    finally:
+        try:
+            prof.__exit__(None, None, None)
+            rows = []
+            for ev in prof.key_averages():
+                t = getattr(ev, "self_device_time_total", None)
+                if t is None:
+                    t = getattr(ev, "self_cuda_time_total", 0)
+                if t and str(getattr(ev, "device_type", "")).endswith("CUDA"):
+                    rows.append((t, ev.key, ev.count))
+            rows.sort(reverse=True)
+            out.update({"device_s": _r(sum(r[0] for r in rows) / 1e6), "kernels": sum(r[2] for r in rows),
+                        "top": [{"name": k[:120], "calls": c, "ms": _r(t / 1e3, 1)} for t, k, c in rows[:top]]})
+        except Exception as e:
+            out["error"] = f"{type(e).__name__}: {e}"[:200]
+
+
 class Mem:
     """CUDA memory readings above the ballast (all None on CPU)."""
 
@@ -852,8 +890,10 @@ class Host:
                 t_latent = time.perf_counter()       # timed() synchronised the device
                 row["latent_finite"] = bool(torch.isfinite(h["lat"]["samples"]).all())
                 if decode:
-                    with timed("decode"):
+                    with timed("decode"), profiled(torch, self.args.profile_decode) as prof:
                         h["images"] = self.N["VAEDecode"]().decode(self.vae(), h["lat"])[0]
+                    if prof:
+                        phases["decode"]["profile"] = prof
                     t_frames = time.perf_counter()
                     row["decoded"] = list(h["images"].shape)
                     row["images_finite"] = bool(torch.isfinite(h["images"]).all())
@@ -1324,6 +1364,9 @@ def parse_args(argv=None):
                     "the Lightning LoRAs, the 20-step workflows without them use 3.5")
     ap.add_argument("--shift", type=float, default=5.0,
                     help="ModelSamplingSD3 shift after each LoRA, as in the pack's A14B workflows (0: no node)")
+    ap.add_argument("--profile-decode", type=int, default=0, metavar="N",
+                    help="profile each VAE decode with torch.profiler and keep its device time and top N kernels in "
+                         "the decode phase's record (\"profile\"); 0: off")
     ap.add_argument("--decode", choices=["all", "first", "none"], default="all",
                     help="VAE decode in every run, only in the first, or never (a spec's :decode / :nodecode wins); "
                          "with --whole-prompt: in both prompts unless none")
