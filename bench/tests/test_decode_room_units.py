@@ -1,0 +1,57 @@
+"""bench.decode_room's scenarios and the harness's decode profile, without ComfyUI or a GPU."""
+import pytest
+import torch
+
+from bench import decode_room, e2e
+
+
+@pytest.mark.parametrize("text, want", [
+    ("room:15", {"kind": "room", "room_gib": 15.0}),
+    ("holes:11:1.5", {"kind": "holes", "room_gib": 11.0, "holes_gib": 1.5}),
+    ("trim:11:1.5", {"kind": "trim", "room_gib": 11.0, "holes_gib": 1.5}),
+    ("then:11:15", {"kind": "then", "room_gib": 11.0, "room2_gib": 15.0}),
+])
+def test_scenarios_parse(text, want):
+    assert decode_room.parse_scenario(text) == want
+
+
+@pytest.mark.parametrize("text", ["room", "room:", "holes:11", "then:11:", "free:12", "room:-1", "room:12:1"])
+def test_bad_scenario_names_the_forms(text):
+    with pytest.raises(ValueError, match="room:R, holes:R:H, trim:R:H or then:R1:R2"):
+        decode_room.parse_scenario(text)
+
+
+def test_bad_scenario_list_exits_2_before_any_process(capsys):
+    assert decode_room.main(["--scenarios", "room:15,holes:1"]) == 2
+    assert "--scenarios: scenario 'holes:1'" in capsys.readouterr().err
+
+
+def test_profile_off_runs_no_profiler(monkeypatch):
+    import torch.profiler
+    monkeypatch.setattr(torch.profiler, "profile", lambda *a, **k: pytest.fail("profiled with top=0"))
+    with e2e.profiled(torch, 0) as out:
+        torch.ones(4).sum()
+    assert out == {}
+
+
+def test_profile_on_cpu_records_no_device_kernels():
+    with e2e.profiled(torch, 5) as out:
+        torch.randn(64, 64) @ torch.randn(64, 64)
+    assert out == {"device_s": 0.0, "kernels": 0, "top": []}
+
+
+def test_profile_failure_is_recorded_not_raised(monkeypatch):
+    import torch.profiler
+
+    def broken(*a, **k):
+        raise RuntimeError("no profiler here")
+    monkeypatch.setattr(torch.profiler, "profile", broken)
+    with e2e.profiled(torch, 5) as out:
+        pass
+    assert out == {"error": "RuntimeError: no profiler here"}
+
+
+def test_profile_decode_option():
+    a = e2e.parse_args(["--models-dir", "m", "--runs", "est+sage@16:720p81", "--profile-decode", "12"])
+    assert a.profile_decode == 12
+    assert e2e.parse_args(["--models-dir", "m", "--runs", "est+sage@16:720p81"]).profile_decode == 0
