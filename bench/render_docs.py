@@ -670,6 +670,7 @@ def decode_room_section() -> list:
           "the decode needs more than the budget, ComfyUI unloads the model whole for it and no room is kept. The cond /",
           "uncond batching test, dynamic VRAM and the fixed policy keep none; `wan-sage plan --no-decode` and the route's",
           "`no_decode` plan a sampling with no decode after it."]
+    o += decode_profile_lines()
     # the experts whose reservation was the decode's room (their records give it to the GiB's hundredth)
     kept = [e for st in whole_sets() for r in st["runs"] if r["config"].get("estimator")
             for p in r["prompts"] for e in p.get("experts", {}).values()
@@ -678,9 +679,66 @@ def decode_room_section() -> list:
         o.append(f"While the experts sample, that room is more than they use: in the records where it was in force they "
                  f"held {_span([e['working_gib'] for e in kept])} GiB above their weights against "
                  f"{_span([e['predicted_working_gib'] for e in kept])} GiB reserved. The budget the sampling leaves "
-                 "unused is the decode's, the next node's, and the prompt as a whole is faster for it "
-                 f"([benchmarks](benchmarks.md#{anchor('Whole generation')})).")
+                 f"unused is the decode's, the next node's ([benchmarks](benchmarks.md#{anchor('Whole generation')})).")
     return o + [""]
+
+
+DECODE_PROFILE = "whole-prompt/void-decode-profile-7b4d74a.jsonl"
+DECODE_ALONE = "decode-room/720p81-16gib.jsonl"
+FALLBACK_CONV = "implicit_convolveNd_sgemm"  # cuDNN's convolution engine that needs no workspace
+
+
+def decode_profile_lines() -> list:
+    """Where the decode's time went after the estimator + Sage sampling against after ComfyUI alone's (the void
+    file: torch.profiler ran around each decode, so its seconds are not the user's), and the same latent decoded
+    alone in fresh processes with the memory around it arranged (``bench.decode_room``)."""
+    try:
+        prof = [r for r in rows(DECODE_PROFILE) if r.get("status") == "ok"]
+        alone = [r for r in rows(DECODE_ALONE) if r.get("status") == "ok"]
+    except FileNotFoundError:
+        return []
+    by = {r["config"]["estimator"]: r for r in prof}
+    if set(by) != {False, True} or not alone:
+        return []
+
+    def decodes(r):
+        return [p["phases"]["decode"] for p in r["prompts"]]
+
+    def fallback(d):
+        hit = [t for t in d["profile"]["top"] if FALLBACK_CONV in t["name"]]
+        return (sum(t["calls"] for t in hit), sum(t["ms"] for t in hit) / 1e3)
+
+    def dev_s(ds):
+        return [d["profile"]["device_s"] for d in ds]
+
+    est, stock = decodes(by[True]), decodes(by[False])
+    fb = [fallback(d) for d in est]
+    stock_fb = [fallback(d) for d in stock]
+    alone_s = [d["s"] for r in alone for d in r["decodes"]]
+    scen = _and([f"`{r['scenario']}`" for r in alone])
+    budget = by[True]["config"]["budget_gib"]
+    return [
+        "",
+        f"That room is not yet enough at {budget:g} GiB with GGUF experts: there the decode after the estimator + Sage "
+        f"sampling evicted nothing and began with {_span([d['pool_before']['free_gib'] for d in est])} GiB free, and "
+        f"still took longer than after ComfyUI alone's. Profiled ({link(DECODE_PROFILE, DECODE_PROFILE.split('/')[-1])}, "
+        f"`{commit_of(by[True])}`, torch.profiler around each decode, first / repeat prompt; the profiler's own cost is "
+        f"in its seconds, so they are not the user's), the decode's kernels ran "
+        f"{' / '.join(f'{x:.2f}' for x in dev_s(est))} s on the device against "
+        f"{' / '.join(f'{x:.2f}' for x in dev_s(stock))} s after ComfyUI alone's sampling. The difference "
+        f"is cuDNN's convolution engine that needs no workspace, `{FALLBACK_CONV}`: "
+        f"{' / '.join(f'{n} calls, {t:.2f} s' for n, t in fb)} after the estimator + Sage sampling, "
+        f"{' / '.join(f'{n} calls' for n, _t in stock_fb)} after ComfyUI alone's, which ran those convolutions on "
+        "workspace engines. PyTorch keeps the engine cuDNN settled on for a convolution's shape for the rest of the "
+        "process, and chooses among the engines whose workspace it can allocate at that moment; the decode's own pool "
+        "reached "
+        f"{_span([d['peak_reserved_gib'] for d in est])} GiB of the {budget:g} there. Decoded alone "
+        f"({link(DECODE_ALONE, DECODE_ALONE.split('/')[-1])}, `python -m bench.decode_room`: the same 1280×720×81 latent "
+        f"in fresh processes at {alone[0]['budget_gib']:g} GiB with {scen}), every decode took {_span(alone_s, '{:.1f}')} s: "
+        "free memory, holes in the pool, a trim before it or a first decode at 11 GiB do not by themselves make cuDNN "
+        "settle on that engine.",
+        "",
+    ]
 
 
 def comfy_ratios(summary) -> dict:
@@ -965,7 +1023,9 @@ def stream_term_trial_lines() -> list:
     decode after them cost."""
     try:
         trial = [r for r in rows(STREAM_TERM_TRIAL) if r.get("status") == "ok"]
-        before = [r for r in rows(STREAM_TERM_BEFORE) if r.get("status") == "ok" and r["config"]["estimator"]]
+        # the file's first set (no ``round``): the partial-load term on the pack of that time
+        before = [r for r in rows(STREAM_TERM_BEFORE) if r.get("status") == "ok" and r["config"]["estimator"]
+                  and "round" not in r]
     except FileNotFoundError:
         return []
     if not trial or not before:
