@@ -604,6 +604,9 @@ class Host:
             ce.load_custom_node(gguf)
         self.gguf_path = gguf
         self.pack = _host.load_pack()
+        if not getattr(args, "sage_trim", True):
+            from wan_sage.nodes import comfy_bridge
+            without_sampling_trim(comfy_bridge)   # this process only: its runs are labelled /no-trim
         if args.workflow:
             ce.load_custom_node(_host.ROOT)
         self.ce = ce
@@ -764,6 +767,7 @@ class Host:
                           "lora_rank": self.args.lora_rank if spec.lora else None,
                           "decode": decode,
                           **({"check_finite": False} if finite_check_off(spec, self.args) else {}),
+                          **({"trim_after_sampling": False} if trim_off(spec, self.args) else {}),
                           **({"memory_mode": self.args.sage_memory_mode} if memory_mode_set(spec, self.args) else {}),
                           **({"compile": {"node": "TorchCompileModel", "backend": self.args.compile_backend,
                                           "keys": ["diffusion_model"]}} if spec.compile == "model" else {}),
@@ -1076,11 +1080,29 @@ def substitute_models(prompt: dict, names: dict, weights: str) -> dict:
 
 NO_CHECK = "/no-finite-check"
 MEMORY_MODE = "/memory-"
+NO_TRIM = "/no-trim"
 
 
 def finite_check_off(spec, args) -> bool:
     """The Sage patch runs without its per-call NaN/Inf check in this run (``--sage-check-finite off``)."""
     return spec.attention == "sage" and not args.sage_check_finite
+
+
+def trim_off(spec, args) -> bool:
+    """The Sage patch leaves the sampling's cached blocks in the pool when its sampling ends (``--sage-trim off``)."""
+    return spec.attention == "sage" and not getattr(args, "sage_trim", True)
+
+
+def without_sampling_trim(comfy_bridge):
+    """Make the Sage patch's trim when its sampling ends a no-op in this process (``--sage-trim off``), leaving the
+    estimator's trim after loading as it is; returns the function to put back."""
+    original = comfy_bridge.trim_allocator
+
+    def trim_allocator(dev, when: str) -> None:
+        if when != "after sampling":
+            original(dev, when)
+    comfy_bridge.trim_allocator = trim_allocator
+    return original
 
 
 def memory_mode_set(spec, args) -> bool:
@@ -1110,7 +1132,8 @@ def run_label(spec, args) -> str:
     """The record's ``run``: the spec, marked when the Sage patch ran without its NaN/Inf check or in a
     named memory mode, so that ``--skip-done`` and the tables never take one for the other."""
     return (spec.label + (NO_CHECK if finite_check_off(spec, args) else "")
-            + (MEMORY_MODE + args.sage_memory_mode if memory_mode_set(spec, args) else ""))
+            + (MEMORY_MODE + args.sage_memory_mode if memory_mode_set(spec, args) else "")
+            + (NO_TRIM if trim_off(spec, args) else ""))
 
 
 def done_runs(paths: str, weights: str) -> set:
@@ -1396,6 +1419,10 @@ def parse_args(argv=None):
     ap.add_argument("--sage-check-finite", choices=["on", "off"], default="on",
                     help="the Sage patch's per-call NaN/Inf check (default on, as the node); off measures its cost "
                          "(recorded as config.check_finite: false)")
+    ap.add_argument("--sage-trim", choices=["on", "off"], default="on",
+                    help="the Sage patch's allocator trim when its sampling ends (default on, as the node); off leaves "
+                         "the sampling's cached blocks in the pool for the next node, to measure what the trim does to the "
+                         "VAE decode (recorded as config.trim_after_sampling: false and /no-trim)")
     ap.add_argument("--sage-memory-mode", choices=["sdpa", "fastest"], default=None,
                     help="the Sage patch's memory mode (dispatch v2): sdpa = head groups at SDPA's memory, fastest = "
                          "whole calls; default: the node's own (recorded as config.memory_mode and /memory-MODE)")
@@ -1412,6 +1439,7 @@ def parse_args(argv=None):
     ap.add_argument("--quiet", action="store_true", help="ComfyUI logs at WARNING")
     a = ap.parse_args(argv)
     a.sage_check_finite = a.sage_check_finite == "on"
+    a.sage_trim = a.sage_trim == "on"
     if a.whole_prompt:
         why = [x for x, bad in (("--workflow", a.workflow), ("--matrix", a.matrix), ("--warmup", a.warmup),
                                 ("--reload", a.reload), ("--skip-done", a.skip_done)) if bad]

@@ -634,7 +634,9 @@ def decode_room_rows() -> list[dict]:
             after = [sum(v for k, v in d["loaded_gib_after"].items() if k != "WanVAE") for d in ph]
             free = [(d.get("pool_before") or {}).get("free_gib") for d in ph]
             c = r["config"]
-            out.append(dict(set=st, run=r, config=WHOLE_CONFIG_NAMES.get((c["estimator"], c["attention"]), r["run"]),
+            name = WHOLE_CONFIG_NAMES.get((c["estimator"], c["attention"]), r["run"])
+            name += " (no trim after the sampling)" if c.get("trim_after_sampling") is False else ""
+            out.append(dict(set=st, run=r, config=name,
                             resident=before, evicted=[b - a for b, a in zip(before, after)], free=free,
                             seconds=[d["s"] for d in ph]))
     return out
@@ -1320,7 +1322,7 @@ def whole_rows(sets) -> list[dict]:
         by: dict = {}
         for r in s["runs"]:
             c = r["config"]
-            if c.get("check_finite") is False or c.get("memory_mode"):
+            if c.get("check_finite") is False or c.get("memory_mode") or c.get("trim_after_sampling") is False:
                 continue
             by.setdefault((_whole_workflow(c), c.get("budget_gib"), whole_caches(r),
                            (bool(c.get("estimator")), c.get("attention"))), []).append(r)
@@ -1523,7 +1525,7 @@ def e2e_pairs(candidate: tuple, baseline: tuple) -> list[dict]:
         by = {}
         for r in s["runs"]:
             c = r["config"]
-            if c.get("check_finite") is False or c.get("memory_mode"):
+            if c.get("check_finite") is False or c.get("memory_mode") or c.get("trim_after_sampling") is False:
                 continue
             by.setdefault((_cfg(r), c["estimator"], c["attention"]), []).append(r)
         for (cfg, est, att), recs in by.items():

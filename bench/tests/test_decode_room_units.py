@@ -55,3 +55,26 @@ def test_profile_decode_option():
     a = e2e.parse_args(["--models-dir", "m", "--runs", "est+sage@16:720p81", "--profile-decode", "12"])
     assert a.profile_decode == 12
     assert e2e.parse_args(["--models-dir", "m", "--runs", "est+sage@16:720p81"]).profile_decode == 0
+
+
+def test_sage_trim_off_is_labelled_and_recorded():
+    spec = e2e.RunSpec.parse("est+sage@16:720p81")
+    off = e2e.parse_args(["--models-dir", "m", "--runs", spec.label, "--sage-trim", "off"])
+    on = e2e.parse_args(["--models-dir", "m", "--runs", spec.label])
+    assert e2e.run_label(spec, off) == spec.label + "/no-trim"
+    assert e2e.run_label(spec, on) == spec.label
+    # SDPA runs have no Sage patch to trim: their label stays, so --skip-done still finds them
+    sdpa = e2e.RunSpec.parse("comfy+sdpa@16:720p81")
+    assert e2e.run_label(sdpa, off) == sdpa.label
+
+
+def test_without_sampling_trim_keeps_the_trim_after_loading():
+    import types
+    calls = []
+    bridge = types.SimpleNamespace(trim_allocator=lambda dev, when: calls.append(when))
+    original = e2e.without_sampling_trim(bridge)
+    bridge.trim_allocator("cuda", "after sampling")
+    bridge.trim_allocator("cuda", "after loading")
+    assert calls == ["after loading"]
+    original("cuda", "after sampling")
+    assert calls == ["after loading", "after sampling"]
