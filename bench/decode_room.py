@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 
 from . import _host
+from .e2e import GiB, Ballast, _r
 
-GiB = 1 << 30
 MiB = 1 << 20
 FILLER = 128 * MiB
 SCHEMA = "wan-sage-decode-room/1"
@@ -51,10 +51,6 @@ def parse_scenario(text: str) -> dict:
     return {"kind": kind, "room_gib": a, "holes_gib": b}
 
 
-def _r(x, n=3):
-    return None if x is None else round(float(x), n)
-
-
 def one(args) -> dict:
     """Run one scenario in this process and return its record."""
     _host.set_allocator(args.allocator)
@@ -66,7 +62,6 @@ def one(args) -> dict:
     mm = ns.model_management
     import comfy.sd
     import comfy.utils
-    from . import e2e as E
     from . import e2e_models as EM
     dev = mm.get_torch_device()
     files = EM.ensure_models(args.models_dir, scale="full", only=("vae",), log=lambda *a: None)
@@ -74,7 +69,7 @@ def one(args) -> dict:
     w, h, f = (int(x) for x in args.res.split("x"))
     latent = torch.randn(1, 16, (f - 1) // 4 + 1, h // 8, w // 8, generator=torch.Generator().manual_seed(0))
 
-    ballast = E.Ballast(torch, mm, dev, args.budget_gb, log=lambda *a: None)
+    ballast = Ballast(torch, mm, dev, args.budget_gb, log=lambda *a: None)
     base = torch.cuda.memory_allocated()
     filler = []
 
