@@ -1312,6 +1312,12 @@ def _record_link(p: Path, label: str) -> str:
         return f"`{label}`"
 
 
+def switched_off_default(c: dict) -> bool:
+    """A run with one of the harness's A/B switches off the Sage node's defaults (no NaN/Inf check, a named memory
+    mode, no trim after the sampling): measured for what the switch does, left out of the tables of the pack."""
+    return c.get("check_finite") is False or bool(c.get("memory_mode")) or c.get("trim_after_sampling") is False
+
+
 def whole_rows(sets) -> list[dict]:
     """Per set, workflow, budget and caches at the start: each configuration's medians over its processes,
     with ComfyUI alone + SDPA of the same set, workflow, budget and caches as the baseline."""
@@ -1322,7 +1328,7 @@ def whole_rows(sets) -> list[dict]:
         by: dict = {}
         for r in s["runs"]:
             c = r["config"]
-            if c.get("check_finite") is False or c.get("memory_mode") or c.get("trim_after_sampling") is False:
+            if switched_off_default(c):
                 continue
             by.setdefault((_whole_workflow(c), c.get("budget_gib"), whole_caches(r),
                            (bool(c.get("estimator")), c.get("attention"))), []).append(r)
@@ -1525,7 +1531,7 @@ def e2e_pairs(candidate: tuple, baseline: tuple) -> list[dict]:
         by = {}
         for r in s["runs"]:
             c = r["config"]
-            if c.get("check_finite") is False or c.get("memory_mode") or c.get("trim_after_sampling") is False:
+            if switched_off_default(c):
                 continue
             by.setdefault((_cfg(r), c["estimator"], c["attention"]), []).append(r)
         for (cfg, est, att), recs in by.items():
