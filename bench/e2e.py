@@ -277,27 +277,104 @@ class ComfyTimers:
         self._undo.clear()
 
 
+class ConvProbe:
+    """Every 2-D and 3-D convolution a block runs, by input and weight shape: how many calls, and the device
+    memory when the shape was first seen (the moment PyTorch's cuDNN bindings pick its engine and filter the
+    engines by the workspace they can get: with cudaMallocAsync, the device's free memory; with the caching
+    allocator, its largest cached block).  It wraps ``torch.nn.functional.conv2d``/``conv3d`` for the block and
+    puts them back after it."""
+
+    NAMES = ("conv2d", "conv3d")
+
+    def __init__(self, torch):
+        self.torch, self.rows, self._saved = torch, {}, {}
+
+    def _reading(self):
+        t = self.torch
+        if not t.cuda.is_available():
+            return {}
+        free, _ = t.cuda.mem_get_info()
+        return {"free_gib": _r(free / GiB), "reserved_gib": _r(t.cuda.memory_reserved() / GiB),
+                "alloc_gib": _r(t.cuda.memory_allocated() / GiB)}
+
+    def _wrap(self, fn):
+        def conv(x, weight, *args, **kwargs):
+            key = (tuple(x.shape), tuple(weight.shape))
+            row = self.rows.get(key)
+            if row is None:
+                row = self.rows[key] = {"input": list(key[0]), "weight": list(key[1]), "order": len(self.rows),
+                                        "calls": 0, "first": self._reading()}
+            row["calls"] += 1
+            return fn(x, weight, *args, **kwargs)
+        return conv
+
+    def __enter__(self):
+        F = self.torch.nn.functional
+        for name in self.NAMES:
+            self._saved[name] = getattr(F, name)
+            setattr(F, name, self._wrap(self._saved[name]))
+        return self
+
+    def __exit__(self, *exc):
+        F = self.torch.nn.functional
+        for name, fn in self._saved.items():
+            setattr(F, name, fn)
+        self._saved.clear()
+        return False
+
+    def table(self, device_ms: dict) -> list[dict]:
+        """The rows in first-seen order, each with ``device_ms``: the device time of cuDNN convolutions with
+        that input and weight shape (``device_ms`` maps ``(input, weight)`` shape tuples to ms; the input is
+        the one the convolution op saw)."""
+        out = []
+        for key, row in sorted(self.rows.items(), key=lambda kv: kv[1]["order"]):
+            out.append(dict(row, device_ms=device_ms.get(key)))
+        return out
+
+
+def _conv_device_ms(prof) -> dict:
+    """Device ms of each convolution op in a profile, by (input shape, weight shape)."""
+    out: dict = {}
+    for ev in prof.key_averages(group_by_input_shape=True):
+        if ev.key not in ("aten::cudnn_convolution", "aten::_convolution"):
+            continue
+        shapes = getattr(ev, "input_shapes", None) or []
+        if len(shapes) < 2 or not shapes[0] or not shapes[1]:
+            continue
+        t = getattr(ev, "device_time_total", None)
+        if t is None:
+            t = getattr(ev, "cuda_time_total", 0)
+        key = (tuple(shapes[0]), tuple(shapes[1]))
+        if ev.key == "aten::cudnn_convolution" or key not in out:
+            out[key] = _r(t / 1e3, 1)
+    return out
+
+
 @contextmanager
 def profiled(torch, top: int):
     """Profile the block with torch.profiler when ``top`` > 0 and fill the yielded dict with where its time
-    went: ``device_s`` (the kernels' own device time, summed), ``kernels`` (how many ran) and ``top`` (the
-    ``top`` kernels by device time: name, calls, ms).  Nothing is profiled (and the dict stays empty) when
-    ``top`` is 0; a profiler failure is recorded as ``{"error": ...}`` and never fails the run."""
+    went: ``device_s`` (the kernels' own device time, summed), ``kernels`` (how many ran), ``top`` (the
+    ``top`` kernels by device time: name, calls, ms) and ``convs`` (:class:`ConvProbe`'s table: each
+    convolution shape, its calls, device ms and the memory when it was first seen).  Nothing is profiled (and
+    the dict stays empty) when ``top`` is 0; a profiler failure is recorded as ``{"error": ...}`` and never
+    fails the run."""
     out: dict = {}
     if top <= 0:
         yield out
         return
+    probe = ConvProbe(torch)
     try:
         from torch.profiler import ProfilerActivity, profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        prof = profile(activities=acts)
+        prof = profile(activities=acts, record_shapes=True)
         prof.__enter__()
     except Exception as e:
         out["error"] = f"{type(e).__name__}: {e}"[:200]
         yield out
         return
     try:
-        yield out
+        with probe:
+            yield out
     finally:
         try:
             prof.__exit__(None, None, None)
@@ -310,7 +387,8 @@ def profiled(torch, top: int):
                     rows.append((t, ev.key, ev.count))
             rows.sort(reverse=True)
             out.update({"device_s": _r(sum(r[0] for r in rows) / 1e6), "kernels": sum(r[2] for r in rows),
-                        "top": [{"name": k[:120], "calls": c, "ms": _r(t / 1e3, 1)} for t, k, c in rows[:top]]})
+                        "top": [{"name": k[:120], "calls": c, "ms": _r(t / 1e3, 1)} for t, k, c in rows[:top]],
+                        "convs": probe.table(_conv_device_ms(prof))})
         except Exception as e:
             out["error"] = f"{type(e).__name__}: {e}"[:200]
 

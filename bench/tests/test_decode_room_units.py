@@ -37,7 +37,31 @@ def test_profile_off_runs_no_profiler(monkeypatch):
 def test_profile_on_cpu_records_no_device_kernels():
     with e2e.profiled(torch, 5) as out:
         torch.randn(64, 64) @ torch.randn(64, 64)
-    assert out == {"device_s": 0.0, "kernels": 0, "top": []}
+    assert out == {"device_s": 0.0, "kernels": 0, "top": [], "convs": []}
+
+
+def test_profile_counts_each_conv_shape_and_puts_conv_back():
+    F = torch.nn.functional
+    before = (F.conv2d, F.conv3d)
+    conv = torch.nn.Conv3d(4, 8, 3)
+    with e2e.profiled(torch, 5) as out:
+        for _ in range(3):
+            conv(torch.randn(1, 4, 5, 6, 6))
+        F.conv2d(torch.randn(1, 2, 9, 9), torch.randn(3, 2, 3, 3))
+    assert (F.conv2d, F.conv3d) == before
+    rows = [(r["input"], r["weight"], r["calls"], r["order"]) for r in out["convs"]]
+    assert rows == [([1, 4, 5, 6, 6], [8, 4, 3, 3, 3], 3, 0), ([1, 2, 9, 9], [3, 2, 3, 3], 1, 1)]
+    assert all(r["first"] == {} for r in out["convs"])           # no CUDA here: no memory reading
+
+
+def test_conv_probe_puts_conv_back_when_the_block_raises():
+    F = torch.nn.functional
+    before = F.conv3d
+    with pytest.raises(ValueError):
+        with e2e.ConvProbe(torch):
+            assert F.conv3d is not before
+            raise ValueError("decode failed")
+    assert F.conv3d is before
 
 
 def test_profile_failure_is_recorded_not_raised(monkeypatch):
