@@ -102,3 +102,15 @@ def test_without_sampling_trim_keeps_the_trim_after_loading():
     assert calls == ["after loading"]
     original("cuda", "after sampling")
     assert calls == ["after loading", "after sampling"]
+
+
+def test_conv_workspace_parses_shapes_and_names_the_fix(capsys):
+    from bench import conv_workspace
+    assert conv_workspace.parse_conv("1x96x6x722x1282:96x96x3x3x3") == ([1, 96, 6, 722, 1282], [96, 96, 3, 3, 3])
+    assert conv_workspace.parse_conv("4x192x720x1280:96x192x3x3") == ([4, 192, 720, 1280], [96, 192, 3, 3])
+    for bad in ("1x96x6x722x1282", "1x96x6:96x96x3x3x3", "1x16x6x8x8:96x96x3x3x3", "ax1:1xb"):
+        with pytest.raises(ValueError, match="--conv"):
+            conv_workspace.parse_conv(bad)
+    assert conv_workspace.main(["--conv", "1x96x6x8x8:96x96x3x3x3", "--free-gib", "2,x"]) == 2
+    assert "--free-gib '2,x'" in capsys.readouterr().err
+    assert conv_workspace.main(["--conv", "1x96x6x8x8:9x96x3x3x3", "--free-gib", "0"]) == 2
