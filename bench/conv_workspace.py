@@ -41,8 +41,9 @@ def parse_conv(text: str) -> tuple[list[int], list[int]]:
     return x, w
 
 
-def one(conv: str, free_gib: float, allocator: str, calls: int) -> dict:
-    """Run the convolution in this process with ``free_gib`` free before its first call."""
+def one(conv: str, free_gib: float, allocator: str, calls: int, then_gib: float | None = None) -> dict:
+    """Run the convolution in this process with ``free_gib`` free before its first call, and time it with
+    ``then_gib`` free (default: as it was planned)."""
     _host.set_allocator(allocator)
     import torch
     x_shape, w_shape = parse_conv(conv)
@@ -65,6 +66,12 @@ def one(conv: str, free_gib: float, allocator: str, calls: int) -> dict:
     torch.cuda.synchronize()
     first_ms = (time.perf_counter() - t) * 1e3
     del y
+    later = None
+    if then_gib is not None:
+        torch.cuda.synchronize()
+        more = torch.cuda.mem_get_info()[0] - int(then_gib * GiB)
+        later = torch.empty(more, dtype=torch.uint8, device=dev) if more > 0 else None
+        torch.cuda.synchronize()
     times = []
     for _ in range(calls):
         t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -75,8 +82,8 @@ def one(conv: str, free_gib: float, allocator: str, calls: int) -> dict:
         times.append(t0.elapsed_time(t1))
         del y
     times.sort()
-    del ballast
-    return {"schema": SCHEMA, "input": x_shape, "weight": w_shape, "free_gib": free_gib,
+    del ballast, later
+    return {"schema": SCHEMA, "input": x_shape, "weight": w_shape, "free_gib": free_gib, "then_free_gib": then_gib,
             "free_seen_gib": _r(seen / GiB), "input_gib": _r(x.numel() * 2 / GiB),
             "output_gib": _r(out_bytes / GiB), "first_ms": _r(first_ms, 1), "ms": _r(times[len(times) // 2], 2),
             "allocator": allocator, "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
@@ -87,6 +94,9 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m bench.conv_workspace", description=__doc__.split("\n\n")[0])
     ap.add_argument("--conv", required=True, help="comma-separated INPUT:WEIGHT shapes (bf16)")
     ap.add_argument("--free-gib", required=True, help="comma-separated GiB free before the first call")
+    ap.add_argument("--then-free-gib", type=float, default=None,
+                    help="time the calls after the first with this many GiB free (the engine stays the one picked "
+                         "at --free-gib unless its workspace no longer fits)")
     ap.add_argument("--allocator", choices=["async", "native"], default="async")
     ap.add_argument("--calls", type=int, default=5, help="timed calls after the first (median kept)")
     ap.add_argument("--out", help="append the JSON lines here")
@@ -113,13 +123,15 @@ def main(argv=None) -> int:
         print(f"bench.conv_workspace: {e}", file=sys.stderr)
         return 2
     if a.one:
-        print(json.dumps(one(a.one[0], float(a.one[1]), a.allocator, a.calls)))
+        print(json.dumps(one(a.one[0], float(a.one[1]), a.allocator, a.calls, a.then_free_gib)))
         return 0
     rc = 0
     for conv in convs:
         for f in frees:
             cmd = [sys.executable, "-m", "bench.conv_workspace", "--conv", conv, "--free-gib", str(f),
                    "--allocator", a.allocator, "--calls", str(a.calls), "--one", conv, str(f)]
+            if a.then_free_gib is not None:
+                cmd += ["--then-free-gib", str(a.then_free_gib)]
             p = subprocess.run(cmd, capture_output=True, text=True, cwd=str(_host.ROOT))
             line = p.stdout.strip().splitlines()[-1] if p.returncode == 0 and p.stdout.strip() else None
             row = json.loads(line) if line else {"schema": SCHEMA, "conv": conv, "free_gib": f, "status": "failed",
