@@ -685,9 +685,6 @@ class Host:
         if not getattr(args, "sage_trim", True):
             from wan_sage.nodes import comfy_bridge
             without_sampling_trim(comfy_bridge)   # this process only: its runs are labelled /no-trim
-        if not getattr(args, "decode_plan", True):
-            from wan_sage.nodes import decode_plan
-            without_decode_plan(decode_plan)      # this process only: its runs are labelled /no-decode-plan
         if args.workflow:
             ce.load_custom_node(_host.ROOT)
         self.ce = ce
@@ -849,7 +846,6 @@ class Host:
                           "decode": decode,
                           **({"check_finite": False} if finite_check_off(spec, self.args) else {}),
                           **({"trim_after_sampling": False} if trim_off(spec, self.args) else {}),
-                          **({"decode_plan": False} if decode_plan_off(spec, self.args) else {}),
                           **({"memory_mode": self.args.sage_memory_mode} if memory_mode_set(spec, self.args) else {}),
                           **({"compile": {"node": "TorchCompileModel", "backend": self.args.compile_backend,
                                           "keys": ["diffusion_model"]}} if spec.compile == "model" else {}),
@@ -1163,7 +1159,6 @@ def substitute_models(prompt: dict, names: dict, weights: str) -> dict:
 NO_CHECK = "/no-finite-check"
 MEMORY_MODE = "/memory-"
 NO_TRIM = "/no-trim"
-NO_DECODE_PLAN = "/no-decode-plan"
 
 
 def finite_check_off(spec, args) -> bool:
@@ -1174,20 +1169,6 @@ def finite_check_off(spec, args) -> bool:
 def trim_off(spec, args) -> bool:
     """The Sage patch leaves the sampling's cached blocks in the pool when its sampling ends (``--sage-trim off``)."""
     return spec.attention == "sage" and not getattr(args, "sage_trim", True)
-
-
-def decode_plan_off(spec, args) -> bool:
-    """The Sage patch leaves the VAE decode's convolutions to the decode's own engine choice
-    (``--decode-plan off``)."""
-    return spec.attention == "sage" and not getattr(args, "decode_plan", True)
-
-
-def without_decode_plan(decode_plan):
-    """Make the Sage patch's planning of the decode's convolutions a no-op in this process (``--decode-plan off``);
-    returns the function to put back."""
-    original = decode_plan.plan_decode
-    decode_plan.plan_decode = lambda latent, dev: []
-    return original
 
 
 def without_sampling_trim(comfy_bridge):
@@ -1230,7 +1211,7 @@ def run_label(spec, args) -> str:
     named memory mode, so that ``--skip-done`` and the tables never take one for the other."""
     return (spec.label + (NO_CHECK if finite_check_off(spec, args) else "")
             + (MEMORY_MODE + args.sage_memory_mode if memory_mode_set(spec, args) else "")
-            + (NO_TRIM if trim_off(spec, args) else "") + (NO_DECODE_PLAN if decode_plan_off(spec, args) else ""))
+            + (NO_TRIM if trim_off(spec, args) else ""))
 
 
 def done_runs(paths: str, weights: str) -> set:
@@ -1520,10 +1501,6 @@ def parse_args(argv=None):
                     help="the Sage patch's allocator trim when its sampling ends (default on, as the node); off leaves "
                          "the sampling's cached blocks in the pool for the next node, to measure what the trim does to the "
                          "VAE decode (recorded as config.trim_after_sampling: false and /no-trim)")
-    ap.add_argument("--decode-plan", choices=["on", "off"], default="on",
-                    help="the Sage patch's planning of the VAE decode's late convolutions when its sampling ends (default "
-                         "on, as the node); off leaves their cuDNN engines to the decode (recorded as "
-                         "config.decode_plan: false and /no-decode-plan)")
     ap.add_argument("--sage-memory-mode", choices=["sdpa", "fastest"], default=None,
                     help="the Sage patch's memory mode (dispatch v2): sdpa = head groups at SDPA's memory, fastest = "
                          "whole calls; default: the node's own (recorded as config.memory_mode and /memory-MODE)")
@@ -1541,7 +1518,6 @@ def parse_args(argv=None):
     a = ap.parse_args(argv)
     a.sage_check_finite = a.sage_check_finite == "on"
     a.sage_trim = a.sage_trim == "on"
-    a.decode_plan = a.decode_plan == "on"
     if a.whole_prompt:
         why = [x for x, bad in (("--workflow", a.workflow), ("--matrix", a.matrix), ("--warmup", a.warmup),
                                 ("--reload", a.reload), ("--skip-done", a.skip_done)) if bad]
