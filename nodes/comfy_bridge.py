@@ -355,16 +355,10 @@ def vae_dtype_size(dev) -> int | None:
     """Bytes per element of the dtype ComfyUI decodes a Wan VAE in on ``dev`` (``model_management.vae_dtype`` over
     the Wan VAEs' working dtypes, bf16, fp16 and fp32, as comfy/sd.py asks it; its ``--*-vae`` flags win); None on
     the CPU, where ``load_models_gpu`` frees nothing for a decode."""
-    dtype = vae_dtype(dev)
-    return None if dtype is None else int(torch.empty((), dtype=dtype).element_size())
-
-
-def vae_dtype(dev):
-    """The dtype ComfyUI decodes a Wan VAE in on ``dev`` (see :func:`vae_dtype_size`); None on the CPU."""
     if getattr(dev, "type", "cpu") == "cpu":
         return None
     import comfy.model_management as mm
-    return mm.vae_dtype(dev, [torch.bfloat16, torch.float16, torch.float32])
+    return int(mm.dtype_size(mm.vae_dtype(dev, [torch.bfloat16, torch.float16, torch.float32])))
 
 
 def free_memory(dev) -> int:
