@@ -673,6 +673,7 @@ def decode_room_section() -> list:
           "uncond batching test, dynamic VRAM and the fixed policy keep none; `wan-sage plan --no-decode` and the route's",
           "`no_decode` plan a sampling with no decode after it."]
     o += decode_profile_lines()
+    o += decode_conv_lines()
     # the experts whose reservation was the decode's room (their records give it to the GiB's hundredth)
     kept = [e for st in whole_sets() for r in st["runs"] if r["config"].get("estimator")
             for p in r["prompts"] for e in p.get("experts", {}).values()
@@ -741,6 +742,89 @@ def decode_profile_lines() -> list:
         "settle on that engine.",
         "",
     ]
+
+
+DECODE_PROBE = "whole-prompt/void-decode-probe-1c7065e.jsonl"
+CONV_SWEEP = "decode-room/conv-workspace-9c19405.jsonl"
+DECODE_PLAN = "whole-prompt/void-decode-plan-68a53a8.jsonl"
+
+
+def _shape(xs) -> str:
+    return "×".join(str(x) for x in xs)
+
+
+def sweep_lines(sweep: list) -> dict:
+    """Per input shape of ``bench.conv_workspace`` rows: the most GiB free before the first call that left the
+    convolution on a slow engine (over twice its fastest ms), the least that gave a fast one, and both ms."""
+    out: dict = {}
+    for r in sweep:
+        out.setdefault(tuple(r["input"]), []).append(r)
+    lines = {}
+    for shape, rs in out.items():
+        best = min(r["ms"] for r in rs)
+        slow = [r for r in rs if r["ms"] > 2 * best]
+        fast = [r for r in rs if r["ms"] <= 2 * best and (not slow or r["free_gib"] > max(x["free_gib"] for x in slow))]
+        if slow and fast:
+            lines[shape] = dict(slow_gib=max(r["free_gib"] for r in slow), fast_gib=min(r["free_gib"] for r in fast),
+                                slow_ms=_span([r["ms"] for r in slow], "{:.1f}"),
+                                fast_ms=_span([r["ms"] for r in fast], "{:.1f}"))
+    return lines
+
+
+def decode_conv_lines() -> list:
+    """Which convolution the decode's time went to, the memory it was first run with (the decode profile's
+    convolution table), that convolution alone by the memory free before its first call (``bench.conv_workspace``),
+    and the step tried against it."""
+    try:
+        probe = [r for r in rows(DECODE_PROBE) if r.get("status") == "ok"]
+        sweep = [r for r in rows(CONV_SWEEP) if r.get("ms")]
+        tried = [r for r in rows(DECODE_PLAN) if r.get("status") == "ok" and r["config"].get("estimator")]
+    except FileNotFoundError:
+        return []
+    convs = [(r, p["phases"]["decode"]) for r in probe for p in r["prompts"]]
+    if not convs or not sweep or not all(d.get("profile", {}).get("convs") for _r, d in convs):
+        return []
+
+    def per_call(c):
+        return c["device_ms"] / c["calls"] if c.get("device_ms") and c["calls"] else 0.0
+    worst = [max(d["profile"]["convs"], key=lambda c: c.get("device_ms") or 0) for _r, d in convs]
+    shape = tuple(worst[0]["input"])
+    if any(tuple(w["input"]) != shape for w in worst):
+        return []
+    others = [per_call(c) for _r, d in convs for c in d["profile"]["convs"] if tuple(c["input"]) != shape]
+    began = [d["profile"]["convs"][0]["first"]["free_gib"] for _r, d in convs]
+    lines = sweep_lines(sweep)
+    line = lines.get(shape)
+    if line is None:
+        return []
+    rest = [(k, v) for k, v in lines.items() if k != shape]
+    rest_text = _and([f"{k[-1] - 2}×{k[-2] - 2}" for k, _v in rest])
+    rest_span = (f"{_span([v['slow_gib'] for _k, v in rest], '{:.1f}')} and "
+                 f"{_span([v['fast_gib'] for _k, v in rest], '{:.1f}')} GiB") if rest else ""
+    trims = _and(sorted({"without" if r["config"].get("trim_after_sampling") is False else "with" for r, _d in convs}))
+    o = ["",
+         f"One convolution takes that time ({link(DECODE_PROBE, DECODE_PROBE.split('/')[-1])}, `{commit_of(probe[0])}`, "
+         "the decode profile naming each convolution shape, its calls, its device time and the device's free memory "
+         f"when the decode first ran it; {trims} the Sage patch's trim when its sampling ends): the decoder's last "
+         f"{shape[1]}-channel 3-D convolution at full resolution, input {_shape(shape)}, "
+         f"{_span([w['calls'] for w in worst], '{:d}')} calls and "
+         f"{_span([w['device_ms'] / 1e3 for w in worst], '{:.2f}')} s of device time a decode "
+         f"({_span([per_call(w) for w in worst], '{:.0f}')} ms a call; no other shape took more than "
+         f"{max(others):.1f} ms a call). The decode first runs it with its second latent frame, when its own pool has "
+         f"grown: {_span([w['first']['free_gib'] for w in worst])} GiB were free on the device then, against "
+         f"{_span(began)} GiB as the decode began, with the trim or without it. Alone in a fresh process "
+         f"({link(CONV_SWEEP, CONV_SWEEP.split('/')[-1])}, `python -m bench.conv_workspace`, bf16, cudaMallocAsync), "
+         f"the same convolution runs at {line['fast_ms']} ms a call when {line['fast_gib']:g} GiB or more are free "
+         f"before its first call and at {line['slow_ms']} ms with {line['slow_gib']:g} GiB or less"
+         + (f"; at {rest_text} the line lies between {rest_span}" if rest else "") + ". "
+         "Why the free memory inside the decode, more than that line, still gave the slow engine is not settled."]
+    if tried:
+        ds = [p["phases"]["decode"]["s"] for p in tried[0]["prompts"]]
+        o.append(f"Running the convolutions the decode first runs with its second frame once, on empty tensors of "
+                 f"their shapes, right after the sampling did not change it ({link(DECODE_PLAN, DECODE_PLAN.split('/')[-1])}, "
+                 f"`{commit_of(tried[0])}`: {' / '.join(f'{x:.1f}' for x in ds)} s, first / repeat); the pack does "
+                 "not do it.")
+    return o + [""]
 
 
 def comfy_ratios(summary) -> dict:

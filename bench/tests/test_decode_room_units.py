@@ -114,3 +114,23 @@ def test_conv_workspace_parses_shapes_and_names_the_fix(capsys):
     assert conv_workspace.main(["--conv", "1x96x6x8x8:96x96x3x3x3", "--free-gib", "2,x"]) == 2
     assert "--free-gib '2,x'" in capsys.readouterr().err
     assert conv_workspace.main(["--conv", "1x96x6x8x8:9x96x3x3x3", "--free-gib", "0"]) == 2
+
+
+def test_sweep_lines_find_where_a_convolution_turns_fast():
+    from bench import render_docs
+    row = lambda shape, free, ms: {"input": shape, "free_gib": free, "ms": ms}  # noqa: E731
+    a, b = [1, 96, 6, 722, 1282], [1, 96, 6, 482, 834]
+    sweep = [row(a, 1.0, 87.3), row(a, 2.0, 87.2), row(a, 2.5, 7.9), row(a, 7.0, 7.8),
+             row(b, 0.5, 38.0), row(b, 1.5, 3.4), row(b, 5.0, 3.5)]
+    got = render_docs.sweep_lines(sweep)
+    assert (got[tuple(a)]["slow_gib"], got[tuple(a)]["fast_gib"]) == (2.0, 2.5)
+    assert (got[tuple(b)]["slow_gib"], got[tuple(b)]["fast_gib"]) == (0.5, 1.5)
+    # a shape never slow (or never fast) in the sweep draws no line
+    assert render_docs.sweep_lines([row(a, 1.0, 7.9), row(a, 2.0, 7.8)]) == {}
+
+
+def test_the_decode_section_names_the_slow_convolution_from_the_records():
+    from bench import render_docs
+    text = "\n".join(render_docs.decode_conv_lines())
+    assert "input 1×96×6×722×1282, 120 calls" in text
+    assert "when 2.5 GiB or more are free" in text and "with 2 GiB or less" in text
