@@ -1,10 +1,8 @@
 """The free memory a cuDNN convolution needs, when PyTorch picks its engine, to get a fast one.
 
 PyTorch's cuDNN bindings pick a convolution's engine the first time they see its shapes in a process and keep
-it.  They consider only the engines whose workspace fits what the allocator says is available at that moment:
-with cudaMallocAsync (what ComfyUI's main.py selects) the device's free memory as ``cudaMemGetInfo`` reads it,
-tried whole and then halved until an allocation of it succeeds; with the caching allocator its largest cached
-block.  Memory the pool holds but does not use is not in that figure.
+it: they try cuDNN's engines in its order and take the first whose workspace the allocator can give then.  A
+later call whose workspace cannot be allocated picks again, among what fits then, and keeps that one.
 
 This tool runs one convolution per fresh process with F GiB free on the device just before its first call,
 then times it on the engine that call settled on.  One JSON line per (convolution, F), printed and appended to

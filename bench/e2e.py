@@ -278,20 +278,24 @@ class ComfyTimers:
 
 
 class ConvProbe:
-    """Every 2-D and 3-D convolution a block runs, by input and weight shape: how many calls, and the device
-    memory when the shape was first seen (the moment PyTorch's cuDNN bindings pick its engine and filter the
-    engines by the workspace they can get: with cudaMallocAsync, the device's free memory; with the caching
-    allocator, its largest cached block).  It wraps ``torch.nn.functional.conv2d``/``conv3d`` for the block and
-    puts them back after it."""
+    """Every 2-D and 3-D convolution a block runs, by input and weight shape: how many calls, the device memory
+    when the shape was first seen, and on CUDA each call's device milliseconds and the device's free memory as it
+    began (``ms``, ``free_gib``: CUDA events around the call, read once the block is over, so the block runs
+    unsynchronised).  PyTorch's cuDNN bindings pick a shape's engine at its first call, trying the engines in
+    cuDNN's order until one's workspace can be allocated, and keep it; a later call whose workspace cannot be
+    allocated picks again, among what fits then, and that engine is kept instead.  A shape whose calls turn slow
+    part-way through shows that switch.  It wraps ``torch.nn.functional.conv2d``/``conv3d`` for the block and puts
+    them back after it."""
 
     NAMES = ("conv2d", "conv3d")
 
     def __init__(self, torch):
-        self.torch, self.rows, self._saved = torch, {}, {}
+        self.torch, self.rows, self._saved, self._events = torch, {}, {}, {}
+        self.cuda = bool(torch.cuda.is_available())
 
     def _reading(self):
         t = self.torch
-        if not t.cuda.is_available():
+        if not self.cuda:
             return {}
         free, _ = t.cuda.mem_get_info()
         return {"free_gib": _r(free / GiB), "reserved_gib": _r(t.cuda.memory_reserved() / GiB),
@@ -305,7 +309,15 @@ class ConvProbe:
                 row = self.rows[key] = {"input": list(key[0]), "weight": list(key[1]), "order": len(self.rows),
                                         "calls": 0, "first": self._reading()}
             row["calls"] += 1
-            return fn(x, weight, *args, **kwargs)
+            if not (self.cuda and x.is_cuda):
+                return fn(x, weight, *args, **kwargs)
+            free = self.torch.cuda.mem_get_info()[0]
+            e0, e1 = self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)
+            e0.record()
+            y = fn(x, weight, *args, **kwargs)
+            e1.record()
+            self._events.setdefault(key, []).append((e0, e1, free))
+            return y
         return conv
 
     def __enter__(self):
@@ -325,10 +337,15 @@ class ConvProbe:
     def table(self, device_ms: dict) -> list[dict]:
         """The rows in first-seen order, each with ``device_ms``: the device time of cuDNN convolutions with
         that input and weight shape (``device_ms`` maps ``(input, weight)`` shape tuples to ms; the input is
-        the one the convolution op saw)."""
+        the one the convolution op saw), and on CUDA ``ms`` and ``free_gib`` per call."""
+        if self._events:
+            self.torch.cuda.synchronize()
         out = []
         for key, row in sorted(self.rows.items(), key=lambda kv: kv[1]["order"]):
-            out.append(dict(row, device_ms=device_ms.get(key)))
+            ev = self._events.get(key, [])
+            extra = {"ms": [_r(a.elapsed_time(b), 2) for a, b, _f in ev],
+                     "free_gib": [_r(f / GiB, 2) for _a, _b, f in ev]} if ev else {}
+            out.append(dict(row, device_ms=device_ms.get(key), **extra))
         return out
 
 
