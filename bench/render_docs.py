@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import itertools
 import json
 import math
 import re
@@ -802,6 +803,11 @@ def decode_conv_lines() -> list:
     rest_span = (f"{_span([v['slow_gib'] for _k, v in rest], '{:.1f}')} and "
                  f"{_span([v['fast_gib'] for _k, v in rest], '{:.1f}')} GiB") if rest else ""
     trims = _and(sorted({"without" if r["config"].get("trim_after_sampling") is False else "with" for r, _d in convs}))
+    fb_calls = [sum(t["calls"] for t in d["profile"]["top"] if FALLBACK_CONV in t["name"]) for _r, d in convs]
+    per_run = [fb_calls[i:i + len(r["prompts"])] for i, r in
+               zip(itertools.accumulate([0] + [len(r["prompts"]) for r in probe]), probe)]
+    trims_order = "; ".join(" and ".join(str(n) for n in calls) + (" without it" if r["config"].get(
+        "trim_after_sampling") is False else " with the trim") for calls, r in zip(per_run, probe))
     o = ["",
          f"One convolution takes that time ({link(DECODE_PROBE, DECODE_PROBE.split('/')[-1])}, `{commit_of(probe[0])}`, "
          "the decode profile naming each convolution shape, its calls, its device time and the device's free memory "
@@ -817,7 +823,15 @@ def decode_conv_lines() -> list:
          f"the same convolution runs at {line['fast_ms']} ms a call when {line['fast_gib']:g} GiB or more are free "
          f"before its first call and at {line['slow_ms']} ms with {line['slow_gib']:g} GiB or less"
          + (f"; at {rest_text} the line lies between {rest_span}" if rest else "") + ". "
-         "Why the free memory inside the decode, more than that line, still gave the slow engine is not settled."]
+         "So the decode's first call of it had room for a workspace engine, and took one: of its "
+         f"{_span([w['calls'] for w in worst], '{:d}')} calls, {trims_order} ran on `{FALLBACK_CONV}` (first and "
+         "repeat decode). The first decode changed engines part-way, "
+         "which PyTorch does when the workspace of the engine it kept cannot be allocated at a later call: it picks "
+         "again among what fits then and keeps that for the rest of the process, so the repeat decode runs the slow "
+         "one from its first call. The decode's pool grows to the budget's edge "
+         f"({_span([d['peak_reserved_gib'] for _r, d in convs])} GiB of {probe[0]['config']['budget_gib']:g}), and "
+         "PyTorch's cudaMallocAsync backend does not hand the pool's cached blocks back and retry when an "
+         "allocation fails."]
     if tried:
         ds = [p["phases"]["decode"]["s"] for p in tried[0]["prompts"]]
         o.append(f"Running the convolutions the decode first runs with its second frame once, on empty tensors of "
