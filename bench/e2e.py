@@ -702,6 +702,9 @@ class Host:
         if not getattr(args, "sage_trim", True):
             from wan_sage.nodes import comfy_bridge
             without_sampling_trim(comfy_bridge)   # this process only: its runs are labelled /no-trim
+        if getattr(args, "decode_room_extra_gib", None):
+            from wan_sage.memory import vae_decode
+            with_decode_room_extra(vae_decode, args.decode_room_extra_gib)   # labelled /decode-room+X
         if args.workflow:
             ce.load_custom_node(_host.ROOT)
         self.ce = ce
@@ -863,6 +866,8 @@ class Host:
                           "decode": decode,
                           **({"check_finite": False} if finite_check_off(spec, self.args) else {}),
                           **({"trim_after_sampling": False} if trim_off(spec, self.args) else {}),
+                          **({"decode_room_extra_gib": self.args.decode_room_extra_gib}
+                             if decode_room_extra(spec, self.args) else {}),
                           **({"memory_mode": self.args.sage_memory_mode} if memory_mode_set(spec, self.args) else {}),
                           **({"compile": {"node": "TorchCompileModel", "backend": self.args.compile_backend,
                                           "keys": ["diffusion_model"]}} if spec.compile == "model" else {}),
@@ -1176,6 +1181,7 @@ def substitute_models(prompt: dict, names: dict, weights: str) -> dict:
 NO_CHECK = "/no-finite-check"
 MEMORY_MODE = "/memory-"
 NO_TRIM = "/no-trim"
+DECODE_ROOM = "/decode-room+"
 
 
 def finite_check_off(spec, args) -> bool:
@@ -1186,6 +1192,23 @@ def finite_check_off(spec, args) -> bool:
 def trim_off(spec, args) -> bool:
     """The Sage patch leaves the sampling's cached blocks in the pool when its sampling ends (``--sage-trim off``)."""
     return spec.attention == "sage" and not getattr(args, "sage_trim", True)
+
+
+def decode_room_extra(spec, args) -> bool:
+    """The estimator keeps ``--decode-room-extra-gib`` more than ComfyUI's figure for the VAE decode."""
+    return bool(spec.estimator and getattr(args, "decode_room_extra_gib", None))
+
+
+def with_decode_room_extra(vae_decode, gib: float):
+    """Make ``vae_decode.decode_bytes`` (the room the estimator keeps for the decode) ``gib`` GiB more in this
+    process (``--decode-room-extra-gib``); returns the function to put back."""
+    original = vae_decode.decode_bytes
+
+    def decode_bytes(latent, dtype_size: int = 2):
+        need = original(latent, dtype_size)
+        return None if need is None else need + int(gib * GiB)
+    vae_decode.decode_bytes = decode_bytes
+    return original
 
 
 def without_sampling_trim(comfy_bridge):
@@ -1228,7 +1251,8 @@ def run_label(spec, args) -> str:
     named memory mode, so that ``--skip-done`` and the tables never take one for the other."""
     return (spec.label + (NO_CHECK if finite_check_off(spec, args) else "")
             + (MEMORY_MODE + args.sage_memory_mode if memory_mode_set(spec, args) else "")
-            + (NO_TRIM if trim_off(spec, args) else ""))
+            + (NO_TRIM if trim_off(spec, args) else "")
+            + (f"{DECODE_ROOM}{args.decode_room_extra_gib:g}" if decode_room_extra(spec, args) else ""))
 
 
 def done_runs(paths: str, weights: str) -> set:
@@ -1518,6 +1542,10 @@ def parse_args(argv=None):
                     help="the Sage patch's allocator trim when its sampling ends (default on, as the node); off leaves "
                          "the sampling's cached blocks in the pool for the next node, to measure what the trim does to the "
                          "VAE decode (recorded as config.trim_after_sampling: false and /no-trim)")
+    ap.add_argument("--decode-room-extra-gib", type=float, default=None, metavar="GIB",
+                    help="the estimator keeps GIB more than ComfyUI's figure for the VAE decode after the sampling "
+                         "(fewer weights resident while sampling), to measure what room the decode needs (recorded as "
+                         "config.decode_room_extra_gib and /decode-room+GIB)")
     ap.add_argument("--sage-memory-mode", choices=["sdpa", "fastest"], default=None,
                     help="the Sage patch's memory mode (dispatch v2): sdpa = head groups at SDPA's memory, fastest = "
                          "whole calls; default: the node's own (recorded as config.memory_mode and /memory-MODE)")
@@ -1535,6 +1563,8 @@ def parse_args(argv=None):
     a = ap.parse_args(argv)
     a.sage_check_finite = a.sage_check_finite == "on"
     a.sage_trim = a.sage_trim == "on"
+    if a.decode_room_extra_gib is not None and a.decode_room_extra_gib <= 0:
+        ap.error("--decode-room-extra-gib: give a positive GiB figure, e.g. 2")
     if a.whole_prompt:
         why = [x for x, bad in (("--workflow", a.workflow), ("--matrix", a.matrix), ("--warmup", a.warmup),
                                 ("--reload", a.reload), ("--skip-done", a.skip_done)) if bad]

@@ -637,6 +637,8 @@ def decode_room_rows() -> list[dict]:
             c = r["config"]
             name = WHOLE_CONFIG_NAMES.get((c["estimator"], c["attention"]), r["run"])
             name += " (no trim after the sampling)" if c.get("trim_after_sampling") is False else ""
+            name += (f" (+{c['decode_room_extra_gib']:g} GiB for the decode)" if c.get("decode_room_extra_gib")
+                     else "")
             out.append(dict(set=st, run=r, config=name,
                             resident=before, evicted=[b - a for b, a in zip(before, after)], free=free,
                             seconds=[d["s"] for d in ph]))
@@ -1412,8 +1414,10 @@ def _record_link(p: Path, label: str) -> str:
 
 def switched_off_default(c: dict) -> bool:
     """A run with one of the harness's A/B switches off the Sage node's defaults (no NaN/Inf check, a named memory
-    mode, no trim after the sampling): measured for what the switch does, left out of the tables of the pack."""
-    return c.get("check_finite") is False or bool(c.get("memory_mode")) or c.get("trim_after_sampling") is False
+    mode, no trim after the sampling, more room kept for the decode): measured for what the switch does, left out of
+    the tables of the pack."""
+    return (c.get("check_finite") is False or bool(c.get("memory_mode")) or c.get("trim_after_sampling") is False
+            or bool(c.get("decode_room_extra_gib")))
 
 
 def whole_rows(sets) -> list[dict]:

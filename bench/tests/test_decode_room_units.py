@@ -134,3 +134,27 @@ def test_the_decode_section_names_the_slow_convolution_from_the_records():
     text = "\n".join(render_docs.decode_conv_lines())
     assert "input 1×96×6×722×1282, 120 calls" in text
     assert "when 2.5 GiB or more are free" in text and "with 2 GiB or less" in text
+
+
+def test_decode_room_extra_is_labelled_recorded_and_put_back():
+    spec = e2e.RunSpec.parse("est+sage@16:720p81")
+    a = e2e.parse_args(["--models-dir", "m", "--runs", spec.label, "--decode-room-extra-gib", "2"])
+    assert e2e.run_label(spec, a) == spec.label + "/decode-room+2"
+    stock = e2e.RunSpec.parse("comfy+sdpa@16:720p81")    # no estimator: nothing to keep, the label stays
+    assert e2e.run_label(stock, a) == stock.label
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--models-dir", "m", "--runs", spec.label, "--decode-room-extra-gib", "0"])
+    import types
+    from wan_sage.memory import vae_decode
+    mod = types.SimpleNamespace(decode_bytes=vae_decode.decode_bytes)
+    original = e2e.with_decode_room_extra(mod, 1.5)
+    latent = (1, 16, 21, 90, 160)
+    assert mod.decode_bytes(latent) == vae_decode.decode_bytes(latent) + int(1.5 * e2e.GiB)
+    assert mod.decode_bytes((1, 36, 21, 90, 160)) is None        # no Wan VAE decodes it: still none
+    assert original is vae_decode.decode_bytes
+
+
+def test_runs_with_more_decode_room_stay_out_of_the_tables():
+    from bench import render_docs
+    assert render_docs.switched_off_default({"decode_room_extra_gib": 2.0})
+    assert not render_docs.switched_off_default({"estimator": True, "attention": "sage"})
