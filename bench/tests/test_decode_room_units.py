@@ -158,3 +158,22 @@ def test_runs_with_more_decode_room_stay_out_of_the_tables():
     from bench import render_docs
     assert render_docs.switched_off_default({"decode_room_extra_gib": 2.0})
     assert not render_docs.switched_off_default({"estimator": True, "attention": "sage"})
+
+
+def test_decode_room_extra_reaches_the_estimators_reservation():
+    # the switch patches the module the estimate reads at plan time: the room kept for the decode grows by G
+    from wan_sage.memory import vae_decode
+    from wan_sage.memory.estimate import plan
+    from wan_sage.memory.request import build
+    req = {"preset": "wan2.2-a14b", "width": 1280, "height": 720, "frames": 81, "attention": "sage-auto",
+           "arch": "sm90", "weights": "fp8", "vram_gib": 24}
+    before = plan(build(req).setup)
+    original = e2e.with_decode_room_extra(vae_decode, 2)
+    try:
+        after = plan(build(req).setup)
+    finally:
+        vae_decode.decode_bytes = original
+    assert before.decode_floor > 0
+    assert after.decode_floor == before.decode_floor + 2 * e2e.GiB
+    assert after.offload_bytes == before.offload_bytes + 2 * e2e.GiB
+    assert plan(build(req).setup).decode_floor == before.decode_floor
