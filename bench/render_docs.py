@@ -781,7 +781,9 @@ def decode_conv_lines() -> list:
     try:
         probe = [r for r in rows(DECODE_PROBE) if r.get("status") == "ok"]
         sweep = [r for r in rows(CONV_SWEEP) if r.get("ms")]
-        tried = [r for r in rows(DECODE_PLAN) if r.get("status") == "ok" and r["config"].get("estimator")]
+        tried_all = [r for r in rows(DECODE_PLAN) if r.get("status") == "ok"]
+        tried = [r for r in tried_all if r["config"].get("estimator")]
+        stock = [r for r in tried_all if not r["config"].get("estimator") and r["config"].get("attention") == "sdpa"]
     except FileNotFoundError:
         return []
     convs = [(r, p["phases"]["decode"]) for r in probe for p in r["prompts"]]
@@ -840,6 +842,15 @@ def decode_conv_lines() -> list:
                  f"their shapes, right after the sampling did not change it ({link(DECODE_PLAN, DECODE_PLAN.split('/')[-1])}, "
                  f"`{commit_of(tried[0])}`: {' / '.join(f'{x:.1f}' for x in ds)} s, first / repeat); the pack does "
                  "not do it.")
+        if stock:
+            frames = lambda r: [p["to_frames_s"] for p in r["prompts"]]  # noqa: E731
+            mine, base = frames(tried[0]), frames(stock[0])
+            base_dec = [p["phases"]["decode"]["s"] for p in stock[0]["prompts"]]
+            o.append(f"On that machine ComfyUI alone + SDPA took {' / '.join(f'{x:.1f}' for x in base)} s to the frames "
+                     f"(decode {' / '.join(f'{x:.1f}' for x in base_dec)} s), "
+                     f"the estimator + Sage with that step {' / '.join(f'{x:.1f}' for x in mine)} s: "
+                     f"{' / '.join(f'{b / m:.2f}×' for b, m in zip(base, mine))} on the user's clock, the decode "
+                     "being the difference.")
     return o + [""]
 
 
