@@ -17,7 +17,6 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from . import _host
 from .e2e import GiB, _r
@@ -56,7 +55,7 @@ def one(conv: str, free_gib: float, allocator: str, calls: int, then_gib: float 
     torch.cuda.synchronize()
     free, _ = torch.cuda.mem_get_info()
     want = free - int(free_gib * GiB)
-    ballast = torch.empty(max(want, 0), dtype=torch.uint8, device=dev) if want > 0 else None
+    ballast = torch.empty(want, dtype=torch.uint8, device=dev) if want > 0 else None
     torch.cuda.synchronize()
     seen = torch.cuda.mem_get_info()[0]
     t = time.perf_counter()
@@ -123,7 +122,7 @@ def main(argv=None) -> int:
     if a.one:
         print(json.dumps(one(a.one[0], float(a.one[1]), a.allocator, a.calls, a.then_free_gib)))
         return 0
-    rc = 0
+    rc, emit = 0, _host.JsonLines(a.out)
     for conv in convs:
         for f in frees:
             cmd = [sys.executable, "-m", "bench.conv_workspace", "--conv", conv, "--free-gib", str(f),
@@ -135,10 +134,8 @@ def main(argv=None) -> int:
             row = json.loads(line) if line else {"schema": SCHEMA, "conv": conv, "free_gib": f, "status": "failed",
                                                  "error": (p.stderr.strip().splitlines() or ["?"])[-1][:300]}
             rc = rc or (0 if line else 1)
-            print(json.dumps(row), flush=True)
-            if a.out:
-                with open(a.out, "a") as fh:
-                    fh.write(json.dumps(row) + "\n")
+            emit(row)
+    emit.close()
     return rc
 
 

@@ -28,7 +28,6 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from . import _host
 from .e2e import GiB, Ballast, _r
@@ -153,14 +152,14 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"--scenarios: {e}", file=sys.stderr)
         return 2
-    rc = 0
+    rc, emit = 0, _host.JsonLines(args.out)
     for s in scenarios:
         cmd = [sys.executable, "-m", "bench.decode_room", "--one", s, "--budget-gb", str(args.budget_gb),
                "--res", args.res, "--allocator", args.allocator, "--models-dir", args.models_dir]
         t0 = time.perf_counter()
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s,
-                               cwd=str(Path(__file__).resolve().parent.parent))
+                               cwd=str(_host.ROOT))
             rows = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
             row = rows[-1] if rows else {"schema": SCHEMA, "scenario": s, "status": "error",
                                          "error": (p.stderr.strip().splitlines() or ["no output"])[-1][:300]}
@@ -169,13 +168,10 @@ def main(argv=None) -> int:
         row.setdefault("status", "ok")
         row["process_s"] = _r(time.perf_counter() - t0)
         rc = rc or (0 if row["status"] == "ok" else 1)
-        line = json.dumps(row)
         print(f"decode-room {s}: first {row.get('first_s')} s, repeat {row.get('repeat_s')} s ({row['status']})",
               file=sys.stderr, flush=True)
-        if args.out:
-            with open(args.out, "a") as fh:
-                fh.write(line + "\n")
-        print(line, flush=True)
+        emit(row)
+    emit.close()
     return rc
 
 
