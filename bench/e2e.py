@@ -349,6 +349,14 @@ class ConvProbe:
         return out
 
 
+def _device_us(ev, total: str) -> float:
+    """A profiler event's device time in µs: ``total`` is "self" or "" (self or inclusive), read from the
+    ``*_device_time_total`` name and, on older torch, the ``*_cuda_time_total`` one."""
+    pre = f"{total}_" if total else ""
+    t = getattr(ev, f"{pre}device_time_total", None)
+    return getattr(ev, f"{pre}cuda_time_total", 0) if t is None else t
+
+
 def _conv_device_ms(prof) -> dict:
     """Device ms of each convolution op in a profile, by (input shape, weight shape)."""
     out: dict = {}
@@ -358,9 +366,7 @@ def _conv_device_ms(prof) -> dict:
         shapes = getattr(ev, "input_shapes", None) or []
         if len(shapes) < 2 or not shapes[0] or not shapes[1]:
             continue
-        t = getattr(ev, "device_time_total", None)
-        if t is None:
-            t = getattr(ev, "cuda_time_total", 0)
+        t = _device_us(ev, "")
         key = (tuple(shapes[0]), tuple(shapes[1]))
         if ev.key == "aten::cudnn_convolution" or key not in out:
             out[key] = _r(t / 1e3, 1)
@@ -372,7 +378,8 @@ def profiled(torch, top: int):
     """Profile the block with torch.profiler when ``top`` > 0 and fill the yielded dict with where its time
     went: ``device_s`` (the kernels' own device time, summed), ``kernels`` (how many ran), ``top`` (the
     ``top`` kernels by device time: name, calls, ms) and ``convs`` (:class:`ConvProbe`'s table: each
-    convolution shape, its calls, device ms and the memory when it was first seen).  Nothing is profiled (and
+    convolution shape, its calls, device ms, the memory when it was first seen and each call's ms and free
+    memory).  Nothing is profiled (and
     the dict stays empty) when ``top`` is 0; a profiler failure is recorded as ``{"error": ...}`` and never
     fails the run."""
     out: dict = {}
@@ -397,9 +404,7 @@ def profiled(torch, top: int):
             prof.__exit__(None, None, None)
             rows = []
             for ev in prof.key_averages():
-                t = getattr(ev, "self_device_time_total", None)
-                if t is None:
-                    t = getattr(ev, "self_cuda_time_total", 0)
+                t = _device_us(ev, "self")
                 if t and str(getattr(ev, "device_type", "")).endswith("CUDA"):
                     rows.append((t, ev.key, ev.count))
             rows.sort(reverse=True)
@@ -1247,8 +1252,9 @@ def check_sage_memory_mode(mode) -> None:
 
 
 def run_label(spec, args) -> str:
-    """The record's ``run``: the spec, marked when the Sage patch ran without its NaN/Inf check or in a
-    named memory mode, so that ``--skip-done`` and the tables never take one for the other."""
+    """The record's ``run``: the spec, marked when the Sage patch ran without its NaN/Inf check, in a named
+    memory mode or without its trim when sampling ends, or the estimator kept more room for the decode, so that
+    ``--skip-done`` and the tables never take one for the other."""
     return (spec.label + (NO_CHECK if finite_check_off(spec, args) else "")
             + (MEMORY_MODE + args.sage_memory_mode if memory_mode_set(spec, args) else "")
             + (NO_TRIM if trim_off(spec, args) else "")
@@ -1507,8 +1513,9 @@ def parse_args(argv=None):
     ap.add_argument("--shift", type=float, default=5.0,
                     help="ModelSamplingSD3 shift after each LoRA, as in the pack's A14B workflows (0: no node)")
     ap.add_argument("--profile-decode", type=int, default=0, metavar="N",
-                    help="profile each VAE decode with torch.profiler and keep its device time and top N kernels in "
-                         "the decode phase's record (\"profile\"); 0: off")
+                    help="profile each VAE decode with torch.profiler and keep its device time, top N kernels and "
+                         "per convolution shape its calls, device ms and each call's ms and free memory in the decode "
+                         "phase's record (\"profile\"); 0: off")
     ap.add_argument("--decode", choices=["all", "first", "none"], default="all",
                     help="VAE decode in every run, only in the first, or never (a spec's :decode / :nodecode wins); "
                          "with --whole-prompt: in both prompts unless none")
