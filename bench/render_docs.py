@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import itertools
 import json
 import math
 import re
@@ -694,6 +693,12 @@ DECODE_ALONE = "decode-room/720p81-16gib.jsonl"
 FALLBACK_CONV = "implicit_convolveNd_sgemm"  # cuDNN's convolution engine that needs no workspace
 
 
+def fallback_calls(decode: dict) -> tuple:
+    """A profiled decode's calls of :data:`FALLBACK_CONV` among its top kernels, and their device seconds."""
+    hit = [t for t in decode["profile"]["top"] if FALLBACK_CONV in t["name"]]
+    return sum(t["calls"] for t in hit), sum(t["ms"] for t in hit) / 1e3
+
+
 def decode_profile_lines() -> list:
     """Where the decode's time went after the estimator + Sage sampling against after ComfyUI alone's (the void
     file: torch.profiler ran around each decode, so its seconds are not the user's), and the same latent decoded
@@ -710,16 +715,12 @@ def decode_profile_lines() -> list:
     def decodes(r):
         return [p["phases"]["decode"] for p in r["prompts"]]
 
-    def fallback(d):
-        hit = [t for t in d["profile"]["top"] if FALLBACK_CONV in t["name"]]
-        return (sum(t["calls"] for t in hit), sum(t["ms"] for t in hit) / 1e3)
-
     def dev_s(ds):
         return [d["profile"]["device_s"] for d in ds]
 
     est, stock = decodes(by[True]), decodes(by[False])
-    fb = [fallback(d) for d in est]
-    stock_fb = [fallback(d) for d in stock]
+    fb = [fallback_calls(d) for d in est]
+    stock_fb = [fallback_calls(d) for d in stock]
     alone_s = [d["s"] for r in alone for d in r["decodes"]]
     scen = _and([f"`{r['scenario']}`" for r in alone])
     budget = by[True]["config"]["budget_gib"]
@@ -807,11 +808,9 @@ def decode_conv_lines() -> list:
     rest_span = (f"{_span([v['slow_gib'] for _k, v in rest], '{:.1f}')} and "
                  f"{_span([v['fast_gib'] for _k, v in rest], '{:.1f}')} GiB") if rest else ""
     trims = _and(sorted({"without" if r["config"].get("trim_after_sampling") is False else "with" for r, _d in convs}))
-    fb_calls = [sum(t["calls"] for t in d["profile"]["top"] if FALLBACK_CONV in t["name"]) for _r, d in convs]
-    per_run = [fb_calls[i:i + len(r["prompts"])] for i, r in
-               zip(itertools.accumulate([0] + [len(r["prompts"]) for r in probe]), probe)]
-    trims_order = "; ".join(" and ".join(str(n) for n in calls) + (" without it" if r["config"].get(
-        "trim_after_sampling") is False else " with the trim") for calls, r in zip(per_run, probe))
+    trims_order = "; ".join(
+        " and ".join(str(fallback_calls(p["phases"]["decode"])[0]) for p in r["prompts"])
+        + (" without it" if r["config"].get("trim_after_sampling") is False else " with the trim") for r in probe)
     o = ["",
          f"One convolution takes that time ({link(DECODE_PROBE, DECODE_PROBE.split('/')[-1])}, `{commit_of(probe[0])}`, "
          "the decode profile naming each convolution shape, its calls, its device time and the device's free memory "
