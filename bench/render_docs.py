@@ -650,7 +650,7 @@ def decode_room_section() -> list:
     if not rows:
         return []
     fig = comfy_wan_vae_decode_gib(1280, 720)
-    total = wan_vae_decode_room_gib(1280, 720)
+    total = comfy_frees_gib(1280, 720)
     vae = total - fig
     o = ["\n## The VAE decode after the sampling\n",
          "ComfyUI's `VAE.decode` (comfy/sd.py) loads the VAE with its own figure for the decode as the memory required,",
@@ -668,18 +668,22 @@ def decode_room_section() -> list:
                  f"{free} | {' / '.join(f'{v:.1f}' for v in x['seconds'])} |")
     o += ["",
           "From `1f8f94f` the Sage patch empties the allocator cache when its sampling ends (`comfy_bridge.trim_allocator`),",
-          "so the decode does not start among the sampling's cached blocks. From `087d8a9` the estimator's reservation in",
-          "force is at least the room ComfyUI frees for the decode, where that fits in the budget",
-          "(`memory.estimate.decode_floor`): the weights it keeps resident are the ones the decode leaves in place. Where",
-          "the decode needs more than the budget, ComfyUI unloads the model whole for it and no room is kept. The cond /",
-          "uncond batching test, dynamic VRAM and the fixed policy keep none; `wan-sage plan --no-decode` and the route's",
-          "`no_decode` plan a sampling with no decode after it."]
+          "so the decode does not start among the sampling's cached blocks. The estimator's reservation in force is at",
+          "least the room the decode takes, where that fits in the budget (`memory.estimate.decode_floor`): what ComfyUI",
+          "frees for it and the workspace of the decoder's largest convolution's fast cuDNN engine, taken as that",
+          f"convolution's input plus its output ({conv_workspace_gib(1280, 720):.2f} GiB at 1280×720, "
+          f"{conv_workspace_gib(832, 480):.2f} GiB at 832×480; below). The weights it keeps",
+          "resident are the ones the decode leaves in place. Records from `087d8a9` to `32a669a` kept what ComfyUI frees",
+          "alone. Where the decode needs more than the budget, ComfyUI unloads the model whole for it and no room is kept.",
+          "The cond / uncond batching test, dynamic VRAM and the fixed policy keep none; `wan-sage plan --no-decode` and",
+          "the route's `no_decode` plan a sampling with no decode after it."]
     o += decode_profile_lines()
     o += decode_conv_lines()
     # the experts whose reservation was the decode's room (their records give it to the GiB's hundredth)
     kept = [e for st in whole_sets() for r in st["runs"] if r["config"].get("estimator")
             for p in r["prompts"] for e in p.get("experts", {}).values()
-            if abs(e.get("predicted_working_gib", 0) - wan_vae_decode_room_gib(r["config"]["width"], r["config"]["height"])) < 0.01]
+            if any(abs(e.get("predicted_working_gib", 0) - g) < 0.01
+                   for g in decode_rooms_gib(r["config"]["width"], r["config"]["height"]))]
     if kept:
         o.append(f"While the experts sample, that room is more than they use: in the records where it was in force they "
                  f"held {_span([e['working_gib'] for e in kept])} GiB above their weights against "
@@ -1577,9 +1581,19 @@ def comfy_wan_vae_decode_gib(width: int, height: int) -> float:
     return vae_decode.comfy_figure_bytes(_wan21_latent(width, height)) / GiB
 
 
-def wan_vae_decode_room_gib(width: int, height: int) -> float:
+def comfy_frees_gib(width: int, height: int) -> float:
     """What ComfyUI frees for that decode: the figure plus 1.1x the VAE's bf16 weights (``memory.vae_decode``)."""
-    return vae_decode.decode_bytes(_wan21_latent(width, height)) / GiB
+    return vae_decode.comfy_frees_bytes(_wan21_latent(width, height)) / GiB
+
+
+def conv_workspace_gib(width: int, height: int) -> float:
+    """The workspace the estimator keeps beyond that for the decoder's largest convolution (``memory.vae_decode``)."""
+    return vae_decode.conv_workspace_bytes(_wan21_latent(width, height)) / GiB
+
+
+def decode_rooms_gib(width: int, height: int) -> tuple:
+    """The rooms the estimator has kept for that decode: what ComfyUI frees, and that plus the workspace."""
+    return comfy_frees_gib(width, height), vae_decode.decode_bytes(_wan21_latent(width, height)) / GiB
 
 
 # --------------------------------------------------------------------------- docs/benchmarks.md

@@ -273,8 +273,8 @@ class Setup:
     q_handed_over: bool = False
     legacy_reason: str | None = None  # why the reservation places the weights (the legacy path), when known
     # A Wan VAE decode of this latent follows the sampling, in a dtype of this many bytes: on the legacy path the
-    # reservation in force keeps room for what ComfyUI frees for it (memory.vae_decode), so the decode evicts
-    # none of the weights kept resident.  None: not planned (the cond/uncond batching test, a caller that says so).
+    # reservation in force keeps the room the decode takes (memory.vae_decode), so the decode evicts none of the
+    # weights kept resident.  None: not planned (the cond/uncond batching test, a caller that says so).
     decode_dtype_size: int | None = None
     sage_memory_mode: str | None = None  # the Sage patch's memory mode ("sdpa", "fastest"); None: not known
     pixels: tuple | None = None  # (width, height, frames) the latent was made from, for rounding notes
@@ -384,9 +384,10 @@ QUANT_NOTE = ("{fmt} weights (ComfyUI's QuantizedTensor): their per-layer transi
               "fragmentation of fp8 casts")
 
 
-DECODE_NOTE = ("the reservation in force is the room ComfyUI frees for the {vae} decode after the sampling ({gib:.2f} "
-               "GiB), more than the sampling's own: weights kept resident past it would be evicted by the decode, "
-               "which then runs among their holes")
+DECODE_NOTE = ("the reservation in force is the room the {vae} decode after the sampling takes ({gib:.2f} GiB: what "
+               "ComfyUI frees for it and the workspace of its largest convolution), more than the sampling's own: "
+               "with less, the decode evicts weights kept resident and its convolutions fall back to cuDNN's "
+               "engine without a workspace, about 10x slower at 1280x720")
 
 FP8_MATMUL_NOTE = ("fp8 weights multiply in fp8 (fp8_e4m3fn_fast): each layer call copies its input to fp8 instead "
                    "of casting the weight; that copy is modelled, not measured")
@@ -433,13 +434,14 @@ def into_q_plan(s: Setup, att: AttentionPlan, rows: int, tokens: int) -> tuple |
 
 
 def decode_floor(s: Setup, latent: tuple, room: int | None) -> int:
-    """The room the reservation in force keeps for the VAE decode after the sampling: what ComfyUI frees for it
-    (:func:`.vae_decode.decode_bytes`), on the legacy path where that fits in ``room``; else 0.  Weights kept
-    resident past it are evicted by the decode, a few modules at a time, and the decode then runs among their
-    holes: on the H200 an fp8 A14B 720p81 decode after such an eviction took 8.6-14.9 s against 4.5-5.2 s
-    without one (bench/records/whole-prompt/fp8-720p81-4steps-24gib-eager.jsonl).  Where the decode needs more
-    than ``room``, ComfyUI unloads this model whole for it, and keeping room for it would only stream weights.
-    Dynamic VRAM evicts on demand and is left to ComfyUI; the fixed policy's reservation is the user's own."""
+    """The room the reservation in force keeps for the VAE decode after the sampling: what the decode takes
+    (:func:`.vae_decode.decode_bytes`: what ComfyUI frees for it and the workspace of its largest convolution),
+    on the legacy path where that fits in ``room``; else 0.  With less, the decode evicts weights kept resident,
+    and its pool reaches the budget's edge, where a convolution's workspace fails to allocate and PyTorch falls
+    back for the rest of the process to cuDNN's engine without one (memory.vae_decode).  Where the decode needs
+    more than ``room``, ComfyUI unloads this model whole for it, and keeping room for it would only stream
+    weights.  Dynamic VRAM evicts on demand and is left to ComfyUI; the fixed policy's reservation is the
+    user's own."""
     if s.decode_dtype_size is None or s.dynamic_vram or room is None or s.policy == POLICIES[2]:
         return 0
     need = vae_decode.decode_bytes(latent, s.decode_dtype_size)

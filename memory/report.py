@@ -6,8 +6,9 @@ node's ``report`` output shows and the server logs).  Every figure has one defin
 * Sage extra: what Sage adds to that peak over SDPA (never negative);
 * reservation: what ComfyUI is told to keep free per forward, under the policy, with weights resident or
   streamed, as the verdict finds;
-* room for the VAE decode: what ComfyUI frees for the Wan VAE decode after the sampling; on the legacy path the
-  reservation in force is at least this where it fits, so the decode evicts none of the resident weights;
+* room for the VAE decode: what the Wan VAE decode after the sampling takes (what ComfyUI frees for it and the
+  workspace of its largest convolution); on the legacy path the reservation in force is at least this where it
+  fits, so the decode evicts none of the resident weights;
 * room for weights: the VRAM for this model minus what ComfyUI keeps free minus the reservation in force, so
   that weights minus room is what is offloaded.
 

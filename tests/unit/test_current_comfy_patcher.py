@@ -78,9 +78,11 @@ def test_prepare_wrapper_forwards_new_kwargs_and_swaps_only_on_the_legacy_path(r
         assert seen["mr"] is None
     else:
         assert isinstance(seen["mr"], estimator.MemoryRequired)
-        # the reservation in force: the room ComfyUI frees for the Wan 2.1 VAE decode that follows (its bf16
-        # memory_used_decode for a 90 x 160 latent plus 1.1 x the VAE), more than the sampling's own 6.5-8 GiB
-        assert seen["mr"](input_shape=[1, 16, 21, 90, 160]) == int(7000 * 90 * 160 * 64 * 2 + 1.1 * 126_892_531 * 2)
+        # the reservation in force: the room the Wan 2.1 VAE decode that follows takes (its bf16 memory_used_decode
+        # for a 90 x 160 latent plus 1.1 x the VAE, and the workspace of its last 96-channel convolution, input
+        # 6 x 722 x 1282 and output 4 x 720 x 1280), more than the sampling's own 6.5-8 GiB
+        assert seen["mr"](input_shape=[1, 16, 21, 90, 160]) == (int(7000 * 90 * 160 * 64 * 2 + 1.1 * 126_892_531 * 2)
+                                                               + 96 * (6 * 722 * 1282 + 4 * 720 * 1280) * 2)
     assert "memory_required" not in m.model.__dict__
 
 

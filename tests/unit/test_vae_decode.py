@@ -1,6 +1,7 @@
-"""The VAE decode after the sampling: on the legacy path the reservation in force keeps the room ComfyUI frees
-for it (comfy/sd.py's memory_used_decode for the latent's Wan VAE, plus 1.1 x the VAE's weights), so the
-decode evicts none of the weights kept resident; where that room does not fit in the budget (ComfyUI then
+"""The VAE decode after the sampling: on the legacy path the reservation in force keeps the room it takes (what
+ComfyUI frees for it: comfy/sd.py's memory_used_decode for the latent's Wan VAE plus 1.1 x the VAE's weights;
+and the workspace of its largest convolution's fast cuDNN engine), so the decode evicts none of the weights
+kept resident and keeps that engine; where that room does not fit in the budget (ComfyUI then
 unloads the model whole for the decode), on dynamic VRAM, under the fixed policy and with no decode, it
 keeps none."""
 from dataclasses import replace
@@ -22,9 +23,27 @@ def _est(**fields):
 def test_comfyuis_figures_for_the_two_wan_vaes():
     # comfy/sd.py: Wan 2.1 VAE 7000 x h x w x 64, Wan 2.2 VAE 8000 x h x w x 256 bytes per dtype byte;
     # frames and batch do not enter it
-    assert vae_decode.decode_bytes((1, 16, 21, 90, 160)) == int(7000 * 90 * 160 * 64 * 2 + 1.1 * 126_892_531 * 2)
+    assert vae_decode.comfy_figure_bytes((1, 16, 21, 90, 160)) == 7000 * 90 * 160 * 64 * 2
+    assert vae_decode.comfy_figure_bytes((2, 16, 31, 90, 160)) == vae_decode.comfy_figure_bytes((1, 16, 21, 90, 160))
+    assert vae_decode.comfy_figure_bytes((1, 48, 31, 44, 80), 4) == 8000 * 44 * 80 * 256 * 4
+    assert vae_decode.comfy_figure_bytes((1, 36, 21, 90, 160)) is None
+
+
+def test_the_largest_convolution_is_the_last_stages_at_full_resolution():
+    # Wan 2.1 VAE at 1280x720: the decoder's last 96-channel convolution, input 1x96x6x722x1282 (4 frames of a
+    # chunk, 2 cached, 1 pixel of padding), output 1x96x4x720x1280, bf16
+    assert vae_decode.conv_workspace_bytes((1, 16, 21, 90, 160)) == 96 * (6 * 722 * 1282 + 4 * 720 * 1280) * 2
+    # the 2.2 VAE's last stage runs at half its output's resolution, 256 channels: 1280x704 -> 640x352
+    assert vae_decode.conv_workspace_bytes((1, 48, 31, 44, 80), 4) == 256 * (6 * 354 * 642 + 4 * 352 * 640) * 4
+    assert vae_decode.conv_workspace_bytes((1, 36, 21, 90, 160)) is None
+
+
+def test_the_decodes_room_is_comfyuis_plus_that_workspace():
+    for latent, size, params in (((1, 16, 21, 90, 160), 2, 126_892_531), ((1, 48, 31, 44, 80), 4, 704_688_668)):
+        frees = int(vae_decode.comfy_figure_bytes(latent, size) + 1.1 * params * size)
+        assert vae_decode.comfy_frees_bytes(latent, size) == frees
+        assert vae_decode.decode_bytes(latent, size) == frees + vae_decode.conv_workspace_bytes(latent, size)
     assert vae_decode.decode_bytes((2, 16, 31, 90, 160)) == vae_decode.decode_bytes((1, 16, 21, 90, 160))
-    assert vae_decode.decode_bytes((1, 48, 31, 44, 80), 4) == int(8000 * 44 * 80 * 256 * 4 + 1.1 * 704_688_668 * 4)
     assert vae_decode.decode_bytes((1, 36, 21, 90, 160)) is None
 
 
