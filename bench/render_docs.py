@@ -730,7 +730,7 @@ def decode_profile_lines() -> list:
     budget = by[True]["config"]["budget_gib"]
     return [
         "",
-        f"That room is not yet enough at {budget:g} GiB with GGUF experts: there the decode after the estimator + Sage "
+        f"What ComfyUI frees alone was not enough at {budget:g} GiB with GGUF experts: there the decode after the estimator + Sage "
         f"sampling evicted nothing and began with {_span([d['pool_before']['free_gib'] for d in est])} GiB free, and "
         f"still took longer than after ComfyUI alone's. Profiled ({link(DECODE_PROFILE, DECODE_PROFILE.split('/')[-1])}, "
         f"`{commit_of(by[True])}`, torch.profiler around each decode, first / repeat prompt; the profiler's own cost is "
@@ -854,7 +854,37 @@ def decode_conv_lines() -> list:
                      f"the estimator + Sage with that step {' / '.join(f'{x:.1f}' for x in mine)} s: "
                      f"{' / '.join(f'{b / m:.2f}×' for b, m in zip(base, mine))} on the user's clock, the decode "
                      "being the difference.")
+    o += workspace_room_lines()
     return o + [""]
+
+
+WORKSPACE_ROOM = ("whole-prompt/gguf-720p81-4steps-16gib-eager.jsonl", "c")  # the set with the workspace in the room
+
+
+def workspace_room_lines() -> list:
+    """The whole prompt with the decode's room keeping its largest convolution's workspace, against ComfyUI alone
+    on the same machine."""
+    path, rnd = WORKSPACE_ROOM
+    try:
+        got = [r for r in rows(path) if r.get("round") == rnd and r.get("status") == "ok"]
+    except FileNotFoundError:
+        return []
+    by = {r["config"]["estimator"]: r for r in got}
+    if set(by) != {False, True}:
+        return []
+    mine, base = by[True], by[False]
+    dec = [p["phases"]["decode"] for p in mine["prompts"]]
+    dec_s = " / ".join(f"{d['s']:.1f}" for d in dec)
+    frames = lambda r: [p["to_frames_s"] for p in r["prompts"]]  # noqa: E731
+    room = comfy_frees_gib(mine["config"]["width"], mine["config"]["height"]) + conv_workspace_gib(
+        mine["config"]["width"], mine["config"]["height"])
+    return [f"With the workspace in the room ({room:.2f} GiB; {link(path, path.split('/')[-1] + f' ({rnd})')}, "
+            f"`{commit_of(mine)}`), the decode after the estimator + Sage sampling began with "
+            f"{_span([d['pool_before']['free_gib'] for d in dec])} GiB free and took "
+            f"{dec_s} s (first / repeat); ComfyUI alone + SDPA on that machine "
+            f"took {' / '.join(f'{x:.1f}' for x in frames(base))} s to the frames, the estimator + Sage "
+            f"{' / '.join(f'{x:.1f}' for x in frames(mine))} s: "
+            f"{' / '.join(f'{b / m:.2f}×' for b, m in zip(frames(base), frames(mine)))}."]
 
 
 def comfy_ratios(summary) -> dict:
