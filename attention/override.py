@@ -24,13 +24,15 @@ all mutable state lives in :mod:`.state`.
 """
 from __future__ import annotations
 
+import logging
 import sys
+import threading
 import uuid
 from typing import Callable
 
 import torch
 
-from . import execution, op, policy, stats
+from . import execution, op, planning, policy, stats
 from .config import PatchConfig
 from .planning import Plan
 from .sdpa import attention_sdpa
@@ -151,6 +153,32 @@ class SageAttentionOverride:
     def __repr__(self):
         return (f"SageAttentionOverride(id={self.patch_id}, kernel={self.config.kernel}, "
                 f"chained={self.prev is not None})")
+
+    def warm_up(self, device, dtype) -> threading.Thread | None:
+        """Start, in a daemon thread, what this patch's first call on ``device`` would otherwise pay
+        inside the first sampling step: the kernels' import, build identity and self-test
+        (:func:`planning.prepare`).  Called when the patch is applied, it overlaps the text encode and
+        the model load that come before the first step.  None (nothing started) off the GPU, for a
+        dtype no kernel takes, or with the self-test turned off.  A failure is the first call's to
+        report: the thread logs it at debug level only."""
+        if not self.config.self_test or dtype not in policy.ELIGIBLE_DTYPES:
+            return None
+        device = torch.device(device) if device is not None else None
+        if device is None or device.type not in policy.ACCEL_DEVICE_TYPES:
+            return None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            return None
+        choice = self.config.kernel
+
+        def run():
+            try:
+                planning.prepare(device, choice, dtype)
+            except Exception as e:  # the first real call plans again and reports what fails
+                logging.getLogger("wan_sage").debug("wan-sage: warming the attention kernels up failed: %s: %s",
+                                                    type(e).__name__, e)
+        thread = threading.Thread(target=run, name="wan-sage-warm-up", daemon=True)
+        thread.start()
+        return thread
 
     # ------------------------------------------------------------------ the static checks
     def _check(self, q, k, v, heads, mask, skip_reshape, skip_out, kwargs):

@@ -17,7 +17,7 @@ from .registry import KERNELS
 from .state import STATE, CallKey, FailureKey, SelfTestKey
 
 __all__ = ["Plan", "DeviceInfo", "Choice", "device_info", "kernel_build", "timing_cache", "timing_key",
-           "candidates", "attn_shape", "output_copy", "mode_groups", "need_bytes", "into_q_groups", "more_groups", "choose",
+           "candidates", "prepare", "attn_shape", "output_copy", "mode_groups", "need_bytes", "into_q_groups", "more_groups", "choose",
            "default_choice", "calibration_estimate_s"]
 
 log = logging.getLogger("wan_sage")
@@ -138,6 +138,25 @@ def _passes_self_test(name: str, device, index: int, dtype, info: DeviceInfo) ->
                   "at or after commit ff71e1e (pip install --no-build-isolation . in the checkout).",
                   name, kernel_build(name), info.gpu, verdict)
     return verdict is None
+
+
+def prepare(device, choice: str, dtype, self_test: bool = True) -> tuple:
+    """Do ahead what the first eligible call on ``device`` would do before its kernel runs: find the
+    device's kernels for ``choice``, read each one's build identity, and run its self-test for ``dtype``
+    (the first launch loads the kernel's compiled modules and compiles SageAttention's Triton
+    quantisation kernels: 6-8 s on an H200, measured by ``python -m bench.first_call``).  Returns the
+    kernels that passed.  Safe beside a real call: a self-test in progress is waited for, not run twice."""
+    index = kernels.device_index(device)
+    info = device_info(device, index, choice)
+    dtype_name = DTYPE_NAMES.get(dtype, str(dtype))
+    ready = []
+    for name in info.candidates:
+        if not KERNELS[name].dtype_ok(dtype_name):
+            continue
+        kernel_build(name)
+        if not self_test or _passes_self_test(name, device, index, dtype, info):
+            ready.append(name)
+    return tuple(ready)
 
 
 def candidates(info: DeviceInfo, device, key: CallKey, self_test: bool) -> tuple:

@@ -213,13 +213,18 @@ def is_wan(model) -> bool:
     return wan_model is not None and isinstance(diffusion_model(model), wan_model)
 
 
-def compute_dtype(model) -> str:
+def compute_torch_dtype(model):
+    """The dtype the model computes (and so calls attention) in: its manual cast dtype, else its own."""
     base = base_model(model)
     dt = getattr(base, "manual_cast_dtype", None)
     if dt is None:
         get = getattr(base, "get_dtype_inference", None) or base.get_dtype
         dt = get()
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dt, "fp32")
+    return dt
+
+
+def compute_dtype(model) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(compute_torch_dtype(model), "fp32")
 
 
 def wan_dims(model) -> activation_model.WanDims:

@@ -186,6 +186,11 @@ def apply_patch(model, kernel="auto", min_tokens=1024, calibrate=True, memory_ma
     free_fn = comfy_bridge.PatcherFreeMemory(m.model) if (comfy_bridge.is_dynamic(m) or comfy_bridge.aimdo_enabled()) else None
     ov = SageAttentionOverride(cfg, prev=prev, sdpa=comfy_bridge.raw_sdpa(), free_memory=free_fn)
     to[comfy_bridge.OVERRIDE_KEY] = ov
+    try:
+        dtype = comfy_bridge.compute_torch_dtype(m)
+    except (AttributeError, TypeError):  # a model without ComfyUI's dtype accessors: the first call warms up
+        dtype = None
+    ov.warm_up(getattr(m, "load_device", None), dtype)
     if not comfy_bridge.has_attention_containers():
         handover.install(m, comfy_bridge.diffusion_model(m))
     ring_note = raylight_bridge.install_inner_attention(to, ov, m)
