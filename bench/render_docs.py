@@ -287,6 +287,33 @@ SDPA finishes them and the heads after them.
 """]
 
 
+FIRST_CALL = "first-call/sage2-sm90-44b7f5b.jsonl"  # python -m bench.first_call, empty then kept caches
+
+
+def first_call_lines() -> list:
+    """What the first Sage call of a process costs, part by part, from :data:`FIRST_CALL`."""
+    by_caches = {r["caches"]: r for r in rows(FIRST_CALL)}
+    empty, kept = by_caches["empty"]["parts"], by_caches["kept"]["parts"]
+    big = "a14b_720p81_self"
+    return [
+        f"The first Sage call of a process pays for loading the kernel. In `python -m bench.first_call` (record "
+        f"[`{FIRST_CALL}`](../bench/records/{FIRST_CALL}), {by_caches['empty']['gpu']}) the patch's self-test, which is the "
+        f"kernel's first launch and the first compile of SageAttention's Triton quantisation kernels, took "
+        f"{empty['self_test']:.1f} s with empty caches and {kept['self_test']:.1f} s with Triton's cache kept from an "
+        f"earlier process; importing SageAttention took {empty['import']:.2f} s and its build identity "
+        f"{empty['build_identity']:.2f} s. After it, a 720p81 self-attention shape's first call through the patch took "
+        f"{empty[big + '.patch_first']:.2f} s (the dispatcher's timing of the shape; {kept[big + '.patch_first']:.2f} s "
+        f"with the timing cache kept, which holds the decision but not the kernel's first launch at that shape) against "
+        f"{empty[big + '.patch_again']:.2f} s settled.",
+        "",
+        "The patch starts the import, build identity and self-test in a background thread when it is applied, so they "
+        "overlap the text encode and the model loads that come before the first step. The column *first prompt's first "
+        "step* of the whole-generation table shows it: GGUF 480p81 at 16 GiB, the high-noise expert's first step before "
+        "(the set without a round) and after (round `b`).",
+        "",
+    ]
+
+
 GPU_TIER_PRINTS = (("extra", "A14B 720p81 self-attention extra bytes: "), ("groups", "A14B 480p81: "),
                    ("decision", "decision cost of a settled shape: "), ("calibrating", "A14B 720p81, sage2_sm90: "))
 
@@ -1508,20 +1535,27 @@ def whole_rows(sets) -> list[dict]:
 
 
 def whole_headlines(ws: list) -> list:
-    """The README's results rows of the whole-generation rows, one per workflow (three lines for the three
-    workflows): per budget the prompt to the frames, first and repeat, against ComfyUI alone + SDPA."""
+    """The README's results rows of the whole-generation rows, one per workflow apart from its size (three lines
+    for the three workflows; a workflow measured at several sizes names each size in its line): per size and
+    budget the prompt to the frames, first and repeat, against ComfyUI alone + SDPA."""
     by = {}
     for w in ws:
-        by.setdefault(_whole_workflow_text(w["workflow"]), []).append(w)
+        weights, _size, *rest = w["workflow"]
+        by.setdefault((weights, *rest), []).append(w)
     out = []
-    for text, group in by.items():
+    for group in by.values():
+        sizes = list(dict.fromkeys(w["workflow"][1] for w in group))
         per_budget: dict = {}
         for w in group:  # a budget measured in several sets (machines): the last set of its file, the code as it is
-            per_budget[_budget_text(w["budget"])] = w
+            per_budget[(w["workflow"][1], _budget_text(w["budget"]))] = w
         parts = []
-        for budget, w in per_budget.items():
+        for (size, budget), w in per_budget.items():
             (f1, b1), (f2, b2) = w["figures"]["first_to_frames_s"], w["figures"]["repeat_to_frames_s"]
-            parts.append(f"{budget} **{b1 / f1:.2f}× / {b2 / f2:.2f}×**")
+            where = f"{_size_text(size)} {budget}" if len(sizes) > 1 else budget
+            parts.append(f"{where} **{b1 / f1:.2f}× / {b2 / f2:.2f}×**")
+        text = _whole_workflow_text(group[0]["workflow"])
+        if len(sizes) > 1:
+            text = text.replace(f"{_size_text(sizes[0])}, ", "", 1)
         out.append((f"whole prompt: {text}", "; ".join(parts),
                     f"[benchmarks](docs/benchmarks.md#{anchor('Whole generation')})"))
     return out
@@ -2015,11 +2049,9 @@ def method_section(runs) -> list:
                if not any(retries) else f"{sum(1 for x in retries if x)} of {len(retries)} runs had an allocation that needed the allocator to free its cache first."),
             "",
             "### The first step\n",
-            "The first Sage call of a fresh machine pays the patch's one-time kernel self-test and the first calls of",
-            "SageAttention's Triton quantisation kernels, which Triton compiles and caches on disk; a new shape pays the",
-            "dispatcher's timing once (`calibration_ms` in a run's attention record). The harness's warm-up run makes the",
-            "first Sage calls itself, and the tables give both the all-steps and the after-the-first ratios: a long-running",
-            "ComfyUI server pays these once.\n",
+            *first_call_lines(),
+            "The harness's warm-up run makes the first Sage calls itself, and the per-step tables give both the all-steps",
+            "and the after-the-first ratios: a long-running ComfyUI server pays these once.\n",
             "### What is not measured\n",
             "- A real 24 GB card, and any GPU but the H200: the budget is simulated (above).",
             "- Trained weights: the random weights have the real shapes, dtypes, quantisation types and LoRA ranks, so",
