@@ -2,7 +2,7 @@
 output's query rows against PyTorch SDPA computed on the same rows of q (all of k and v), in the
 call's dtype.
 
-Calibration checks every candidate this way on the real call before it may serve the shape, and
+A shape's timing checks the first output of every candidate this way before it may serve the shape, and
 the dispatcher checks the first calls of each (kernel, shape) and a sample after them
 (:mod:`.execution`).  One check costs SDPA on :data:`CHECK_ROWS` query rows (every head), a
 min/max reduction of the whole output for NaN/Inf, and one host sync.

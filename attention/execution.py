@@ -7,12 +7,13 @@ override calls it directly.  Every call that does not run on a kernel runs SDPA 
 override's ``sdpa``, ComfyUI's own ``attention_pytorch`` inside ComfyUI), with its reason counted.
 
 Decisions (:class:`.state.Decision`) are kept per call key (:class:`.state.CallKey`: patch
-options, device, dtype and the :class:`.policy.CallShape`) and settled on the first call, so a
+options, device, dtype and the :class:`.policy.CallShape`) and settled by its first calls, so a
 shape does the same thing step after step; per call only free memory is checked.  A call whose
 key is settled on SDPA does no run-time work at all: one dict lookup, its count, SDPA
 (:func:`settled_sdpa`; the eager override makes the same lookup before it calls in here).
-Calibration rejects a kernel whose output on the call is beyond the accuracy bound of
-:mod:`.accuracy`.  The rules that change a settled shape:
+A new shape is timed on its own first calls (:func:`_trial_call`): each runs one kernel variant or
+SDPA for its output, so the timing runs nothing extra; a kernel whose first output there is beyond
+the accuracy bound of :mod:`.accuracy` is rejected on the shape.  The rules that change a settled shape:
 
 * **free memory short**: the call splits into more head groups (the fewest that fit), and keeps
   that count from then on; when not even one head per group fits, that call runs on SDPA.
@@ -133,24 +134,42 @@ def _settle(ov, device, key: CallKey, claim: bool):
         decision = Decision(None, why, cc=info.cc)
         STATE.settle(key, decision)
         return decision
+    trial = STATE.trials.get(key)
+    if trial is not None:  # the shape is being timed on its calls: this call takes the next step
+        return _trial_plan(shape, trial.kernels, info.cc, key)
     cross = policy.is_cross(shape.Nq, shape.Nk)
     cache, keys, groups = _timing_context(ov, info, names, dtype, shape)
     entries = {n: cache.get(keys[n]) for n in names}
     to_time = tuple(n for n in names if entries[n] is None
                     or (not timing.trusted(entries[n]) and keys[n] not in STATE.timed_here))
-    if to_time and cfg.calibrate and _budget_left(ov, shape, to_time, groups) and (
-            not claim or STATE.claim_calibration(key)):
-        return Plan(kernel=to_time[0], layout=shape.layout, out_layout=shape.out_layout, B=shape.B, H=shape.H,
-                    Nq=shape.Nq, Nk=shape.Nk, D=shape.D, calibrate=to_time, cc=info.cc, call_key=key)
+    if to_time and cfg.calibrate and _budget_left(ov, shape, to_time, groups):
+        if not claim:
+            return _trial_plan(shape, to_time, info.cc, key)
+        trial = timing.ShapeTrial(timing.schedule(_variants(cfg, to_time, groups)))
+        if STATE.claim_calibration(key, trial):
+            return _trial_plan(shape, to_time, info.cc, key)
     choice = planning.choose(names, {n: e for n, e in entries.items() if e is not None}, groups, cross) \
         or planning.default_choice(names, cross, groups)
     # A calibration finishing in another thread wins over this unmeasured choice.
     return STATE.settle_if_absent(key, _decision_of(choice, info.cc, shape, dtype, margin))
 
 
+def _trial_plan(shape: CallShape, names: tuple, cc: int, key: CallKey) -> Plan:
+    return Plan(kernel=names[0], layout=shape.layout, out_layout=shape.out_layout, B=shape.B, H=shape.H,
+                Nq=shape.Nq, Nk=shape.Nk, D=shape.D, calibrate=tuple(names), cc=cc, call_key=key)
+
+
+def _variants(cfg, names: tuple, groups: dict) -> list:
+    """What a shape's timing measures per kernel: the ungrouped call, and the memory mode's split."""
+    return [(n, count) for n in names
+            for count in [1] + ([groups[n]] if cfg.memory_mode == "sdpa" and groups[n] > 1 else [])]
+
+
 def _budget_left(ov, shape: CallShape, names: tuple, groups: dict) -> bool:
+    """Whether the process's timing budget has room for this shape's checks and host syncs (estimated
+    from its steps; the calls themselves run either way)."""
     cfg = ov.config
-    runs = 2 * (1 + sum(1 + (cfg.memory_mode == "sdpa" and groups[n] > 1) for n in names))
+    runs = len(timing.schedule(_variants(cfg, names, groups)))
     estimate = planning.calibration_estimate_s(shape, runs)
     if estimate <= cfg.calibration_budget_s - STATE.calibration_spent_s:
         return True
@@ -340,7 +359,7 @@ def run_attention(ov, q, k, v, heads: int, skip_reshape: bool, skip_output_resha
             return run_sdpa(ov, q, k, v, heads, skip_reshape, skip_output_reshape, scale)
     plan = _decide(ov, q.device, key, True)
     if plan.calibrate:
-        return _calibrate(ov, plan, q, k, v, heads, skip_reshape, skip_output_reshape, scale)
+        return _trial_call(ov, plan, q, k, v, heads, skip_reshape, skip_output_reshape, scale)
     if plan.kernel is None:
         return _sdpa(ov, q, k, v, heads, skip_reshape, skip_output_reshape, scale, plan.reason)
     name = plan.kernel
@@ -437,47 +456,126 @@ def _run_into_q(ov, plan: Plan, q, k, v, q4, k4, v4, heads, skip_reshape, skip_o
     return q
 
 
-# ------------------------------------------------------------------ calibration
-def _variants(ov, plan: Plan, groups: dict, q4, k4, v4, scale) -> list:
-    """What calibration times per kernel: the ungrouped call, and the memory mode's split."""
-    cfg = ov.config
-    aspec = planning.attn_shape(plan.call_key.shape, q4.dtype)
-    variants = []
-    for name in plan.calibrate:
-        counts = [1] + ([groups[name]] if cfg.memory_mode == "sdpa" and groups[name] > 1 else [])
-        for count in counts:
-            copy = count == 1 and planning.output_copy(name, plan.layout, plan.out_layout)
-            need = planning.need_bytes(name, plan.cc, aspec, count, copy, cfg.memory_margin_mb << 20)
-            variants.append(timing.Variant(name, count, need, lambda n=name, c=count: run_kernel(
-                n, q4, k4, v4, plan.layout, plan.out_layout, c, scale, plan.cc)))
-    return variants
+# ------------------------------------------------------------------ timing a shape on its calls
+def _trial_call(ov, plan: Plan, q, k, v, heads, skip_reshape, skip_output_reshape, scale):
+    """One of a shape's first calls, while the shape is timed (:class:`.timing.ShapeTrial`): it runs
+    the trial's next step, a kernel variant or SDPA, for its own output, timed with CUDA events
+    (nothing waits for them until the trial ends).  A variant's first run is checked against SDPA on
+    a slice of the call's query rows (:mod:`.accuracy`), and its later runs as the output check
+    samples any kernel call; a variant that does not fit in free memory, runs out of memory, raises
+    or fails the check gives the call to SDPA and loses its remaining steps.  The call that ends the
+    trial caches the timings and settles the shape (:func:`_end_trial`)."""
+    key = plan.call_key
+    trial = STATE.trials.get(key)
+    step = trial.take() if trial is not None else None
+    if step is None:  # another thread ended the trial a moment ago
+        return _sdpa(ov, q, k, v, heads, skip_reshape, skip_output_reshape, scale, "timing")
+    if step.kernel is None:
+        timer = timing.timer() if step.timed else None
+        try:
+            out = run_sdpa(ov, q, k, v, heads, skip_reshape, skip_output_reshape, scale)
+        except BaseException:
+            trial.done(step)
+            raise
+        if timer is not None:
+            timer.stop()
+        stats.record(ov.patch_id, reason="timing")
+        if trial.done(step, timer):
+            _end_trial(ov, plan, trial, q)
+        return out
+    out, timer, failure, error, spent = _trial_kernel(ov, plan, step, q, k, v, scale)
+    if failure is None:
+        stats.record(ov.patch_id, kernel=step.kernel, split=step.groups > 1, calibration_ms=spent * 1000)
+    if trial.done(step, timer, failure, error, whole_kernel=failure not in (None, "memory", "oom"),
+                  need=_need(ov, plan, step, q.dtype) if failure == "oom" else 0):
+        _end_trial(ov, plan, trial, q)
+    if failure is None:
+        return out
+    return _sdpa(ov, q, k, v, heads, skip_reshape, skip_output_reshape, scale, failure,
+                 fallback=None if failure == "memory" else failure, calibration_ms=spent * 1000)
 
 
-def _record(ov, plan: Plan, result: timing.Calibration, variants: list, cache, keys: dict, groups: dict, device,
-            dtype) -> None:
-    """Charge errors to the kernels that raised, reject on this call key the kernels whose output
-    failed the check, cache the timings, and remember an out-of-memory error when no variant could
-    be timed."""
-    measured = {}
-    for trial in result.trials:
-        if trial.failure == "error":
-            _remember_failure(plan, trial.kernel, trial.error)
-        elif trial.failure in ("inaccurate", "nonfinite"):
-            STATE.reject(trial.kernel, plan.call_key, trial.failure)
-            _log_rejected(trial.kernel, plan.call_key, trial.failure, trial.error,
-                          "calibration rejected it: another candidate or SDPA serves this shape.")
-        elif trial.ms is not None:
-            measured.setdefault(trial.kernel, {})[trial.groups] = trial.ms
-    for name, times in measured.items():
-        count, grouped_ms = next(((c, ms) for c, ms in times.items() if c > 1), (groups[name], None))
-        cache.put(keys[name], times.get(1), result.sdpa_ms, plan.Nq, plan.Nk, save=False, grouped_ms=grouped_ms,
-                  groups=count)
-    cache.save()
-    STATE.add_timed(keys[n] for n in measured)
-    ran_out = {(t.kernel, t.groups) for t in result.trials if t.failure == "oom"}
-    if ran_out and not measured:
-        need = min(v.need for v in variants if (v.kernel, v.groups) in ran_out)
-        STATE.remember_oom(plan.call_key, OomMemory(available_bytes(device, ov.free_memory), need))
+def _need(ov, plan: Plan, step, dtype) -> int:
+    copy = step.groups == 1 and planning.output_copy(step.kernel, plan.layout, plan.out_layout)
+    return planning.need_bytes(step.kernel, plan.cc, planning.attn_shape(plan.call_key.shape, dtype), step.groups,
+                               copy, ov.config.memory_margin_mb << 20)
+
+
+def _trial_kernel(ov, plan: Plan, step, q, k, v, scale) -> tuple:
+    """(output or None, timer, failure, what failed, seconds the check took) of a kernel step."""
+    name, key = step.kernel, plan.call_key
+    if not fits(q.device, _need(ov, plan, step, q.dtype), ov.free_memory):
+        return None, None, "memory", None, 0.0
+    q4, k4, v4 = _views(q, k, v, plan)
+    timer = timing.timer() if step.timed else None
+    try:
+        out = run_kernel(name, q4, k4, v4, plan.layout, plan.out_layout, step.groups, scale, plan.cc)
+    except kernels.out_of_memory_error():
+        return None, None, "oom", None, 0.0
+    except Exception as e:  # charged to this kernel on this (device, dtype, head dim)
+        text = f"{type(e).__name__}: {e}"
+        _remember_failure(plan, name, text)
+        return None, None, "error", text, 0.0
+    if timer is not None:
+        timer.stop()
+    due = _check_due(name, key)
+    if step.timed and not (ov.config.check_finite and due):
+        return out, timer, None, None, 0.0
+    t0 = time.perf_counter()
+    verdict = _check_output(out, accuracy.reference(q4, k4, v4, plan.layout, plan.out_layout, scale))
+    spent = time.perf_counter() - t0
+    STATE.charge_calibration(spent)
+    if verdict.failure is None:
+        return out, timer, None, None, spent
+    del out
+    STATE.reject(name, key, verdict.failure)
+    _log_rejected(name, key, verdict.failure, _measured(verdict),
+                  "that call was redone on SDPA, and another candidate or SDPA serves this shape.")
+    return None, None, verdict.failure, _measured(verdict), spent
+
+
+def _end_trial(ov, plan: Plan, trial, q) -> None:
+    """Cache the trial's timings, settle the shape from them, and log what was measured; an
+    out-of-memory error is remembered when no variant could be timed."""
+    t0 = time.perf_counter()
+    key = plan.call_key
+    info = planning.device_info(q.device, key.device_index, ov.config.kernel)
+    try:
+        sdpa_ms, trials = trial.result()
+        names = tuple(dict.fromkeys(t.kernel for t in trials))
+        cache, keys, groups = _timing_context(ov, info, names, q.dtype, key.shape)
+        measured = {}
+        for t in trials:
+            if t.ms is not None:
+                measured.setdefault(t.kernel, {})[t.groups] = t.ms
+        if sdpa_ms is not None:
+            for name, times in measured.items():
+                count, grouped_ms = next(((c, ms) for c, ms in times.items() if c > 1), (groups[name], None))
+                cache.put(keys[name], times.get(1), sdpa_ms, plan.Nq, plan.Nk, save=False, grouped_ms=grouped_ms,
+                          groups=count)
+            cache.save()
+            STATE.add_timed(keys[n] for n in measured)
+        ran_out = [t for t in trials if t.failure == "oom"]
+        if ran_out and not measured:
+            STATE.remember_oom(key, OomMemory(available_bytes(q.device, ov.free_memory), min(t.need for t in ran_out)))
+        choice = _settle_measured(ov, plan, info, q.device, q.dtype)
+    finally:
+        STATE.end_trial(key)
+        spent = time.perf_counter() - t0
+        STATE.charge_calibration(spent)
+        stats.add_calibration(ov.patch_id, spent * 1000)
+    log.info("wan-sage: timed %s on %s for [B=%d, H=%d, Nq=%d, Nk=%d, D=%d] on its first calls: SDPA %s, %s; "
+             "%s", DTYPE_NAMES.get(q.dtype), info.gpu, plan.B, plan.H, plan.Nq, plan.Nk, plan.D,
+             "not timed" if sdpa_ms is None else f"{sdpa_ms:.2f} ms",
+             ", ".join(f"{t.kernel}/{t.groups} " + (f"{t.ms:.2f} ms" if t.ms is not None else t.failure)
+                       for t in trials) or "no kernel timed",
+             f"serves {choice.kernel} in {_groups_text(key, choice)}" if choice.kernel else f"SDPA ({choice.reason})")
+
+
+def _groups_text(key: CallKey, choice) -> str:
+    decision = STATE.decisions.get(key)
+    groups = decision.groups if decision is not None and decision.kernel else choice.groups
+    return f"{groups} head group(s)"
 
 
 def _settle_measured(ov, plan: Plan, info, device, dtype) -> planning.Choice:
@@ -494,58 +592,3 @@ def _settle_measured(ov, plan: Plan, info, device, dtype) -> planning.Choice:
         choice = planning.Choice(None, reason=why)
     STATE.settle(plan.call_key, _decision_of(choice, plan.cc, shape, dtype, cfg.memory_margin_mb << 20))
     return choice
-
-
-def _calibrate(ov, plan: Plan, q, k, v, heads, skip_reshape, skip_output_reshape, scale):
-    """Time the unmeasured kernels (ungrouped, and in the memory mode's head groups) and SDPA on
-    this call, cache the timings, settle the shape, and return the output that the settling rule
-    favours (SDPA's unless a kernel beat it).  Each kernel's output is checked against SDPA on a
-    slice of the call's query rows before it is timed (:mod:`.accuracy`): one beyond the bound is
-    rejected on this shape.  The time spent is charged to the budget whatever happens; a kernel
-    that raises is charged to itself; a variant that would not fit in free memory is not timed."""
-    cfg = ov.config
-    info = planning.device_info(q.device, plan.call_key.device_index, cfg.kernel)
-    cache, keys, groups = _timing_context(ov, info, plan.calibrate, q.dtype, plan.call_key.shape)
-    views = _views(q, k, v, plan)
-    variants = _variants(ov, plan, groups, *views, scale)
-    sdpa_kwargs = {"skip_reshape": skip_reshape, "skip_output_reshape": skip_output_reshape}
-    if scale is not None:
-        sdpa_kwargs["scale"] = scale
-
-    def check(out):
-        verdict = accuracy.check(out, ref)
-        return verdict.failure, _measured(verdict)
-    t0 = time.perf_counter()
-    try:
-        ref = accuracy.reference(*views, plan.layout, plan.out_layout, scale)
-        result = timing.calibrate(variants, lambda: ov.sdpa(q, k, v, heads, **sdpa_kwargs),
-                                  lambda need: fits(q.device, need, ov.free_memory), kernels.out_of_memory_error(),
-                                  timing.time_cuda, check)
-    finally:
-        spent = time.perf_counter() - t0
-        STATE.charge_calibration(spent)
-    _record(ov, plan, result, variants, cache, keys, groups, q.device, q.dtype)
-    log.info("wan-sage: calibrated %s on %s for [B=%d, H=%d, Nq=%d, Nk=%d, D=%d] in %.2f s: SDPA %.2f ms, %s",
-             DTYPE_NAMES.get(q.dtype), info.gpu, plan.B, plan.H, plan.Nq, plan.Nk, plan.D, spent, result.sdpa_ms,
-             ", ".join(f"{t.kernel}/{t.groups} " + (f"{t.ms:.2f} ms" if t.ms is not None else t.failure)
-                       for t in result.trials) or "no kernel timed")
-    choice = _settle_measured(ov, plan, info, q.device, q.dtype)
-    calibration_ms = spent * 1000
-    source = result.output_from
-    if source is None:
-        failures = [t.failure for t in result.trials if t.failure in ("oom", "error", "inaccurate", "nonfinite")]
-        reason = failures[0] if failures else (choice.reason if choice.kernel is None else "memory")
-        stats.record(ov.patch_id, reason=reason, fallback=failures[0] if failures else None,
-                     calibration_ms=calibration_ms)
-        return result.output.contiguous()
-    out = result.output
-    if cfg.check_finite and _check_due(source.kernel, plan.call_key):
-        verdict = _check_output(out, ref)
-        if verdict.failure is not None:
-            out = None
-            _reject(plan, source.kernel, verdict)
-            return _sdpa(ov, q, k, v, heads, skip_reshape, skip_output_reshape, scale, verdict.failure,
-                         fallback=verdict.failure, calibration_ms=calibration_ms)
-    stats.record(ov.patch_id, kernel=source.kernel, split=source.groups > 1,
-                 saved_ms=max(0.0, result.sdpa_ms - source.ms), calibration_ms=calibration_ms)
-    return out

@@ -18,7 +18,8 @@ layout             q is not [B, N, H*D] or [B, H, N, D]
 short              fewer query tokens than the patch's threshold
 head_dim           no available kernel supports this head dim (or dtype)
 cross_slower       cross-attention (short K: 512 text, 257+512 with an image) where SDPA is faster
-slower             SDPA measured faster for this shape (by calibration, or in the timing cache)
+slower             SDPA measured faster for this shape (on its first calls, or in the timing cache)
+timing             the shape is being timed on its first calls, and this call was SDPA's turn
 no_kernel          no kernel is usable on this device (the log says why, once)
 disabled           the kernel failed its numerical self-test
 failed             the kernel raised on this (device, dtype, head dim) before; not retried
@@ -26,7 +27,7 @@ memory             not even one head group fits in free VRAM (checked, or learnt
                    out-of-memory error on this shape until free memory grows by what it needs)
 oom / error / nonfinite   the kernel ran out of memory, raised, or returned NaN/Inf; redone on SDPA
 inaccurate         the kernel's output is beyond the accuracy bound against SDPA (calibration, or
-                   a sampled check after it, which redoes that call on SDPA; :mod:`.accuracy`),
+                   a sampled check, which redoes that call on SDPA; :mod:`.accuracy`),
                    or the call is longer than the kernel's token limit on this architecture
 =================  ==========================================================================
 
@@ -48,7 +49,7 @@ STATIC_REASONS = ("cpu", "mask", "low_precision_off", "gqa", "dtype", "grad", "l
 # The static refusals decided by the dtypes and shapes of q/k/v, the heads, the layout flags and the
 # patch's options alone, once :func:`options_allow` holds: the same for every call alike.
 SHAPE_REASONS = ("dtype", "layout", "gqa", "short")
-REASONS = STATIC_REASONS + ("head_dim", "cross_slower", "slower", "no_kernel", "disabled", "failed", "memory",
+REASONS = STATIC_REASONS + ("head_dim", "cross_slower", "slower", "timing", "no_kernel", "disabled", "failed", "memory",
                             "oom", "error", "nonfinite", "inaccurate")
 
 # Wan's text context is 512 tokens (T5 min_length) and CLIP image context 257 (514 for FLF2V);

@@ -231,7 +231,7 @@ PACKAGES = {
 
 # Auto ranks: on each arch the fastest measured Sage kernel first, then comfy-kitchen's int8
 # kernel, then the others (on sm120/sm121 the FP16-PV kernel before it: the calls longer than the
-# FP8-PV kernel's token limit fall to it).  Calibration, not this order, decides which available
+# FP8-PV kernel's token limit fall to it).  The shape's timing, not this order, decides which available
 # candidate (or SDPA) serves a shape; the order decides only when nothing has been measured.
 _ALL_SAGE1 = {80: 2, 86: 2, 87: 2, 89: 3, 90: 2, 120: 3, 121: 3}
 _CK_INT8 = {80: 1, 86: 1, 87: 1, 89: 1, 90: 1, 120: 2, 121: 2}

@@ -129,7 +129,8 @@ class DispatchState:
         self.calibration_spent_s = 0.0
         self.logged: set = set()
         self.decisions: dict = {}  # CallKey -> Decision
-        self.calibration_claimed: set = set()  # CallKeys whose calibration has started (once per process)
+        self.calibration_claimed: set = set()  # CallKeys whose timing has started (once per process)
+        self.trials: dict = {}  # CallKey -> timing.ShapeTrial in progress (the shape's first calls)
         self.timed_here: set = set()  # timing-cache keys this process measured
         self.ooms: dict = {}  # CallKey -> OomMemory
         self.calls: dict = {}  # (kernel, CallKey) -> calls run (output-check sampling)
@@ -208,13 +209,20 @@ class DispatchState:
                 self._drop_declined()
             return found
 
-    def claim_calibration(self, call_key) -> bool:
-        """True for the first caller (it calibrates); False when this shape was claimed before."""
+    def claim_calibration(self, call_key, trial=None) -> bool:
+        """True for the first caller, whose ``trial`` (a :class:`.timing.ShapeTrial`) then times the
+        shape on its calls; False when this shape was claimed before."""
         with self.lock:
             if call_key in self.calibration_claimed:
                 return False
             self.calibration_claimed.add(call_key)
+            if trial is not None:
+                self.trials[call_key] = trial
             return True
+
+    def end_trial(self, call_key) -> None:
+        with self.lock:
+            self.trials.pop(call_key, None)
 
     def add_timed(self, keys) -> None:
         with self.lock:

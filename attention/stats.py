@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from .state import STATE
 
-__all__ = ["record", "count_sdpa", "begin_run", "end_run", "snapshot", "last_runs", "RunStats", "format_summary", "rank"]
+__all__ = ["record", "add_calibration", "count_sdpa", "begin_run", "end_run", "snapshot", "last_runs", "RunStats", "format_summary", "rank"]
 
 
 @dataclass
@@ -93,6 +93,13 @@ def record(patch_id: str, *, kernel: str | None = None, reason: str | None = Non
         if fallback:
             st.fallbacks[fallback] += 1
         st.calibration_ms += calibration_ms
+
+
+def add_calibration(patch_id: str, calibration_ms: float) -> None:
+    """Add host time a shape's timing took (its end: reading the timers, caching, settling) to the
+    window, without counting a call."""
+    with STATE.lock:
+        _get(patch_id).calibration_ms += calibration_ms
 
 
 def count_sdpa(patch_id: str, reason: str) -> None:

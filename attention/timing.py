@@ -1,6 +1,6 @@
-"""Kernel timings against SDPA: measuring them on a real call (calibration, :func:`calibrate`, which
-times only the kernels whose output on that call passes the caller's accuracy check) and the
-timing cache that keeps them (:class:`TimingCache`).
+"""Kernel timings against SDPA: measuring them on the calls of a shape (:class:`ShapeTrial`: each of
+the shape's first calls runs one variant or SDPA for its own output, timed with CUDA events, so
+the timing adds no run) and the timing cache that keeps them (:class:`TimingCache`).
 
 Cache key: GPU name, compute capability, kernel with its package build identity (version plus a
 hash of the compiled extension files), the software environment (torch, CUDA and cuDNN
@@ -32,13 +32,12 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from .file_lock import file_lock
 
-__all__ = ["token_bucket", "make_key", "environment", "TimingCache", "default_dir", "set_host_dir", "time_cuda",
-           "trusted", "calibrate", "Variant", "Trial", "Calibration", "FASTER_BY", "GROUPING_MAX_COST",
-           "TRUSTED_REPEATS", "FILE_NAME"]
+__all__ = ["token_bucket", "make_key", "environment", "TimingCache", "default_dir", "set_host_dir", "CudaTimer",
+           "timer", "trusted", "Step", "Trial", "ShapeTrial", "schedule", "TIMED_RUNS", "FASTER_BY",
+           "GROUPING_MAX_COST", "TRUSTED_REPEATS", "FILE_NAME"]
 
 log = logging.getLogger("wan_sage")
 
@@ -242,30 +241,43 @@ class TimingCache:
             return {k: dict(v) for k, v in self._ensure().items()}
 
 
-def time_cuda(fn, repeats: int = 1) -> float:
-    """Milliseconds of ``fn()`` on the current CUDA stream, measured with CUDA events (min)."""
-    import torch
-    best = math.inf
-    for _ in range(max(1, repeats)):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = fn()
-        end.record()
-        end.synchronize()
-        del out
-        best = min(best, start.elapsed_time(end))
-    return best
+class CudaTimer:
+    """The device time of the work queued on the current CUDA stream between its start and
+    :meth:`stop`, from two CUDA events.  Nothing waits until :meth:`ms` is read."""
+
+    def __init__(self):
+        import torch
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._end = torch.cuda.Event(enable_timing=True)
+        self._start.record()
+
+    def stop(self) -> None:
+        self._end.record()
+
+    def ms(self) -> float:
+        self._end.synchronize()
+        return self._start.elapsed_time(self._end)
 
 
-# ------------------------------------------------------------------ calibration on a real call
+def timer():
+    """A started timer of the current stream (:class:`CudaTimer`; the unit tier's fake device replaces it)."""
+    return CudaTimer()
+
+
+# ------------------------------------------------------------------ timing a shape on its own calls
+# Timed runs of each variant (and of SDPA) whose minimum is kept, after one untimed run each (the
+# first launch: JIT, autotune, module loading).
+TIMED_RUNS = 2
+
+
 @dataclass(frozen=True)
-class Variant:
-    """One way to run the call on a kernel: ungrouped (``groups`` 1) or split into head groups."""
+class Step:
+    """One call's part in a shape's timing: what runs it (``kernel`` None: SDPA), in how many head
+    groups, and whether its time counts (the first run of each variant is a warm-up)."""
 
-    kernel: str
-    groups: int
-    need: int  # bytes that must be free to run it (its peak and margins; no other output is alive meanwhile)
-    run: Callable[[], object]  # runs the call, returns its output
+    kernel: str | None
+    groups: int = 1
+    timed: bool = True
 
 
 @dataclass(frozen=True)
@@ -273,73 +285,96 @@ class Trial:
     kernel: str
     groups: int
     ms: float | None = None
-    # "memory" (not tried: it would not fit), "oom", "error", or the output check's failure:
+    # "memory" (not run: it did not fit), "oom", "error", or the output check's failure:
     # "inaccurate" (beyond the accuracy bound against SDPA) or "nonfinite" (NaN/Inf)
     failure: str | None = None
     error: str | None = None  # what it raised, or what the output check measured (text only)
+    need: int = 0  # for "oom": the bytes the variant needed
 
 
-@dataclass
-class Calibration:
-    sdpa_ms: float
-    trials: list
-    output: object  # the winner's output (SDPA's or a variant's)
-    output_from: Trial | None  # None: SDPA's
+def schedule(variants) -> list:
+    """The steps that time ``variants`` ((kernel, groups) pairs, in order) against SDPA: each
+    variant's warm-up, then its :data:`TIMED_RUNS` timed runs; SDPA's warm-up after the first
+    variant's, and SDPA's timed runs alternating with the first variant's."""
+    steps = []
+    for i, (kernel, groups) in enumerate(variants):
+        steps.append(Step(kernel, groups, timed=False))
+        if i == 0:
+            steps.append(Step(None, timed=False))
+        for _ in range(TIMED_RUNS):
+            steps.append(Step(kernel, groups))
+            if i == 0:
+                steps.append(Step(None))
+    return steps
 
 
-def _failed(variant, e: BaseException, oom_error: type) -> Trial:
-    """The trial of a variant whose run raised ``e``: "oom" for ``oom_error``, else "error" with the message."""
-    if isinstance(e, oom_error):
-        return Trial(variant.kernel, variant.groups, failure="oom")
-    return Trial(variant.kernel, variant.groups, failure="error", error=f"{type(e).__name__}: {e}")
+class ShapeTrial:
+    """The timing of one call shape on the calls themselves: each call of the shape takes the next
+    :class:`Step` (:meth:`take`), runs it for its own output, and reports back (:meth:`done`), so the
+    timing runs nothing the calls would not run anyway.  A variant that fails (memory, out of memory,
+    error, wrong output) loses its remaining steps; after an error or a wrong output, so do the
+    kernel's other variants; once no kernel step is left, SDPA's are dropped too.  Thread-safe; the
+    caller that reports the last step gets True from :meth:`done` and reads :meth:`result`."""
 
+    def __init__(self, steps):
+        self._lock = threading.Lock()
+        self._steps = list(steps)
+        self._running = 0
+        self._finished = False
+        self._timers: dict = {}  # (kernel, groups) -> [timer]; (None, 1): SDPA
+        self._failures: dict = {}  # (kernel, groups) -> Trial with its failure
+        self._order = list(dict.fromkeys((s.kernel, s.groups) for s in self._steps if s.kernel is not None))
+        self.started = time.perf_counter()
 
-def calibrate(variants, run_sdpa: Callable[[], object], fits: Callable[[int], bool], oom_error: type,
-              time_fn: Callable | None = None, check: Callable[[object], tuple] | None = None) -> Calibration:
-    """Time SDPA and each variant once after a warm-up run (JIT, autotune), then run the call once
-    more on the winner (the fastest variant that beats SDPA by :data:`FASTER_BY`, else SDPA) for
-    its output.  With ``check``, each variant's warm-up output is checked first (``check(output)``
-    -> (failure or None, what it measured)); a variant whose output fails is not timed and its
-    kernel's other variants are skipped.  Every output is dropped as soon as its run (and check)
-    ends, so a calibrating call holds the memory of one run at a time, as a settled call does, and
-    a variant needs only its own bytes free.  A variant that would not fit in free memory is not
-    run; one that runs out of memory or raises is recorded and skipped (after an error, that
-    kernel's other variants are skipped too).  If the winner fails on its output run, SDPA gives
-    the output.  SDPA's own errors propagate: there is nothing to fall back to."""
-    time_fn = time_fn or time_cuda
-    run_sdpa()
-    sdpa_ms = time_fn(run_sdpa)
-    best, trials, skipped = None, [], set()
-    for variant in variants:
-        if variant.kernel in skipped:
-            continue
-        if not fits(variant.need):
-            trials.append(Trial(variant.kernel, variant.groups, failure="memory"))
-            continue
-        try:
-            failure = None
-            if check is None:
-                variant.run()
-            else:
-                failure, measured = check(variant.run())
-            if failure is None:
-                ms = time_fn(variant.run)
-        except (oom_error, Exception) as e:  # an error is recorded against this kernel by the caller
-            trials.append(_failed(variant, e, oom_error))
-            if not isinstance(e, oom_error):
-                skipped.add(variant.kernel)
-            continue
-        if failure is not None:
-            trials.append(Trial(variant.kernel, variant.groups, failure=failure, error=measured))
-            skipped.add(variant.kernel)
-            continue
-        trial = Trial(variant.kernel, variant.groups, ms=ms)
-        trials.append(trial)
-        if ms < FASTER_BY * sdpa_ms and (best is None or ms < best[0].ms):
-            best = (trial, variant)
-    if best is not None:
-        try:
-            return Calibration(sdpa_ms, trials, best[1].run(), best[0])
-        except (oom_error, Exception) as e:
-            trials.append(_failed(best[1], e, oom_error))
-    return Calibration(sdpa_ms, trials, run_sdpa(), None)
+    def take(self) -> Step | None:
+        """The next step, or None when none is left (the caller then runs the shape as it settles)."""
+        with self._lock:
+            if not self._steps or self._finished:
+                return None
+            self._running += 1
+            return self._steps.pop(0)
+
+    @property
+    def kernels(self) -> tuple:
+        """The kernels the trial times, in order."""
+        return tuple(dict.fromkeys(v[0] for v in self._order))
+
+    def done(self, step: Step, timer=None, failure: str | None = None, error: str | None = None,
+             whole_kernel: bool = False, need: int = 0) -> bool:
+        """Report a step: its timer (when timed and it ran), or its ``failure`` (``whole_kernel``: the
+        kernel's other variants lose their steps too; ``need``: the bytes it needed, for "oom").
+        True exactly once: for the report that ends the trial."""
+        with self._lock:
+            self._running -= 1
+            variant = (step.kernel, step.groups)
+            if failure is not None:
+                self._failures.setdefault(variant, Trial(step.kernel, step.groups, failure=failure, error=error,
+                                                          need=need))
+                self._steps = [s for s in self._steps if s.kernel != step.kernel
+                               or (not whole_kernel and s.groups != step.groups)]
+                if whole_kernel:
+                    for v in self._order:
+                        if v[0] == step.kernel and v not in self._failures:
+                            self._failures[v] = Trial(v[0], v[1], failure=failure, error=error)
+            elif timer is not None and step.timed:
+                self._timers.setdefault(variant, []).append(timer)
+            if not any(s.kernel is not None for s in self._steps):
+                self._steps = []
+            if self._steps or self._running or self._finished:
+                return False
+            self._finished = True
+            return True
+
+    def result(self) -> tuple:
+        """(SDPA's ms or None, [Trial] per variant in schedule order): the least time of each
+        variant's timed runs (read now: waits for the last of them), or its failure."""
+        def least(timers):
+            return min(t.ms() for t in timers) if timers else None
+        sdpa_ms = least(self._timers.get((None, 1), []))
+        trials = []
+        for variant in self._order:
+            if variant in self._failures:
+                trials.append(self._failures[variant])
+            elif variant in self._timers:
+                trials.append(Trial(variant[0], variant[1], ms=least(self._timers[variant])))
+        return sdpa_ms, trials

@@ -97,7 +97,12 @@ def test_fullgraph_compile_of_a_real_wan_block_has_no_graph_break(wan_block, tmp
     override = SageAttentionOverride(PatchConfig(cache_dir=str(tmp_path)),
                                      sdpa=comfy.attention.attention_pytorch.__wrapped__)
     with torch.no_grad():
-        eager = run_block(block, args, kwargs, override)  # calibrates and settles both shapes
+        run_block(block, args, kwargs, override)  # the first calls time and settle both shapes
+        for _ in range(31):
+            if not STATE.trials:
+                break
+            run_block(block, args, kwargs, override)
+        eager = run_block(block, args, kwargs, override)
         explained = torch._dynamo.explain(run_block)(block, args, kwargs, override)
         assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
         assert any("wan_sage.attention" in g.code for g in explained.graphs)

@@ -62,7 +62,9 @@ def test_the_second_expert_reuses_the_first_experts_compiled_graph(report):
     assert "error" not in r, r
     assert r["high"]["graphs"] >= 1 and r["low"]["graphs"] == r["high"]["graphs"], r
     assert r["high"]["graph_key"] == r["low"]["graph_key"]
-    assert r["high"]["sage_calls"] == r["low"]["sage_calls"] == 8 and r["low"]["finite"]  # 2 steps x 2 blocks x 2
+    for e in ("high", "low"):  # 2 steps x 2 blocks x 2, on the kernel but SDPA's turns in a new shape's timing
+        assert r[e]["sage_calls"] + r[e]["timing"] == r[e]["sage_calls"] + r[e]["sdpa_calls"] == 8, r
+    assert r["low"]["finite"]
 
 
 @pytest.mark.parametrize("which", ["two_experts_streamed_lora_part", "two_experts_streamed_lora_all"])
@@ -75,6 +77,6 @@ def test_the_second_expert_reuses_the_graphs_with_a_lora_and_streamed_weights(re
     assert "error" not in r, r
     for e in ("high", "low"):
         assert r[e]["lowvram"] and r[e]["streamed_modules"] > 0 and r[e]["finite"], r
-        assert r[e]["sage_calls"] == 12, r  # 2 steps x 3 blocks x (self + cross)
+        assert r[e]["sage_calls"] + r[e]["timing"] == 12, r  # 2 steps x 3 blocks x (self + cross)
     assert r["high"]["graphs"] == r["blocks"], r
     assert r["low"]["graphs"] == 0, r

@@ -39,7 +39,6 @@ class FakeGPU:
         self.self_test_delay_s = 0.0
         self.output_checks = 0
         self.cache_dir = str(tmp_path / "cache")
-        self._in_timing = None
         for module, name, value in fake_device.seams(
                 candidates=candidates, cc=cc, fits=lambda device, need, free_fn: need <= self.free,
                 available=lambda device, free_fn: self.free, self_test=self._self_test):
@@ -47,7 +46,7 @@ class FakeGPU:
         monkeypatch.setattr(kernels, "run", self.run)
         monkeypatch.setattr(kernels, "run_into_q", self.run_into_q)
         self.into_q_calls = []
-        monkeypatch.setattr(timing, "time_cuda", self.time_cuda)
+        monkeypatch.setattr(timing, "timer", self.timer)
         check_output = execution._check_output
 
         def counted_check(out, ref):
@@ -60,7 +59,7 @@ class FakeGPU:
         self.state.reset()
 
     def spent_s(self) -> float:
-        """Calibration seconds charged to the budget so far."""
+        """Seconds of shape timing (checks, host syncs) charged to the budget so far."""
         return self.state.calibration_spent_s
 
     def _self_test(self, name, dev, dtype, cc):
@@ -72,8 +71,6 @@ class FakeGPU:
 
     def run(self, name, q, k, v, layout, scale, cc):
         self.calls.append((name, tuple(q.shape)))
-        if self._in_timing is not None:
-            self._in_timing.append(name)
         mode = self.modes.get(name, self.mode)
         if mode == "oom":
             raise torch.OutOfMemoryError("fake out of memory")
@@ -106,20 +103,39 @@ class FakeGPU:
         out = self.run(name, q4[:, :, h0:h1], k4[:, :, h0:h1], v4[:, :, h0:h1], "NHD", scale, 90)
         q4[:, :, h0:h1].copy_(out)
 
-    def time_cuda(self, fn, repeats=1):
-        self._in_timing = []
-        try:
-            fn()
-            names = self._in_timing
-        finally:
-            self._in_timing = None
-        if not names:
-            return self.times["sdpa"]
-        base = self.times[names[-1]]
-        return base * (1 + self.group_cost) if len(names) > 1 else base
+    def timer(self):
+        """A timer of the fake device: the time of what ran between its start and stop, from
+        ``times`` (SDPA's when no kernel ran; a split call's when the kernel ran more than once)."""
+        return _FakeTimer(self)
+
+    def settle(self, call, limit=64):
+        """Run ``call()`` until no shape is being timed on its calls any more (a new shape's first
+        calls): the outputs of those calls, in order."""
+        outs = [call()]
+        while self.state.trials:
+            if len(outs) >= limit:
+                raise AssertionError(f"shapes still being timed after {limit} calls: {list(self.state.trials)}")
+            outs.append(call())
+        return outs
 
     def kernel_calls(self, name=None):
         return sum(1 for n, _ in self.calls if name is None or n == name)
+
+
+class _FakeTimer:
+    def __init__(self, gpu):
+        self._gpu, self._start, self._ms = gpu, len(gpu.calls), None
+
+    def stop(self):
+        names = [n for n, _ in self._gpu.calls[self._start:]]
+        if not names:
+            self._ms = self._gpu.times["sdpa"]
+        else:
+            base = self._gpu.times[names[-1]]
+            self._ms = base * (1 + self._gpu.group_cost) if len(names) > 1 else base
+
+    def ms(self):
+        return self._ms
 
 
 def qkv(B=1, N=2048, H=4, D=64, Nk=None, dtype=torch.bfloat16, seed=0):

@@ -1,5 +1,5 @@
 """The run-time fallbacks of attention/execution.py on injected fake kernels: out of memory and errors
-during calibration and after it, the memory a calibration may use, the one-time self-test outside
+while a shape is timed on its first calls and after it, the memory its timing may use, the one-time self-test outside
 the state lock, and the sampled NaN/Inf check."""
 import logging
 import threading
@@ -26,7 +26,7 @@ def margin_need(path, shape):
     return kernel_bytes.with_margin(kernel_bytes.extra_bytes(path, shape)) + (256 << 20)
 
 
-def test_out_of_memory_during_calibration_is_cached_and_charged_to_the_budget(fake_gpu):
+def test_out_of_memory_while_a_shape_is_timed_is_remembered_and_charged_to_the_budget(fake_gpu):
     fake_gpu.modes["sage2_sm90"] = "oom"
     q, k, v = qkv()
     o = ov(fake_gpu)
@@ -34,18 +34,20 @@ def test_out_of_memory_during_calibration_is_cached_and_charged_to_the_budget(fa
     for _ in range(3):
         assert torch.equal(o(raw_func, q, k, v, heads=4), attention_sdpa(q, k, v, 4))
     s = stats.end_run(o.patch_id)
-    assert fake_gpu.kernel_calls("sage2_sm90") == 1  # one calibration attempt, not one per call
+    assert fake_gpu.kernel_calls("sage2_sm90") == 1  # one attempt, not one per call
     assert fake_gpu.spent_s() > 0
     assert s["sdpa_calls"] == 3 and s["fallbacks"] == {"oom": 1}
 
 
-def test_an_error_during_calibration_is_charged_to_the_kernel_that_raised(monkeypatch, tmp_path, caplog):
+def test_an_error_while_a_shape_is_timed_is_charged_to_the_kernel_that_raised(monkeypatch, tmp_path, caplog):
     fake = FakeGPU(monkeypatch, tmp_path, candidates=("sage2_sm90", "sage1"))
     fake.modes["sage1"] = "raise"
     q, k, v = qkv()
     o = ov(fake)
     with caplog.at_level(logging.WARNING, logger="wan_sage"):
-        o(raw_func, q, k, v, heads=4)
+        outs = fake.settle(lambda: o(raw_func, q, k, v, heads=4))
+        assert all(torch.allclose(out.float(), attention_sdpa(q, k, v, 4).float(), atol=2e-2) for out in outs)
+        assert fake.kernel_calls("sage1") == 1
         stats.begin_run(o.patch_id)
         o(raw_func, q, k, v, heads=4)
         s = stats.end_run(o.patch_id)
@@ -56,16 +58,19 @@ def test_an_error_during_calibration_is_charged_to_the_kernel_that_raised(monkey
     fake.reset_state()
 
 
-def test_calibration_times_only_the_candidates_that_fit_in_free_memory(monkeypatch, tmp_path):
+def test_a_shape_is_timed_only_on_the_candidates_that_fit_in_free_memory(monkeypatch, tmp_path):
     fake = FakeGPU(monkeypatch, tmp_path, candidates=("sage2_sm90", "sage1"))
     q, k, v = qkv()
     shape = kernel_bytes.AttnShape(1, 4, 2048, 2048, 64)
     assert margin_need("sage1", shape) > margin_need("sage2_sm90", shape)
-    fake.free = margin_need("sage2_sm90", shape)  # sm90's own need: no other output is alive meanwhile
+    fake.free = margin_need("sage2_sm90", shape)  # sm90's own need: each call holds one run, as settled
     o = ov(fake)
-    o(raw_func, q, k, v, heads=4)
-    assert fake.kernel_calls("sage1") == 0
-    assert fake.kernel_calls("sage2_sm90") == 3  # warm-up, timing, and the run whose output is returned
+    stats.begin_run(o.patch_id)
+    fake.settle(lambda: o(raw_func, q, k, v, heads=4))
+    s = stats.end_run(o.patch_id)
+    assert fake.kernel_calls("sage1") == 0 and s["reasons"]["memory"] == 1  # sage1's turn went to SDPA
+    assert fake.kernel_calls("sage2_sm90") == s["by_kernel"]["sage2_sm90"] == 3  # warm-up and two timed runs
+    assert o.plan(q, k, v, 4).kernel == "sage2_sm90"
     fake.reset_state()
 
 

@@ -35,7 +35,7 @@ def test_the_split_is_used_when_it_costs_at_most_two_percent(fake_gpu, two_group
     fake_gpu.group_cost = 0.015
     q, k, v = qkv()
     o = ov(fake_gpu)
-    reference = o(raw_func, q, k, v, heads=4)  # calibration: SDPA, ungrouped, grouped
+    reference = fake_gpu.settle(lambda: o(raw_func, q, k, v, heads=4))[-1]  # timed: SDPA, ungrouped, grouped
     (entry,) = timing.TimingCache(fake_gpu.cache_dir).entries().values()
     assert entry["kernel_ms"] == 7.0 and entry["grouped_ms"] == pytest.approx(7.105) and entry["groups"] == 2
     stats.begin_run(o.patch_id)
@@ -54,7 +54,7 @@ def test_a_shape_where_the_split_costs_more_runs_ungrouped(fake_gpu, two_groups)
     fake_gpu.group_cost = 0.05
     q, k, v = qkv()
     o = ov(fake_gpu)
-    o(raw_func, q, k, v, heads=4)
+    fake_gpu.settle(lambda: o(raw_func, q, k, v, heads=4))
     fake_gpu.calls.clear()
     for _ in range(3):
         o(raw_func, q, k, v, heads=4)
@@ -65,8 +65,8 @@ def test_a_shape_where_the_split_costs_more_runs_ungrouped(fake_gpu, two_groups)
 def test_fastest_mode_times_and_runs_ungrouped(fake_gpu, two_groups):
     q, k, v = qkv()
     o = ov(fake_gpu, memory_mode="fastest")
-    o(raw_func, q, k, v, heads=4)
-    assert fake_gpu.kernel_calls() == 3  # warm-up, timing and output run of the ungrouped call only
+    fake_gpu.settle(lambda: o(raw_func, q, k, v, heads=4))
+    assert fake_gpu.kernel_calls() == 3  # the ungrouped call only: its warm-up and two timed runs
     (entry,) = timing.TimingCache(fake_gpu.cache_dir).entries().values()
     assert entry["grouped_ms"] is None
     assert o.plan(q, k, v, 4).groups == 1
@@ -75,7 +75,7 @@ def test_fastest_mode_times_and_runs_ungrouped(fake_gpu, two_groups):
 def test_short_free_memory_splits_further_and_the_count_sticks(fake_gpu, two_groups):
     q, k, v = qkv()
     o = ov(fake_gpu)
-    o(raw_func, q, k, v, heads=4)
+    fake_gpu.settle(lambda: o(raw_func, q, k, v, heads=4))
     plan = o.plan(q, k, v, 4)
     assert plan.groups == 2
     four = kernel_bytes.with_margin(head_groups.split_bytes("sage2_sm90", SHAPE, 4)) + MARGIN
@@ -118,7 +118,7 @@ def test_settled_shapes_report_the_groups_in_force(fake_gpu, two_groups):
     fake_gpu.group_cost = 0.05  # the split is measured too costly: this shape runs ungrouped
     q, k, v = qkv()
     o = ov(fake_gpu)
-    o(raw_func, q, k, v, heads=4)
+    fake_gpu.settle(lambda: o(raw_func, q, k, v, heads=4))
     (shape,) = settled_shapes()
     assert (shape["kernel"], shape["groups"], shape["Nq"], shape["H"], shape["dtype"]) == ("sage2_sm90", 1, 2048, 4,
                                                                                            "bfloat16")

@@ -50,12 +50,12 @@ class LockedWrites(dict):
 def test_every_write_to_the_decision_state_holds_the_lock(monkeypatch, tmp_path):
     fake = FakeGPU(monkeypatch, tmp_path, candidates=("sage2_sm90", "sage1"))
     seen = []
-    for name in ("decisions", "failed", "ooms", "calls", "self_tests", "devices"):
+    for name in ("decisions", "failed", "ooms", "calls", "self_tests", "devices", "trials"):
         monkeypatch.setattr(STATE, name, LockedWrites(seen))
     q, k, v = qkv()
     o = SageAttentionOverride(PatchConfig(cache_dir=fake.cache_dir))
     fake.modes["sage1"] = "raise"
-    o(raw_func, q, k, v, heads=4)  # self-test, calibration, an error charged, the shape settled
+    fake.settle(lambda: o(raw_func, q, k, v, heads=4))  # self-test, timing, an error charged, the shape settled
     fake.modes["sage2_sm90"] = "oom"
     o(raw_func, q, k, v, heads=4)  # out of memory remembered
     fake.modes["sage2_sm90"] = "nan"

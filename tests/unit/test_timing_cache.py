@@ -27,7 +27,8 @@ def raw_func(*a, **k):
 def test_the_key_holds_the_kernel_build_and_the_software(fake_gpu, monkeypatch):
     monkeypatch.setattr(planning, "kernel_build", lambda name: "2.2.0+5f0c1e2a9b3d")
     q, k, v = qkv()
-    SageAttentionOverride(PatchConfig(cache_dir=fake_gpu.cache_dir))(raw_func, q, k, v, heads=4)
+    o = SageAttentionOverride(PatchConfig(cache_dir=fake_gpu.cache_dir))
+    fake_gpu.settle(lambda: o(raw_func, q, k, v, heads=4))
     (key,) = timing.TimingCache(fake_gpu.cache_dir).entries()
     assert "sage2_sm90=2.2.0+5f0c1e2a9b3d" in key
     assert timing.environment() in key and torch.__version__ in timing.environment()
@@ -56,20 +57,21 @@ def test_build_identity_hashes_the_extension_files(tmp_path, monkeypatch):
 def test_a_bucket_timed_once_is_timed_again_by_the_next_process_then_trusted(fake_gpu):
     q, k, v = qkv()
     o = SageAttentionOverride(PatchConfig(cache_dir=fake_gpu.cache_dir))
-    o(raw_func, q, k, v, heads=4)  # this process measures the bucket
+    call = lambda: o(raw_func, q, k, v, heads=4)  # noqa: E731
+    timed = len(fake_gpu.settle(call))  # this process measures the bucket on the shape's first calls
     (entry,) = timing.TimingCache(fake_gpu.cache_dir).entries().values()
-    assert entry["repeats"] == 1
-    o(raw_func, q, k, v, heads=4)
-    first = fake_gpu.kernel_calls()
-    assert first == 4  # warm-up, timing, output run, then one plain call: not timed twice in one process
+    assert entry["repeats"] == 1 and timed > 1
+    before = fake_gpu.kernel_calls()
+    call()
+    assert fake_gpu.kernel_calls() == before + 1 and not fake_gpu.state.trials  # not timed twice in one process
     fake_gpu.reset_state()  # the next process: the same cache file, nothing learnt in memory
-    o(raw_func, q, k, v, heads=4)
-    assert fake_gpu.kernel_calls() == first + 3
+    assert len(fake_gpu.settle(call)) == timed
     (entry,) = timing.TimingCache(fake_gpu.cache_dir).entries().values()
     assert entry["repeats"] == 2
     fake_gpu.reset_state()  # trusted now: a later process only runs the call
-    o(raw_func, q, k, v, heads=4)
-    assert fake_gpu.kernel_calls() == first + 4
+    before = fake_gpu.kernel_calls()
+    call()
+    assert fake_gpu.kernel_calls() == before + 1 and not fake_gpu.state.trials
 
 
 def test_what_the_bench_writes_is_what_the_node_reads(fake_gpu):
@@ -193,53 +195,71 @@ def test_the_os_lock_excludes_another_process(tmp_path):
     assert p.stdout.strip() == "False"
 
 
-class _Output:
-    """A stand-in for an attention output whose liveness the test can see."""
+class _Timer:
+    def __init__(self, ms):
+        self._ms = ms
 
-    def __init__(self, who):
-        self.who = who
-
-
-def _tracked_calibration(times: dict, fail_on_output_run=None):
-    """Run timing.calibrate over fake runs that record how many outputs are alive when each
-    starts; ``times`` maps "sdpa" and kernel names to ms."""
-    import weakref
-    alive, seen, runs = weakref.WeakSet(), [], []
-
-    def runner(who):
-        def run():
-            seen.append((who, len(alive)))
-            runs.append(who)
-            if who == fail_on_output_run and runs.count(who) == 3:
-                raise torch.OutOfMemoryError("fake out of memory")
-            out = _Output(who)
-            alive.add(out)
-            return out
-        return run
-
-    def time_fn(fn, repeats=1):
-        out = fn()
-        who = out.who
-        del out
-        return times[who]
-
-    variants = [timing.Variant(name, 1, 0, runner(name)) for name in times if name != "sdpa"]
-    result = timing.calibrate(variants, runner("sdpa"), lambda need: True, torch.OutOfMemoryError, time_fn)
-    return result, seen, runs
+    def ms(self):
+        return self._ms
 
 
-def test_calibration_keeps_no_output_alive_while_another_run_is_timed():
-    result, seen, runs = _tracked_calibration({"sdpa": 10.0, "sage2_sm90": 7.0, "sage1": 12.0})
-    assert seen and all(n == 0 for _, n in seen)  # each run starts with no earlier output alive
-    assert result.output.who == "sage2_sm90" and result.output_from.kernel == "sage2_sm90"
-    # warm-up and timed run of each, then one run of the winner for the output
-    assert runs == ["sdpa", "sdpa", "sage2_sm90", "sage2_sm90", "sage1", "sage1", "sage2_sm90"]
+def _run(trial, times, fail=None):
+    """Take and report every step of ``trial`` as calls would: ``times`` gives each step's ms by its
+    kernel ("sdpa" for SDPA); ``fail`` maps (kernel, groups) to the failure of that variant's first
+    run.  Returns the steps taken and how many reports ended the trial."""
+    taken, ends = [], 0
+    while (step := trial.take()) is not None:
+        taken.append(step)
+        failure = (fail or {}).get((step.kernel, step.groups))
+        if failure:
+            ends += trial.done(step, failure=failure, whole_kernel=failure in ("error", "inaccurate"))
+        else:
+            ends += trial.done(step, _Timer(times[step.kernel or "sdpa"][len(taken) % 2]))
+    return taken, ends
 
 
-def test_calibration_gives_sdpa_output_when_no_kernel_wins_or_the_winner_fails_on_its_output_run():
-    result, _seen, runs = _tracked_calibration({"sdpa": 10.0, "sage2_sm90": 9.9})  # within the hysteresis
-    assert result.output.who == "sdpa" and result.output_from is None and runs[-1] == "sdpa"
-    result, seen, runs = _tracked_calibration({"sdpa": 10.0, "sage2_sm90": 7.0}, fail_on_output_run="sage2_sm90")
-    assert result.output.who == "sdpa" and result.output_from is None
-    assert [t.failure for t in result.trials] == [None, "oom"] and result.trials[0].ms == 7.0
-    assert all(n == 0 for _, n in seen)
+def test_a_shape_trial_warms_each_variant_once_then_alternates_its_timed_runs_with_sdpa():
+    steps = timing.schedule([("sage2_sm90", 1), ("sage2_sm90", 3), ("sage1", 1)])
+    assert [(s.kernel, s.groups, s.timed) for s in steps] == [
+        ("sage2_sm90", 1, False), (None, 1, False), ("sage2_sm90", 1, True), (None, 1, True),
+        ("sage2_sm90", 1, True), (None, 1, True), ("sage2_sm90", 3, False), ("sage2_sm90", 3, True),
+        ("sage2_sm90", 3, True), ("sage1", 1, False), ("sage1", 1, True), ("sage1", 1, True)]
+    assert sum(s.kernel is None and s.timed for s in steps) == timing.TIMED_RUNS
+
+
+def test_a_shape_trial_keeps_the_least_time_of_each_variant_and_ends_once():
+    trial = timing.ShapeTrial(timing.schedule([("sage2_sm90", 1), ("sage2_sm90", 3)]))
+    taken, ends = _run(trial, {"sdpa": (10.0, 11.0), "sage2_sm90": (7.5, 7.0)})
+    assert ends == 1 and len(taken) == 9 and trial.take() is None
+    sdpa_ms, trials = trial.result()
+    assert sdpa_ms == 10.0 and [(t.kernel, t.groups, t.ms) for t in trials] == [("sage2_sm90", 1, 7.0),
+                                                                                ("sage2_sm90", 3, 7.0)]
+
+
+def test_a_failed_variant_loses_its_steps_and_a_failed_kernel_all_of_its_variants():
+    trial = timing.ShapeTrial(timing.schedule([("sage2_sm90", 1), ("sage2_sm90", 3), ("sage1", 1)]))
+    taken, ends = _run(trial, {"sdpa": (10.0, 10.0), "sage2_sm90": (7.0, 7.0), "sage1": (8.0, 8.0)},
+                       fail={("sage2_sm90", 1): "oom", ("sage1", 1): "error"})
+    assert ends == 1
+    # out of memory ungrouped: the split is still timed; an error: the kernel's one run, nothing after it
+    assert [(s.kernel, s.groups) for s in taken if s.kernel] == [("sage2_sm90", 1), ("sage2_sm90", 3),
+                                                                  ("sage2_sm90", 3), ("sage2_sm90", 3), ("sage1", 1)]
+    sdpa_ms, trials = trial.result()
+    assert sdpa_ms == 10.0
+    assert [(t.kernel, t.groups, t.ms, t.failure) for t in trials] == [
+        ("sage2_sm90", 1, None, "oom"), ("sage2_sm90", 3, 7.0, None), ("sage1", 1, None, "error")]
+
+
+def test_sdpa_loses_its_steps_once_no_kernel_step_is_left():
+    trial = timing.ShapeTrial(timing.schedule([("sage2_sm90", 1)]))
+    taken, ends = _run(trial, {"sdpa": (10.0, 10.0)}, fail={("sage2_sm90", 1): "inaccurate"})
+    assert ends == 1 and [s.kernel for s in taken] == ["sage2_sm90"]  # SDPA's turns dropped with it
+    assert trial.result() == (None, [timing.Trial("sage2_sm90", 1, failure="inaccurate")])
+
+
+def test_a_trial_ends_with_the_last_report_when_calls_overlap():
+    trial = timing.ShapeTrial(timing.schedule([("sage2_sm90", 1)]))
+    steps = [trial.take() for _ in range(6)]
+    assert trial.take() is None
+    ends = [trial.done(step, _Timer(7.0 if step.kernel else 10.0)) for step in reversed(steps)]
+    assert ends == [False] * 5 + [True]
