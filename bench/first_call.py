@@ -14,9 +14,10 @@ first prompt after a restart).  The parts, in order:
   compile of SageAttention's Triton quantisation kernels);
 * per shape (Wan A14B self-attention at 480p81 and 720p81, bf16): ``sdpa_first`` / ``sdpa_again``
   (PyTorch SDPA's first and second call), ``kernel_first`` / ``kernel_again`` (the kernel's);
-* per shape, the patch's own first and second call (``patch_first`` / ``patch_again``), with the
-  kernel already loaded: the first one includes the dispatcher's timing of the shape, unless the
-  timing cache has it.
+* per shape, the patch's own calls with the kernel already loaded: ``patch_first``, the first call;
+  ``patch_timing_calls``, how many calls the shape was timed on (one when the timing cache has it);
+  ``patch_timing_extra``, what those calls took beyond as many settled calls; ``patch_again``, a
+  settled call.
 
 It prints a table and writes one JSON line per process to ``--json``."""
 from __future__ import annotations
@@ -77,7 +78,13 @@ def _measure(kernel: str) -> dict:
         def call():
             return patch(attention_sdpa, q, k, v, heads=H, transformer_options={}, _inside_attn_wrapper=True)
         timed(f"{name}.patch_first", call)
+        calls, spent = 1, parts[f"{name}.patch_first"]
+        while STATE.trials and calls < 64:  # the rest of the calls that time the shape
+            timed(f"{name}._call", call)
+            calls, spent = calls + 1, spent + parts.pop(f"{name}._call")
         timed(f"{name}.patch_again", call)
+        parts[f"{name}.patch_timing_calls"] = calls
+        parts[f"{name}.patch_timing_extra"] = round(spent - calls * parts[f"{name}.patch_again"], 4)
         parts[f"{name}.served"] = patch.plan(q, k, v, H).kernel or "sdpa"
         del q, k, v
     return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
