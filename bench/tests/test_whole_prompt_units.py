@@ -193,3 +193,21 @@ def test_a_record_names_the_cache_folders_inside_the_checkout_relative_to_it():
     assert caches["dir"].startswith(root)  # the process keeps its own paths (drop_caches removes that folder)
     kept = e2e.record_caches({"mode": "kept", "dir": "/tmp/wan-sage-caches/x", "folders": {}})
     assert kept["dir"] == "/tmp/wan-sage-caches/x"
+
+
+def test_the_page_cache_read_covers_torch_and_cuda_libraries_only(tmp_path, monkeypatch):
+    import importlib.util
+    torch_dir, nvidia_dir = tmp_path / "torch", tmp_path / "nvidia"
+    for d in (torch_dir / "lib", nvidia_dir / "cudnn" / "lib", nvidia_dir / "cublas" / "include",
+              tmp_path / "sageattention"):
+        d.mkdir(parents=True)
+    (torch_dir / "lib" / "libtorch_cuda.so").write_bytes(b"x" * 100)
+    (nvidia_dir / "cudnn" / "lib" / "libcudnn.so.9").write_bytes(b"x" * 50)
+    (nvidia_dir / "cublas" / "include" / "cublas.h").write_bytes(b"x" * 7)  # not a library
+    (tmp_path / "sageattention" / "_qattn_sm90.so").write_bytes(b"x" * 1000)  # one configuration's own
+    found = {"torch": torch_dir, "nvidia": nvidia_dir}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: type(
+        "Spec", (), {"submodule_search_locations": [str(found[name])]})() if name in found else None)
+    assert [p.name for p in whole_prompt.shared_libraries()] == ["libcudnn.so.9", "libtorch_cuda.so"]
+    primed = whole_prompt.prime_page_cache()
+    assert primed["primed"] and primed["bytes"] == 150
