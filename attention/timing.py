@@ -242,11 +242,15 @@ class TimingCache:
 
 
 class CudaTimer:
-    """The device time of the work queued on the current CUDA stream between its start and
-    :meth:`stop`, from two CUDA events.  Nothing waits until :meth:`ms` is read."""
+    """The time of the work queued on the current CUDA stream between its start and :meth:`stop`,
+    from two CUDA events.  It starts on an idle stream (the work queued before it is waited for), so
+    every timed call is measured alike, its own launches included: a call queued behind busy work
+    would hide them, and one behind an output check's host sync would not.  Nothing else waits
+    until :meth:`ms` is read."""
 
     def __init__(self):
         import torch
+        torch.cuda.current_stream().synchronize()
         self._start = torch.cuda.Event(enable_timing=True)
         self._end = torch.cuda.Event(enable_timing=True)
         self._start.record()
