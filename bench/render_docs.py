@@ -287,24 +287,38 @@ SDPA finishes them and the heads after them.
 """]
 
 
-FIRST_CALL = "first-call/sage2-sm90-44b7f5b.jsonl"  # python -m bench.first_call, empty then kept caches
+FIRST_CALL_BEFORE = "first-call/sage2-sm90-44b7f5b.jsonl"  # python -m bench.first_call: a shape timed in extra runs
+FIRST_CALL = "first-call/sage2-sm90-4e251ea.jsonl"  # the same, a shape timed on its own first calls
 
 
 def first_call_lines() -> list:
-    """What the first Sage call of a process costs, part by part, from :data:`FIRST_CALL`."""
+    """What the first Sage calls of a process cost, part by part, from :data:`FIRST_CALL` (and the
+    shape's timing before, from :data:`FIRST_CALL_BEFORE`)."""
     by_caches = {r["caches"]: r for r in rows(FIRST_CALL)}
+    before = {r["caches"]: r["parts"] for r in rows(FIRST_CALL_BEFORE)}
     empty, kept = by_caches["empty"]["parts"], by_caches["kept"]["parts"]
-    big = "a14b_720p81_self"
+    big, small = "a14b_720p81_self", "a14b_480p81_self"
+
+    def old_extra(parts, shape):
+        return parts[shape + ".patch_first"] - parts[shape + ".patch_again"]
     return [
         f"The first Sage call of a process pays for loading the kernel. In `python -m bench.first_call` (record "
         f"[`{FIRST_CALL}`](../bench/records/{FIRST_CALL}), {by_caches['empty']['gpu']}) the patch's self-test, which is the "
         f"kernel's first launch and the first compile of SageAttention's Triton quantisation kernels, took "
         f"{empty['self_test']:.1f} s with empty caches and {kept['self_test']:.1f} s with Triton's cache kept from an "
         f"earlier process; importing SageAttention took {empty['import']:.2f} s and its build identity "
-        f"{empty['build_identity']:.2f} s. After it, a 720p81 self-attention shape's first call through the patch took "
-        f"{empty[big + '.patch_first']:.2f} s (the dispatcher's timing of the shape; {kept[big + '.patch_first']:.2f} s "
-        f"with the timing cache kept, which holds the decision but not the kernel's first launch at that shape) against "
-        f"{empty[big + '.patch_again']:.2f} s settled.",
+        f"{empty['build_identity']:.2f} s. PyTorch SDPA's own first call took {empty[small + '.sdpa_first']:.2f} s in the "
+        f"first process of the machine and {kept[small + '.sdpa_first']:.2f} s in the next (cuDNN's libraries read from "
+        f"disk once; stock ComfyUI pays it too).",
+        "",
+        f"A new shape is timed on its own first calls: each runs the kernel or SDPA for its own output, so the timing "
+        f"runs nothing extra. A 720p81 self-attention shape was timed on {empty[big + '.patch_timing_calls']} calls, which "
+        f"took {empty[big + '.patch_timing_extra']:.2f} s more than as many settled calls with empty caches and "
+        f"{kept[big + '.patch_timing_extra']:.2f} s with the caches kept (a shape timed once is timed again by the next "
+        f"process); a 480p81 one {empty[small + '.patch_timing_extra']:.2f} / {kept[small + '.patch_timing_extra']:.2f} s. "
+        f"When the shape's first call timed it in extra runs ([`{FIRST_CALL_BEFORE}`](../bench/records/{FIRST_CALL_BEFORE})) "
+        f"that cost {old_extra(before['empty'], big):.2f} / {old_extra(before['kept'], big):.2f} s at 720p81 and "
+        f"{old_extra(before['empty'], small):.2f} / {old_extra(before['kept'], small):.2f} s at 480p81.",
         "",
         "The patch starts the import, build identity and self-test in a background thread when it is applied, so they "
         "overlap the text encode and the model loads that come before the first step. The column *first prompt's first "
@@ -1308,10 +1322,12 @@ def e2e_compiled_resident_section() -> list:
             o.append("Each is an expert whose sampling timed kernels on a new shape with a wan-sage from before 67359ad,")
             o.append("whose dispatcher kept one attention output (SDPA's or a faster kernel's) while it timed another, so")
             o.append("that step held one output more than a settled step, which the estimate does not count; ComfyUI's own")
-            o.append("extra reserve (400 MiB by default) covered it. The dispatcher drops each output when its timing run")
-            o.append("ends and runs the winner once more for the call's output: on the H200 a timing call at A14B 720p81")
+            o.append("extra reserve (400 MiB by default) covered it. Later the dispatcher dropped each output when its timing")
+            o.append("run ended and ran the winner once more for the call's output: on the H200 such a call at A14B 720p81")
             o.append(f"held {_gib_range(cal)} GiB above its inputs and a settled call {_gib_range(settled)} GiB (one output: {out:.3f} GiB;")
-            o.append(f"gpu tier, {_and([link(x) for x in logs])}, `tests/gpu/test_execution_gpu.py`).")
+            o.append(f"gpu tier, {_and([link(x) for x in logs])}, `tests/gpu/test_execution_gpu.py`). Now a new shape is timed on")
+            o.append("its own first calls, each running one kernel variant or SDPA for its own output, so none holds more than")
+            o.append("a settled call.")
         o.append("")
     return o
 
