@@ -328,6 +328,38 @@ def first_call_lines() -> list:
     ]
 
 
+SWITCH_ROUND = ("whole-prompt/gguf-480p81-4steps-16gib-eager.jsonl", "c")  # the first steps as fast as stock's
+
+
+def expert_switch_lines() -> list:
+    """Where the pack still loses at GGUF 480p81 16 GiB: the expert switch of a partly loaded model, from the
+    records of :data:`SWITCH_ROUND`."""
+    path, rnd = SWITCH_ROUND
+    got = {r["run"].split("@")[0]: r for r in rows(path) if r.get("round") == rnd and r.get("status") == "ok"}
+    est, comfy = got["est+sage"], got["comfy+sdpa"]
+
+    def unloads(r):  # the switches that unload the other expert (the first prompt's high one unloads the text encoder)
+        return [p["phases"][e]["comfy_memory_s"]["model_unload"] for p in r["prompts"] for e in ("high", "low")
+                if (p["prompt"], e) != ("first", "high")
+                and (p["phases"].get(e) or {}).get("comfy_memory_s", {}).get("model_unload") is not None]
+    high = est["prompts"][0]["experts"]["high"]
+    first = {k: r["prompts"][0]["experts"]["high"]["step_s"][0] for k, r in got.items()}
+    later = [s for p in est["prompts"] for x in p["experts"].values() for s in x["step_s"][1:]]
+    stock = [s for p in comfy["prompts"] for x in p["experts"].values() for s in x["step_s"][1:]]
+    return [
+        f"With the shape timed on its own calls (round `{rnd}` of [`{path}`](../bench/records/{path}), `{est['commit']}`), "
+        f"the high-noise expert's first step took {first['est+sage']:.2f} s against {first['comfy+sdpa']:.2f} s for "
+        f"ComfyUI alone, and the later steps {min(later):.2f}–{max(later):.2f} s against {min(stock):.2f}–{max(stock):.2f} s. "
+        f"The prompt was still slower at this budget, in the switch between experts: the estimator reserved "
+        f"{high['predicted_working_gib']:.2f} GiB where ComfyUI reserves {high['comfy_estimate_gib']:.2f} GiB (the "
+        f"sampling held {high['working_gib']:.2f} GiB above the weights), so {100 * (1 - high['resident_frac']):.1f} % of "
+        f"the weights stayed streamed, and unloading that partly loaded expert at a switch took "
+        f"{min(unloads(est)):.1f}–{max(unloads(est)):.1f} s against {min(unloads(comfy)):.1f}–{max(unloads(comfy)):.1f} s "
+        f"for the fully loaded one of ComfyUI alone. Reserving what the run holds is the open fix.",
+        "",
+    ]
+
+
 GPU_TIER_PRINTS = (("extra", "A14B 720p81 self-attention extra bytes: "), ("groups", "A14B 480p81: "),
                    ("decision", "decision cost of a settled shape: "), ("calibrating", "A14B 720p81, sage2_sm90: "))
 
@@ -2066,6 +2098,7 @@ def method_section(runs) -> list:
             "",
             "### The first step\n",
             *first_call_lines(),
+            *expert_switch_lines(),
             "The harness's warm-up run makes the first Sage calls itself, and the per-step tables give both the all-steps",
             "and the after-the-first ratios: a long-running ComfyUI server pays these once.\n",
             "### What is not measured\n",
