@@ -475,7 +475,8 @@ def _trial_call(ov, plan: Plan, q, k, v, heads, skip_reshape, skip_output_reshap
         try:
             out = run_sdpa(ov, q, k, v, heads, skip_reshape, skip_output_reshape, scale)
         except BaseException:
-            trial.done(step)
+            if trial.done(step):
+                _end_trial(ov, plan, trial, q)
             raise
         if timer is not None:
             timer.stop()
@@ -483,7 +484,12 @@ def _trial_call(ov, plan: Plan, q, k, v, heads, skip_reshape, skip_output_reshap
         if trial.done(step, timer):
             _end_trial(ov, plan, trial, q)
         return out
-    out, timer, failure, error, spent = _trial_kernel(ov, plan, step, q, k, v, scale)
+    try:
+        out, timer, failure, error, spent = _trial_kernel(ov, plan, step, q, k, v, scale)
+    except BaseException:  # an interrupt: the step is over, untimed, so the trial can still end
+        if trial.done(step):
+            _end_trial(ov, plan, trial, q)
+        raise
     if failure is None:
         stats.record(ov.patch_id, kernel=step.kernel, split=step.groups > 1, calibration_ms=spent * 1000)
     if trial.done(step, timer, failure, error, whole_kernel=failure not in (None, "memory", "oom"),

@@ -140,3 +140,26 @@ def test_check_finite_off_never_checks(fake_gpu):
     for _ in range(10):
         o(raw_func, q, k, v, heads=2)
     assert fake_gpu.output_checks == 0
+
+
+def test_an_interrupt_inside_a_timed_call_leaves_the_shape_able_to_settle(fake_gpu, monkeypatch):
+    """ComfyUI's cancel (or any BaseException) raised inside one of a shape's timed calls ends that step:
+    the shape's later calls finish its timing and settle it, instead of waiting on the step for ever."""
+    q, k, v = qkv()
+    o = ov(fake_gpu)
+    run = fake_gpu.run
+    interrupts = []
+
+    def interrupted(name, *a):
+        if not interrupts:
+            interrupts.append(name)
+            raise KeyboardInterrupt
+        return run(name, *a)
+    monkeypatch.setattr("wan_sage.attention.kernels.run", interrupted)
+    try:
+        o(raw_func, q, k, v, heads=4)
+    except KeyboardInterrupt:
+        pass
+    assert interrupts == ["sage2_sm90"]
+    fake_gpu.settle(lambda: o(raw_func, q, k, v, heads=4))
+    assert o.plan(q, k, v, 4).kernel == "sage2_sm90" and not fake_gpu.state.trials
