@@ -470,26 +470,23 @@ def _trial_call(ov, plan: Plan, q, k, v, heads, skip_reshape, skip_output_reshap
     step = trial.take() if trial is not None else None
     if step is None:  # another thread ended the trial a moment ago
         return _sdpa(ov, q, k, v, heads, skip_reshape, skip_output_reshape, scale, "timing")
-    if step.kernel is None:
-        timer = timing.timer() if step.timed else None
-        try:
-            out = run_sdpa(ov, q, k, v, heads, skip_reshape, skip_output_reshape, scale)
-        except BaseException:
-            if trial.done(step):
-                _end_trial(ov, plan, trial, q)
-            raise
-        if timer is not None:
-            timer.stop()
-        stats.record(ov.patch_id, reason="timing")
-        if trial.done(step, timer):
-            _end_trial(ov, plan, trial, q)
-        return out
     try:
-        out, timer, failure, error, spent = _trial_kernel(ov, plan, step, q, k, v, scale)
+        if step.kernel is None:
+            timer = timing.timer() if step.timed else None
+            out = run_sdpa(ov, q, k, v, heads, skip_reshape, skip_output_reshape, scale)
+            if timer is not None:
+                timer.stop()
+        else:
+            out, timer, failure, error, spent = _trial_kernel(ov, plan, step, q, k, v, scale)
     except BaseException:  # an interrupt: the step is over, untimed, so the trial can still end
         if trial.done(step):
             _end_trial(ov, plan, trial, q)
         raise
+    if step.kernel is None:
+        stats.record(ov.patch_id, reason="timing")
+        if trial.done(step, timer):
+            _end_trial(ov, plan, trial, q)
+        return out
     if failure is None:
         stats.record(ov.patch_id, kernel=step.kernel, split=step.groups > 1, calibration_ms=spent * 1000)
     if trial.done(step, timer, failure, error, whole_kernel=failure not in (None, "memory", "oom"),
