@@ -748,6 +748,13 @@ def decode_room_section() -> list:
           f"{conv_workspace_gib(832, 480):.2f} GiB at 832×480; below). The weights it keeps",
           "resident are the ones the decode leaves in place. Records from `087d8a9` to `32a669a` kept what ComfyUI frees",
           "alone. Where the decode needs more than the budget, ComfyUI unloads the model whole for it and no room is kept.",
+          "Where that room and every weight do not fit together, the room kept is capped at the larger of what fits",
+          "beside every weight (less 0.25 GiB, `PLACEMENT_SLACK`: what the sampling allocates before ComfyUI places the",
+          "weights) and ComfyUI's own reservation for the forward, which is the room its decodes have after ComfyUI",
+          "alone's sampling (fast in every record below). So the decode's room streams no weight that ComfyUI alone",
+          "keeps resident: a model streamed by a sliver is loaded and unloaded in parts at every expert switch, which",
+          "cost 0.9 s a switch at 832×480×81 and 16 GiB (`gguf-480p81-4steps-16gib-eager`, round `c`: unload 6.2–7.3 s",
+          "against 5.6–5.8 s, partial load 1.5–2.0 s against 1.3–1.5 s). Records up to `69282d4` kept the whole room.",
           "The cond / uncond batching test, dynamic VRAM and the fixed policy keep none; `wan-sage plan --no-decode` and",
           "the route's `no_decode` plan a sampling with no decode after it."]
     o += decode_profile_lines()

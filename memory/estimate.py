@@ -66,6 +66,11 @@ DEFAULT_CC = 90
 
 # What ComfyUI is told to reserve per forward: wan-sage's estimate (plus the margin), the larger of it and
 # ComfyUI's own figure, or a fixed amount per row.
+# Where the decode's room is capped at what fits beside every weight, this much stays between the two: ComfyUI
+# places the weights against its free memory when it loads them, after the estimate, and what the sampling
+# allocates in between (latent, noise, conditioning: tens of MiB for Wan 2.x at 1280x720x81) must not tip the
+# last modules into streaming, which makes every load and unload of the model a partial one.
+PLACEMENT_SLACK = 256 * MiB
 POLICIES = ("wan-sage estimate", "max(wan-sage, ComfyUI)", "fixed GiB per row")
 
 
@@ -389,6 +394,10 @@ DECODE_NOTE = ("the reservation in force is the room the {vae} decode after the 
                "with less, the decode evicts weights kept resident and its convolutions fall back to cuDNN's "
                "engine without a workspace, about 10x slower at 1280x720")
 
+DECODE_CAPPED_NOTE = ("the reservation in force keeps {gib:.2f} GiB for the {vae} decode after the sampling, of the "
+                      "{full:.2f} GiB it takes (what ComfyUI frees for it and the workspace of its largest "
+                      "convolution): the rest would stream weights, so the room is capped at {why}")
+
 FP8_MATMUL_NOTE = ("fp8 weights multiply in fp8 (fp8_e4m3fn_fast): each layer call copies its input to fp8 instead "
                    "of casting the weight; that copy is modelled, not measured")
 
@@ -441,11 +450,21 @@ def decode_floor(s: Setup, latent: tuple, room: int | None) -> int:
     back for the rest of the process to cuDNN's engine without one (memory.vae_decode).  Where the decode needs
     more than ``room``, ComfyUI unloads this model whole for it, and keeping room for it would only stream
     weights.  Dynamic VRAM evicts on demand and is left to ComfyUI; the fixed policy's reservation is the
-    user's own."""
+    user's own.
+
+    Where that room and every weight do not fit in ``room`` together, the room kept is capped at the larger of
+    what fits beside every weight (less :data:`PLACEMENT_SLACK`) and ComfyUI's own reservation for the forward (:func:`comfy_figure`, the
+    room its decodes have after ComfyUI alone's sampling): the decode's room then streams no weight that
+    ComfyUI alone keeps resident, and the decode never starts with less room than after ComfyUI alone's."""
     if s.decode_dtype_size is None or s.dynamic_vram or room is None or s.policy == POLICIES[2]:
         return 0
     need = vae_decode.decode_bytes(latent, s.decode_dtype_size)
-    return need if need is not None and need <= room else 0
+    if need is None or need > room:
+        return 0
+    if s.weights_bytes is not None and s.weights_bytes + need > room:
+        beside = room - s.weights_bytes - PLACEMENT_SLACK
+        need = min(need, max(beside, comfy_figure(s.dims, latent, s.dtype, s.comfy_flash)))
+    return need
 
 
 def plan(s: Setup) -> Estimate:
@@ -492,7 +511,14 @@ def plan(s: Setup) -> Estimate:
     if s.weights.fp8_matmul:
         notes.append(FP8_MATMUL_NOTE)
     if floor > (par_need if streamed else res_need):
-        notes.append(DECODE_NOTE.format(vae=vae_decode.vae_name(latent), gib=floor / GiB))
+        full = vae_decode.decode_bytes(latent, s.decode_dtype_size)
+        if floor < full:
+            why = ("ComfyUI's own reservation, the room its decodes have after ComfyUI alone's sampling"
+                   if floor == comfy_figure(dims, latent, s.dtype, s.comfy_flash) else "what fits beside every weight")
+            notes.append(DECODE_CAPPED_NOTE.format(vae=vae_decode.vae_name(latent), gib=floor / GiB, full=full / GiB,
+                                                   why=why))
+        else:
+            notes.append(DECODE_NOTE.format(vae=vae_decode.vae_name(latent), gib=floor / GiB))
     per = None
     if s.parallel.active:
         def local_total(local: int) -> int:

@@ -50,11 +50,14 @@ def test_estimate_api_json_and_field_errors():
     # By default the reservation in force keeps room for the Wan 2.1 VAE decode ComfyUI runs next: its
     # memory_used_decode for a 90 x 160 latent in bf16 (comfy/sd.py) plus 1.1 x the VAE's bf16 weights, plus
     # the workspace of its last 96-channel convolution (input 6 x 722 x 1282, output 4 x 720 x 1280).
-    d = estimate_from_json(req)["summary"]
+    d = estimate_from_json({**req, "vram_gib": 48})["summary"]
     decode_takes = (int(7000 * 90 * 160 * 64 * 2 + 1.1 * 126_892_531 * 2)
                     + 96 * (6 * 722 * 1282 + 4 * 720 * 1280) * 2) / (1 << 30)
     assert abs(d["decode_room_gib"] - decode_takes) < 1e-6 and d["reservation_gib"] == d["decode_room_gib"]
-    assert abs(d["room_for_weights_gib"] - (24 - d["kept_free_gib"] - decode_takes)) < 1e-6
+    assert abs(d["room_for_weights_gib"] - (48 - d["kept_free_gib"] - decode_takes)) < 1e-6
+    # at 24 GiB that room and the weights do not fit together: it is capped at ComfyUI's own reservation
+    d = estimate_from_json(req)["summary"]
+    assert d["decode_room_gib"] == d["comfy_gib"] == d["reservation_gib"] < decode_takes
     assert d["offload_gib"] > r["summary"]["offload_gib"]
     with pytest.raises(RequestError, match="no_decode"):
         estimate_from_json({**req, "no_decode": "yes"})

@@ -47,14 +47,41 @@ def test_the_decodes_room_is_comfyuis_plus_that_workspace():
     assert vae_decode.decode_bytes((1, 36, 21, 90, 160)) is None
 
 
-def test_the_reservation_in_force_keeps_the_decodes_room_where_it_fits():
-    est = _est(vram_gib=24)
-    no = _est(vram_gib=24, no_decode=True)
+def test_the_reservation_in_force_keeps_the_decodes_room_where_it_fits_beside_every_weight():
+    est = _est(vram_gib=32)
+    no = _est(vram_gib=32, no_decode=True)
     need = vae_decode.decode_bytes(est.setup.latent)
     assert no.reservation < need and est.decode_floor == need and est.reservation == need
-    assert est.room_for_weights == 24 * GiB - est.setup.kept_free - need
-    assert est.offload_bytes == no.offload_bytes + (need - no.reservation)
+    assert est.room_for_weights == 32 * GiB - est.setup.kept_free - need and est.level == "fits"
     assert "Wan 2.1 VAE decode after sampling" in _text(est) and "decode after sampling" not in _text(no)
+    assert any("the room the Wan 2.1 VAE decode after the sampling takes" in n for n in est.notes)
+
+
+def _offload(weights, reservation, room):
+    return max(0, weights - max(0, room - reservation))
+
+
+@pytest.mark.parametrize("weights", ["fp8", "fp16", "q4_k_m", "q8_0"])
+@pytest.mark.parametrize("size", [(1280, 720, 81), (832, 480, 81), (960, 544, 49), (1024, 576, 121)])
+def test_the_decodes_room_never_streams_a_weight_comfyui_alone_keeps_resident(weights, size):
+    w, h, f = size
+    for vram in (10, 13.5, 17, 19.25, 22, 26.5, 31, 37, 45, 60):
+        est = _est(width=w, height=h, frames=f, weights=weights, vram_gib=vram)
+        no = _est(width=w, height=h, frames=f, weights=weights, vram_gib=vram, no_decode=True)
+        s = est.setup
+        room, W, need = s.vram_bytes - s.kept_free, s.weights_bytes, vae_decode.decode_bytes(s.latent)
+        assert no.reservation <= est.reservation and est.decode_floor <= need
+        if need > room:
+            assert est.decode_floor == 0
+        elif W + need <= room:
+            assert est.decode_floor == need      # the whole room, where it fits beside every weight
+        else:
+            # never less room for the decode than after ComfyUI alone's sampling, and never a weight streamed
+            # that ComfyUI alone's reservation or the sampling's own keeps resident
+            assert est.decode_floor >= min(need, est.comfy_estimate)
+            assert est.offload_bytes <= max(no.offload_bytes, _offload(W, est.comfy_estimate, room))
+            if est.decode_floor < need:
+                assert any("capped at" in n for n in est.notes)
 
 
 @pytest.mark.parametrize("vram", [12, 9.5])
