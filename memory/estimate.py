@@ -452,16 +452,17 @@ def decode_floor(s: Setup, latent: tuple, room: int | None) -> int:
     weights.  Dynamic VRAM evicts on demand and is left to ComfyUI; the fixed policy's reservation is the
     user's own.
 
-    Where that room and every weight do not fit in ``room`` together, the room kept is capped at the larger of
-    what fits beside every weight (less :data:`PLACEMENT_SLACK`) and ComfyUI's own reservation for the forward (:func:`comfy_figure`, the
-    room its decodes have after ComfyUI alone's sampling): the decode's room then streams no weight that
-    ComfyUI alone keeps resident, and the decode never starts with less room than after ComfyUI alone's."""
+    Where that room and every weight do not fit in ``room`` together, with :data:`PLACEMENT_SLACK` to spare,
+    the room kept is capped at the larger of what fits beside every weight (less that slack) and ComfyUI's
+    own reservation for the forward (:func:`comfy_figure`, the room its decodes have after ComfyUI alone's
+    sampling): the decode's room then streams no weight that ComfyUI alone keeps resident, and the decode
+    never starts with less room than after ComfyUI alone's."""
     if s.decode_dtype_size is None or s.dynamic_vram or room is None or s.policy == POLICIES[2]:
         return 0
     need = vae_decode.decode_bytes(latent, s.decode_dtype_size)
     if need is None or need > room:
         return 0
-    if s.weights_bytes is not None and s.weights_bytes + need > room:
+    if s.weights_bytes is not None and s.weights_bytes + need + PLACEMENT_SLACK > room:
         beside = room - s.weights_bytes - PLACEMENT_SLACK
         need = min(need, max(beside, comfy_figure(s.dims, latent, s.dtype, s.comfy_flash)))
     return need
