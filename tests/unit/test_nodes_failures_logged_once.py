@@ -107,6 +107,33 @@ def test_capacity_skips_only_freed_models(monkeypatch):
         comfy_bridge.capacity(model)
 
 
+def test_capacity_counts_a_loaded_model_by_the_memory_its_weights_hold(monkeypatch):
+    # ComfyUI's count of a loaded model (module sizes) can exceed the memory its tensors hold; unloading it
+    # frees only what they hold, each storage once
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    net[1].weight = net[0].weight                                          # one storage, two parameters
+    held = sum(t.untyped_storage().nbytes() for t in (net[0].weight, net[0].bias, net[1].bias))
+    assert comfy_bridge.device_bytes(net, "cpu") == held
+
+    class Loaded:
+        device = torch.device("cpu")
+
+        def __init__(self, counted):
+            self.counted = counted
+            self.model = SimpleNamespace(model=net)
+
+        def model_loaded_memory(self):
+            return self.counted
+    _module(monkeypatch, "comfy.model_management", get_free_memory=lambda dev: 100,
+            current_loaded_models=[Loaded(held + 4096)])
+    model = SimpleNamespace(load_device=torch.device("cpu"))
+    assert comfy_bridge.capacity(model) == 100 + held
+    import comfy.model_management as mm
+    mm.current_loaded_models = [Loaded(held - 8)]                          # counted less than held: the count
+    assert comfy_bridge.capacity(model) == 100 + held - 8
+    assert comfy_bridge.device_bytes(net, "cuda") == 0 and comfy_bridge.device_bytes(object(), "cpu") is None
+
+
 def test_comfyui_without_dynamic_vram_and_a_failing_dynamic_check(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "comfy.memory_management", None)     # ComfyUI 0.3.64
     assert comfy_bridge.aimdo_enabled() is False
