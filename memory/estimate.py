@@ -64,13 +64,14 @@ COMFY_EXTRA_RESERVED = 400 * MiB
 # The GPU assumed when none is given or found.
 DEFAULT_CC = 90
 
-# What ComfyUI is told to reserve per forward: wan-sage's estimate (plus the margin), the larger of it and
-# ComfyUI's own figure, or a fixed amount per row.
 # Where the decode's room is capped at what fits beside every weight, this much stays between the two: ComfyUI
 # places the weights against its free memory when it loads them, after the estimate, and what the sampling
 # allocates in between (latent, noise, conditioning: tens of MiB for Wan 2.x at 1280x720x81) must not tip the
 # last modules into streaming, which makes every load and unload of the model a partial one.
 PLACEMENT_SLACK = 256 * MiB
+
+# What ComfyUI is told to reserve per forward: wan-sage's estimate (plus the margin), the larger of it and
+# ComfyUI's own figure, or a fixed amount per row.
 POLICIES = ("wan-sage estimate", "max(wan-sage, ComfyUI)", "fixed GiB per row")
 
 
@@ -442,7 +443,7 @@ def into_q_plan(s: Setup, att: AttentionPlan, rows: int, tokens: int) -> tuple |
     return None if found is None else (path, found.groups)
 
 
-def decode_floor(s: Setup, latent: tuple, room: int | None) -> int:
+def decode_floor(s: Setup, latent: tuple, room: int | None, comfy: int) -> int:
     """The room the reservation in force keeps for the VAE decode after the sampling: what the decode takes
     (:func:`.vae_decode.decode_bytes`: what ComfyUI frees for it and the workspace of its largest convolution),
     on the legacy path where that fits in ``room``; else 0.  With less, the decode evicts weights kept resident,
@@ -454,8 +455,8 @@ def decode_floor(s: Setup, latent: tuple, room: int | None) -> int:
 
     Where that room and every weight do not fit in ``room`` together, with :data:`PLACEMENT_SLACK` to spare,
     the room kept is capped at the larger of what fits beside every weight (less that slack) and ComfyUI's
-    own reservation for the forward (:func:`comfy_figure`, the room its decodes have after ComfyUI alone's
-    sampling): the decode's room then streams no weight that ComfyUI alone keeps resident, and the decode
+    own reservation for the forward (``comfy``: :func:`comfy_figure` for ``latent``, the room its decodes have
+    after ComfyUI alone's sampling): the decode's room then streams no weight that ComfyUI alone keeps resident, and the decode
     never starts with less room than after ComfyUI alone's."""
     if s.decode_dtype_size is None or s.dynamic_vram or room is None or s.policy == POLICIES[2]:
         return 0
@@ -464,7 +465,7 @@ def decode_floor(s: Setup, latent: tuple, room: int | None) -> int:
         return 0
     if s.weights_bytes is not None and s.weights_bytes + need + PLACEMENT_SLACK > room:
         beside = room - s.weights_bytes - PLACEMENT_SLACK
-        need = min(need, max(beside, comfy_figure(s.dims, latent, s.dtype, s.comfy_flash)))
+        need = min(need, max(beside, comfy))
     return need
 
 
@@ -494,7 +495,8 @@ def plan(s: Setup) -> Estimate:
         _r, _p, bat_res, bat_par = _needs(s, activation_model.with_rows(w, rows_bat))
     verdict, offload = "unknown (no VRAM given)", 0
     room = None if s.vram_bytes is None else s.vram_bytes - s.kept_free
-    floor = decode_floor(s, latent, room)
+    comfy = comfy_figure(dims, latent, s.dtype, s.comfy_flash)
+    floor = decode_floor(s, latent, room, comfy)
     if room is not None and s.weights_bytes is not None:
         verdict, offload = verdict_for(s.weights_bytes, max(res_need, floor), max(par_need, floor), room,
                                        s.margin_bytes)
@@ -515,7 +517,7 @@ def plan(s: Setup) -> Estimate:
         full = vae_decode.decode_bytes(latent, s.decode_dtype_size)
         if floor < full:
             why = ("ComfyUI's own reservation, the room its decodes have after ComfyUI alone's sampling"
-                   if floor == comfy_figure(dims, latent, s.dtype, s.comfy_flash) else "what fits beside every weight")
+                   if floor == comfy else "what fits beside every weight")
             notes.append(DECODE_CAPPED_NOTE.format(vae=vae_decode.vae_name(latent), gib=floor / GiB, full=full / GiB,
                                                    why=why))
         else:
@@ -529,7 +531,7 @@ def plan(s: Setup) -> Estimate:
     return Estimate(
         setup=s, tokens=L, rows_sequential=rows_seq, rows_batched=rows_bat, resident=res, partial=par,
         reservation_resident=res_need, reservation_partial=par_need, reservation_batched_resident=bat_res,
-        reservation_batched_partial=bat_par, comfy_estimate=comfy_figure(dims, latent, s.dtype, s.comfy_flash),
+        reservation_batched_partial=bat_par, comfy_estimate=comfy,
         streamed=streamed, verdict=verdict, level=level, offload_bytes=max(0, offload), sage_head_groups=groups,
         notes=tuple(s.notes) + tuple(notes), problems=tuple(latent_problems(dims, latent)),
         sage_advice=sage_mode_advice(s, w, par_need, room), per_rank=per, decode_floor=floor)
