@@ -355,7 +355,9 @@ def expert_switch_lines() -> list:
         f"sampling held {high['working_gib']:.2f} GiB above the weights), so {100 * (1 - high['resident_frac']):.1f} % of "
         f"the weights stayed streamed, and unloading that partly loaded expert at a switch took "
         f"{min(unloads(est)):.1f}–{max(unloads(est)):.1f} s against {min(unloads(comfy)):.1f}–{max(unloads(comfy)):.1f} s "
-        f"for the fully loaded one of ComfyUI alone. Reserving what the run holds is the open fix.",
+        f"for the fully loaded one of ComfyUI alone. From `2e41b0a` the decode's room no longer streams weights "
+        f"([memory model](memory-model.md#{anchor('The VAE decode after the sampling')})): the later rounds of that "
+        f"file in the table above are after it.",
         "",
     ]
 
@@ -752,9 +754,9 @@ def decode_room_section() -> list:
           "beside every weight (less 0.25 GiB, `PLACEMENT_SLACK`: what the sampling allocates before ComfyUI places the",
           "weights) and ComfyUI's own reservation for the forward, which is the room its decodes have after ComfyUI",
           "alone's sampling (fast in every record below). So the decode's room streams no weight that ComfyUI alone",
-          "keeps resident: a model streamed by a sliver is loaded and unloaded in parts at every expert switch, which",
-          "cost 0.9 s a switch at 832×480×81 and 16 GiB (`gguf-480p81-4steps-16gib-eager`, round `c`: unload 6.2–7.3 s",
-          "against 5.6–5.8 s, partial load 1.5–2.0 s against 1.3–1.5 s). Records up to `69282d4` kept the whole room.",
+          "keeps resident: a model streamed by a sliver is loaded and unloaded in parts at every expert switch, slower",
+          f"than a whole one ([benchmarks](benchmarks.md#{anchor('The first step')})). Records up to `69282d4` kept the",
+          "whole room.",
           "The cond / uncond batching test, dynamic VRAM and the fixed policy keep none; `wan-sage plan --no-decode` and",
           "the route's `no_decode` plan a sampling with no decode after it."]
     o += decode_profile_lines()
