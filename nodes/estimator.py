@@ -11,6 +11,8 @@ Wiring (all scoped to the cloned MODEL, restored in ``finally``):
   with :class:`MemoryRequired`, so ``load_models_gpu`` keeps as many weights resident as fit and
   evicts or offloads the rest (legacy memory path: ComfyUI 0.3.64, GGUF, --disable-dynamic-vram);
 * a ``CALC_COND_BATCH`` wrapper does the same around cond/uncond batching decisions;
+* the clone's ``unpatch_model`` gives loaded weights their host tensors back when ComfyUI unloads the
+  model, so nothing is copied back (:mod:`.host_copy`; legacy path only);
 * on the dynamic-VRAM path residency is managed by ComfyUI itself: the node then only informs
   batching, reports, and warns when the activations alone exceed the card.
 
@@ -29,7 +31,7 @@ from ..memory import activation_model, report
 from ..memory.estimate import DEFAULT_CC, GiB, POLICIES, AttentionPlan, Estimate, Setup, plan
 from ..memory.parallel import Parallel, problem
 from ..memory.request import LEGACY_POLICIES
-from . import comfy_bridge, raylight_bridge, sage_patch
+from . import comfy_bridge, host_copy, raylight_bridge, sage_patch
 from .log_once import reason, warn_once
 from .sage_patch import find_override
 
@@ -38,6 +40,8 @@ log = logging.getLogger("wan_sage")
 PREPARE_KEY = "wan_sage_reserve"
 BATCH_KEY = "wan_sage_cond_batch"
 SAGE_COUNT = ("auto-detect", "always", "never")
+HOST_COPY_NOTE = ("unloading: the weights keep their host copies while loaded, so an unload (the next expert, the "
+                  "VAE) copies nothing back; host memory stays within what the model held before its first load")
 _MISSING = object()
 
 
@@ -344,10 +348,12 @@ def _prepare_wrapper(settings: Settings):
             import comfy.model_management as mm
             mm.soft_empty_cache()  # hand the previous model's cached activations back first
         prev = _swap(base, fn)
+        host_copy.note(model)
         try:
             out = executor(model, noise_shape, conds, *args, **kwargs)
         finally:
             _restore(base, prev)
+            host_copy.settle(model)
         _trim_after_load(comfy_bridge.device_of(model))
         return out
     return prepare_sampling
@@ -406,6 +412,7 @@ def apply_estimator(model, settings: Settings, shape, model_options=None, pixels
     W = comfy_bridge.wrappers_mp()
     m.add_wrapper_with_key(W.PREPARE_SAMPLING, PREPARE_KEY, _prepare_wrapper(settings))
     m.add_wrapper_with_key(W.CALC_COND_BATCH, BATCH_KEY, _cond_batch_wrapper(settings))
+    kept = host_copy.install(m)
     mo = model_options or m.model_options
     setup = setup_for(m, shape, mo, settings, decode=True)
     est = plan(replace(setup, pixels=pixels, cfg=float(cfg)))
@@ -414,4 +421,6 @@ def apply_estimator(model, settings: Settings, shape, model_options=None, pixels
         text += "\nnote: " + _later_patch_note(m, shape, mo, settings, est)
     if not est.setup.compiled and not any(n.startswith("torch.compile") for n in est.setup.notes):
         text += "\nnote: " + _later_compile_note(m, shape, mo, settings, est)
+    if kept:
+        text += "\nnote: " + HOST_COPY_NOTE
     return m, est, text

@@ -1,0 +1,229 @@
+"""Unload a model without copying its weights back to the host.
+
+When ComfyUI unloads a model to make room for another (the next Wan 2.2 expert, the VAE, the text
+encoder), ``ModelPatcher.unpatch_model`` moves every weight on the GPU back with
+``model.to(offload_device)``: a pageable copy into newly allocated host memory.  For a GGUF Wan 2.2 A14B
+expert (9.3 GiB) that takes 6-8 s on an H200, once per expert switch.  The host tensors the weights were
+loaded from hold the same bytes, but ComfyUI lets them go once the load has copied them.
+
+For a model that passed through the Working-Memory Estimator this module keeps them:
+
+* :func:`note`, before ComfyUI loads the model (the estimator's ``PREPARE_SAMPLING`` wrapper), notes each
+  weight that lies on the offload device;
+* :func:`settle`, after the load, keeps those that now lie on the load device, unchanged in shape and
+  dtype (a weight that stayed on the host, because it streams, needs nothing kept);
+* :func:`release`, when the model is unloaded (its ``unpatch_model``, which :func:`install` wraps on the
+  patcher and on every clone made from it), puts the noted host tensor back in place of each loaded
+  weight, so ``model.to(offload_device)`` finds it there and copies nothing.
+
+A weight gets its host tensor back only where that is the weight the model would get from the copy:
+
+* it is the very tensor the load left on the device (the same object, device and data pointer),
+* ComfyUI holds no backup for it (a LoRA-patched full-precision weight: ComfyUI restores the backup,
+  which already lies on the host), and
+* no hook patch has been applied to the model (ComfyUI writes a hooked weight's backup into the loaded
+  tensor during the unload).
+
+Every other weight is copied back by ComfyUI as before.  The host memory kept is that of the weights
+loaded on the device, and only while they are loaded: never more than the model held on the host before
+ComfyUI first loaded it.  Not installed where ComfyUI manages residency itself (dynamic VRAM) or where
+the load and offload devices are the same.
+"""
+from __future__ import annotations
+
+import logging
+import types
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from .log_once import reason, warn_once
+
+log = logging.getLogger("wan_sage")
+
+CLONE_KEY = "wan_sage_host_copy"
+ON_CLONE = "on_clone"  # comfy.patcher_extension.CallbacksMP.ON_CLONE in ComfyUI 0.3.64 and later
+
+__all__ = ["install", "installed", "note", "settle", "release", "kept_bytes"]
+
+
+@dataclass
+class _Kept:
+    host: torch.Tensor  # the parameter object the model held on the offload device before the load
+    data: torch.Tensor  # its storage, as found before the load (the load may move the object itself)
+    loaded: weakref.ref | None = None  # the tensor the load left on the device (weak: never keeps VRAM)
+    device: torch.device | None = None
+    ptr: int = 0
+
+
+# BaseModel -> {parameter name: _Kept}.  Weak: a model ComfyUI drops takes its host tensors with it.
+_KEPT: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, _Kept]]" = weakref.WeakKeyDictionary()
+
+
+def _same(a: torch.device, b) -> bool:
+    b = torch.device(b)
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def _eligible(patcher) -> bool:
+    load, offload = getattr(patcher, "load_device", None), getattr(patcher, "offload_device", None)
+    if load is None or offload is None or _same(torch.device(load), offload):
+        return False
+    dynamic = getattr(patcher, "is_dynamic", None)
+    try:
+        return not (callable(dynamic) and dynamic())
+    except Exception as e:  # a newer ComfyUI's check failing: keep ComfyUI's own unload
+        warn_once(("host-copy-dynamic", type(e).__name__), "wan-sage: asking the model whether dynamic VRAM is "
+                  "on failed (%s); its weights are unloaded as ComfyUI does.", reason(e))
+        return False
+
+
+def _param(base: torch.nn.Module, key: str):
+    """(module, name, tensor) of a parameter or buffer by its dotted name."""
+    path, _, name = key.rpartition(".")
+    module = base.get_submodule(path) if path else base
+    if name in module._parameters:
+        return module, name, module._parameters[name]
+    return module, name, module._buffers.get(name)
+
+
+def _put(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    if name in module._buffers:
+        module._buffers[name] = tensor
+    else:
+        setattr(module, name, tensor)
+
+
+def _tensors(base: torch.nn.Module):
+    yield from base.named_parameters()
+    yield from base.named_buffers()
+
+
+def _unpatch_model(self, *args, **kwargs):
+    """The patcher's ``unpatch_model``: gives loaded weights their host tensors back, then runs the
+    class's own (which restores backups and moves whatever is left)."""
+    device_to = args[0] if args else kwargs.get("device_to")
+    unpatch_weights = args[1] if len(args) > 1 else kwargs.get("unpatch_weights", True)
+    if unpatch_weights and device_to is not None:
+        try:
+            release(self, device_to)
+        except Exception as e:  # never fail an unload over this: ComfyUI copies what is left
+            _KEPT.pop(getattr(self, "model", None), None)
+            warn_once(("host-copy-release", type(e).__name__), "wan-sage: giving the weights their host copies "
+                      "back failed (%s); ComfyUI copies them back instead.", reason(e))
+    return type(self).unpatch_model(self, *args, **kwargs)
+
+
+def _bind(patcher) -> None:
+    # An instance attribute: scoped to this patcher; copy.deepcopy rebinds a bound method to the copy.
+    patcher.unpatch_model = types.MethodType(_unpatch_model, patcher)
+
+
+def _on_clone(src, clone) -> None:
+    if _eligible(clone):
+        _bind(clone)
+
+
+def install(patcher) -> bool:
+    """Wrap ``patcher.unpatch_model`` (and that of every clone made from it) so that an unload gives
+    kept weights their host tensors back; False where this does not apply."""
+    if not _eligible(patcher) or not isinstance(getattr(patcher, "model", None), torch.nn.Module):
+        return False
+    _bind(patcher)
+    if hasattr(patcher, "remove_callbacks_with_key"):
+        patcher.remove_callbacks_with_key(ON_CLONE, CLONE_KEY)
+        patcher.add_callback_with_key(ON_CLONE, CLONE_KEY, _on_clone)
+    return True
+
+
+def installed(patcher) -> bool:
+    fn = patcher.__dict__.get("unpatch_model") if hasattr(patcher, "__dict__") else None
+    return isinstance(fn, types.MethodType) and fn.__func__ is _unpatch_model
+
+
+def note(patcher) -> int:
+    """Before a load: note every parameter and buffer on the offload device.  Returns how many are noted."""
+    if not installed(patcher) or not _eligible(patcher):
+        return 0
+    base = patcher.model
+    offload = torch.device(patcher.offload_device)
+    kept = _KEPT.setdefault(base, {})
+    for key, p in _tensors(base):
+        if _same(p.device, offload):
+            kept[key] = _Kept(host=p, data=p.data)
+        elif key in kept and not _is_loaded(kept[key], p):
+            del kept[key]  # on the device, but not the tensor a noted load left there
+    return len(kept)
+
+
+def _is_loaded(k: _Kept, cur) -> bool:
+    return (k.loaded is not None and k.loaded() is cur and cur is not None and _same(cur.device, k.device)
+            and cur.data_ptr() == k.ptr)
+
+
+def settle(patcher) -> int:
+    """After a load: keep the noted host tensor of each weight the load put on the device, unchanged in
+    shape and dtype; forget the rest.  Returns the bytes kept."""
+    kept = _KEPT.get(getattr(patcher, "model", None))
+    if not kept:
+        return 0
+    base = patcher.model
+    offload = torch.device(patcher.offload_device)
+    backup = getattr(patcher, "backup", None) or {}
+    for key in list(kept):
+        k = kept[key]
+        if k.loaded is not None:
+            continue  # loaded earlier and still kept (note checked it)
+        try:
+            _, _, cur = _param(base, key)
+        except AttributeError:
+            cur = None
+        # size(), not shape: a GGUF tensor's shape is its logical one, its size() that of its bytes
+        if (cur is None or key in backup or _same(cur.device, offload) or cur.size() != k.data.size()
+                or cur.dtype != k.data.dtype or not _same(k.data.device, offload)):
+            del kept[key]
+            continue
+        k.loaded, k.device, k.ptr = weakref.ref(cur), cur.device, cur.data_ptr()
+    return kept_bytes(patcher)
+
+
+def kept_bytes(patcher) -> int:
+    kept = _KEPT.get(getattr(patcher, "model", None)) or {}
+    return sum(k.data.numel() * k.data.element_size() for k in kept.values() if k.loaded is not None)
+
+
+def release(patcher, device_to) -> int:
+    """During an unload to ``device_to``: put each kept host tensor back in place of the weight loaded from
+    it.  Returns the bytes that will not be copied.  The rest is left to ComfyUI's copy."""
+    base = getattr(patcher, "model", None)
+    kept = _KEPT.get(base)
+    if not kept:
+        return 0
+    if getattr(patcher, "hook_backup", None):
+        _KEPT.pop(base, None)  # ComfyUI writes hooked weights back into the loaded tensors
+        return 0
+    backup = getattr(patcher, "backup", None) or {}
+    freed = 0
+    for key, k in list(kept.items()):
+        try:
+            module, name, cur = _param(base, key)
+        except AttributeError:
+            cur = None
+        ok = (cur is not None and _is_loaded(k, cur) and key not in backup and _same(k.data.device, device_to)
+              and cur.size() == k.data.size() and cur.dtype == k.data.dtype)
+        k.loaded, k.device, k.ptr = None, None, 0
+        if not ok:
+            del kept[key]
+            continue
+        if cur is k.host:  # the load moved the object's storage: give it its host storage back
+            cur.data = k.data
+        elif _same(k.host.device, device_to):  # the load replaced the object: put the host one back
+            _put(module, name, k.host)
+        else:
+            del kept[key]
+            continue
+        freed += k.data.numel() * k.data.element_size()
+    if freed:
+        log.debug("wan-sage: unloading kept %.2f GiB of weights' host copies: not copied back", freed / 2**30)
+    return freed

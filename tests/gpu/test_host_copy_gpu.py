@@ -1,0 +1,92 @@
+"""gpu tier: the Working-Memory Estimator's clone, unloaded by ComfyUI 0.3.64 from the GPU, gets back the
+very host tensors its weights were loaded from (nothing copied), and samples the same latent afterwards
+as the model ComfyUI unloads and reloads itself.  A full-precision model with and without a LoRA, and a
+GGUF one with its LoRA (ComfyUI-GGUF in COMFYUI_GGUF_PATH); each skips, with its reason, without them."""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("gpu tier: no CUDA device (run on the GPU machine)", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "host"))
+import comfy_env  # noqa: E402
+
+if comfy_env.skip_reason():
+    pytest.skip(f"gpu tier unload: {comfy_env.skip_reason()}", allow_module_level=True)
+
+KEY = "diffusion_model.blocks.0.self_attn.q.weight"
+
+
+@pytest.fixture(scope="module")
+def comfy():
+    from bench import _host
+    _host.ensure_av(allow_stub=True)  # ComfyUI 0.3.64's nodes import PyAV; no video I/O here
+    return comfy_env.boot(cpu=False, attention="pytorch")
+
+
+def _gguf_model(comfy, tmp_path):
+    gguf_dir = os.environ.get("COMFYUI_GGUF_PATH") or os.path.join(comfy_env.comfy_path(), os.pardir, "ComfyUI-GGUF")
+    if not os.path.isfile(os.path.join(gguf_dir, "nodes.py")):
+        pytest.skip(f"ComfyUI-GGUF not found at {gguf_dir} (set COMFYUI_GGUF_PATH)")
+    pytest.importorskip("gguf", reason="the gguf package (ComfyUI-GGUF's dependency) is not installed")
+    from bench import e2e_models
+    import folder_paths
+    import nodes
+    comfy_env.load_custom_node(gguf_dir)
+    files = e2e_models.ensure_models(tmp_path, scale="tiny", weights="gguf", lora_rank=8, device="cpu",
+                                     only=("unet_high", "lora_high"), log=lambda *a: None)
+    folder_paths.add_model_folder_path("diffusion_models", str(tmp_path / "diffusion_models"))
+    folder_paths.add_model_folder_path("loras", str(tmp_path / "loras"))
+    (model,) = nodes.NODE_CLASS_MAPPINGS["UnetLoaderGGUF"]().load_unet(os.path.basename(files["unet_high"]))
+    (model,) = nodes.NODE_CLASS_MAPPINGS["LoraLoaderModelOnly"]().load_lora_model_only(
+        model, os.path.basename(files["lora_high"]), 1.0)
+    return model
+
+
+def _model(comfy, kind, tmp_path):
+    if kind == "gguf":
+        return _gguf_model(comfy, tmp_path)
+    base = comfy_env.tiny_wan_patcher(dim=512, ffn_dim=1024, num_layers=2)
+    if kind == "lora":
+        w = comfy.utils.get_attr(base.model, KEY)
+        base.add_patches({KEY: ("diff", (torch.full_like(w, 0.01),))}, 1.0)
+    return base
+
+
+def _host_state(model):
+    # as_subclass: a GGUF tensor's clone() returns the tensor itself
+    return {k: (t.data_ptr(), t.detach().as_subclass(torch.Tensor).clone())
+            for k, t in [*model.named_parameters(), *model.named_buffers()]}
+
+
+@pytest.mark.parametrize("kind", ["plain", "lora", "gguf"])
+def test_unloaded_weights_are_their_host_tensors_and_sampling_after_is_unchanged(comfy, kind, tmp_path):
+    from wan_sage.nodes import host_copy
+    from wan_sage.nodes.estimator import Settings, apply_estimator
+    mm = comfy.model_management
+    with torch.inference_mode():
+        base = _model(comfy, kind, tmp_path)
+        mm.unload_all_models()
+        stock = [comfy_env.sample_tiny(base, steps=2, seed=s) for s in (0, 1)]  # loads, unloads, loads again
+        mm.unload_all_models()
+        latent = comfy_env.empty_wan_latent(base)
+        m, _, text = apply_estimator(base, Settings(), list(latent.shape))
+        assert host_copy.installed(m) and "copies nothing back" in text
+        before = _host_state(m.model)
+        first = comfy_env.sample_tiny(m, steps=2, seed=0)
+        assert host_copy.kept_bytes(m) > 0
+        assert all(t.device.type == "cuda" for t in m.model.parameters())
+        mm.unload_all_models()  # ComfyUI's unload: LoadedModel.model_unload -> detach -> unpatch_model
+        after = _host_state(m.model)
+        assert after.keys() == before.keys()
+        for k, (ptr, value) in before.items():
+            assert after[k][0] == ptr, f"{k} was copied back, not given its host tensor"
+            assert torch.equal(after[k][1], value), k
+        second = comfy_env.sample_tiny(m, steps=2, seed=1)
+        mm.unload_all_models()
+    torch.testing.assert_close(first, stock[0])
+    torch.testing.assert_close(second, stock[1])

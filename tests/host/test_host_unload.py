@@ -1,0 +1,105 @@
+"""Host tier: the estimator's clone unloads its weights without copying them, in a real ComfyUI 0.3.64.
+
+The load device is ``meta`` (the CPU is the only real device here): ComfyUI's own unload
+(``model.to(offload_device)``) cannot copy a meta tensor, so a weight that is not given its host tensor
+back fails the unload, and one given back the wrong tensor shows in its data pointer and values."""
+import pytest
+import torch
+
+import comfy_env
+
+if comfy_env.skip_reason():
+    pytest.skip(f"host tier: {comfy_env.skip_reason()}", allow_module_level=True)
+
+META = torch.device("meta")
+KEY = "diffusion_model.blocks.0.self_attn.q.weight"
+
+
+def _on_meta(comfy, lora: bool):
+    from wan_sage.nodes import host_copy
+    from wan_sage.nodes.estimator import Settings, apply_estimator
+    base = comfy_env.tiny_wan_patcher(num_layers=2)
+    if lora:  # a LoRA on one weight: ComfyUI backs it up and restores the backup itself
+        w = comfy.utils.get_attr(base.model, KEY)
+        base.add_patches({KEY: ("diff", (torch.full_like(w, 0.01),))}, 1.0)
+    m, est, text = apply_estimator(base, Settings(), [1, 16, 2, 8, 8])
+    assert not host_copy.installed(m)  # the CPU is both load and offload device: nothing to keep
+    base.load_device = m.load_device = META
+    assert host_copy.install(m)
+    return base, m
+
+
+def _state(model):
+    # as_subclass: a GGUF tensor's clone() returns the tensor itself
+    return {k: (t.data_ptr(), t.detach().as_subclass(torch.Tensor).clone())
+            for k, t in [*model.named_parameters(), *model.named_buffers()]}
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_an_unload_gives_the_loaded_weights_their_host_tensors_back(comfy, lora):
+    from wan_sage.nodes import host_copy
+    base, m = _on_meta(comfy, lora)
+    before = _state(m.model)
+    for _ in range(2):  # a second load and unload, from a clone as the next prompt's sampler gets it
+        c = m.clone()
+        host_copy.note(c)
+        c.patch_model(META, lowvram_model_memory=0)
+        kept = host_copy.settle(c)
+        assert all(t.device == META for t in c.model.parameters())
+        tensors = list(c.model.named_parameters()) + list(c.model.named_buffers())
+        assert kept == sum(t.numel() * t.element_size() for k, t in tensors if not (lora and k == KEY))
+        c.detach()
+        for k, t in [*m.model.named_parameters(), *m.model.named_buffers()]:
+            assert t.device.type == "cpu", k
+            assert t.data_ptr() == before[k][0], f"{k} was copied back"
+            assert torch.equal(t.detach(), before[k][1]), k
+
+
+def test_stock_comfyui_copies_so_the_test_can_fail(comfy):
+    base, m = _on_meta(comfy, False)
+    base.patch_model(META, lowvram_model_memory=0)  # the patcher without the estimator
+    with pytest.raises(NotImplementedError):
+        base.detach()
+
+
+def test_a_gguf_expert_with_its_lora_keeps_its_quantized_host_tensors(comfy, tmp_path):
+    """ComfyUI-GGUF moves a LoRA-patched quantized weight by replacing the tensor object (no backup) and
+    the rest with ``module.to``: both come back as the very host tensors, with their quantisation type."""
+    import os
+
+    gguf_dir = os.environ.get("COMFYUI_GGUF_PATH") or os.path.join(comfy_env.comfy_path(), os.pardir, "ComfyUI-GGUF")
+    if not os.path.isfile(os.path.join(gguf_dir, "nodes.py")):
+        pytest.skip(f"ComfyUI-GGUF not found at {gguf_dir} (set COMFYUI_GGUF_PATH)")
+    pytest.importorskip("gguf", reason="the gguf package (ComfyUI-GGUF's dependency) is not installed")
+    from bench import e2e_models
+    from wan_sage.nodes import host_copy
+    from wan_sage.nodes.estimator import Settings, apply_estimator
+
+    comfy_env.load_custom_node(gguf_dir)
+    files = e2e_models.ensure_models(tmp_path, scale="tiny", weights="gguf", lora_rank=8, device="cpu",
+                                     only=("unet_high", "lora_high"), log=lambda *a: None)
+    import folder_paths
+    import nodes
+    folder_paths.add_model_folder_path("diffusion_models", str(tmp_path / "diffusion_models"))
+    folder_paths.add_model_folder_path("loras", str(tmp_path / "loras"))
+    with torch.inference_mode():
+        (model,) = nodes.NODE_CLASS_MAPPINGS["UnetLoaderGGUF"]().load_unet(os.path.basename(files["unet_high"]))
+        (model,) = nodes.NODE_CLASS_MAPPINGS["LoraLoaderModelOnly"]().load_lora_model_only(
+            model, os.path.basename(files["lora_high"]), 1.0)
+        m, _, _ = apply_estimator(model, Settings(), [1, 16, 2, 8, 8])
+        model.load_device = m.load_device = META
+        assert host_copy.install(m)
+        quant = {k: t.tensor_type for k, t in m.model.named_parameters() if getattr(t, "tensor_type", None)
+                 is not None and t.tensor_type.name.startswith("Q")}
+        assert quant and any(k in m.patches for k in quant)  # quantized weights, some of them with the LoRA
+        before = _state(m.model)
+        for _ in range(2):
+            host_copy.note(m)
+            m.patch_model(META, lowvram_model_memory=0)
+            assert host_copy.settle(m) > 0
+            assert all(t.device == META for t in m.model.parameters())
+            m.detach()
+            for k, t in [*m.model.named_parameters(), *m.model.named_buffers()]:
+                assert t.device.type == "cpu" and t.data_ptr() == before[k][0], f"{k} was copied back"
+                assert torch.equal(t.detach().as_subclass(torch.Tensor), before[k][1]), k
+            assert {k: t.tensor_type for k, t in m.model.named_parameters() if k in quant} == quant

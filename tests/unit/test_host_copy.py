@@ -1,0 +1,240 @@
+"""Unloading a model gives its loaded weights their host tensors back instead of copying them.
+
+The load device here is ``meta``: a weight on it has no data, so ComfyUI's copy back
+(``model.to("cpu")``) fails for every weight not given its host tensor back, and a weight given back the
+wrong tensor shows in its values and data pointer.  The patcher mirrors ComfyUI 0.3.64's
+``ModelPatcher`` where the unload touches weights (backups, hook backups, ``model.to``, clone callbacks)
+and GGUF's tensor type (``detach`` returns itself, ``to`` carries the quantisation attributes)."""
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+
+from wan_sage.nodes import host_copy
+
+CPU, META = torch.device("cpu"), torch.device("meta")
+
+
+class QTensor(torch.Tensor):
+    """ComfyUI-GGUF's GGMLTensor in the ways that matter here."""
+
+    def __new__(cls, data, tensor_type="Q4_K"):
+        return super().__new__(cls, data)
+
+    def __init__(self, data, tensor_type="Q4_K"):
+        super().__init__()
+        self.tensor_type = tensor_type
+
+    def to(self, *args, **kwargs):
+        new = super().to(*args, **kwargs)
+        new.tensor_type = getattr(self, "tensor_type", None)
+        return new
+
+    def detach(self, *args, **kwargs):
+        return self
+
+    @property
+    def shape(self):  # GGMLTensor's shape is the logical one, not the bytes' (size())
+        return torch.Size((2, 4, 4))
+
+    def new_empty(self, size, *args, **kwargs):
+        return QTensor(super().new_empty(size, *args, **kwargs), tensor_type=getattr(self, "tensor_type", None))
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 4)
+        self.q = torch.nn.Module()
+        self.q.weight = torch.nn.Parameter(QTensor(torch.arange(64, dtype=torch.uint8)), requires_grad=False)
+
+
+class Patcher:
+    """ComfyUI's ModelPatcher, reduced to what loading and unloading do to the weights."""
+
+    def __init__(self, model, load_device=META, offload_device=CPU):
+        self.model, self.load_device, self.offload_device = model, load_device, offload_device
+        self.backup, self.hook_backup, self.callbacks = {}, {}, {}
+        self.lora = set()  # keys patched as ComfyUI-GGUF patches quantized weights: a new object on the device
+
+    def add_callback_with_key(self, kind, key, fn):
+        self.callbacks.setdefault(kind, {}).setdefault(key, []).append(fn)
+
+    def remove_callbacks_with_key(self, kind, key):
+        self.callbacks.get(kind, {}).pop(key, None)
+
+    def clone(self):
+        n = type(self)(self.model, self.load_device, self.offload_device)
+        n.backup, n.hook_backup = self.backup, self.hook_backup
+        n.callbacks = {k: {k1: list(v1) for k1, v1 in v.items()} for k, v in self.callbacks.items()}
+        for fns in self.callbacks.get(host_copy.ON_CLONE, {}).values():
+            for fn in fns:
+                fn(self, n)
+        return n
+
+    def load(self, backed_up=(), streamed=()):
+        for key in self.lora:
+            mod, name, p = host_copy._param(self.model, key)
+            setattr(mod, name, torch.nn.Parameter(p.to(self.load_device), requires_grad=False))
+        for key in backed_up:  # a full-precision LoRA weight: backup on the host, a patched tensor loaded
+            mod, name, p = host_copy._param(self.model, key)
+            self.backup[key] = p
+            setattr(mod, name, torch.nn.Parameter(p.to(self.load_device) * 2, requires_grad=False))
+        for name, m in self.model.named_children():
+            if name not in streamed:
+                m.to(self.load_device)
+
+    def unpatch_model(self, device_to=None, unpatch_weights=True):
+        if unpatch_weights:
+            for key, w in self.hook_backup.items():  # ComfyUI copies a hook's backup into the loaded weight
+                host_copy._param(self.model, key)[2].data.copy_(w)
+            for key, w in self.backup.items():
+                mod, name, _ = host_copy._param(self.model, key)
+                setattr(mod, name, w)
+            self.backup.clear()
+            if device_to is not None:
+                self.model.to(device_to)
+
+    def detach(self, unpatch_all=True):
+        if unpatch_all:
+            self.unpatch_model(self.offload_device, unpatch_weights=unpatch_all)
+
+
+def _host_state(model):
+    return {k: (p.data_ptr(), p.detach().clone() if not isinstance(p, QTensor) else torch.Tensor(p).clone())
+            for k, p in model.named_parameters()}
+
+
+def _load(p, **kw):
+    host_copy.note(p)
+    p.load(**kw)
+    return host_copy.settle(p)
+
+
+def _check_given_back(model, before, keys=None):
+    for k, p in model.named_parameters():
+        if keys is not None and k not in keys:
+            continue
+        assert p.device == CPU, k
+        ptr, value = before[k]
+        assert p.data_ptr() == ptr, f"{k} was copied, not given back"
+        assert torch.equal(torch.Tensor(p) if isinstance(p, QTensor) else p.detach(), value), k
+
+
+def test_an_unload_gives_every_loaded_weight_its_host_tensor_and_copies_nothing():
+    model = Net()
+    p = Patcher(model)
+    p.lora.add("q.weight")
+    before = _host_state(model)
+    assert host_copy.install(p)
+    kept = _load(p)
+    assert kept == sum(t.numel() * t.element_size() for t in model.parameters())
+    assert all(t.device == META for t in model.parameters())
+    p.detach()  # model.to("cpu") would raise on any weight left on meta
+    _check_given_back(model, before)
+    assert model.q.weight.tensor_type == "Q4_K"
+
+
+def test_without_the_host_copy_the_unload_copies_so_the_meta_check_can_fail():
+    model = Net()
+    p = Patcher(model)
+    p.load()
+    with pytest.raises(NotImplementedError):
+        p.detach()
+
+
+def test_it_lasts_over_repeated_loads_and_clones():
+    model = Net()
+    p = Patcher(model)
+    p.lora.add("q.weight")
+    before = _host_state(model)
+    host_copy.install(p)
+    for _ in range(3):
+        c = p.clone()
+        assert host_copy.installed(c)
+        _load(c)
+        c.detach()
+        _check_given_back(model, before)
+
+
+def test_a_deep_copy_unloads_its_own_model():
+    p = Patcher(Net())
+    host_copy.install(p)
+    q = copy.deepcopy(p)
+    assert q.unpatch_model.__self__ is q
+    before = _host_state(q.model)
+    _load(q)
+    q.detach()
+    _check_given_back(q.model, before)
+
+
+def test_a_backed_up_weight_comes_from_comfyuis_backup_and_streamed_weights_stay():
+    model = Net()
+    p = Patcher(model)
+    before = _host_state(model)
+    host_copy.install(p)
+    _load(p, backed_up=("a.weight",), streamed=("b",))
+    assert model.b.weight.device == CPU
+    assert set(host_copy._KEPT[model]) == {"a.bias", "q.weight"}  # not the backed-up one, not the streamed ones
+    p.detach()
+    _check_given_back(model, before)
+
+
+def test_a_weight_replaced_after_the_load_is_left_to_comfyuis_copy():
+    model = Net()
+    p = Patcher(model)
+    host_copy.install(p)
+    _load(p)
+    model.a.weight = torch.nn.Parameter(torch.zeros(8, 8, device=META))  # another node's weight
+    assert host_copy.release(p, CPU) == sum(t.numel() * t.element_size() for n, t in model.named_parameters()
+                                             if n != "a.weight")
+    assert model.a.weight.device == META
+
+
+def test_hooked_weights_are_never_given_back():
+    model = Net()
+    p = Patcher(model)
+    host_copy.install(p)
+    _load(p)
+    p.hook_backup["a.weight"] = torch.zeros(8, 8)
+    assert host_copy.release(p, CPU) == 0
+    assert model.a.weight.device == META  # left to ComfyUI, which restores the hook backup and copies
+
+
+def test_no_device_tensor_is_kept_alive_after_the_unload():
+    model = Net()
+    p = Patcher(model)
+    host_copy.install(p)
+    _load(p)
+    refs = [weakref.ref(t) for t in model.parameters()]
+    p.detach()
+    gc.collect()
+    assert all(r() is None or r().device == CPU for r in refs)
+
+
+def test_not_installed_where_load_and_offload_are_one_device_or_residency_is_comfyuis():
+    assert not host_copy.install(Patcher(Net(), load_device=CPU))
+
+    class Dynamic(Patcher):
+        def is_dynamic(self):
+            return True
+
+    assert not host_copy.install(Dynamic(Net()))
+
+
+def test_a_failing_release_falls_back_to_comfyuis_copy(monkeypatch):
+    model = Net()
+    p = Patcher(model, load_device=META)
+    host_copy.install(p)
+    _load(p)
+
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(host_copy, "release", broken)
+    with pytest.raises(NotImplementedError):  # ComfyUI's own copy ran (and meta cannot be copied)
+        p.detach()
+    assert model not in host_copy._KEPT
