@@ -359,7 +359,21 @@ def expert_switch_lines() -> list:
         f"([memory model](memory-model.md#{anchor('The VAE decode after the sampling')})): the later rounds of that "
         f"file in the table above are after it.",
         "",
+        *unload_sentence(),
     ]
+
+
+def unload_sentence() -> list:
+    path, before, after = UNLOAD_ROUNDS[0]
+    ours, stock = expert_unloads(path, after, "est+sage"), expert_unloads(path, after, "comfy+sdpa")
+    old = expert_unloads(path, before, "est+sage")
+    if not (ours and stock and old):
+        return []
+    return [f"Unloading an expert at a switch took {min(old):.1f}–{max(old):.1f} s in round `{before}`. From round "
+            f"`{after}` the estimator's clone gives its weights their host tensors back instead of copying them "
+            f"([memory model](memory-model.md#{anchor('Unloading a model at an expert switch')})): "
+            f"{min(ours):.2f}–{max(ours):.2f} s a switch, against {min(stock):.1f}–{max(stock):.1f} s for ComfyUI alone.",
+            ""]
 
 
 GPU_TIER_PRINTS = (("extra", "A14B 720p81 self-attention extra bytes: "), ("groups", "A14B 480p81: "),
@@ -692,6 +706,7 @@ def memory_doc(summary) -> str:
     o += e2e_compiled_resident_section()
     o += e2e_compiled_cast_section()
     o += decode_room_section()
+    o += unload_section()
     return "\n".join(o) + "\n"
 
 
@@ -717,6 +732,61 @@ def decode_room_rows() -> list[dict]:
                             resident=before, evicted=[b - a for b, a in zip(before, after)], free=free,
                             seconds=[d["s"] for d in ph]))
     return out
+
+
+# (records, round before, round after) of the whole prompts around the host-copy unload (nodes/host_copy.py)
+UNLOAD_ROUNDS = (("whole-prompt/gguf-480p81-4steps-16gib-eager.jsonl", "e", "f"),
+                 ("whole-prompt/gguf-720p81-4steps-24gib-eager.jsonl", "b", "c"))
+
+
+def expert_unloads(path: str, rnd: str, run: str) -> list:
+    """The seconds ComfyUI spent unloading the other expert at each switch of a round's process (the first
+    prompt's high-noise expert unloads the text encoder instead, and is left out)."""
+    out = []
+    for r in rows(path):
+        if r.get("round") != rnd or r.get("status") != "ok" or r["run"].split("@")[0] != run:
+            continue
+        for pr in r["prompts"]:
+            for e in ("high", "low"):
+                ph = (pr.get("phases") or {}).get(e) or {}
+                if (pr["prompt"], e) != ("first", "high") and "WAN21" in (ph.get("loaded_gib_before") or {}):
+                    s_ = (ph.get("comfy_memory_s") or {}).get("model_unload")
+                    if s_ is not None:
+                        out.append(s_)
+    return out
+
+
+def unload_section() -> list:
+    """Unloading an expert at a switch, before and after the estimator's clone kept its host copies."""
+    o = ["\n## Unloading a model at an expert switch\n",
+         "When ComfyUI loads the next Wan 2.2 expert it unloads the one before: `ModelPatcher.unpatch_model` moves",
+         "every weight back to the host with `model.to(offload_device)`, a pageable copy into newly allocated host",
+         "memory. The estimator's clone keeps, while it is loaded, the host tensors its weights were loaded from",
+         "(`nodes/host_copy.py`): before the load it notes each weight on the host; after the load it keeps those now on",
+         "the GPU unchanged in size and dtype; when ComfyUI unloads the model it puts them back in place, so the copy",
+         "finds them there and copies nothing. A weight ComfyUI backed up (a LoRA patched into full-precision weights:",
+         "the backup already lies on the host) or a model with hook patches is left to ComfyUI's copy. The host memory",
+         "kept is that of the loaded weights while they are loaded: never more than the model held before its first",
+         "load. Not on dynamic VRAM, where ComfyUI manages the weights' residency itself.\n",
+         "Seconds ComfyUI spent unloading the other expert at each switch (`model_unload`; the first prompt's",
+         "high-noise expert unloads the text encoder and is left out), GGUF Q4_K_M A14B, whole prompts on the H200:\n",
+         "| records | before: estimator + Sage | before: ComfyUI alone | after: estimator + Sage | after: ComfyUI alone |",
+         "|---|---|---|---|---|"]
+    span = lambda xs: f"{min(xs):.2f}–{max(xs):.2f} s ({len(xs)})" if xs else "—"  # noqa: E731
+    for path, before, after in UNLOAD_ROUNDS:
+        commits = {}
+        for rnd in (before, after):
+            commits[rnd] = next((r.get("commit") or (r.get("env") or {}).get("wan_sage_commit") for r in rows(path)
+                                 if r.get("round") == rnd and r.get("status") == "ok"), None)
+        name = Path(path).stem
+        o.append(f"| [`{name}`](../bench/records/{path}) rounds `{before}` (`{commits[before]}`) / `{after}` "
+                 f"(`{commits[after]}`) | {span(expert_unloads(path, before, 'est+sage'))} | "
+                 f"{span(expert_unloads(path, before, 'comfy+sdpa'))} | {span(expert_unloads(path, after, 'est+sage'))} | "
+                 f"{span(expert_unloads(path, after, 'comfy+sdpa'))} |")
+    o += ["", "What is left of the first prompt's fixed costs is ComfyUI's: unloading the text encoder (10.6 GiB, the",
+          "first prompt's high-noise expert pays it in both setups) and, where the weights stream, ComfyUI-GGUF's first",
+          "partial load, which moves each streamed module to the GPU and back to take it off the file's memory map.", ""]
+    return o
 
 
 def decode_room_section() -> list:
@@ -1552,9 +1622,9 @@ def whole_rows(sets) -> list[dict]:
     """Per set, workflow, budget and caches at the start: each configuration's medians over its processes,
     with ComfyUI alone + SDPA of the same set, workflow, budget and caches as the baseline."""
     out = []
-    stock_of_file: dict = {}  # (file, workflow, budget, caches) -> (set label, records) of the file's last set with one
+    stock_of_file: dict = {}  # (file, workflow, budget, caches) -> [(set index, set label, records)] of sets with one
     groups = []
-    for s in sets:
+    for n, s in enumerate(sets):
         by: dict = {}
         for r in s["runs"]:
             c = r["config"]
@@ -1564,15 +1634,17 @@ def whole_rows(sets) -> list[dict]:
                            (bool(c.get("estimator")), c.get("attention"))), []).append(r)
         for (wf, budget, caches, cfg), recs in by.items():
             if cfg == (False, "sdpa"):
-                stock_of_file[(s["file"], wf, budget, caches)] = (s["label"], recs)
+                stock_of_file.setdefault((s["file"], wf, budget, caches), []).append((n, s["label"], recs))
         groups.append((s, by))
-    for s, by in groups:
+    for n, (s, by) in enumerate(groups):
         for (wf, budget, caches, cfg), recs in by.items():
             base, base_set = by.get((wf, budget, caches, (False, "sdpa"))), None
             if base is None and cfg != (False, "sdpa") and (s["file"], wf, budget, caches) in stock_of_file:
                 # a set without ComfyUI alone is compared with the same file's (same workflow, budget and
-                # caches; another machine), and says so
-                base_set, base = stock_of_file[(s["file"], wf, budget, caches)]
+                # caches; another machine): the last set before it that has one, else the first after it; and says so
+                stocks = stock_of_file[(s["file"], wf, budget, caches)]
+                _, base_set, base = ([x for x in stocks if x[0] < n] or stocks)[-1 if any(x[0] < n for x in stocks)
+                                                                                 else 0]
             figures = {}
             for name, i in (("first", 0), ("repeat", 1)):
                 for key in ("to_latent_s", "to_frames_s"):

@@ -124,3 +124,18 @@ def test_a_later_round_without_comfyui_alone_is_compared_with_its_files_and_says
     heads = render_docs.whole_headlines([w for w in render_docs.whole_rows(render_docs.whole_sets([f]))
                                          if w["config"] == (True, "sage")])
     assert [h[1] for h in heads] == ["24 GiB **1.10× / 1.20×**"]
+
+
+def test_a_round_without_comfyui_alone_keeps_the_baseline_before_it_when_later_rounds_come(tmp_path):
+    recs = [record(False, "sdpa", (80.0, 88.0), (60.0, 66.0)),
+            record(True, "sage", (80.0, 88.0), (60.0, 66.0)),
+            dict(record(True, "sage", (64.0, 80.0), (48.0, 55.0)), round="b"),
+            dict(record(False, "sdpa", (40.0, 44.0), (30.0, 33.0)), round="c"),   # appended later, another machine
+            dict(record(True, "sage", (32.0, 40.0), (24.0, 30.0)), round="c")]
+    rows = _rows(render_docs.whole_generation_section([_write(tmp_path / "fp8.jsonl", recs)]))
+    b = next(r for r in rows if "fp8 (b)" in r)
+    assert "(× against ComfyUI alone + SDPA of (a))" in b and "64.0 s (1.25×)" in b
+    # with no set before it that has one, the first after it
+    rows = _rows(render_docs.whole_generation_section([_write(tmp_path / "fp8-2.jsonl", recs[2:])]))
+    first = next(r for r in rows if "64.0 s" in r)
+    assert "(× against ComfyUI alone + SDPA of (b))" in first and "64.0 s (0.62×)" in first
