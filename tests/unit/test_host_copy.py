@@ -238,3 +238,31 @@ def test_a_failing_release_falls_back_to_comfyuis_copy(monkeypatch):
     with pytest.raises(NotImplementedError):  # ComfyUI's own copy ran (and meta cannot be copied)
         p.detach()
     assert model not in host_copy._KEPT
+
+
+class PinningPatcher(Patcher):
+    """ComfyUI 0.38's legacy ModelPatcher where the unload touches weights: ``unpatch_model`` ejects, restores
+    hooks, unpins the host weights pinned for streaming (``unpin_all_weights``), then restores backups and
+    moves the model.  The streamed weights stay on the host, pinned, while the model is loaded."""
+
+    def load(self, backed_up=(), streamed=()):
+        super().load(backed_up, streamed)
+        self.pinned = {k for k, t in self.model.named_parameters() if t.device == CPU}
+
+    def unpatch_model(self, device_to=None, unpatch_weights=True):
+        if unpatch_weights:
+            for k in self.pinned:  # unpinning: the streamed weight must still be the one pinned, on the host
+                assert host_copy._param(self.model, k)[2].device == CPU
+            self.pinned = set()
+        return super().unpatch_model(device_to, unpatch_weights)
+
+
+def test_on_comfyuis_pinning_unload_the_streamed_weights_stay_and_the_loaded_ones_come_back():
+    model = Net()
+    p = PinningPatcher(model)
+    before = _host_state(model)
+    host_copy.install(p)
+    _load(p, streamed=("b",))
+    assert p.pinned == {"b.weight", "b.bias"}
+    p.detach()
+    _check_given_back(model, before)
