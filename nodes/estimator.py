@@ -11,8 +11,8 @@ Wiring (all scoped to the cloned MODEL, restored in ``finally``):
   with :class:`MemoryRequired`, so ``load_models_gpu`` keeps as many weights resident as fit and
   evicts or offloads the rest (legacy memory path: ComfyUI 0.3.64, GGUF, --disable-dynamic-vram);
 * a ``CALC_COND_BATCH`` wrapper does the same around cond/uncond batching decisions;
-* the clone's ``unpatch_model`` gives loaded weights their host tensors back when ComfyUI unloads the
-  model, so nothing is copied back (:mod:`.host_copy`; legacy path only);
+* the clone's ``load`` and ``unpatch_model`` keep the host tensors its weights are loaded from and give them
+  back when ComfyUI unloads the model, so nothing is copied back (:mod:`.host_copy`; legacy path only);
 * on the dynamic-VRAM path residency is managed by ComfyUI itself: the node then only informs
   batching, reports, and warns when the activations alone exceed the card.
 
@@ -348,12 +348,10 @@ def _prepare_wrapper(settings: Settings):
             import comfy.model_management as mm
             mm.soft_empty_cache()  # hand the previous model's cached activations back first
         prev = _swap(base, fn)
-        host_copy.note(model)
         try:
             out = executor(model, noise_shape, conds, *args, **kwargs)
         finally:
             _restore(base, prev)
-            host_copy.settle(model)
         _trim_after_load(comfy_bridge.device_of(model))
         return out
     return prepare_sampling

@@ -8,13 +8,13 @@ loaded from hold the same bytes, but ComfyUI lets them go once the load has copi
 
 For a model that passed through the Working-Memory Estimator this module keeps them:
 
-* :func:`note`, before ComfyUI loads the model (the estimator's ``PREPARE_SAMPLING`` wrapper), notes each
-  weight that lies on the offload device;
-* :func:`settle`, after the load, keeps those that now lie on the load device, unchanged in shape and
+* :func:`note`, before each load (the patcher's ``load``, which :func:`install` wraps, with
+  ``unpatch_model``, on the patcher and on every clone made from it), notes each weight that lies on the
+  offload device;
+* :func:`settle`, after the load, keeps those that now lie on the load device, unchanged in size and
   dtype (a weight that stayed on the host, because it streams, needs nothing kept);
-* :func:`release`, when the model is unloaded (its ``unpatch_model``, which :func:`install` wraps on the
-  patcher and on every clone made from it), puts the noted host tensor back in place of each loaded
-  weight, so ``model.to(offload_device)`` finds it there and copies nothing.
+* :func:`release`, when the model is unloaded (its ``unpatch_model``), puts the noted host tensor back in
+  place of each loaded weight, so ``model.to(offload_device)`` finds it there and copies nothing.
 
 A weight gets its host tensor back only where that is the weight the model would get from the copy:
 
@@ -115,8 +115,19 @@ def _unpatch_model(self, *args, **kwargs):
     return type(self).unpatch_model(self, *args, **kwargs)
 
 
+def _load(self, *args, **kwargs):
+    """The patcher's ``load`` (every load: ``patch_model``, ``partially_load``): notes the host tensors
+    before the class's own load and keeps those it put on the device after it."""
+    note(self)
+    try:
+        return type(self).load(self, *args, **kwargs)
+    finally:
+        settle(self)
+
+
 def _bind(patcher) -> None:
-    # An instance attribute: scoped to this patcher; copy.deepcopy rebinds a bound method to the copy.
+    # Instance attributes: scoped to this patcher; copy.deepcopy rebinds a bound method to the copy.
+    patcher.load = types.MethodType(_load, patcher)
     patcher.unpatch_model = types.MethodType(_unpatch_model, patcher)
 
 
@@ -126,8 +137,8 @@ def _on_clone(src, clone) -> None:
 
 
 def install(patcher) -> bool:
-    """Wrap ``patcher.unpatch_model`` (and that of every clone made from it) so that an unload gives
-    kept weights their host tensors back; False where this does not apply."""
+    """Wrap ``patcher.load`` and ``patcher.unpatch_model`` (and those of every clone made from it) so that an
+    unload gives loaded weights their host tensors back; False where this does not apply."""
     if not _eligible(patcher) or not isinstance(getattr(patcher, "model", None), torch.nn.Module):
         return False
     _bind(patcher)
@@ -138,8 +149,9 @@ def install(patcher) -> bool:
 
 
 def installed(patcher) -> bool:
-    fn = patcher.__dict__.get("unpatch_model") if hasattr(patcher, "__dict__") else None
-    return isinstance(fn, types.MethodType) and fn.__func__ is _unpatch_model
+    d = getattr(patcher, "__dict__", {})
+    return all(isinstance(d.get(name), types.MethodType) and d[name].__func__ is fn
+               for name, fn in (("load", _load), ("unpatch_model", _unpatch_model)))
 
 
 def note(patcher) -> int:

@@ -42,9 +42,8 @@ def test_an_unload_gives_the_loaded_weights_their_host_tensors_back(comfy, lora)
     before = _state(m.model)
     for _ in range(2):  # a second load and unload, from a clone as the next prompt's sampler gets it
         c = m.clone()
-        host_copy.note(c)
         c.patch_model(META, lowvram_model_memory=0)
-        kept = host_copy.settle(c)
+        kept = host_copy.kept_bytes(c)
         assert all(t.device == META for t in c.model.parameters())
         tensors = list(c.model.named_parameters()) + list(c.model.named_buffers())
         assert kept == sum(t.numel() * t.element_size() for k, t in tensors if not (lora and k == KEY))
@@ -94,12 +93,33 @@ def test_a_gguf_expert_with_its_lora_keeps_its_quantized_host_tensors(comfy, tmp
         assert quant and any(k in m.patches for k in quant)  # quantized weights, some of them with the LoRA
         before = _state(m.model)
         for _ in range(2):
-            host_copy.note(m)
             m.patch_model(META, lowvram_model_memory=0)
-            assert host_copy.settle(m) > 0
+            assert host_copy.kept_bytes(m) > 0
             assert all(t.device == META for t in m.model.parameters())
             m.detach()
             for k, t in [*m.model.named_parameters(), *m.model.named_buffers()]:
                 assert t.device.type == "cpu" and t.data_ptr() == before[k][0], f"{k} was copied back"
                 assert torch.equal(t.detach().as_subclass(torch.Tensor), before[k][1]), k
             assert {k: t.tensor_type for k, t in m.model.named_parameters() if k in quant} == quant
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_new_patches_on_the_loaded_model_reload_it_right_and_unload_it_whole(comfy, lora):
+    """A clone with other patches (a LoRA strength changed between prompts) loaded while the model holds the
+    first clone's: ComfyUI unpatches it in ``partially_load`` (an unload to the host, through the clone's
+    ``unpatch_model``) and loads it again with the new patches. The weights must be the new clone's, and the
+    unload after it must still give every host tensor back (a meta tensor cannot be copied)."""
+    from wan_sage.nodes import host_copy
+    base, m = _on_meta(comfy, lora)
+    before = _state(m.model)
+    m.patch_model(META, lowvram_model_memory=0)
+    c = m.clone()
+    w = comfy.utils.get_attr(c.model, KEY)
+    c.add_patches({KEY: ("diff", (torch.full((tuple(w.shape)), 0.02, device="cpu"),))}, 1.0)
+    assert c.patches_uuid != m.patches_uuid
+    c.partially_load(META, extra_memory=1 << 40, force_patch_weights=True)
+    assert KEY in c.backup and all(t.device == META for t in c.model.parameters())
+    assert host_copy.kept_bytes(c) > 0
+    c.detach()
+    for k, t in [*c.model.named_parameters(), *c.model.named_buffers()]:
+        assert t.device.type == "cpu" and torch.equal(t.detach(), before[k][1]), k
