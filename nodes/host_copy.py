@@ -109,20 +109,33 @@ def _unpatch_model(self, *args, **kwargs):
         try:
             release(self, device_to)
         except Exception as e:  # never fail an unload over this: ComfyUI copies what is left
-            _KEPT.pop(getattr(self, "model", None), None)
-            warn_once(("host-copy-release", type(e).__name__), "wan-sage: giving the weights their host copies "
-                      "back failed (%s); ComfyUI copies them back instead.", reason(e))
+            _failed(self, "giving the weights their host copies back", e)
     return type(self).unpatch_model(self, *args, **kwargs)
+
+
+def _failed(patcher, what: str, e: Exception) -> None:
+    """Forget the model's host copies (ComfyUI's own copy then moves every weight) and say so once."""
+    base = getattr(patcher, "model", None)
+    if isinstance(base, torch.nn.Module):
+        _KEPT.pop(base, None)
+    warn_once(("host-copy", what, type(e).__name__), "wan-sage: %s failed (%s); ComfyUI copies the weights back "
+              "when it unloads this model.", what, reason(e))
 
 
 def _load(self, *args, **kwargs):
     """The patcher's ``load`` (every load: ``patch_model``, ``partially_load``): notes the host tensors
-    before the class's own load and keeps those it put on the device after it."""
-    note(self)
+    before the class's own load and keeps those it put on the device after it.  Never fails a load."""
+    try:
+        note(self)
+    except Exception as e:
+        _failed(self, "noting the weights' host copies", e)
     try:
         return type(self).load(self, *args, **kwargs)
     finally:
-        settle(self)
+        try:
+            settle(self)
+        except Exception as e:
+            _failed(self, "keeping the weights' host copies", e)
 
 
 def _bind(patcher) -> None:

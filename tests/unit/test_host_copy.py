@@ -265,3 +265,17 @@ def test_on_comfyuis_pinning_unload_the_streamed_weights_stay_and_the_loaded_one
     assert p.pinned == {"b.weight", "b.bias"}
     p.detach()
     _check_given_back(model, before)
+
+
+def test_a_failing_note_or_settle_never_fails_the_load(monkeypatch):
+    model = Net()
+    p = Patcher(model)
+    host_copy.install(p)
+
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(host_copy, "note", broken)
+    monkeypatch.setattr(host_copy, "settle", broken)
+    p.load()
+    assert all(t.device == META for t in model.parameters()) and model not in host_copy._KEPT
