@@ -337,11 +337,6 @@ def expert_switch_lines() -> list:
     path, rnd = SWITCH_ROUND
     got = {r["run"].split("@")[0]: r for r in rows(path) if r.get("round") == rnd and r.get("status") == "ok"}
     est, comfy = got["est+sage"], got["comfy+sdpa"]
-
-    def unloads(r):  # the switches that unload the other expert (the first prompt's high one unloads the text encoder)
-        return [p["phases"][e]["comfy_memory_s"]["model_unload"] for p in r["prompts"] for e in ("high", "low")
-                if (p["prompt"], e) != ("first", "high")
-                and (p["phases"].get(e) or {}).get("comfy_memory_s", {}).get("model_unload") is not None]
     high = est["prompts"][0]["experts"]["high"]
     first = {k: r["prompts"][0]["experts"]["high"]["step_s"][0] for k, r in got.items()}
     later = [s for p in est["prompts"] for x in p["experts"].values() for s in x["step_s"][1:]]
@@ -354,7 +349,7 @@ def expert_switch_lines() -> list:
         f"{high['predicted_working_gib']:.2f} GiB where ComfyUI reserves {high['comfy_estimate_gib']:.2f} GiB (the "
         f"sampling held {high['working_gib']:.2f} GiB above the weights), so {100 * (1 - high['resident_frac']):.1f} % of "
         f"the weights stayed streamed, and unloading that partly loaded expert at a switch took "
-        f"{min(unloads(est)):.1f}–{max(unloads(est)):.1f} s against {min(unloads(comfy)):.1f}–{max(unloads(comfy)):.1f} s "
+        f"{min(switch_unloads(est)):.1f}–{max(switch_unloads(est)):.1f} s against {min(switch_unloads(comfy)):.1f}–{max(switch_unloads(comfy)):.1f} s "
         f"for the fully loaded one of ComfyUI alone. From `2e41b0a` the decode's room no longer streams weights "
         f"([memory model](memory-model.md#{anchor('The VAE decode after the sampling')})): the later rounds of that "
         f"file in the table above are after it.",
@@ -739,21 +734,24 @@ UNLOAD_ROUNDS = (("whole-prompt/gguf-480p81-4steps-16gib-eager.jsonl", "e", "f")
                  ("whole-prompt/gguf-720p81-4steps-24gib-eager.jsonl", "b", "c"))
 
 
-def expert_unloads(path: str, rnd: str, run: str) -> list:
-    """The seconds ComfyUI spent unloading the other expert at each switch of a round's process (the first
-    prompt's high-noise expert unloads the text encoder instead, and is left out)."""
+def switch_unloads(r: dict) -> list:
+    """The seconds ComfyUI spent unloading the other expert at each switch of one whole-prompt record (the
+    first prompt's high-noise expert unloads the text encoder instead, and is left out)."""
     out = []
-    for r in rows(path):
-        if r.get("round") != rnd or r.get("status") != "ok" or r["run"].split("@")[0] != run:
-            continue
-        for pr in r["prompts"]:
-            for e in ("high", "low"):
-                ph = (pr.get("phases") or {}).get(e) or {}
-                if (pr["prompt"], e) != ("first", "high") and "WAN21" in (ph.get("loaded_gib_before") or {}):
-                    s_ = (ph.get("comfy_memory_s") or {}).get("model_unload")
-                    if s_ is not None:
-                        out.append(s_)
+    for pr in r["prompts"]:
+        for e in ("high", "low"):
+            ph = (pr.get("phases") or {}).get(e) or {}
+            if (pr["prompt"], e) != ("first", "high") and "WAN21" in (ph.get("loaded_gib_before") or {}):
+                s_ = (ph.get("comfy_memory_s") or {}).get("model_unload")
+                if s_ is not None:
+                    out.append(s_)
     return out
+
+
+def expert_unloads(path: str, rnd: str, run: str) -> list:
+    """:func:`switch_unloads` over the processes of one round and configuration."""
+    return [s_ for r in rows(path) if r.get("round") == rnd and r.get("status") == "ok"
+            and r["run"].split("@")[0] == run for s_ in switch_unloads(r)]
 
 
 def unload_section() -> list:
