@@ -392,7 +392,9 @@ def capacity(model) -> int:
     return total
 
 
-def _same_device(a, b) -> bool:
+def same_device(a: torch.device, b) -> bool:
+    """Whether device ``a`` is ``b`` (a device or its name); a device without an index matches any index."""
+    b = torch.device(b)
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
@@ -405,7 +407,7 @@ def device_bytes(module, dev) -> int | None:
     seen, total = set(), 0
     try:
         for t in itertools.chain(module.parameters(), module.buffers()):
-            if not _same_device(t.device, dev):
+            if not same_device(t.device, dev):
                 continue
             storage = t.untyped_storage()
             if storage.data_ptr() in seen:

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .comfy_bridge import same_device as _same
 from .log_once import reason, warn_once
 
 log = logging.getLogger("wan_sage")
@@ -59,11 +60,6 @@ class _Kept:
 
 # BaseModel -> {parameter name: _Kept}.  Weak: a model ComfyUI drops takes its host tensors with it.
 _KEPT: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, _Kept]]" = weakref.WeakKeyDictionary()
-
-
-def _same(a: torch.device, b) -> bool:
-    b = torch.device(b)
-    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
 def _eligible(patcher) -> bool:
@@ -182,6 +178,15 @@ def note(patcher) -> int:
     return len(kept)
 
 
+def _nbytes(k: _Kept) -> int:
+    return k.data.numel() * k.data.element_size()
+
+
+def _same_layout(k: _Kept, cur) -> bool:
+    # size(), not shape: a GGUF tensor's shape is its logical one, its size() that of its bytes
+    return cur.size() == k.data.size() and cur.dtype == k.data.dtype
+
+
 def _is_loaded(k: _Kept, cur) -> bool:
     return (k.loaded is not None and k.loaded() is cur and cur is not None and _same(cur.device, k.device)
             and cur.data_ptr() == k.ptr)
@@ -204,9 +209,8 @@ def settle(patcher) -> int:
             _, _, cur = _param(base, key)
         except AttributeError:
             cur = None
-        # size(), not shape: a GGUF tensor's shape is its logical one, its size() that of its bytes
-        if (cur is None or key in backup or _same(cur.device, offload) or cur.size() != k.data.size()
-                or cur.dtype != k.data.dtype or not _same(k.data.device, offload)):
+        if (cur is None or key in backup or _same(cur.device, offload) or not _same_layout(k, cur)
+                or not _same(k.data.device, offload)):
             del kept[key]
             continue
         k.loaded, k.device, k.ptr = weakref.ref(cur), cur.device, cur.data_ptr()
@@ -215,7 +219,7 @@ def settle(patcher) -> int:
 
 def kept_bytes(patcher) -> int:
     kept = _KEPT.get(getattr(patcher, "model", None)) or {}
-    return sum(k.data.numel() * k.data.element_size() for k in kept.values() if k.loaded is not None)
+    return sum(_nbytes(k) for k in kept.values() if k.loaded is not None)
 
 
 def release(patcher, device_to) -> int:
@@ -236,7 +240,7 @@ def release(patcher, device_to) -> int:
         except AttributeError:
             cur = None
         ok = (cur is not None and _is_loaded(k, cur) and key not in backup and _same(k.data.device, device_to)
-              and cur.size() == k.data.size() and cur.dtype == k.data.dtype)
+              and _same_layout(k, cur))
         k.loaded, k.device, k.ptr = None, None, 0
         if not ok:
             del kept[key]
@@ -248,7 +252,7 @@ def release(patcher, device_to) -> int:
         else:
             del kept[key]
             continue
-        freed += k.data.numel() * k.data.element_size()
+        freed += _nbytes(k)
     if freed:
         log.debug("wan-sage: unloading kept %.2f GiB of weights' host copies: not copied back", freed / 2**30)
     return freed
