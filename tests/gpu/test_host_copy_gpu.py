@@ -2,7 +2,6 @@
 very host tensors its weights were loaded from (nothing copied), and samples the same latent afterwards
 as the model ComfyUI unloads and reloads itself.  A full-precision model with and without a LoRA, and a
 GGUF one with its LoRA (ComfyUI-GGUF in COMFYUI_GGUF_PATH); each skips, with its reason, without them."""
-import os
 import sys
 from pathlib import Path
 
@@ -14,6 +13,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "host"))
 import comfy_env  # noqa: E402
+import workflow_check  # noqa: E402
 
 if comfy_env.skip_reason():
     pytest.skip(f"gpu tier unload: {comfy_env.skip_reason()}", allow_module_level=True)
@@ -29,22 +29,11 @@ def comfy():
 
 
 def _gguf_model(comfy, tmp_path):
-    gguf_dir = os.environ.get("COMFYUI_GGUF_PATH") or os.path.join(comfy_env.comfy_path(), os.pardir, "ComfyUI-GGUF")
-    if not os.path.isfile(os.path.join(gguf_dir, "nodes.py")):
-        pytest.skip(f"ComfyUI-GGUF not found at {gguf_dir} (set COMFYUI_GGUF_PATH)")
+    reason = workflow_check.gguf_skip_reason()
+    if reason:
+        pytest.skip(reason)
     pytest.importorskip("gguf", reason="the gguf package (ComfyUI-GGUF's dependency) is not installed")
-    from bench import e2e_models
-    import folder_paths
-    import nodes
-    comfy_env.load_custom_node(gguf_dir)
-    files = e2e_models.ensure_models(tmp_path, scale="tiny", weights="gguf", lora_rank=8, device="cpu",
-                                     only=("unet_high", "lora_high"), log=lambda *a: None)
-    folder_paths.add_model_folder_path("diffusion_models", str(tmp_path / "diffusion_models"))
-    folder_paths.add_model_folder_path("loras", str(tmp_path / "loras"))
-    (model,) = nodes.NODE_CLASS_MAPPINGS["UnetLoaderGGUF"]().load_unet(os.path.basename(files["unet_high"]))
-    (model,) = nodes.NODE_CLASS_MAPPINGS["LoraLoaderModelOnly"]().load_lora_model_only(
-        model, os.path.basename(files["lora_high"]), 1.0)
-    return model
+    return comfy_env.tiny_gguf_expert(workflow_check.gguf_path(), tmp_path)
 
 
 def _model(comfy, kind, tmp_path):

@@ -426,6 +426,25 @@ def tiny_wan_patcher(dim: int = 256, ffn_dim: int = 256, num_layers: int = 2,
     return patcher
 
 
+def tiny_gguf_expert(gguf_dir: str | os.PathLike, models_dir: str | os.PathLike, lora_rank: int = 8):
+    """A real ComfyUI-GGUF patcher around the miniature high-noise Wan 2.2 expert of ``bench.e2e_models``
+    (random weights, Q4_K/Q6_K/F32/BF16 as the real file's), with its LoRA, loaded through ``UnetLoaderGGUF``
+    and ``LoraLoaderModelOnly`` from files written into ``models_dir``. ComfyUI-GGUF (``gguf_dir``) is loaded
+    as a custom node. Call it under ``torch.inference_mode()``, as ComfyUI runs nodes."""
+    from bench import e2e_models
+    load_custom_node(gguf_dir)
+    files = e2e_models.ensure_models(models_dir, scale="tiny", weights="gguf", lora_rank=lora_rank, device="cpu",
+                                     only=("unet_high", "lora_high"), log=lambda *a: None)
+    import folder_paths
+    import nodes
+    folder_paths.add_model_folder_path("diffusion_models", os.path.join(os.fspath(models_dir), "diffusion_models"))
+    folder_paths.add_model_folder_path("loras", os.path.join(os.fspath(models_dir), "loras"))
+    (model,) = nodes.NODE_CLASS_MAPPINGS["UnetLoaderGGUF"]().load_unet(os.path.basename(files["unet_high"]))
+    (model,) = nodes.NODE_CLASS_MAPPINGS["LoraLoaderModelOnly"]().load_lora_model_only(
+        model, os.path.basename(files["lora_high"]), 1.0)
+    return model
+
+
 def text_cond(batch: int = 1, tokens: int = WAN_TEXT_TOKENS, text_dim: int = WAN_TEXT_DIM,
               seed: int = 1, scale: float = 0.1, extra: dict | None = None):
     """A CONDITIONING list ``[[tensor[batch, tokens, text_dim], {...}]]`` of seeded noise."""

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import comfy_env
+import workflow_check
 
 if comfy_env.skip_reason():
     pytest.skip(f"host tier: {comfy_env.skip_reason()}", allow_module_level=True)
@@ -64,27 +65,15 @@ def test_stock_comfyui_copies_so_the_test_can_fail(comfy):
 def test_a_gguf_expert_with_its_lora_keeps_its_quantized_host_tensors(comfy, tmp_path):
     """ComfyUI-GGUF moves a LoRA-patched quantized weight by replacing the tensor object (no backup) and
     the rest with ``module.to``: both come back as the very host tensors, with their quantisation type."""
-    import os
-
-    gguf_dir = os.environ.get("COMFYUI_GGUF_PATH") or os.path.join(comfy_env.comfy_path(), os.pardir, "ComfyUI-GGUF")
-    if not os.path.isfile(os.path.join(gguf_dir, "nodes.py")):
-        pytest.skip(f"ComfyUI-GGUF not found at {gguf_dir} (set COMFYUI_GGUF_PATH)")
+    reason = workflow_check.gguf_skip_reason()
+    if reason:
+        pytest.skip(reason)
     pytest.importorskip("gguf", reason="the gguf package (ComfyUI-GGUF's dependency) is not installed")
-    from bench import e2e_models
     from wan_sage.nodes import host_copy
     from wan_sage.nodes.estimator import Settings, apply_estimator
 
-    comfy_env.load_custom_node(gguf_dir)
-    files = e2e_models.ensure_models(tmp_path, scale="tiny", weights="gguf", lora_rank=8, device="cpu",
-                                     only=("unet_high", "lora_high"), log=lambda *a: None)
-    import folder_paths
-    import nodes
-    folder_paths.add_model_folder_path("diffusion_models", str(tmp_path / "diffusion_models"))
-    folder_paths.add_model_folder_path("loras", str(tmp_path / "loras"))
     with torch.inference_mode():
-        (model,) = nodes.NODE_CLASS_MAPPINGS["UnetLoaderGGUF"]().load_unet(os.path.basename(files["unet_high"]))
-        (model,) = nodes.NODE_CLASS_MAPPINGS["LoraLoaderModelOnly"]().load_lora_model_only(
-            model, os.path.basename(files["lora_high"]), 1.0)
+        model = comfy_env.tiny_gguf_expert(workflow_check.gguf_path(), tmp_path)
         m, _, _ = apply_estimator(model, Settings(), [1, 16, 2, 8, 8])
         model.load_device = m.load_device = META
         assert host_copy.install(m)
