@@ -29,11 +29,8 @@ SET_FROM = {
     # memory/estimate.compiled_as_eager answering "cast": compiled blocks with weights cast at every call
     # are reserved for as eager ones
     "compiled_as_eager": ("e2e/fp8-compiled-24gib.jsonl",),
-}
-# Terms tried on the rows of these files and not taken into the pack (docs/memory-model.md says why); the
-# rows of the other files of the kind are the check that decided it.
-TRIED_FROM = {
-    "GGUF streaming term": ("e2e/gguf-budgets-24-16-12gib.jsonl",),
+    # memory/estimate.py CALIBRATED: the streaming term of GGUF weights streamed by eager blocks
+    "gguf_stream_copies": ("e2e/gguf-budgets-24-16-12gib.jsonl", "e2e/gguf-budgets-12-10-8gib.jsonl"),
 }
 
 
@@ -59,8 +56,8 @@ def files(kind: str) -> list[Path]:
 
 
 def set_from(rule: str) -> list[Path]:
-    """The record files ``rule`` was set from (:data:`SET_FROM`) or tried on (:data:`TRIED_FROM`)."""
-    return [path(n) for n in {**SET_FROM, **TRIED_FROM}[rule]]
+    """The record files ``rule`` was set from (:data:`SET_FROM`)."""
+    return [path(n) for n in SET_FROM[rule]]
 
 
 def not_set_from(rule: str, kind: str) -> list[Path]:

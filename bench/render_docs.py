@@ -24,7 +24,7 @@ from ._records import RECORDS, SET_FROM, files, name_of, not_set_from, path, row
 from .measured_rows import compiled_blocks, e2e_estimate, head_groups, predict_forward
 
 _host.load_pack()
-from wan_sage.memory import vae_decode  # noqa: E402
+from wan_sage.memory import activation_model, vae_decode  # noqa: E402
 from wan_sage.memory.estimate import CALIBRATED  # noqa: E402
 
 GiB = 2 ** 30
@@ -32,7 +32,8 @@ ROOT = _host.ROOT
 # what each rule of bench._records.SET_FROM is called in the pages
 RULE_TEXT = {"partial_frag_factor": "the partial-load term (`partial_frag_factor`)",
              "cast_frag_factor": "the fp8 cast term (`cast_frag_factor`)",
-             "compiled_as_eager": "the cast rule for compiled blocks (`compiled_as_eager`)"}
+             "compiled_as_eager": "the cast rule for compiled blocks (`compiled_as_eager`)",
+             "gguf_stream_copies": "the GGUF streaming term (`gguf_stream_copies`)"}
 DOCS = ROOT / "docs"
 R720 = (1280, 720, 81)
 
@@ -1208,9 +1209,9 @@ def cast_term_runs() -> list[dict]:
 def _streamed_rows(paths) -> tuple:
     """Table lines of the experts sampled with weights partly offloaded in ``paths``, and per kind (eager,
     compiled) what the allocator held: (held above resident weights, held above the allocated peak,
-    reservation); per file, eager held minus the resident reservation; and for compiled-per-block
-    experts, (held above resident weights, the compiled figure for resident weights)."""
-    lines, held_over, over_resident, compiled = [], {}, {}, []
+    reservation); and for compiled-per-block experts, (held above resident weights, the compiled figure for
+    resident weights)."""
+    lines, held_over, compiled = [], {}, []
     for p, r in e2e_records(paths=paths):
         c = r["config"]
         if r.get("status") != "ok":
@@ -1224,14 +1225,12 @@ def _streamed_rows(paths) -> tuple:
             res = est.reservation_partial / GiB
             kind = "compiled" if c.get("compile") else "eager"
             held_over.setdefault(kind, []).append((held_gib, above, res))
-            if kind == "eager":
-                over_resident.setdefault(p, []).append(held_gib - est.reservation_resident / GiB)
-            elif compiled_blocks(c):
+            if kind == "compiled" and compiled_blocks(c):
                 compiled.append((held_gib, est.reservation_resident / GiB))
             lines.append(f"| `{commit_of(r)}` | {r['run'].split('@')[0]}@{c['budget_gib']:g} | {size_of(c)} | "
                          f"{name} | {e['resident_frac']:.0%} | {e['working_gib']:.2f} | {above:.2f} | "
                          f"{held_gib:.2f} | {res:.2f} | {held_gib / res:.2f} |")
-    return lines, held_over, over_resident, compiled
+    return lines, held_over, compiled
 
 
 def _streamed_table(lines: list, held_over: dict) -> list:
@@ -1274,10 +1273,10 @@ def _oom_runs(weights: str) -> list[tuple[Path, dict]]:
 
 def e2e_streamed_section() -> list:
     """The experts sampled end to end with weights partly offloaded (GGUF A14B), against the reservation
-    the estimate makes for them; and what a GGUF-only streaming term set from the rows of one file would
-    have done on the others, which it was not set from."""
+    the estimate makes for them; then the GGUF streaming term set from their eager rows, and its check on the
+    whole-prompt records."""
     paths = streamed_files("gguf", ("partial_frag_factor",))
-    lines, held_over, over_resident, _compiled = _streamed_rows(paths)
+    lines, held_over, _compiled = _streamed_rows(paths)
     ooms = [(p, r) for p, r in _oom_runs("gguf") if not r["config"].get("budget_gib") is None]
     o = ["\n## Partly offloaded end to end (GGUF A14B, H200)\n",
          "The end-to-end runs with weights partly offloaded: " + _describe_files(paths) + ".",
@@ -1285,87 +1284,62 @@ def e2e_streamed_section() -> list:
          "compiled per block. Per expert: the allocated working memory, what the allocator held above it at the",
          "sampling peak (peak reserved − peak allocated), what it held above the resident weights in all, and the",
          "reservation the estimate makes for that configuration with weights partly offloaded (compiled blocks",
-         "with streamed weights are reserved as eager). `partial_frag_factor` was set from other records (the",
-         "reference budget run), so these rows check it (`bench/tests/test_constants_held_out.py`). Completed runs",
+         "with streamed weights are reserved as eager, with the partial-load term; eager ones with the GGUF streaming",
+         "term below). The compiled rows check `partial_frag_factor`, which was set from other records (the reference",
+         "budget run; `bench/tests/test_constants_held_out.py`); the eager rows set the GGUF streaming term. Completed runs",
          "only: " + _and([f"{r['run']} ({commit_of(r)})" for _p, r in ooms]) + " ran out of memory",
          f"([benchmarks.md](benchmarks.md#{anchor('Out of memory')})).\n",
          ] + _streamed_table(lines, held_over)
-    fit = [x for p in set_from("GGUF streaming term") for x in over_resident.get(p, [])]
-    check = [x for p, xs in over_resident.items() if p.resolve() not in {q.resolve() for q in set_from("GGUF streaming term")}
-             for x in xs]
-    if fit and check:
-        m = max(fit)
-        short = [x for x in check if x > max(m, 0.0)]
-        short_fixed = [x for x in check if x > max(m, 0.0) + (CALIBRATED['partial_fixed'] / GiB)]
-        src = _and([f"`{p.name}`" for p in set_from("GGUF streaming term")])
-        o.append(f"- **A GGUF-only streaming term, tried and not taken.** With eager streaming, what the allocator held minus the "
-                 f"reservation for resident weights was at most {m:+.2f} GiB over the {len(fit)} experts of {src}, so a term")
-        o.append(f"  set from them would reserve that reservation plus {max(m, 0.0):.2f} GiB (floored at 0). On the other {len(check)} eager experts, which it was not set")
-        o.append(f"  from (other budgets and sizes), {len(short)} held more, by up to {max(check) - max(m, 0.0):.2f} GiB; with "
-                 f"`partial_fixed` ({(CALIBRATED['partial_fixed'] / GiB):.2f} GiB) added, {len(short_fixed)} still did. The")
-        o.append("  partial-load term stays as set, at the cost of the unused budget above.")
-    o += stream_term_trial_lines()
+    o += gguf_stream_term_lines()
     o.append("")
     return o
 
 
-STREAM_TERM_TRIAL = "whole-prompt/void-gguf-stream-term-7570f40.jsonl"
-STREAM_TERM_BEFORE = "whole-prompt/gguf-720p81-4steps-16gib-eager.jsonl"
-
-
-def stream_term_trial_lines() -> list:
-    """The GGUF streaming term set from all 20 eager experts and run as whole prompts (the void file: the pack
-    dropped it), against the same workflow with the partial-load term: what the experts held, and what the VAE
-    decode after them cost."""
-    try:
-        trial = [r for r in rows(STREAM_TERM_TRIAL) if r.get("status") == "ok"]
-        # the file's first set (no ``round``): the partial-load term on the pack of that time
-        before = [r for r in rows(STREAM_TERM_BEFORE) if r.get("status") == "ok" and r["config"]["estimator"]
-                  and "round" not in r]
-    except FileNotFoundError:
+def gguf_stream_term_lines() -> list:
+    """How the GGUF streaming term (``CALIBRATED["gguf_stream_copies"]``) was set from the eager experts of its
+    files, and what the whole-prompt experts, which it was not set from, held against the reservation the node
+    makes now."""
+    d = activation_model.PRESETS["wan2.2-a14b"]
+    copy = 2 * d.dim * d.ffn_dim / GiB
+    copies = CALIBRATED["gguf_stream_copies"]
+    src = {p.resolve() for p in set_from("gguf_stream_copies")}
+    need = []
+    for p, r in e2e_records("gguf", [q for q in files("e2e") if q.resolve() in src]):
+        c = r["config"]
+        if r.get("status") != "ok" or c.get("compile"):
+            continue
+        est = e2e_estimate(c)
+        base = (est.reservation_partial - est.partial["fragmentation"]) / GiB
+        need += [held_above_weights(e) - base for e in r["experts"].values() if e["resident_frac"] < 0.9999]
+    check = []
+    for p in files("whole-prompt"):
+        for r in rows(p):
+            c = r["config"]
+            if r.get("status") != "ok" or c.get("weights") != "gguf" or c.get("compile"):
+                continue
+            est = e2e_estimate(c, q_handed_over=c["attention"] == "sage")
+            check += [(held_above_weights(e), est.reservation_partial / GiB) for pr in r["prompts"] if pr["status"] == "ok"
+                      for e in pr["experts"].values() if e["resident_frac"] < 0.9999]
+    if not need:
         return []
-    if not trial or not before:
-        return []
-    held, reserved = [], []
-    for r in trial:
-        for p in r["prompts"]:
-            for e in p["experts"].values():
-                held.append(held_above_weights(e))
-                reserved.append(e["predicted_working_gib"])
-    def decode(rs, budget):
-        return [(p["phases"]["decode"]["s"], p["to_frames_s"], p["phases"]["decode"].get("loaded_gib_before", {}),
-                 p["phases"]["decode"].get("loaded_gib_after", {}))
-                for r in rs if r["config"]["budget_gib"] == budget and (r["config"]["width"], r["config"]["height"]) == (1280, 720)
-                for p in r["prompts"]]
-    new16, old16 = decode(trial, 16.0), decode(before, 16.0)
-    if len(new16) < 2 or len(old16) < 2:
-        return []
-    evicted = [b.get("WAN21", 0) - a.get("WAN21", 0) for _s, _f, b, a in new16]
-    sizes = _and(sorted({f"{size_of(r['config'])} at {r['config']['budget_gib']:g} GiB" for r in trial}))
-    res16 = [e["resident_frac"] for r in trial if r["config"]["budget_gib"] == 16.0 for p in r["prompts"]
-             for e in p["experts"].values()]
-    res16_before = [e["resident_frac"] for r in before for p in r["prompts"] for e in p["experts"].values()]
-    return [
-        f"- **Then set from all 20 (`gguf_stream_copies` = 4 dequantised copies of the largest Linear, 0.53 GiB at A14B) and "
-        f"run as whole prompts** ({link(STREAM_TERM_TRIAL, STREAM_TERM_TRIAL.split('/')[-1])}, `{commit_of(trial[0])}`; "
-        f"{sizes}, estimator + Sage, first and repeat prompt): no run out of memory, the experts held "
-        f"{_span(held)} GiB above the resident weights against {_span(reserved)} GiB reserved. But the weights kept resident "
-        f"({_span([100 * x for x in res16], '{:.0f}')} % at 16 GiB, against {_span([100 * x for x in res16_before], '{:.0f}')} % "
-        f"with the partial-load term, {link(STREAM_TERM_BEFORE, STREAM_TERM_BEFORE.split('/')[-1])}) are what the VAE decode "
-        f"after the sampling evicts: at 16 GiB it evicted {_span(evicted)} GiB of the expert and took "
-        f"{' / '.join(f'{s:.1f}' for s, _f, _b, _a in new16)} s (first / repeat prompt) against "
-        f"{' / '.join(f'{s:.1f}' for s, _f, _b, _a in old16)} s, and the prompt to the frames took "
-        f"{' / '.join(f'{f:.1f}' for _s, f, _b, _a in new16)} s against {' / '.join(f'{f:.1f}' for _s, f, _b, _a in old16)} s "
-        "(an earlier run, on another machine). So the pack keeps the partial-load term: reserving what the sampling holds "
-        "is not a gain on the user's clock until the decode that follows is planned for too.",
-    ]
+    o = [f"- **The GGUF streaming term.** Eager blocks that stream GGUF weights are reserved for the resident working memory, "
+         f"the streamed weight transient and `gguf_stream_copies` = {copies} dequantised copies of the largest Linear "
+         f"({copies * copy:.2f} GiB at A14B in bf16), not the partial-load term. It was set from the {len(need)} eager experts above: "
+         f"the most any held above the reservation without it was {max(need):+.2f} GiB ({max(need) / copy:.2f} copies), rounded up "
+         f"to whole copies plus one. Compiled blocks that stream keep the partial-load term."]
+    if check:
+        o.append(f"- Checked on the {len(check)} streamed GGUF experts of the whole-prompt records (first and repeat prompts), "
+                 f"which it was not set from: they held {_span([h for h, _r in check])} GiB above the resident weights, "
+                 f"{_span([h / r for h, r in check])} of the reservation the node makes now "
+                 f"(`bench/tests/test_constants_held_out.py`); the reservation was {_span([r / h for h, r in check], '{:.2f}')}× what they held.")
+    return o
 
 
 def e2e_streamed_fp8_section() -> list:
     """The fp8 experts sampled with weights partly offloaded, eager and compiled per block, against the
     reservation the estimate makes for them; the files the cast term was set from left out."""
     paths = streamed_files("fp8", ("partial_frag_factor", "cast_frag_factor"))
-    lines, held_over, _over, compiled = _streamed_rows(paths)
+    lines, held_over, compiled = _streamed_rows(paths)
     if not lines:
         return []
     streamed = [r["config"] for _p, r in e2e_records("fp8", paths) if r.get("status") == "ok"

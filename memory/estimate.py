@@ -56,6 +56,17 @@ CALIBRATED = {
     "cast_frag_factor": 2.0,
     # Added to either fragmentation term; set and checked with partial_frag_factor above.
     "partial_fixed": 256 * MiB,
+    # GGUF weights partly offloaded, blocks run eagerly: what the allocator holds for the streamed layers
+    # above the reservation with the streamed weight transient, in dequantised copies (compute dtype) of the
+    # largest Linear.  ComfyUI-GGUF dequantises a streamed layer where it runs, so the partial-load term (set
+    # for bf16 layers copied whole, PyTorch's native allocator) over-reserves it.  Set from the 20 eager
+    # streamed experts of bench/records/e2e/gguf-budgets-*.jsonl (A14B Q4_K_M, 1280x720x81, 832x480x81 and
+    # 832x1472x49 at 16 to 8 GiB): the most any held above that reservation was 0.31 GiB, 2.38 copies of
+    # A14B's 0.132 GiB FFN; rounded up to whole copies, plus one copy of headroom for sizes and models the
+    # 20 did not cover.  Checked on the streamed experts of the whole-prompt records
+    # (bench/tests/test_constants_held_out.py).  Compiled blocks that stream keep the partial-load term: they
+    # held up to 1.8 GiB more than eager ones in the same files.
+    "gguf_stream_copies": 4,
 }
 
 # ComfyUI keeps this much free on top of a model's reservation (EXTRA_RESERVED_VRAM, Linux).
@@ -120,11 +131,17 @@ def comfy_figure(dims: WanDims, latent: tuple, dtype: str = "bf16", flash: bool 
     return int(B * T * H * W * per_elem * factor * MiB)
 
 
-def fragmentation_bytes(dims: activation_model.WanDims, w: activation_model.Workload, ws: activation_model.WeightSetup, partial: bool) -> int:
+def fragmentation_bytes(dims: activation_model.WanDims, w: activation_model.Workload, ws: activation_model.WeightSetup,
+                        partial: bool, compiled: bool = False) -> int:
     """What the allocator holds above the allocated peak: streamed layers under partial loading
     (``partial_frag_factor``), per-call weight casts (``cast_frag_factor``), the larger of the two,
     as a multiple of the largest activation block plus a fixed part; 0 for resident weights in the
-    compute dtype and for GGUF."""
+    compute dtype and for resident GGUF.  GGUF layers streamed by eager blocks get ``gguf_stream_copies``
+    dequantised copies of the largest Linear instead; ``compiled``: the model runs under some
+    torch.compile (per block, the whole model, or a scope not known), where streamed GGUF keeps the
+    partial-load term."""
+    if partial and ws.gguf and not compiled:
+        return int(CALIBRATED["gguf_stream_copies"] * activation_model.DTYPE_BYTES[w.dtype] * dims.dim * dims.ffn_dim)
     factor = max(CALIBRATED["partial_frag_factor"] if partial else 0.0,
                  CALIBRATED["cast_frag_factor"] if ws.casts_to(w.dtype) else 0.0)
     return int(factor * activation_model.largest_block(dims, w)) + CALIBRATED["partial_fixed"] if factor else 0
@@ -162,10 +179,13 @@ def compiled_as_eager(w: activation_model.Workload, ws: activation_model.WeightS
 
 
 def activation_bytes(dims: activation_model.WanDims, w: activation_model.Workload, ws: activation_model.WeightSetup | None = None,
-                     partial: bool = False) -> dict:
+                     partial: bool = False, other_compile: bool = False) -> dict:
     """Peak bytes of one forward with ``w.rows`` rows, split into named terms.  Compiled blocks count
-    as eager where :func:`compiled_as_eager` says why ("compiled_as_eager" in the result)."""
+    as eager where :func:`compiled_as_eager` says why ("compiled_as_eager" in the result).
+    ``other_compile``: a compile other than per block runs the model (planned as eager; see
+    :func:`fragmentation_bytes`)."""
     ws = ws or activation_model.WeightSetup()
+    compiled = w.compiled or other_compile
     as_eager = compiled_as_eager(w, ws, partial)
     if as_eager:
         w = replace(w, compiled=False)
@@ -176,7 +196,7 @@ def activation_bytes(dims: activation_model.WanDims, w: activation_model.Workloa
     transient = activation_model.weight_transient(dims, replace(ws, streamed=ws.streamed or partial), w.dtype,
                                                   tokens=w.rows * w.L)
     slack = CALIBRATED["slack_fixed"] + int(CALIBRATED["slack_rel"] * base)
-    frag = fragmentation_bytes(dims, w, ws, partial)
+    frag = fragmentation_bytes(dims, w, ws, partial, compiled)
     total = base + transient + slack + frag
     return {
         "phase_peak": phase, "dominant_phase": top, "persistent": pers,
@@ -277,6 +297,10 @@ class Setup:
     # an eager Sage call writes its output into q.  The node sets it from what it finds; the route and the CLI
     # plan without it (the ordinary path holds more, so their plan never falls short).
     q_handed_over: bool = False
+    # A compile other than per block runs the model (ComfyUI's TorchCompileModel on the whole model, or a
+    # compile whose scope wan-sage cannot read): planned as eager, but streamed GGUF weights keep the
+    # partial-load term (fragmentation_bytes).
+    other_compile: bool = False
     legacy_reason: str | None = None  # why the reservation places the weights (the legacy path), when known
     # A Wan VAE decode of this latent follows the sampling, in a dtype of this many bytes: on the legacy path the
     # reservation in force keeps the room the decode takes (memory.vae_decode), so the decode evicts none of the
@@ -370,8 +394,8 @@ def _policy_need(s: Setup, ours: int, comfy: int, rows: int) -> int:
 
 def _needs(s: Setup, w: activation_model.Workload) -> tuple:
     """(resident terms, streamed terms, resident reservation, streamed reservation) under the policy."""
-    res = activation_bytes(s.dims, w, s.weights, partial=False)
-    par = activation_bytes(s.dims, w, s.weights, partial=True)
+    res = activation_bytes(s.dims, w, s.weights, partial=False, other_compile=s.other_compile)
+    par = activation_bytes(s.dims, w, s.weights, partial=True, other_compile=s.other_compile)
     comfy = comfy_figure(s.dims, (w.rows,) + tuple(s.latent[1:]), s.dtype, s.comfy_flash)
     return (res, par, _policy_need(s, res["total"] + s.margin_bytes, comfy, w.rows),
             _policy_need(s, par["total"] + s.margin_bytes, comfy, w.rows))

@@ -214,7 +214,8 @@ def setup_for(model, shape, model_options, settings: Settings, *, assume_compile
             par = Parallel()
     return Setup(dims=dims, parallel=par, latent=tuple(int(x) for x in shape[:5]), dtype=dtype,
                  attention=att, sage_grouped=mode.sage_grouped and att.self_path != "sdpa",
-                 compiled=mode.compiled or assume_compiled, margin_bytes=int(settings.margin_gib * GiB),
+                 compiled=mode.compiled or assume_compiled,
+                 other_compile=scope is not None and not (mode.compiled or assume_compiled), margin_bytes=int(settings.margin_gib * GiB),
                  policy=settings.policy, fixed_bytes=int(settings.fixed_gib * GiB), streamed=streamed,
                  img_tokens=257 if dims.has_img_emb else 0, per_frame_timesteps=dims.latent_channels == 48,
                  comfy_flash=comfy_bridge.comfy_uses_flash(), kernel_set=comfy_bridge.kernel_set(),
