@@ -58,8 +58,8 @@ def add_parser(sub) -> None:
                         "costs <= 2 %%); without it the estimate assumes the ungrouped call, which needs more")
     p.add_argument("--margin", default="0", help="GiB added to the reservation")
     p.add_argument("--no-decode", action="store_true",
-                   help="no Wan VAE decode follows the sampling (by default the reservation keeps room for the one "
-                        "ComfyUI runs after it, where that fits, so the decode evicts no resident weights)")
+                   help="no Wan VAE decode follows the sampling (by default the plan makes room for the one ComfyUI "
+                        "runs after it, unloading the model when its sampling ends where the weights leave too little)")
     p.add_argument("--kernel-set", choices=list(activation_model.KERNEL_SETS), default=activation_model.KERNEL_SETS[0],
                    help="Wan's elementwise kernels to plan for: comfy-0.3.64 (eager, as measured; the default) or "
                         "comfy-kitchen (ComfyUI 0.38's fused RoPE and adaln, measured; its FFN measured only with "

@@ -306,6 +306,10 @@ class Setup:
     # reservation in force keeps the room the decode takes (memory.vae_decode), so the decode evicts none of the
     # weights kept resident.  None: not planned (the cond/uncond batching test, a caller that says so).
     decode_dtype_size: int | None = None
+    # The model is unloaded when its sampling ends wherever the decode's room is not free then, and that unload
+    # copies nothing back (the node keeps the weights' host copies, nodes/host_copy.py): the reservation in force
+    # keeps no room for the decode, and the weights use it while the model samples.
+    decode_by_unload: bool = False
     sage_memory_mode: str | None = None  # the Sage patch's memory mode ("sdpa", "fastest"); None: not known
     pixels: tuple | None = None  # (width, height, frames) the latent was made from, for rounding notes
     source: str = ""  # where the model's dims came from, in words
@@ -339,6 +343,9 @@ class Estimate:
     problems: tuple  # what makes the setup wrong (e.g. a latent of another channel count)
     sage_advice: str | None = None  # the Sage memory mode that avoids running out of memory, when it matters
     decode_floor: int = 0  # the room kept for the VAE decode after the sampling (memory.vae_decode); 0: none
+    # The room the VAE decode takes where the model is unloaded for it when its sampling ends
+    # (Setup.decode_by_unload, with the weights kept resident not leaving it free); 0: no unload planned
+    decode_unload: int = 0
     per_rank: dict | None = None  # one rank's figures under s.parallel (memory.parallel.per_rank); None: one GPU
 
     @property
@@ -423,6 +430,12 @@ DECODE_CAPPED_NOTE = ("the reservation in force keeps {gib:.2f} GiB for the {vae
                       "{full:.2f} GiB it takes (what ComfyUI frees for it and the workspace of its largest "
                       "convolution): the rest would stream weights, so the room is capped at {why}")
 
+DECODE_UNLOAD_NOTE = ("the {vae} decode after the sampling takes {gib:.2f} GiB (what ComfyUI frees for it and the "
+                      "workspace of its largest convolution), more than the resident weights leave free: the model is "
+                      "unloaded when its sampling ends, which copies nothing back (its weights keep their host "
+                      "copies), so the reservation in force keeps none of that room and the weights use it while "
+                      "sampling")
+
 FP8_MATMUL_NOTE = ("fp8 weights multiply in fp8 (fp8_e4m3fn_fast): each layer call copies its input to fp8 instead "
                    "of casting the weight; that copy is modelled, not measured")
 
@@ -475,14 +488,16 @@ def decode_floor(s: Setup, latent: tuple, room: int | None, comfy: int) -> int:
     back for the rest of the process to cuDNN's engine without one (memory.vae_decode).  Where the decode needs
     more than ``room``, ComfyUI unloads this model whole for it, and keeping room for it would only stream
     weights.  Dynamic VRAM evicts on demand and is left to ComfyUI; the fixed policy's reservation is the
-    user's own.
+    user's own.  Where the model is unloaded for the decode when its sampling ends (``s.decode_by_unload``:
+    :func:`decode_unload`), no room is kept.
 
     Where that room and every weight do not fit in ``room`` together, with :data:`PLACEMENT_SLACK` to spare,
     the room kept is capped at the larger of what fits beside every weight (less that slack) and ComfyUI's
     own reservation for the forward (``comfy``: :func:`comfy_figure` for ``latent``, the room its decodes have
     after ComfyUI alone's sampling): the decode's room then streams no weight that ComfyUI alone keeps resident, and the decode
     never starts with less room than after ComfyUI alone's."""
-    if s.decode_dtype_size is None or s.dynamic_vram or room is None or s.policy == POLICIES[2]:
+    if (s.decode_dtype_size is None or s.dynamic_vram or room is None or s.policy == POLICIES[2]
+            or s.decode_by_unload):
         return 0
     need = vae_decode.decode_bytes(latent, s.decode_dtype_size)
     if need is None or need > room:
@@ -491,6 +506,21 @@ def decode_floor(s: Setup, latent: tuple, room: int | None, comfy: int) -> int:
         beside = room - s.weights_bytes - PLACEMENT_SLACK
         need = min(need, max(beside, comfy))
     return need
+
+
+def decode_unload(s: Setup, latent: tuple, room: int | None, offload: int) -> int:
+    """The room the VAE decode after the sampling takes (:func:`.vae_decode.decode_bytes`) where the model is
+    unloaded for it when its sampling ends: ``s.decode_by_unload`` on the legacy path, and the weights kept
+    resident (every weight but ``offload`` bytes) leave less than that free in ``room``.  0 otherwise: no
+    decode planned, the room is free beside the weights, or the decode needs more than ``room`` (ComfyUI then
+    unloads the model for it in any case)."""
+    if not s.decode_by_unload or s.decode_dtype_size is None or s.dynamic_vram or room is None:
+        return 0
+    need = vae_decode.decode_bytes(latent, s.decode_dtype_size)
+    if need is None or need > room:
+        return 0
+    resident = max(0, (s.weights_bytes or 0) - offload)
+    return need if resident + need > room else 0
 
 
 def plan(s: Setup) -> Estimate:
@@ -546,6 +576,9 @@ def plan(s: Setup) -> Estimate:
                                                    why=why))
         else:
             notes.append(DECODE_NOTE.format(vae=vae_decode.vae_name(latent), gib=floor / GiB))
+    unload = decode_unload(s, latent, room, max(0, offload))
+    if unload:
+        notes.append(DECODE_UNLOAD_NOTE.format(vae=vae_decode.vae_name(latent), gib=unload / GiB))
     per = None
     if s.parallel.active:
         def local_total(local: int) -> int:
@@ -558,4 +591,4 @@ def plan(s: Setup) -> Estimate:
         reservation_batched_partial=bat_par, comfy_estimate=comfy,
         streamed=streamed, verdict=verdict, level=level, offload_bytes=max(0, offload), sage_head_groups=groups,
         notes=tuple(s.notes) + tuple(notes), problems=tuple(latent_problems(dims, latent)),
-        sage_advice=sage_mode_advice(s, w, par_need, room), per_rank=per, decode_floor=floor)
+        sage_advice=sage_mode_advice(s, w, par_need, room), per_rank=per, decode_floor=floor, decode_unload=unload)

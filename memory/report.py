@@ -8,7 +8,8 @@ node's ``report`` output shows and the server logs).  Every figure has one defin
   streamed, as the verdict finds;
 * room for the VAE decode: what the Wan VAE decode after the sampling takes (what ComfyUI frees for it and the
   workspace of its largest convolution); on the legacy path the reservation in force is at least this where it
-  fits, so the decode evicts none of the resident weights;
+  fits, so the decode evicts none of the resident weights; where the model is unloaded for the decode when its
+  sampling ends (its unload copies nothing back), the reservation keeps none of it;
 * room for weights: the VRAM for this model minus what ComfyUI keeps free minus the reservation in force, so
   that weights minus room is what is offloaded.
 
@@ -71,7 +72,7 @@ def summary(est: Estimate) -> dict:
     s = est.setup
     return {"tokens": est.tokens, "activation_gib": est.activation_peak / GiB, "sage_extra_gib": est.sage_extra / GiB,
             "reservation_gib": est.reservation / GiB, "comfy_gib": est.comfy_estimate / GiB,
-            "decode_room_gib": est.decode_floor / GiB,
+            "decode_room_gib": est.decode_floor / GiB, "decode_unload_gib": est.decode_unload / GiB,
             "weights_gib": (s.weights_bytes or 0) / GiB, "vram_gib": _gib(s.vram_bytes),
             "kept_free_gib": s.kept_free / GiB, "room_for_weights_gib": _gib(est.room_for_weights),
             "offload_gib": est.offload_bytes / GiB, "streamed": est.streamed, "verdict": est.verdict,
@@ -141,6 +142,9 @@ def report(est: Estimate, held: str | None = None, gpu: str | None = None) -> st
     rows.append(("ComfyUI's own estimate", _g(est.comfy_estimate), ""))
     if est.decode_floor:
         rows.append((f"{vae_decode.vae_name(s.latent)} decode after sampling", _g(est.decode_floor), ""))
+    elif est.decode_unload:
+        rows.append((f"{vae_decode.vae_name(s.latent)} decode after sampling",
+                     _g(est.decode_unload) + " (model unloaded first)", ""))
     if s.vram_bytes is not None:
         rows += [("VRAM for this model", _g(s.vram_bytes) + (f" ({gpu})" if gpu else ""), ""),
                  ("  kept free by ComfyUI", "- " + _g(s.kept_free), ""),

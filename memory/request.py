@@ -49,6 +49,9 @@ FIELDS = ("preset", "model_file", "model", "width", "height", "frames", "batch",
 # The bytes of the dtype a request plans the Wan VAE decode in: bf16 or fp16, what ComfyUI picks for it on
 # every NVIDIA GPU with either (model_management.vae_dtype over the Wan VAEs' working dtypes).
 VAE_DTYPE_SIZE = 2
+# A request plans the node on the legacy memory path with a GPU, where the estimator's clone keeps its weights'
+# host copies (nodes/host_copy.py) and unloads the model for the decode when its sampling ends.
+DECODE_BY_UNLOAD = True
 
 
 @dataclass(frozen=True)
@@ -353,7 +356,7 @@ def build(p, env: Env = Env(), *, text: bool = False, labels: dict | None = None
         vram_bytes=vram_bytes, margin_bytes=int(margin * GiB), policy=policy, fixed_bytes=int(fixed * GiB),
         img_tokens=257 if dims.has_img_emb else 0, per_frame_timesteps=dims.latent_channels == 48, comfy_flash=env.comfy_flash,
         kernel_set=kernel_set, pixels=(width, height, frames), parallel=par,
-        decode_dtype_size=None if f.flag("no_decode") else VAE_DTYPE_SIZE,
+        decode_dtype_size=None if f.flag("no_decode") else VAE_DTYPE_SIZE, decode_by_unload=DECODE_BY_UNLOAD,
         source=source, notes=tuple(([assumed] if assumed else []) + notes + list(wplan.notes)
                                    + ([COMPILED_NOTE] if compiled else [])))
     return Built(setup, wplan, detected, assumed)

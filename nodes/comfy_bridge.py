@@ -392,6 +392,22 @@ def capacity(model) -> int:
     return total
 
 
+def unload(patcher) -> bool:
+    """Unload the model ``patcher`` samples (every loaded patcher of its BaseModel) whole, through ComfyUI's
+    ``free_memory`` with every other loaded model kept; True where one was loaded and is now unloaded."""
+    import comfy.model_management as mm
+    base = getattr(patcher, "model", None)
+    loaded = list(getattr(mm, "current_loaded_models", []))
+    ours = [lm for lm in loaded if getattr(getattr(lm, "model", None), "model", None) is base]
+    if base is None or not ours:
+        return False
+    others = [lm for lm in loaded if all(lm is not o for o in ours)]
+    # more than the device holds: free_memory unloads each model it does not keep whole (model_unload with
+    # nothing left to free partially)
+    mm.free_memory(float(1 << 62), ours[0].device, keep_loaded=others)
+    return not any(lm in mm.current_loaded_models for lm in ours)
+
+
 def same_device(a: torch.device, b) -> bool:
     """Whether device ``a`` is ``b`` (a device or its name); a device without an index matches any index."""
     b = torch.device(b)

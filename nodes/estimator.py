@@ -13,6 +13,8 @@ Wiring (all scoped to the cloned MODEL, restored in ``finally``):
 * a ``CALC_COND_BATCH`` wrapper does the same around cond/uncond batching decisions;
 * the clone's ``load`` and ``unpatch_model`` keep the host tensors its weights are loaded from and give them
   back when ComfyUI unloads the model, so nothing is copied back (:mod:`.host_copy`; legacy path only);
+* with those, an ``OUTER_SAMPLE`` wrapper unloads the model when its sampling ends wherever the VAE decode's
+  room is not free (:mod:`.decode_room`), so the reservation keeps none of that room while sampling;
 * on the dynamic-VRAM path residency is managed by ComfyUI itself: the node then only informs
   batching, reports, and warns when the activations alone exceed the card.
 
@@ -31,7 +33,7 @@ from ..memory import activation_model, report
 from ..memory.estimate import DEFAULT_CC, GiB, POLICIES, AttentionPlan, Estimate, Setup, plan
 from ..memory.parallel import Parallel, problem
 from ..memory.request import LEGACY_POLICIES
-from . import comfy_bridge, host_copy, raylight_bridge, sage_patch
+from . import comfy_bridge, decode_room, host_copy, raylight_bridge, sage_patch
 from .log_once import reason, warn_once
 from .sage_patch import find_override
 
@@ -41,7 +43,8 @@ PREPARE_KEY = "wan_sage_reserve"
 BATCH_KEY = "wan_sage_cond_batch"
 SAGE_COUNT = ("auto-detect", "always", "never")
 HOST_COPY_NOTE = ("unloading: the weights keep their host copies while loaded, so an unload (the next expert, the "
-                  "VAE) copies nothing back; host memory stays within what the model held before its first load")
+                  "VAE) copies nothing back; host memory stays within what the model held before its first load. "
+                  "Where the VAE decode's room is not free when sampling ends, the model is unloaded for it then")
 _MISSING = object()
 
 
@@ -194,7 +197,8 @@ def setup_for(model, shape, model_options, settings: Settings, *, assume_compile
                                 else comfy_bridge.capacity(model)),
                  "kept_free": comfy_bridge.extra_reserved(), "dynamic_vram": dynamic,
                  "legacy_reason": None if dynamic else comfy_bridge.legacy_reason(model),
-                 "decode_dtype_size": comfy_bridge.vae_dtype_size(comfy_bridge.device_of(model)) if decode else None}
+                 "decode_dtype_size": comfy_bridge.vae_dtype_size(comfy_bridge.device_of(model)) if decode else None,
+                 "decode_by_unload": decode and host_copy.installed(model)}
     else:
         extra = {"weights": activation_model.WeightSetup(streamed=bool(streamed))}
     dev = comfy_bridge.device_of(model) if weights else getattr(model, "load_device", None)
@@ -412,6 +416,8 @@ def apply_estimator(model, settings: Settings, shape, model_options=None, pixels
     m.add_wrapper_with_key(W.PREPARE_SAMPLING, PREPARE_KEY, _prepare_wrapper(settings))
     m.add_wrapper_with_key(W.CALC_COND_BATCH, BATCH_KEY, _cond_batch_wrapper(settings))
     kept = host_copy.install(m)
+    if kept:
+        m.add_wrapper_with_key(W.OUTER_SAMPLE, decode_room.KEY, decode_room.outer_sample)
     mo = model_options or m.model_options
     setup = setup_for(m, shape, mo, settings, decode=True)
     est = plan(replace(setup, pixels=pixels, cfg=float(cfg)))

@@ -81,7 +81,8 @@ class WanWorkingMemoryEstimator(io.ComfyNode):
             category="model_patches/wan-sage",
             description=("Predicts the activation memory of a Wan denoise from the model's config and the latent "
                          "size, and reserves it before sampling so ComfyUI offloads just enough weights; where the "
-                         "VAE decode that follows needs more room, it reserves that, so the decode evicts nothing. "
+                         "VAE decode that follows needs more room, the model is unloaded for it when sampling ends "
+                         "(its weights keep their host copies, so nothing is copied back). "
                          "With the latent connected its size comes from the latent; otherwise from the size widgets."),
             inputs=[
                 io.Model.Input("model", tooltip="the Wan 2.1/2.2 model to sample; its config (layers, width, "

@@ -165,15 +165,23 @@ def test_decode_room_extra_reaches_the_estimators_reservation():
     from wan_sage.memory import vae_decode
     from wan_sage.memory.estimate import plan
     from wan_sage.memory.request import build
+    from dataclasses import replace
     req = {"preset": "wan2.2-a14b", "width": 1280, "height": 720, "frames": 81, "attention": "sage-auto",
            "arch": "sm90", "weights": "fp8", "vram_gib": 32}
-    before = plan(build(req).setup)
+
+    def setups():  # the room kept (a model unloaded by ComfyUI's copy); the model unloaded for the decode at 24 GiB
+        s = build(req).setup
+        return (plan(replace(s, decode_by_unload=False)),
+                plan(replace(s, decode_by_unload=True, vram_bytes=24 * e2e.GiB)))
+
+    before, before_unload = setups()
     original = e2e.with_decode_room_extra(vae_decode, 2)
     try:
-        after = plan(build(req).setup)
+        after, after_unload = setups()
     finally:
         vae_decode.decode_bytes = original
     assert before.decode_floor > 0
     assert after.decode_floor == before.decode_floor + 2 * e2e.GiB
     assert after.room_for_weights == before.room_for_weights - 2 * e2e.GiB
-    assert plan(build(req).setup).decode_floor == before.decode_floor
+    assert after_unload.decode_unload == before_unload.decode_unload + 2 * e2e.GiB > 2 * e2e.GiB
+    assert setups()[0].decode_floor == before.decode_floor

@@ -79,3 +79,36 @@ def test_unloaded_weights_are_their_host_tensors_and_sampling_after_is_unchanged
         mm.unload_all_models()
     torch.testing.assert_close(first, stock[0])
     torch.testing.assert_close(second, stock[1])
+
+
+@pytest.mark.parametrize("kind", ["plain", "gguf"])
+def test_a_sampling_short_of_the_decodes_room_ends_unloaded_and_samples_the_same_after(comfy, kind, tmp_path,
+                                                                                       monkeypatch):
+    """The estimator's OUTER_SAMPLE wrapper, in ComfyUI's own sampler: with the decode's room never free (a decode
+    that needs more than the card), each sampling ends with the model unloaded whole onto its host tensors, and
+    the next sampling loads it again and gives the stock latent."""
+    from wan_sage.nodes import decode_room, host_copy
+    from wan_sage.nodes.estimator import Settings, apply_estimator
+    mm = comfy.model_management
+    with torch.inference_mode():
+        base = _model(comfy, kind, tmp_path)
+        mm.unload_all_models()
+        stock = [comfy_env.sample_tiny(base, steps=2, seed=s) for s in (0, 1)]
+        mm.unload_all_models()
+        latent = comfy_env.empty_wan_latent(base)
+        m, est, _text = apply_estimator(base, Settings(), list(latent.shape))
+        assert host_copy.installed(m) and est.setup.decode_by_unload
+        before = _host_state(m.model)
+        assert decode_room.needed(m, latent.shape) is not None
+        monkeypatch.setattr(decode_room, "needed", lambda patcher, shape: 1 << 60)
+        got = []
+        for seed in (0, 1):
+            got.append(comfy_env.sample_tiny(m, steps=2, seed=seed))
+            assert not any(getattr(lm.model, "model", None) is m.model for lm in mm.current_loaded_models)
+            after = _host_state(m.model)
+            for k, (ptr, value) in before.items():
+                assert after[k][0] == ptr, f"{k} was copied back, not given its host tensor"
+                assert torch.equal(after[k][1], value), k
+        mm.unload_all_models()
+    torch.testing.assert_close(got[0], stock[0])
+    torch.testing.assert_close(got[1], stock[1])

@@ -53,6 +53,8 @@ def test_the_node_words_its_estimate_as_the_route_does(monkeypatch):
     monkeypatch.setattr(comfy_bridge, "capacity", lambda model: 24 * GiB)
     monkeypatch.setattr(comfy_bridge, "extra_reserved", lambda: 400 << 20)
     monkeypatch.setattr(comfy_bridge, "vae_dtype_size", lambda dev: 2)   # bf16, as ComfyUI decodes a Wan VAE on CUDA
+    # its weights keep their host copies, as the estimator's clone on a GPU: the model is unloaded for the decode
+    monkeypatch.setattr(estimator.host_copy, "installed", lambda model: True)
     m = Patcher()
     m.model_size = lambda: request.build(BODY).setup.weights_bytes
     _fn, node = estimator.sampling_plan(m, [1, 16, 21, 90, 160], m.model_options, estimator.Settings())

@@ -47,18 +47,20 @@ def test_estimate_api_json_and_field_errors():
     assert r["summary"]["tokens"] == 75600 and r["summary"]["level"] == "offloads"
     assert 9.5 < r["summary"]["reservation_gib"] < 11 and r["summary"]["sage_extra_gib"] > 0.3
     assert r["summary"]["decode_room_gib"] == 0
-    # By default the reservation in force keeps room for the Wan 2.1 VAE decode ComfyUI runs next: its
-    # memory_used_decode for a 90 x 160 latent in bf16 (comfy/sd.py) plus 1.1 x the VAE's bf16 weights, plus
-    # the workspace of its last 96-channel convolution (input 6 x 722 x 1282, output 4 x 720 x 1280).
-    d = estimate_from_json({**req, "vram_gib": 48})["summary"]
+    # A request plans the node on a GPU, whose weights keep their host copies: the model is unloaded for the
+    # Wan 2.1 VAE decode ComfyUI runs next where the weights it keeps resident leave that room short, so the
+    # reservation keeps none of it.  The room: its memory_used_decode for a 90 x 160 latent in bf16 (comfy/sd.py)
+    # plus 1.1 x the VAE's bf16 weights, plus the workspace of its last 96-channel convolution (input
+    # 6 x 722 x 1282, output 4 x 720 x 1280).
     decode_takes = (int(7000 * 90 * 160 * 64 * 2 + 1.1 * 126_892_531 * 2)
                     + 96 * (6 * 722 * 1282 + 4 * 720 * 1280) * 2) / (1 << 30)
-    assert abs(d["decode_room_gib"] - decode_takes) < 1e-6 and d["reservation_gib"] == d["decode_room_gib"]
-    assert abs(d["room_for_weights_gib"] - (48 - d["kept_free_gib"] - decode_takes)) < 1e-6
-    # at 24 GiB that room and the weights do not fit together: it is capped at ComfyUI's own reservation
     d = estimate_from_json(req)["summary"]
-    assert d["decode_room_gib"] == d["comfy_gib"] == d["reservation_gib"] < decode_takes
-    assert d["offload_gib"] > r["summary"]["offload_gib"]
+    assert abs(d["decode_unload_gib"] - decode_takes) < 1e-6 and d["decode_room_gib"] == 0
+    assert d["reservation_gib"] == r["summary"]["reservation_gib"] < decode_takes
+    assert d["offload_gib"] == r["summary"]["offload_gib"]
+    # where the decode's room is free beside every weight, nothing is unloaded
+    d = estimate_from_json({**req, "vram_gib": 64})["summary"]
+    assert d["level"] == "fits" and d["decode_unload_gib"] == 0 and d["decode_room_gib"] == 0
     with pytest.raises(RequestError, match="no_decode"):
         estimate_from_json({**req, "no_decode": "yes"})
     r = estimate_from_json({"model_file": "wan2.2_t2v_high_noise_14B_Q4_K_M.gguf", "width": 832, "height": 480,

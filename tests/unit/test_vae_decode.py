@@ -1,4 +1,6 @@
-"""The VAE decode after the sampling: on the legacy path the reservation in force keeps the room it takes (what
+"""The VAE decode after the sampling.  Where the node unloads the model for it when its sampling ends (its
+weights keep their host copies, so the unload copies nothing), the reservation keeps none of its room.  Else,
+on the legacy path the reservation in force keeps the room it takes (what
 ComfyUI frees for it: comfy/sd.py's memory_used_decode for the latent's Wan VAE plus 1.1 x the VAE's weights;
 and the workspace of its largest convolution's fast cuDNN engine), so the decode evicts none of the weights
 kept resident and keeps that engine; where that room does not fit in the budget (ComfyUI then
@@ -16,8 +18,10 @@ A14B_720P = {"preset": "wan2.2-a14b", "width": 1280, "height": 720, "frames": 81
              "arch": "sm90", "weights": "fp8"}
 
 
-def _est(**fields):
-    return plan(build({**A14B_720P, **fields}).setup)
+def _est(by_unload: bool = False, **fields):
+    """The plan for a request; ``by_unload``: the model is unloaded for the decode when its sampling ends (the
+    node with its weights' host copies, as a request plans it), else kept (its unload copies the weights back)."""
+    return plan(replace(build({**A14B_720P, **fields}).setup, decode_by_unload=by_unload))
 
 
 def test_comfyuis_figures_for_the_two_wan_vaes():
@@ -105,7 +109,8 @@ def test_dynamic_vram_and_the_fixed_policy_keep_no_room():
 
 
 def test_the_2_2_vae_of_ti2v_5b():
-    est = plan(build({"preset": "wan2.2-ti2v-5b", "width": 1280, "height": 704, "frames": 121, "vram_gib": 40}).setup)
+    s = build({"preset": "wan2.2-ti2v-5b", "width": 1280, "height": 704, "frames": 121, "vram_gib": 40}).setup
+    est = plan(replace(s, decode_by_unload=False))
     assert est.setup.latent[1] == 48 and est.decode_floor == vae_decode.decode_bytes(est.setup.latent)
     assert "Wan 2.2 VAE decode after sampling" in _text(est)
 
@@ -118,8 +123,49 @@ def _text(est):
 def test_a_room_that_fits_beside_the_weights_only_by_a_sliver_is_capped_too():
     # ComfyUI places the weights against its free memory after the estimate: a room that leaves the weights less
     # than the slack would stream the last modules once the sampling's own allocations are made
-    s = build({**A14B_720P, "weights": "q4_k_m", "width": 832, "height": 480, "vram_gib": 16}).setup
+    s = replace(build({**A14B_720P, "weights": "q4_k_m", "width": 832, "height": 480, "vram_gib": 16}).setup,
+                decode_by_unload=False)
     need = vae_decode.decode_bytes(s.latent)
     for spare, capped in ((PLACEMENT_SLACK // 2, True), (PLACEMENT_SLACK, False), (2 * PLACEMENT_SLACK, False)):
         est = plan(replace(s, vram_bytes=s.weights_bytes + need + s.kept_free + spare))
         assert (est.decode_floor < need) == capped and est.level == "fits"
+
+
+# --- the model unloaded for the decode when its sampling ends (the node with host copies; what requests plan)
+
+def test_a_request_plans_the_node_that_unloads_for_the_decode():
+    assert build(A14B_720P).setup.decode_by_unload
+    assert build({**A14B_720P, "no_decode": True}).setup.decode_dtype_size is None
+    assert plan(build({**A14B_720P, "no_decode": True, "vram_gib": 16}).setup).decode_unload == 0
+
+
+@pytest.mark.parametrize("weights", ["q4_k_m", "fp8", "fp16"])
+@pytest.mark.parametrize("vram", [12, 16, 20, 24, 32])
+def test_unloading_for_the_decode_keeps_no_room_and_never_holds_fewer_weights(weights, vram):
+    kept = _est(vram_gib=vram, weights=weights)
+    unload = _est(by_unload=True, vram_gib=vram, weights=weights)
+    need = vae_decode.decode_bytes(unload.setup.latent)
+    assert unload.decode_floor == 0
+    assert unload.reservation == (unload.reservation_partial if unload.streamed else unload.reservation_resident)
+    assert unload.room_for_weights >= kept.room_for_weights
+    # the unload is planned exactly where the weights kept resident leave the decode's room short
+    room = vram * GiB - unload.setup.kept_free
+    resident = unload.setup.weights_bytes - unload.offload_bytes
+    assert bool(unload.decode_unload) == (resident + need > room and need <= room)
+    assert unload.decode_unload in (0, need)
+    assert bool(unload.decode_unload) == ("decode after sampling" in _text(unload) and "unloaded first" in _text(unload))
+
+
+def test_where_the_decode_fits_beside_every_weight_nothing_is_unloaded():
+    est = _est(by_unload=True, vram_gib=64, weights="q4_k_m")
+    assert est.level == "fits" and est.decode_unload == 0 and est.decode_floor == 0
+    assert "decode after sampling" not in _text(est)
+
+
+def test_no_unload_is_planned_on_dynamic_vram_or_without_a_decode():
+    s = replace(build({**A14B_720P, "vram_gib": 16}).setup, decode_by_unload=True)
+    assert plan(s).decode_unload > 0
+    assert plan(replace(s, dynamic_vram=True)).decode_unload == 0
+    assert plan(replace(s, decode_dtype_size=None)).decode_unload == 0
+    # a decode that needs more than the whole budget: ComfyUI unloads the model for it anyway
+    assert plan(replace(s, vram_bytes=8 * GiB)).decode_unload == 0
