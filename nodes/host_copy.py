@@ -14,7 +14,10 @@ For a model that passed through the Working-Memory Estimator this module keeps t
 * :func:`settle`, after the load, keeps those that now lie on the load device, unchanged in size and
   dtype (a weight that stayed on the host, because it streams, needs nothing kept);
 * :func:`release`, when the model is unloaded (its ``unpatch_model``), puts the noted host tensor back in
-  place of each loaded weight, so ``model.to(offload_device)`` finds it there and copies nothing.
+  place of each loaded weight, so ``model.to(offload_device)`` finds it there and copies nothing;
+* when ComfyUI frees only part of the model for another one (its ``partially_unload``: the next expert where
+  both do not fit), each module it moves gets its weights' host tensors back the same way, where the load
+  kept the weight's object.
 
 A weight gets its host tensor back only where that is the weight the model would get from the copy:
 
@@ -109,6 +112,61 @@ def _unpatch_model(self, *args, **kwargs):
     return type(self).unpatch_model(self, *args, **kwargs)
 
 
+def _partially_unload(self, *args, **kwargs):
+    """The patcher's ``partially_unload`` (ComfyUI freeing part of a loaded model for another one): each module
+    it moves to the offload device first gets back the host tensors its loaded weights came from, so its
+    ``module.to`` copies nothing, and ComfyUI then marks it streamed as it does after a copy.  A weight whose
+    object the load replaced is given back only where that object carries nothing the host one lacks (a
+    ComfyUI-GGUF LoRA rides on the loaded tensor); patched weights are restored from ComfyUI's backups first,
+    as before."""
+    device_to = args[0] if args else kwargs.get("device_to")
+    moves = []
+    try:
+        moves = _module_moves(self, device_to)
+    except Exception as e:  # never fail an unload over this: ComfyUI copies what it moves
+        _failed(self, "giving partly unloaded weights their host copies back", e)
+    try:
+        return type(self).partially_unload(self, *args, **kwargs)
+    finally:
+        for module in moves:
+            module.__dict__.pop("to", None)
+
+
+def _module_moves(patcher, device_to) -> list:
+    """Give each module of ``patcher`` holding kept weights an instance ``to`` that gives them back before the
+    module's own ``to``; the modules, for the caller to restore."""
+    base = getattr(patcher, "model", None)
+    kept = _KEPT.get(base)
+    if not kept or device_to is None or getattr(patcher, "hook_backup", None):
+        return []
+    by_module: dict = {}
+    for key, k in kept.items():
+        if k.loaded is not None:
+            path, _, _name = key.rpartition(".")
+            by_module.setdefault(path, []).append(key)
+    moves = []
+    for path, keys in by_module.items():
+        module = base.get_submodule(path) if path else base
+        if "to" in module.__dict__:
+            continue
+        module.__dict__["to"] = types.MethodType(_module_to(patcher, keys, device_to), module)
+        moves.append(module)
+    return moves
+
+
+def _module_to(patcher, keys: list, device_to):
+    def to(module, *args, **kwargs):
+        dev = args[0] if args else kwargs.get("device")
+        if isinstance(dev, (torch.device, str)) and _same(torch.device(dev), device_to):
+            kept = _KEPT.get(patcher.model) or {}
+            backup = getattr(patcher, "backup", None) or {}
+            for key in keys:
+                if key in kept:
+                    _give_back(patcher.model, kept, key, backup, device_to, same_object=True)
+        return type(module).to(module, *args, **kwargs)
+    return to
+
+
 def _failed(patcher, what: str, e: Exception) -> None:
     """Forget the model's host copies (ComfyUI's own copy then moves every weight) and say so once."""
     base = getattr(patcher, "model", None)
@@ -138,6 +196,7 @@ def _bind(patcher) -> None:
     # Instance attributes: scoped to this patcher; copy.deepcopy rebinds a bound method to the copy.
     patcher.load = types.MethodType(_load, patcher)
     patcher.unpatch_model = types.MethodType(_unpatch_model, patcher)
+    patcher.partially_unload = types.MethodType(_partially_unload, patcher)
 
 
 def _on_clone(src, clone) -> None:
@@ -146,8 +205,9 @@ def _on_clone(src, clone) -> None:
 
 
 def install(patcher) -> bool:
-    """Wrap ``patcher.load`` and ``patcher.unpatch_model`` (and those of every clone made from it) so that an
-    unload gives loaded weights their host tensors back; False where this does not apply."""
+    """Wrap ``patcher.load``, ``patcher.unpatch_model`` and ``patcher.partially_unload`` (and those of every clone
+    made from it) so that an unload gives loaded weights their host tensors back; False where this does not
+    apply."""
     if not _eligible(patcher) or not isinstance(getattr(patcher, "model", None), torch.nn.Module):
         return False
     _bind(patcher)
@@ -160,7 +220,8 @@ def install(patcher) -> bool:
 def installed(patcher) -> bool:
     d = getattr(patcher, "__dict__", {})
     return all(isinstance(d.get(name), types.MethodType) and d[name].__func__ is fn
-               for name, fn in (("load", _load), ("unpatch_model", _unpatch_model)))
+               for name, fn in (("load", _load), ("unpatch_model", _unpatch_model),
+                                ("partially_unload", _partially_unload)))
 
 
 def note(patcher) -> int:
@@ -233,26 +294,44 @@ def release(patcher, device_to) -> int:
         _KEPT.pop(base, None)  # ComfyUI writes hooked weights back into the loaded tensors
         return 0
     backup = getattr(patcher, "backup", None) or {}
-    freed = 0
-    for key, k in list(kept.items()):
-        try:
-            module, name, cur = _param(base, key)
-        except AttributeError:
-            cur = None
-        ok = (cur is not None and _is_loaded(k, cur) and key not in backup and _same(k.data.device, device_to)
-              and _same_layout(k, cur))
-        k.loaded, k.device, k.ptr = None, None, 0
-        if not ok:
-            del kept[key]
-            continue
-        if cur is k.host:  # the load moved the object's storage: give it its host storage back
-            cur.data = k.data
-        elif _same(k.host.device, device_to):  # the load replaced the object: put the host one back
-            _put(module, name, k.host)
-        else:
-            del kept[key]
-            continue
-        freed += _nbytes(k)
+    freed = sum(_give_back(base, kept, key, backup, device_to) for key in list(kept))
     if freed:
         log.debug("wan-sage: unloading kept %.2f GiB of weights' host copies: not copied back", freed / 2**30)
     return freed
+
+
+def _interchangeable(cur, host) -> bool:
+    """Whether the loaded object ``cur`` carries nothing its host object ``host`` lacks: the same type and the
+    same instance attributes (ComfyUI-GGUF hangs a LoRA on the loaded tensor's ``patches``; the host tensor has
+    none, so giving it back would drop the LoRA from a module left streamed)."""
+    a, b = getattr(cur, "__dict__", {}), getattr(host, "__dict__", {})
+    if type(cur) is not type(host) or a.keys() != b.keys():
+        return False
+    try:
+        return all(a[n] is b[n] or bool(a[n] == b[n]) for n in a)
+    except Exception:  # attributes that do not compare (tensors): not the same
+        return False
+
+
+def _give_back(base: torch.nn.Module, kept: dict, key: str, backup: dict, device_to, same_object: bool = False) -> int:
+    """Put the kept host tensor of ``key`` back in place of the weight loaded from it; the bytes not copied.
+    0, and the key forgotten, where that is not the weight the copy would give (:func:`release`);
+    ``same_object``: a replaced object only where it carries nothing the host one lacks
+    (:func:`_interchangeable`), for a module left streamed rather than reloaded."""
+    k = kept[key]
+    try:
+        module, name, cur = _param(base, key)
+    except AttributeError:
+        cur = None
+    ok = (cur is not None and _is_loaded(k, cur) and key not in backup and _same(k.data.device, device_to)
+          and _same_layout(k, cur))
+    k.loaded, k.device, k.ptr = None, None, 0
+    if ok and cur is k.host:  # the load moved the object's storage: give it its host storage back
+        cur.data = k.data
+    elif (ok and _same(k.host.device, device_to)  # the load replaced the object
+          and (not same_object or _interchangeable(cur, k.host))):
+        _put(module, name, k.host)
+    else:
+        del kept[key]
+        return 0
+    return _nbytes(k)

@@ -112,3 +112,40 @@ def test_a_sampling_short_of_the_decodes_room_ends_unloaded_and_samples_the_same
         mm.unload_all_models()
     torch.testing.assert_close(got[0], stock[0])
     torch.testing.assert_close(got[1], stock[1])
+
+
+@pytest.mark.parametrize("kind", ["plain", "lora", "gguf"])
+def test_a_partial_unload_moves_unpatched_modules_onto_their_host_tensors_and_samples_the_same(comfy, kind, tmp_path):
+    """ComfyUI frees a third of the loaded clone (``partially_unload``, as for the next expert where both do not
+    fit): the modules it moves hold their very host tensors where unpatched, and the next sampling, streaming
+    them or loading them again, gives the stock latent (a LoRA on GGUF weights rides on the loaded tensor and
+    must not be lost)."""
+    from wan_sage.nodes.estimator import Settings, apply_estimator
+    mm = comfy.model_management
+    with torch.inference_mode():
+        base = _model(comfy, kind, tmp_path)
+        mm.unload_all_models()
+        stock = [comfy_env.sample_tiny(base, steps=2, seed=s) for s in (0, 1)]
+        mm.unload_all_models()
+        latent = comfy_env.empty_wan_latent(base)
+        m, _est, _text = apply_estimator(base, Settings(), list(latent.shape))
+        before = _host_state(m.model)
+        first = comfy_env.sample_tiny(m, steps=2, seed=0)
+        assert any(getattr(lm.model, "model", None) is m.model for lm in mm.current_loaded_models)
+        loaded = m.model.model_loaded_weight_memory
+        freed = m.partially_unload(m.offload_device, memory_to_free=loaded // 3)
+        assert freed >= loaded // 3 and m.model.model_lowvram
+        moved = [(n, mod) for n, mod in m.model.named_modules()
+                 if getattr(mod, "comfy_cast_weights", False) and getattr(mod, "comfy_patched_weights", None) is False]
+        assert moved
+        for n, mod in moved:
+            assert "to" not in mod.__dict__
+            for name, t in mod.named_parameters(recurse=False):
+                key = f"{n}.{name}"
+                assert t.device.type == "cpu", key
+                if key not in m.patches:
+                    assert t.data_ptr() == before[key][0], f"{key} was copied back"
+        second = comfy_env.sample_tiny(m, steps=2, seed=1)
+        mm.unload_all_models()
+    torch.testing.assert_close(first, stock[0])
+    torch.testing.assert_close(second, stock[1])

@@ -112,3 +112,69 @@ def test_new_patches_on_the_loaded_model_reload_it_right_and_unload_it_whole(com
     c.detach()
     for k, t in [*c.model.named_parameters(), *c.model.named_buffers()]:
         assert t.device.type == "cpu" and torch.equal(t.detach(), before[k][1]), k
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_partial_unload_gives_the_modules_it_frees_their_host_tensors(comfy, lora):
+    """ComfyUI frees part of the loaded model for another one (``partially_unload``, smallest modules first): every
+    module it moves must get its very host tensors (a meta tensor cannot be copied), be marked streamed as after a
+    copy, and the rest stay loaded; the full unload after it gives back the rest."""
+    from wan_sage.nodes import host_copy
+    base, m = _on_meta(comfy, lora)
+    before = _state(m.model)
+    c = m.clone()
+    c.patch_model(META, lowvram_model_memory=0)
+    loaded = c.model.model_loaded_weight_memory
+    freed = c.partially_unload(c.offload_device, memory_to_free=loaded // 3)
+    assert loaded // 3 <= freed < loaded
+    assert c.model.model_lowvram and c.model.model_loaded_weight_memory == loaded - freed
+    moved = {n for n, mod in c.model.named_modules() if getattr(mod, "comfy_cast_weights", False)
+             and not getattr(mod, "comfy_patched_weights", True)}
+    assert moved
+    for n, mod in c.model.named_modules():
+        assert "to" not in mod.__dict__, n  # the instance moves are gone after the unload
+        for name, t in mod.named_parameters(recurse=False):
+            key = f"{n}.{name}"
+            if n in moved:
+                assert t.device.type == "cpu" and t.data_ptr() == before[key][0], f"{key} was copied back"
+                assert torch.equal(t.detach(), before[key][1]), key
+            elif mod.__dict__.get("comfy_patched_weights"):
+                assert t.device == META, key
+    assert host_copy.kept_bytes(c) > 0
+    c.detach()
+    for k, t in [*c.model.named_parameters(), *c.model.named_buffers()]:
+        assert t.device.type == "cpu" and torch.equal(t.detach(), before[k][1]), k
+
+
+def test_stock_comfyui_copies_on_a_partial_unload_so_the_test_can_fail(comfy):
+    base, m = _on_meta(comfy, False)
+    base.patch_model(META, lowvram_model_memory=0)
+    with pytest.raises(NotImplementedError):
+        base.partially_unload(base.offload_device, memory_to_free=base.model.model_loaded_weight_memory // 3)
+
+
+def test_a_gguf_lora_on_the_loaded_tensor_is_never_given_back_on_a_partial_unload(comfy, tmp_path):
+    """ComfyUI-GGUF hangs a LoRA on the loaded quantized tensor (``patches``): a module left streamed with the host
+    tensor instead would lose it, so only the tensors that carry nothing more are interchangeable."""
+    reason = workflow_check.gguf_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    pytest.importorskip("gguf", reason="the gguf package (ComfyUI-GGUF's dependency) is not installed")
+    from wan_sage.nodes import host_copy
+    from wan_sage.nodes.estimator import Settings, apply_estimator
+
+    with torch.inference_mode():
+        model = comfy_env.tiny_gguf_expert(workflow_check.gguf_path(), tmp_path)
+        m, _, _ = apply_estimator(model, Settings(), [1, 16, 2, 8, 8])
+        model.load_device = m.load_device = META
+        assert host_copy.install(m)
+        m.patch_model(META, lowvram_model_memory=0)
+        kept = host_copy._KEPT[m.model]
+        verdict = {}
+        for key, k in kept.items():
+            cur = dict([*m.model.named_parameters(), *m.model.named_buffers()])[key]
+            verdict[key] = host_copy._interchangeable(cur, k.host)
+        patched = {key for key in kept if getattr(dict(m.model.named_parameters()).get(key), "patches", None)}
+        assert patched and all(not verdict[key] for key in patched)
+        assert any(verdict[key] for key in kept if key not in patched)
+        m.detach()

@@ -279,3 +279,18 @@ def test_a_failing_note_or_settle_never_fails_the_load(monkeypatch):
     monkeypatch.setattr(host_copy, "settle", broken)
     p.load()
     assert all(t.device == META for t in model.parameters()) and model not in host_copy._KEPT
+
+
+def test_a_replaced_tensor_is_interchangeable_only_when_it_carries_nothing_more():
+    host = QTensor(torch.arange(8, dtype=torch.uint8))
+    same = QTensor(torch.arange(8, dtype=torch.uint8))
+    assert host_copy._interchangeable(same, host)
+    other_type = QTensor(torch.arange(8, dtype=torch.uint8), tensor_type="Q8_0")
+    assert not host_copy._interchangeable(other_type, host)
+    lora = QTensor(torch.arange(8, dtype=torch.uint8))
+    lora.patches = [((torch.ones(2),), "blocks.0.q.weight")]  # ComfyUI-GGUF's LoRA on the loaded tensor
+    assert not host_copy._interchangeable(lora, host)
+    host.patches = [((torch.zeros(2),), "blocks.0.q.weight")]  # attributes that do not compare: not the same
+    assert not host_copy._interchangeable(lora, host)
+    assert not host_copy._interchangeable(torch.nn.Parameter(torch.ones(2)), torch.ones(2))
+    assert host_copy._interchangeable(torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.zeros(2)))
