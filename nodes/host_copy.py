@@ -120,9 +120,9 @@ def _partially_unload(self, *args, **kwargs):
     ComfyUI-GGUF LoRA rides on the loaded tensor); patched weights are restored from ComfyUI's backups first,
     as before."""
     device_to = args[0] if args else kwargs.get("device_to")
-    moves = []
+    moves: list = []
     try:
-        moves = _module_moves(self, device_to)
+        _module_moves(self, device_to, moves)
     except Exception as e:  # never fail an unload over this: ComfyUI copies what it moves
         _failed(self, "giving partly unloaded weights their host copies back", e)
     try:
@@ -132,37 +132,38 @@ def _partially_unload(self, *args, **kwargs):
             module.__dict__.pop("to", None)
 
 
-def _module_moves(patcher, device_to) -> list:
+def _module_moves(patcher, device_to, moves: list) -> None:
     """Give each module of ``patcher`` holding kept weights an instance ``to`` that gives them back before the
-    module's own ``to``; the modules, for the caller to restore."""
+    module's own ``to``; each module is appended to ``moves`` as it is set, for the caller to restore."""
     base = getattr(patcher, "model", None)
     kept = _KEPT.get(base)
     if not kept or device_to is None or getattr(patcher, "hook_backup", None):
-        return []
+        return
     by_module: dict = {}
     for key, k in kept.items():
         if k.loaded is not None:
             path, _, _name = key.rpartition(".")
             by_module.setdefault(path, []).append(key)
-    moves = []
     for path, keys in by_module.items():
         module = base.get_submodule(path) if path else base
         if "to" in module.__dict__:
             continue
-        module.__dict__["to"] = types.MethodType(_module_to(patcher, keys, device_to), module)
         moves.append(module)
-    return moves
+        module.__dict__["to"] = types.MethodType(_module_to(patcher, keys, device_to), module)
 
 
 def _module_to(patcher, keys: list, device_to):
     def to(module, *args, **kwargs):
         dev = args[0] if args else kwargs.get("device")
-        if isinstance(dev, (torch.device, str)) and _same(torch.device(dev), device_to):
-            kept = _KEPT.get(patcher.model) or {}
-            backup = getattr(patcher, "backup", None) or {}
-            for key in keys:
-                if key in kept:
-                    _give_back(patcher.model, kept, key, backup, device_to, same_object=True)
+        try:
+            if isinstance(dev, (torch.device, str)) and _same(torch.device(dev), device_to):
+                kept = _KEPT.get(patcher.model) or {}
+                backup = getattr(patcher, "backup", None) or {}
+                for key in keys:
+                    if key in kept:
+                        _give_back(patcher.model, kept, key, backup, device_to, same_object=True)
+        except Exception as e:  # never fail the unload: the module's own ``to`` copies what is left
+            _failed(patcher, "giving partly unloaded weights their host copies back", e)
         return type(module).to(module, *args, **kwargs)
     return to
 

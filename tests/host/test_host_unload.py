@@ -178,3 +178,21 @@ def test_a_gguf_lora_on_the_loaded_tensor_is_never_given_back_on_a_partial_unloa
         assert patched and all(not verdict[key] for key in patched)
         assert any(verdict[key] for key in kept if key not in patched)
         m.detach()
+
+
+def test_a_failing_give_back_on_a_partial_unload_leaves_it_to_comfyuis_copy(comfy, monkeypatch):
+    """A give-back that fails never fails ComfyUI's partial unload: the module's own ``to`` runs (here it cannot
+    copy a meta tensor, which shows it ran), and no instance ``to`` is left on a module."""
+    from wan_sage.nodes import host_copy, log_once
+    monkeypatch.setattr(log_once, "warned", set())
+    base, m = _on_meta(comfy, False)
+    c = m.clone()
+    c.patch_model(META, lowvram_model_memory=0)
+
+    def boom(*a, **k):
+        raise RuntimeError("give-back broke")
+    monkeypatch.setattr(host_copy, "_give_back", boom)
+    with pytest.raises(NotImplementedError):  # ComfyUI's own copy ran, and a meta tensor cannot be copied
+        c.partially_unload(c.offload_device, memory_to_free=c.model.model_loaded_weight_memory // 3)
+    assert all("to" not in mod.__dict__ for mod in c.model.modules())
+    assert host_copy.kept_bytes(c) == 0  # forgotten: the rest is ComfyUI's copy too
