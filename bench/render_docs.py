@@ -2171,9 +2171,12 @@ def method_section(runs) -> list:
             "- fp8 with the estimator at 24 GiB, eager, interleaved with ComfyUI alone on one machine with the cast term in",
             "  force: the same-machine ratio of that case is from before the cast term (¹ above).",
             "- Forward-peak rows of a whole-model compile: a whole-model `TorchCompileModel` is planned as eager.",
-            "- A streaming term for compiled blocks, and a GGUF-only one: with weights streamed the estimator reserves the",
-            "  eager figure and the partial-load term, which left 2–5 GiB of the budget unused in the runs above",
-            "  (docs/memory-model.md, \"Partly offloaded end to end\").",
+            "- A streaming term for compiled blocks and for streamed fp8 or bf16 weights: there the estimator reserves the",
+            "  eager figure and the partial-load term, which left 2–5 GiB of the budget unused in the runs above; eager",
+            "  blocks streaming GGUF weights have their own term (docs/memory-model.md, \"Partly offloaded end to end\").",
+            "- A partial unload of the estimator's clone (ComfyUI freeing part of one expert for the next) since it",
+            "  gives the moved weights their host tensors back: host-tested only (docs/memory-model.md, \"Unloading a",
+            "  model at an expert switch\").",
             ""]
 
 
