@@ -105,3 +105,42 @@ def test_a_failing_unload_never_fails_the_sampling_and_is_logged_once(seen, monk
             assert out == "latent"
     warned = [r for r in caplog.records if "unloading the model for the VAE decode failed" in r.getMessage()]
     assert len(warned) == 1 and "free_memory moved" in warned[0].getMessage()
+
+
+def test_the_unload_goes_through_free_memory_as_current_comfyui_takes_it(monkeypatch):
+    """comfy_bridge.unload asks ComfyUI's free_memory (0.3.64's signature, and current ComfyUI's with its keyword
+    additions for_dynamic, pins_required, ram_required) to free more than the device holds while keeping every
+    other loaded model: only the sampled model's LoadedModel (any patcher of its BaseModel) goes."""
+    import sys
+    import types
+
+    class LoadedModel:
+        def __init__(self, patcher, device="cuda:0"):
+            self.model, self.device = patcher, device
+
+        def __eq__(self, other):
+            return self.model is other.model
+
+    base, other_base = object(), object()
+    ours = types.SimpleNamespace(model=base)
+    ours_clone = types.SimpleNamespace(model=base)
+    theirs = types.SimpleNamespace(model=other_base)
+    calls = []
+
+    def free_memory(memory_required, device, keep_loaded=[], for_dynamic=False, pins_required=0, ram_required=0):
+        calls.append((memory_required, device))
+        for lm in list(mm.current_loaded_models):
+            if lm.device == device and lm not in keep_loaded:
+                mm.current_loaded_models.remove(lm)  # model_unload(memory_to_free >= loaded): a whole unload
+        return []
+
+    mm = types.SimpleNamespace(current_loaded_models=[LoadedModel(theirs), LoadedModel(ours), LoadedModel(ours_clone)],
+                               free_memory=free_memory)
+    comfy = types.ModuleType("comfy")
+    comfy.model_management = mm
+    monkeypatch.setitem(sys.modules, "comfy", comfy)
+    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
+    assert comfy_bridge.unload(ours_clone)
+    assert [lm.model for lm in mm.current_loaded_models] == [theirs]
+    assert calls and calls[0][0] >= 1 << 60 and calls[0][1] == "cuda:0"
+    assert not comfy_bridge.unload(ours)  # nothing of it loaded any more
