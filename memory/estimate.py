@@ -480,6 +480,17 @@ def into_q_plan(s: Setup, att: AttentionPlan, rows: int, tokens: int) -> tuple |
     return None if found is None else (path, found.groups)
 
 
+def _decode_need(s: Setup, latent: tuple, room: int | None) -> int | None:
+    """What the VAE decode after the sampling takes (:func:`.vae_decode.decode_bytes`) where the plan makes room
+    for it: a decode follows, on the legacy path, and it fits in ``room``.  None otherwise (no decode, dynamic
+    VRAM, no VRAM given, a latent no Wan VAE decodes, or more than ``room``: ComfyUI then unloads the model
+    whole for it)."""
+    if s.decode_dtype_size is None or s.dynamic_vram or room is None:
+        return None
+    need = vae_decode.decode_bytes(latent, s.decode_dtype_size)
+    return None if need is None or need > room else need
+
+
 def decode_floor(s: Setup, latent: tuple, room: int | None, comfy: int) -> int:
     """The room the reservation in force keeps for the VAE decode after the sampling: what the decode takes
     (:func:`.vae_decode.decode_bytes`: what ComfyUI frees for it and the workspace of its largest convolution),
@@ -496,11 +507,8 @@ def decode_floor(s: Setup, latent: tuple, room: int | None, comfy: int) -> int:
     own reservation for the forward (``comfy``: :func:`comfy_figure` for ``latent``, the room its decodes have
     after ComfyUI alone's sampling): the decode's room then streams no weight that ComfyUI alone keeps resident, and the decode
     never starts with less room than after ComfyUI alone's."""
-    if (s.decode_dtype_size is None or s.dynamic_vram or room is None or s.policy == POLICIES[2]
-            or s.decode_by_unload):
-        return 0
-    need = vae_decode.decode_bytes(latent, s.decode_dtype_size)
-    if need is None or need > room:
+    need = None if s.policy == POLICIES[2] or s.decode_by_unload else _decode_need(s, latent, room)
+    if need is None:
         return 0
     if s.weights_bytes is not None and s.weights_bytes + need + PLACEMENT_SLACK > room:
         beside = room - s.weights_bytes - PLACEMENT_SLACK
@@ -514,10 +522,8 @@ def decode_unload(s: Setup, latent: tuple, room: int | None, offload: int) -> in
     resident (every weight but ``offload`` bytes) leave less than that free in ``room``.  0 otherwise: no
     decode planned, the room is free beside the weights, or the decode needs more than ``room`` (ComfyUI then
     unloads the model for it in any case)."""
-    if not s.decode_by_unload or s.decode_dtype_size is None or s.dynamic_vram or room is None:
-        return 0
-    need = vae_decode.decode_bytes(latent, s.decode_dtype_size)
-    if need is None or need > room:
+    need = _decode_need(s, latent, room) if s.decode_by_unload else None
+    if need is None:
         return 0
     resident = max(0, (s.weights_bytes or 0) - offload)
     return need if resident + need > room else 0

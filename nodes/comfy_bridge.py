@@ -397,11 +397,11 @@ def unload(patcher) -> bool:
     ``free_memory`` with every other loaded model kept; True where one was loaded and is now unloaded."""
     import comfy.model_management as mm
     base = getattr(patcher, "model", None)
-    loaded = list(getattr(mm, "current_loaded_models", []))
-    ours = [lm for lm in loaded if getattr(getattr(lm, "model", None), "model", None) is base]
+    ours, others = [], []
+    for lm in getattr(mm, "current_loaded_models", []):
+        (ours if getattr(getattr(lm, "model", None), "model", None) is base else others).append(lm)
     if base is None or not ours:
         return False
-    others = [lm for lm in loaded if all(lm is not o for o in ours)]
     # more than the device holds: free_memory unloads each model it does not keep whole (model_unload with
     # nothing left to free partially)
     mm.free_memory(float(1 << 62), ours[0].device, keep_loaded=others)
