@@ -46,35 +46,50 @@ def _model(comfy, kind, tmp_path):
     return base
 
 
+def _stock_then_estimator(comfy, kind, tmp_path):
+    """(the stock model's latents for seeds 0 and 1, the empty latent, and the estimator's clone with its estimate
+    and report) for a model of ``kind``; every model unloaded after the stock samplings (call under
+    ``torch.inference_mode``)."""
+    from wan_sage.nodes.estimator import Settings, apply_estimator
+    mm = comfy.model_management
+    base = _model(comfy, kind, tmp_path)
+    mm.unload_all_models()
+    stock = [comfy_env.sample_tiny(base, steps=2, seed=s) for s in (0, 1)]  # loads, unloads, loads again
+    mm.unload_all_models()
+    latent = comfy_env.empty_wan_latent(base)
+    m, est, text = apply_estimator(base, Settings(), list(latent.shape))
+    return stock, latent, m, est, text
+
+
 def _host_state(model):
     # as_subclass: a GGUF tensor's clone() returns the tensor itself
     return {k: (t.data_ptr(), t.detach().as_subclass(torch.Tensor).clone())
             for k, t in [*model.named_parameters(), *model.named_buffers()]}
 
 
+def _assert_on_host_tensors(model, before):
+    """Every weight and buffer of ``model`` is the very host tensor ``before`` (:func:`_host_state`) noted:
+    the same data pointer and bytes."""
+    after = _host_state(model)
+    assert after.keys() == before.keys()
+    for k, (ptr, value) in before.items():
+        assert after[k][0] == ptr, f"{k} was copied back, not given its host tensor"
+        assert torch.equal(after[k][1], value), k
+
+
 @pytest.mark.parametrize("kind", ["plain", "lora", "gguf"])
 def test_unloaded_weights_are_their_host_tensors_and_sampling_after_is_unchanged(comfy, kind, tmp_path):
     from wan_sage.nodes import host_copy
-    from wan_sage.nodes.estimator import Settings, apply_estimator
     mm = comfy.model_management
     with torch.inference_mode():
-        base = _model(comfy, kind, tmp_path)
-        mm.unload_all_models()
-        stock = [comfy_env.sample_tiny(base, steps=2, seed=s) for s in (0, 1)]  # loads, unloads, loads again
-        mm.unload_all_models()
-        latent = comfy_env.empty_wan_latent(base)
-        m, _, text = apply_estimator(base, Settings(), list(latent.shape))
+        stock, latent, m, _, text = _stock_then_estimator(comfy, kind, tmp_path)
         assert host_copy.installed(m) and "copies nothing back" in text
         before = _host_state(m.model)
         first = comfy_env.sample_tiny(m, steps=2, seed=0)
         assert host_copy.kept_bytes(m) > 0
         assert all(t.device.type == "cuda" for t in m.model.parameters())
         mm.unload_all_models()  # ComfyUI's unload: LoadedModel.model_unload -> detach -> unpatch_model
-        after = _host_state(m.model)
-        assert after.keys() == before.keys()
-        for k, (ptr, value) in before.items():
-            assert after[k][0] == ptr, f"{k} was copied back, not given its host tensor"
-            assert torch.equal(after[k][1], value), k
+        _assert_on_host_tensors(m.model, before)
         second = comfy_env.sample_tiny(m, steps=2, seed=1)
         mm.unload_all_models()
     torch.testing.assert_close(first, stock[0])
@@ -88,15 +103,9 @@ def test_a_sampling_short_of_the_decodes_room_ends_unloaded_and_samples_the_same
     that needs more than the card), each sampling ends with the model unloaded whole onto its host tensors, and
     the next sampling loads it again and gives the stock latent."""
     from wan_sage.nodes import decode_room, host_copy
-    from wan_sage.nodes.estimator import Settings, apply_estimator
     mm = comfy.model_management
     with torch.inference_mode():
-        base = _model(comfy, kind, tmp_path)
-        mm.unload_all_models()
-        stock = [comfy_env.sample_tiny(base, steps=2, seed=s) for s in (0, 1)]
-        mm.unload_all_models()
-        latent = comfy_env.empty_wan_latent(base)
-        m, est, _text = apply_estimator(base, Settings(), list(latent.shape))
+        stock, latent, m, est, _text = _stock_then_estimator(comfy, kind, tmp_path)
         assert host_copy.installed(m) and est.setup.decode_by_unload
         before = _host_state(m.model)
         assert decode_room.needed(m, latent.shape) is not None
@@ -105,10 +114,7 @@ def test_a_sampling_short_of_the_decodes_room_ends_unloaded_and_samples_the_same
         for seed in (0, 1):
             got.append(comfy_env.sample_tiny(m, steps=2, seed=seed))
             assert not any(getattr(lm.model, "model", None) is m.model for lm in mm.current_loaded_models)
-            after = _host_state(m.model)
-            for k, (ptr, value) in before.items():
-                assert after[k][0] == ptr, f"{k} was copied back, not given its host tensor"
-                assert torch.equal(after[k][1], value), k
+            _assert_on_host_tensors(m.model, before)
         mm.unload_all_models()
     torch.testing.assert_close(got[0], stock[0])
     torch.testing.assert_close(got[1], stock[1])
@@ -120,15 +126,9 @@ def test_a_partial_unload_moves_unpatched_modules_onto_their_host_tensors_and_sa
     fit): the modules it moves hold their very host tensors where unpatched, and the next sampling, streaming
     them or loading them again, gives the stock latent (a LoRA on GGUF weights rides on the loaded tensor and
     must not be lost)."""
-    from wan_sage.nodes.estimator import Settings, apply_estimator
     mm = comfy.model_management
     with torch.inference_mode():
-        base = _model(comfy, kind, tmp_path)
-        mm.unload_all_models()
-        stock = [comfy_env.sample_tiny(base, steps=2, seed=s) for s in (0, 1)]
-        mm.unload_all_models()
-        latent = comfy_env.empty_wan_latent(base)
-        m, _est, _text = apply_estimator(base, Settings(), list(latent.shape))
+        stock, latent, m, _est, _text = _stock_then_estimator(comfy, kind, tmp_path)
         before = _host_state(m.model)
         first = comfy_env.sample_tiny(m, steps=2, seed=0)
         assert any(getattr(lm.model, "model", None) is m.model for lm in mm.current_loaded_models)

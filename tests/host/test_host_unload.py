@@ -30,6 +30,22 @@ def _on_meta(comfy, lora: bool):
     return base, m
 
 
+def _gguf_on_meta(tmp_path):
+    """The miniature GGUF expert with its LoRA, through the estimator, its load device ``meta``, its host copies
+    installed (call under ``torch.inference_mode``); skips without ComfyUI-GGUF or the gguf package."""
+    reason = workflow_check.gguf_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    pytest.importorskip("gguf", reason="the gguf package (ComfyUI-GGUF's dependency) is not installed")
+    from wan_sage.nodes import host_copy
+    from wan_sage.nodes.estimator import Settings, apply_estimator
+    model = comfy_env.tiny_gguf_expert(workflow_check.gguf_path(), tmp_path)
+    m, _, _ = apply_estimator(model, Settings(), [1, 16, 2, 8, 8])
+    model.load_device = m.load_device = META
+    assert host_copy.install(m)
+    return m
+
+
 def _state(model):
     # as_subclass: a GGUF tensor's clone() returns the tensor itself
     return {k: (t.data_ptr(), t.detach().as_subclass(torch.Tensor).clone())
@@ -65,18 +81,10 @@ def test_stock_comfyui_copies_so_the_test_can_fail(comfy):
 def test_a_gguf_expert_with_its_lora_keeps_its_quantized_host_tensors(comfy, tmp_path):
     """ComfyUI-GGUF moves a LoRA-patched quantized weight by replacing the tensor object (no backup) and
     the rest with ``module.to``: both come back as the very host tensors, with their quantisation type."""
-    reason = workflow_check.gguf_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    pytest.importorskip("gguf", reason="the gguf package (ComfyUI-GGUF's dependency) is not installed")
     from wan_sage.nodes import host_copy
-    from wan_sage.nodes.estimator import Settings, apply_estimator
 
     with torch.inference_mode():
-        model = comfy_env.tiny_gguf_expert(workflow_check.gguf_path(), tmp_path)
-        m, _, _ = apply_estimator(model, Settings(), [1, 16, 2, 8, 8])
-        model.load_device = m.load_device = META
-        assert host_copy.install(m)
+        m = _gguf_on_meta(tmp_path)
         quant = {k: t.tensor_type for k, t in m.model.named_parameters() if getattr(t, "tensor_type", None)
                  is not None and t.tensor_type.name.startswith("Q")}
         assert quant and any(k in m.patches for k in quant)  # quantized weights, some of them with the LoRA
@@ -156,18 +164,10 @@ def test_stock_comfyui_copies_on_a_partial_unload_so_the_test_can_fail(comfy):
 def test_a_gguf_lora_on_the_loaded_tensor_is_never_given_back_on_a_partial_unload(comfy, tmp_path):
     """ComfyUI-GGUF hangs a LoRA on the loaded quantized tensor (``patches``): a module left streamed with the host
     tensor instead would lose it, so only the tensors that carry nothing more are interchangeable."""
-    reason = workflow_check.gguf_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    pytest.importorskip("gguf", reason="the gguf package (ComfyUI-GGUF's dependency) is not installed")
     from wan_sage.nodes import host_copy
-    from wan_sage.nodes.estimator import Settings, apply_estimator
 
     with torch.inference_mode():
-        model = comfy_env.tiny_gguf_expert(workflow_check.gguf_path(), tmp_path)
-        m, _, _ = apply_estimator(model, Settings(), [1, 16, 2, 8, 8])
-        model.load_device = m.load_device = META
-        assert host_copy.install(m)
+        m = _gguf_on_meta(tmp_path)
         m.patch_model(META, lowvram_model_memory=0)
         kept = host_copy._KEPT[m.model]
         verdict = {}
