@@ -31,6 +31,13 @@ Every other weight is copied back by ComfyUI as before.  The host memory kept is
 loaded on the device, and only while they are loaded: never more than the model held on the host before
 ComfyUI first loaded it.  Not installed where ComfyUI manages residency itself (dynamic VRAM) or where
 the load and offload devices are the same.
+
+The host tensors kept are those the model was loaded from; a ComfyUI-GGUF model's lie on the file's memory
+map, so its model stays on that map while loaded and after an unload.  ComfyUI-GGUF's first partial load
+copies each module left streaming to the GPU and back (``mmap_released``) to take it off the map: on this
+clone that frees nothing and costs the first prompt about 1 s per GiB streamed (H200), so
+:func:`skip_unmapping` leaves those modules on the map, where ComfyUI pins no streamed weights (ComfyUI-GGUF
+copies a weight off the map before ComfyUI pins it).
 """
 from __future__ import annotations
 
@@ -49,7 +56,7 @@ log = logging.getLogger("wan_sage")
 CLONE_KEY = "wan_sage_host_copy"
 ON_CLONE = "on_clone"  # comfy.patcher_extension.CallbacksMP.ON_CLONE in ComfyUI 0.3.64 and later
 
-__all__ = ["install", "installed", "note", "settle", "release", "kept_bytes"]
+__all__ = ["install", "installed", "note", "settle", "release", "kept_bytes", "skip_unmapping"]
 
 
 @dataclass
@@ -184,6 +191,7 @@ def _load(self, *args, **kwargs):
         note(self)
     except Exception as e:
         _failed(self, "noting the weights' host copies", e)
+    skip_unmapping(self)
     try:
         return type(self).load(self, *args, **kwargs)
     finally:
@@ -191,6 +199,31 @@ def _load(self, *args, **kwargs):
             settle(self)
         except Exception as e:
             _failed(self, "keeping the weights' host copies", e)
+
+
+def _pins_streamed_weights(patcher) -> bool:
+    # ComfyUI's patcher classes (not ComfyUI-GGUF's, the class that holds ``mmap_released``) define
+    # ``pin_weight_to_device`` where ComfyUI pins the weights left streaming
+    return any("pin_weight_to_device" in vars(c) for c in type(patcher).__mro__ if "mmap_released" not in vars(c))
+
+
+def skip_unmapping(patcher) -> bool:
+    """Before a load of a model whose host tensors are kept: mark a ComfyUI-GGUF patcher's file map released
+    (``mmap_released``), so that its first partial load does not copy each streamed module to the device and
+    back; the kept host tensors of its loaded weights stay on that map in any case.  Not where ComfyUI pins
+    streamed weights, nor once the copy was made.  True where this load skips it."""
+    if getattr(patcher, "mmap_released", None) is not False or not installed(patcher):
+        return False
+    try:
+        if _pins_streamed_weights(patcher):
+            return False
+        patcher.mmap_released = True
+    except Exception as e:  # ComfyUI-GGUF's copy stays
+        warn_once(("host-copy-unmap", type(e).__name__), "wan-sage: leaving the GGUF weights on their file map "
+                  "failed (%s); ComfyUI-GGUF copies the streamed ones off it on the first load.", reason(e))
+        return False
+    log.debug("wan-sage: GGUF weights left streaming stay on the file's memory map (no copy to the GPU and back)")
+    return True
 
 
 def _bind(patcher) -> None:

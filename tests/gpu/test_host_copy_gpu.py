@@ -149,3 +149,44 @@ def test_a_partial_unload_moves_unpatched_modules_onto_their_host_tensors_and_sa
         mm.unload_all_models()
     torch.testing.assert_close(first, stock[0])
     torch.testing.assert_close(second, stock[1])
+
+
+def _forward(patcher, latent, text):
+    dev = patcher.load_device
+    sigma = torch.tensor([0.7], device=dev)
+    return patcher.model.apply_model(latent.to(dev), sigma, c_crossattn=text.to(dev)).float().cpu()
+
+
+def test_a_gguf_model_first_loaded_in_part_streams_from_its_host_tensors_as_stock_does(comfy, tmp_path):
+    """The first load of a GGUF model that leaves modules streaming: ComfyUI-GGUF copies each of them to the GPU
+    and back (off the file's memory map), the estimator's clone does not. Its streamed weights are their very host
+    tensors, with the LoRA on them, and its forward equals the one after ComfyUI-GGUF's copy."""
+    from wan_sage.nodes import host_copy
+    mm = comfy.model_management
+    dev = mm.get_torch_device()
+    with torch.inference_mode():
+        base = _gguf_model(comfy, tmp_path)
+        mm.unload_all_models()
+        latent = torch.randn(comfy_env.empty_wan_latent(base).shape, generator=torch.Generator().manual_seed(0))
+        text = comfy_env.text_cond(1, text_dim=base.model.diffusion_model.text_dim)[0][0]
+        from wan_sage.nodes.estimator import Settings, apply_estimator
+        m, _est, _text = apply_estimator(base, Settings(), list(latent.shape))
+        before = _host_state(m.model)
+        m.patch_model(dev, lowvram_model_memory=m.model_size() // 4)
+        assert m.mmap_released and m.model.model_lowvram and host_copy.kept_bytes(m) > 0
+        params = dict(m.model.named_parameters())
+        streamed = {k for k, t in params.items() if t.device.type == "cpu"}
+        assert streamed and any(getattr(params[k], "patches", None) for k in streamed)
+        for k in streamed:
+            assert params[k].data_ptr() == before[k][0], f"{k} was copied off its host tensor"
+        ours = _forward(m, latent, text)
+        m.detach()
+        _assert_on_host_tensors(m.model, before)
+        assert base.mmap_released is False
+        base.patch_model(dev, lowvram_model_memory=base.model_size() // 4)  # ComfyUI-GGUF's copy
+        assert base.mmap_released
+        moved = [k for k, t in base.model.named_parameters() if t.device.type == "cpu" and t.data_ptr() != before[k][0]]
+        assert moved  # the stock load did copy the streamed weights
+        stock = _forward(base, latent, text)
+        base.detach()
+    torch.testing.assert_close(ours, stock)

@@ -100,6 +100,42 @@ def test_a_gguf_expert_with_its_lora_keeps_its_quantized_host_tensors(comfy, tmp
             assert {k: t.tensor_type for k, t in m.model.named_parameters() if k in quant} == quant
 
 
+def test_a_gguf_expert_partly_loaded_leaves_its_streamed_modules_on_their_host_tensors(comfy, tmp_path):
+    """ComfyUI-GGUF's first partial load copies each module left streaming to the load device and back, to take it
+    off the file's memory map; on ``meta`` that copy fails. The estimator's clone keeps its loaded weights on that
+    map in any case, and skips the copy: the streamed weights keep their very host tensors, with their LoRA."""
+    from wan_sage.nodes import host_copy
+
+    with torch.inference_mode():
+        m = _gguf_on_meta(tmp_path)
+        before = _state(m.model)
+        c = m.clone()  # the sampler's clone
+        assert c.mmap_released is False
+        c.patch_model(META, lowvram_model_memory=c.model_size() // 4)
+        assert c.mmap_released and c.model.model_lowvram and host_copy.kept_bytes(c) > 0
+        params = dict(c.model.named_parameters())
+        streamed = {k for k, t in params.items() if t.device.type == "cpu"}
+        assert streamed and any(t.device == META for t in params.values())
+        for k in streamed:
+            assert params[k].data_ptr() == before[k][0], f"{k} was copied"
+        assert any(getattr(params[k], "patches", None) for k in streamed)  # the LoRA rides on streamed weights
+        c.detach()
+        for k, t in [*c.model.named_parameters(), *c.model.named_buffers()]:
+            assert t.device.type == "cpu" and t.data_ptr() == before[k][0], f"{k} was copied back"
+
+
+def test_without_the_estimator_gguf_copies_its_streamed_modules_so_the_test_can_fail(comfy, tmp_path):
+    reason = workflow_check.gguf_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    pytest.importorskip("gguf", reason="the gguf package (ComfyUI-GGUF's dependency) is not installed")
+    with torch.inference_mode():
+        model = comfy_env.tiny_gguf_expert(workflow_check.gguf_path(), tmp_path)
+        model.load_device = META
+        with pytest.raises(NotImplementedError):
+            model.patch_model(META, lowvram_model_memory=model.model_size() // 2)
+
+
 @pytest.mark.parametrize("lora", [False, True])
 def test_new_patches_on_the_loaded_model_reload_it_right_and_unload_it_whole(comfy, lora):
     """A clone with other patches (a LoRA strength changed between prompts) loaded while the model holds the

@@ -294,3 +294,70 @@ def test_a_replaced_tensor_is_interchangeable_only_when_it_carries_nothing_more(
     assert not host_copy._interchangeable(lora, host)
     assert not host_copy._interchangeable(torch.nn.Parameter(torch.ones(2)), torch.ones(2))
     assert host_copy._interchangeable(torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.zeros(2)))
+
+
+class GGUFPatcher(Patcher):
+    """ComfyUI-GGUF's GGUFModelPatcher where its first load takes the modules left streaming off the file's memory
+    map: each goes to the load device and back (on ``meta`` that copy fails), once per patcher and its clones."""
+    mmap_released = False
+
+    def load(self, backed_up=(), streamed=()):
+        super().load(backed_up, streamed)
+        if not self.mmap_released:
+            for name in streamed:
+                getattr(self.model, name).to(self.load_device).to(self.offload_device)
+            self.mmap_released = True
+
+    def clone(self):
+        n = super().clone()
+        n.mmap_released = self.mmap_released
+        return n
+
+
+def test_a_gguf_models_streamed_modules_stay_on_their_host_tensors_from_the_first_load():
+    model = Net()
+    before = _host_state(model)
+    base = GGUFPatcher(model)
+    p = base.clone()  # the estimator's clone, made before any load
+    host_copy.install(p)
+    for c in (p, p.clone()):  # the clone itself, and the sampler's clone of it
+        _load(c, streamed=("b",))
+        assert c.mmap_released
+        _check_given_back(model, before, keys={"b.weight", "b.bias"})  # left streaming, not copied
+        c.detach()
+        _check_given_back(model, before)
+    assert base.mmap_released is False  # the model the estimator was given is left as it was
+
+
+def test_without_the_host_copy_gguf_copies_its_streamed_modules_so_the_test_can_fail():
+    p = GGUFPatcher(Net())
+    with pytest.raises(NotImplementedError):
+        p.load(streamed=("b",))
+
+
+class PinningBase(Patcher):
+    """A ComfyUI whose patcher pins the weights left streaming."""
+
+    def pin_weight_to_device(self, key):
+        pass
+
+
+class GGUFOnPinning(PinningBase):
+    mmap_released = False
+    load = GGUFPatcher.load
+    clone = GGUFPatcher.clone
+
+
+def test_where_comfyui_pins_streamed_weights_or_the_copy_was_made_gguf_keeps_its_own_way():
+    pinning = GGUFOnPinning(Net())
+    host_copy.install(pinning)
+    assert host_copy.skip_unmapping(pinning) is False and pinning.mmap_released is False
+    released = GGUFPatcher(Net())
+    released.mmap_released = True
+    host_copy.install(released)
+    assert host_copy.skip_unmapping(released) is False
+    plain = Patcher(Net())  # not a GGUF model: nothing to skip, no attribute added
+    host_copy.install(plain)
+    assert host_copy.skip_unmapping(plain) is False and not hasattr(plain, "mmap_released")
+    stock = GGUFPatcher(Net())  # no host copies kept: ComfyUI-GGUF's copy stays
+    assert host_copy.skip_unmapping(stock) is False and stock.mmap_released is False
