@@ -771,9 +771,8 @@ def unload_section() -> list:
          "both experts do not fit, yet the first was not unloaded for the decode), each module it moves gets its",
          "weights' host tensors back the same way, through an instance `to` set on the module for that call only. A",
          "weight whose loaded object carries more than its host one is left to ComfyUI's copy: ComfyUI-GGUF keeps a",
-         "LoRA on the loaded quantized tensor (`patches`), which a module left streamed must keep. Not measured on the",
-         "H200 yet: the 20-step 480p81 prompts at 24 GiB paid 5.46 s (first prompt) and 0.86–0.96 s (repeat) for such",
-         "partial unloads at `dba66b4`, when ComfyUI still copied them.\n",
+         "LoRA on the loaded quantized tensor (`patches`), which a module left streamed must keep.",
+         *partial_unload_lines(), "",
          "Seconds ComfyUI spent unloading the other expert at each switch (`model_unload`; the first prompt's",
          "high-noise expert unloads the text encoder and is left out), GGUF Q4_K_M A14B, whole prompts on the H200:\n",
          "| records | before: estimator + Sage | before: ComfyUI alone | after: estimator + Sage | after: ComfyUI alone |",
@@ -789,9 +788,78 @@ def unload_section() -> list:
                  f"(`{commits[after]}`) | {span(expert_unloads(path, before, 'est+sage'))} | "
                  f"{span(expert_unloads(path, before, 'comfy+sdpa'))} | {span(expert_unloads(path, after, 'est+sage'))} | "
                  f"{span(expert_unloads(path, after, 'comfy+sdpa'))} |")
-    o += ["", "What is left of the first prompt's fixed costs is ComfyUI's: unloading the text encoder (10.6 GiB, the",
-          "first prompt's high-noise expert pays it in both setups) and, where the weights stream, ComfyUI-GGUF's first",
-          "partial load, which moves each streamed module to the GPU and back to take it off the file's memory map.", ""]
+    return o + [""] + unmapping_lines() + [""]
+
+
+# (records, round before, round after) around the partial unload that gives host tensors back
+PARTIAL_UNLOAD_ROUNDS = ("whole-prompt/gguf-480p81-20steps-24gib-eager.jsonl", "b", "c")
+# (records, round before, round after) around the streamed GGUF weights left on the file's map (skip_unmapping)
+UNMAP_ROUNDS = (("whole-prompt/gguf-720p81-4steps-12gib-eager.jsonl", "c", "d", "12 GiB"),
+                ("whole-prompt/gguf-720p81-4steps-16gib-eager.jsonl", "e", "f", "16 GiB"))
+
+
+def _expert_phase_seconds(path: str, rnd: str, run: str, prompt: str, key: str, after_expert: bool) -> list:
+    """``comfy_memory_s[key]`` of the high and low phases of one round's ``run`` processes, ``prompt`` only; with
+    ``after_expert`` only the phases that began with a Wan expert loaded."""
+    out = []
+    for r in rows(path):
+        if r.get("round") != rnd or r.get("status") != "ok" or r["run"].split("@")[0] != run:
+            continue
+        for pr in r["prompts"]:
+            if pr["prompt"] != prompt:
+                continue
+            for e in ("high", "low"):
+                ph = (pr.get("phases") or {}).get(e) or {}
+                if after_expert and "WAN21" not in (ph.get("loaded_gib_before") or {}):
+                    continue
+                v = (ph.get("comfy_memory_s") or {}).get(key)
+                if v is not None:
+                    out.append(v)
+    return out
+
+
+def _commit_of_round(path: str, rnd: str):
+    return next((commit_of(r) for r in rows(path) if r.get("round") == rnd and r.get("status") == "ok"), None)
+
+
+def _secs(xs) -> str:
+    return " + ".join(f"{x:.2f}" for x in xs) + " s" if xs else "—"
+
+
+def partial_unload_lines() -> list:
+    """The partial unloads of the other expert before and after the estimator's clone gave host tensors back there."""
+    path, before, after = PARTIAL_UNLOAD_ROUNDS
+    got = {(rnd, pr): _expert_phase_seconds(path, rnd, "est+sage", pr, "partially_unload", True)
+           for rnd in (before, after) for pr in ("first", "repeat")}
+    te = (_expert_phase_seconds(path, before, "est+sage", "first", "partially_unload", False)
+          + _expert_phase_seconds(path, after, "est+sage", "first", "partially_unload", False))
+    te = [x for x in te if x not in got[(before, "first")] + got[(after, "first")]]
+    return [f"In the 20-step 480p81 prompts at 24 GiB (GGUF with its LoRA, {link(path)}), ComfyUI's partial unloads of",
+            f"the other expert took {_secs(got[(before, 'first')])} (first prompt) and {_secs(got[(before, 'repeat')])} "
+            f"(repeat) at `{_commit_of_round(path, before)}` (round `{before}`), when it copied every module, and",
+            f"{_secs(got[(after, 'first')])} and {_secs(got[(after, 'repeat')])} at `{_commit_of_round(path, after)}` "
+            f"(round `{after}`): the weights with the LoRA on them, most of",
+            "the bytes it frees, are still copied."
+            + (f" The first prompt's other partial unload, of the text encoder ({min(te):.2f}–{max(te):.2f} s), is not "
+               "the clone's." if te else "")]
+
+
+def unmapping_lines() -> list:
+    """ComfyUI-GGUF's first partial load, before and after the estimator's clone left streamed modules on the map."""
+    o = ["ComfyUI-GGUF's first partial load moves each module left streaming to the GPU and back, to take it off the",
+         "file's memory map. The estimator's clone keeps its loaded weights' host tensors, which lie on that map, so on",
+         "the clone that copy frees nothing: the clone leaves the streamed modules on the map",
+         "(`host_copy.skip_unmapping`), except where ComfyUI pins streamed weights (ComfyUI-GGUF copies a weight off the",
+         "map before ComfyUI pins it). Seconds of the first prompt's partial loads (`partially_load`, high / low",
+         "expert), estimator + Sage, GGUF Q4_K_M A14B 720p81:", ""]
+    for path, before, after, budget in UNMAP_ROUNDS:
+        b = _expert_phase_seconds(path, before, "est+sage", "first", "partially_load", False)
+        a = _expert_phase_seconds(path, after, "est+sage", "first", "partially_load", False)
+        fmt = lambda xs: " / ".join(f"{x:.2f}" for x in xs) + " s" if xs else "—"  # noqa: E731
+        o.append(f"- {budget}: {fmt(b)} at `{_commit_of_round(path, before)}` (round `{before}`), {fmt(a)} at "
+                 f"`{_commit_of_round(path, after)}` (round `{after}`; {link(path)}).")
+    o += ["", "What is left of the first prompt's fixed costs is ComfyUI's: unloading the text encoder (10.6 GiB; the",
+          "first prompt's high-noise expert pays it in both setups)."]
     return o
 
 
