@@ -735,24 +735,37 @@ UNLOAD_ROUNDS = (("whole-prompt/gguf-480p81-4steps-16gib-eager.jsonl", "e", "f")
                  ("whole-prompt/gguf-720p81-4steps-24gib-eager.jsonl", "b", "c"))
 
 
+def _phases_seconds(pr: dict, key: str, expert_before: bool | None = None):
+    """(expert, ``comfy_memory_s[key]``) of the high and low phases of one prompt record; ``expert_before``: only the
+    phases that began with a Wan expert loaded (True) or without one (False)."""
+    for e in ("high", "low"):
+        ph = (pr.get("phases") or {}).get(e) or {}
+        if expert_before is not None and ("WAN21" in (ph.get("loaded_gib_before") or {})) != expert_before:
+            continue
+        v = (ph.get("comfy_memory_s") or {}).get(key)
+        if v is not None:
+            yield e, v
+
+
 def switch_unloads(r: dict) -> list:
     """The seconds ComfyUI spent unloading the other expert at each switch of one whole-prompt record (the
     first prompt's high-noise expert unloads the text encoder instead, and is left out)."""
-    out = []
-    for pr in r["prompts"]:
-        for e in ("high", "low"):
-            ph = (pr.get("phases") or {}).get(e) or {}
-            if (pr["prompt"], e) != ("first", "high") and "WAN21" in (ph.get("loaded_gib_before") or {}):
-                s_ = (ph.get("comfy_memory_s") or {}).get("model_unload")
-                if s_ is not None:
-                    out.append(s_)
-    return out
+    return [v for pr in r["prompts"] for e, v in _phases_seconds(pr, "model_unload", expert_before=True)
+            if (pr["prompt"], e) != ("first", "high")]
+
+
+def _round_runs(path: str, rnd: str, run: str) -> list:
+    """The records of one round and configuration (``est+sage``, ``comfy+sdpa``) that ran."""
+    return [r for r in rows(path) if r.get("round") == rnd and r.get("status") == "ok" and r["run"].split("@")[0] == run]
 
 
 def expert_unloads(path: str, rnd: str, run: str) -> list:
     """:func:`switch_unloads` over the processes of one round and configuration."""
-    return [s_ for r in rows(path) if r.get("round") == rnd and r.get("status") == "ok"
-            and r["run"].split("@")[0] == run for s_ in switch_unloads(r)]
+    return [s_ for r in _round_runs(path, rnd, run) for s_ in switch_unloads(r)]
+
+
+def _commit_of_round(path: str, rnd: str):
+    return next((commit_of(r) for r in rows(path) if r.get("round") == rnd and r.get("status") == "ok"), None)
 
 
 def unload_section() -> list:
@@ -779,10 +792,7 @@ def unload_section() -> list:
          "|---|---|---|---|---|"]
     span = lambda xs: f"{min(xs):.2f}–{max(xs):.2f} s ({len(xs)})" if xs else "—"  # noqa: E731
     for path, before, after in UNLOAD_ROUNDS:
-        commits = {}
-        for rnd in (before, after):
-            commits[rnd] = next((r.get("commit") or (r.get("env") or {}).get("wan_sage_commit") for r in rows(path)
-                                 if r.get("round") == rnd and r.get("status") == "ok"), None)
+        commits = {rnd: _commit_of_round(path, rnd) for rnd in (before, after)}
         name = Path(path).stem
         o.append(f"| [`{name}`](../bench/records/{path}) rounds `{before}` (`{commits[before]}`) / `{after}` "
                  f"(`{commits[after]}`) | {span(expert_unloads(path, before, 'est+sage'))} | "
@@ -798,28 +808,11 @@ UNMAP_ROUNDS = (("whole-prompt/gguf-720p81-4steps-12gib-eager.jsonl", "c", "d", 
                 ("whole-prompt/gguf-720p81-4steps-16gib-eager.jsonl", "e", "f", "16 GiB"))
 
 
-def _expert_phase_seconds(path: str, rnd: str, run: str, prompt: str, key: str, after_expert: bool) -> list:
-    """``comfy_memory_s[key]`` of the high and low phases of one round's ``run`` processes, ``prompt`` only; with
-    ``after_expert`` only the phases that began with a Wan expert loaded."""
-    out = []
-    for r in rows(path):
-        if r.get("round") != rnd or r.get("status") != "ok" or r["run"].split("@")[0] != run:
-            continue
-        for pr in r["prompts"]:
-            if pr["prompt"] != prompt:
-                continue
-            for e in ("high", "low"):
-                ph = (pr.get("phases") or {}).get(e) or {}
-                if after_expert and "WAN21" not in (ph.get("loaded_gib_before") or {}):
-                    continue
-                v = (ph.get("comfy_memory_s") or {}).get(key)
-                if v is not None:
-                    out.append(v)
-    return out
-
-
-def _commit_of_round(path: str, rnd: str):
-    return next((commit_of(r) for r in rows(path) if r.get("round") == rnd and r.get("status") == "ok"), None)
+def _expert_phase_seconds(path: str, rnd: str, run: str, prompt: str, key: str,
+                          expert_before: bool | None = None) -> list:
+    """:func:`_phases_seconds` of ``prompt`` over the processes of one round and configuration."""
+    return [v for r in _round_runs(path, rnd, run) for pr in r["prompts"] if pr["prompt"] == prompt
+            for _e, v in _phases_seconds(pr, key, expert_before)]
 
 
 def _secs(xs) -> str:
@@ -831,9 +824,8 @@ def partial_unload_lines() -> list:
     path, before, after = PARTIAL_UNLOAD_ROUNDS
     got = {(rnd, pr): _expert_phase_seconds(path, rnd, "est+sage", pr, "partially_unload", True)
            for rnd in (before, after) for pr in ("first", "repeat")}
-    te = (_expert_phase_seconds(path, before, "est+sage", "first", "partially_unload", False)
-          + _expert_phase_seconds(path, after, "est+sage", "first", "partially_unload", False))
-    te = [x for x in te if x not in got[(before, "first")] + got[(after, "first")]]
+    te = [v for rnd in (before, after)  # the text encoder's: no expert loaded before the phase
+          for v in _expert_phase_seconds(path, rnd, "est+sage", "first", "partially_unload", False)]
     return [f"In the 20-step 480p81 prompts at 24 GiB (GGUF with its LoRA, {link(path)}), ComfyUI's partial unloads of",
             f"the other expert took {_secs(got[(before, 'first')])} (first prompt) and {_secs(got[(before, 'repeat')])} "
             f"(repeat) at `{_commit_of_round(path, before)}` (round `{before}`), when it copied every module, and",
@@ -853,8 +845,8 @@ def unmapping_lines() -> list:
          "map before ComfyUI pins it). Seconds of the first prompt's partial loads (`partially_load`, high / low",
          "expert), estimator + Sage, GGUF Q4_K_M A14B 720p81:", ""]
     for path, before, after, budget in UNMAP_ROUNDS:
-        b = _expert_phase_seconds(path, before, "est+sage", "first", "partially_load", False)
-        a = _expert_phase_seconds(path, after, "est+sage", "first", "partially_load", False)
+        b = _expert_phase_seconds(path, before, "est+sage", "first", "partially_load")
+        a = _expert_phase_seconds(path, after, "est+sage", "first", "partially_load")
         fmt = lambda xs: " / ".join(f"{x:.2f}" for x in xs) + " s" if xs else "—"  # noqa: E731
         o.append(f"- {budget}: {fmt(b)} at `{_commit_of_round(path, before)}` (round `{before}`), {fmt(a)} at "
                  f"`{_commit_of_round(path, after)}` (round `{after}`; {link(path)}).")
