@@ -30,16 +30,21 @@ def _on_meta(comfy, lora: bool):
     return base, m
 
 
-def _gguf_on_meta(tmp_path):
-    """The miniature GGUF expert with its LoRA, through the estimator, its load device ``meta``, its host copies
-    installed (call under ``torch.inference_mode``); skips without ComfyUI-GGUF or the gguf package."""
+def _gguf_model(tmp_path):
+    """The miniature GGUF expert with its LoRA, as ComfyUI-GGUF loads it (call under ``torch.inference_mode``);
+    skips without ComfyUI-GGUF or the gguf package."""
     reason = workflow_check.gguf_skip_reason()
     if reason:
         pytest.skip(reason)
     pytest.importorskip("gguf", reason="the gguf package (ComfyUI-GGUF's dependency) is not installed")
+    return comfy_env.tiny_gguf_expert(workflow_check.gguf_path(), tmp_path)
+
+
+def _gguf_on_meta(tmp_path):
+    """:func:`_gguf_model` through the estimator, its load device ``meta``, its host copies installed."""
     from wan_sage.nodes import host_copy
     from wan_sage.nodes.estimator import Settings, apply_estimator
-    model = comfy_env.tiny_gguf_expert(workflow_check.gguf_path(), tmp_path)
+    model = _gguf_model(tmp_path)
     m, _, _ = apply_estimator(model, Settings(), [1, 16, 2, 8, 8])
     model.load_device = m.load_device = META
     assert host_copy.install(m)
@@ -125,12 +130,8 @@ def test_a_gguf_expert_partly_loaded_leaves_its_streamed_modules_on_their_host_t
 
 
 def test_without_the_estimator_gguf_copies_its_streamed_modules_so_the_test_can_fail(comfy, tmp_path):
-    reason = workflow_check.gguf_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    pytest.importorskip("gguf", reason="the gguf package (ComfyUI-GGUF's dependency) is not installed")
     with torch.inference_mode():
-        model = comfy_env.tiny_gguf_expert(workflow_check.gguf_path(), tmp_path)
+        model = _gguf_model(tmp_path)
         model.load_device = META
         with pytest.raises(NotImplementedError):
             model.patch_model(META, lowvram_model_memory=model.model_size() // 2)
