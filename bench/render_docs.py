@@ -1580,6 +1580,9 @@ def e2e_compiled_cast_section() -> list:
 
 WHOLE_HEADING = "Whole generation"
 WHOLE_CONFIGS = ((False, "sdpa"), (False, "sage"), (True, "sdpa"), (True, "sage"))
+# The weight formats of the README's whole-prompt lines: those the templates load.  fp8 loaded as
+# fp8_e4m3fn_fast is measured in docs/benchmarks.md, not recommended.
+WHOLE_HEADLINE_WEIGHTS = ("gguf", "fp8")
 WHOLE_CONFIG_NAMES = {(False, "sdpa"): "ComfyUI alone + SDPA", (False, "sage"): "ComfyUI alone + Sage",
                       (True, "sdpa"): "estimator + SDPA", (True, "sage"): "estimator + Sage"}
 
@@ -1660,6 +1663,27 @@ def switched_off_default(c: dict) -> bool:
             or bool(c.get("decode_room_extra_gib")))
 
 
+def _stock_stand_in(by: dict, wf: tuple, budget, caches: str) -> tuple:
+    """ComfyUI alone + SDPA of the same set for a row whose own workflow and caches it did not run, where its
+    seconds stand for that run, and the words that say so; else (None, None).
+
+    - Caches kept: eager ComfyUI alone + SDPA reads none of the three folders (no timing cache, nothing compiled),
+      so its process with them empty is its process with them kept.
+    - fp8 loaded as ``fp8_e4m3fn_fast``: stock ComfyUI loads the same fp8 files with the default weight dtype, so
+      that is the user's stock run of the workflow."""
+    stock = (False, "sdpa")
+    stock_wf, notes = wf, []
+    if wf[0] == "fp8_fast":
+        stock_wf = ("fp8", *wf[1:])
+        notes.append("the fp8 files loaded with the default weight dtype")
+    for c in (caches, "empty") if caches == "kept" and wf[5] == "" else (caches,):
+        if (stock_wf, budget, c, stock) in by and (stock_wf, c) != (wf, caches):
+            if c != caches:
+                notes.append("caches empty: eager, it reads none of them")
+            return by[(stock_wf, budget, c, stock)], "; ".join(notes)
+    return None, None
+
+
 def whole_rows(sets) -> list[dict]:
     """Per set, workflow, budget and caches at the start: each configuration's medians over its processes,
     with ComfyUI alone + SDPA of the same set, workflow, budget and caches as the baseline."""
@@ -1680,7 +1704,9 @@ def whole_rows(sets) -> list[dict]:
         groups.append((s, by))
     for n, (s, by) in enumerate(groups):
         for (wf, budget, caches, cfg), recs in by.items():
-            base, base_set = by.get((wf, budget, caches, (False, "sdpa"))), None
+            base, base_set, base_note = by.get((wf, budget, caches, (False, "sdpa"))), None, None
+            if base is None and cfg != (False, "sdpa"):
+                base, base_note = _stock_stand_in(by, wf, budget, caches)
             if base is None and cfg != (False, "sdpa") and (s["file"], wf, budget, caches) in stock_of_file:
                 # a set without ComfyUI alone is compared with the same file's (same workflow, budget and
                 # caches; another machine): the last set before it that has one, else the first after it; and says so
@@ -1695,7 +1721,7 @@ def whole_rows(sets) -> list[dict]:
                     figures[f"{name}_{key}"] = (v, b)
             starts = [r["process_start_s"] for r in recs if r.get("process_start_s") is not None]
             out.append(dict(set=s, workflow=wf, budget=budget, caches=caches, config=cfg, recs=recs, figures=figures,
-                            base_set=base_set,
+                            base_set=base_set, base_note=base_note,
                             first_steps=tuple(_prompt_median(recs, 0, "first_step_s", e) for e in ("high", "low")),
                             start=statistics.median(starts) if starts else None))
     order = lambda x: (x["workflow"][0], -x["workflow"][1][0] * x["workflow"][1][1], x["workflow"][2],  # noqa: E731
@@ -1761,7 +1787,8 @@ def whole_generation_section(paths=None) -> list:
         hi, lo = x["first_steps"]
         steps = "—" if hi is None else f"{hi:.1f} / " + ("—" if lo is None else f"{lo:.1f}") + " s"
         start = "—" if x["start"] is None else f"{x['start']:.0f} s"
-        against = f" (× against ComfyUI alone + SDPA of ({x['base_set'][-2]}))" if x.get("base_set") else ""
+        against = f" (× against ComfyUI alone + SDPA of ({x['base_set'][-2]}))" if x.get("base_set") else \
+            f" (× against ComfyUI alone + SDPA, {x['base_note']})" if x.get("base_note") else ""
         o.append(f"| {_whole_workflow_text(x['workflow'])} | {_budget_text(x['budget'])} | {x['caches']} | "
                  f"{WHOLE_CONFIG_NAMES.get(x['config'], str(x['config']))}{against} | "
                  + " | ".join(_seconds(*f[k]) for k in ("first_to_latent_s", "first_to_frames_s", "repeat_to_latent_s",
@@ -2234,8 +2261,12 @@ def method_section(runs) -> list:
             "- A streaming term for compiled blocks and for streamed fp8 or bf16 weights: there the estimator reserves the",
             "  eager figure and the partial-load term, which left 2–5 GiB of the budget unused in the runs above; eager",
             "  blocks streaming GGUF weights have their own term (docs/memory-model.md, \"Partly offloaded end to end\").",
-            "- The first prompt with the pack's caches kept at 16 and 12 GiB: the whole-prompt rows there start with the",
-            "  caches empty, the first prompt after installing (the stricter case); caches kept were measured at 24 GiB only.",
+            "- What fp8_e4m3fn_fast's fp8 matmuls save on their own: its whole-prompt row (estimator + Sage, 480p81, 20",
+            "  steps) has ComfyUI alone with the default weight dtype beside it, but neither ComfyUI alone with",
+            "  fp8_e4m3fn_fast nor estimator + Sage with the default weight dtype ran on that machine, so its gain per",
+            "  step is not split between the matmuls and Sage.",
+            "- ComfyUI alone + SDPA with its caches kept: eager, it reads none of the three folders, so the rows with the",
+            "  caches kept are compared with its run with them empty on the same machine (and say so).",
             ""]
 
 
@@ -2303,7 +2334,8 @@ def readme_results(summary) -> str:
         else:
             oom_why.append(f"{where}, where ComfyUI alone completed")
     rows_ = whole_headlines([w for w in whole_rows(whole_sets()) if w["config"] == (True, "sage")
-                             and w["caches"] == "empty" and w["figures"]["first_to_frames_s"][1]])
+                             and w["caches"] == "empty" and w["workflow"][0] in WHOLE_HEADLINE_WEIGHTS
+                             and w["figures"]["first_to_frames_s"][1]])
     rows_ += [
         ("A14B 720p81 self-attention, `auto` against SDPA", f"**{auto720['ratio']:.2f}×** ({auto720['chosen']})",
          f"[attention](docs/attention.md#{anchor('The `auto` override end to end')})"),

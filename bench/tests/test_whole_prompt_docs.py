@@ -139,3 +139,38 @@ def test_a_round_without_comfyui_alone_keeps_the_baseline_before_it_when_later_r
     rows = _rows(render_docs.whole_generation_section([_write(tmp_path / "fp8-2.jsonl", recs[2:])]))
     first = next(r for r in rows if "64.0 s" in r)
     assert "(× against ComfyUI alone + SDPA of (b))" in first and "64.0 s (0.62×)" in first
+
+
+def test_a_kept_row_without_comfyui_alone_kept_is_compared_with_its_empty_run_when_eager_and_says_so(tmp_path):
+    recs = [record(False, "sdpa", (80.0, 88.0), (60.0, 66.0)),
+            record(True, "sage", (66.0, 70.0), (48.0, 52.0), caches="kept")]
+    rows = _rows(render_docs.whole_generation_section([_write(tmp_path / "kept.jsonl", recs)]))
+    kept = next(r for r in rows if "| kept |" in r)
+    assert "(× against ComfyUI alone + SDPA, caches empty: eager, it reads none of them)" in kept
+    assert "70.0 s (1.26×)" in kept and "52.0 s (1.27×)" in kept
+    # compiled, the caches hold its compiles: no stand-in, no ratio
+    compiled = [dict(r, config=dict(r["config"], compile={"kind": "blocks"})) for r in recs]
+    rows = _rows(render_docs.whole_generation_section([_write(tmp_path / "kept-compiled.jsonl", compiled)]))
+    assert rows and not any("×" in r for r in rows), rows
+
+
+def test_fp8_as_fp8_e4m3fn_fast_is_compared_with_stock_loading_the_same_files_and_stays_out_of_the_readme(
+        tmp_path, monkeypatch):
+    fast = record(True, "sage", (80.0, 84.0), (64.0, 67.0), steps=20)
+    fast["config"]["weights"] = "fp8_fast"
+    stock = record(False, "sdpa", (88.0, 90.8), (73.6, 75.5), steps=20)
+    stock["config"]["weights"] = "fp8"
+    f = _write(tmp_path / "fp8-20.jsonl", [fast, stock])
+    rows = _rows(render_docs.whole_generation_section([f])) + [
+        r for r in render_docs.whole_generation_section([f]) if r.startswith("| fp8")]
+    row = next(r for r in rows if r.startswith("| fp8 as fp8_e4m3fn_fast"))
+    assert "(× against ComfyUI alone + SDPA, the fp8 files loaded with the default weight dtype)" in row
+    assert "84.0 s (1.08×)" in row and "67.0 s (1.13×)" in row
+    # the README's whole-prompt lines are the formats the templates load; an fp8 row of the same set is there
+    plain = record(True, "sage", (70.0, 72.0), (50.0, 52.0), steps=20)
+    plain["config"]["weights"] = "fp8"
+    monkeypatch.setattr(render_docs, "whole_prompt_files", lambda: [_write(tmp_path / "readme.jsonl",
+                                                                           [fast, stock, plain])])
+    readme = render_docs.readme_results(render_docs.forward_summary())
+    assert "whole prompt: fp8, 832x480x81" not in readme and "fp8_e4m3fn_fast" not in readme
+    assert "whole prompt: fp8, 720p81, 20 steps, eager | 24 GiB **1.26× / 1.45×**" in readme, readme
