@@ -299,22 +299,45 @@ def weight_setup(model, partial: bool) -> activation_model.WeightSetup:
                                         fp8_matmul=name == "fp8" and fp8_matmul(base))
 
 
+def _first_linear(base):
+    for module in getattr(getattr(base, "diffusion_model", None), "modules", lambda: ())():
+        if isinstance(module, torch.nn.Linear):
+            return module
+    return None
+
+
+def _fp8_linear_code(module):
+    """The code of ``module``'s ``forward_comfy_cast_weights`` when it calls ``fp8_linear``, and its closure."""
+    fn = getattr(type(module), "forward_comfy_cast_weights", None)
+    code = getattr(fn, "__code__", None)
+    if code is None or "fp8_linear" not in code.co_names:
+        return None, {}
+    return code, dict(zip(code.co_freevars, fn.__closure__ or ()))
+
+
 def fp8_matmul(base) -> bool:
     """Whether the model's Linear layers multiply fp8 weights in fp8: ComfyUI built them from ``fp8_ops``
     (UNETLoader's ``fp8_e4m3fn_fast`` on a GPU with fp8 compute), or from a scaled-fp8 class with its
     ``fp8_matrix_mult`` switch on (comfy/ops.py@a125cd84, ``pick_operations``).  Read from the class's
-    ``forward_comfy_cast_weights``: it calls ``fp8_linear``, unconditionally or behind that switch."""
-    for module in getattr(getattr(base, "diffusion_model", None), "modules", lambda: ())():
-        if not isinstance(module, torch.nn.Linear):
-            continue
-        fn = getattr(type(module), "forward_comfy_cast_weights", None)
-        code = getattr(fn, "__code__", None)
-        if code is None or "fp8_linear" not in code.co_names:
-            return False
-        cells = dict(zip(code.co_freevars, fn.__closure__ or ()))
-        switch = cells.get("fp8_matrix_mult")
-        return bool(switch.cell_contents) if switch is not None else True
-    return False
+    ``forward_comfy_cast_weights``: it calls ``fp8_linear``, unconditionally or behind that switch, and not
+    for a layer in training mode (:func:`fp8_matmul_skipped`)."""
+    module = _first_linear(base)
+    code, cells = _fp8_linear_code(module)
+    if code is None or fp8_matmul_skipped(base):
+        return False
+    switch = cells.get("fp8_matrix_mult")
+    return bool(switch.cell_contents) if switch is not None else True
+
+
+def fp8_matmul_skipped(base) -> bool:
+    """Whether the model's fp8 matmul layers skip ``fp8_linear`` because they are in training mode.
+    ComfyUI 0.3.64's ``fp8_ops.Linear`` calls it only ``if not self.training`` (comfy/ops.py@a125cd84, since
+    7be2b49b), and its Wan model is never put in eval mode, so there the fp8 weights are cast at every layer
+    call as on the ordinary fp8 path.  Read from the class's code (``training`` among the names it reads) and
+    the layer's own flag."""
+    module = _first_linear(base)
+    code, _cells = _fp8_linear_code(module)
+    return code is not None and "training" in code.co_names and bool(module.training)
 
 
 KITCHEN_NAMES = ("ck", "comfy_kitchen")

@@ -166,6 +166,9 @@ def run_mode(model, model_options, dims: activation_model.WanDims, shape) -> Run
 
 UNKNOWN_COMPILE_NOTE = ("compile scope unknown: planned as eager ({who} keeps the modules it compiles where wan-sage "
                         "cannot read them, so whether they are the blocks one by one is not known)")
+FP8_MATMUL_SKIPPED_NOTE = ("fp8_e4m3fn_fast: this ComfyUI runs its fp8 matmuls only for layers in eval mode and "
+                           "leaves the Wan model in training mode, so its fp8 weights are cast at every layer call "
+                           "as on the ordinary fp8 path (planned so)")
 WHOLE_MODEL_COMPILE_NOTE = ("the whole diffusion model is one compiled graph, which is reserved for as eager: the "
                             "compiled figure is measured for blocks compiled one by one, and a whole-model compile "
                             "peaked above it")
@@ -192,6 +195,8 @@ def setup_for(model, shape, model_options, settings: Settings, *, assume_compile
     extra = {}
     if weights:
         dynamic = comfy_bridge.is_dynamic(model)
+        if comfy_bridge.fp8_matmul_skipped(model.model):
+            notes.append(FP8_MATMUL_SKIPPED_NOTE)
         extra = {"weights": comfy_bridge.weight_setup(model, False), "weights_bytes": int(model.model_size()),
                  "vram_bytes": (comfy_bridge.total_memory(comfy_bridge.device_of(model)) if dynamic
                                 else comfy_bridge.capacity(model)),

@@ -218,3 +218,31 @@ def test_old_saved_widget_values_still_validate_and_the_latent_channels_are_chec
     assert "problem: the latent has 48 channels but" in report and "takes 16" in report
     right = Node.execute(model=base, policy="fixed GB per row", latent={"samples": torch.zeros(1, 16, 2, 8, 8)}, **ok)
     assert "problem:" not in right.result[5] and right.result[4] == 10.0
+
+
+def test_fp8_e4m3fn_fast_is_planned_as_the_ordinary_fp8_path_where_comfyui_skips_its_fp8_matmuls(comfy, monkeypatch):
+    # UNETLoader's fp8_e4m3fn_fast builds the Linear layers from fp8_ops where the GPU has fp8 compute (forced
+    # here on the CPU); ComfyUI 0.3.64's fp8_ops runs fp8_linear only for a layer in eval mode and loads Wan in
+    # training mode, so the layers cast their fp8 weights as on the ordinary fp8 path, and the estimate says so.
+    from wan_sage.nodes import comfy_bridge
+    from wan_sage.nodes.estimator import FP8_MATMUL_SKIPPED_NOTE, Settings, apply_estimator
+    monkeypatch.setattr(comfy.model_management, "supports_fp8_compute", lambda device=None: True)
+    fast = comfy_env.tiny_wan_patcher(num_layers=2, dtype=torch.float8_e4m3fn,
+                                      model_options={"fp8_optimizations": True})
+    linear = fast.model.diffusion_model.blocks[0].self_attn.q
+    assert isinstance(linear, comfy.ops.fp8_ops.Linear) and linear.training
+    assert comfy_bridge.fp8_matmul_skipped(fast.model) and not comfy_bridge.weight_setup(fast, False).fp8_matmul
+    _, est, text = apply_estimator(fast, Settings(), [1, 16, 21, 60, 104])
+    assert FP8_MATMUL_SKIPPED_NOTE in text and "fp8 weights multiply in fp8" not in text
+    plain = comfy_env.tiny_wan_patcher(num_layers=2, dtype=torch.float8_e4m3fn)
+    _, est_plain, text_plain = apply_estimator(plain, Settings(), [1, 16, 21, 60, 104])
+    assert est.reservation == est_plain.reservation and FP8_MATMUL_SKIPPED_NOTE not in text_plain
+    # in eval mode the same layers multiply in fp8, and the estimate counts their input copies instead
+    fast.model.diffusion_model.eval()
+    try:
+        assert comfy_bridge.weight_setup(fast, False).fp8_matmul
+        _, est_eval, text_eval = apply_estimator(fast, Settings(), [1, 16, 21, 60, 104])
+        assert "fp8 weights multiply in fp8" in text_eval and FP8_MATMUL_SKIPPED_NOTE not in text_eval
+        assert est_eval.reservation != est.reservation
+    finally:
+        fast.model.diffusion_model.train()

@@ -32,6 +32,17 @@ class Fp8Linear(CastLinear):
         return out if out is not None else super().forward_comfy_cast_weights(input)
 
 
+class GatedFp8Linear(CastLinear):
+    """``fp8_ops.Linear`` of ComfyUI 0.3.64: ``fp8_linear`` only for a layer in eval mode."""
+
+    def forward_comfy_cast_weights(self, input):
+        if not self.training:
+            out = fp8_linear(self, input)
+            if out is not None:
+                return out
+        return super().forward_comfy_cast_weights(input)
+
+
 def scaled_fp8_ops(fp8_matrix_mult):
     class Linear(CastLinear):
         def forward_comfy_cast_weights(self, input):
@@ -55,6 +66,18 @@ def test_the_fp8_matmul_classes_are_recognised():
     assert not comfy_bridge.fp8_matmul(Base(scaled_fp8_ops(False)))
     assert not comfy_bridge.fp8_matmul(Base(CastLinear))
     assert not comfy_bridge.fp8_matmul(Base(torch.nn.Linear))
+
+
+def test_a_layer_in_training_mode_skips_the_fp8_matmul_where_the_class_checks_it():
+    base = Base(GatedFp8Linear)                       # a module is in training mode until told otherwise
+    assert comfy_bridge.fp8_matmul_skipped(base) and not comfy_bridge.fp8_matmul(base)
+    base.eval()
+    assert not comfy_bridge.fp8_matmul_skipped(base) and comfy_bridge.fp8_matmul(base)
+    # classes that do not read the flag multiply in fp8 in either mode; classes without fp8 matmuls skip nothing
+    for cls in (Fp8Linear, scaled_fp8_ops(True)):
+        assert comfy_bridge.fp8_matmul(Base(cls)) and not comfy_bridge.fp8_matmul_skipped(Base(cls))
+    for cls in (CastLinear, torch.nn.Linear, scaled_fp8_ops(False)):
+        assert not comfy_bridge.fp8_matmul_skipped(Base(cls))
 
 
 def test_the_input_copy_is_counted_where_the_cast_path_counts_the_weight():
