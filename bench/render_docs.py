@@ -2261,10 +2261,9 @@ def method_section(runs) -> list:
             "- A streaming term for compiled blocks and for streamed fp8 or bf16 weights: there the estimator reserves the",
             "  eager figure and the partial-load term, which left 2–5 GiB of the budget unused in the runs above; eager",
             "  blocks streaming GGUF weights have their own term (docs/memory-model.md, \"Partly offloaded end to end\").",
-            "- What fp8_e4m3fn_fast's fp8 matmuls save on their own: its whole-prompt row (estimator + Sage, 480p81, 20",
-            "  steps) has ComfyUI alone with the default weight dtype beside it, but neither ComfyUI alone with",
-            "  fp8_e4m3fn_fast nor estimator + Sage with the default weight dtype ran on that machine, so its gain per",
-            "  step is not split between the matmuls and Sage.",
+            "- fp8 matmuls with Sage. ComfyUI 0.3.64's `fp8_ops` runs its fp8 matmul only for a layer in eval mode and",
+            "  leaves the Wan model in training mode (docs/compatibility.md), so the fp8_e4m3fn_fast whole-prompt row",
+            "  (estimator + Sage, 480p81, 20 steps) ran the ordinary fp8 path, and its gain is Sage's.",
             "- ComfyUI alone + SDPA with its caches kept: eager, it reads none of the three folders, so the rows with the",
             "  caches kept are compared with its run with them empty on the same machine (and say so).",
             ""]
