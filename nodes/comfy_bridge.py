@@ -323,10 +323,14 @@ def fp8_matmul(base) -> bool:
     for a layer in training mode (:func:`fp8_matmul_skipped`)."""
     module = _first_linear(base)
     code, cells = _fp8_linear_code(module)
-    if code is None or fp8_matmul_skipped(base):
+    if code is None or _skipped_in_training(code, module):
         return False
     switch = cells.get("fp8_matrix_mult")
     return bool(switch.cell_contents) if switch is not None else True
+
+
+def _skipped_in_training(code, module) -> bool:
+    return "training" in code.co_names and bool(module.training)
 
 
 def fp8_matmul_skipped(base) -> bool:
@@ -337,7 +341,7 @@ def fp8_matmul_skipped(base) -> bool:
     the layer's own flag."""
     module = _first_linear(base)
     code, _cells = _fp8_linear_code(module)
-    return code is not None and "training" in code.co_names and bool(module.training)
+    return code is not None and _skipped_in_training(code, module)
 
 
 KITCHEN_NAMES = ("ck", "comfy_kitchen")
