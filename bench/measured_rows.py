@@ -8,7 +8,7 @@ from . import _host
 
 _host.load_pack()
 from wan_sage.memory import activation_model  # noqa: E402
-from wan_sage.memory.estimate import Estimate, Setup, activation_bytes, attention_plan, plan, sage_groups  # noqa: E402
+from wan_sage.memory.estimate import Estimate, GiB, Setup, activation_bytes, attention_plan, plan, sage_groups  # noqa: E402
 from wan_sage.memory.weights import weights_for_key  # noqa: E402
 
 # The short model names the measured rows use, and the presets they were measured at.
@@ -76,3 +76,27 @@ def compiled_blocks(config: dict) -> bool:
     opposed to running eagerly or compiling the whole model as one graph (planned as eager, as the node
     plans it)."""
     return activation_model.compiles_per_block((config.get("compile") or {}).get("keys"))
+
+
+def gguf_stream_need_gib(preset: str = "wan2.2-a14b") -> list[float]:
+    """What each eager expert that streamed GGUF weights, in the record files ``gguf_stream_copies`` was set
+    from, held above its resident weights beyond the streamed reservation without that term (GiB).  The term
+    is the fewest whole dequantised copies of the largest Linear (compute dtype) that covers the largest."""
+    from . import _records
+    need = []
+    for p in _records.set_from("gguf_stream_copies"):
+        for r in _records.rows(p):
+            c = r.get("config")
+            if not c or "prompts" in r or r.get("status") != "ok" or c.get("weights") != "gguf" or c.get("compile"):
+                continue
+            est = e2e_estimate(c, preset)
+            base = est.reservation_partial - est.partial["fragmentation"]
+            need += [((e["peak_reserved_gib"] - e["resident_gib"]) * GiB - base) / GiB for e in r["experts"].values()
+                     if e["resident_frac"] < 0.9999]
+    return need
+
+
+def gguf_stream_copy_gib(preset: str = "wan2.2-a14b") -> float:
+    """One dequantised copy of the largest Linear (d x f, bf16) of ``preset``, in GiB."""
+    d = activation_model.PRESETS[preset]
+    return 2 * d.dim * d.ffn_dim / GiB

@@ -21,7 +21,7 @@ from unittest import mock
 
 from . import _host, plot_e2e
 from ._records import RECORDS, SET_FROM, files, name_of, not_set_from, path, rows, run_sets, set_from
-from .measured_rows import compiled_blocks, e2e_estimate, head_groups, predict_forward
+from .measured_rows import compiled_blocks, e2e_estimate, gguf_stream_copy_gib, gguf_stream_need_gib, head_groups, predict_forward
 
 _host.load_pack()
 from wan_sage.memory import activation_model, vae_decode  # noqa: E402
@@ -1369,18 +1369,9 @@ def gguf_stream_term_lines() -> list:
     """How the GGUF streaming term (``CALIBRATED["gguf_stream_copies"]``) was set from the eager experts of its
     files, and what the whole-prompt experts, which it was not set from, held against the reservation the node
     makes now."""
-    d = activation_model.PRESETS["wan2.2-a14b"]
-    copy = 2 * d.dim * d.ffn_dim / GiB
+    copy = gguf_stream_copy_gib()
     copies = CALIBRATED["gguf_stream_copies"]
-    src = {p.resolve() for p in set_from("gguf_stream_copies")}
-    need = []
-    for p, r in e2e_records("gguf", [q for q in files("e2e") if q.resolve() in src]):
-        c = r["config"]
-        if r.get("status") != "ok" or c.get("compile"):
-            continue
-        est = e2e_estimate(c)
-        base = (est.reservation_partial - est.partial["fragmentation"]) / GiB
-        need += [held_above_weights(e) - base for e in r["experts"].values() if e["resident_frac"] < 0.9999]
+    need = gguf_stream_need_gib()
     check = []
     for p in files("whole-prompt"):
         for r in rows(p):
@@ -1396,7 +1387,7 @@ def gguf_stream_term_lines() -> list:
          f"the streamed weight transient and `gguf_stream_copies` = {copies} dequantised copies of the largest Linear "
          f"({copies * copy:.2f} GiB at A14B in bf16), not the partial-load term. It was set from the {len(need)} eager experts above: "
          f"the most any held above the reservation without it was {max(need):+.2f} GiB ({max(need) / copy:.2f} copies), rounded up "
-         f"to whole copies plus one. Compiled blocks that stream keep the partial-load term."]
+         f"to whole copies. Compiled blocks that stream keep the partial-load term."]
     if check:
         o.append(f"- Checked on the {len(check)} streamed GGUF experts of the whole-prompt records (first and repeat prompts), "
                  f"which it was not set from: they held {_span([h for h, _r in check])} GiB above the resident weights, "

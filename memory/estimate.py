@@ -62,11 +62,10 @@ CALIBRATED = {
     # for bf16 layers copied whole, PyTorch's native allocator) over-reserves it.  Set from the 20 eager
     # streamed experts of bench/records/e2e/gguf-budgets-*.jsonl (A14B Q4_K_M, 1280x720x81, 832x480x81 and
     # 832x1472x49 at 16 to 8 GiB): the most any held above that reservation was 0.31 GiB, 2.38 copies of
-    # A14B's 0.132 GiB FFN; rounded up to whole copies, plus one copy of headroom for sizes and models the
-    # 20 did not cover.  Checked on the streamed experts of the whole-prompt records
-    # (bench/tests/test_constants_held_out.py).  Compiled blocks that stream keep the partial-load term: they
-    # held up to 1.8 GiB more than eager ones in the same files.
-    "gguf_stream_copies": 4,
+    # A14B's 0.132 GiB FFN, rounded up to whole copies.  Checked on the streamed experts of the whole-prompt
+    # records, which it was not set from (bench/tests/test_constants_held_out.py).  Compiled blocks that
+    # stream keep the partial-load term: they held up to 1.8 GiB more than eager ones in the same files.
+    "gguf_stream_copies": 3,
 }
 
 # ComfyUI keeps this much free on top of a model's reservation (EXTRA_RESERVED_VRAM, Linux).

@@ -12,10 +12,12 @@ and compiled per block, with the estimator or ComfyUI's reservation, in every en
 neither factor was set from, are checked the same way per completed expert.  The fp8 experts compiled per
 block with every weight resident in the files the cast rule was not made from check that rule.
 """
+import math
+
 import pytest
 
 from bench import _records
-from bench.measured_rows import e2e_estimate
+from bench.measured_rows import e2e_estimate, gguf_stream_copy_gib, gguf_stream_need_gib
 from wan_sage.memory import activation_model
 from wan_sage.memory.estimate import CALIBRATED, GiB, Setup, attention_plan, plan
 from wan_sage.memory.weights import weights_for_key
@@ -163,3 +165,12 @@ def test_the_gguf_streaming_check_covers_budgets_and_both_configurations():
     assert len(WHOLE_GGUF_STREAMED) >= 8
     assert {r["config"]["budget_gib"] for _n, r, _e in WHOLE_GGUF_STREAMED} >= {16.0, 12.0}
     assert {r["config"]["estimator"] for _n, r, _e in WHOLE_GGUF_STREAMED} == {False, True}
+
+
+def test_the_gguf_streaming_term_is_the_fewest_whole_copies_its_records_need():
+    """The fit itself: the eager experts that streamed GGUF weights in the files the term was set from need
+    at most this many dequantised copies of the largest Linear above the reservation without it, and one
+    copy fewer would leave the largest of them above the reservation."""
+    need = gguf_stream_need_gib()
+    assert len(need) >= 20
+    assert CALIBRATED["gguf_stream_copies"] == max(1, math.ceil(max(need) / gguf_stream_copy_gib()))
