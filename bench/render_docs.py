@@ -25,7 +25,7 @@ from .measured_rows import compiled_blocks, e2e_estimate, gguf_stream_copy_gib, 
 
 _host.load_pack()
 from wan_sage.memory import activation_model, vae_decode  # noqa: E402
-from wan_sage.memory.estimate import CALIBRATED  # noqa: E402
+from wan_sage.memory.estimate import CALIBRATED, COMFY_EXTRA_RESERVED  # noqa: E402
 
 GiB = 2 ** 30
 ROOT = _host.ROOT
@@ -1787,7 +1787,34 @@ def whole_generation_section(paths=None) -> list:
                  + f" | {steps} | {start} | "
                  f"{len(x['recs'])} | {_record_link(x['set']['file'], x['set']['label'])} | "
                  f"{', '.join(dict.fromkeys(f'`{commit_of(r)}`' for r in x['recs']))} |")
-    return o + [""] + whole_decode_lines(rows_) + [""]
+    return o + [""] + whole_decode_lines(rows_) + whole_streamed_budget_lines(rows_) + [""]
+
+
+def whole_streamed_budget_lines(rows_) -> list:
+    """Per estimator row whose experts streamed weights: the budget its sampling left unused at its peak beyond
+    what ComfyUI keeps free, and its reservation over what the allocator held above the resident weights."""
+    kept_free = COMFY_EXTRA_RESERVED / GiB
+    newest = {}  # the newest set of each workflow, budget, caches and configuration: the code as it is
+    for x in rows_:
+        if x["config"][0] and x["budget"] is not None:
+            newest[(x["workflow"], x["budget"], x["caches"], x["config"])] = x
+    o = []
+    for x in newest.values():
+        es = [e for r in x["recs"] for pr in r["prompts"] if pr.get("status") == "ok"
+              for e in (pr.get("experts") or {}).values() if e.get("resident_frac", 1.0) < 0.9999]
+        if not es:
+            continue
+        unused = [x["budget"] - kept_free - e["peak_reserved_gib"] for e in es]
+        over = [e["predicted_working_gib"] / held_above_weights(e) for e in es]
+        o.append(f"- {_whole_workflow_text(x['workflow'])}, {_budget_text(x['budget'])}, caches {x['caches']}, "
+                 f"{WHOLE_CONFIG_NAMES.get(x['config'], str(x['config']))} ({_record_link(x['set']['file'], x['set']['label'])}, "
+                 f"{', '.join(dict.fromkeys(f'`{commit_of(r)}`' for r in x['recs']))}): "
+                 f"{_span([100 * e['resident_frac'] for e in es], '{:.0f}')} % of the weights resident; at the sampling peak "
+                 f"{_span(unused)} GiB of the budget unused beyond the {kept_free:.2f} GiB ComfyUI keeps free; the "
+                 f"reservation {_span(over)}× what the allocator held above the resident weights ({len(es)} expert samplings).")
+    if not o:
+        return []
+    return ["", "Where the weights streamed, what the sampling left of the budget, in the newest set of each estimator row above:", ""] + o
 
 
 def _decode_phases(recs) -> list:

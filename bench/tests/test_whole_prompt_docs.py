@@ -174,3 +174,34 @@ def test_fp8_as_fp8_e4m3fn_fast_is_compared_with_stock_loading_the_same_files_an
     readme = render_docs.readme_results(render_docs.forward_summary())
     assert "whole prompt: fp8, 832x480x81" not in readme and "fp8_e4m3fn_fast" not in readme
     assert "whole prompt: fp8, 720p81, 20 steps, eager | 24 GiB **1.26× / 1.45×**" in readme, readme
+
+
+def _experts(resident_frac, peak_reserved, resident, reserved_for):
+    e = {"resident_frac": resident_frac, "peak_reserved_gib": peak_reserved, "resident_gib": resident,
+         "predicted_working_gib": reserved_for}
+    return {"high": e, "low": dict(e, peak_reserved_gib=peak_reserved - 0.1)}
+
+
+def test_streamed_estimator_rows_say_what_the_sampling_left_of_the_budget_in_their_newest_set(tmp_path):
+    def rec(peak, **kw):
+        r = record(True, "sage", (66.0, 70.0), (48.0, 52.0), budget=16.0, **kw)
+        for p in r["prompts"]:
+            p["experts"] = _experts(0.8, peak, 7.4, 8.0)
+        return r
+    older = dict(rec(12.0), round="a")
+    newer = dict(rec(14.5), round="b")
+    resident = record(True, "sage", (60.0, 64.0), (45.0, 49.0), budget=24.0)
+    for p in resident["prompts"]:
+        p["experts"] = _experts(1.0, 20.0, 9.3, 8.0)
+    stock = record(False, "sdpa", (88.0, 90.0), (66.0, 69.0), budget=16.0)
+    for p in stock["prompts"]:
+        p["experts"] = _experts(0.2, 8.9, 1.8, 13.6)
+    lines = render_docs.whole_generation_section([_write(tmp_path / "streamed.jsonl", [older, newer, resident, stock])])
+    budget = [line for line in lines if "of the budget unused" in line]
+    # one line: the newest set of the streamed estimator row; ComfyUI alone and the resident row have none
+    assert len(budget) == 1, budget
+    line = budget[0]
+    assert "(b)" in line and "16 GiB" in line and "80 % of the weights resident" in line
+    # 16 - 0.39 - 14.5 = 1.11 and 16 - 0.39 - 14.4 = 1.21; 8.0 / (14.5 - 7.4) = 1.13, 8.0 / (14.4 - 7.4) = 1.14
+    assert "1.11–1.21 GiB of the budget unused beyond the 0.39 GiB ComfyUI keeps free" in line
+    assert "the reservation 1.13–1.14× what the allocator held" in line
