@@ -1661,13 +1661,18 @@ def _stock_stand_in(by: dict, wf: tuple, budget, caches: str) -> tuple:
     - Caches kept: eager ComfyUI alone + SDPA reads none of the three folders (no timing cache, nothing compiled),
       so its process with them empty is its process with them kept.
     - fp8 loaded as ``fp8_e4m3fn_fast``: stock ComfyUI loads the same fp8 files with the default weight dtype, so
-      that is the user's stock run of the workflow."""
+      that is the user's stock run of the workflow.
+    - A compiled row: stock ComfyUI runs the same workflow eagerly (the baseline of every whole-prompt target),
+      and eager it reads none of the cache folders."""
     stock = (False, "sdpa")
     stock_wf, notes = wf, []
     if wf[0] == "fp8_fast":
         stock_wf = ("fp8", *wf[1:])
         notes.append("the fp8 files loaded with the default weight dtype")
-    for c in (caches, "empty") if caches == "kept" and wf[5] == "" else (caches,):
+    if wf[5] != "":
+        stock_wf = (*stock_wf[:5], "", *stock_wf[6:])
+        notes.append("eager")
+    for c in (caches, "empty") if caches == "kept" and stock_wf[5] == "" else (caches,):
         if (stock_wf, budget, c, stock) in by and (stock_wf, c) != (wf, caches):
             if c != caches:
                 notes.append("caches empty: eager, it reads none of them")
@@ -1787,7 +1792,52 @@ def whole_generation_section(paths=None) -> list:
                  + f" | {steps} | {start} | "
                  f"{len(x['recs'])} | {_record_link(x['set']['file'], x['set']['label'])} | "
                  f"{', '.join(dict.fromkeys(f'`{commit_of(r)}`' for r in x['recs']))} |")
-    return o + [""] + whole_decode_lines(rows_) + whole_streamed_budget_lines(rows_) + [""]
+    return o + [""] + whole_decode_lines(rows_) + whole_compile_lines(rows_) + whole_streamed_budget_lines(rows_) + [""]
+
+
+def _guard_kind(cause: str) -> str:
+    """What a dynamo guard failure of a compiled block was about, in words."""
+    if "dispatch key set mismatch" in cause:
+        return "a parameter's device (streamed on the CPU, or resident)"
+    if "comfy_cast_weights" in cause:
+        return "ComfyUI's cast flag of a streamed layer"
+    if ".patches is " in cause:
+        return "the LoRA patch list on a GGUF parameter"
+    return "other guards"
+
+
+def _count(values, word: str) -> str:
+    text = _span(values, "{:d}")
+    return f"{text} {word}" + ("" if text == "1" else "s")
+
+
+def whole_compile_lines(rows_) -> list:
+    """Per compiled row: the graphs, recompiles and compile seconds of each prompt, and what the recompiles
+    were about."""
+    o = []
+    for x in rows_:
+        if x["workflow"][5] == "":
+            continue
+        per_prompt, kinds = [], {}
+        for name, i in (("first", 0), ("repeat", 1)):
+            cs = [r["prompts"][i].get("compile") for r in x["recs"] if len(r["prompts"]) > i
+                  and r["prompts"][i].get("status") == "ok" and r["prompts"][i].get("compile")]
+            if not cs:
+                continue
+            per_prompt.append(f"{name} prompt {_count([c.get('unique_graphs', 0) for c in cs], 'graph')}, "
+                              f"{_count([c.get('recompiles', 0) for c in cs], 'recompile')}, "
+                              f"{_span([c.get('compile_s', 0.0) for c in cs], '{:.1f}')} s compiling")
+            for c in cs:
+                for e in (c.get("by_expert") or {}).values():
+                    for cause, n in (e.get("guard_causes") or {}).items():
+                        kinds[_guard_kind(cause)] = kinds.get(_guard_kind(cause), 0) + n
+        if per_prompt:
+            why = f"; guards that failed: {_and([f'{k} ({n}×)' for k, n in kinds.items()])}" if kinds else ""
+            o.append(f"- {_whole_workflow_text(x['workflow'])}, {_budget_text(x['budget'])}, caches {x['caches']}, "
+                     f"{WHOLE_CONFIG_NAMES.get(x['config'], str(x['config']))}: {'; '.join(per_prompt)}{why}.")
+    if not o:
+        return []
+    return ["", "What dynamo did in the compiled rows above (both experts of a prompt together):", ""] + o
 
 
 def whole_streamed_budget_lines(rows_) -> list:
@@ -1811,7 +1861,8 @@ def whole_streamed_budget_lines(rows_) -> list:
                  f"{', '.join(dict.fromkeys(f'`{commit_of(r)}`' for r in x['recs']))}): "
                  f"{_span([100 * e['resident_frac'] for e in es], '{:.0f}')} % of the weights resident; at the sampling peak "
                  f"{_span(unused)} GiB of the budget unused beyond the {kept_free:.2f} GiB ComfyUI keeps free; the "
-                 f"reservation {_span(over)}× what the allocator held above the resident weights ({len(es)} expert samplings).")
+                 f"reservation {_span(over)}× what the allocator held above the resident weights ({len(es)} expert "
+                 f"sampling{'s' if len(es) > 1 else ''}).")
     if not o:
         return []
     return ["", "Where the weights streamed, what the sampling left of the budget, in the newest set of each estimator row above:", ""] + o
@@ -2352,6 +2403,7 @@ def readme_results(summary) -> str:
             oom_why.append(f"{where}, where ComfyUI alone completed")
     rows_ = whole_headlines([w for w in whole_rows(whole_sets()) if w["config"] == (True, "sage")
                              and w["caches"] == "empty" and w["workflow"][0] in WHOLE_HEADLINE_WEIGHTS
+                             and w["workflow"][5] == ""
                              and w["figures"]["first_to_frames_s"][1]])
     rows_ += [
         ("A14B 720p81 self-attention, `auto` against SDPA", f"**{auto720['ratio']:.2f}×** ({auto720['chosen']})",

@@ -205,3 +205,41 @@ def test_streamed_estimator_rows_say_what_the_sampling_left_of_the_budget_in_the
     # 16 - 0.39 - 14.5 = 1.11 and 16 - 0.39 - 14.4 = 1.21; 8.0 / (14.5 - 7.4) = 1.13, 8.0 / (14.4 - 7.4) = 1.14
     assert "1.11–1.21 GiB of the budget unused beyond the 0.39 GiB ComfyUI keeps free" in line
     assert "the reservation 1.13–1.14× what the allocator held" in line
+
+
+def test_a_compiled_row_is_compared_with_comfyui_alone_eager_and_stays_out_of_the_readme(tmp_path, monkeypatch):
+    stock = record(False, "sdpa", (78.0, 83.0), (59.0, 63.7), budget=16.0)
+    compiled = [dict(record(True, "sage", (81.7, 86.2), (43.8, 48.2), budget=16.0), config=None),
+                dict(record(True, "sage", (62.5, 67.1), (44.6, 49.0), budget=16.0, caches="kept"), config=None)]
+    for r, base in zip(compiled, (record(True, "sage", (0, 0), (0, 0), budget=16.0),) * 2):
+        r["config"] = dict(base["config"], compile={"keys": ["diffusion_model.blocks.N"]})
+    f = _write(tmp_path / "per-block.jsonl", [stock] + compiled)
+    rows = [r for r in render_docs.whole_generation_section([f]) if r.startswith("| GGUF") and "compiled per block" in r]
+    empty = next(r for r in rows if "| empty |" in r)
+    kept = next(r for r in rows if "| kept |" in r)
+    assert "(× against ComfyUI alone + SDPA, eager)" in empty and "86.2 s (0.96×)" in empty and "48.2 s (1.32×)" in empty
+    assert "(× against ComfyUI alone + SDPA, eager; caches empty: eager, it reads none of them)" in kept
+    assert "67.1 s (1.24×)" in kept
+    # the README's lines are the eager setup the pack recommends: the compiled rows are left out of them
+    monkeypatch.setattr(render_docs, "whole_prompt_files", lambda: [f])
+    readme = render_docs.readme_results(render_docs.forward_summary())
+    whole = [line for line in readme.splitlines() if line.startswith("| whole prompt")]
+    assert not any("compiled" in line for line in whole) and "0.96×" not in readme, readme
+
+
+def test_compiled_rows_say_what_dynamo_did_and_why_it_recompiled(tmp_path):
+    r = record(True, "sage", (110.9, 115.6), (67.2, 72.0), budget=12.0)
+    r["config"]["compile"] = {"keys": ["diffusion_model.blocks.N"]}
+    causes = {"tensor 'x._parameters['bias']' dispatch key set mismatch. expected CPU": 2,
+              "not ___dict_contains('comfy_cast_weights', self._modules['ffn'])": 1,
+              "a.patches is b.patches": 1}
+    r["prompts"][0]["compile"] = {"unique_graphs": 5, "recompiles": 4, "compile_s": 51.39,
+                                  "by_expert": {"high": {"guard_causes": causes}, "low": {"guard_causes": {}}}}
+    r["prompts"][1]["compile"] = {"unique_graphs": 1, "recompiles": 1, "compile_s": 2.6, "by_expert": {}}
+    eager = record(True, "sage", (66.0, 70.0), (48.0, 52.0), budget=12.0)
+    lines = render_docs.whole_generation_section([_write(tmp_path / "dynamo.jsonl", [r, eager])])
+    said = [line for line in lines if "compiling" in line]
+    assert len(said) == 1, said          # the eager row says nothing
+    assert "first prompt 5 graphs, 4 recompiles, 51.4 s compiling; repeat prompt 1 graph, 1 recompile, 2.6 s" in said[0]
+    assert ("a parameter's device (streamed on the CPU, or resident) (2×), ComfyUI's cast flag of a streamed layer "
+            "(1×) and the LoRA patch list on a GGUF parameter (1×)") in said[0]
