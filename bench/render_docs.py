@@ -1840,9 +1840,20 @@ def whole_compile_lines(rows_) -> list:
     return ["", "What dynamo did in the compiled rows above (both experts of a prompt together):", ""] + o
 
 
+def _outside_pool_gib(budget: float, phase: dict | None) -> float | None:
+    """What the device held outside PyTorch's pool when an expert's sampling began (GiB): the simulated budget
+    less the device's free memory and the pool's reservation above the ballast (the CUDA libraries' and the
+    kernels' own memory, loaded after the budget was set, as on a real card); None where not recorded."""
+    pool = (phase or {}).get("pool_before") or {}
+    if "free_gib" not in pool or "reserved_gib" not in pool:
+        return None
+    return max(0.0, budget - pool["free_gib"] - pool["reserved_gib"])
+
+
 def whole_streamed_budget_lines(rows_) -> list:
     """Per estimator row whose experts streamed weights: the budget its sampling left unused at its peak beyond
-    what ComfyUI keeps free, and its reservation over what the allocator held above the resident weights."""
+    what ComfyUI keeps free and what the device held outside PyTorch's pool, and its reservation over what the
+    allocator held above the resident weights."""
     kept_free = COMFY_EXTRA_RESERVED / GiB
     newest = {}  # the newest set of each workflow, budget, caches and configuration: the code as it is
     for x in rows_:
@@ -1850,18 +1861,22 @@ def whole_streamed_budget_lines(rows_) -> list:
             newest[(x["workflow"], x["budget"], x["caches"], x["config"])] = x
     o = []
     for x in newest.values():
-        es = [e for r in x["recs"] for pr in r["prompts"] if pr.get("status") == "ok"
-              for e in (pr.get("experts") or {}).values() if e.get("resident_frac", 1.0) < 0.9999]
+        es = [(e, _outside_pool_gib(x["budget"], (pr.get("phases") or {}).get(name)))
+              for r in x["recs"] for pr in r["prompts"] if pr.get("status") == "ok"
+              for name, e in (pr.get("experts") or {}).items() if e.get("resident_frac", 1.0) < 0.9999]
         if not es:
             continue
-        unused = [x["budget"] - kept_free - e["peak_reserved_gib"] for e in es]
-        over = [e["predicted_working_gib"] / held_above_weights(e) for e in es]
+        outside = [v for _e, v in es if v is not None]
+        unused = [x["budget"] - kept_free - e["peak_reserved_gib"] - (v or 0.0) for e, v in es]
+        over = [e["predicted_working_gib"] / held_above_weights(e) for e, _v in es]
+        beside = (f", and the {_span(outside)} GiB the device held outside PyTorch's pool (CUDA libraries and kernels)"
+                  if len(outside) == len(es) else "")
         o.append(f"- {_whole_workflow_text(x['workflow'])}, {_budget_text(x['budget'])}, caches {x['caches']}, "
                  f"{WHOLE_CONFIG_NAMES.get(x['config'], str(x['config']))} ({_record_link(x['set']['file'], x['set']['label'])}, "
                  f"{', '.join(dict.fromkeys(f'`{commit_of(r)}`' for r in x['recs']))}): "
-                 f"{_span([100 * e['resident_frac'] for e in es], '{:.0f}')} % of the weights resident; at the sampling peak "
-                 f"{_span(unused)} GiB of the budget unused beyond the {kept_free:.2f} GiB ComfyUI keeps free; the "
-                 f"reservation {_span(over)}× what the allocator held above the resident weights ({len(es)} expert "
+                 f"{_span([100 * e['resident_frac'] for e, _v in es], '{:.0f}')} % of the weights resident; at the sampling "
+                 f"peak {_span(unused)} GiB of the budget unused beyond the {kept_free:.2f} GiB ComfyUI keeps free{beside}; "
+                 f"the reservation {_span(over)}× what the allocator held above the resident weights ({len(es)} expert "
                  f"sampling{'s' if len(es) > 1 else ''}).")
     if not o:
         return []

@@ -203,8 +203,17 @@ def test_streamed_estimator_rows_say_what_the_sampling_left_of_the_budget_in_the
     line = budget[0]
     assert "(b)" in line and "16 GiB" in line and "80 % of the weights resident" in line
     # 16 - 0.39 - 14.5 = 1.11 and 16 - 0.39 - 14.4 = 1.21; 8.0 / (14.5 - 7.4) = 1.13, 8.0 / (14.4 - 7.4) = 1.14
-    assert "1.11–1.21 GiB of the budget unused beyond the 0.39 GiB ComfyUI keeps free" in line
+    assert "1.11–1.21 GiB of the budget unused beyond the 0.39 GiB ComfyUI keeps free;" in line
     assert "the reservation 1.13–1.14× what the allocator held" in line
+    # where each expert's start says what the device held outside PyTorch's pool, that is used too
+    for p in newer["prompts"]:
+        p["phases"] = {name: {"pool_before": {"allocated_gib": 0.03, "reserved_gib": 0.15, "free_gib": 15.65}}
+                       for name in ("high", "low")}
+    lines = render_docs.whole_generation_section([_write(tmp_path / "streamed.jsonl", [older, newer, resident, stock])])
+    line = next(line for line in lines if "of the budget unused" in line)
+    # 16 - 15.65 - 0.15 = 0.20 outside the pool: 1.11 - 0.20 = 0.91, 1.21 - 0.20 = 1.01
+    assert ("0.91–1.01 GiB of the budget unused beyond the 0.39 GiB ComfyUI keeps free, and the 0.20 GiB the device "
+            "held outside PyTorch's pool") in line
 
 
 def test_a_compiled_row_is_compared_with_comfyui_alone_eager_and_stays_out_of_the_readme(tmp_path, monkeypatch):
