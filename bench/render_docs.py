@@ -485,6 +485,15 @@ def compile_section() -> list:
   weights are resident), up to one graph per block with streamed weights, about 9 s per block for a
   whole-model compile; the saving scales with rows × tokens × width × blocks. The 4-step A14B prompt of the
   templates runs eager; so do the templates.
+- **Compile caches across ComfyUI starts.** Inductor keeps what it compiled in a temporary folder that a
+  reboot empties. Around each sampling run of a compiled model the Sage patch hot-loads, once per process,
+  the files of this torch build and GPU from `compile/` beside the kernel timing cache
+  (`ComfyUI/user/wan_sage/`, or `$WAN_SAGE_CACHE_DIR`), and after the run writes what the run compiled or
+  found to the file of its size and compile scope (`torch.compiler.save_cache_artifacts`,
+  `nodes/compile_cache.py`). What kept caches save was measured with inductor's and Triton's own folders
+  kept ([benchmarks](benchmarks.md#{anchor("Whole generation")}): A14B blocks compiled one by one spent 22.7 s
+  compiling on a first prompt with them empty and 7.4 s with them kept); the files themselves are checked on
+  the CPU (`tests/unit/test_compile_cache.py`: a fresh process with empty inductor folders finds every graph).
 
 ### The gpu tier on the H200
 

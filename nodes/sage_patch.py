@@ -2,7 +2,8 @@
 (chained to any override already there), on a ComfyUI without attention containers the blocks' forward that
 hands q over to it (:mod:`.handover`), the same patch as Raylight's inner-attention processor
 (:mod:`.raylight_bridge`), and open/close a stats window around each sampling run, which also reports whether
-torch.compile on the model pays back for the run (:mod:`.compile_advice`)."""
+torch.compile on the model pays back for the run (:mod:`.compile_advice`) and keeps a compiled model's
+torch.compile caches across ComfyUI starts (:mod:`.compile_cache`)."""
 from __future__ import annotations
 
 import logging
@@ -11,7 +12,7 @@ from ..attention import kernels, registry, stats
 from ..attention.config import PatchConfig
 from ..attention.override import SageAttentionOverride
 from ..memory import report
-from . import comfy_bridge, compile_advice, handover, raylight_bridge
+from . import comfy_bridge, compile_advice, compile_cache, handover, raylight_bridge
 from .log_once import reason, warn_once
 
 log = logging.getLogger("wan_sage")
@@ -90,10 +91,14 @@ def _stats_wrapper(patch_id: str, label: str, node_id: str | None = None):
         bypass = bypass_text(getattr(guider, "model_patcher", None))
         if bypass:
             warn_once(("bypass", patch_id), "wan-sage: %s.", bypass)
+        noise = args[0] if args else kwargs.get("noise")
+        compile_file = compile_cache.before_sampling(getattr(guider, "model_patcher", None), mo,
+                                                     tuple(getattr(noise, "shape", ())))
         stats.begin_run(patch_id, label)
         try:
             return executor(*args, **kwargs)
         finally:
+            compile_cache.after_sampling(compile_file)
             # The sampling's cached free blocks go back to the device before the next node (the VAE decode)
             # runs: left in the allocator, the decode after Sage sampling ran 2-3x slower on the H200 (fp8
             # A14B 720p81 at 24 GiB, ComfyUI alone + Sage: 12.0 s against 4.5 s with them handed back).
