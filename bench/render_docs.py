@@ -164,6 +164,25 @@ def into_q_cost_text() -> str:
             f"{_span(costs, '{:+.1f}')} %{median} over {len(runs)} gpu-tier runs: {each}.")
 
 
+def kept_compile_text() -> str:
+    """The first prompt's compile seconds of the compiled whole-prompt rows, caches empty against kept, per
+    budget (" (...)" for the attention page; empty without such rows)."""
+    by: dict = {}
+    for x in whole_rows(whole_sets()):
+        if x["workflow"][5] == "" or not x["config"][0]:
+            continue
+        secs = [r["prompts"][0]["compile"]["compile_s"] for r in x["recs"]
+                if r["prompts"] and r["prompts"][0].get("status") == "ok" and r["prompts"][0].get("compile")]
+        if secs:
+            by.setdefault((x["workflow"][1], x["budget"]), {})[x["caches"]] = statistics.median(secs)
+    parts = [f"{v['empty']:.1f} s empty against {v['kept']:.1f} s kept ({_size_text(size)}, {_budget_text(b)})"
+             for (size, b), v in by.items() if {"empty", "kept"} <= set(v)]
+    if not parts:
+        return ""
+    return (f" ([benchmarks](benchmarks.md#{anchor('Whole generation')}); compiling on the first prompt, A14B "
+            f"blocks compiled one by one: {'; '.join(parts)})")
+
+
 def attention_doc() -> str:
     a = rows("attention/kernels.jsonl")
     ab = rows("attention/auto-interleaved.jsonl")
@@ -491,9 +510,8 @@ def compile_section() -> list:
   (`ComfyUI/user/wan_sage/`, or `$WAN_SAGE_CACHE_DIR`), and after the run writes what the run compiled or
   found to the file of its size and compile scope (`torch.compiler.save_cache_artifacts`,
   `nodes/compile_cache.py`). What kept caches save was measured with inductor's and Triton's own folders
-  kept ([benchmarks](benchmarks.md#{anchor("Whole generation")}): A14B blocks compiled one by one spent 22.7 s
-  compiling on a first prompt with them empty and 7.4 s with them kept); the files themselves are checked on
-  the CPU (`tests/unit/test_compile_cache.py`: a fresh process with empty inductor folders finds every graph).
+  kept{kept_compile_text()}; the files themselves are checked on the CPU (`tests/unit/test_compile_cache.py`:
+  a fresh process with empty inductor folders finds every graph).
 
 ### The gpu tier on the H200
 

@@ -252,3 +252,17 @@ def test_compiled_rows_say_what_dynamo_did_and_why_it_recompiled(tmp_path):
     assert "first prompt 5 graphs, 4 recompiles, 51.4 s compiling; repeat prompt 1 graph, 1 recompile, 2.6 s" in said[0]
     assert ("a parameter's device (streamed on the CPU, or resident) (2×), ComfyUI's cast flag of a streamed layer "
             "(1×) and the LoRA patch list on a GGUF parameter (1×)") in said[0]
+
+
+def test_the_attention_page_quotes_the_first_prompts_compile_seconds_empty_against_kept(tmp_path, monkeypatch):
+    def compiled(caches, secs):
+        r = record(True, "sage", (80.0, 86.0), (44.0, 48.0), budget=16.0, caches=caches)
+        r["config"]["compile"] = {"keys": ["diffusion_model.blocks.N"]}
+        r["prompts"][0]["compile"] = {"unique_graphs": 2, "recompiles": 1, "compile_s": secs}
+        return r
+    f = _write(tmp_path / "kept-compile.jsonl", [compiled("empty", 22.7), compiled("kept", 7.4),
+                                                 record(True, "sage", (66.0, 70.0), (48.0, 52.0), budget=16.0)])
+    monkeypatch.setattr(render_docs, "whole_prompt_files", lambda: [f])
+    assert "22.7 s empty against 7.4 s kept (720p81, 16 GiB)" in render_docs.kept_compile_text()
+    monkeypatch.setattr(render_docs, "whole_prompt_files", lambda: [])
+    assert render_docs.kept_compile_text() == ""
