@@ -1313,28 +1313,42 @@ def folder_contents(path) -> dict:
     return {"files": n, "bytes": size}
 
 
+# The cache folder a ``--caches pack DIR`` process keeps: the pack's own (its timing cache and the torch.compile
+# files it keeps, nodes/compile_cache.py); inductor's and Triton's start empty, as after a reboot.
+PACK_CACHE = "WAN_SAGE_CACHE_DIR"
+
+
 def set_caches(mode: str, kept_dir: str | None, work_dir) -> dict:
     """Point the three caches of :data:`CACHE_FOLDERS` at this run's folders, before torch is imported:
     ``none``, fresh empty folders under ``work_dir`` (the first prompt after installing; removed at exit
-    by :func:`drop_caches`), or ``kept``, the folders under ``kept_dir``, made when missing and left for the
-    next process (the first prompt after a restart, once a process has filled them).  Returns the record's
-    ``caches``: the mode, each variable's folder and what it held at the start."""
+    by :func:`drop_caches`), ``kept``, the folders under ``kept_dir``, made when missing and left for the
+    next process (the first prompt after a restart, once a process has filled them), or ``pack``, the pack's
+    folder under ``kept_dir`` and fresh empty ones for inductor and Triton (the first prompt after a reboot
+    that emptied the temporary folders torch keeps its caches in).  Returns the record's ``caches``: the mode,
+    each variable's folder and what it held at the start."""
     import tempfile
+    fresh = None
     if mode == "none":
-        base = Path(tempfile.mkdtemp(prefix="caches-none-", dir=str(work_dir)))
+        base = fresh = Path(tempfile.mkdtemp(prefix="caches-none-", dir=str(work_dir)))
     elif mode == "kept" and kept_dir:
         base = Path(kept_dir).resolve()
+    elif mode == "pack" and kept_dir:
+        base = Path(kept_dir).resolve()
+        fresh = Path(tempfile.mkdtemp(prefix="caches-pack-", dir=str(work_dir)))
     else:
-        raise SystemExit("--caches takes 'none' or 'kept DIR'")
+        raise SystemExit("--caches takes 'none', 'kept DIR' or 'pack DIR'")
     folders, at_start = {}, {}
     for var, name in CACHE_FOLDERS.items():
-        p = base / name
+        p = (base if mode != "pack" or var == PACK_CACHE else fresh) / name
         p.mkdir(parents=True, exist_ok=True)
         os.environ[var] = str(p)
         folders[var] = str(p)
         at_start[var] = folder_contents(p)
-    return {"mode": mode, "dir": str(base), "folders": folders, "at_start": at_start,
-            "filled_at_start": any(v["files"] for v in at_start.values())}
+    out = {"mode": mode, "dir": str(base), "folders": folders, "at_start": at_start,
+           "filled_at_start": any(v["files"] for v in at_start.values())}
+    if mode == "pack":
+        out["fresh_dir"] = str(fresh)
+    return out
 
 
 def caches_in_use() -> dict:
@@ -1368,6 +1382,8 @@ def record_caches(caches: dict) -> dict:
     def rel(p):
         return p[len(root):] if isinstance(p, str) and p.startswith(root) else p
     out = dict(caches, dir=rel(caches.get("dir")))
+    if "fresh_dir" in caches:
+        out["fresh_dir"] = rel(caches["fresh_dir"])
     for key in ("folders", "in_use"):
         if isinstance(caches.get(key), dict):
             out[key] = {k: rel(v) for k, v in caches[key].items()}
@@ -1375,10 +1391,12 @@ def record_caches(caches: dict) -> dict:
 
 
 def drop_caches(caches: dict) -> None:
-    """Remove the fresh folders of a ``--caches none`` process (a kept folder is left for the next one)."""
+    """Remove the fresh folders of a ``--caches none`` or ``pack`` process (a kept folder is left for the next one)."""
+    import shutil
     if caches.get("mode") == "none":
-        import shutil
         shutil.rmtree(caches["dir"], ignore_errors=True)
+    elif caches.get("mode") == "pack" and caches.get("fresh_dir"):
+        shutil.rmtree(caches["fresh_dir"], ignore_errors=True)
 
 
 def process_age_s() -> float | None:
@@ -1523,10 +1541,11 @@ def parse_args(argv=None):
                     help="one spec in this fresh process, no warm-up: the first prompt, then a repeat prompt with a "
                          "new seed, as queued to a running ComfyUI (node cache, models kept loaded); one record "
                          f"({WHOLE_SCHEMA}) with both. Needs --caches")
-    ap.add_argument("--caches", nargs="+", metavar=("none|kept", "DIR"), default=None,
+    ap.add_argument("--caches", nargs="+", metavar=("none|kept|pack", "DIR"), default=None,
                     help="with --whole-prompt: the pack's timing cache, TorchInductor's and Triton's cache folders: "
                          "'none' = fresh empty folders (the first prompt after installing), 'kept DIR' = DIR/wan-sage, "
-                         "DIR/torchinductor, DIR/triton, kept for the next process (the first prompt after a restart)")
+                         "DIR/torchinductor, DIR/triton, kept for the next process (the first prompt after a restart), "
+                         "'pack DIR' = DIR/wan-sage kept, inductor's and Triton's fresh (the first prompt after a reboot)")
     ap.add_argument("--repeat-seed", type=int, default=None, help="with --whole-prompt: the repeat prompt's seed "
                     "(default --seed + 1)")
     ap.add_argument("--process-index", type=int, default=1, help="with --whole-prompt: this process's number in "
@@ -1579,8 +1598,9 @@ def parse_args(argv=None):
             ap.error(f"--whole-prompt runs one spec in a fresh process as ComfyUI runs it: {', '.join(why)} do not apply")
         if not a.runs or len([x for x in a.runs.split(",") if x.strip()]) != 1:
             ap.error("--whole-prompt takes exactly one spec in --runs (one configuration per fresh process)")
-        if not a.caches or a.caches[0] not in ("none", "kept") or len(a.caches) != (1 if a.caches[0] == "none" else 2):
-            ap.error("--whole-prompt needs --caches none or --caches kept DIR: every record says which caches it had")
+        if not a.caches or a.caches[0] not in ("none", "kept", "pack") or len(a.caches) != (1 if a.caches[0] == "none" else 2):
+            ap.error("--whole-prompt needs --caches none, --caches kept DIR or --caches pack DIR: every record says "
+                     "which caches it had")
     elif a.caches:
         ap.error("--caches applies to --whole-prompt runs only")
     if a.work_dir is None:

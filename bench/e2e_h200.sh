@@ -13,7 +13,7 @@
 #                                                from E2E_T0, the command's start in epoch seconds)
 #   bash bench/e2e_h200.sh whole W SPECS [ARGS]  setup + gen W + python3 -m bench.whole_prompt: each spec as fresh
 #                                                processes (first prompt, repeat prompt), no warm-up; ARGS must
-#                                                name the caches (--caches none | --caches kept DIR); no
+#                                                name the caches (--caches none | kept DIR | pack DIR); no
 #                                                process starts that could end after the call's budget (each
 #                                                taken as E2E_LONGEST_PROCESS_S, default 210 s); JSON lines
 #                                                to $OUT/whole-prompt.jsonl, the processes' stderr to

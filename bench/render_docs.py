@@ -1644,8 +1644,12 @@ def _whole_workflow_text(wf: tuple) -> str:
 
 def whole_caches(r: dict) -> str:
     """The caches a process started with: ``kept`` when its folders held files (an earlier process filled
-    them), else ``empty`` (``--caches none``, or the process that filled a kept set)."""
-    return "kept" if (r.get("caches") or {}).get("filled_at_start") else "empty"
+    them), ``the pack's only`` when only the pack's folder was kept and held files (``--caches pack``), else
+    ``empty`` (``--caches none``, or the process that filled a kept set)."""
+    c = r.get("caches") or {}
+    if not c.get("filled_at_start"):
+        return "empty"
+    return "the pack's only" if c.get("mode") == "pack" else "kept"
 
 
 def _prompt_median(recs, i: int, key: str, expert: str | None = None):
@@ -1699,7 +1703,7 @@ def _stock_stand_in(by: dict, wf: tuple, budget, caches: str) -> tuple:
     if wf[5] != "":
         stock_wf = (*stock_wf[:5], "", *stock_wf[6:])
         notes.append("eager")
-    for c in (caches, "empty") if caches == "kept" and stock_wf[5] == "" else (caches,):
+    for c in (caches, "empty") if caches != "empty" and stock_wf[5] == "" else (caches,):
         if (stock_wf, budget, c, stock) in by and (stock_wf, c) != (wf, caches):
             if c != caches:
                 notes.append("caches empty: eager, it reads none of them")
@@ -1796,7 +1800,8 @@ def whole_generation_section(paths=None) -> list:
          "of a freshly started ComfyUI process, with no warm-up; *repeat prompt*: the next one in the same process with a",
          "new seed, as ComfyUI runs it (the nodes whose inputs did not change are served from its cache, the models stay",
          "loaded). *Caches at start*: the pack's timing cache, TorchInductor's and Triton's folders were *empty* (the first",
-         "prompt after installing) or *kept* from an earlier process (the first prompt after a restart). × is ComfyUI",
+         "prompt after installing) or *kept* from an earlier process (the first prompt after a restart); *the pack's only*:",
+         "the pack's folder kept, TorchInductor's and Triton's empty (the first prompt after a reboot). × is ComfyUI",
          "alone + SDPA's seconds over the row's (above 1: faster), same workflow, budget, caches and machine round;",
          "medians where several processes ran. The process's own start (interpreter, ComfyUI's import) is apart, under",
          "*start-up*. `python -m bench.whole_prompt` (bench/README.md) wrote the records, on",

@@ -1,6 +1,6 @@
 """Whole prompts on the user's clock: each configuration run as fresh ComfyUI processes, one after another.
 
-    python -m bench.whole_prompt --runs SPECS --caches none|kept DIR [--processes N] [--out FILE] [--log FILE]
+    python -m bench.whole_prompt --runs SPECS --caches none|kept DIR|pack DIR [--processes N] [--out FILE] [--log FILE]
         [--skip-done FILES] [--t0 EPOCH] [--budget-s S] [--process-s S]  BENCH.E2E OPTIONS (--models-dir ...)
 
 For each spec of ``--runs`` (``bench.e2e`` run specs, with ``:Nsteps``, ``:cfgX``, ``:nolora``,
@@ -18,6 +18,9 @@ Caches (``--caches``), the pack's timing cache (``WAN_SAGE_CACHE_DIR``), TorchIn
   fills them (its record says what it found: ``caches.filled_at_start``), process 2 is the first prompt after
   a restart with the caches the pack and torch kept.  A configuration's folders are its own, so the order of
   the specs and ``--skip-done`` change nothing in what a process finds.
+* ``pack DIR``: only the pack's folder ``DIR/<weights>-<spec>/wan-sage`` is kept (its timing cache and the
+  torch.compile files it keeps); inductor's and Triton's start fresh and empty in every process, as after a
+  reboot empties the temporary folders torch keeps them in.  Default: two processes per configuration.
 
 Page cache: before the first process the tool reads the shared libraries of torch and of its CUDA
 packages (``torch/lib``, ``nvidia/*/lib``) once, so that whichever configuration runs first does not pay
@@ -49,7 +52,7 @@ from pathlib import Path
 from . import _host, e2e
 from ._paths import machine_free
 
-DEFAULT_PROCESSES = {"none": 1, "kept": 2}
+DEFAULT_PROCESSES = {"none": 1, "kept": 2, "pack": 2}
 PROGRESS = re.compile(r"^e2e ")      # the processes' progress lines; everything else goes to --log only
 
 
@@ -63,11 +66,12 @@ def parse_args(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
                                  epilog="Every other option goes to each bench.e2e process.")
     ap.add_argument("--runs", required=True, help="comma list of bench.e2e run specs, one configuration each")
-    ap.add_argument("--caches", nargs="+", required=True, metavar=("none|kept", "DIR"),
+    ap.add_argument("--caches", nargs="+", required=True, metavar=("none|kept|pack", "DIR"),
                     help="none: fresh empty cache folders in every process; kept DIR: one set of folders per "
-                         "configuration under DIR, kept from one process to the next")
+                         "configuration under DIR, kept from one process to the next; pack DIR: only the pack's "
+                         "folder kept, inductor's and Triton's fresh in every process")
     ap.add_argument("--processes", type=int, default=None,
-                    help="processes per configuration (default: 1 with none, 2 with kept)")
+                    help="processes per configuration (default: 1 with none, 2 with kept or pack)")
     ap.add_argument("--out", default=None, help="append the records to this file too")
     ap.add_argument("--log", default=None, help="append the processes' stderr to this file")
     ap.add_argument("--skip-done", default=None, metavar="JSONL[,JSONL]",
@@ -78,7 +82,7 @@ def parse_args(argv=None):
                     help="the longest a process is expected to take, for --budget-s (default 200)")
     a, rest = ap.parse_known_args(argv)
     if a.caches[0] not in DEFAULT_PROCESSES or len(a.caches) != (1 if a.caches[0] == "none" else 2):
-        ap.error("--caches takes 'none' or 'kept DIR'")
+        ap.error("--caches takes 'none', 'kept DIR' or 'pack DIR'")
     a.processes = a.processes or DEFAULT_PROCESSES[a.caches[0]]
     if a.processes < 1:
         ap.error("--processes must be at least 1")
@@ -189,7 +193,7 @@ def run_process(cmd: list[str], timeout: float | None, log) -> tuple[int | None,
 
 def process_command(a, spec: e2e.RunSpec, index: int) -> list[str]:
     caches = ["none"] if a.caches[0] == "none" else \
-        ["kept", str(Path(a.caches[1]).resolve() / caches_slug(a.weights, spec))]
+        [a.caches[0], str(Path(a.caches[1]).resolve() / caches_slug(a.weights, spec))]
     return [sys.executable, "-m", "bench.e2e", *a.rest, "--whole-prompt", "--runs", spec.label, "--caches", *caches,
             "--process-index", str(index), "--process-count", str(a.processes)]
 

@@ -266,3 +266,14 @@ def test_the_attention_page_quotes_the_first_prompts_compile_seconds_empty_again
     assert "22.7 s empty against 7.4 s kept (720p81, 16 GiB)" in render_docs.kept_compile_text()
     monkeypatch.setattr(render_docs, "whole_prompt_files", lambda: [])
     assert render_docs.kept_compile_text() == ""
+
+
+def test_a_process_that_kept_only_the_packs_caches_is_a_row_of_its_own_against_stock_eager(tmp_path):
+    stock = record(False, "sdpa", (78.0, 83.0), (59.0, 63.7), budget=16.0)
+    pack = record(True, "sage", (70.0, 75.0), (44.0, 48.0), budget=16.0, caches="kept")
+    pack["caches"]["mode"] = "pack"
+    pack["config"]["compile"] = {"keys": ["diffusion_model.blocks.N"]}
+    lines = render_docs.whole_generation_section([_write(tmp_path / "pack.jsonl", [stock, pack])])
+    row = next(line for line in lines if line.startswith("| GGUF") and "compiled per block" in line)
+    assert "| the pack's only |" in row and "75.0 s (1.11×)" in row
+    assert "(× against ComfyUI alone + SDPA, eager; caches empty: eager, it reads none of them)" in row

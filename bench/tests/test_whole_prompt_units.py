@@ -49,9 +49,10 @@ def test_steps_and_cfg_fall_back_to_the_command_line():
 
 def test_whole_prompt_runs_one_spec_and_must_say_its_caches(capsys):
     base = ["--models-dir", "m", "--whole-prompt"]
-    for argv, says in ((["--runs", "est+sage@24:720p81"], "needs --caches none or --caches kept DIR"),
+    for argv, says in ((["--runs", "est+sage@24:720p81"], "needs --caches none, --caches kept DIR or --caches pack DIR"),
                        (["--runs", "est+sage@24:720p81,comfy+sdpa@24:720p81", "--caches", "none"], "exactly one spec"),
-                       (["--runs", "est+sage@24:720p81", "--caches", "kept"], "needs --caches none or --caches kept"),
+                       (["--runs", "est+sage@24:720p81", "--caches", "kept"], "needs --caches none, --caches kept"),
+                       (["--runs", "est+sage@24:720p81", "--caches", "pack"], "needs --caches none, --caches kept"),
                        (["--runs", "est+sage@24:720p81", "--caches", "none", "--warmup"], "--warmup do not apply")):
         with pytest.raises(SystemExit):
             e2e.parse_args(base + argv)
@@ -85,6 +86,28 @@ def test_caches_none_are_fresh_empty_folders_and_kept_ones_are_reused(tmp_path, 
     assert os.environ["TRITON_CACHE_DIR"] == str(kept / "triton")
     with pytest.raises(SystemExit):
         e2e.set_caches("kept", None, tmp_path)
+
+
+def test_caches_pack_keep_only_the_packs_folder_and_give_torch_fresh_ones(tmp_path, monkeypatch):
+    for var in e2e.CACHE_FOLDERS:
+        monkeypatch.setenv(var, "/somewhere/else")
+    kept = tmp_path / "kept"
+    p1 = e2e.set_caches("pack", str(kept), tmp_path)
+    assert p1["mode"] == "pack" and p1["folders"]["WAN_SAGE_CACHE_DIR"] == str(kept / "wan-sage")
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        assert p1["folders"][var].startswith(p1["fresh_dir"]) and not p1["folders"][var].startswith(str(kept))
+    (kept / "wan-sage" / "compile").mkdir()
+    (kept / "wan-sage" / "compile" / "a.bin").write_bytes(b"x" * 4)
+    with open(os.path.join(p1["folders"]["TORCHINDUCTOR_CACHE_DIR"], "graph"), "wb") as f:
+        f.write(b"y")
+    e2e.drop_caches(p1)                                       # torch's folders go, the pack's stays
+    assert not os.path.exists(p1["fresh_dir"]) and (kept / "wan-sage" / "compile" / "a.bin").exists()
+    p2 = e2e.set_caches("pack", str(kept), tmp_path)
+    assert p2["filled_at_start"] is True and p2["at_start"]["WAN_SAGE_CACHE_DIR"] == {"files": 1, "bytes": 4}
+    assert p2["at_start"]["TORCHINDUCTOR_CACHE_DIR"] == {"files": 0, "bytes": 0}
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == p2["folders"]["TORCHINDUCTOR_CACHE_DIR"] != p1["folders"]["TORCHINDUCTOR_CACHE_DIR"]
+    with pytest.raises(SystemExit):
+        e2e.set_caches("pack", None, tmp_path)
 
 
 def test_the_process_age_is_read_from_the_kernel():
@@ -137,6 +160,10 @@ def test_the_driver_passes_its_unknown_options_to_each_process_and_gives_each_co
     assert cmd[-4:] == ["--process-index", "2", "--process-count", "2"] and "--whole-prompt" in cmd
     n = _driver("--runs", "est+sage@24:720p81", "--caches", "none")
     assert n.processes == 1 and whole_prompt.process_command(n, n.specs[0], 1).count("none") == 1
+    pk = _driver("--runs", "est+sage@24:720p81", "--caches", "pack", str(tmp_path))
+    cmd = whole_prompt.process_command(pk, pk.specs[0], 1)
+    i = cmd.index("--caches")
+    assert pk.processes == 2 and cmd[i + 1:i + 3] == ["pack", str(tmp_path.resolve() / "gguf-est-sage-24-1280x720x81")]
 
 
 @pytest.mark.parametrize("argv", [["--runs", "est+sage@24:720p81", "--caches", "kept"],
