@@ -111,6 +111,7 @@ def save(path: str, torch_mod) -> bool:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; the timing cache beside it is not
         os.replace(tmp, path)
     except BaseException:
         with _lock:

@@ -99,6 +99,7 @@ def test_a_compiled_run_hot_loads_this_builds_files_once_per_process_and_writes_
     compile_cache.after_sampling(path)
     with open(path, "rb") as f:
         assert f.read() == b"the graphs of this run"
+    assert os.stat(path).st_mode & 0o777 == 0o644
     assert not [n for n in os.listdir(folder) if n.startswith(".partial-")]
     # the next run of this process reads nothing again, and writes only when it has more
     assert compile_cache.before_sampling(_patcher(), None, LATENT) == path and len(fake.loaded) == 1
