@@ -14,7 +14,8 @@ patch's ``OUTER_SAMPLE`` wrapper:
   finds them there;
 * after the run: writes what this process compiled or found in those caches
   (``torch.compiler.save_cache_artifacts``: the graphs, their Triton kernels, their autotuning) to the file of
-  this model's size and compile scope, when it holds something the file does not yet.
+  this model's size and compile scope, when that is more bytes than the file holds (a run that found the file's
+  graphs and compiled nothing new writes nothing).
 
 The files are ``<cache folder>/compile/<torch build>-<GPU>-<key>.bin``; torch checks every artifact against its
 own version and the graph it is for, so a file from another ComfyUI or pack version is read and then not used.
@@ -95,8 +96,8 @@ def load(folder: str, prefix: str, torch_mod) -> int | None:
 
 
 def save(path: str, torch_mod) -> bool:
-    """Write what this process compiled or found in the caches to ``path`` (atomically), where it is more than
-    the file holds; True where the file was written."""
+    """Write what this process compiled or found in the caches to ``path`` (atomically), where that is more bytes
+    than the file held when this process read or last wrote it; True where the file was written."""
     found = torch_mod.compiler.save_cache_artifacts()
     if not found:
         return False
