@@ -460,6 +460,18 @@ class Mem:
             return {"error": f"{type(e).__name__}: {e}"[:200]}
 
 
+def plan_inputs(fn) -> dict:
+    """What the estimator's sampling-time plan read (its ``MemoryRequired``'s setup): the VRAM it found this
+    model could use (free memory plus what unloading the other loaded models frees), the weights, and whether
+    it planned them streamed and the blocks compiled; empty for ComfyUI's own figure."""
+    s = getattr(fn, "setup", None)
+    if s is None:
+        return {}
+    return {"plan_vram_gib": _r(s.vram_bytes / GiB) if s.vram_bytes is not None else None,
+            "plan_weights_gib": _r(s.weights_bytes / GiB) if s.weights_bytes is not None else None,
+            "plan_kept_free_gib": _r(s.kept_free / GiB), "plan_streamed": s.streamed, "plan_compiled": s.compiled}
+
+
 def _estimate_fields(est) -> dict:
     """The estimator's figures a run record keeps (the node's outputs; the record's GiB keys end in _gb)."""
     if est is None:
@@ -583,6 +595,7 @@ class ExpertProbe:
             self.d["predicted_working_gib"] = base.memory_required(one) / GiB
             self.d["reservation_source"] = "wan-sage" if "memory_required" in base.__dict__ else "comfyui"
             self.d["comfy_estimate_gib"] = type(base).memory_required(base, one) / GiB
+            self.d.update(plan_inputs(base.__dict__.get("memory_required")))
         except Exception as e:  # never disturb the run being measured
             self.d["predicted_error"] = f"{type(e).__name__}: {e}"
         self.patcher = model

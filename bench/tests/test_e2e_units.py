@@ -656,3 +656,18 @@ def test_comfy_timers_add_up_each_call_and_put_the_originals_back():
     assert timers.since(now) == {} and timers.calls_since(now) == {}  # nothing ran since
     timers.close()
     assert (mm.free_memory, mm.load_models_gpu, mm.soft_empty_cache, Patcher.partially_unload) == originals
+
+
+def test_the_plan_inputs_of_the_estimators_reservation_are_recorded():
+    """What the sampling-time plan read (the VRAM it found, the weights, streamed or not), from the estimator's
+    MemoryRequired; nothing for ComfyUI's own figure."""
+    from bench import e2e
+    from wan_sage.memory import activation_model
+    from wan_sage.memory.estimate import GiB, Setup
+    from wan_sage.nodes.estimator import MemoryRequired
+    a14b = activation_model.PRESETS["wan2.2-a14b"]
+    fn = MemoryRequired(Setup(dims=a14b, latent=(1, 16, 21, 90, 160), vram_bytes=int(15.5 * GiB),
+                              weights_bytes=int(9.285 * GiB), streamed=True, compiled=True))
+    assert e2e.plan_inputs(fn) == {"plan_vram_gib": 15.5, "plan_weights_gib": 9.285, "plan_kept_free_gib":
+                                   round(fn.setup.kept_free / GiB, 3), "plan_streamed": True, "plan_compiled": True}
+    assert e2e.plan_inputs(None) == {} and e2e.plan_inputs(lambda shape: 0) == {}
