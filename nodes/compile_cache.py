@@ -134,6 +134,11 @@ def _plan(patcher, model_options, latent_shape):
     if scope is None or base is None or len(latent_shape) != 5:
         return None
     import torch
+    if not all(hasattr(getattr(torch, "compiler", None), f) for f in ("save_cache_artifacts", "load_cache_artifacts")):
+        warn_once(("compile-cache-api",), "wan-sage: torch %s has no compile cache artifacts (torch 2.7 and later "
+                  "have them); the compiled graphs stay in torch's own cache folder only.", torch.__version__,
+                  level=logging.INFO)
+        return None
     folder = os.path.join(base, SUBDIR)
     prefix = build_prefix(torch, comfy_bridge.device_of(patcher))
     key = run_key(latent_shape, comfy_bridge.wan_dims(patcher), scope)

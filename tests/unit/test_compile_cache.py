@@ -112,6 +112,15 @@ def test_a_compiled_run_hot_loads_this_builds_files_once_per_process_and_writes_
         assert f.read() == fake.have
 
 
+def test_a_torch_without_cache_artifacts_is_said_once_and_nothing_is_done(fake, monkeypatch, caplog):
+    monkeypatch.setattr(torch, "compiler", SimpleNamespace())
+    with caplog.at_level(logging.INFO, logger="wan_sage"):
+        assert compile_cache.before_sampling(_patcher(), None, LATENT) is None
+        assert compile_cache.before_sampling(_patcher(), None, LATENT) is None
+    said = [r.getMessage() for r in caplog.records if "no compile cache artifacts" in r.getMessage()]
+    assert len(said) == 1 and not any(r.levelno >= logging.WARNING for r in caplog.records)
+
+
 def test_the_file_is_per_size_and_compile_scope(fake):
     a = compile_cache.before_sampling(_patcher(), None, LATENT)
     b = compile_cache.before_sampling(_patcher(), None, (1, 16, 21, 60, 104))
