@@ -1,5 +1,5 @@
 """A cross-process exclusive lock on a file, for the timing cache that ComfyUI and
-``wan-sage bench`` share.
+``wan-sage bench`` share, and the atomic replace those cache files are written with.
 
 ``fcntl.flock`` on POSIX, ``msvcrt.locking`` on Windows, and elsewhere a lock file created with
 ``O_EXCL`` that is taken over when older than a stale timeout.  Waiting is bounded: when the lock
@@ -9,6 +9,7 @@ write must never hang sampling).  Torch-free.
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,7 +23,7 @@ try:
 except ImportError:  # POSIX
     msvcrt = None
 
-__all__ = ["file_lock", "lock_path"]
+__all__ = ["file_lock", "lock_path", "replace_atomically"]
 
 POLL_S = 0.01
 
@@ -104,3 +105,23 @@ def file_lock(path: Path, timeout: float = 10.0, stale_s: float = 60.0, portable
     if portable:
         return _exclusive_file_lock(Path(path), timeout, stale_s)
     return _os_lock(Path(path), timeout)
+
+
+def replace_atomically(path: Path, data: bytes, prefix: str, mode: int | None = None) -> None:
+    """Write ``data`` to a temporary file beside ``path`` (named ``prefix...``, created owner-only) and rename it
+    over ``path``, so a reader finds the old file or the new one whole; ``mode``: the permissions to give it
+    first.  The temporary file is removed when anything fails, and the error goes on to the caller."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=prefix, suffix=path.suffix)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

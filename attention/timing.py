@@ -27,13 +27,12 @@ import logging
 import math
 import os
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .file_lock import file_lock
+from .file_lock import file_lock, replace_atomically
 
 __all__ = ["token_bucket", "make_key", "environment", "TimingCache", "default_dir", "set_host_dir", "CudaTimer",
            "timer", "trusted", "Step", "Trial", "ShapeTrial", "schedule", "TIMED_RUNS", "FASTER_BY",
@@ -220,17 +219,8 @@ class TimingCache:
                         for m in measurements:
                             entry = _merge(entry, m)
                         merged[key] = entry
-                fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".calib-", suffix=".json")
-                try:
-                    with os.fdopen(fd, "w") as f:
-                        json.dump({"format": FORMAT, "entries": merged}, f, indent=1, sort_keys=True)
-                    os.replace(tmp, path)
-                except BaseException:
-                    try:
-                        os.unlink(tmp)
-                    except OSError:
-                        pass
-                    raise
+                replace_atomically(path, json.dumps({"format": FORMAT, "entries": merged}, indent=1,
+                                                    sort_keys=True).encode(), ".calib-")
             self._entries = merged
         except OSError as e:  # a read-only home must not break sampling: keep the timings in memory
             self._report("write", f"could not write timing cache {path}: {e}; timings are kept in memory")

@@ -27,9 +27,10 @@ import hashlib
 import logging
 import os
 import re
-import tempfile
 import threading
 
+from ..attention import kernels
+from ..attention.file_lock import replace_atomically
 from . import comfy_bridge
 from .log_once import reason, warn_once
 
@@ -51,9 +52,8 @@ def build_prefix(torch_mod, device) -> str:
     """The part of a file name that says which torch build and GPU its artifacts were compiled with."""
     gpu = "cpu"
     if getattr(device, "type", str(device)) == "cuda" and torch_mod.cuda.is_available():
-        idx = device.index if getattr(device, "index", None) is not None else torch_mod.cuda.current_device()
-        major, minor = torch_mod.cuda.get_device_capability(idx)
-        gpu = f"{torch_mod.cuda.get_device_name(idx)}-sm{major}{minor}"
+        idx = kernels.device_index(device)
+        gpu = f"{torch_mod.cuda.get_device_name(idx)}-sm{kernels.device_cc(idx)}"
     return _slug(f"torch-{torch_mod.__version__}-{gpu}")
 
 
@@ -106,21 +106,12 @@ def save(path: str, torch_mod) -> bool:
         if len(data) <= _written.get(path, 0):
             return False
         _written[path] = len(data)
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".partial-", suffix=SUFFIX, dir=folder)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; the timing cache beside it is not
-        os.replace(tmp, path)
+        replace_atomically(path, data, ".partial-", mode=0o644)  # readable as a plain write would leave it
     except BaseException:
         with _lock:
             _written.pop(path, None)
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
         raise
     log.info("wan-sage: torch.compile cache written to %s (%.1f MiB)", path, len(data) / 2**20)
     return True
