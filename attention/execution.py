@@ -154,6 +154,40 @@ def _settle(ov, device, key: CallKey, claim: bool):
     return STATE.settle_if_absent(key, _decision_of(choice, info.cc, shape, dtype, margin))
 
 
+def first_decision(ov, device, dtype, shape: CallShape) -> Decision | None:
+    """The decision the calls of ``shape`` on ``device`` run with, worked out without running anything: the
+    settled one, or, before the first call, the one that call will settle from the timing cache.  None where
+    the first call will measure first (a candidate without a trusted timing while calibration is on; its
+    timed calls run ungrouped), or where this process has not yet found the device's kernels or run a
+    candidate's self-test (the patch's warm-up does both when the patch is applied).  Free memory short at
+    the call can still split it further (:func:`_fit_memory`), never less."""
+    index = kernels.device_index(torch.device(device))
+    key = _new(CallKey, (ov.config_key, index, dtype, shape))
+    decision = STATE.decisions.get(key)
+    if decision is not None:
+        return decision
+    cfg = ov.config
+    info = STATE.devices.get((index, cfg.kernel))
+    if info is None or key in STATE.trials:
+        return None
+    if info.reason:
+        return Decision(None, "no_kernel", cc=info.cc)
+    names, why = planning.candidates(info, device, key, cfg.self_test, run_self_test=False)
+    if names is None:
+        return None
+    if not names:
+        return Decision(None, why, cc=info.cc)
+    cache, keys, groups = _timing_context(ov, info, names, dtype, shape)
+    entries = {n: cache.get(keys[n]) for n in names}
+    if cfg.calibrate and any(entries[n] is None or (not timing.trusted(entries[n]) and keys[n] not in STATE.timed_here)
+                             for n in names):
+        return None
+    cross = policy.is_cross(shape.Nq, shape.Nk)
+    choice = planning.choose(names, {n: e for n, e in entries.items() if e is not None}, groups, cross) \
+        or planning.default_choice(names, cross, groups)
+    return _decision_of(choice, info.cc, shape, dtype, cfg.memory_margin_mb << 20)
+
+
 def _trial_plan(shape: CallShape, names: tuple, cc: int, key: CallKey) -> Plan:
     return Plan(kernel=names[0], layout=shape.layout, out_layout=shape.out_layout, B=shape.B, H=shape.H,
                 Nq=shape.Nq, Nk=shape.Nk, D=shape.D, calibrate=tuple(names), cc=cc, call_key=key)

@@ -38,7 +38,7 @@ from .planning import Plan
 from .sdpa import attention_sdpa
 from .state import STATE
 
-__all__ = ["SageAttentionOverride", "self_test_failures", "settled_shapes"]
+__all__ = ["SageAttentionOverride", "self_test_failures", "settled_shapes", "self_attention_groups"]
 
 # The keyword arguments of Wan's attention calls as the override receives them: ComfyUI's ``wrap_attn``
 # adds ``_inside_attn_wrapper`` (and pops 0.38's ``preferred_attention``); a direct call has neither.
@@ -107,6 +107,18 @@ def settled_shapes() -> list:
                        "H": s.H, "Nq": s.Nq, "Nk": s.Nk, "D": s.D, "layout": s.layout, "kernel": decision.kernel,
                        "reason": decision.reason, "groups": decision.groups, "need_bytes": decision.need})
     return shapes
+
+
+def self_attention_groups(ov: "SageAttentionOverride", device, dtype, B: int, H: int, N: int, D: int) -> int | None:
+    """The head groups a self-attention call of ``ov`` (q, k, v [B, N, H*D], as Wan's blocks make it) runs
+    in on ``device``: settled, or what its first call will settle from the timing cache
+    (:func:`.execution.first_decision`); 0 where it runs on SDPA; None where the first call measures
+    first or this process has not prepared the kernels yet.  Runs nothing."""
+    shape = policy.CallShape(int(B), int(H), int(N), int(N), int(D), "NHD", "NHD")
+    decision = execution.first_decision(ov, device, dtype, shape)
+    if decision is None:
+        return None
+    return decision.groups if decision.kernel else 0
 
 
 def _parse(args, kwargs):

@@ -25,6 +25,7 @@ log = logging.getLogger("wan_sage")
 # How long a thread waits for another thread's self-test of the same kernel before it treats
 # the kernel as unusable for its call.
 SELF_TEST_WAIT_S = 120.0
+UNTESTED = object()  # no self-test verdict yet (candidates without running one)
 
 
 @dataclass(kw_only=True)
@@ -159,12 +160,13 @@ def prepare(device, choice: str, dtype, self_test: bool = True) -> tuple:
     return tuple(ready)
 
 
-def candidates(info: DeviceInfo, device, key: CallKey, self_test: bool) -> tuple:
+def candidates(info: DeviceInfo, device, key: CallKey, self_test: bool, run_self_test: bool = True) -> tuple:
     """(kernels that may serve the call of ``key``, reason when there are none).  The registry's
     declared dtypes, head dims and token limits decide first (a call longer than a kernel's limit
     on this arch: reason "inaccurate"); then kernels that raised here before, kernels whose output
     was rejected on this call key, and kernels that fail their self-test (run once per device and
-    dtype) drop out."""
+    dtype) drop out.  ``run_self_test=False`` runs no self-test: (None, "untested") where a
+    candidate's verdict is not known yet."""
     shape, dtype, index = key.shape, key.dtype, key.device_index
     dtype_name = DTYPE_NAMES.get(dtype, str(dtype))
     names, why = [], "head_dim"
@@ -182,7 +184,14 @@ def candidates(info: DeviceInfo, device, key: CallKey, self_test: bool) -> tuple
         if rejected is not None:
             why = rejected
             continue
-        if self_test and not _passes_self_test(name, device, index, dtype, info):
+        if self_test and not run_self_test:
+            verdict = STATE.self_tests.get(SelfTestKey(index, name, dtype), UNTESTED)
+            if verdict is UNTESTED:
+                return None, "untested"
+            if verdict is not None:
+                why = "disabled"
+                continue
+        elif self_test and not _passes_self_test(name, device, index, dtype, info):
             why = "disabled"
             continue
         names.append(name)

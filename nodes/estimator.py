@@ -146,22 +146,30 @@ class RunMode:
     sage_grouped: bool = False
 
 
-def run_mode(model, model_options, dims: activation_model.WanDims, shape) -> RunMode:
+def run_mode(model, model_options, dims: activation_model.WanDims, shape, dev=None) -> RunMode:
     """The model's compile state, and whether the patch on it runs this shape's self-attention grouped.
 
-    Grouping is counted only where the dispatcher has settled this call shape grouped in this
-    process (its memory mode runs the split where calibration measured it at most 2 % slower); until
-    then the ungrouped call, which needs more, is reserved for."""
+    Grouping is counted where the dispatcher has settled this call shape grouped in this process (its
+    memory mode runs the split where calibration measured it at most 2 % slower), or, before the shape's
+    first call on ``dev``, where that call will settle it grouped from the timing cache kept across
+    starts without measuring first (:func:`attention.override.self_attention_groups`).  Otherwise the
+    ungrouped call, which needs more, is reserved for: a shape's timed first calls run ungrouped."""
     scope = comfy_bridge.compile_scope(model, model_options)
     compiled = scope is not None and scope[0] == comfy_bridge.BLOCKS
     ov = find_override((model_options or {}).get("transformer_options", {}))
     if ov is None or getattr(ov.config, "memory_mode", "fastest") == "fastest":
         return RunMode(compiled, False)
-    from ..attention.override import settled_shapes
+    from ..attention.override import self_attention_groups, settled_shapes
     L = activation_model.tokens(dims, int(shape[2]), int(shape[3]), int(shape[4]))
-    grouped = any(s["kernel"] and s["groups"] > 1 and s["Nq"] == s["Nk"] == L and s["H"] == dims.num_heads
-                  and s["D"] == dims.head_dim for s in settled_shapes())
-    return RunMode(compiled, grouped)
+    settled = [s for s in settled_shapes() if s["Nq"] == s["Nk"] == L and s["H"] == dims.num_heads
+               and s["D"] == dims.head_dim]
+    if settled:
+        return RunMode(compiled, any(s["kernel"] and s["groups"] > 1 for s in settled))
+    if getattr(dev, "type", None) != "cuda":
+        return RunMode(compiled, False)
+    groups = self_attention_groups(ov, dev, comfy_bridge.compute_torch_dtype(model), int(shape[0]), dims.num_heads,
+                                   L, dims.head_dim)
+    return RunMode(compiled, bool(groups and groups > 1))
 
 
 UNKNOWN_COMPILE_NOTE = ("compile scope unknown: planned as eager ({who} keeps the modules it compiles where wan-sage "
@@ -185,7 +193,8 @@ def setup_for(model, shape, model_options, settings: Settings, *, assume_compile
     that follows the sampling (the reservation that places the weights; not the cond/uncond batching test)."""
     dims = comfy_bridge.wan_dims(model)
     dtype = comfy_bridge.compute_dtype(model)
-    mode = run_mode(model, model_options, dims, shape)
+    dev = comfy_bridge.device_of(model) if weights else getattr(model, "load_device", None)
+    mode = run_mode(model, model_options, dims, shape, dev)
     scope = comfy_bridge.compile_scope(model, model_options)
     compiled_by = comfy_bridge.compiled_by(model, model_options)
     notes = [compiled_by] if compiled_by else []
@@ -206,7 +215,6 @@ def setup_for(model, shape, model_options, settings: Settings, *, assume_compile
                  "decode_by_unload": decode and host_copy.installed(model)}
     else:
         extra = {"weights": activation_model.WeightSetup(streamed=bool(streamed))}
-    dev = comfy_bridge.device_of(model) if weights else getattr(model, "load_device", None)
     tokens = activation_model.tokens(dims, int(shape[2]), int(shape[3]), int(shape[4]))
     att, chain_notes = chained_attention(model, model_options, dims, tokens, attention_for(model_options, settings, dev, tokens))
     notes += chain_notes

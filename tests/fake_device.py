@@ -12,10 +12,15 @@ def seams(*, candidates=("sage2_sm90",), cc=90, build="test", fits=None, availab
     ``candidates``; the kernel build ``build``; everything fits (or ``fits``) in 1 TiB free (or ``available``);
     the self-test passes (or ``self_test``)."""
     from wan_sage.attention import execution, planning, policy, selftest
+    from wan_sage.attention.state import STATE
+
+    def device_info(device, index, choice):
+        info = planning.DeviceInfo(cc, "FakeGPU", tuple(candidates), None)
+        STATE.set_device((index, choice), info)  # found once per process, as the real one keeps it
+        return info
     return [
         (policy, "ACCEL_DEVICE_TYPES", ("cuda", "cpu")),
-        (planning, "device_info",
-         lambda device, index, choice: planning.DeviceInfo(cc, "FakeGPU", tuple(candidates), None)),
+        (planning, "device_info", device_info),
         (planning, "kernel_build", lambda name: build),
         (execution, "fits", fits or (lambda device, need, free_fn: True)),
         (execution, "available_bytes", available or (lambda device, free_fn: 1 << 40)),

@@ -144,6 +144,36 @@ def test_the_node_counts_groups_only_for_a_shape_the_dispatcher_settled_grouped(
     assert estimator.run_mode(model, options_fast, A14B, shape).sage_grouped is False
 
 
+def test_before_a_shapes_first_call_the_node_counts_the_groups_its_timing_cache_will_settle(monkeypatch):
+    from wan_sage.attention import override as override_module
+    from wan_sage.attention.config import PatchConfig
+    from wan_sage.attention.override import SageAttentionOverride
+    ov = SageAttentionOverride(PatchConfig(memory_mode="sdpa"))
+    options = {"transformer_options": {"optimized_attention_override": ov}}
+    model = SimpleNamespace(model=SimpleNamespace(diffusion_model=SimpleNamespace(blocks=[]),
+                                                  manual_cast_dtype=torch.float16),
+                            model_options=options, wrappers={}, object_patches={})
+    shape = [1, 16, 21, 90, 160]  # 75,600 tokens
+    settled, asked = [], []
+    first = {"groups": 7}
+
+    def groups(o, dev, dtype, B, H, N, D):
+        asked.append((o, dev, dtype, B, H, N, D))
+        return first["groups"]
+    monkeypatch.setattr(override_module, "settled_shapes", lambda: settled)
+    monkeypatch.setattr(override_module, "self_attention_groups", groups)
+    cuda = torch.device("cuda", 0)
+    assert estimator.run_mode(model, options, A14B, shape, cuda) == estimator.RunMode(False, True)
+    assert asked == [(ov, cuda, torch.float16, 1, 40, 75600, 128)]
+    for unknown_or_ungrouped in (None, 1, 0):
+        first["groups"] = unknown_or_ungrouped
+        assert estimator.run_mode(model, options, A14B, shape, cuda).sage_grouped is False
+    first["groups"] = 7
+    assert estimator.run_mode(model, options, A14B, shape, torch.device("cpu")).sage_grouped is False
+    settled.append({"kernel": "sage2_sm90", "groups": 1, "Nq": 75600, "Nk": 75600, "H": 40, "D": 128})
+    assert estimator.run_mode(model, options, A14B, shape, cuda).sage_grouped is False  # settled wins
+
+
 def test_compiled_blocks_with_streamed_weights_are_reserved_as_eager():
     # Not measured yet: the partly-offloaded reservation of a compiled model is the eager one, and the
     # estimate says so; with all weights resident the compiled figure stands.

@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from fakegpu import qkv
-from wan_sage.attention import execution, head_groups, kernel_bytes, stats, timing
+from wan_sage.attention import execution, head_groups, kernel_bytes, planning, stats, timing
 from wan_sage.attention.config import PatchConfig
-from wan_sage.attention.override import SageAttentionOverride, settled_shapes
+from wan_sage.attention.override import SageAttentionOverride, self_attention_groups, settled_shapes
 from wan_sage.attention.sdpa import attention_sdpa
 
 SHAPE = kernel_bytes.AttnShape(1, 4, 2048, 2048, 64)
@@ -123,3 +123,69 @@ def test_settled_shapes_report_the_groups_in_force(fake_gpu, two_groups):
     assert (shape["kernel"], shape["groups"], shape["Nq"], shape["H"], shape["dtype"]) == ("sage2_sm90", 1, 2048, 4,
                                                                                            "bfloat16")
     assert shape["need_bytes"] == kernel_bytes.with_margin(head_groups.split_bytes("sage2_sm90", SHAPE, 1)) + MARGIN
+
+
+
+def _groups(o, q):
+    return self_attention_groups(o, q.device, q.dtype, 1, 4, 2048, 64)
+
+
+def _timed_in_two_processes(fake_gpu, o, q, k, v):
+    """The shape timed by two processes' first calls (a timing is trusted from its second measurement on),
+    then a third process started: the timing cache file stays, the decisions go."""
+    for _ in range(2):
+        fake_gpu.settle(lambda: o(raw_func, q, k, v, heads=4))
+        fake_gpu.reset_state()
+    (entry,) = timing.TimingCache(fake_gpu.cache_dir).entries().values()
+    assert timing.trusted(entry)
+
+
+def test_after_a_restart_the_groups_are_known_from_the_timing_cache_before_the_first_call(fake_gpu, two_groups):
+    fake_gpu.group_cost = 0.015
+    q, k, v = qkv()
+    o = ov(fake_gpu)
+    assert _groups(o, q) is None  # nothing measured: the first calls time the shape ungrouped
+    fake_gpu.settle(lambda: o(raw_func, q, k, v, heads=4))
+    assert _groups(o, q) == 2  # settled
+    fake_gpu.reset_state()
+    planning.prepare(q.device, "auto", q.dtype)
+    assert _groups(o, q) is None  # measured once: the next process's first calls time it again
+    _timed_in_two_processes(fake_gpu, o, q, k, v)
+    assert _groups(o, q) is None  # the kernels are not prepared yet: no self-test verdict
+    planning.prepare(q.device, "auto", q.dtype)  # what the patch's warm-up does when it is applied
+    fake_gpu.calls.clear()
+    assert _groups(o, q) == 2 and fake_gpu.calls == [] and not settled_shapes()  # read, not run or settled
+    o(raw_func, q, k, v, heads=4)
+    assert fake_gpu.kernel_calls() == 2  # the first call ran in those two groups and timed nothing
+    (shape,) = settled_shapes()
+    assert shape["groups"] == 2 and not fake_gpu.state.trials
+
+
+def test_the_groups_read_before_the_first_call_follow_what_that_call_will_do(fake_gpu, two_groups):
+    q, k, v = qkv()
+    fake_gpu.group_cost = 0.05  # the split is measured too costly: the shape runs ungrouped
+    o = ov(fake_gpu)
+    _timed_in_two_processes(fake_gpu, o, q, k, v)
+    planning.prepare(q.device, "auto", q.dtype)
+    assert _groups(o, q) == 1
+    fake_gpu.reset_state()
+    fake_gpu.self_test_result = "wrong output"
+    planning.prepare(q.device, "auto", q.dtype)
+    assert _groups(o, q) == 0  # the kernel failed its self-test here: the calls run on SDPA
+    fake_gpu.calls.clear()
+    o(raw_func, q, k, v, heads=4)
+    assert fake_gpu.kernel_calls() == 0
+
+
+def test_without_calibration_the_first_call_takes_the_cached_entry_measured_once(fake_gpu, two_groups):
+    fake_gpu.group_cost = 0.015
+    q, k, v = qkv()
+    fake_gpu.settle(lambda: ov(fake_gpu)(raw_func, q, k, v, heads=4))
+    fake_gpu.reset_state()
+    planning.prepare(q.device, "auto", q.dtype)
+    assert _groups(ov(fake_gpu), q) is None
+    o = ov(fake_gpu, calibrate=False)
+    assert _groups(o, q) == 2
+    fake_gpu.calls.clear()
+    o(raw_func, q, k, v, heads=4)
+    assert fake_gpu.kernel_calls() == 2
