@@ -164,9 +164,14 @@ def into_q_cost_text() -> str:
             f"{_span(costs, '{:+.1f}')} %{median} over {len(runs)} gpu-tier runs: {each}.")
 
 
+PACK_ONLY = "the pack's only"  # the caches column of a process that found only the pack's folder kept
+EXPERT_NAMES = {"high": "high-noise", "low": "low-noise"}
+
+
 def kept_compile_text() -> str:
-    """The first prompt's compile seconds of the compiled whole-prompt rows, caches empty against kept, per
-    budget (" (...)" for the attention page; empty without such rows)."""
+    """The first prompt's compile seconds of the compiled whole-prompt rows, caches empty against kept (and against
+    the pack's own folder only), per budget, within one set of records (one machine) (" (...)" for the attention
+    page; empty without such rows)."""
     by: dict = {}
     for x in whole_rows(whole_sets()):
         if x["workflow"][5] == "" or not x["config"][0]:
@@ -174,13 +179,42 @@ def kept_compile_text() -> str:
         secs = [r["prompts"][0]["compile"]["compile_s"] for r in x["recs"]
                 if r["prompts"] and r["prompts"][0].get("status") == "ok" and r["prompts"][0].get("compile")]
         if secs:
-            by.setdefault((x["workflow"][1], x["budget"]), {})[x["caches"]] = statistics.median(secs)
-    parts = [f"{v['empty']:.1f} s empty against {v['kept']:.1f} s kept ({_size_text(size)}, {_budget_text(b)})"
-             for (size, b), v in by.items() if {"empty", "kept"} <= set(v)]
+            by.setdefault((x["workflow"][1], x["budget"], x["set"]["label"]), {})[x["caches"]] = statistics.median(secs)
+    parts = []
+    for (size, b, _label), v in by.items():
+        for kept, words in (("kept", "kept"), (PACK_ONLY, "with only the pack's folder kept")):
+            if {"empty", kept} <= set(v):
+                parts.append(f"{v['empty']:.1f} s empty against {v[kept]:.1f} s {words} ({_size_text(size)}, "
+                             f"{_budget_text(b)})")
     if not parts:
         return ""
     return (f" ([benchmarks](benchmarks.md#{anchor('Whole generation')}); compiling on the first prompt, A14B "
             f"blocks compiled one by one: {'; '.join(parts)})")
+
+
+def pack_expert_text() -> str:
+    """Per expert, the first prompt's compile seconds with every cache empty against only the pack's folder
+    kept, within one set of records (" (...)"; empty without such a pair)."""
+    found: dict = {}
+    for x in whole_rows(whole_sets()):
+        if x["workflow"][5] == "" or not x["config"][0] or x["caches"] not in ("empty", PACK_ONLY):
+            continue
+        for r in x["recs"]:
+            p = r["prompts"][0] if r["prompts"] else {}
+            by = (p.get("compile") or {}).get("by_expert") or {}
+            streamed = {e: (v.get("resident_frac") or 1.0) < 1.0 for e, v in (p.get("experts") or {}).items()}
+            if p.get("status") == "ok" and by:
+                found.setdefault((x["set"]["label"], x["budget"]), {})[x["caches"]] = (by, streamed)
+    parts = []
+    for (_label, _b), v in found.items():
+        if {"empty", PACK_ONLY} <= set(v):
+            (empty, streamed), (pack, _s) = v["empty"], v[PACK_ONLY]
+            for e in ("high", "low"):
+                if e in empty and e in pack:
+                    how = "its weights streamed" if streamed.get(e) else "every weight resident"
+                    parts.append(f"the {EXPERT_NAMES.get(e, e)} expert, {how}, {pack[e]['compile_s']:.1f} s against "
+                                 f"{empty[e]['compile_s']:.1f} s")
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def attention_doc() -> str:
@@ -509,9 +543,11 @@ def compile_section() -> list:
   the files of this torch build and GPU from `compile/` beside the kernel timing cache
   (`ComfyUI/user/wan_sage/`, or `$WAN_SAGE_CACHE_DIR`), and after the run writes what the run compiled or
   found to the file of its size and compile scope (`torch.compiler.save_cache_artifacts`,
-  `nodes/compile_cache.py`). What kept caches save was measured with inductor's and Triton's own folders
-  kept{kept_compile_text()}; the files themselves are checked on the CPU (`tests/unit/test_compile_cache.py`:
-  a fresh process with empty inductor folders finds every graph).
+  `nodes/compile_cache.py`). Measured on the first prompt, with inductor's and Triton's own folders kept and
+  with only the pack's folder kept (theirs empty, as after a reboot){kept_compile_text()}. On the CPU
+  (`tests/unit/test_compile_cache.py`) a fresh process with empty inductor folders finds every graph of the
+  files. On the H200 the files gave back the graph of resident weights but not one traced with weights
+  streamed on the CPU{pack_expert_text()}, so they save most where every weight is resident.
 
 ### The gpu tier on the H200
 
@@ -1649,7 +1685,7 @@ def whole_caches(r: dict) -> str:
     c = r.get("caches") or {}
     if not c.get("filled_at_start"):
         return "empty"
-    return "the pack's only" if c.get("mode") == "pack" else "kept"
+    return PACK_ONLY if c.get("mode") == "pack" else "kept"
 
 
 def _prompt_median(recs, i: int, key: str, expert: str | None = None):

@@ -277,3 +277,29 @@ def test_a_process_that_kept_only_the_packs_caches_is_a_row_of_its_own_against_s
     row = next(line for line in lines if line.startswith("| GGUF") and "compiled per block" in line)
     assert "| the pack's only |" in row and "75.0 s (1.11×)" in row
     assert "(× against ComfyUI alone + SDPA, eager; caches empty: eager, it reads none of them)" in row
+
+
+def test_compile_seconds_are_compared_within_one_machines_set_and_per_expert_for_the_packs_files(tmp_path, monkeypatch):
+    def compiled(caches, secs, by=None, streamed_high=False, rnd=None, mode=None):
+        r = record(True, "sage", (80.0, 86.0), (44.0, 48.0), budget=16.0, caches=caches)
+        r["config"]["compile"] = {"keys": ["diffusion_model.blocks.N"]}
+        r["prompts"][0]["compile"] = {"unique_graphs": 2, "recompiles": 1, "compile_s": secs,
+                                      "by_expert": {e: {"compile_s": s} for e, s in (by or {}).items()}}
+        r["prompts"][0]["experts"] = {"high": {"resident_frac": 0.47 if streamed_high else 1.0},
+                                      "low": {"resident_frac": 1.0}}
+        if mode:
+            r["caches"]["mode"] = mode
+        if rnd:
+            r["round"] = rnd
+        return r
+    f = _write(tmp_path / "kept-compile.jsonl", [
+        compiled("empty", 22.7), compiled("kept", 7.4),
+        compiled("empty", 40.2, {"high": 22.2, "low": 18.0}, True, "b"),
+        compiled("kept", 32.9, {"high": 26.2, "low": 6.7}, True, "b", mode="pack")])
+    monkeypatch.setattr(render_docs, "whole_prompt_files", lambda: [f])
+    text = render_docs.kept_compile_text()
+    assert "22.7 s empty against 7.4 s kept (720p81, 16 GiB)" in text
+    assert "40.2 s empty against 32.9 s with only the pack's folder kept (720p81, 16 GiB)" in text
+    assert "40.2 s empty against 7.4 s kept" not in text and "22.7 s empty against 32.9" not in text
+    assert render_docs.pack_expert_text() == (" (the high-noise expert, its weights streamed, 26.2 s against 22.2 s; "
+                                              "the low-noise expert, every weight resident, 6.7 s against 18.0 s)")
