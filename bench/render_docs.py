@@ -2419,10 +2419,11 @@ def method_section(runs) -> list:
             "  (estimator + Sage, 480p81, 20 steps) ran the ordinary fp8 path, and its gain is Sage's.",
             "- ComfyUI alone + SDPA with its caches kept: eager, it reads none of the three folders, so the rows with the",
             "  caches kept are compared with its run with them empty on the same machine (and say so).",
-            "- The torch.compile files the Sage patch keeps (`nodes/compile_cache.py`) on the H200: the compiled rows above",
-            "  kept inductor's and Triton's own folders; the files alone (`--caches pack`) were run on the CPU only.",
-            "- Eager estimator + Sage at 16 and 12 GiB with the GGUF streaming term at 3 copies: the rows at those budgets",
-            "  are from before it (4 copies; 0.13 GiB more reserved); the 14 GiB row is after it.",
+            "- Compiled blocks planned with the head groups that a timing kept from earlier starts settles before a",
+            "  shape's first call (`attention.execution.first_decision`): in the compiled rows above the first prompt's",
+            "  high-noise expert was planned with the ungrouped Sage call, and streamed; no H200 run is after the change.",
+            "- Eager estimator + Sage at 12 GiB with the GGUF streaming term at 3 copies: the 12 GiB rows are from before",
+            "  it (4 copies; 0.13 GiB more reserved); the 14 GiB row and the newest 16 GiB set are after it.",
             ""]
 
 
