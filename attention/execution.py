@@ -117,6 +117,21 @@ def _timing_context(ov, info, names, dtype, shape: CallShape):
     return cache, keys, groups
 
 
+def _to_time(names, entries: dict, keys: dict) -> tuple:
+    """The candidates a shape's first calls measure: no timing cached, or one measured fewer times than
+    it is trusted at and not by this process."""
+    return tuple(n for n in names if entries[n] is None
+                 or (not timing.trusted(entries[n]) and keys[n] not in STATE.timed_here))
+
+
+def _choice(names, entries: dict, groups: dict, shape: CallShape) -> planning.Choice:
+    """The choice among ``names`` from their cache ``entries`` (None: not measured), or, where none is
+    measured, the registry's unmeasured one."""
+    cross = policy.is_cross(shape.Nq, shape.Nk)
+    measured = {n: e for n, e in entries.items() if e is not None}
+    return planning.choose(names, measured, groups, cross) or planning.default_choice(names, cross, groups)
+
+
 def _settle(ov, device, key: CallKey, claim: bool):
     """First call of a shape: a settled Decision, or a calibration Plan when the shape is to be
     measured now (within the budget; with ``claim``, the calibration is claimed: once per shape
@@ -137,19 +152,16 @@ def _settle(ov, device, key: CallKey, claim: bool):
     trial = STATE.trials.get(key)
     if trial is not None:  # the shape is being timed on its calls: this call takes the next step
         return _trial_plan(shape, trial.kernels, info.cc, key)
-    cross = policy.is_cross(shape.Nq, shape.Nk)
     cache, keys, groups = _timing_context(ov, info, names, dtype, shape)
     entries = {n: cache.get(keys[n]) for n in names}
-    to_time = tuple(n for n in names if entries[n] is None
-                    or (not timing.trusted(entries[n]) and keys[n] not in STATE.timed_here))
+    to_time = _to_time(names, entries, keys)
     if to_time and cfg.calibrate and _budget_left(ov, shape, to_time, groups):
         if not claim:
             return _trial_plan(shape, to_time, info.cc, key)
         trial = timing.ShapeTrial(timing.schedule(_variants(cfg, to_time, groups)))
         if STATE.claim_calibration(key, trial):
             return _trial_plan(shape, to_time, info.cc, key)
-    choice = planning.choose(names, {n: e for n, e in entries.items() if e is not None}, groups, cross) \
-        or planning.default_choice(names, cross, groups)
+    choice = _choice(names, entries, groups, shape)
     # A calibration finishing in another thread wins over this unmeasured choice.
     return STATE.settle_if_absent(key, _decision_of(choice, info.cc, shape, dtype, margin))
 
@@ -179,13 +191,9 @@ def first_decision(ov, device, dtype, shape: CallShape) -> Decision | None:
         return Decision(None, why, cc=info.cc)
     cache, keys, groups = _timing_context(ov, info, names, dtype, shape)
     entries = {n: cache.get(keys[n]) for n in names}
-    if cfg.calibrate and any(entries[n] is None or (not timing.trusted(entries[n]) and keys[n] not in STATE.timed_here)
-                             for n in names):
+    if cfg.calibrate and _to_time(names, entries, keys):
         return None
-    cross = policy.is_cross(shape.Nq, shape.Nk)
-    choice = planning.choose(names, {n: e for n, e in entries.items() if e is not None}, groups, cross) \
-        or planning.default_choice(names, cross, groups)
-    return _decision_of(choice, info.cc, shape, dtype, cfg.memory_margin_mb << 20)
+    return _decision_of(_choice(names, entries, groups, shape), info.cc, shape, dtype, cfg.memory_margin_mb << 20)
 
 
 def _trial_plan(shape: CallShape, names: tuple, cc: int, key: CallKey) -> Plan:
@@ -622,9 +630,7 @@ def _settle_measured(ov, plan: Plan, info, device, dtype) -> planning.Choice:
     names, why = planning.candidates(info, device, plan.call_key, cfg.self_test)
     if names:
         cache, keys, groups = _timing_context(ov, info, names, dtype, shape)
-        entries = {n: e for n in names if (e := cache.get(keys[n])) is not None}
-        cross = policy.is_cross(plan.Nq, plan.Nk)
-        choice = planning.choose(names, entries, groups, cross) or planning.default_choice(names, cross, groups)
+        choice = _choice(names, {n: cache.get(keys[n]) for n in names}, groups, shape)
     else:
         choice = planning.Choice(None, reason=why)
     STATE.settle(plan.call_key, _decision_of(choice, plan.cc, shape, dtype, cfg.memory_margin_mb << 20))
