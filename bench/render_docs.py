@@ -168,14 +168,19 @@ PACK_ONLY = "the pack's only"  # the caches column of a process that found only 
 EXPERT_NAMES = {"high": "high-noise", "low": "low-noise"}
 
 
+def _compiled_estimator_rows():
+    """The whole-generation rows of compiled estimator runs, with their set's label (one machine's records)."""
+    for x in whole_rows(whole_sets()):
+        if x["workflow"][5] != "" and x["config"][0]:
+            yield x
+
+
 def kept_compile_text() -> str:
     """The first prompt's compile seconds of the compiled whole-prompt rows, caches empty against kept (and against
     the pack's own folder only), per budget, within one set of records (one machine) (" (...)" for the attention
     page; empty without such rows)."""
     by: dict = {}
-    for x in whole_rows(whole_sets()):
-        if x["workflow"][5] == "" or not x["config"][0]:
-            continue
+    for x in _compiled_estimator_rows():
         secs = [r["prompts"][0]["compile"]["compile_s"] for r in x["recs"]
                 if r["prompts"] and r["prompts"][0].get("status") == "ok" and r["prompts"][0].get("compile")]
         if secs:
@@ -196,8 +201,8 @@ def pack_expert_text() -> str:
     """Per expert, the first prompt's compile seconds with every cache empty against only the pack's folder
     kept, within one set of records (" (...)"; empty without such a pair)."""
     found: dict = {}
-    for x in whole_rows(whole_sets()):
-        if x["workflow"][5] == "" or not x["config"][0] or x["caches"] not in ("empty", PACK_ONLY):
+    for x in _compiled_estimator_rows():
+        if x["caches"] not in ("empty", PACK_ONLY):
             continue
         for r in x["recs"]:
             p = r["prompts"][0] if r["prompts"] else {}
