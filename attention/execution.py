@@ -144,7 +144,7 @@ def _settle(ov, device, key: CallKey, claim: bool):
         decision = Decision(None, "no_kernel", cc=info.cc)
         STATE.settle(key, decision)
         return decision
-    names, why = planning.candidates(info, device, key, cfg.self_test)
+    names, why = planning.candidates(info, device, key, cfg.self_test, cache_dir=cfg.cache_dir)
     if not names:
         decision = Decision(None, why, cc=info.cc)
         STATE.settle(key, decision)
@@ -167,24 +167,27 @@ def _settle(ov, device, key: CallKey, claim: bool):
 
 
 def first_decision(ov, device, dtype, shape: CallShape) -> Decision | None:
-    """The decision the calls of ``shape`` on ``device`` run with, worked out without running anything: the
-    settled one, or, before the first call, the one that call will settle from the timing cache.  None where
-    the first call will measure first (a candidate without a trusted timing while calibration is on; its
-    timed calls run ungrouped), or where this process has not yet found the device's kernels or run a
-    candidate's self-test (the patch's warm-up does both when the patch is applied).  Free memory short at
-    the call can still split it further (:func:`_fit_memory`), never less."""
-    index = kernels.device_index(torch.device(device))
+    """The decision the calls of ``shape`` on ``device`` run with, worked out without running a kernel: the
+    settled one, or, before the first call, the one that call will settle from the timing cache.  A
+    candidate's self-test counts as passed where this process passed it or, while its own runs (the patch's
+    warm-up starts it when the patch is applied), where the timing cache keeps a pass of the same GPU, build
+    and software.  None where the first call will measure first (a candidate without a trusted timing while
+    calibration is on; its timed calls run ungrouped) or where a candidate's verdict is unknown.  Free
+    memory short at the call can still split it further (:func:`_fit_memory`), never less."""
+    device = torch.device(device)
+    index = kernels.device_index(device)
     key = _new(CallKey, (ov.config_key, index, dtype, shape))
     decision = STATE.decisions.get(key)
     if decision is not None:
         return decision
-    cfg = ov.config
-    info = STATE.devices.get((index, cfg.kernel))
-    if info is None or key in STATE.trials:
+    if key in STATE.trials:
         return None
+    cfg = ov.config
+    info = STATE.devices.get((index, cfg.kernel)) or planning.device_info(device, index, cfg.kernel)
     if info.reason:
         return Decision(None, "no_kernel", cc=info.cc)
-    names, why = planning.candidates(info, device, key, cfg.self_test, run_self_test=False)
+    names, why = planning.candidates(info, device, key, cfg.self_test, run_self_test=False,
+                                     cache_dir=cfg.cache_dir)
     if names is None:
         return None
     if not names:
@@ -627,7 +630,7 @@ def _settle_measured(ov, plan: Plan, info, device, dtype) -> planning.Choice:
     """Settle the shape from every candidate that may still run and its cache entry, old or new."""
     cfg = ov.config
     shape = plan.call_key.shape
-    names, why = planning.candidates(info, device, plan.call_key, cfg.self_test)
+    names, why = planning.candidates(info, device, plan.call_key, cfg.self_test, cache_dir=cfg.cache_dir)
     if names:
         cache, keys, groups = _timing_context(ov, info, names, dtype, shape)
         choice = _choice(names, {n: cache.get(keys[n]) for n in names}, groups, shape)

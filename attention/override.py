@@ -113,7 +113,7 @@ def self_attention_groups(ov: "SageAttentionOverride", device, dtype, B: int, H:
     """The head groups a self-attention call of ``ov`` (q, k, v [B, N, H*D], as Wan's blocks make it) runs
     in on ``device``: settled, or what its first call will settle from the timing cache
     (:func:`.execution.first_decision`); 0 where it runs on SDPA; None where the first call measures
-    first or this process has not prepared the kernels yet.  Runs nothing."""
+    first or a kernel's self-test verdict is not known here nor kept as passed.  Runs no kernel."""
     shape = policy.CallShape(int(B), int(H), int(N), int(N), int(D), "NHD", "NHD")
     decision = execution.first_decision(ov, device, dtype, shape)
     if decision is None:
@@ -184,7 +184,7 @@ class SageAttentionOverride:
 
         def run():
             try:
-                planning.prepare(device, choice, dtype)
+                planning.prepare(device, choice, dtype, cache_dir=self.config.cache_dir)
             except Exception as e:  # the first real call plans again and reports what fails
                 logging.getLogger("wan_sage").debug("wan-sage: warming the attention kernels up failed: %s: %s",
                                                     type(e).__name__, e)

@@ -17,8 +17,8 @@ from .registry import KERNELS
 from .state import STATE, CallKey, FailureKey, SelfTestKey
 
 __all__ = ["Plan", "DeviceInfo", "Choice", "device_info", "kernel_build", "timing_cache", "timing_key",
-           "candidates", "prepare", "attn_shape", "output_copy", "mode_groups", "need_bytes", "into_q_groups", "more_groups", "choose",
-           "default_choice", "calibration_estimate_s"]
+           "self_test_key", "candidates", "prepare", "attn_shape", "output_copy", "mode_groups", "need_bytes",
+           "into_q_groups", "more_groups", "choose", "default_choice", "calibration_estimate_s"]
 
 log = logging.getLogger("wan_sage")
 
@@ -117,7 +117,15 @@ def timing_key(gpu: str, cc: int, name: str, dtype_name: str, heads: int, head_d
                            timing.environment())
 
 
-def _passes_self_test(name: str, device, index: int, dtype, info: DeviceInfo) -> bool:
+def self_test_key(info: DeviceInfo, name: str, dtype) -> str:
+    """The timing cache's key of ``name``'s self-test on this GPU, build and software, in ``dtype``."""
+    return timing.self_test_key(info.gpu, info.cc, name, kernel_build(name), DTYPE_NAMES.get(dtype, str(dtype)),
+                                timing.environment())
+
+
+def _passes_self_test(name: str, device, index: int, dtype, info: DeviceInfo, cache_dir: str | None) -> bool:
+    """Whether ``name`` passes its self-test: run once per process, device and dtype (other callers wait for
+    it); a pass is kept in the timing cache of ``cache_dir`` for later processes to plan with."""
     key = SelfTestKey(index, name, dtype)
     ticket = STATE.begin_self_test(key)
     if ticket is None:
@@ -132,6 +140,8 @@ def _passes_self_test(name: str, device, index: int, dtype, info: DeviceInfo) ->
         verdict = f"the self-test could not run: {type(e).__name__}: {e}"
     finally:
         STATE.finish_self_test(key, verdict)
+    if verdict is None:
+        timing_cache(cache_dir).put_self_test_passed(self_test_key(info, name, dtype))
     if verdict:
         log.error("wan-sage: SageAttention kernel %s (%s) failed its self-test on %s: %s. It is disabled for "
                   "this session; attention runs on PyTorch SDPA. If you built SageAttention 2.2.0 between "
@@ -141,12 +151,13 @@ def _passes_self_test(name: str, device, index: int, dtype, info: DeviceInfo) ->
     return verdict is None
 
 
-def prepare(device, choice: str, dtype, self_test: bool = True) -> tuple:
+def prepare(device, choice: str, dtype, self_test: bool = True, cache_dir: str | None = None) -> tuple:
     """Do ahead what the first eligible call on ``device`` would do before its kernel runs: find the
     device's kernels for ``choice``, read each one's build identity, and run its self-test for ``dtype``
     (the first launch loads the kernel's compiled modules and compiles SageAttention's Triton
-    quantisation kernels: 6-8 s on an H200, measured by ``python -m bench.first_call``).  Returns the
-    kernels that passed.  Safe beside a real call: a self-test in progress is waited for, not run twice."""
+    quantisation kernels: 6-8 s on an H200, measured by ``python -m bench.first_call``), keeping a pass
+    in the timing cache of ``cache_dir``.  Returns the kernels that passed.  Safe beside a real call: a
+    self-test in progress is waited for, not run twice."""
     index = kernels.device_index(device)
     info = device_info(device, index, choice)
     dtype_name = DTYPE_NAMES.get(dtype, str(dtype))
@@ -155,18 +166,20 @@ def prepare(device, choice: str, dtype, self_test: bool = True) -> tuple:
         if not KERNELS[name].dtype_ok(dtype_name):
             continue
         kernel_build(name)
-        if not self_test or _passes_self_test(name, device, index, dtype, info):
+        if not self_test or _passes_self_test(name, device, index, dtype, info, cache_dir):
             ready.append(name)
     return tuple(ready)
 
 
-def candidates(info: DeviceInfo, device, key: CallKey, self_test: bool, run_self_test: bool = True) -> tuple:
+def candidates(info: DeviceInfo, device, key: CallKey, self_test: bool, run_self_test: bool = True,
+               cache_dir: str | None = None) -> tuple:
     """(kernels that may serve the call of ``key``, reason when there are none).  The registry's
     declared dtypes, head dims and token limits decide first (a call longer than a kernel's limit
     on this arch: reason "inaccurate"); then kernels that raised here before, kernels whose output
     was rejected on this call key, and kernels that fail their self-test (run once per device and
-    dtype) drop out.  ``run_self_test=False`` runs no self-test: (None, "untested") where a
-    candidate's verdict is not known yet."""
+    dtype; a pass is kept in the timing cache of ``cache_dir``) drop out.  ``run_self_test=False``
+    runs no self-test and predicts: before this process's verdict, a pass kept from an earlier one
+    with the same GPU, build and software counts as passed; (None, "untested") where neither is known."""
     shape, dtype, index = key.shape, key.dtype, key.device_index
     dtype_name = DTYPE_NAMES.get(dtype, str(dtype))
     names, why = [], "head_dim"
@@ -186,12 +199,14 @@ def candidates(info: DeviceInfo, device, key: CallKey, self_test: bool, run_self
             continue
         if self_test and not run_self_test:
             verdict = STATE.self_tests.get(SelfTestKey(index, name, dtype), UNTESTED)
+            if verdict is UNTESTED and timing_cache(cache_dir).passed_self_test(self_test_key(info, name, dtype)):
+                verdict = None
             if verdict is UNTESTED:
                 return None, "untested"
             if verdict is not None:
                 why = "disabled"
                 continue
-        elif self_test and not _passes_self_test(name, device, index, dtype, info):
+        elif self_test and not _passes_self_test(name, device, index, dtype, info, cache_dir):
             why = "disabled"
             continue
         names.append(name)

@@ -13,6 +13,10 @@ split), SDPA's time and how many measurements were merged into it (``repeats``; 
 minimum over them).  An entry measured once is provisional: a later process that meets the key
 first measures it again before it is trusted for good.
 
+The same file keeps the kernel self-tests passed on this GPU (:meth:`TimingCache.passed_self_test`), per
+GPU, kernel build, software environment and dtype: a process reads them to plan before its own
+self-test has finished (that test still decides which kernel its calls run).
+
 The cache is one JSON file (:data:`FILE_NAME`).  Writes merge this process's new measurements into
 what is on disk, under a cross-process file lock (:mod:`.file_lock`), and replace the file
 atomically (temp file plus rename), so ComfyUI and ``wan-sage bench`` can share it.  A corrupt or
@@ -36,12 +40,13 @@ from .file_lock import file_lock, replace_atomically
 
 __all__ = ["token_bucket", "make_key", "environment", "TimingCache", "default_dir", "set_host_dir", "CudaTimer",
            "timer", "trusted", "Step", "Trial", "ShapeTrial", "schedule", "TIMED_RUNS", "FASTER_BY",
-           "GROUPING_MAX_COST", "TRUSTED_REPEATS", "FILE_NAME"]
+           "GROUPING_MAX_COST", "TRUSTED_REPEATS", "FILE_NAME", "self_test_key"]
 
 log = logging.getLogger("wan_sage")
 
 FILE_NAME = "attention_calibration.json"  # kept from earlier releases, so users keep their timings
 FORMAT = 2
+PASSED = "self_tests_passed"  # the file's section of passed self-tests: {key: when}
 # A kernel replaces SDPA only when it is at least this much faster (ratio of times): noise in a
 # single timing must not turn "equal" into "slower".
 FASTER_BY = 0.98
@@ -92,6 +97,11 @@ def make_key(gpu: str, cc: int, kernel: str, build: str, dtype: str, heads: int,
                      f"q{token_bucket(nq)}", f"k{token_bucket(nk)}"))
 
 
+def self_test_key(gpu: str, cc: int, kernel: str, build: str, dtype: str, env: str) -> str:
+    """The key of a kernel's self-test verdict: what a timing key holds but the shape."""
+    return "|".join((gpu, f"sm{cc}", f"{kernel}={build}", env, dtype))
+
+
 def trusted(entry: dict) -> bool:
     return entry.get("repeats", 1) >= TRUSTED_REPEATS
 
@@ -132,13 +142,15 @@ def _valid(entry) -> bool:
 
 class TimingCache:
     """The timing cache: a thread-safe JSON file of {key: {"kernel_ms", "grouped_ms", "groups", "sdpa_ms", "repeats",
-    "nq", "nk", "when"}}."""
+    "nq", "nk", "when"}}, and of the self-tests passed ({self-test key: when})."""
 
     def __init__(self, directory: str | os.PathLike | None = None):
         self._dir = Path(directory) if directory else None
         self._lock = threading.Lock()
         self._entries: dict[str, dict] | None = None
+        self._passed: dict[str, str] = {}
         self._pending: dict[str, list] = {}  # measurements not yet written
+        self._pending_passed: dict[str, str] = {}  # self-tests passed, not yet written
         self._reported: set = set()
         self.load_error: str | None = None
 
@@ -152,23 +164,26 @@ class TimingCache:
             self._reported.add(kind)
             log.warning("wan-sage: %s", text)
 
-    def _read_disk(self) -> dict | None:
-        """The entries on disk; {} when there is no file; None when it is unreadable (reported)."""
+    def _read_disk(self) -> tuple[dict, dict] | None:
+        """(timing entries, passed self-tests) on disk; empty when there is no file; None when it is unreadable
+        (reported)."""
         try:
             data = json.loads(self.path.read_text())
         except FileNotFoundError:
-            return {}
+            return {}, {}
         except (OSError, ValueError) as e:
             self._report("read", f"ignored unreadable timing cache {self.path}: {e}; it is rebuilt")
             return None
         if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("entries"), dict):
             self._report("read", f"ignored timing cache {self.path} of an unknown or older format; it is rebuilt")
             return None
-        return {k: v for k, v in data["entries"].items() if _valid(v)}
+        passed = data.get(PASSED)
+        passed = {k: v for k, v in passed.items() if isinstance(v, str)} if isinstance(passed, dict) else {}
+        return {k: v for k, v in data["entries"].items() if _valid(v)}, passed
 
     def _ensure(self) -> dict:
         if self._entries is None:
-            self._entries = self._read_disk() or {}
+            self._entries, self._passed = self._read_disk() or ({}, {})
         return self._entries
 
     def get(self, key: str) -> dict | None:
@@ -195,12 +210,26 @@ class TimingCache:
                 self._save_locked()
             return dict(entries[key])
 
+    def passed_self_test(self, key: str) -> bool:
+        """Whether a process with this cache passed the self-test of ``key`` (:func:`self_test_key`)."""
+        with self._lock:
+            self._ensure()
+            return key in self._passed
+
+    def put_self_test_passed(self, key: str) -> None:
+        """Keep a passed self-test (written at once: the warm-up that runs it has no later save)."""
+        with self._lock:
+            self._ensure()
+            when = time.strftime("%Y-%m-%dT%H:%M:%S")
+            self._passed[key] = self._pending_passed[key] = when
+            self._save_locked()
+
     def save(self) -> None:
         with self._lock:
             self._save_locked()
 
     def _save_locked(self) -> None:
-        if not self._pending:
+        if not self._pending and not self._pending_passed:
             return
         path = self.path
         try:
@@ -211,20 +240,22 @@ class TimingCache:
                                  "writing without the lock")
                 disk = self._read_disk()
                 if disk is None:  # unreadable: rebuilt from what this process knows
-                    merged = dict(self._entries or {})
+                    merged, passed = dict(self._entries or {}), dict(self._passed)
                 else:
-                    merged = disk
+                    merged, passed = disk
                     for key, measurements in self._pending.items():
                         entry = merged.get(key)
                         for m in measurements:
                             entry = _merge(entry, m)
                         merged[key] = entry
-                replace_atomically(path, json.dumps({"format": FORMAT, "entries": merged}, indent=1,
+                    passed.update(self._pending_passed)
+                replace_atomically(path, json.dumps({"format": FORMAT, "entries": merged, PASSED: passed}, indent=1,
                                                     sort_keys=True).encode(), ".calib-")
-            self._entries = merged
+            self._entries, self._passed = merged, passed
         except OSError as e:  # a read-only home must not break sampling: keep the timings in memory
             self._report("write", f"could not write timing cache {path}: {e}; timings are kept in memory")
         self._pending.clear()
+        self._pending_passed.clear()
 
     def entries(self) -> dict:
         with self._lock:

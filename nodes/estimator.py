@@ -152,7 +152,8 @@ def run_mode(model, model_options, dims: activation_model.WanDims, shape, dev=No
     Grouping is counted where the dispatcher has settled this call shape grouped in this process (its
     memory mode runs the split where calibration measured it at most 2 % slower), or, before the shape's
     first call on ``dev``, where that call will settle it grouped from the timing cache kept across
-    starts without measuring first (:func:`attention.override.self_attention_groups`).  Otherwise the
+    starts without measuring first, its kernel's self-test passed here or kept as passed in that cache
+    (:func:`attention.override.self_attention_groups`).  Otherwise the
     ungrouped call, which needs more, is reserved for: a shape's timed first calls run ungrouped."""
     scope = comfy_bridge.compile_scope(model, model_options)
     compiled = scope is not None and scope[0] == comfy_bridge.BLOCKS

@@ -39,6 +39,7 @@ class FakeGPU:
         self.self_test_delay_s = 0.0
         self.output_checks = 0
         self.cache_dir = str(tmp_path / "cache")
+        monkeypatch.setenv("WAN_SAGE_CACHE_DIR", self.cache_dir)  # the default folder too (a warm-up without one)
         for module, name, value in fake_device.seams(
                 candidates=candidates, cc=cc, fits=lambda device, need, free_fn: need <= self.free,
                 available=lambda device, free_fn: self.free, self_test=self._self_test):

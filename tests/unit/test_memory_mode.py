@@ -148,17 +148,51 @@ def test_after_a_restart_the_groups_are_known_from_the_timing_cache_before_the_f
     fake_gpu.settle(lambda: o(raw_func, q, k, v, heads=4))
     assert _groups(o, q) == 2  # settled
     fake_gpu.reset_state()
-    planning.prepare(q.device, "auto", q.dtype)
     assert _groups(o, q) is None  # measured once: the next process's first calls time it again
     _timed_in_two_processes(fake_gpu, o, q, k, v)
-    assert _groups(o, q) is None  # the kernels are not prepared yet: no self-test verdict
-    planning.prepare(q.device, "auto", q.dtype)  # what the patch's warm-up does when it is applied
     fake_gpu.calls.clear()
-    assert _groups(o, q) == 2 and fake_gpu.calls == [] and not settled_shapes()  # read, not run or settled
+    fake_gpu.self_tests.clear()
+    assert _groups(o, q) == 2  # the self-test pass kept by the earlier processes
+    assert fake_gpu.calls == [] and fake_gpu.self_tests == [] and not settled_shapes()  # read, not run or settled
     o(raw_func, q, k, v, heads=4)
+    assert fake_gpu.self_tests == ["sage2_sm90"]  # this process's own self-test still ran before the kernel
     assert fake_gpu.kernel_calls() == 2  # the first call ran in those two groups and timed nothing
     (shape,) = settled_shapes()
     assert shape["groups"] == 2 and not fake_gpu.state.trials
+
+
+def test_while_the_warm_up_self_test_runs_the_groups_come_from_the_pass_kept_for_this_build(fake_gpu, two_groups,
+                                                                                           monkeypatch):
+    fake_gpu.group_cost = 0.015
+    q, k, v = qkv()
+    o = ov(fake_gpu)
+    _timed_in_two_processes(fake_gpu, o, q, k, v)
+    fake_gpu.self_test_delay_s = 0.5
+    warm_up = o.warm_up(q.device, q.dtype)  # as when the patch is applied; its self-test is still running below
+    try:
+        assert _groups(o, q) == 2
+    finally:
+        warm_up.join(5)
+    fake_gpu.reset_state()
+    monkeypatch.setattr(planning, "kernel_build", lambda name: "rebuilt")  # timings and pass: another build's
+    assert _groups(o, q) is None
+    planning.prepare(q.device, "auto", q.dtype, cache_dir=fake_gpu.cache_dir)
+    assert _groups(o, q) is None  # the rebuilt kernel passed here, but its shape has no timing yet
+
+
+def test_a_kept_pass_does_not_outlast_a_self_test_that_fails_here(fake_gpu, two_groups):
+    fake_gpu.group_cost = 0.015
+    q, k, v = qkv()
+    o = ov(fake_gpu)
+    _timed_in_two_processes(fake_gpu, o, q, k, v)
+    fake_gpu.self_test_result = "returned wrong values"
+    planning.prepare(q.device, "auto", q.dtype, cache_dir=fake_gpu.cache_dir)
+    assert _groups(o, q) == 0
+    fake_gpu.reset_state()
+    fake_gpu.self_test_result = "raised RuntimeError"
+    fake_gpu.calls.clear()
+    o(raw_func, q, k, v, heads=4)  # the kernel is off for this process: SDPA, whatever the cache keeps
+    assert fake_gpu.kernel_calls() == 0 and _groups(o, q) == 0
 
 
 def test_the_groups_read_before_the_first_call_follow_what_that_call_will_do(fake_gpu, two_groups):
@@ -166,11 +200,11 @@ def test_the_groups_read_before_the_first_call_follow_what_that_call_will_do(fak
     fake_gpu.group_cost = 0.05  # the split is measured too costly: the shape runs ungrouped
     o = ov(fake_gpu)
     _timed_in_two_processes(fake_gpu, o, q, k, v)
-    planning.prepare(q.device, "auto", q.dtype)
+    planning.prepare(q.device, "auto", q.dtype, cache_dir=fake_gpu.cache_dir)
     assert _groups(o, q) == 1
     fake_gpu.reset_state()
     fake_gpu.self_test_result = "wrong output"
-    planning.prepare(q.device, "auto", q.dtype)
+    planning.prepare(q.device, "auto", q.dtype, cache_dir=fake_gpu.cache_dir)
     assert _groups(o, q) == 0  # the kernel failed its self-test here: the calls run on SDPA
     fake_gpu.calls.clear()
     o(raw_func, q, k, v, heads=4)
@@ -182,7 +216,7 @@ def test_without_calibration_the_first_call_takes_the_cached_entry_measured_once
     q, k, v = qkv()
     fake_gpu.settle(lambda: ov(fake_gpu)(raw_func, q, k, v, heads=4))
     fake_gpu.reset_state()
-    planning.prepare(q.device, "auto", q.dtype)
+    planning.prepare(q.device, "auto", q.dtype, cache_dir=fake_gpu.cache_dir)
     assert _groups(ov(fake_gpu), q) is None
     o = ov(fake_gpu, calibrate=False)
     assert _groups(o, q) == 2

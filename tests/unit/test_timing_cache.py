@@ -102,6 +102,39 @@ def test_cache_roundtrip_merge_and_corruption(tmp_path):
     assert json.loads((tmp_path / timing.FILE_NAME).read_text())["entries"].keys() == {"k3"}
 
 
+def test_a_passed_self_test_is_kept_beside_the_timings_of_every_writer(tmp_path):
+    a = timing.TimingCache(tmp_path)
+    b = timing.TimingCache(tmp_path)  # another process, which read the file before a's pass
+    b.entries()
+    a.put_self_test_passed("gpu|sm90|sage2_sm90=2.2.0+1|env|bfloat16")
+    b.put("k1", 7.0, 10.0, 100, 100)  # its write keeps a's pass, as it keeps a's timings
+    c = timing.TimingCache(tmp_path)
+    assert c.passed_self_test("gpu|sm90|sage2_sm90=2.2.0+1|env|bfloat16") and c.get("k1")["kernel_ms"] == 7.0
+    assert not c.passed_self_test("gpu|sm90|sage2_sm90=2.2.0+2|env|bfloat16")
+    data = json.loads((tmp_path / timing.FILE_NAME).read_text())
+    data.pop(timing.PASSED)  # a file without the section (an earlier release's) still loads its timings
+    (tmp_path / timing.FILE_NAME).write_text(json.dumps(data))
+    d = timing.TimingCache(tmp_path)
+    assert d.get("k1") is not None and not d.passed_self_test("gpu|sm90|sage2_sm90=2.2.0+1|env|bfloat16")
+
+
+def test_the_warm_up_keeps_a_pass_for_its_build_and_dtype_and_never_a_failure(fake_gpu, monkeypatch):
+    o = SageAttentionOverride(PatchConfig(cache_dir=fake_gpu.cache_dir, calibrate=False))
+    o.warm_up(torch.device("cpu"), torch.bfloat16).join(5)
+    info = STATE.devices[(0, "auto")]
+    kept = timing.TimingCache(fake_gpu.cache_dir)
+    assert kept.passed_self_test(planning.self_test_key(info, "sage2_sm90", torch.bfloat16))
+    assert not kept.passed_self_test(planning.self_test_key(info, "sage2_sm90", torch.float16))
+    fake_gpu.reset_state()
+    fake_gpu.self_test_result = "returned wrong values"
+    monkeypatch.setattr(planning, "kernel_build", lambda name: "2.2.0+broken")
+    o.warm_up(torch.device("cpu"), torch.bfloat16).join(5)
+    kept = timing.TimingCache(fake_gpu.cache_dir)
+    assert not kept.passed_self_test(planning.self_test_key(info, "sage2_sm90", torch.bfloat16))
+    assert list(json.loads((Path(fake_gpu.cache_dir) / timing.FILE_NAME).read_text())[timing.PASSED]) == [
+        "FakeGPU|sm90|sage2_sm90=test|" + timing.environment() + "|bf16"]
+
+
 def test_cache_is_thread_safe(tmp_path):
     s = timing.TimingCache(tmp_path)
     ts = [threading.Thread(target=lambda i=i: s.put(f"k{i}", i, i + 1, 1, 1)) for i in range(16)]
