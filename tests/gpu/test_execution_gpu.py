@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 from wan_sage.attention import execution, head_groups, kernel_bytes, kernels, planning, registry, stats  # noqa: E402
 from wan_sage.attention.config import PatchConfig  # noqa: E402
-from wan_sage.attention.override import SageAttentionOverride, self_test_failures  # noqa: E402
+from wan_sage.attention.override import SageAttentionOverride, self_attention_groups, self_test_failures  # noqa: E402
 from wan_sage.cli.bench_kernels import peak_extra  # noqa: E402
 from wan_sage.attention.sdpa import attention_sdpa  # noqa: E402
 from wan_sage.attention.state import STATE, FailureKey, SelfTestKey  # noqa: E402
@@ -253,3 +253,21 @@ def test_the_real_self_test_passes_and_the_kernel_serves(tmp_path):
     got = o(attention_sdpa, q, k, v, heads=H)[:, :512].float()
     ref = attention_sdpa(q.float(), k.float(), v.float(), H)[:, :512]
     assert F.cosine_similarity(got.flatten(), ref.flatten(), dim=0).item() > 0.995
+
+
+def test_a_new_process_plans_the_groups_its_first_call_runs_before_any_self_test(tmp_path):
+    """What the estimator reads when a model loads while the patch's warm-up still tests the kernel: two
+    processes timed the shape and passed the real self-test, and a third predicts its first call from the
+    timing cache file alone, running nothing, and that call then runs as predicted."""
+    B, H, NQ, NK, D = A14B_480P
+    q, k, v = make(B, H, NQ, NK, D)
+    o = SageAttentionOverride(PatchConfig(cache_dir=str(tmp_path)))
+    for _ in range(2):
+        settle(lambda: o(attention_sdpa, q, k, v, heads=H))
+        STATE.reset()
+    predicted = self_attention_groups(o, DEV, torch.bfloat16, B, H, NQ, D)
+    assert STATE.self_tests == {} and not STATE.decisions  # nothing tested, run or settled for the prediction
+    assert predicted is not None and predicted >= 1, predicted
+    o(attention_sdpa, q, k, v, heads=H)
+    assert not STATE.trials  # the first call timed nothing
+    assert o.plan(q, k, v, H).groups == predicted
