@@ -2328,8 +2328,8 @@ def compile_e2e_section(sets) -> list:
                      f"compiled SDPA's ({working(sage_b, 'low'):.2f} against {working(sdpa_b, 'low'):.2f} GiB): the memory mode ran every Sage call grouped.")
             o.append(f"  The first expert's {working(sage_b, 'high'):.2f} GiB is the step that timed the new shape (ungrouped,")
             o.append("  grouped and SDPA on the real tensors, each only after the memory check for it passed); the estimator")
-            o.append("  reserves the ungrouped call until a shape has settled grouped, or until the timing kept from earlier")
-            o.append("  starts says that its first call will settle it grouped.")
+            o.append("  reserves the ungrouped call until a shape has settled grouped, or until the timing and the self-test")
+            o.append("  pass kept from earlier starts say that its first call will settle it grouped.")
         sage24, sdpa24, eager24 = (g.get(k) for k in ("comfy+sage+compile per block@24", "comfy+sdpa+compile per block@24", "comfy+sdpa@24"))
         if sage24 and sdpa24 and eager24:
             split = (sage24["experts"]["low"].get("attention") or {}).get("head_split_calls", 0)
