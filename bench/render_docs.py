@@ -235,9 +235,9 @@ def attention_doc() -> str:
          "[`bench/records/attention/`](../bench/records/attention/), the commands that wrote them in",
          "[`bench/records/LOG.md`](../bench/records/LOG.md).\n",
          "```bash",
-         "wan-sage bench --kernels all --iters 5 --json kernels.jsonl          # SageAttention 2.x + comfy-kitchen installed",
-         "wan-sage bench --kernels sage1 --shapes a14b_720p81_self,a14b_480p81_self,a14b_720p81_cross --iters 3",
-         "wan-sage bench --kernels sage2_sm90 --no-accuracy --shapes ...      # auto vs SDPA, interleaved A/B",
+         "wan-sage bench --dtype bf16 --kernels all --iters 5 --json kernels.jsonl   # SageAttention 2.x + comfy-kitchen installed",
+         "wan-sage bench --dtype bf16 --kernels sage1 --shapes a14b_720p81_self,a14b_480p81_self,a14b_720p81_cross --iters 3",
+         "wan-sage bench --dtype bf16 --kernels sage2_sm90 --no-accuracy --shapes ...   # auto vs SDPA, interleaved A/B",
          "python -m pytest tests/gpu -q -rs    # the gpu tier",
          "```\n",
          "## Every kernel on every Wan shape\n",
@@ -611,7 +611,7 @@ def grouping_cost_section() -> list:
     """Each Wan shape's head-group cost against ungrouped, from ``wan-sage bench --shapes wan``."""
     b = rows("attention/wan-shapes-grouping.jsonl")
     o = ["\n### The memory mode's cost per Wan shape\n",
-         "`wan-sage bench --shapes wan --kernels auto --iters 5` on the H200, in the call of the gpu tier's",
+         "`wan-sage bench --dtype bf16 --shapes wan --kernels auto --iters 5` on the H200, in the call of the gpu tier's",
          f"`3c344d4` log ({link('attention/wan-shapes-grouping.jsonl')}). Each self-attention shape runs ungrouped and in the",
          "memory mode's head groups; the extra bytes are measured. The decision is the CPU time per call of a settled",
          "shape (the static checks, the timing-cache lookup and the free-memory check).\n",

@@ -21,7 +21,9 @@ def add_parser(sub) -> None:
                                    "Needs PyTorch and a CUDA GPU.")
     p.add_argument("--shapes", default="wan", help="'wan' (all Wan shapes), or a comma list of names")
     p.add_argument("--kernels", default="auto", help="'auto' (this GPU's candidates), 'all', or a comma list")
-    p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    p.add_argument("--dtype", choices=["fp16", "bf16", "both"], default="fp16",
+                   help="the dtype of the attention inputs: ComfyUI runs Wan in fp16 (its Wan models list fp16 "
+                        "first), bf16 only when started with --bf16-unet (default fp16)")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--no-accuracy", action="store_true", help="skip the fp32 reference comparison")
     where = p.add_mutually_exclusive_group()

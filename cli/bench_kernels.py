@@ -306,7 +306,7 @@ def run_bench(shapes, kernel_names, dtype=torch.bfloat16, iters=5, accuracy=True
         for name in kernel_names:
             why = kernels.unavailable_reason(name, cc)
             if why:
-                r = {"shape": sname, "backend": name, "skipped": why}
+                r = {"shape": sname, "dtype": dt, "backend": name, "skipped": why}
                 rows.append(r)
                 emit(json.dumps(r))
                 continue
@@ -319,7 +319,8 @@ def run_bench(shapes, kernel_names, dtype=torch.bfloat16, iters=5, accuracy=True
                     ms, ms_min = _time(fn, iters)
                     o, extra = peak_extra(fn)
                 except Exception as e:
-                    r = {"shape": sname, "backend": name, "groups": groups, "error": f"{type(e).__name__}: {e}"[:300]}
+                    r = {"shape": sname, "dtype": dt, "backend": name, "groups": groups,
+                         "error": f"{type(e).__name__}: {e}"[:300]}
                     rows.append(r)
                     emit(json.dumps(r))
                     continue
@@ -371,11 +372,12 @@ def run_bench(shapes, kernel_names, dtype=torch.bfloat16, iters=5, accuracy=True
 
 
 def table(rows) -> str:
-    lines = [f"{'shape':<26} {'backend':<18} {'groups':>6} {'ms':>9} {'x SDPA':>7} {'extra MB':>9} {'formula MB':>10} "
-             f"{'err %':>6} {'rel-L2':>7}  note"]
+    lines = [f"{'shape':<26} {'dtype':<5} {'backend':<18} {'groups':>6} {'ms':>9} {'x SDPA':>7} {'extra MB':>9} "
+             f"{'formula MB':>10} {'err %':>6} {'rel-L2':>7}  note"]
     for r in rows:
         if "skipped" in r or "error" in r:
-            lines.append(f"{r['shape']:<26} {r['backend']:<18} {r.get('groups', '-'):>6} {'-':>9} {'-':>7} {'-':>9} "
+            lines.append(f"{r['shape']:<26} {r.get('dtype', '-'):<5} {r['backend']:<18} {r.get('groups', '-'):>6} "
+                         f"{'-':>9} {'-':>7} {'-':>9} "
                          f"{'-':>10} {'-':>6} {'-':>7}  " + (r.get("skipped") or r.get("error"))[:70])
             continue
         ex = f"{r['extra_bytes'] / 1e6:9.1f}" if "extra_bytes" in r else f"{'':>9}"
@@ -393,8 +395,8 @@ def table(rows) -> str:
         else:
             note = ""
         groups = r.get("groups", "")
-        lines.append(f"{r['shape']:<26} {r['backend']:<18} {groups:>6} {r['ms']:9.2f} {r['ratio']:7.3f} {ex} {fo} {er} "
-                     f"{rl}  {note}")
+        lines.append(f"{r['shape']:<26} {r['dtype']:<5} {r['backend']:<18} {groups:>6} {r['ms']:9.2f} {r['ratio']:7.3f} "
+                     f"{ex} {fo} {er} {rl}  {note}")
     return "\n".join(lines)
 
 
@@ -427,8 +429,10 @@ def main(a) -> int:
         if out:
             out.write(line + "\n")
             out.flush()
-    rows = run_bench(shapes, names, torch.bfloat16 if a.dtype == "bf16" else torch.float16, a.iters,
-                     not a.no_accuracy, a.cache_dir, emit)
+    rows = []
+    for dtype in (("fp16", "bf16") if a.dtype == "both" else (a.dtype,)):
+        rows += run_bench(shapes, names, torch.bfloat16 if dtype == "bf16" else torch.float16, a.iters,
+                          not a.no_accuracy, a.cache_dir, emit)
     if out:
         out.close()
     print(table(rows))

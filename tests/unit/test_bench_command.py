@@ -80,3 +80,22 @@ def test_bench_without_gpu_names_the_alternative(capsys):
         pytest.skip("has a GPU")
     assert cli.main(["bench"]) == 2
     assert "wan-sage plan" in capsys.readouterr().err
+
+
+def test_the_dtypes_timed(monkeypatch, tmp_path, capsys):
+    """fp16 alone by default (what ComfyUI runs Wan in), both with ``--dtype both``; no GPU: the timing is stubbed."""
+    import torch
+    from types import SimpleNamespace
+    from wan_sage.attention import kernels, registry
+    timed = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "GPU")
+    monkeypatch.setattr(kernels, "device_cc", lambda device: 90)
+    monkeypatch.setattr(kernels, "probe", lambda: SimpleNamespace(sage_version="2.2.0", ck_version=None))
+    monkeypatch.setattr(registry, "auto_order", lambda cc: ("sage2_sm90",))
+    monkeypatch.setattr(kernel_compare, "run_bench", lambda shapes, names, dtype, *a: timed.append(dtype) or [])
+    for argv, want in ((["bench"], [torch.float16]), (["bench", "--dtype", "both"], [torch.float16, torch.bfloat16]),
+                       (["bench", "--dtype", "bf16"], [torch.bfloat16])):
+        timed.clear()
+        assert cli.main([*argv, "--cache-dir", str(tmp_path)]) == 0
+        assert timed == want, argv
