@@ -47,6 +47,8 @@ def main(argv=None) -> int:
             return 0
         if cmd == "plan":
             return plan.run(a)
+        if cmd == "bench":
+            return bench.run(a)
     except (UsageError, RequestError, plan.PlanError) as e:
         text = str(e)
         if not text.startswith("wan-sage"):
@@ -57,7 +59,7 @@ def main(argv=None) -> int:
         return 130
     except BrokenPipeError:
         return _closed_pipe()
-    return bench.run(a)
+    return 2
 
 
 def _closed_pipe() -> int:

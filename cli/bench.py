@@ -6,6 +6,10 @@ from __future__ import annotations
 import os
 import sys
 
+from ..memory import activation_model, request
+from ..memory.errors import RequestError
+from .plan import FLAGS
+
 __all__ = ["add_parser", "run", "TORCH_HINT"]
 
 TORCH_HINT = ("install PyTorch into this environment (its CUDA build for your GPU, as pytorch.org's Get Started "
@@ -19,7 +23,12 @@ def add_parser(sub) -> None:
                                    "kernel timing cache. The ComfyUI node reads it from ComfyUI/user/wan_sage "
                                    "(write there with --comfyui), or from $WAN_SAGE_CACHE_DIR when that is set. "
                                    "Needs PyTorch and a CUDA GPU.")
-    p.add_argument("--shapes", default="wan", help="'wan' (all Wan shapes), or a comma list of names")
+    p.add_argument("--shapes", default=None, help="'wan' (all Wan shapes; the default), or a comma list of names")
+    size = p.add_argument_group("one model at your size, instead of --shapes")
+    size.add_argument("--preset", choices=sorted(activation_model.PRESETS),
+                      help="time this Wan model's self- and cross-attention at --width x --height x --frames")
+    for flag, default in (("width", 1280), ("height", 720), ("frames", 81), ("batch", 1)):
+        size.add_argument(f"--{flag}", default=None, help=f"with --preset (default {default})")
     p.add_argument("--kernels", default="auto", help="'auto' (this GPU's candidates), 'all', or a comma list")
     p.add_argument("--dtype", choices=["fp16", "bf16", "both"], default="fp16",
                    help="the dtype of the attention inputs: ComfyUI runs Wan in fp16 (its Wan models list fp16 "
@@ -34,7 +43,37 @@ def add_parser(sub) -> None:
     p.add_argument("--json", metavar="FILE", default=None, help="also write all results to FILE as JSON lines")
 
 
+SIZE_DEFAULTS = {"width": "1280", "height": "720", "frames": "81", "batch": "1"}
+
+
+def model_shapes(preset: str, width, height, frames, batch) -> dict:
+    """{name: (B, H, Nq, Nk, D)}: the attention calls of ``preset``'s blocks for a latent of that size, as
+    ComfyUI's Wan model makes them (self-attention; cross-attention to the text, and to the image where the
+    model has image tokens).  The size is checked as the planner checks it."""
+    built = request.build({"preset": preset, "width": width, "height": height, "frames": frames, "batch": batch},
+                          text=True, labels=FLAGS)
+    setup = built.setup
+    d = setup.dims
+    B, _, T, H, W = setup.latent
+    L = activation_model.tokens(d, T, H, W)
+    tag = f"{preset}_{width}x{height}x{frames}" + (f"_b{B}" if B > 1 else "")
+    shapes = {f"{tag}_self": (B, d.num_heads, L, L, d.head_dim),
+              f"{tag}_cross": (B, d.num_heads, L, d.text_len, d.head_dim)}
+    if setup.img_tokens:
+        shapes[f"{tag}_img_cross"] = (B, d.num_heads, L, setup.img_tokens, d.head_dim)
+    return shapes
+
+
 def run(a) -> int:
+    sized = {k: getattr(a, k) for k in SIZE_DEFAULTS if getattr(a, k) is not None}
+    if a.preset is None and sized:
+        flag = next(iter(sized))
+        raise RequestError(flag, f"--{flag} sizes the shapes of --preset; add --preset MODEL, or leave --{flag} out "
+                                 "for the named Wan shapes (--shapes)")
+    if a.preset is not None and a.shapes is not None:
+        raise RequestError("shapes", "--shapes and --preset each choose the shapes; give one of them")
+    a.model_shapes = None if a.preset is None else model_shapes(a.preset, **{**SIZE_DEFAULTS, **sized})
+    a.shapes = a.shapes or "wan"
     if a.comfyui is not None:
         comfyui = os.path.expanduser(a.comfyui)
         if not os.path.isfile(os.path.join(comfyui, "folder_paths.py")):

@@ -405,7 +405,7 @@ def main(a) -> int:
         print("wan-sage bench needs a CUDA GPU; on this machine use `wan-sage plan` for the memory estimate.",
               file=sys.stderr)
         return 2
-    shapes = WAN_SHAPES if a.shapes == "wan" else {}
+    shapes = getattr(a, "model_shapes", None) or (WAN_SHAPES if a.shapes == "wan" else {})
     if not shapes:
         for n in a.shapes.split(","):
             if n not in WAN_SHAPES:

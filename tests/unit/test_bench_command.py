@@ -99,3 +99,39 @@ def test_the_dtypes_timed(monkeypatch, tmp_path, capsys):
         timed.clear()
         assert cli.main([*argv, "--cache-dir", str(tmp_path)]) == 0
         assert timed == want, argv
+
+
+@pytest.fixture
+def bench_args(monkeypatch):
+    """The parsed arguments ``wan-sage bench`` hands to the comparison, one per call."""
+    seen = []
+    monkeypatch.setattr(kernel_compare, "main", lambda a: seen.append(a) or 0)
+    return seen
+
+
+def test_a_preset_at_a_size_times_the_calls_of_that_model(bench_args):
+    assert cli.main(["bench", "--preset", "wan2.2-a14b", "--width", "1280", "--height", "720", "--frames", "81"]) == 0
+    assert cli.main(["bench", "--preset", "wan2.2-ti2v-5b", "--width", "1280", "--height", "704", "--frames", "121"]) == 0
+    assert cli.main(["bench", "--preset", "wan2.1-i2v-14b", "--width", "832", "--height", "480"]) == 0
+    a14b, ti2v, i2v = (a.model_shapes for a in bench_args)
+    # the same calls as the named shapes, which were written from ComfyUI's Wan model independently
+    assert a14b == {"wan2.2-a14b_1280x720x81_self": kernel_compare.WAN_SHAPES["a14b_720p81_self"],
+                    "wan2.2-a14b_1280x720x81_cross": kernel_compare.WAN_SHAPES["a14b_720p81_cross"]}
+    assert list(ti2v.values()) == [kernel_compare.WAN_SHAPES["ti2v5b_704p121_self"],
+                                   kernel_compare.WAN_SHAPES["ti2v5b_704p121_cross"]]
+    assert i2v["wan2.1-i2v-14b_832x480x81_img_cross"] == kernel_compare.WAN_SHAPES["i2v14b_480p81_img_cross"]
+    assert i2v["wan2.1-i2v-14b_832x480x81_self"] == kernel_compare.WAN_SHAPES["a14b_480p81_self"]
+    assert cli.main(["bench"]) == 0 and bench_args[-1].model_shapes is None and bench_args[-1].shapes == "wan"
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--width", "832"], "--width sizes the shapes of --preset; add --preset MODEL"),
+    (["--preset", "wan2.2-a14b", "--shapes", "wan"], "--shapes and --preset each choose the shapes"),
+    (["--preset", "wan2.2-a14b", "--frames", "many"], "--frames must be an integer, got 'many'"),
+    (["--preset", "wan2.2-a14b", "--height", "0"], "--height must be between"),
+])
+def test_a_bad_size_is_one_line_naming_the_flag(bench_args, capsys, argv, says):
+    assert cli.main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("wan-sage bench: ") and says in err and err.count("\n") == 1, err
+    assert bench_args == []
