@@ -1,7 +1,8 @@
 """Whole prompts on the user's clock: each configuration run as fresh ComfyUI processes, one after another.
 
-    python -m bench.whole_prompt --runs SPECS --caches none|kept DIR|pack DIR [--processes N] [--out FILE] [--log FILE]
-        [--skip-done FILES] [--t0 EPOCH] [--budget-s S] [--process-s S]  BENCH.E2E OPTIONS (--models-dir ...)
+    python -m bench.whole_prompt --runs SPECS --caches none|kept DIR|pack DIR [--processes N] [--bench-first]
+        [--out FILE] [--log FILE] [--skip-done FILES] [--t0 EPOCH] [--budget-s S] [--process-s S]
+        BENCH.E2E OPTIONS (--models-dir ...)
 
 For each spec of ``--runs`` (``bench.e2e`` run specs, with ``:Nsteps``, ``:cfgX``, ``:nolora``,
 ``:decode`` / ``:nodecode``), N processes of ``python -m bench.e2e --whole-prompt --runs SPEC``, each a
@@ -21,6 +22,12 @@ Caches (``--caches``), the pack's timing cache (``WAN_SAGE_CACHE_DIR``), TorchIn
 * ``pack DIR``: only the pack's folder ``DIR/<weights>-<spec>/wan-sage`` is kept (its timing cache and the
   torch.compile files it keeps); inductor's and Triton's start fresh and empty in every process, as after a
   reboot empties the temporary folders torch keeps them in.  Default: two processes per configuration.
+
+``--bench-first`` (with ``kept`` or ``pack``): before a configuration's first process, ``wan-sage bench`` runs once
+for the A14B expert's attention calls at the spec's size (``--preset wan2.2-a14b``, the fp16 ComfyUI runs Wan in)
+into the pack's folder, as a user who runs it once after installing: its timings and its self-test pass.  It runs
+only where that folder holds no timing cache yet; every record of the configuration says what it did
+(``bench_first``: seconds, exit status, command).
 
 Page cache: before the first process the tool reads the shared libraries of torch and of its CUDA
 packages (``torch/lib``, ``nvidia/*/lib``) once, so that whichever configuration runs first does not pay
@@ -72,6 +79,9 @@ def parse_args(argv=None):
                          "folder kept, inductor's and Triton's fresh in every process")
     ap.add_argument("--processes", type=int, default=None,
                     help="processes per configuration (default: 1 with none, 2 with kept or pack)")
+    ap.add_argument("--bench-first", action="store_true",
+                    help="with kept or pack caches: run wan-sage bench at the spec's size into the pack's folder "
+                         "before a configuration's first process, where it holds no timing cache yet")
     ap.add_argument("--out", default=None, help="append the records to this file too")
     ap.add_argument("--log", default=None, help="append the processes' stderr to this file")
     ap.add_argument("--skip-done", default=None, metavar="JSONL[,JSONL]",
@@ -83,6 +93,8 @@ def parse_args(argv=None):
     a, rest = ap.parse_known_args(argv)
     if a.caches[0] not in DEFAULT_PROCESSES or len(a.caches) != (1 if a.caches[0] == "none" else 2):
         ap.error("--caches takes 'none', 'kept DIR' or 'pack DIR'")
+    if a.bench_first and a.caches[0] == "none":
+        ap.error("--bench-first fills the pack's kept folder: use it with --caches kept DIR or pack DIR")
     a.processes = a.processes or DEFAULT_PROCESSES[a.caches[0]]
     if a.processes < 1:
         ap.error("--processes must be at least 1")
@@ -191,9 +203,39 @@ def run_process(cmd: list[str], timeout: float | None, log) -> tuple[int | None,
     return rc, out, err
 
 
+def caches_dir(a, spec: e2e.RunSpec) -> Path:
+    """A configuration's folder of kept caches (``kept`` or ``pack``)."""
+    return Path(a.caches[1]).resolve() / caches_slug(a.weights, spec)
+
+
+def bench_command(a, spec: e2e.RunSpec) -> list[str]:
+    """``wan-sage bench`` for the A14B expert's attention calls at the spec's size, into its pack folder (the
+    ``wan-sage`` folder the process reads as ``WAN_SAGE_CACHE_DIR``)."""
+    width, height, frames = spec.res
+    return [sys.executable, "-m", "bench.wan_sage_cli", "bench", "--preset", "wan2.2-a14b", "--width", str(width),
+            "--height", str(height), "--frames", str(frames), "--no-accuracy",
+            "--cache-dir", str(caches_dir(a, spec) / "wan-sage")]
+
+
+def bench_first(a, spec: e2e.RunSpec, timeout: float | None, log) -> dict | None:
+    """Run :func:`bench_command` where the configuration's pack folder holds no timing cache yet; what it did
+    (None where it did not run)."""
+    _host.load_pack()
+    from wan_sage.attention import timing
+    if (caches_dir(a, spec) / "wan-sage" / timing.FILE_NAME).exists():
+        return None
+    cmd = bench_command(a, spec)
+    t = time.time()
+    rc, out, _err = run_process(cmd, timeout, log)
+    if log is not None:  # its table, beside its stderr
+        log.write("".join(machine_free(line) for line in out))
+        log.flush()
+    shown = ["wan-sage", *cmd[cmd.index("bench"):cmd.index("--cache-dir")]]
+    return {"s": round(time.time() - t, 2), "rc": rc, "command": " ".join(shown)}
+
+
 def process_command(a, spec: e2e.RunSpec, index: int) -> list[str]:
-    caches = ["none"] if a.caches[0] == "none" else \
-        [a.caches[0], str(Path(a.caches[1]).resolve() / caches_slug(a.weights, spec))]
+    caches = ["none"] if a.caches[0] == "none" else [a.caches[0], str(caches_dir(a, spec))]
     return [sys.executable, "-m", "bench.e2e", *a.rest, "--whole-prompt", "--runs", spec.label, "--caches", *caches,
             "--process-index", str(index), "--process-count", str(a.processes)]
 
@@ -224,8 +266,12 @@ def main(argv=None) -> int:
                       f"the {clock.left():.0f} s left", file=sys.stderr, flush=True)
                 line(spec, 1, "skipped", f"budget: {clock.left():.0f} s left, {a.processes * a.process_s:g} s needed")
                 continue
+            bench = bench_first(a, spec, clock.left(), log) if a.bench_first else None
+            if bench is not None:
+                print(f"e2e whole: {bench['command']} took {bench['s']:.0f} s (exit status {bench['rc']})",
+                      file=sys.stderr, flush=True)
             for index in range(1, a.processes + 1):
-                if index > 1 and not clock.fits(a.process_s):
+                if (index > 1 or bench is not None) and not clock.fits(a.process_s):
                     line(spec, index, "skipped", f"budget: {clock.left():.0f} s left")
                     break
                 print(f"e2e whole {n}/{len(a.specs)}: {name}, process {index}/{a.processes} at "
@@ -235,7 +281,7 @@ def main(argv=None) -> int:
                 records = [json.loads(x) for x in out if x.startswith("{")]
                 if records:
                     for r in records:
-                        emit(dict(r, page_cache=page_cache))
+                        emit(dict(r, page_cache=page_cache, **({"bench_first": bench} if bench else {})))
                     print(f"e2e whole: process {index} ended {records[-1].get('status')} after {time.time() - t:.0f} s",
                           file=sys.stderr, flush=True)
                 else:

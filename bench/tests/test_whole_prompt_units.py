@@ -238,3 +238,41 @@ def test_the_page_cache_read_covers_torch_and_cuda_libraries_only(tmp_path, monk
     assert [p.name for p in whole_prompt.shared_libraries()] == ["libcudnn.so.9", "libtorch_cuda.so"]
     primed = whole_prompt.prime_page_cache()
     assert primed["primed"] and primed["bytes"] == 150
+
+
+def test_bench_first_fills_the_packs_folder_once_and_every_record_of_the_configuration_says_so(tmp_path, monkeypatch):
+    with pytest.raises(SystemExit):
+        _driver("--runs", "est+sage@16:720p81", "--caches", "none", "--bench-first")
+    a = _driver("--runs", "est+sage+compileblocks@16:720p81", "--caches", "pack", str(tmp_path), "--bench-first")
+    spec = a.specs[0]
+    cmd = whole_prompt.bench_command(a, spec)
+    assert cmd[:4] == [sys.executable, "-m", "bench.wan_sage_cli", "bench"]
+    assert cmd[cmd.index("--preset") + 1] == "wan2.2-a14b"
+    assert [cmd[cmd.index(f) + 1] for f in ("--width", "--height", "--frames")] == ["1280", "720", "81"]
+    folder = tmp_path.resolve() / "gguf-est-sage-compileblocks-16-1280x720x81" / "wan-sage"
+    assert cmd[cmd.index("--cache-dir") + 1] == str(folder)
+    assert "--dtype" not in cmd  # the CLI's default, the fp16 ComfyUI runs Wan in
+    ran = []
+
+    def run(cmd, timeout, log):
+        ran.append(cmd)
+        if cmd[2] == "bench.wan_sage_cli":
+            folder.mkdir(parents=True)
+            (folder / "attention_calibration.json").write_text("{}")
+            return 0, ["table\n"], []
+        return 0, [json.dumps({"schema": e2e.WHOLE_SCHEMA, "run": spec.label, "status": "ok"}) + "\n"], []
+    monkeypatch.setattr(whole_prompt, "run_process", run)
+    monkeypatch.setattr(whole_prompt, "prime_page_cache", lambda: {"bytes": 0, "s": 0.0})
+    out = tmp_path / "w.jsonl"
+    argv = ["--models-dir", "m", "--runs", spec.label, "--caches", "pack", str(tmp_path), "--bench-first",
+            "--out", str(out), "--log", str(tmp_path / "w.log")]
+    assert whole_prompt.main(argv) == 0
+    assert [c[2] for c in ran] == ["bench.wan_sage_cli", "bench.e2e", "bench.e2e"]
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(recs) == 2 and all(r["bench_first"]["rc"] == 0 for r in recs)
+    assert recs[0]["bench_first"]["command"].startswith("wan-sage bench --preset wan2.2-a14b --width 1280")
+    assert "table" in (tmp_path / "w.log").read_text()
+    ran.clear()
+    assert whole_prompt.main(argv) == 0  # the folder holds a timing cache now: not run again
+    assert [c[2] for c in ran] == ["bench.e2e", "bench.e2e"]
+    assert all("bench_first" not in json.loads(x) for x in out.read_text().splitlines()[2:])
