@@ -165,6 +165,7 @@ def into_q_cost_text() -> str:
 
 
 PACK_ONLY = "the pack's only"  # the caches column of a process that found only the pack's folder kept
+BENCH_ONLY = "wan-sage bench's only"  # the first process of a configuration whose folder `wan-sage bench` filled
 EXPERT_NAMES = {"high": "high-noise", "low": "low-noise"}
 
 
@@ -1686,7 +1687,10 @@ def _whole_workflow_text(wf: tuple) -> str:
 def whole_caches(r: dict) -> str:
     """The caches a process started with: ``kept`` when its folders held files (an earlier process filled
     them), ``the pack's only`` when only the pack's folder was kept and held files (``--caches pack``), else
-    ``empty`` (``--caches none``, or the process that filled a kept set)."""
+    ``empty`` (``--caches none``, or the process that filled a kept set); ``wan-sage bench's only`` for the first
+    process of a configuration whose pack folder ``wan-sage bench`` filled just before (``--bench-first``)."""
+    if r.get("bench_first") and (r.get("process") or {}).get("index") == 1:
+        return BENCH_ONLY
     c = r.get("caches") or {}
     if not c.get("filled_at_start"):
         return "empty"
@@ -1842,7 +1846,8 @@ def whole_generation_section(paths=None) -> list:
          "new seed, as ComfyUI runs it (the nodes whose inputs did not change are served from its cache, the models stay",
          "loaded). *Caches at start*: the pack's timing cache, TorchInductor's and Triton's folders were *empty* (the first",
          "prompt after installing) or *kept* from an earlier process (the first prompt after a restart); *the pack's only*:",
-         "the pack's folder kept, TorchInductor's and Triton's empty (the first prompt after a reboot). × is ComfyUI",
+         "the pack's folder kept, TorchInductor's and Triton's empty (the first prompt after a reboot); *wan-sage bench's",
+         "only*: only what `wan-sage bench` wrote just before (its timings and self-test pass). × is ComfyUI",
          "alone + SDPA's seconds over the row's (above 1: faster), same workflow, budget, caches and machine round;",
          "medians where several processes ran. The process's own start (interpreter, ComfyUI's import) is apart, under",
          "*start-up*. `python -m bench.whole_prompt` (bench/README.md) wrote the records, on",

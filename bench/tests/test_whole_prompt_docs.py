@@ -279,6 +279,20 @@ def test_a_process_that_kept_only_the_packs_caches_is_a_row_of_its_own_against_s
     assert "(× against ComfyUI alone + SDPA, eager; caches empty: eager, it reads none of them)" in row
 
 
+def test_the_first_process_after_wan_sage_bench_is_a_row_of_its_own(tmp_path):
+    stock = record(False, "sdpa", (78.0, 83.0), (59.0, 63.7), budget=16.0)
+    bench = {"s": 35.0, "rc": 0, "command": "wan-sage bench --preset wan2.2-a14b --width 1280 --height 720 --frames 81"}
+    first, second = (record(True, "sage", (70.0 + i, 75.0 + i), (44.0, 48.0), budget=16.0, caches="kept", bench_first=bench)
+                     for i in (0, 2))
+    for i, r in enumerate((first, second), 1):
+        r["caches"]["mode"], r["process"] = "pack", {"index": i, "count": 2}
+    lines = render_docs.whole_generation_section([_write(tmp_path / "bench.jsonl", [stock, first, second])])
+    rows = [line for line in lines if line.startswith("| GGUF") and "estimator" in line]
+    assert len(rows) == 2
+    assert "| wan-sage bench's only |" in rows[0] and "75.0 s (1.11×)" in rows[0]
+    assert "| the pack's only |" in rows[1] and "77.0 s (1.08×)" in rows[1]
+
+
 def test_compile_seconds_are_compared_within_one_machines_set_and_per_expert_for_the_packs_files(tmp_path, monkeypatch):
     def compiled(caches, secs, by=None, streamed_high=False, rnd=None, mode=None):
         r = record(True, "sage", (80.0, 86.0), (44.0, 48.0), budget=16.0, caches=caches)
