@@ -383,7 +383,9 @@ def first_call_lines() -> list:
         "The patch starts the import, build identity and self-test in a background thread when it is applied, so they "
         "overlap the text encode and the model loads that come before the first step. The column *first prompt's first "
         "step* of the whole-generation table shows it: GGUF 480p81 at 16 GiB, the high-noise expert's first step before "
-        "(the set without a round) and after (round `b`).",
+        "(the set without a round) and after (round `b`). A passed self-test is kept in the timing cache file (per GPU, "
+        "kernel build, torch/CUDA/cuDNN and dtype), so that at the next start the estimator, which plans the model's "
+        "load before this background test ends, knows the kernel passed; the test still runs and decides the calls.",
         "",
     ]
 
