@@ -93,12 +93,12 @@ def environment() -> str:
 
 def make_key(gpu: str, cc: int, kernel: str, build: str, dtype: str, heads: int, head_dim: int, nq: int,
              nk: int, env: str) -> str:
-    return "|".join((gpu, f"sm{cc}", f"{kernel}={build}", env, dtype, f"h{heads}", f"d{head_dim}",
+    return "|".join((self_test_key(gpu, cc, kernel, build, dtype, env), f"h{heads}", f"d{head_dim}",
                      f"q{token_bucket(nq)}", f"k{token_bucket(nk)}"))
 
 
 def self_test_key(gpu: str, cc: int, kernel: str, build: str, dtype: str, env: str) -> str:
-    """The key of a kernel's self-test verdict: what a timing key holds but the shape."""
+    """The key of a kernel's self-test verdict: what a timing key holds but the shape (its first fields)."""
     return "|".join((gpu, f"sm{cc}", f"{kernel}={build}", env, dtype))
 
 
@@ -217,9 +217,12 @@ class TimingCache:
             return key in self._passed
 
     def put_self_test_passed(self, key: str) -> None:
-        """Keep a passed self-test (written at once: the warm-up that runs it has no later save)."""
+        """Keep a passed self-test (written at once: the warm-up that runs it has no later save); a pass the
+        file already holds is not written again, so a start that passes as the last one did writes nothing."""
         with self._lock:
             self._ensure()
+            if key in self._passed:
+                return
             when = time.strftime("%Y-%m-%dT%H:%M:%S")
             self._passed[key] = self._pending_passed[key] = when
             self._save_locked()

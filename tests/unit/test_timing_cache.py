@@ -118,6 +118,15 @@ def test_a_passed_self_test_is_kept_beside_the_timings_of_every_writer(tmp_path)
     assert d.get("k1") is not None and not d.passed_self_test("gpu|sm90|sage2_sm90=2.2.0+1|env|bfloat16")
 
 
+def test_a_pass_the_file_holds_is_not_written_again(tmp_path):
+    timing.TimingCache(tmp_path).put_self_test_passed("k")
+    before = (tmp_path / timing.FILE_NAME).stat()
+    time.sleep(0.01)
+    timing.TimingCache(tmp_path).put_self_test_passed("k")  # the next start passes as this one did
+    after = (tmp_path / timing.FILE_NAME).stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)  # not replaced
+
+
 def test_the_warm_up_keeps_a_pass_for_its_build_and_dtype_and_never_a_failure(fake_gpu, monkeypatch):
     o = SageAttentionOverride(PatchConfig(cache_dir=fake_gpu.cache_dir, calibrate=False))
     o.warm_up(torch.device("cpu"), torch.bfloat16).join(5)
