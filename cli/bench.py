@@ -8,7 +8,7 @@ import sys
 
 from ..memory import activation_model, request
 from ..memory.errors import RequestError
-from .plan import FLAGS
+from .plan import FLAGS, SIZE_DEFAULTS
 
 __all__ = ["add_parser", "run", "TORCH_HINT"]
 
@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
     size = p.add_argument_group("one model at your size, instead of --shapes")
     size.add_argument("--preset", choices=sorted(activation_model.PRESETS),
                       help="time this Wan model's self- and cross-attention at --width x --height x --frames")
-    for flag, default in (("width", 1280), ("height", 720), ("frames", 81), ("batch", 1)):
+    for flag, default in SIZE_DEFAULTS.items():
         size.add_argument(f"--{flag}", default=None, help=f"with --preset (default {default})")
     p.add_argument("--kernels", default="auto", help="'auto' (this GPU's candidates), 'all', or a comma list")
     p.add_argument("--dtype", choices=["fp16", "bf16", "both"], default="fp16",
@@ -41,9 +41,6 @@ def add_parser(sub) -> None:
     where.add_argument("--cache-dir", default=None,
                        help="timing cache directory (default: $WAN_SAGE_CACHE_DIR, else ~/.cache/wan-sage)")
     p.add_argument("--json", metavar="FILE", default=None, help="also write all results to FILE as JSON lines")
-
-
-SIZE_DEFAULTS = {"width": "1280", "height": "720", "frames": "81", "batch": "1"}
 
 
 def model_shapes(preset: str, width, height, frames, batch) -> dict:

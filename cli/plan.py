@@ -20,6 +20,9 @@ class PlanError(Exception):
     """A bad input file or flag combination: one line for stderr, exit status 2."""
 
 
+# The size planned (and timed by wan-sage bench --preset) where a flag is left out.
+SIZE_DEFAULTS = {"width": "1280", "height": "720", "frames": "81", "batch": "1"}
+
 # The request field each flag sets, and the flag a message names for it.
 FLAGS = {"preset": "--preset", "width": "--width", "height": "--height", "frames": "--frames", "batch": "--batch",
          "cfg": "--cfg", "dtype": "--dtype", "attention": "--attention", "arch": "--arch", "vram_gib": "--vram",
@@ -35,10 +38,10 @@ def add_parser(sub) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", choices=sorted(activation_model.PRESETS), help="a known Wan model")
     src.add_argument("--model", metavar="FILE", help="a Wan DiT .safetensors or .gguf file (header only is read)")
-    p.add_argument("--width", default="1280", help="pixels, %d to %d" % SIZE_LIMITS["width"])
-    p.add_argument("--height", default="720", help="pixels, %d to %d" % SIZE_LIMITS["height"])
-    p.add_argument("--frames", default="81", help="frames, %d to %d" % SIZE_LIMITS["frames"])
-    p.add_argument("--batch", default="1", help="latent batch, %d to %d" % SIZE_LIMITS["batch"])
+    p.add_argument("--width", default=SIZE_DEFAULTS["width"], help="pixels, %d to %d" % SIZE_LIMITS["width"])
+    p.add_argument("--height", default=SIZE_DEFAULTS["height"], help="pixels, %d to %d" % SIZE_LIMITS["height"])
+    p.add_argument("--frames", default=SIZE_DEFAULTS["frames"], help="frames, %d to %d" % SIZE_LIMITS["frames"])
+    p.add_argument("--batch", default=SIZE_DEFAULTS["batch"], help="latent batch, %d to %d" % SIZE_LIMITS["batch"])
     p.add_argument("--cfg", default="1.0", help="cfg scale; not 1 adds the uncond pass: one row per forward when "
                                                 "cond and uncond run one after the other, 2 when ComfyUI batches them")
     p.add_argument("--dtype", choices=list(request.COMPUTE_DTYPES), default="auto",
