@@ -188,9 +188,12 @@ def kept_compile_text() -> str:
             by.setdefault((x["workflow"][1], x["budget"], x["set"]["label"]), {})[x["caches"]] = statistics.median(secs)
     parts = []
     for (size, b, _label), v in by.items():
+        # a first process whose pack folder held only wan-sage bench's timings compiled from nothing, as one
+        # with every folder empty
+        empty = v.get("empty", v.get(BENCH_ONLY))
         for kept, words in (("kept", "kept"), (PACK_ONLY, "with only the pack's folder kept")):
-            if {"empty", kept} <= set(v):
-                parts.append(f"{v['empty']:.1f} s empty against {v[kept]:.1f} s {words} ({_size_text(size)}, "
+            if empty is not None and kept in v:
+                parts.append(f"{empty:.1f} s empty against {v[kept]:.1f} s {words} ({_size_text(size)}, "
                              f"{_budget_text(b)})")
     if not parts:
         return ""
@@ -203,20 +206,23 @@ def pack_expert_text() -> str:
     kept, within one set of records (" (...)"; empty without such a pair)."""
     found: dict = {}
     for x in _compiled_estimator_rows():
-        if x["caches"] not in ("empty", PACK_ONLY):
+        if x["caches"] not in ("empty", BENCH_ONLY, PACK_ONLY):
             continue
         for r in x["recs"]:
             p = r["prompts"][0] if r["prompts"] else {}
             by = (p.get("compile") or {}).get("by_expert") or {}
             streamed = {e: (v.get("resident_frac") or 1.0) < 1.0 for e, v in (p.get("experts") or {}).items()}
             if p.get("status") == "ok" and by:
-                found.setdefault((x["set"]["label"], x["budget"]), {})[x["caches"]] = (by, streamed)
+                # wan-sage bench's timings only: nothing compiled yet, as with every folder empty
+                caches = "empty" if x["caches"] == BENCH_ONLY else x["caches"]
+                found.setdefault((x["set"]["label"], x["budget"]), {})[caches] = (by, streamed)
     parts = []
     for (_label, _b), v in found.items():
         if {"empty", PACK_ONLY} <= set(v):
             (empty, streamed), (pack, _s) = v["empty"], v[PACK_ONLY]
             for e in ("high", "low"):
-                if e in empty and e in pack:
+                if e in empty and e in pack and (empty[e]["compile_s"] or pack[e]["compile_s"]):
+                    # (an expert that compiled nothing ran the other expert's graph: said of that one)
                     how = "its weights streamed" if streamed.get(e) else "every weight resident"
                     parts.append(f"the {EXPERT_NAMES.get(e, e)} expert, {how}, {pack[e]['compile_s']:.1f} s against "
                                  f"{empty[e]['compile_s']:.1f} s")
@@ -2431,11 +2437,11 @@ def method_section(runs) -> list:
             "  (estimator + Sage, 480p81, 20 steps) ran the ordinary fp8 path, and its gain is Sage's.",
             "- ComfyUI alone + SDPA with its caches kept: eager, it reads none of the three folders, so the rows with the",
             "  caches kept are compared with its run with them empty on the same machine (and say so).",
-            "- Compiled blocks planned with the head groups that a kept timing settles, with the self-test pass kept",
-            "  beside it: in every compiled row above the first prompt's high-noise expert was planned with the ungrouped",
-            "  Sage call and streamed, round `e` too, whose timing cache `wan-sage bench` had filled. Its model loaded",
-            "  while the patch's self-test still ran, so no verdict was known (`attention.execution.first_decision`).",
-            "  The pack now keeps each self-test pass in the timing cache for the next start; no H200 run is after that.",
+            "- Compiled blocks with weights streamed since the self-test pass is kept across starts: the 12 GiB compiled",
+            "  rows are from before it, when the first prompt's model loaded while the patch's self-test still ran and",
+            "  was planned with the ungrouped Sage call (rounds `a` to `e`). From round `f` on, both experts were",
+            "  planned with the head groups before their first call, every weight resident at 16 GiB.",
+            "- A whole prompt of eager estimator + Sage on the full card (the compiled one is in round `h`).",
             "- Eager estimator + Sage at 12 GiB with the GGUF streaming term at 3 copies: the 12 GiB rows are from before",
             "  it (4 copies; 0.13 GiB more reserved); the 14 GiB row and the newest 16 GiB set are after it.",
             ""]
