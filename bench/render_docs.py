@@ -546,12 +546,19 @@ def compile_section() -> list:
 - **Whether compile pays back for a prompt.** A fresh process pays the compile before the first step, and a
   step saves only what inductor fuses between the matrix multiplies and the attention (0.8 s per A14B 720p81
   forward, with SDPA and with Sage alike). After each sampling run of a compiled model, the Sage patch's log
-  and panel give the compile cost of a fresh process, the steps per model after which it pays back, and the
-  verdict for the run's own steps (`run eager` or `compile pays back`), from `memory/compile_payback.py`:
-  about 20 s for blocks compiled one by one (one graph, shared by Wan 2.2 A14B's two experts while their
-  weights are resident), up to one graph per block with streamed weights, about 9 s per block for a
-  whole-model compile; the saving scales with rows × tokens × width × blocks. The 4-step A14B prompt of the
-  templates runs eager; so do the templates.
+  and panel give the compile cost of a fresh process, the steps per model after which it pays back, the
+  verdict for the run's own steps (`run eager` or `compile pays back`) and, where one prompt does not pay it
+  back, the prompt of a process by which it does, from `memory/compile_payback.py`: about 20 s for blocks
+  compiled one by one (one graph, shared by Wan 2.2 A14B's two experts while their weights are resident), about
+  10 s for that graph where the pack keeps the run's compile file (next item), up to one graph per block with
+  streamed weights, about 9 s per block for a whole-model compile; the saving scales with rows × tokens × width
+  × blocks. `bench/tests/test_compile_payback_records.py` checks the two block-graph costs on whole-prompt first
+  steps they were not set from. The 4-step A14B prompt runs eager for one prompt, so the templates do. Over
+  several prompts of one process compiling the blocks comes out ahead where every weight is resident: GGUF 720p81
+  at 16 GiB, a process with the pack's compile file took 72.7 s for its first prompt and 45.6 s for the next,
+  where eager estimator + Sage took 64.8–70.7 s and 50.0–52.2 s (rounds `e` to `h` of the 16 GiB eager file,
+  other machines; [benchmarks](benchmarks.md#whole-generation)), so it is ahead by the second or third prompt;
+  the model, with its 0.8 s per forward, says by the fourth.
 - **Compile caches across ComfyUI starts.** Inductor keeps what it compiled in a temporary folder that a
   reboot empties. Around each sampling run of a compiled model the Sage patch hot-loads, once per process,
   the files of this torch build and GPU from `compile/` beside the kernel timing cache

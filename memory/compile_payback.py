@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 from .activation_model import WanDims
 
-__all__ = ["Payback", "compile_payback", "FIRST_GRAPH_S", "STREAMED_GRAPH_S", "WHOLE_MODEL_S_PER_BLOCK",
-           "GAIN_S_PER_TOKEN_CHANNEL_BLOCK"]
+__all__ = ["Payback", "compile_payback", "FIRST_GRAPH_S", "STREAMED_GRAPH_S", "KEPT_GRAPH_S",
+           "WHOLE_MODEL_S_PER_BLOCK", "GAIN_S_PER_TOKEN_CHANNEL_BLOCK"]
 
 # Constants set from H200 records (ComfyUI 0.3.64, torch 2.11, inductor); bench/tests/test_compile_payback_records.py
 # checks them on records they were not set from.
@@ -39,6 +39,13 @@ FIRST_GRAPH_S = 20.0
 # bench/records/e2e/fp8-compiled-24gib.jsonl: its high-noise experts that compiled one graph per block (40, weights
 # streamed, a LoRA) took 55.1-110.4 s, (x - 20) / 39 = 0.9-2.3 s each.
 STREAMED_GRAPH_S = 1.8
+# The block graph in a fresh process that hot-loads the pack's compile file of this run (nodes/compile_cache.py),
+# inductor's and Triton's own folders empty (as after a reboot): 10 s.  Set from
+# bench/records/whole-prompt/gguf-720p81-4steps-compiled-blocks.jsonl, round g, process 2: A14B 720p81 at 16 GiB,
+# every weight resident, its first compiled step 20.07 s against 9.47 s for the next (10.6 s).  Only this graph:
+# on the H200 the files did not give back a graph traced with weights streamed, and a whole-model compile with
+# the file was not measured, so both keep their cost.
+KEPT_GRAPH_S = 10.0
 # The whole diffusion model as one graph (TorchCompileModel's default key), per block inlined: 9 s.  Set from
 # bench/records/e2e/gguf-compile.jsonl: the whole-model compile of A14B's 40 blocks took 359.9 s.
 WHOLE_MODEL_S_PER_BLOCK = 9.0
@@ -59,19 +66,31 @@ class Payback:
     step_gain_s: float  # what one compiled step saves, in seconds
     payback_steps: int  # the steps per model after which compiling has saved its share
     steps: int | None  # the steps this model samples (None: not known)
+    kept: bool = False  # compile_s is that of a process that finds the pack's compile file of this run
 
     @property
     def pays_back(self) -> bool | None:
         """Whether this model's steps save its share of the compile (None when the steps are not known)."""
         return None if self.steps is None else self.steps >= self.payback_steps
 
+    @property
+    def payback_prompt(self) -> int | None:
+        """The prompt of one process (1: its first) by whose end compiling has saved this model's share: a process
+        compiles once, on its first prompt, and every prompt of this model's steps saves them again (None when the
+        steps are not known or none)."""
+        if not self.steps:
+            return None
+        return max(1, math.ceil(round(self.compile_s / self.shared_by / (self.step_gain_s * self.steps), 6)))
+
 
 def compile_payback(dims: WanDims, tokens: int, rows: int = 1, steps: int | None = None, *,
-                    whole_model: bool = False, streamed: bool = False, shared_by: int = 1) -> Payback:
+                    whole_model: bool = False, streamed: bool = False, shared_by: int = 1,
+                    kept: bool = False) -> Payback:
     """The payback of compiling ``dims``' model for a sampling of ``steps`` steps of ``rows`` rows (batch, times 2
     with an uncond pass) of ``tokens`` tokens.  ``streamed``: its weights are partly offloaded; ``shared_by``:
     the models of one schedule with these blocks (2 for the two experts of Wan 2.2 A14B), which share the graph
-    only with resident weights."""
+    only with resident weights; ``kept``: the pack keeps a compile file of this run, which a fresh process
+    hot-loads (it shortens only the block graph of resident weights)."""
     blocks = max(1, int(dims.num_layers))
     if whole_model:
         graphs, compile_s = 1, WHOLE_MODEL_S_PER_BLOCK * blocks
@@ -79,9 +98,10 @@ def compile_payback(dims: WanDims, tokens: int, rows: int = 1, steps: int | None
         graphs = blocks
         compile_s = FIRST_GRAPH_S + STREAMED_GRAPH_S * (blocks - 1)
     else:
-        graphs, compile_s = 1, FIRST_GRAPH_S
+        graphs, compile_s = 1, KEPT_GRAPH_S if kept else FIRST_GRAPH_S
+    kept = kept and not whole_model and not streamed
     shared = 1 if streamed else max(1, int(shared_by))
     gain = GAIN_S_PER_TOKEN_CHANNEL_BLOCK * max(1, int(rows)) * max(1, int(tokens)) * dims.dim * blocks
     payback = max(1, math.ceil(round(compile_s / shared / gain, 6)))  # rounded: 25.0000001 is 25 steps
     return Payback(whole_model=whole_model, graphs=graphs, compile_s=compile_s, shared_by=shared, step_gain_s=gain,
-                   payback_steps=payback, steps=None if steps is None else max(0, int(steps)))
+                   payback_steps=payback, steps=None if steps is None else max(0, int(steps)), kept=kept)

@@ -197,11 +197,16 @@ def compile_payback_line(p: Payback) -> str:
         graphs = "1 graph for the blocks"
     if p.shared_by > 1:
         graphs += f", shared with the other model of this schedule: {p.compile_s / p.shared_by:.0f} s each"
-    line = (f"compile: about {p.compile_s:.0f} s to compile in a fresh process ({graphs}); saves about "
+    fresh = "a fresh process with the pack's compile file of this run" if p.kept else "a fresh process"
+    line = (f"compile: about {p.compile_s:.0f} s to compile in {fresh} ({graphs}); saves about "
             f"{p.step_gain_s:.2f} s per step; pays back after {p.payback_steps} steps per model")
     if p.steps is None:
         return line + "; the steps of this run are not known"
-    return f"{line}; this model samples {p.steps}: {'compile pays back' if p.pays_back else 'run eager'}"
+    line = f"{line}; this model samples {p.steps}: {'compile pays back' if p.pays_back else 'run eager'}"
+    if not p.pays_back and p.payback_prompt is not None:
+        # one prompt does not pay it back; a process that runs several prompts of these steps may
+        line += f" for one prompt; over one process's prompts of these steps it pays back by prompt {p.payback_prompt}"
+    return line
 
 
 def compile_payback_summary(p: Payback) -> dict:

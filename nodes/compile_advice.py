@@ -43,9 +43,10 @@ def _shares_schedule(noise, sigmas) -> bool:
     return any_ is not None and not bool(any_())
 
 
-def payback_for(guider, args, kwargs) -> Payback | None:
+def payback_for(guider, args, kwargs, kept: bool = False) -> Payback | None:
     """The compile payback of this OUTER_SAMPLE call, or None where the model runs eagerly, its compile scope
-    cannot be read (then no cost is predicted), or the latent is not a video latent."""
+    cannot be read (then no cost is predicted), or the latent is not a video latent.  ``kept``: the pack keeps
+    a compile file of this run for the next start (:func:`compile_cache.kept`)."""
     patcher = getattr(guider, "model_patcher", None)
     if patcher is None:
         return None
@@ -61,4 +62,4 @@ def payback_for(guider, args, kwargs) -> Payback | None:
     streamed = bool(getattr(comfy_bridge.base_model(patcher), "model_lowvram", False))
     return compile_payback(dims, tokens, _rows(guider, int(shape[0])), _steps(sigmas),
                            whole_model=scope[0] == comfy_bridge.WHOLE_MODEL, streamed=streamed,
-                           shared_by=2 if _shares_schedule(noise, sigmas) else 1)
+                           shared_by=2 if _shares_schedule(noise, sigmas) else 1, kept=kept)

@@ -152,6 +152,15 @@ def before_sampling(patcher, model_options, latent_shape):
         return None
 
 
+def kept(path) -> bool:
+    """Whether the compile file of a run (from :func:`before_sampling`) is on disk, for the next start to hot-load:
+    written by this run or an earlier one.  Never raises."""
+    try:
+        return path is not None and os.path.isfile(path)
+    except (OSError, TypeError, ValueError):
+        return False
+
+
 def after_sampling(path) -> None:
     """Keep what the run compiled in ``path`` (from :func:`before_sampling`).  Never raises."""
     if path is None:

@@ -107,7 +107,7 @@ def _stats_wrapper(patch_id: str, label: str, node_id: str | None = None):
             summary = stats.end_run(patch_id)
             if summary.get("sage_calls", 0) + summary.get("sdpa_calls", 0):
                 log.info("wan-sage %s: %s", label or patch_id, stats.format_summary(summary))
-                payback = _compile_payback(guider, args, kwargs)
+                payback = _compile_payback(guider, args, kwargs, compile_cache.kept(compile_file))
                 if payback is not None:
                     log.info("wan-sage %s: %s", label or patch_id, payback["text"])
                 comfy_bridge.send_event(STATS_EVENT, {"patch_id": patch_id, "node_id": node_id, "summary": summary,
@@ -115,12 +115,13 @@ def _stats_wrapper(patch_id: str, label: str, node_id: str | None = None):
     return outer_sample
 
 
-def _compile_payback(guider, args, kwargs) -> dict | None:
+def _compile_payback(guider, args, kwargs, kept: bool = False) -> dict | None:
     """The compile payback of a compiled model's sampling run, for the log and the panel
-    (:func:`memory.report.compile_payback_summary`); None where it runs eagerly.  A courtesy: a failure to read
-    it is logged once and never fails the sampling."""
+    (:func:`memory.report.compile_payback_summary`), for a fresh process that finds the pack's compile file of
+    this run where ``kept``; None where it runs eagerly.  A courtesy: a failure to read it is logged once and
+    never fails the sampling."""
     try:
-        found = compile_advice.payback_for(guider, args, kwargs)
+        found = compile_advice.payback_for(guider, args, kwargs, kept)
     except Exception as e:
         warn_once(("compile-payback", type(e).__name__), "wan-sage: the compile payback of this sampling run "
                   "could not be worked out (%s); the report leaves it out.", reason(e))

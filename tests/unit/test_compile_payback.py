@@ -30,7 +30,8 @@ def test_a_4_step_a14b_720p_prompt_runs_eager():
     for shared_by in (1, 2):  # 2 steps per expert, whether the experts share the graph or not
         p = _payback(2, shared_by=shared_by)
         assert p.pays_back is False and p.payback_steps > 2
-        assert report.compile_payback_line(p).endswith("this model samples 2: run eager")
+        assert f"this model samples 2: run eager for one prompt; over one process's prompts of these steps it " \
+               f"pays back by prompt {p.payback_prompt}" in report.compile_payback_line(p)
 
 
 def test_a_30_step_prompt_pays_back():
@@ -69,6 +70,27 @@ def test_two_experts_share_the_graph_only_with_resident_weights():
     assert shared.compile_s == alone.compile_s and shared.payback_steps < alone.payback_steps
     assert "shared with the other model of this schedule" in report.compile_payback_line(shared)
     assert _payback(10, streamed=True, shared_by=2).shared_by == 1  # a streamed second expert may compile again
+
+
+def test_the_prompt_that_pays_back_is_the_first_whose_steps_have_saved_the_compile():
+    for steps, shared_by, kept in ((2, 2, False), (2, 2, True), (2, 1, False), (5, 1, False), (1, 2, True)):
+        p = _payback(steps, shared_by=shared_by, kept=kept)
+        share, per_prompt = p.compile_s / p.shared_by, p.step_gain_s * steps
+        n = p.payback_prompt
+        assert n * per_prompt >= share - 1e-9 and (n - 1) * per_prompt < share, (steps, shared_by, kept, n)
+    assert _payback(30).payback_prompt == 1 and "pays back by prompt" not in report.compile_payback_line(_payback(30))
+    assert _payback(0).payback_prompt is None and _payback(None).payback_prompt is None
+
+
+def test_the_packs_compile_file_shortens_only_the_block_graph_of_resident_weights():
+    fresh, kept = _payback(2, shared_by=2), _payback(2, shared_by=2, kept=True)
+    assert kept.kept and kept.compile_s == cp.KEPT_GRAPH_S < fresh.compile_s == cp.FIRST_GRAPH_S
+    assert kept.payback_steps < fresh.payback_steps and kept.payback_prompt < fresh.payback_prompt
+    assert report.compile_payback_line(kept).startswith(
+        "compile: about 10 s to compile in a fresh process with the pack's compile file of this run (1 graph")
+    assert report.compile_payback_line(fresh).startswith("compile: about 20 s to compile in a fresh process (1 graph")
+    for kw in ({"streamed": True}, {"whole_model": True}):  # not measured to give these back: their cost stands
+        assert _payback(2, kept=True, **kw) == _payback(2, **kw)
 
 
 def test_missing_step_counts_are_said_and_give_no_verdict():
@@ -184,8 +206,24 @@ def test_the_stats_event_and_the_log_carry_the_verdict_of_a_compiled_run(events,
     with caplog.at_level(logging.INFO, logger="wan_sage"):
         data = _sample(_patcher(), events, _outer_args(sigmas=SIGMAS_4[:3]))
     assert data["compile"]["pays_back"] is False and data["compile"]["steps"] == 2
-    assert data["compile"]["text"].endswith("this model samples 2: run eager")
+    assert "this model samples 2: run eager for one prompt" in data["compile"]["text"]
+    assert data["compile"]["kept"] is False
     assert any(r.getMessage() == f"wan-sage t: {data['compile']['text']}" for r in caplog.records)
+
+
+@pytest.mark.parametrize("on_disk", [True, False])
+def test_the_verdict_counts_the_compile_file_the_run_leaves_for_the_next_start(events, monkeypatch, tmp_path,
+                                                                               on_disk):
+    from wan_sage.nodes import compile_cache
+    path = tmp_path / "compile" / "torch-x-cpu-0123456789abcdef.bin"
+    if on_disk:
+        path.parent.mkdir()
+        path.write_bytes(b"artifacts")
+    monkeypatch.setattr(compile_cache, "before_sampling", lambda *a: str(path))
+    monkeypatch.setattr(compile_cache, "after_sampling", lambda p: None)
+    data = _sample(_patcher(), events, _outer_args(sigmas=SIGMAS_4[:3]))
+    assert data["compile"]["kept"] is on_disk
+    assert data["compile"]["compile_s"] == (cp.KEPT_GRAPH_S if on_disk else cp.FIRST_GRAPH_S)
 
 
 def test_an_eager_run_sends_no_compile_line(events, caplog):
