@@ -85,12 +85,14 @@ class Payback:
 
 def compile_payback(dims: WanDims, tokens: int, rows: int = 1, steps: int | None = None, *,
                     whole_model: bool = False, streamed: bool = False, shared_by: int = 1,
-                    kept: bool = False) -> Payback:
+                    kept: bool = False, compiled_blocks: int | None = None) -> Payback:
     """The payback of compiling ``dims``' model for a sampling of ``steps`` steps of ``rows`` rows (batch, times 2
     with an uncond pass) of ``tokens`` tokens.  ``streamed``: its weights are partly offloaded; ``shared_by``:
     the models of one schedule with these blocks (2 for the two experts of Wan 2.2 A14B), which share the graph
     only with resident weights; ``kept``: the pack keeps a compile file of this run, which a fresh process
-    hot-loads (it shortens only the block graph of resident weights)."""
+    hot-loads (it shortens only the block graph of resident weights); ``compiled_blocks``: the blocks that run
+    compiled where fewer than all do (a compile that runs streamed blocks eagerly: one graph, the saving of
+    those blocks only)."""
     blocks = max(1, int(dims.num_layers))
     if whole_model:
         graphs, compile_s = 1, WHOLE_MODEL_S_PER_BLOCK * blocks
@@ -101,7 +103,8 @@ def compile_payback(dims: WanDims, tokens: int, rows: int = 1, steps: int | None
         graphs, compile_s = 1, KEPT_GRAPH_S if kept else FIRST_GRAPH_S
     kept = kept and not whole_model and not streamed
     shared = 1 if streamed else max(1, int(shared_by))
-    gain = GAIN_S_PER_TOKEN_CHANNEL_BLOCK * max(1, int(rows)) * max(1, int(tokens)) * dims.dim * blocks
+    runs = blocks if compiled_blocks is None else max(1, min(blocks, int(compiled_blocks)))
+    gain = GAIN_S_PER_TOKEN_CHANNEL_BLOCK * max(1, int(rows)) * max(1, int(tokens)) * dims.dim * runs
     payback = max(1, math.ceil(round(compile_s / shared / gain, 6)))  # rounded: 25.0000001 is 25 steps
     return Payback(whole_model=whole_model, graphs=graphs, compile_s=compile_s, shared_by=shared, step_gain_s=gain,
                    payback_steps=payback, steps=None if steps is None else max(0, int(steps)), kept=kept)

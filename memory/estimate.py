@@ -300,6 +300,9 @@ class Setup:
     # compile whose scope wan-sage cannot read): planned as eager, but streamed GGUF weights keep the
     # partial-load term (fragmentation_bytes).
     other_compile: bool = False
+    # The compile runs every block whose weights stream eagerly (the pack's Wan Compile Blocks node): where the
+    # weights stream, the forward is planned as an eager one, streamed GGUF included (fragmentation_bytes).
+    streamed_blocks_eager: bool = False
     legacy_reason: str | None = None  # why the reservation places the weights (the legacy path), when known
     # A Wan VAE decode of this latent follows the sampling, in a dtype of this many bytes: on the legacy path the
     # reservation in force keeps the room the decode takes (memory.vae_decode), so the decode evicts none of the
@@ -401,7 +404,8 @@ def _policy_need(s: Setup, ours: int, comfy: int, rows: int) -> int:
 def _needs(s: Setup, w: activation_model.Workload) -> tuple:
     """(resident terms, streamed terms, resident reservation, streamed reservation) under the policy."""
     res = activation_bytes(s.dims, w, s.weights, partial=False, other_compile=s.other_compile)
-    par = activation_bytes(s.dims, w, s.weights, partial=True, other_compile=s.other_compile)
+    par = activation_bytes(s.dims, replace(w, compiled=False) if s.streamed_blocks_eager else w, s.weights,
+                           partial=True, other_compile=s.other_compile)
     comfy = comfy_figure(s.dims, (w.rows,) + tuple(s.latent[1:]), s.dtype, s.comfy_flash)
     return (res, par, _policy_need(s, res["total"] + s.margin_bytes, comfy, w.rows),
             _policy_need(s, par["total"] + s.margin_bytes, comfy, w.rows))

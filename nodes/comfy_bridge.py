@@ -512,6 +512,7 @@ def is_dynamic(model) -> bool:
 
 COMPILE_WRAPPER_KEY = "torch.compile"  # comfy_api.torch_helpers' APPLY_MODEL wrapper key
 COMPILE_KWARGS_KEY = "torch_compile_kwargs"  # where set_torch_compile_wrapper keeps its arguments
+RESIDENT_ONLY_MARK = "wan_sage_resident_only"  # on the Wan Compile Blocks wrapper: streamed blocks run eagerly
 
 
 def _compiled_module(obj) -> bool:
@@ -549,6 +550,21 @@ def _scope_of_keys(keys) -> str:
     return BLOCKS if activation_model.compiles_per_block(keys) else WHOLE_MODEL
 
 
+def compile_wrappers(model, model_options=None) -> list:
+    """The ``APPLY_MODEL`` compile wrappers on ``model`` (ComfyUI's compile key), each once."""
+    options = model_options if model_options is not None else getattr(model, "model_options", {}) or {}
+    # A ModelPatcher keeps its wrappers itself; while sampling, ComfyUI copies them into the
+    # transformer options, where the BaseModel-level hooks find them.
+    places = (getattr(model, "wrappers", None) or {}, (options.get("transformer_options") or {}).get("wrappers") or {})
+    return list(dict.fromkeys(w for wrappers in places for keyed in wrappers.values()
+                              for w in (keyed or {}).get(COMPILE_WRAPPER_KEY, ())))
+
+
+def resident_only_compile(model, model_options=None) -> bool:
+    """Whether ``model`` is compiled by the pack's Wan Compile Blocks node, whose streamed blocks run eagerly."""
+    return any(getattr(w, RESIDENT_ONLY_MARK, False) for w in compile_wrappers(model, model_options))
+
+
 def compile_scope(model, model_options=None) -> tuple[str, str] | None:
     """(what torch.compile covers, how it was put there) for this model, or None when it runs eagerly.
 
@@ -558,20 +574,18 @@ def compile_scope(model, model_options=None) -> tuple[str, str] | None:
     but its compiled keys cannot be read (KJNodes' TorchCompileModelAdvanced); only ``BLOCKS`` is planned
     with the compiled figure."""
     options = model_options if model_options is not None else getattr(model, "model_options", {}) or {}
-    # A ModelPatcher keeps its wrappers itself; while sampling, ComfyUI copies them into the
-    # transformer options, where the BaseModel-level hooks find them.
-    places = (getattr(model, "wrappers", None) or {}, (options.get("transformer_options") or {}).get("wrappers") or {})
-    compile_wrappers = list(dict.fromkeys(w for wrappers in places for keyed in wrappers.values()
-                                          for w in (keyed or {}).get(COMPILE_WRAPPER_KEY, ())))
-    if compile_wrappers or options.get(COMPILE_KWARGS_KEY):
+    wrappers = compile_wrappers(model, options)
+    if wrappers or options.get(COMPILE_KWARGS_KEY):
         keys = set()
-        for w in compile_wrappers:
+        for w in wrappers:
             found = _wrapper_keys(w)
             if found is None:
                 return UNKNOWN_SCOPE, _compile_wrapper_name(w)
             keys |= found
         if not keys:  # only the compile kwargs: the wrapper that uses them is not on the model here
             return UNKNOWN_SCOPE, "torch_compile_kwargs without a readable compile wrapper"
+        if any(getattr(w, RESIDENT_ONLY_MARK, False) for w in wrappers):
+            return _scope_of_keys(keys), "Wan Compile Blocks, streamed blocks eager"
         return _scope_of_keys(keys), "ComfyUI's compile wrapper"
     patches = getattr(model, "object_patches", None) or {}
     patched = {k for k, v in patches.items() if k.startswith("diffusion_model") and _compiled_module(v)}

@@ -3,9 +3,9 @@ from comfy_api.latest import ComfyExtension, io
 
 from ..attention import timing
 from . import comfy_bridge, routes
-from .schemas import WanSageAttentionPatch, WanWorkingMemoryEstimator
+from .schemas import WanCompileBlocks, WanSageAttentionPatch, WanWorkingMemoryEstimator
 
-NODES = [WanSageAttentionPatch, WanWorkingMemoryEstimator]
+NODES = [WanSageAttentionPatch, WanWorkingMemoryEstimator, WanCompileBlocks]
 
 
 class WanSageExtension(ComfyExtension):

@@ -9,6 +9,7 @@ from ..memory import activation_model
 from ..memory import report, request
 from ..memory.errors import RequestError
 from . import comfy_bridge
+from .compile_blocks import BACKENDS, MODES, apply_compile_blocks
 from .estimator import POLICIES, SAGE_COUNT, Settings, apply_estimator
 from .sage_patch import MEMORY_MODE_LABELS, apply_patch, memory_mode_id
 
@@ -158,3 +159,36 @@ class WanWorkingMemoryEstimator(io.ComfyNode):
         s = report.summary(est)
         return io.NodeOutput(m, s["tokens"], round(s["activation_gib"], 3), round(s["sage_extra_gib"], 3),
                              round(s["reservation_gib"], 3), text, ui=ui.PreviewText(text))
+
+
+class WanCompileBlocks(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="WanCompileBlocks",
+            display_name="Wan Compile Blocks",
+            category="model_patches/wan-sage",
+            description=("torch.compile of this Wan model's transformer blocks one by one, for the sampling. Blocks "
+                         "whose weights ComfyUI streams from RAM run eagerly, so every compiled block has its "
+                         "weights on the GPU and all of them, in both experts of Wan 2.2 A14B, share one graph: "
+                         "streaming causes no recompiles. Compiling costs seconds on the first prompt of a "
+                         "ComfyUI start (less where the pack kept the run's compile file); the Sage patch's panel "
+                         "says after a run whether it pays back over the prompt's steps."),
+            inputs=[
+                io.Model.Input("model", tooltip="the Wan 2.1/2.2 model to compile (after the loader and LoRAs; "
+                                                "the Sage patch and the estimator may come before or after)"),
+                io.Combo.Input("backend", options=list(BACKENDS), default=BACKENDS[0],
+                               tooltip="inductor: fuses the elementwise work around the matmuls and attention"),
+                io.Combo.Input("mode", options=list(MODES), default=MODES[0],
+                               tooltip="default compiles fastest; max-autotune-no-cudagraphs tunes kernels, "
+                                       "a longer first compile"),
+            ],
+            outputs=[io.Model.Output(tooltip="the same model with its blocks compiled while it samples; unchanged "
+                                             "when the model is not Wan"),
+                     io.String.Output(display_name="status", tooltip="what was compiled")],
+        )
+
+    @classmethod
+    def execute(cls, model, backend=BACKENDS[0], mode=MODES[0]) -> io.NodeOutput:
+        m, text = apply_compile_blocks(model, backend, mode)
+        return io.NodeOutput(m, text, ui=ui.PreviewText(text))

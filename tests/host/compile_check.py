@@ -285,7 +285,64 @@ def two_experts_streamed_lora(budget_fraction):
     return out
 
 
+def compile_blocks_streamed(budget_fraction):
+    """The pack's Wan Compile Blocks on two experts with a LoRA each, loaded whole (``budget_fraction`` None) or
+    partly streamed as in ``two_experts_streamed_lora``: blocks with a streamed module run eagerly, the resident
+    ones of both experts share one graph, and nothing recompiles.  ComfyUI's lowvram load takes the largest
+    modules of every block first, so a partial load streams part of every block.  On the CPU a streamed module's
+    weights stay on the compute device, so the node's test for "weights off the input's device" is stood in for
+    by ComfyUI's own mark of a streamed module (``prev_comfy_cast_weights``, set by its lowvram load)."""
+    import comfy.model_management as mm
+    from torch._dynamo.utils import counters as dyn
+    from wan_sage.nodes import comfy_bridge, compile_blocks
+    from wan_sage.nodes.estimator import Settings, apply_estimator
+
+    layers = 3
+    load = mm.LoadedModel.model_load
+    resident = compile_blocks.block_resident
+
+    def partial_load(self, lowvram_model_memory=0, force_patch_weights=False):
+        return load(self, max(1, int(self.model.model_size() * budget_fraction)), force_patch_weights)
+
+    def not_streamed(block, device):
+        return not any("prev_comfy_cast_weights" in mod.__dict__ for mod in block.modules())
+    torch._dynamo.reset()
+    dyn.clear()
+    if budget_fraction is not None:
+        mm.LoadedModel.model_load = partial_load
+    compile_blocks.block_resident = not_streamed
+    out = {"blocks": layers}
+    try:
+        for name, seed, node_id in (("high", 0, "31"), ("low", 1, "32")):
+            with torch.inference_mode():
+                expert = comfy_env.tiny_wan_patcher(num_layers=layers, ffn_dim=512, dtype=torch.bfloat16, seed=seed)
+                expert.model.manual_cast_dtype = None
+                m, _, _ = apply_estimator(_with_lora(expert, seed + 100), Settings(), [1, 16, 2, 8, 8])
+                m, override = patched(m, node_id)
+                eager = comfy_env.sample_tiny(m, steps=2, cfg=1.0)
+                mm.unload_all_models()
+                c, text = compile_blocks.apply_compile_blocks(m, "inductor", "default")
+                before = dict(dyn["stats"])
+                latent = comfy_env.sample_tiny(c, steps=2, cfg=1.0)
+            blocks = c.model.diffusion_model.blocks
+            out[name] = {"graphs": dyn["stats"].get("unique_graphs", 0) - before.get("unique_graphs", 0),
+                         "recompiles": sum(dyn["recompiles"].values()) if "recompiles" in dyn else 0,
+                         "streamed_blocks": sum(1 for b in blocks if not not_streamed(b, None)),
+                         "lowvram": bool(getattr(c.model, "model_lowvram", False)),
+                         "finite": bool(torch.isfinite(latent).all()),
+                         "max_abs_diff": float((latent.float() - eager.float()).abs().max()),
+                         "eager_max_abs": float(eager.float().abs().max()),
+                         "scope": list(comfy_bridge.compile_scope(c)), "status": text}
+            mm.unload_all_models()
+    finally:
+        mm.LoadedModel.model_load = load
+        compile_blocks.block_resident = resident
+    return out
+
+
 check("block", block_fullgraph)
+check("compile_blocks_streamed", lambda: compile_blocks_streamed(0.4))
+check("compile_blocks_resident", lambda: compile_blocks_streamed(None))
 check("two_experts_per_block", two_experts_per_block)
 check("two_experts_streamed_lora_part", lambda: two_experts_streamed_lora(0.4))
 check("two_experts_streamed_lora_all", lambda: two_experts_streamed_lora(0.0))

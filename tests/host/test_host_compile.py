@@ -80,3 +80,26 @@ def test_the_second_expert_reuses_the_graphs_with_a_lora_and_streamed_weights(re
         assert r[e]["sage_calls"] + r[e]["timing"] == 12, r  # 2 steps x 3 blocks x (self + cross)
     assert r["high"]["graphs"] == r["blocks"], r
     assert r["low"]["graphs"] == 0, r
+
+
+def test_wan_compile_blocks_runs_streamed_blocks_eagerly_with_no_graph(report):
+    """The pack's Wan Compile Blocks on two partly streamed experts with a LoRA each: ComfyUI's per-block compile
+    gives every block with a streamed LoRA module a graph of its own (above); ComfyUI streams part of every block,
+    so here every block runs eagerly: no graph, no recompile, eager's latent exactly."""
+    r = report["compile_blocks_streamed"]
+    assert "error" not in r, r
+    for e in ("high", "low"):
+        assert r[e]["lowvram"] and r[e]["streamed_blocks"] == r["blocks"], r
+        assert r[e]["finite"] and r[e]["max_abs_diff"] == 0.0, r
+        assert r[e]["scope"] == ["blocks", "Wan Compile Blocks, streamed blocks eager"], r
+        assert r[e]["recompiles"] == 0 and r[e]["graphs"] == 0, r
+
+
+def test_wan_compile_blocks_compiles_one_graph_for_both_resident_experts(report):
+    r = report["compile_blocks_resident"]
+    assert "error" not in r, r
+    for e in ("high", "low"):
+        assert not r[e]["lowvram"] and r[e]["streamed_blocks"] == 0, r
+        assert r[e]["finite"] and r[e]["max_abs_diff"] <= 0.05 * max(1.0, r[e]["eager_max_abs"]), r
+        assert r[e]["recompiles"] == 0, r
+    assert r["high"]["graphs"] == 1 and r["low"]["graphs"] == 0, r

@@ -57,3 +57,16 @@ def test_streamed_gguf_under_any_compile_keeps_the_partial_load_term():
     assert eager.reservation_partial < whole.reservation_partial
     # the whole-model compile is still planned as eager: only the streaming term differs
     assert whole.resident["total"] == eager.resident["total"]
+
+
+def test_a_compile_that_runs_streamed_blocks_eagerly_plans_a_streamed_load_as_eager():
+    """The pack's Wan Compile Blocks: where the weights stream the blocks run eagerly, so the streamed column is
+    eager's (the GGUF term, not the partial-load term of compiled streaming); the resident one stays compiled."""
+    plan = weights_for_key(A14B, "q4_k_m", True, compute="bf16")
+    kw = dict(attention="sdpa", weights=plan.setup, weights_bytes=plan.nbytes)
+    eager = estimate(A14B, 1280, 720, 81, **kw)
+    blocks = estimate(A14B, 1280, 720, 81, compiled=True, **kw)
+    ours = estimate(A14B, 1280, 720, 81, compiled=True, streamed_blocks_eager=True, **kw)
+    assert ours.partial == eager.partial and ours.reservation_partial == eager.reservation_partial
+    assert ours.reservation_partial < blocks.reservation_partial
+    assert ours.resident == blocks.resident and ours.resident["total"] < eager.resident["total"]

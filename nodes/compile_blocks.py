@@ -1,0 +1,121 @@
+"""Wan Compile Blocks: torch.compile of a Wan model's transformer blocks, one by one, where streamed blocks run
+eagerly.
+
+Per-block compile (ComfyUI's ``set_torch_compile_wrapper`` given block keys, KJNodes' Wan compile nodes) traces
+each block with its weights.  A block whose weights ComfyUI streams (lowvram: the weights stay on the host and
+are cast onto the GPU inside each layer's forward) traces into a different graph from a resident one: dynamo's
+guards fail on the parameters' device, on ComfyUI's cast flag and on a streamed GGUF weight's LoRA patch list.
+On the H200 a 12 GiB A14B prompt compiled 5 graphs with 4-5 recompiles, 22-51 s on the first prompt and again on
+the repeat (docs/benchmarks.md, "Whole generation").  A streamed block also gains little from compiling: its
+time is the copy of its weights.
+
+Here each block is swapped, for the sampling only (the ``APPLY_MODEL`` wrapper ComfyUI's own compile uses, under
+the same key), for a :class:`ResidentOnlyBlock` that calls the compiled block when every weight of the block is
+on the input's device and the block itself otherwise.  So every block that runs compiled has its weights
+resident, and every one of them, in both experts of Wan 2.2 A14B, runs the one graph; no guard sees a streamed
+weight.  Which blocks stream is read at each call, so a block that ComfyUI loads or offloads between prompts takes
+the other path without a recompile.
+
+The wrapper closes over the dict of compiled keys as ComfyUI's does, so the estimator, the Sage patch's compile
+cache and its payback read the scope the same way (``comfy_bridge.compile_scope``).
+"""
+from __future__ import annotations
+
+import torch
+import torch._dynamo
+
+from . import comfy_bridge
+
+COMPILE_KEY = comfy_bridge.COMPILE_WRAPPER_KEY  # the APPLY_MODEL wrapper key of ComfyUI's own compile
+BACKENDS = ("inductor", "cudagraphs")
+MODES = ("default", "max-autotune-no-cudagraphs")
+
+
+def block_resident(block, device) -> bool:
+    """Whether every parameter and buffer of ``block`` is on ``device`` (the device its input is on)."""
+    for t in block.parameters():
+        if t.device != device:
+            return False
+    for t in block.buffers():
+        if t.device != device:
+            return False
+    return True
+
+
+def _input_device(args, kwargs):
+    x = args[0] if args else kwargs.get("x")
+    return getattr(x, "device", None)
+
+
+class ResidentOnlyBlock(torch.nn.Module):
+    """Stands in for one transformer block while the model samples: the compiled block where all its weights
+    are resident, the block itself where any of them streams.  It holds both without registering them as its
+    children, so it adds no parameters to the model it is swapped into."""
+
+    def __init__(self, block: torch.nn.Module, compiled):
+        super().__init__()
+        object.__setattr__(self, "block", block)
+        object.__setattr__(self, "compiled", compiled)
+
+    def forward(self, *args, **kwargs):
+        device = _input_device(args, kwargs)
+        if device is not None and block_resident(self.block, device):
+            return self.compiled(*args, **kwargs)
+        return self.block(*args, **kwargs)
+
+
+def _wrapper(compiled_module_dict: dict):
+    """The ``APPLY_MODEL`` wrapper: swaps the stand-ins in for the sampling's model calls and puts the blocks
+    back in ``finally``.  Its closure holds ``compiled_module_dict`` (keys ``diffusion_model.blocks.N``)."""
+    import comfy.utils
+
+    def apply_resident_compiled_blocks(executor, *args, **kwargs):
+        originals = {}
+        try:
+            for key, value in compiled_module_dict.items():
+                originals[key] = comfy.utils.get_attr(executor.class_obj, key)
+                comfy.utils.set_attr(executor.class_obj, key, value)
+            return executor(*args, **kwargs)
+        finally:
+            for key, value in originals.items():
+                comfy.utils.set_attr(executor.class_obj, key, value)
+
+    setattr(apply_resident_compiled_blocks, comfy_bridge.RESIDENT_ONLY_MARK, True)
+    return apply_resident_compiled_blocks
+
+
+def count_resident_blocks(model) -> tuple[int, int] | None:
+    """(blocks with every weight on the load device, blocks) of a Wan model, or None where it has no blocks."""
+    dm = comfy_bridge.diffusion_model(model)
+    blocks = list(getattr(dm, "blocks", ()) or ())
+    if not blocks:
+        return None
+    device = torch.device(getattr(model, "load_device", "cpu"))
+    return sum(1 for b in blocks if block_resident(b, device)), len(blocks)
+
+
+def apply_compile_blocks(model, backend: str = "inductor", mode: str = "default"):
+    """A clone of ``model`` whose Wan blocks run compiled one by one while resident; (model, status text).
+    A model that is not Wan passes through unchanged, and says so."""
+    known = BACKENDS + tuple(torch._dynamo.list_backends(exclude_tags=()))  # the node offers BACKENDS
+    if backend not in known:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {str(backend)[:40]!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {str(mode)[:40]!r}")
+    if not comfy_bridge.is_wan(model):
+        return model, "not a Wan model: passed through unchanged, nothing compiled"
+    m = model.clone()
+    dm = comfy_bridge.diffusion_model(m)
+    kwargs = {"backend": backend, "options": None, "mode": None if mode == "default" else mode,
+              "fullgraph": False, "dynamic": None}
+    stand_ins = {}
+    for i, block in enumerate(dm.blocks):
+        stand_ins[f"diffusion_model.blocks.{i}"] = ResidentOnlyBlock(block, torch.compile(block, **kwargs))
+    wmp = comfy_bridge.wrappers_mp()
+    m.remove_wrappers_with_key(wmp.APPLY_MODEL, COMPILE_KEY)  # one compile per model: this one replaces any
+    m.add_wrapper_with_key(wmp.APPLY_MODEL, COMPILE_KEY, _wrapper(stand_ins))
+    m.model_options[comfy_bridge.COMPILE_KWARGS_KEY] = kwargs
+    text = (f"{len(stand_ins)} blocks compiled one by one ({backend}"
+            + ("" if mode == "default" else f", {mode}") + "); blocks whose weights stream run eagerly. "
+            "The Sage patch's panel says after a run whether compiling pays back over the prompt's steps.")
+    return m, text

@@ -1,0 +1,135 @@
+"""Wan Compile Blocks (nodes/compile_blocks.py) without ComfyUI: the stand-in that runs a block compiled only
+while its weights are resident, how the pack reads the node's compile scope, and the payback it gives a run
+whose blocks partly streamed."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from wan_sage.memory import activation_model, compile_payback as cp
+from wan_sage.nodes import comfy_bridge, compile_advice, compile_blocks
+
+A14B = activation_model.PRESETS["wan2.2-a14b"]
+LATENT_720P81 = (1, 16, 21, 90, 160)
+
+
+class Block(torch.nn.Module):
+    """A block whose forward records that it ran eagerly; its weights on ``device`` (meta stands for a device
+    other than the input's: the host copy of a streamed block)."""
+
+    def __init__(self, device="cpu"):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4, device=device)
+        self.register_buffer("scale", torch.ones(4, device=device))
+        self.calls = 0
+
+    def forward(self, x, e=None):
+        self.calls += 1
+        return x + 1
+
+
+class Compiled:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        return args[0] + 2 if args else kwargs["x"] + 2
+
+
+def test_a_resident_block_runs_compiled_and_a_streamed_one_eagerly():
+    x = torch.zeros(2, 4)
+    resident, streamed = Block(), Block("meta")
+    c_res, c_str = Compiled(), Compiled()
+    assert torch.equal(compile_blocks.ResidentOnlyBlock(resident, c_res)(x, e=1), x + 2)
+    assert torch.equal(compile_blocks.ResidentOnlyBlock(streamed, c_str)(x, e=1), x + 1)
+    assert (len(c_res.calls), resident.calls) == (1, 0) and (len(c_str.calls), streamed.calls) == (0, 1)
+    assert len(c_res.calls[0][0]) == 1 and c_res.calls[0][1] == {"e": 1}  # the call is passed on as made
+
+
+def test_one_streamed_tensor_makes_the_block_run_eagerly_and_x_by_name_is_read():
+    b = Block()
+    b.scale = torch.ones(4, device="meta")  # a buffer left on the host
+    c = Compiled()
+    stand_in = compile_blocks.ResidentOnlyBlock(b, c)
+    assert torch.equal(stand_in(x=torch.zeros(1, 4)), torch.ones(1, 4))
+    assert (len(c.calls), b.calls) == (0, 1)
+    b.scale = torch.ones(4)  # loaded before the next prompt: the compiled path, no other change
+    stand_in(x=torch.zeros(1, 4))
+    assert len(c.calls) == 1
+
+
+def test_the_stand_in_adds_no_parameters_to_the_model_it_is_swapped_into():
+    stand_in = compile_blocks.ResidentOnlyBlock(Block(), Compiled())
+    assert list(stand_in.parameters()) == [] and list(stand_in.children()) == []
+
+
+def _wrapper_closing_over(keys, marked):
+    compiled_module_dict = {k: object() for k in keys}
+
+    def wrapper(executor, *args, **kwargs):
+        return compiled_module_dict, executor
+    if marked:
+        setattr(wrapper, comfy_bridge.RESIDENT_ONLY_MARK, True)
+    return wrapper
+
+
+BLOCK_KEYS = [f"diffusion_model.blocks.{i}" for i in range(40)]
+
+
+def _patcher(wrapper, blocks=None, lowvram=True):
+    dm = SimpleNamespace(dim=5120, ffn_dim=13824, num_heads=40, blocks=blocks if blocks is not None else [0] * 40,
+                         in_dim=16, out_dim=16, patch_size=(1, 2, 2), img_emb=None)
+    base = SimpleNamespace(diffusion_model=dm, model_config=SimpleNamespace(unet_config={"model_type": "t2v"}),
+                           latent_format=SimpleNamespace(latent_channels=16), model_lowvram=lowvram)
+    return SimpleNamespace(model=base, wrappers={"apply_model": {comfy_bridge.COMPILE_WRAPPER_KEY: [wrapper]}},
+                           object_patches={}, load_device=torch.device("cpu"),
+                           model_options={"transformer_options": {}, "torch_compile_kwargs": {"backend": "inductor"}})
+
+
+def test_the_nodes_compile_reads_as_blocks_and_as_its_own():
+    ours, comfys = _patcher(_wrapper_closing_over(BLOCK_KEYS, True)), _patcher(_wrapper_closing_over(BLOCK_KEYS, False))
+    assert comfy_bridge.compile_scope(ours) == (comfy_bridge.BLOCKS, "Wan Compile Blocks, streamed blocks eager")
+    assert comfy_bridge.compile_scope(comfys) == (comfy_bridge.BLOCKS, "ComfyUI's compile wrapper")
+    assert comfy_bridge.resident_only_compile(ours) and not comfy_bridge.resident_only_compile(comfys)
+
+
+def _guider(patcher):
+    return SimpleNamespace(model_patcher=patcher, model_options=patcher.model_options, cfg=1.0)
+
+
+def _args():
+    return (torch.randn(LATENT_720P81), torch.zeros(LATENT_720P81), object(), torch.linspace(1.0, 0.0, 5)[:3])
+
+
+def test_a_streamed_run_under_the_node_compiles_one_graph_for_its_resident_blocks():
+    blocks = [Block() for _ in range(10)] + [Block("meta") for _ in range(30)]  # 10 of 40 resident
+    p = compile_advice.payback_for(_guider(_patcher(_wrapper_closing_over(BLOCK_KEYS, True), blocks)), _args(), {})
+    tokens = activation_model.tokens(A14B, 21, 90, 160)
+    full = cp.compile_payback(A14B, tokens, 1, 2, shared_by=2)
+    assert (p.graphs, p.shared_by, p.compile_s) == (1, 2, cp.FIRST_GRAPH_S)
+    assert p.step_gain_s == pytest.approx(full.step_gain_s * 10 / 40)
+    # ComfyUI's own per-block compile of the same streamed run: up to one graph per block, not shared
+    theirs = compile_advice.payback_for(_guider(_patcher(_wrapper_closing_over(BLOCK_KEYS, False), blocks)),
+                                        _args(), {})
+    assert (theirs.graphs, theirs.shared_by) == (40, 1) and theirs.step_gain_s == pytest.approx(full.step_gain_s)
+
+
+def test_a_run_whose_every_block_streamed_ran_nothing_compiled_and_gets_no_compile_line():
+    blocks = [Block("meta") for _ in range(40)]
+    assert compile_advice.payback_for(_guider(_patcher(_wrapper_closing_over(BLOCK_KEYS, True), blocks)),
+                                      _args(), {}) is None
+
+
+def test_a_resident_run_under_the_node_is_the_block_graph_of_every_block():
+    blocks = [Block() for _ in range(40)]
+    p = compile_advice.payback_for(_guider(_patcher(_wrapper_closing_over(BLOCK_KEYS, True), blocks, lowvram=False)),
+                                   _args(), {})
+    tokens = activation_model.tokens(A14B, 21, 90, 160)
+    assert p == cp.compile_payback(A14B, tokens, 1, 2, shared_by=2)
+
+
+def test_count_resident_blocks():
+    pt = _patcher(None, [Block(), Block("meta"), Block()])
+    assert compile_blocks.count_resident_blocks(pt) == (2, 3)
+    assert compile_blocks.count_resident_blocks(_patcher(None, [])) is None
