@@ -70,7 +70,7 @@ that ``comfy.model_management.get_free_memory()`` reads GB GiB (checked, correct
   cannot be reproduced on Linux: where this harness reports out of memory, a Windows card with
   the fallback on would run slowly instead.
 
-Run specs: ``{est|comfy}+{sdpa|sage}[+compile|+compileblocks]@{GB|full}:{WxHxF|720p81|480p81}``, e.g.
+Run specs: ``{est|comfy}+{sdpa|sage}[+compile|+compileblocks|+compilenode]@{GB|full}:{WxHxF|720p81|480p81}``, e.g.
 ``est+sage@24:720p81``, optionally followed by ``:Nsteps``, ``:cfgX``, ``:nolora`` (no LoRA on the experts) and
 ``:decode`` / ``:nodecode``, which make the run a workflow of its own (``est+sage@24:480p81:20steps:cfg3.5:nolora``
 is ComfyUI's 20-step template; without them ``--steps``, ``--cfg`` and ``--decode`` apply); ``:fp8fast`` (with
@@ -103,7 +103,8 @@ ComfyUI process would; its record has ``config.compile`` and, under ``compile``,
 nodes do (KJNodes' ``TorchCompileModelWanVideoV2``): ``set_torch_compile_wrapper`` with the keys
 ``diffusion_model.blocks.N`` and dynamo's recompile limit raised to 64, as those nodes raise it.  The
 blocks share one graph, so it compiles in seconds where the whole model takes minutes (A14B, inductor:
-360 s for the first expert on the H200).
+360 s for the first expert on the H200).  ``+compilenode`` is the pack's own Wan Compile Blocks node
+(``wan_sage.nodes.compile_blocks``): per block as well, with the blocks whose weights stream run eagerly.
 
 ``--sage-memory-mode`` passes the Sage patch's memory mode (``sdpa``: head groups at SDPA's memory,
 ``fastest``) to the node's wiring; the run's label then ends in ``/memory-MODE``.
@@ -135,8 +136,8 @@ PROMPT = ("a cinematic shot of a red fox running through a snowy forest at golde
 NEGATIVE = "low quality, worst quality, static frame, overexposed, blurred"
 
 
-COMPILE_SUFFIX = {"model": ["compile"], "blocks": ["compileblocks"]}   # RunSpec.compile -> its spec suffix
-SPEC_FORM = ("{est|comfy}+{sdpa|sage}[+compile|+compileblocks]@{GB|full}:{WxHxF|720p81|480p81}"
+COMPILE_SUFFIX = {"model": ["compile"], "blocks": ["compileblocks"], "node": ["compilenode"]}  # RunSpec.compile -> suffix
+SPEC_FORM = ("{est|comfy}+{sdpa|sage}[+compile|+compileblocks|+compilenode]@{GB|full}:{WxHxF|720p81|480p81}"
              "[:Nsteps][:cfgX][:nolora][:decode|:nodecode][:fp8fast]")
 
 
@@ -149,7 +150,8 @@ class RunSpec:
     attention: str            # sdpa | sage
     budget_gib: float | None  # None: the whole card
     res: tuple
-    compile: str = ""         # after the Sage patch: "model" (ComfyUI's TorchCompileModel), "blocks" (per block)
+    compile: str = ""         # after the Sage patch: "model" (ComfyUI's TorchCompileModel), "blocks" (per block),
+    #                           "node" (the pack's Wan Compile Blocks: per block, streamed blocks eager)
     steps: int | None = None  # None: --steps
     cfg: float | None = None  # None: --cfg
     lora: bool = True         # False (":nolora"): no LoRA on the experts, as the 20-step workflows without Lightning
@@ -890,7 +892,10 @@ class Host:
                           **({"compile": {"node": "TorchCompileModel", "backend": self.args.compile_backend,
                                           "keys": ["diffusion_model"]}} if spec.compile == "model" else {}),
                           **({"compile": {"node": "per block (set_torch_compile_wrapper)", "backend": self.args.compile_backend,
-                                          "keys": ["diffusion_model.blocks.N"]}} if spec.compile == "blocks" else {})},
+                                          "keys": ["diffusion_model.blocks.N"]}} if spec.compile == "blocks" else {}),
+                          **({"compile": {"node": "Wan Compile Blocks", "backend": self.args.compile_backend,
+                                          "keys": ["diffusion_model.blocks.N"], "streamed_blocks": "eager"}}
+                             if spec.compile == "node" else {})},
                "budget": {"free_before_gib": _r(ballast.free_before and ballast.free_before / GiB),
                           "free_seen_gib": _r(ballast.free_seen and ballast.free_seen / GiB),
                           "ballast_gib": _r(ballast.nbytes / GiB), "note": ballast.note,
@@ -984,6 +989,11 @@ class Host:
                         m = m.clone()
                         _compile.set_recompile_limit(torch, _compile.BLOCK_RECOMPILE_LIMIT)
                         made[f"compile_{e}"] = _compile.compile_blocks(m, self.args.compile_backend)
+                    elif spec.compile == "node":  # the pack's Wan Compile Blocks, through its wiring
+                        from wan_sage.nodes.compile_blocks import apply_compile_blocks
+                        m, text = apply_compile_blocks(m, self.args.compile_backend)
+                        made[f"compile_{e}"] = {"how": "Wan Compile Blocks (streamed blocks eager)", "status": text,
+                                                "backend": self.args.compile_backend}
                     ov = find_override(m.model_options.get("transformer_options", {}))
                     made[f"patch_id_{e}"] = ov.patch_id if ov is not None else None
                     if spec.attention == "sage" and ov is None:

@@ -61,10 +61,13 @@ def sets_of(runs: list[dict]) -> list[str]:
 
 
 def compile_kind(c: dict) -> str:
-    """'' (eager), 'compile' (ComfyUI's TorchCompileModel: the whole model) or 'compile per block'."""
+    """'' (eager), 'compile' (ComfyUI's TorchCompileModel: the whole model), 'compile per block' or 'Wan Compile
+    Blocks' (the pack's node: per block, streamed blocks eager)."""
     comp = c.get("compile")
     if not comp:
         return ""
+    if comp.get("node") == "Wan Compile Blocks":
+        return "Wan Compile Blocks"
     return "compile per block" if "diffusion_model.blocks.N" in (comp.get("keys") or []) else "compile"
 
 

@@ -559,6 +559,17 @@ def compile_section() -> list:
   where eager estimator + Sage took 64.8–70.7 s and 50.0–52.2 s (rounds `e` to `h` of the 16 GiB eager file,
   other machines; [benchmarks](benchmarks.md#whole-generation)), so it is ahead by the second or third prompt;
   the model, with its 0.8 s per forward, says by the fourth.
+- **Wan Compile Blocks** (`nodes/compile_blocks.py`). The pack's compile node compiles the blocks one by one,
+  as the records above do, and runs a block compiled only while every weight of it is on the input's device;
+  a block with a streamed weight runs eagerly. A streamed block traces into a graph of its own (its weights'
+  device, ComfyUI's cast flag and a streamed GGUF weight's LoRA patch list are guarded on: 5 graphs and 4–5
+  recompiles per prompt at 12 GiB in the rows above), and its step time is the copy of its weights. ComfyUI's
+  lowvram load takes the largest modules of every block first, so a partial load streams part of every block:
+  with the weights streamed the node runs the model eagerly, and the estimator plans that load as eager (the
+  GGUF streaming term, not the partial-load term of compiled streaming). With every weight resident it is the
+  per-block compile of the rows above: one graph for both A14B experts. The host tier checks both on a tiny
+  real Wan model on the CPU (`tests/host/test_host_compile.py`: no graph, no recompile and eager's latent
+  exactly when partly streamed; one graph for both experts when resident). Not yet measured on the H200.
 - **Compile caches across ComfyUI starts.** Inductor keeps what it compiled in a temporary folder that a
   reboot empties. Around each sampling run of a compiled model the Sage patch hot-loads, once per process,
   the files of this torch build and GPU from `compile/` beside the kernel timing cache
@@ -2038,7 +2049,8 @@ def decode_rooms_gib(width: int, height: int) -> tuple:
 # --------------------------------------------------------------------------- docs/benchmarks.md
 
 SETUPS = ("", "compile per block", "compile")          # plot_e2e.compile_kind: eager, per block, whole model
-SETUP_NAMES = {"": "eager", "compile per block": "compiled per block", "compile": "compiled whole (TorchCompileModel)"}
+SETUP_NAMES = {"": "eager", "compile per block": "compiled per block", "compile": "compiled whole (TorchCompileModel)",
+               "Wan Compile Blocks": "Wan Compile Blocks (streamed blocks eager)"}
 
 
 def e2e_sets() -> list[dict]:

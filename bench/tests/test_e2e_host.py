@@ -345,6 +345,23 @@ def test_plot_and_table_from_the_json_lines(e2e_rows, tmp_path):
     assert md.count("\n") == 4 and "estimator + SAGE" in md and "0 Sage / 8 SDPA (cpu 8)" in md
 
 
+def test_the_packs_compile_node_runs_after_the_patch_and_is_recorded_as_such(e2e_rows):
+    # +compilenode: the pack's Wan Compile Blocks through its wiring, after the Sage patch; dynamo's eager
+    # backend on the CPU; every weight resident at the full card, so the blocks run compiled
+    _, _, tmp = e2e_rows
+    rows, err = _run(["--runs", "est+sage+compilenode@full:64x64x5", "--compile-backend", "eager",
+                      "--decode", "none"], tmp)
+    (r,) = rows
+    assert r["status"] == "ok", r["error"]
+    assert r["run"] == "est+sage+compilenode@full:64x64x5"
+    assert r["config"]["compile"] == {"node": "Wan Compile Blocks", "backend": "eager",
+                                      "keys": ["diffusion_model.blocks.N"], "streamed_blocks": "eager"}
+    assert r["compile"]["kwargs"]["high"]["how"] == "Wan Compile Blocks (streamed blocks eager)"
+    by = r["compile"]["by_expert"]
+    assert by["high"]["unique_graphs"] >= 1 and by["low"]["unique_graphs"] == 0, by
+    assert r["compile"]["recompiles"] == 0
+
+
 def test_per_block_compiled_runs_compile_each_block_after_the_patch(e2e_rows):
     # +compileblocks: set_torch_compile_wrapper with one key per transformer block (as per-block compile
     # nodes do), after the Sage patch; dynamo's eager backend on the CPU
