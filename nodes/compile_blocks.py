@@ -14,7 +14,9 @@ the same key), for a :class:`ResidentOnlyBlock` that calls the compiled block wh
 on the input's device and the block itself otherwise.  So every block that runs compiled has its weights
 resident, and every one of them, in both experts of Wan 2.2 A14B, runs the one graph; no guard sees a streamed
 weight.  Which blocks stream is read at each call, so a block that ComfyUI loads or offloads between prompts takes
-the other path without a recompile.
+the other path without a recompile.  ComfyUI's lowvram load takes the largest modules of every block first, so a
+partial load streams part of every block: with the weights streamed the model runs eagerly (and the estimator
+plans it so: ``memory.estimate.Setup.streamed_blocks_eager``), with every weight resident it runs compiled.
 
 The wrapper closes over the dict of compiled keys as ComfyUI's does, so the estimator, the Sage patch's compile
 cache and its payback read the scope the same way (``comfy_bridge.compile_scope``).
