@@ -28,7 +28,6 @@ import torch._dynamo
 
 from . import comfy_bridge
 
-COMPILE_KEY = comfy_bridge.COMPILE_WRAPPER_KEY  # the APPLY_MODEL wrapper key of ComfyUI's own compile
 BACKENDS = ("inductor", "cudagraphs")
 MODES = ("default", "max-autotune-no-cudagraphs")
 
@@ -66,24 +65,15 @@ class ResidentOnlyBlock(torch.nn.Module):
         return self.block(*args, **kwargs)
 
 
-def _wrapper(compiled_module_dict: dict):
-    """The ``APPLY_MODEL`` wrapper: swaps the stand-ins in for the sampling's model calls and puts the blocks
-    back in ``finally``.  Its closure holds ``compiled_module_dict`` (keys ``diffusion_model.blocks.N``)."""
-    import comfy.utils
+def _wrapper(stand_ins: dict):
+    """The ``APPLY_MODEL`` wrapper: ComfyUI's own compile wrapper (it swaps the modules in for the sampling's model
+    calls and puts the blocks back in ``finally``; its closure holds the dict of keys ``diffusion_model.blocks.N``),
+    marked as this node's."""
+    from comfy_api.torch_helpers.torch_compile import apply_torch_compile_factory
 
-    def apply_resident_compiled_blocks(executor, *args, **kwargs):
-        originals = {}
-        try:
-            for key, value in compiled_module_dict.items():
-                originals[key] = comfy.utils.get_attr(executor.class_obj, key)
-                comfy.utils.set_attr(executor.class_obj, key, value)
-            return executor(*args, **kwargs)
-        finally:
-            for key, value in originals.items():
-                comfy.utils.set_attr(executor.class_obj, key, value)
-
-    setattr(apply_resident_compiled_blocks, comfy_bridge.RESIDENT_ONLY_MARK, True)
-    return apply_resident_compiled_blocks
+    wrapper = apply_torch_compile_factory(compiled_module_dict=stand_ins)
+    setattr(wrapper, comfy_bridge.RESIDENT_ONLY_MARK, True)
+    return wrapper
 
 
 def count_resident_blocks(model) -> tuple[int, int] | None:
@@ -114,8 +104,9 @@ def apply_compile_blocks(model, backend: str = "inductor", mode: str = "default"
     for i, block in enumerate(dm.blocks):
         stand_ins[f"diffusion_model.blocks.{i}"] = ResidentOnlyBlock(block, torch.compile(block, **kwargs))
     wmp = comfy_bridge.wrappers_mp()
-    m.remove_wrappers_with_key(wmp.APPLY_MODEL, COMPILE_KEY)  # one compile per model: this one replaces any
-    m.add_wrapper_with_key(wmp.APPLY_MODEL, COMPILE_KEY, _wrapper(stand_ins))
+    key = comfy_bridge.COMPILE_WRAPPER_KEY  # the key of ComfyUI's own compile: one compile per model
+    m.remove_wrappers_with_key(wmp.APPLY_MODEL, key)
+    m.add_wrapper_with_key(wmp.APPLY_MODEL, key, _wrapper(stand_ins))
     m.model_options[comfy_bridge.COMPILE_KWARGS_KEY] = kwargs
     text = (f"{len(stand_ins)} blocks compiled one by one ({backend}"
             + ("" if mode == "default" else f", {mode}") + "); blocks whose weights stream run eagerly. "
