@@ -237,6 +237,26 @@ def _with_lora(patcher, seed):
     return comfy.sd.load_lora_for_models(patcher, None, sd, 1.0, 0)[0]
 
 
+def _partial_load(budget_fraction):
+    """ComfyUI's model load with the budget set to ``budget_fraction`` of the model's size (its lowvram path
+    streams the modules past it); put in place of ``LoadedModel.model_load``, which the caller restores."""
+    import comfy.model_management as mm
+    load = mm.LoadedModel.model_load
+
+    def partial_load(self, lowvram_model_memory=0, force_patch_weights=False):
+        return load(self, max(1, int(self.model.model_size() * budget_fraction)), force_patch_weights)
+    return partial_load
+
+
+def _expert(layers, seed, node_id):
+    """A tiny Wan expert with a LoRA, the Working-Memory Estimator and the Sage patch on it: (model, override)."""
+    from wan_sage.nodes.estimator import Settings, apply_estimator
+    expert = comfy_env.tiny_wan_patcher(num_layers=layers, ffn_dim=512, dtype=torch.bfloat16, seed=seed)
+    expert.model.manual_cast_dtype = None
+    m, _, _ = apply_estimator(_with_lora(expert, seed + 100), Settings(), [1, 16, 2, 8, 8])
+    return patched(m, node_id)
+
+
 def two_experts_streamed_lora(budget_fraction):
     """As the H200 end-to-end runs do it: two experts with a LoRA each, loaded partially (ComfyUI's
     lowvram path streams the modules past the budget and patches the LoRA in as they are cast, each
@@ -245,28 +265,21 @@ def two_experts_streamed_lora(budget_fraction):
     reuse the first one's graphs: a new graph in it would mean something of the pack's is guarded on
     per expert."""
     import comfy.model_management as mm
-    from wan_sage.nodes.estimator import Settings, apply_estimator
 
     layers = 3
     load = mm.LoadedModel.model_load
-
-    def partial_load(self, lowvram_model_memory=0, force_patch_weights=False):
-        return load(self, max(1, int(self.model.model_size() * budget_fraction)), force_patch_weights)
     graphs = []
 
     def counting(gm, example_inputs):
         graphs.append(len(gm.graph.nodes))
         return gm.forward
     torch._dynamo.reset()
-    mm.LoadedModel.model_load = partial_load
+    mm.LoadedModel.model_load = _partial_load(budget_fraction)
     out = {}
     try:
         for name, seed, node_id in (("high", 0, "21"), ("low", 1, "22")):
             with torch.inference_mode():
-                expert = comfy_env.tiny_wan_patcher(num_layers=layers, ffn_dim=512, dtype=torch.bfloat16, seed=seed)
-                expert.model.manual_cast_dtype = None
-                m, _, _ = apply_estimator(_with_lora(expert, seed + 100), Settings(), [1, 16, 2, 8, 8])
-                m, override = patched(m, node_id)
+                m, override = _expert(layers, seed, node_id)
                 set_torch_compile_wrapper(m, backend=counting, keys=[f"diffusion_model.blocks.{i}" for i in range(layers)])
                 before = len(graphs)
                 stats.begin_run(override.patch_id)
@@ -295,30 +308,23 @@ def compile_blocks_streamed(budget_fraction):
     import comfy.model_management as mm
     from torch._dynamo.utils import counters as dyn
     from wan_sage.nodes import comfy_bridge, compile_blocks
-    from wan_sage.nodes.estimator import Settings, apply_estimator
 
     layers = 3
     load = mm.LoadedModel.model_load
     resident = compile_blocks.block_resident
-
-    def partial_load(self, lowvram_model_memory=0, force_patch_weights=False):
-        return load(self, max(1, int(self.model.model_size() * budget_fraction)), force_patch_weights)
 
     def not_streamed(block, device):
         return not any("prev_comfy_cast_weights" in mod.__dict__ for mod in block.modules())
     torch._dynamo.reset()
     dyn.clear()
     if budget_fraction is not None:
-        mm.LoadedModel.model_load = partial_load
+        mm.LoadedModel.model_load = _partial_load(budget_fraction)
     compile_blocks.block_resident = not_streamed
     out = {"blocks": layers}
     try:
         for name, seed, node_id in (("high", 0, "31"), ("low", 1, "32")):
             with torch.inference_mode():
-                expert = comfy_env.tiny_wan_patcher(num_layers=layers, ffn_dim=512, dtype=torch.bfloat16, seed=seed)
-                expert.model.manual_cast_dtype = None
-                m, _, _ = apply_estimator(_with_lora(expert, seed + 100), Settings(), [1, 16, 2, 8, 8])
-                m, override = patched(m, node_id)
+                m, _override = _expert(layers, seed, node_id)
                 eager = comfy_env.sample_tiny(m, steps=2, cfg=1.0)
                 mm.unload_all_models()
                 c, text = compile_blocks.apply_compile_blocks(m, "inductor", "default")
