@@ -560,9 +560,13 @@ def compile_wrappers(model, model_options=None) -> list:
                               for w in (keyed or {}).get(COMPILE_WRAPPER_KEY, ())))
 
 
+def _resident_only(wrappers) -> bool:
+    return any(getattr(w, RESIDENT_ONLY_MARK, False) for w in wrappers)
+
+
 def resident_only_compile(model, model_options=None) -> bool:
     """Whether ``model`` is compiled by the pack's Wan Compile Blocks node, whose streamed blocks run eagerly."""
-    return any(getattr(w, RESIDENT_ONLY_MARK, False) for w in compile_wrappers(model, model_options))
+    return _resident_only(compile_wrappers(model, model_options))
 
 
 def compile_scope(model, model_options=None) -> tuple[str, str] | None:
@@ -584,7 +588,7 @@ def compile_scope(model, model_options=None) -> tuple[str, str] | None:
             keys |= found
         if not keys:  # only the compile kwargs: the wrapper that uses them is not on the model here
             return UNKNOWN_SCOPE, "torch_compile_kwargs without a readable compile wrapper"
-        if any(getattr(w, RESIDENT_ONLY_MARK, False) for w in wrappers):
+        if _resident_only(wrappers):
             return _scope_of_keys(keys), "Wan Compile Blocks, streamed blocks eager"
         return _scope_of_keys(keys), "ComfyUI's compile wrapper"
     patches = getattr(model, "object_patches", None) or {}
