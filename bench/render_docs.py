@@ -2048,7 +2048,7 @@ def decode_rooms_gib(width: int, height: int) -> tuple:
 
 # --------------------------------------------------------------------------- docs/benchmarks.md
 
-SETUPS = ("", "compile per block", "compile")          # plot_e2e.compile_kind: eager, per block, whole model
+SETUPS = ("", "compile per block", "Wan Compile Blocks", "compile")  # plot_e2e.compile_kind: eager, per block, node, whole
 SETUP_NAMES = {"": "eager", "compile per block": "compiled per block", "compile": "compiled whole (TorchCompileModel)",
                "Wan Compile Blocks": "Wan Compile Blocks (streamed blocks eager)"}
 
