@@ -10,13 +10,15 @@ the repeat (docs/benchmarks.md, "Whole generation").  A streamed block also gain
 time is the copy of its weights.
 
 Here each block is swapped, for the sampling only (the ``APPLY_MODEL`` wrapper ComfyUI's own compile uses, under
-the same key), for a :class:`ResidentOnlyBlock` that calls the compiled block when every weight of the block is
-on the input's device and the block itself otherwise.  So every block that runs compiled has its weights
-resident, and every one of them, in both experts of Wan 2.2 A14B, runs the one graph; no guard sees a streamed
-weight.  Which blocks stream is read at each call, so a block that ComfyUI loads or offloads between prompts takes
-the other path without a recompile.  ComfyUI's lowvram load takes the largest modules of every block first, so a
-partial load streams part of every block: with the weights streamed the model runs eagerly (and the estimator
-plans it so: ``memory.estimate.Setup.streamed_blocks_eager``), with every weight resident it runs compiled.
+the same key), for a :class:`ResidentOnlyBlock` that calls the compiled block when every weight of the block is on
+the input's device and the block itself otherwise. So every block that runs compiled has its weights resident, and
+every one of them, in both experts of Wan 2.2 A14B, runs the one graph; no guard sees a streamed weight. Which
+blocks stream is read at each call, so a block that ComfyUI loads or offloads between prompts takes the other path
+without a recompile, and the cast flags ComfyUI's partial unload and reload leave on a block's modules are settled
+before its compiled call (:func:`settle_cast_flags`). ComfyUI's lowvram load takes the largest modules of every
+block first, so a partial load streams part of every block: with the weights streamed the model runs eagerly (and
+the estimator plans it so: ``memory.estimate.Setup.streamed_blocks_eager``), with every weight resident it runs
+compiled.
 
 The wrapper closes over the dict of compiled keys as ComfyUI's does, so the estimator, the Sage patch's compile
 cache and its payback read the scope the same way (``comfy_bridge.compile_scope``).
@@ -43,6 +45,24 @@ def block_resident(block, device) -> bool:
     return True
 
 
+def settle_cast_flags(block) -> None:
+    """Drop ComfyUI's cast flag from the modules of ``block`` that hold it as an attribute of their own with
+    their class's value, so that dynamo's guards see the state a freshly loaded model has.
+
+    ComfyUI's partial unload sets ``comfy_cast_weights`` on each module it moves, and its next full load puts the
+    previous value back as an attribute of the module (``model_patcher.wipe_lowvram_weight``).  The value is the
+    class's, but dynamo guards on whether the module's ``__dict__`` holds it, so without this a Wan 2.2 repeat
+    prompt (the other expert's load unloads part of this one) recompiled 3 graphs, 13-16 s on the H200
+    (docs/benchmarks.md, "Whole generation").  Removing an attribute equal to the class's changes nothing that
+    ComfyUI reads; a module still in lowvram (``prev_comfy_cast_weights`` set) or with a flag that differs from
+    its class's is left as it is."""
+    for mod in block.modules():
+        d = mod.__dict__
+        if ("comfy_cast_weights" in d and "prev_comfy_cast_weights" not in d
+                and d["comfy_cast_weights"] == getattr(type(mod), "comfy_cast_weights", None)):
+            del d["comfy_cast_weights"]
+
+
 def _input_device(args, kwargs):
     x = args[0] if args else kwargs.get("x")
     return getattr(x, "device", None)
@@ -61,6 +81,7 @@ class ResidentOnlyBlock(torch.nn.Module):
     def forward(self, *args, **kwargs):
         device = _input_device(args, kwargs)
         if device is not None and block_resident(self.block, device):
+            settle_cast_flags(self.block)
             return self.compiled(*args, **kwargs)
         return self.block(*args, **kwargs)
 

@@ -346,9 +346,46 @@ def compile_blocks_streamed(budget_fraction):
     return out
 
 
+def compile_blocks_reloaded():
+    """The pack's Wan Compile Blocks over two prompts of one resident expert with a partial unload between them,
+    as a Wan 2.2 prompt does it: loading the other expert (or the VAE) unloads part of this one, and the next
+    prompt loads it whole again.  ComfyUI's partial unload sets its cast flag on the modules it moves, and the
+    reload puts the flag back as an attribute of each module (``comfy_cast_weights`` in the module's
+    ``__dict__``, equal to its class's value), where the first prompt's modules had none.  The repeat prompt must
+    run the first prompt's graph: no new graph, no recompile."""
+    import comfy.model_management as mm
+    from torch._dynamo.utils import counters as dyn
+    from wan_sage.nodes import compile_blocks
+
+    torch._dynamo.reset()
+    dyn.clear()
+    out = {}
+    with torch.inference_mode():
+        m, _override = _expert(3, 0, "34")
+        c, _text = compile_blocks.apply_compile_blocks(m, "inductor", "default")
+        for prompt in ("first", "repeat"):
+            before = dict(dyn["stats"])
+            recompiles = sum(dyn["recompiles"].values()) if "recompiles" in dyn else 0
+            latent = comfy_env.sample_tiny(c, steps=2, cfg=1.0)
+            blocks = c.model.diffusion_model.blocks
+            out[prompt] = {"graphs": dyn["stats"].get("unique_graphs", 0) - before.get("unique_graphs", 0),
+                           "recompiles": (sum(dyn["recompiles"].values()) if "recompiles" in dyn else 0) - recompiles,
+                           "finite": bool(torch.isfinite(latent).all()),
+                           "flags_in_dict": sum(1 for b in blocks for mod in b.modules()
+                                                if "comfy_cast_weights" in mod.__dict__)}
+            if prompt == "first":
+                unloaded = c.partially_unload(c.offload_device, c.model_size() // 2)
+                out["unloaded_bytes"] = int(unloaded)
+                out["flags_after_unload"] = sum(1 for b in blocks for mod in b.modules()
+                                                if "prev_comfy_cast_weights" in mod.__dict__)
+        mm.unload_all_models()
+    return out
+
+
 check("block", block_fullgraph)
 check("compile_blocks_streamed", lambda: compile_blocks_streamed(0.4))
 check("compile_blocks_resident", lambda: compile_blocks_streamed(None))
+check("compile_blocks_reloaded", compile_blocks_reloaded)
 check("two_experts_per_block", two_experts_per_block)
 check("two_experts_streamed_lora_part", lambda: two_experts_streamed_lora(0.4))
 check("two_experts_streamed_lora_all", lambda: two_experts_streamed_lora(0.0))

@@ -103,3 +103,15 @@ def test_wan_compile_blocks_compiles_one_graph_for_both_resident_experts(report)
         assert r[e]["finite"] and r[e]["max_abs_diff"] <= 0.05 * max(1.0, r[e]["eager_max_abs"]), r
         assert r[e]["recompiles"] == 0, r
     assert r["high"]["graphs"] == 1 and r["low"]["graphs"] == 0, r
+
+
+def test_wan_compile_blocks_runs_the_first_prompts_graph_after_a_partial_unload_and_reload(report):
+    """A Wan 2.2 repeat prompt: the other expert's load unloaded part of this one, and its reload left ComfyUI's
+    cast flag in the modules' ``__dict__`` (with their class's value).  The repeat runs the first prompt's graph:
+    on the H200 those flags made the repeat compile 3 graphs, 13-16 s."""
+    r = report["compile_blocks_reloaded"]
+    assert "error" not in r, r
+    assert r["unloaded_bytes"] > 0 and r["flags_after_unload"] > 0, r
+    assert r["first"]["graphs"] == 1 and r["first"]["finite"], r
+    assert r["repeat"]["graphs"] == 0 and r["repeat"]["recompiles"] == 0 and r["repeat"]["finite"], r
+    assert r["repeat"]["flags_in_dict"] == 0, r

@@ -59,6 +59,38 @@ def test_one_streamed_tensor_makes_the_block_run_eagerly_and_x_by_name_is_read()
     assert len(c.calls) == 1
 
 
+
+class CastLinear(torch.nn.Linear):
+    """A layer with ComfyUI's cast flag as its ops define it: a class attribute."""
+    comfy_cast_weights = False
+
+
+class CastBlock(Block):
+    def __init__(self, device="cpu"):
+        super().__init__(device)
+        self.a, self.b, self.c = CastLinear(4, 4, device=device), CastLinear(4, 4, device=device), CastLinear(4, 4, device=device)
+
+
+def test_the_compiled_path_sees_the_cast_flags_of_a_freshly_loaded_block():
+    """After ComfyUI's partial unload and full reload, a module holds the flag as its own attribute with its
+    class's value (dropped), a module still streamed holds ``prev_comfy_cast_weights`` (kept), and a flag that
+    differs from its class's is a different state (kept)."""
+    b, c = CastBlock(), Compiled()
+    b.a.comfy_cast_weights = False
+    b.b.comfy_cast_weights, b.b.prev_comfy_cast_weights = True, False
+    b.c.comfy_cast_weights = True
+    compile_blocks.ResidentOnlyBlock(b, c)(torch.zeros(1, 4))
+    assert len(c.calls) == 1
+    assert "comfy_cast_weights" not in b.a.__dict__ and b.a.comfy_cast_weights is False
+    assert b.b.__dict__["comfy_cast_weights"] is True and b.c.__dict__["comfy_cast_weights"] is True
+
+
+def test_the_eager_path_leaves_the_cast_flags_as_they_are():
+    b, c = CastBlock("meta"), Compiled()
+    b.a.comfy_cast_weights = False
+    compile_blocks.ResidentOnlyBlock(b, c)(torch.zeros(1, 4))
+    assert (len(c.calls), b.calls) == (0, 1) and "comfy_cast_weights" in b.a.__dict__
+
 def test_the_stand_in_adds_no_parameters_to_the_model_it_is_swapped_into():
     stand_in = compile_blocks.ResidentOnlyBlock(Block(), Compiled())
     assert list(stand_in.parameters()) == [] and list(stand_in.children()) == []
