@@ -569,7 +569,17 @@ def compile_section() -> list:
   GGUF streaming term, not the partial-load term of compiled streaming). With every weight resident it is the
   per-block compile of the rows above: one graph for both A14B experts. The host tier checks both on a tiny
   real Wan model on the CPU (`tests/host/test_host_compile.py`: no graph, no recompile and eager's latent
-  exactly when partly streamed; one graph for both experts when resident). Not yet measured on the H200.
+  exactly when partly streamed; one graph for both experts when resident). On the H200 (GGUF 832×480×81, 20
+  steps, 24 GiB, every weight resident) the node compiled one graph for both experts on the first prompt, and the
+  steps ran at 2.75–2.83 s against ComfyUI alone's 3.73–3.78 s. Every repeat prompt then compiled 3 more graphs
+  (13.2–15.9 s): loading the other expert had unloaded part of this one, and ComfyUI's reload puts its cast flag
+  back as an attribute of each module it had moved, which dynamo guards on. The node now drops that attribute
+  where it equals the class's value before a compiled call (`settle_cast_flags`; the host tier's repeat after a
+  partial unload and reload compiled 2 graphs before, none now). Not yet measured on the H200 with that change.
+  Over the whole prompt, with the pack's compile file kept, the first prompt took 84.8 s against ComfyUI alone's
+  102.2 s on the same machine (1.21×; eager estimator + Sage: 1.12× in the two sets with ComfyUI alone on its machine). The first prompt
+  after installing, with only `wan-sage bench`'s timings, took 98.5 s (18.4 s compiling), where ComfyUI alone took
+  90.3–103.5 s on three other machines: it can be slower than ComfyUI alone, so no template compiles.
 - **Compile caches across ComfyUI starts.** Inductor keeps what it compiled in a temporary folder that a
   reboot empties. Around each sampling run of a compiled model the Sage patch hot-loads, once per process,
   the files of this torch build and GPU from `compile/` beside the kernel timing cache
@@ -2461,6 +2471,8 @@ def method_section(runs) -> list:
             "  was planned with the ungrouped Sage call (rounds `a` to `e`). From round `f` on, both experts were",
             "  planned with the head groups before their first call, every weight resident at 16 GiB.",
             "- A whole prompt of eager estimator + Sage on the full card (the compiled one is in round `h`).",
+            "- Wan Compile Blocks with weights streamed (12 and 16 GiB), and its repeat prompt since it settles ComfyUI's",
+            "  cast flags: the 20-step rows recompiled 3 graphs on every repeat prompt before that change.",
             "- Eager estimator + Sage at 12 GiB with the GGUF streaming term at 3 copies: the 12 GiB rows are from before",
             "  it (4 copies; 0.13 GiB more reserved); the 14 GiB row and the newest 16 GiB set are after it.",
             ""]
