@@ -85,6 +85,21 @@ def test_the_compiled_path_sees_the_cast_flags_of_a_freshly_loaded_block():
     assert b.b.__dict__["comfy_cast_weights"] is True and b.c.__dict__["comfy_cast_weights"] is True
 
 
+class AlwaysCastLinear(torch.nn.Linear):
+    """A layer whose class casts always, as ComfyUI-GGUF's ``GGMLLayer`` and ComfyUI's manual-cast ops."""
+    comfy_cast_weights = True
+
+
+def test_a_layer_whose_class_always_casts_gets_its_class_value_back_too():
+    b, c = CastBlock(), Compiled()
+    b.g = AlwaysCastLinear(4, 4)
+    b.g.comfy_cast_weights = True   # put back by the reload: the class's value
+    b.a.comfy_cast_weights = True   # a bf16 layer flagged to cast: not its class's value
+    compile_blocks.ResidentOnlyBlock(b, c)(torch.zeros(1, 4))
+    assert "comfy_cast_weights" not in b.g.__dict__ and b.g.comfy_cast_weights is True
+    assert b.a.__dict__["comfy_cast_weights"] is True
+
+
 def test_the_eager_path_leaves_the_cast_flags_as_they_are():
     b, c = CastBlock("meta"), Compiled()
     b.a.comfy_cast_weights = False
