@@ -54,6 +54,11 @@ def test_the_saving_per_forward_of_a14b_is_met_at_the_median():
     assert 0.8 <= statistics.median(ratios) <= 1.15, sorted(ratios)
 
 
+def _tokens(c: dict) -> int:
+    """A14B's tokens per row at a record's ``config`` size."""
+    return activation_model.tokens(A14B, *activation_model.latent_shape(A14B, c["width"], c["height"], c["frames"])[2:])
+
+
 def _twin(run: str) -> str:
     return run.replace("+compileblocks", "")
 
@@ -81,7 +86,7 @@ def _sampling_s(r) -> float:
 @pytest.mark.parametrize("name,compiled,eager", E2E_PAIRS, ids=[x[0] for x in E2E_PAIRS])
 def test_the_verdict_agrees_with_the_measured_sampling(name, compiled, eager):
     c = compiled["config"]
-    tokens = activation_model.tokens(A14B, *activation_model.latent_shape(A14B, c["width"], c["height"], c["frames"])[2:])
+    tokens = _tokens(c)
     verdicts = {compile_payback(A14B, tokens, 1, len(e["step_s"]), streamed=e["resident_frac"] < 0.9999,
                                 shared_by=2).pays_back for e in compiled["experts"].values()}
     assert len(verdicts) == 1 and c["cfg"] == 1.0
@@ -123,7 +128,7 @@ def _first_step_costs() -> list:
         if (name, r.get("round"), proc.get("index")) == KEPT_SET_FROM:
             continue
         c = r["config"]
-        tokens = activation_model.tokens(A14B, *activation_model.latent_shape(A14B, c["width"], c["height"], c["frames"])[2:])
+        tokens = _tokens(c)
         steps = high["step_s"]
         out.append((f"{c['width']}x{c['height']}x{c['frames']} round {r.get('round')} process {proc.get('index')}",
                     kept, tokens, steps[0] - statistics.median(steps[1:])))

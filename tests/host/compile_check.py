@@ -298,6 +298,11 @@ def two_experts_streamed_lora(budget_fraction):
     return out
 
 
+def _dynamo_totals(dyn) -> tuple[int, int]:
+    """(unique graphs, recompiles) dynamo has counted since its counters were last cleared."""
+    return dyn["stats"].get("unique_graphs", 0), (sum(dyn["recompiles"].values()) if "recompiles" in dyn else 0)
+
+
 def compile_blocks_streamed(budget_fraction):
     """The pack's Wan Compile Blocks on two experts with a LoRA each, loaded whole (``budget_fraction`` None) or
     partly streamed as in ``two_experts_streamed_lora``: blocks with a streamed module run eagerly, the resident
@@ -328,11 +333,12 @@ def compile_blocks_streamed(budget_fraction):
                 eager = comfy_env.sample_tiny(m, steps=2, cfg=1.0)
                 mm.unload_all_models()
                 c, text = compile_blocks.apply_compile_blocks(m, "inductor", "default")
-                before = dict(dyn["stats"])
+                graphs_before, _ = _dynamo_totals(dyn)
                 latent = comfy_env.sample_tiny(c, steps=2, cfg=1.0)
             blocks = c.model.diffusion_model.blocks
-            out[name] = {"graphs": dyn["stats"].get("unique_graphs", 0) - before.get("unique_graphs", 0),
-                         "recompiles": sum(dyn["recompiles"].values()) if "recompiles" in dyn else 0,
+            graphs, recompiles = _dynamo_totals(dyn)
+            out[name] = {"graphs": graphs - graphs_before,
+                         "recompiles": recompiles,
                          "streamed_blocks": sum(1 for b in blocks if not not_streamed(b, None)),
                          "lowvram": bool(getattr(c.model, "model_lowvram", False)),
                          "finite": bool(torch.isfinite(latent).all()),
@@ -344,6 +350,11 @@ def compile_blocks_streamed(budget_fraction):
         mm.LoadedModel.model_load = load
         compile_blocks.block_resident = resident
     return out
+
+
+def _own_attr_count(blocks, name: str) -> int:
+    """The modules of ``blocks`` that hold ``name`` as an attribute of their own (in their ``__dict__``)."""
+    return sum(1 for b in blocks for mod in b.modules() if name in mod.__dict__)
 
 
 def compile_blocks_reloaded():
@@ -364,20 +375,17 @@ def compile_blocks_reloaded():
         m, _override = _expert(3, 0, "34")
         c, _text = compile_blocks.apply_compile_blocks(m, "inductor", "default")
         for prompt in ("first", "repeat"):
-            before = dict(dyn["stats"])
-            recompiles = sum(dyn["recompiles"].values()) if "recompiles" in dyn else 0
+            graphs_before, recompiles_before = _dynamo_totals(dyn)
             latent = comfy_env.sample_tiny(c, steps=2, cfg=1.0)
             blocks = c.model.diffusion_model.blocks
-            out[prompt] = {"graphs": dyn["stats"].get("unique_graphs", 0) - before.get("unique_graphs", 0),
-                           "recompiles": (sum(dyn["recompiles"].values()) if "recompiles" in dyn else 0) - recompiles,
+            graphs, recompiles = _dynamo_totals(dyn)
+            out[prompt] = {"graphs": graphs - graphs_before, "recompiles": recompiles - recompiles_before,
                            "finite": bool(torch.isfinite(latent).all()),
-                           "flags_in_dict": sum(1 for b in blocks for mod in b.modules()
-                                                if "comfy_cast_weights" in mod.__dict__)}
+                           "flags_in_dict": _own_attr_count(blocks, "comfy_cast_weights")}
             if prompt == "first":
                 unloaded = c.partially_unload(c.offload_device, c.model_size() // 2)
                 out["unloaded_bytes"] = int(unloaded)
-                out["flags_after_unload"] = sum(1 for b in blocks for mod in b.modules()
-                                                if "prev_comfy_cast_weights" in mod.__dict__)
+                out["flags_after_unload"] = _own_attr_count(blocks, "prev_comfy_cast_weights")
         mm.unload_all_models()
     return out
 
