@@ -3,9 +3,9 @@ from comfy_api.latest import ComfyExtension, io
 
 from ..attention import timing
 from . import comfy_bridge, routes
-from .schemas import WanCompileBlocks, WanSageAttentionPatch, WanWorkingMemoryEstimator
+from .schemas import WanCompileBlocks, WanSageAttentionPatch, WanTextEncoderHostCopy, WanWorkingMemoryEstimator
 
-NODES = [WanSageAttentionPatch, WanWorkingMemoryEstimator, WanCompileBlocks]
+NODES = [WanSageAttentionPatch, WanWorkingMemoryEstimator, WanCompileBlocks, WanTextEncoderHostCopy]
 
 
 class WanSageExtension(ComfyExtension):
