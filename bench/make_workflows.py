@@ -34,7 +34,7 @@ OUT_DIR = ROOT / "example_workflows"
 FRONTEND_VERSION = "1.27.10"
 NOTE_COLOR, NOTE_BGCOLOR = "#432", "#653"          # the frontend's "yellow" node colour
 PACK_COLOR, PACK_BGCOLOR = "#223", "#335"          # "blue": the wan-sage nodes stand out
-PACK_TYPES = ("WanWorkingMemoryEstimator", "WanSageAttentionPatch")
+PACK_TYPES = ("WanWorkingMemoryEstimator", "WanSageAttentionPatch", "WanTextEncoderHostCopy")
 PACK_ID = "wan-sage"                               # the pack's id in the Comfy Registry
 GGUF_ID = "comfyui-gguf"                           # ComfyUI-GGUF's id in the Comfy Registry
 CORE_ID = "comfy-core"
@@ -176,6 +176,13 @@ class Graph:
         o["outputs"][oslot]["links"].append(lid)
         t["inputs"][tslot]["link"] = lid
 
+    def text_encoder(self) -> None:
+        """CLIPLoader (umt5-xxl fp8) -> Wan Text Encoder Host Copy (keys clip, te_copy); the encodes take
+        ``te_copy``'s CLIP."""
+        self.add("clip", "CLIPLoader", {"clip_name": UMT5, "type": "wan", "device": "default"})
+        self.add("te_copy", "WanTextEncoderHostCopy")
+        self.link("clip", "CLIP", "te_copy", "clip")
+
     def video_output(self, samples: str, vae: str, fps: float, prefix: str) -> None:
         """VAEDecode -> CreateVideo -> SaveVideo (keys decode, video, save) from ``samples``' LATENT."""
         self.add("decode", "VAEDecode")
@@ -249,6 +256,8 @@ GGUF_INSTALL = ("install it with ComfyUI-Manager (search *ComfyUI-GGUF*), or `gi
                 "`pip install --upgrade gguf` in ComfyUI's Python, then restart ComfyUI")
 SAGE_LINE = ("**SageAttention** is optional: without it the Sage patch passes the model through and the "
              "speed is ComfyUI's (see the wan-sage README, *Getting SageAttention*).")
+TE_COPY_LINE = ("The text encoder goes through **Wan Text Encoder Host Copy**, which keeps its weights' host copy "
+                "while it is loaded: the unload that makes room for the Wan model then copies nothing back.")
 ESTIMATOR_LATENT = ("Its `latent` input is connected to the latent node, which sets the video size: change "
                     "the size there (the estimator's width/height/frames/batch_size are greyed out meanwhile).")
 LIGHTNING = "wan2.2_t2v_lightx2v_4steps_lora_v1.1_{ex}_noise.safetensors"
@@ -318,6 +327,7 @@ finishes steps 2–4; cfg is 1, so the negative prompt is not used.
 - The estimator reserves the activation memory this denoise needs before sampling. {ESTIMATOR_LATENT}
 - The Sage patch runs the long self-attention on SageAttention where it was measured faster on your
   GPU and fits in free VRAM; every other call stays on PyTorch SDPA.
+- {TE_COPY_LINE}
 
 The same estimate without ComfyUI or a GPU:
 `wan-sage plan --preset wan2.2-a14b --width {width} --height {height} --frames 81 --vram 24 --attention sage-auto --weights {plan_weights}`
@@ -338,7 +348,7 @@ def a14b(info, ids, width: int, height: int, weights: str, prefix: str) -> dict:
         g.add(f"est_{ex}", "WanWorkingMemoryEstimator", estimator_widgets(width, height, 81, 1.0),
               title=f"Wan Working-Memory Estimator: {ex} noise")
         g.add(f"sage_{ex}", "WanSageAttentionPatch", dict(SAGE), title=f"{SAGE_TITLE}: {ex} noise")
-    g.add("clip", "CLIPLoader", {"clip_name": UMT5, "type": "wan", "device": "default"})
+    g.text_encoder()
     g.add("pos", "CLIPTextEncode", {"text": (
         "A red fox trots through fresh snow in a pine forest at sunrise, its breath visible in the cold air. "
         "Golden light falls between the trees; the camera tracks alongside at ground level. "
@@ -364,15 +374,15 @@ def a14b(info, ids, width: int, height: int, weights: str, prefix: str) -> dict:
         g.link(f"sage_{ex}", "MODEL", f"ks_{ex}", "model")
         g.link("pos", "CONDITIONING", f"ks_{ex}", "positive")
         g.link("neg", "CONDITIONING", f"ks_{ex}", "negative")
-    g.link("clip", "CLIP", "pos", "clip")
-    g.link("clip", "CLIP", "neg", "clip")
+    g.link("te_copy", "CLIP", "pos", "clip")
+    g.link("te_copy", "CLIP", "neg", "clip")
     g.link("latent", "LATENT", "ks_high", "latent_image")
     g.link("ks_high", "LATENT", "ks_low", "latent_image")
     g.video_output("ks_low", "vae", 16.0, prefix)
 
     g.layout([
         ["note"],
-        ["unet_high", "unet_low", "clip", "vae"],
+        ["unet_high", "unet_low", "clip", "te_copy", "vae"],
         ["lora_high", "lora_low", "pos", "neg"],
         ["shift_high", "shift_low", None, "latent"],
         ["est_high", "est_low"],
@@ -411,6 +421,7 @@ nodes. For image to video, connect a *Load Image* to the latent node's `start_im
   Its `cfg` matches the sampler's.
 - The Sage patch runs the long self-attention on SageAttention where it was measured faster and fits
   in free VRAM; every other call stays on PyTorch SDPA.
+- {TE_COPY_LINE}
 
 The same estimate without ComfyUI or a GPU:
 `wan-sage plan --preset wan2.2-ti2v-5b --width 1280 --height 704 --frames 121 --cfg 5 --vram 24 --attention sage-auto --weights fp16`
@@ -421,7 +432,7 @@ def ti2v_5b(info, ids) -> dict:
     g = Graph(info, ids)
     g.note("note", NOTE_5B, size=(480, 760))
     g.add("unet", "UNETLoader", {"unet_name": "wan2.2_ti2v_5B_fp16.safetensors", "weight_dtype": "default"})
-    g.add("clip", "CLIPLoader", {"clip_name": UMT5, "type": "wan", "device": "default"})
+    g.text_encoder()
     g.add("vae", "VAELoader", {"vae_name": "wan2.2_vae.safetensors"})
     g.add("shift", "ModelSamplingSD3", {"shift": 8.0})
     g.add("pos", "CLIPTextEncode", {"text": (
@@ -440,8 +451,8 @@ def ti2v_5b(info, ids) -> dict:
     g.link("latent", "LATENT", "est", "latent")
     g.link("est", "MODEL", "sage", "model")
     g.link("sage", "MODEL", "ks", "model")
-    g.link("clip", "CLIP", "pos", "clip")
-    g.link("clip", "CLIP", "neg", "clip")
+    g.link("te_copy", "CLIP", "pos", "clip")
+    g.link("te_copy", "CLIP", "neg", "clip")
     g.link("vae", "VAE", "latent", "vae")
     g.link("pos", "CONDITIONING", "ks", "positive")
     g.link("neg", "CONDITIONING", "ks", "negative")
@@ -450,7 +461,7 @@ def ti2v_5b(info, ids) -> dict:
 
     g.layout([
         ["note"],
-        ["unet", "clip", "vae"],
+        ["unet", "clip", "te_copy", "vae"],
         ["shift", "pos", "neg"],
         ["latent", "est"],
         ["sage", "ks"],
@@ -488,6 +499,7 @@ own start image in *Load Image* (`example.png` is a placeholder).
   Its `cfg` matches the sampler's.
 - The Sage patch works on Wan 2.1 too: the long self-attention runs on SageAttention where it was
   measured faster and fits in free VRAM; every other call stays on PyTorch SDPA.
+- {TE_COPY_LINE}
 
 The same estimate without ComfyUI or a GPU:
 `wan-sage plan --preset wan2.1-i2v-14b --width 832 --height 480 --frames 81 --cfg 6 --vram 24 --attention sage-auto --weights fp8`
@@ -498,7 +510,7 @@ def i2v_21(info, ids) -> dict:
     g = Graph(info, ids)
     g.note("note", NOTE_I2V, size=(480, 760))
     g.add("unet", "UNETLoader", {"unet_name": "wan2.1_i2v_480p_14B_fp8_e4m3fn.safetensors", "weight_dtype": "default"})
-    g.add("clip", "CLIPLoader", {"clip_name": UMT5, "type": "wan", "device": "default"})
+    g.text_encoder()
     g.add("clipvision", "CLIPVisionLoader", {"clip_name": "clip_vision_h.safetensors"})
     g.add("vae", "VAELoader", {"vae_name": "wan_2.1_vae.safetensors"})
     g.add("image", "LoadImage", {"image": "example.png", "upload": "image"})
@@ -518,8 +530,8 @@ def i2v_21(info, ids) -> dict:
     g.link("shift", "MODEL", "est", "model")
     g.link("est", "MODEL", "sage", "model")
     g.link("sage", "MODEL", "ks", "model")
-    g.link("clip", "CLIP", "pos", "clip")
-    g.link("clip", "CLIP", "neg", "clip")
+    g.link("te_copy", "CLIP", "pos", "clip")
+    g.link("te_copy", "CLIP", "neg", "clip")
     g.link("clipvision", "CLIP_VISION", "cve", "clip_vision")
     g.link("image", "IMAGE", "cve", "image")
     g.link("pos", "CONDITIONING", "i2v", "positive")
@@ -535,7 +547,7 @@ def i2v_21(info, ids) -> dict:
 
     g.layout([
         ["note"],
-        ["unet", "clip", "clipvision", "vae"],
+        ["unet", "clip", "te_copy", "clipvision", "vae"],
         ["shift", "pos", "neg", "image"],
         ["cve", "i2v", "est"],
         ["sage", "ks"],
