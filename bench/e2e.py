@@ -138,7 +138,7 @@ NEGATIVE = "low quality, worst quality, static frame, overexposed, blurred"
 
 COMPILE_SUFFIX = {"model": ["compile"], "blocks": ["compileblocks"], "node": ["compilenode"]}  # RunSpec.compile -> suffix
 SPEC_FORM = ("{est|comfy}+{sdpa|sage}[+compile|+compileblocks|+compilenode]@{GB|full}:{WxHxF|720p81|480p81}"
-             "[:Nsteps][:cfgX][:nolora][:decode|:nodecode][:fp8fast]")
+             "[:Nsteps][:cfgX][:nolora][:decode|:nodecode][:fp8fast][:tecopy]")
 
 
 @dataclass(frozen=True)
@@ -157,6 +157,7 @@ class RunSpec:
     lora: bool = True         # False (":nolora"): no LoRA on the experts, as the 20-step workflows without Lightning
     decode: bool | None = None  # None: --decode
     fp8_fast: bool = False    # ":fp8fast" (with --weights fp8): UNETLoader's weight_dtype fp8_e4m3fn_fast (fp8 matmuls)
+    te_copy: bool = False     # ":tecopy": the pack's Wan Text Encoder Host Copy between CLIPLoader and the encodes
 
     @classmethod
     def parse(cls, s: str) -> "RunSpec":
@@ -175,14 +176,15 @@ class RunSpec:
                 raise ValueError
             fields = {}
             for opt in options:
-                m = re.fullmatch(r"(\d+)steps|cfg(\d+(?:\.\d+)?)|(nolora)|(decode|nodecode)|(fp8fast)", opt)
+                m = re.fullmatch(r"(\d+)steps|cfg(\d+(?:\.\d+)?)|(nolora)|(decode|nodecode)|(fp8fast)|(tecopy)", opt)
                 if m is None:
                     raise ValueError
-                key = ("steps", "cfg", "lora", "decode", "fp8_fast")[m.lastindex - 1]
+                key = ("steps", "cfg", "lora", "decode", "fp8_fast", "te_copy")[m.lastindex - 1]
                 if key in fields:
                     raise ValueError
                 fields[key] = (int(m.group(1)) if key == "steps" else float(m.group(2)) if key == "cfg"
-                               else False if key == "lora" else True if key == "fp8_fast" else m.group(4) == "decode")
+                               else False if key == "lora" else True if key in ("fp8_fast", "te_copy")
+                               else m.group(4) == "decode")
             if fields.get("steps") is not None and fields["steps"] < 2:
                 raise ValueError      # one step per expert at least
             return cls(est == "est", att, b, r, next((k for k, v in COMPILE_SUFFIX.items() if v == extra), ""), **fields)
@@ -195,7 +197,7 @@ class RunSpec:
         suffix = "".join("+" + x for x in COMPILE_SUFFIX.get(self.compile, []))
         options = ("" if self.steps is None else f":{self.steps}steps") + ("" if self.cfg is None else f":cfg{self.cfg:g}") \
             + ("" if self.lora else ":nolora") + ("" if self.decode is None else (":decode" if self.decode else ":nodecode")) \
-            + (":fp8fast" if self.fp8_fast else "")
+            + (":fp8fast" if self.fp8_fast else "") + (":tecopy" if self.te_copy else "")
         return (f"{'est' if self.estimator else 'comfy'}+{self.attention}{suffix}"
                 f"@{b}:{'x'.join(map(str, self.res))}{options}")
 
@@ -884,6 +886,7 @@ class Host:
                           "cfg": cfg, "sampler": "euler", "scheduler": "simple", "shift": self.args.shift,
                           "lora_rank": self.args.lora_rank if spec.lora else None,
                           "decode": decode,
+                          **({"te_host_copy": True} if spec.te_copy else {}),
                           **({"check_finite": False} if finite_check_off(spec, self.args) else {}),
                           **({"trim_after_sampling": False} if trim_off(spec, self.args) else {}),
                           **({"decode_room_extra_gib": self.args.decode_room_extra_gib}
@@ -951,6 +954,9 @@ class Host:
                 else:
                     with timed("encode"):
                         h["clip"] = self.clip()
+                        if spec.te_copy:  # the pack's Wan Text Encoder Host Copy, through its wiring
+                            from wan_sage.nodes.text_encoder import apply_text_encoder_host_copy
+                            h["clip"], extras["te_copy"] = apply_text_encoder_host_copy(h["clip"])
                         enc = self.N["CLIPTextEncode"]()
                         h["pos"] = enc.encode(h["clip"], PROMPT)[0]
                         h["neg"] = enc.encode(h["clip"], NEGATIVE)[0]
@@ -1066,6 +1072,8 @@ class Host:
         row["patch_status"] = {e: extras.get(f"patch_{e}") for e in ("high", "low") if f"patch_{e}" in extras} or None
         row["sage_active"] = spec.attention == "sage" and all(extras.get(f"patch_id_{e}") for e in ("high", "low"))
         row["estimator_report"] = {e: extras.get(f"report_{e}") for e in ("high", "low") if f"report_{e}" in extras} or None
+        if "te_copy" in extras:
+            row["te_copy_status"] = extras["te_copy"]
         if spec.compile:              # what dynamo did in this run (the node leaves the recompile limit as it is)
             from . import _compile
             watch = self.dynamo()

@@ -671,3 +671,13 @@ def test_the_plan_inputs_of_the_estimators_reservation_are_recorded():
     assert e2e.plan_inputs(fn) == {"plan_vram_gib": 15.5, "plan_weights_gib": 9.285, "plan_kept_free_gib":
                                    round(fn.setup.kept_free / GiB, 3), "plan_streamed": True, "plan_compiled": True}
     assert e2e.plan_inputs(None) == {} and e2e.plan_inputs(lambda shape: 0) == {}
+
+
+def test_the_tecopy_option_puts_the_text_encoder_host_copy_in_the_graph():
+    from bench import e2e
+    s = e2e.RunSpec.parse("est+sage+compilenode@24:480p81:20steps:tecopy")
+    assert s.te_copy and s.compile == "node" and s.steps == 20
+    assert s.label == "est+sage+compilenode@24:832x480x81:20steps:tecopy" and e2e.RunSpec.parse(s.label) == s
+    assert not e2e.RunSpec.parse("est+sage@24:480p81:20steps").te_copy
+    with pytest.raises(SystemExit, match="bad run spec"):
+        e2e.RunSpec.parse("est+sage@24:480p81:tecopy:tecopy")
