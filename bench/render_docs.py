@@ -575,11 +575,13 @@ def compile_section() -> list:
   (13.2–15.9 s): loading the other expert had unloaded part of this one, and ComfyUI's reload puts its cast flag
   back as an attribute of each module it had moved, which dynamo guards on. The node now drops that attribute
   where it equals the class's value before a compiled call (`settle_cast_flags`; the host tier's repeat after a
-  partial unload and reload compiled 2 graphs before, none now). Not yet measured on the H200 with that change.
-  Over the whole prompt, with the pack's compile file kept, the first prompt took 84.8 s against ComfyUI alone's
-  102.2 s on the same machine (1.21×; eager estimator + Sage: 1.12× in the two sets with ComfyUI alone on its machine). The first prompt
-  after installing, with only `wan-sage bench`'s timings, took 98.5 s (18.4 s compiling), where ComfyUI alone took
-  90.3–103.5 s on three other machines: it can be slower than ComfyUI alone, so no template compiles.
+  partial unload and reload compiled 2 graphs before, none now). On the H200 since that change the repeat prompt
+  compiles nothing: 59.1 s against ComfyUI alone's 89.2 s (1.51×, round `c` of the compiled file), and 59.7 s
+  against 93.4 s (1.56×) with the text encoder host copy (`gguf-480p81-20steps-24gib-te-copy`). With the pack's
+  compile file kept, the first prompt took 88.1 s against 97.3 s (1.11×), and 76.4 s against 102.6 s (1.34×) with the
+  text encoder host copy, where eager estimator + Sage with it took 78.4 s (1.31×) on the same machine. The first
+  prompt after installing, with only `wan-sage bench`'s timings, took 98.5 s (18.4 s compiling), where ComfyUI alone
+  took 90.3–103.5 s on three other machines: it can be slower than ComfyUI alone, so no template compiles.
 - **Compile caches across ComfyUI starts.** Inductor keeps what it compiled in a temporary folder that a
   reboot empties. Around each sampling run of a compiled model the Sage patch hot-loads, once per process,
   the files of this torch build and GPU from `compile/` beside the kernel timing cache
@@ -825,7 +827,7 @@ def decode_room_rows() -> list[dict]:
             after = [sum(v for k, v in d["loaded_gib_after"].items() if k != "WanVAE") for d in ph]
             free = [(d.get("pool_before") or {}).get("free_gib") for d in ph]
             c = r["config"]
-            name = WHOLE_CONFIG_NAMES.get((c["estimator"], c["attention"]), r["run"])
+            name = WHOLE_CONFIG_NAMES.get(whole_config(c), r["run"])
             name += " (no trim after the sampling)" if c.get("trim_after_sampling") is False else ""
             name += (f" (+{c['decode_room_extra_gib']:g} GiB for the decode)" if c.get("decode_room_extra_gib")
                      else "")
@@ -955,8 +957,30 @@ def unmapping_lines() -> list:
         fmt = lambda xs: " / ".join(f"{x:.2f}" for x in xs) + " s" if xs else "—"  # noqa: E731
         o.append(f"- {budget}: {fmt(b)} at `{_commit_of_round(path, before)}` (round `{before}`), {fmt(a)} at "
                  f"`{_commit_of_round(path, after)}` (round `{after}`; {link(path)}).")
-    o += ["", "What is left of the first prompt's fixed costs is ComfyUI's: unloading the text encoder (10.6 GiB; the",
-          "first prompt's high-noise expert pays it in both setups)."]
+    return o + [""] + te_copy_lines()
+
+
+# the whole prompts with Wan Text Encoder Host Copy and ComfyUI alone on one machine (nodes/text_encoder.py)
+TE_COPY_RECORDS = "whole-prompt/gguf-480p81-20steps-24gib-te-copy.jsonl"
+
+
+def te_copy_lines() -> list:
+    """The text encoder's unload for the first expert, ComfyUI alone against the rows with the host copy node."""
+    recs = [r for r in rows(TE_COPY_RECORDS) if r.get("status") == "ok" and r.get("prompts")]
+
+    def unload(r):  # the first prompt's high-noise phase: ComfyUI frees the text encoder for the expert
+        return (r["prompts"][0]["phases"]["high"].get("comfy_memory_s") or {}).get("model_unload", 0.0)
+    stock = [unload(r) for r in recs if not r["config"].get("estimator")]
+    mine = [(unload(r), r) for r in recs if r["config"].get("te_host_copy")]
+    o = ["The text encoder is unloaded the same way for the first expert of every prompt whose text changed",
+         "(10.6 GiB of umt5-xxl in bf16 in these records): in ComfyUI alone that copy back is part of the first prompt.",
+         "*Wan Text Encoder Host Copy* (`nodes/text_encoder.py`, CLIP → CLIP) puts the same host copy on a clone of the",
+         "text encoder's patcher."]
+    if stock and mine:
+        commit = commit_of(mine[0][1])
+        o[-1] += (f" GGUF A14B 832×480×81 at 24 GiB on one machine ({link(TE_COPY_RECORDS)}, `{commit}`): ComfyUI"
+                  f" alone spent {_span(stock, '{:.2f}')} s unloading it for the high-noise expert, the rows with the"
+                  f" node {_span([x for x, _r in mine], '{:.2f}')} s.")
     return o
 
 
@@ -1675,12 +1699,20 @@ def e2e_compiled_cast_section() -> list:
 # --------------------------------------------------------------------------- docs/benchmarks.md: whole generation
 
 WHOLE_HEADING = "Whole generation"
-WHOLE_CONFIGS = ((False, "sdpa"), (False, "sage"), (True, "sdpa"), (True, "sage"))
+TE_COPY = "text encoder host copy"  # the Wan Text Encoder Host Copy node on the CLIP (config.te_host_copy)
+WHOLE_CONFIGS = ((False, "sdpa"), (False, "sage"), (True, "sdpa"), (True, "sage"), (True, "sage", TE_COPY))
 # The weight formats of the README's whole-prompt lines: those the templates load.  fp8 loaded as
 # fp8_e4m3fn_fast is measured in docs/benchmarks.md, not recommended.
 WHOLE_HEADLINE_WEIGHTS = ("gguf", "fp8")
 WHOLE_CONFIG_NAMES = {(False, "sdpa"): "ComfyUI alone + SDPA", (False, "sage"): "ComfyUI alone + Sage",
-                      (True, "sdpa"): "estimator + SDPA", (True, "sage"): "estimator + Sage"}
+                      (True, "sdpa"): "estimator + SDPA", (True, "sage"): "estimator + Sage",
+                      (True, "sage", TE_COPY): "estimator + Sage + text encoder host copy"}
+
+
+def whole_config(c: dict) -> tuple:
+    """A whole-prompt record's configuration: (estimator, attention), and the text encoder host copy where the
+    graph had it."""
+    return (bool(c.get("estimator")), c.get("attention")) + ((TE_COPY,) if c.get("te_host_copy") else ())
 
 
 def whole_prompt_files() -> list[Path]:
@@ -1805,7 +1837,7 @@ def whole_rows(sets) -> list[dict]:
             if switched_off_default(c):
                 continue
             by.setdefault((_whole_workflow(c), c.get("budget_gib"), whole_caches(r),
-                           (bool(c.get("estimator")), c.get("attention"))), []).append(r)
+                           whole_config(c)), []).append(r)
         for (wf, budget, caches, cfg), recs in by.items():
             if cfg == (False, "sdpa"):
                 stock_of_file.setdefault((s["file"], wf, budget, caches), []).append((n, s["label"], recs))
@@ -2471,8 +2503,10 @@ def method_section(runs) -> list:
             "  was planned with the ungrouped Sage call (rounds `a` to `e`). From round `f` on, both experts were",
             "  planned with the head groups before their first call, every weight resident at 16 GiB.",
             "- A whole prompt of eager estimator + Sage on the full card (the compiled one is in round `h`).",
-            "- Wan Compile Blocks with weights streamed (12 and 16 GiB), and its repeat prompt since it settles ComfyUI's",
-            "  cast flags: the 20-step rows recompiled 3 graphs on every repeat prompt before that change.",
+            "- Wan Compile Blocks with weights streamed (12 and 16 GiB).",
+            "- Wan Text Encoder Host Copy at 16 and 12 GiB and with fp8 weights: its rows are GGUF at 24 GiB; the",
+            "  unload it saves (6.4–8.9 s of every first prompt in the GGUF rows at 12, 16 and 24 GiB before it) is the",
+            "  same copy of the text encoder there.",
             "- Eager estimator + Sage at 12 GiB with the GGUF streaming term at 3 copies: the 12 GiB rows are from before",
             "  it (4 copies; 0.13 GiB more reserved); the 14 GiB row and the newest 16 GiB set are after it.",
             ""]
@@ -2541,7 +2575,7 @@ def readme_results(summary) -> str:
             oom_why.append(f"{where}, before {RULE_TEXT[rule_source(s['file'])]} set from it")
         else:
             oom_why.append(f"{where}, where ComfyUI alone completed")
-    rows_ = whole_headlines([w for w in whole_rows(whole_sets()) if w["config"] == (True, "sage")
+    rows_ = whole_headlines([w for w in whole_rows(whole_sets()) if w["config"][:2] == (True, "sage")
                              and w["caches"] == "empty" and w["workflow"][0] in WHOLE_HEADLINE_WEIGHTS
                              and w["workflow"][5] == ""
                              and w["figures"]["first_to_frames_s"][1]])

@@ -317,3 +317,18 @@ def test_compile_seconds_are_compared_within_one_machines_set_and_per_expert_for
     assert "40.2 s empty against 7.4 s kept" not in text and "22.7 s empty against 32.9" not in text
     assert render_docs.pack_expert_text() == (" (the high-noise expert, its weights streamed, 26.2 s against 22.2 s; "
                                               "the low-noise expert, every weight resident, 6.7 s against 18.0 s)")
+
+
+def test_the_text_encoder_host_copy_is_a_configuration_of_its_own_against_comfyui_alone_of_its_set(tmp_path):
+    p = _write(tmp_path / "gguf-720p81-24gib.jsonl", [
+        record(False, "sdpa", (80.0, 88.0), (64.0, 70.0)),
+        record(True, "sage", (70.0, 77.0), (50.0, 56.0)),
+        dict(record(True, "sage", (60.0, 66.0), (50.0, 56.0)),
+             config={**record(True, "sage", (0, 0), (0, 0))["config"], "te_host_copy": True}),
+    ])
+    rows = _rows(render_docs.whole_generation_section([p]))
+    mine = [r for r in rows if "| estimator + Sage + text encoder host copy |" in r]
+    plain = [r for r in rows if "| estimator + Sage |" in r]
+    assert len(mine) == 1 and len(plain) == 1
+    assert "60.0 s (1.33×)" in mine[0] and "66.0 s (1.33×)" in mine[0]
+    assert "70.0 s (1.14×)" in plain[0]
