@@ -48,10 +48,18 @@ def test_the_input_clip_still_copies_so_the_test_can_fail():
     raise AssertionError("the unpatched CLIP gave its weights back without a copy")
 
 
-def test_a_clip_on_one_device_or_not_a_clip_passes_through_with_the_reason():
+def test_a_clip_on_one_device_on_dynamic_vram_or_not_a_clip_passes_through_with_the_reason():
     one = Clip(Patcher(Encoder(), load_device=CPU, offload_device=CPU))
     c, text = text_encoder.apply_text_encoder_host_copy(one)
     assert c is one and text == text_encoder.NOT_KEPT and "load" not in vars(one.patcher)
+
+    class Dynamic(Patcher):  # ComfyUI 0.38's dynamic VRAM: residency is ComfyUI's own
+        def is_dynamic(self):
+            return True
+
+    dyn = Clip(Dynamic(Encoder()))
+    c, text = text_encoder.apply_text_encoder_host_copy(dyn)
+    assert c is dyn and text == text_encoder.NOT_KEPT and "load" not in vars(dyn.patcher)
     thing = object()
     assert text_encoder.apply_text_encoder_host_copy(thing) == (thing, text_encoder.NOT_CLIP)
 
