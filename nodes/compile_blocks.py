@@ -110,8 +110,9 @@ def count_resident_blocks(model) -> tuple[int, int] | None:
 def apply_compile_blocks(model, backend: str = "inductor", mode: str = "default"):
     """A clone of ``model`` whose Wan blocks run compiled one by one while resident; (model, status text).
     A model that is not Wan passes through unchanged, and says so."""
-    known = BACKENDS + tuple(torch._dynamo.list_backends(exclude_tags=()))  # the node offers BACKENDS
-    if backend not in known:
+    # the node offers BACKENDS; another dynamo backend by name is for callers of this function.  Listing dynamo's
+    # backends imports each of them, so it is asked only for a name the node does not offer.
+    if backend not in BACKENDS and backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {str(backend)[:40]!r}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {str(mode)[:40]!r}")

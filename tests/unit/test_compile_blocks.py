@@ -180,3 +180,18 @@ def test_count_resident_blocks():
     pt = _patcher(None, [Block(), Block("meta"), Block()])
     assert compile_blocks.count_resident_blocks(pt) == (2, 3)
     assert compile_blocks.count_resident_blocks(_patcher(None, [])) is None
+
+
+def test_the_backend_is_checked_and_the_offered_ones_need_no_lookup_of_dynamos(monkeypatch):
+    thing = object()  # not a Wan model: it passes through once the inputs are valid
+    with pytest.raises(ValueError, match="backend must be one of inductor, cudagraphs; got 'nope'"):
+        compile_blocks.apply_compile_blocks(thing, "nope")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        compile_blocks.apply_compile_blocks(thing, "inductor", "fast")
+    assert compile_blocks.apply_compile_blocks(thing, "eager")[0] is thing  # a dynamo backend the node does not offer
+
+    def no_lookup(*a, **k):
+        raise AssertionError("dynamo's backends were listed for a backend the node offers")
+    monkeypatch.setattr(torch._dynamo, "list_backends", no_lookup)
+    for backend in compile_blocks.BACKENDS:
+        assert compile_blocks.apply_compile_blocks(thing, backend)[0] is thing
