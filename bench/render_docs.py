@@ -2505,8 +2505,8 @@ def method_section(runs) -> list:
             "- A whole prompt of eager estimator + Sage on the full card (the compiled one is in round `h`).",
             "- Wan Compile Blocks with weights streamed (12 and 16 GiB).",
             "- Wan Text Encoder Host Copy at 16 and 12 GiB and with fp8 weights: its rows are GGUF at 24 GiB; the",
-            "  unload it saves (6.4–8.9 s of every first prompt in the GGUF rows at 12, 16 and 24 GiB before it) is the",
-            "  same copy of the text encoder there.",
+            "  unload it saves (6.1–9.1 s of the first prompt in every GGUF 720p81 eager row at 12, 16 and 24 GiB",
+            "  before it) is the same copy of the text encoder there.",
             "- Eager estimator + Sage at 12 GiB with the GGUF streaming term at 3 copies: the 12 GiB rows are from before",
             "  it (4 copies; 0.13 GiB more reserved); the 14 GiB row and the newest 16 GiB set are after it.",
             ""]
