@@ -2,9 +2,9 @@
 
 A Wan prompt loads the text encoder (umt5-xxl, 10.6 GiB in bf16), encodes, then loads the diffusion model,
 and ComfyUI unloads the text encoder to make room: ``model.to(offload_device)``, a pageable copy of every
-weight into newly allocated host memory. On the H200 that copy took 6.1-9.1 s of every first prompt of the eager GGUF
-720p81 records at 12, 16 and 24 GiB (docs/memory-model.md, "Unloading a model at an expert switch"), and it comes
-again on every prompt whose text changed.
+weight into newly allocated host memory. On the H200 that copy took 6.1-9.1 s of every first prompt of the
+eager GGUF 720p81 records at 12, 16 and 24 GiB (docs/memory-model.md, "Unloading a model at an expert
+switch"), and it comes again on every prompt whose text changed.
 
 The clone this node returns keeps the host tensors its weights were loaded from (:mod:`.host_copy`, the
 estimator's unload for the Wan model) and gives them back at the unload, so nothing is copied. The host memory
