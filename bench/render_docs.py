@@ -969,7 +969,7 @@ def te_copy_lines() -> list:
     recs = [r for r in rows(TE_COPY_RECORDS) if r.get("status") == "ok" and r.get("prompts")]
 
     def unload(r):  # the first prompt's high-noise phase: ComfyUI frees the text encoder for the expert
-        return (r["prompts"][0]["phases"]["high"].get("comfy_memory_s") or {}).get("model_unload", 0.0)
+        return sum(v for e, v in _phases_seconds(r["prompts"][0], "model_unload") if e == "high")
     stock = [unload(r) for r in recs if not r["config"].get("estimator")]
     mine = [(unload(r), r) for r in recs if r["config"].get("te_host_copy")]
     o = ["The text encoder is unloaded the same way for the first expert of every prompt whose text changed",

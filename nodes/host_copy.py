@@ -56,7 +56,7 @@ log = logging.getLogger("wan_sage")
 CLONE_KEY = "wan_sage_host_copy"
 ON_CLONE = "on_clone"  # comfy.patcher_extension.CallbacksMP.ON_CLONE in ComfyUI 0.3.64 and later
 
-__all__ = ["eligible", "install", "installed", "note", "settle", "release", "kept_bytes", "skip_unmapping"]
+__all__ = ["install", "installed", "note", "settle", "release", "kept_bytes", "skip_unmapping"]
 
 
 @dataclass
@@ -238,17 +238,11 @@ def _on_clone(src, clone) -> None:
         _bind(clone)
 
 
-def eligible(patcher) -> bool:
-    """Whether :func:`install` applies: a model patcher whose load and offload devices differ and whose residency
-    ComfyUI does not manage itself (dynamic VRAM)."""
-    return _eligible(patcher) and isinstance(getattr(patcher, "model", None), torch.nn.Module)
-
-
 def install(patcher) -> bool:
     """Wrap ``patcher.load``, ``patcher.unpatch_model`` and ``patcher.partially_unload`` (and those of every clone
     made from it) so that an unload gives loaded weights their host tensors back; False where this does not
     apply."""
-    if not eligible(patcher):
+    if not _eligible(patcher) or not isinstance(getattr(patcher, "model", None), torch.nn.Module):
         return False
     _bind(patcher)
     if hasattr(patcher, "remove_callbacks_with_key"):

@@ -32,8 +32,6 @@ def apply_text_encoder_host_copy(clip):
     patcher = getattr(clip, "patcher", None)
     if patcher is None or not callable(getattr(clip, "clone", None)):
         return clip, NOT_CLIP
-    if not host_copy.eligible(patcher):
-        return clip, NOT_KEPT
     c = clip.clone()
     if not host_copy.install(c.patcher):
         return clip, NOT_KEPT

@@ -12,7 +12,7 @@ import comfy_env
 if comfy_env.skip_reason():
     pytest.skip(f"host tier: {comfy_env.skip_reason()}", allow_module_level=True)
 
-META = torch.device("meta")
+from test_host_unload import META, _state  # noqa: E402  (after the skip: it needs the same host)
 TINY = {"d_model": 64, "d_ff": 128, "d_kv": 16, "num_heads": 4, "num_layers": 2, "vocab_size": 1000}
 TEXT = "a red fox running through a snowy forest at golden hour"
 
@@ -36,10 +36,6 @@ def _clip(comfy):
 
 def _encode(clip):
     return clip.encode_from_tokens(clip.tokenize(TEXT))
-
-
-def _state(model):
-    return {k: (t.data_ptr(), t.detach().clone()) for k, t in [*model.named_parameters(), *model.named_buffers()]}
 
 
 def test_the_text_encoders_unload_copies_nothing_and_it_encodes_the_same_after(comfy):
