@@ -1,0 +1,120 @@
+"""What one Wan A14B block holds on the GPU while its Linear weights stream from the host, eagerly and under Wan
+Compile Blocks with the streamed layers eager: the allocated peak above the block's input, per mode, at a real
+size.  A probe for the estimator's plan of a compiled streamed block (memory.estimate: ``streamed_blocks_eager``).
+
+The block is ComfyUI 0.3.64's ``WanAttentionBlock`` at A14B's dims (bf16, random weights), its inputs those of a
+real forward of a one-block model.  "Streamed" is ComfyUI's lowvram state of a layer: the cast flag set and the
+weight on the host, so the layer's forward copies it onto the GPU at each call.  Each mode runs the block three
+times (the first compiles) and reports the peak of the last.
+
+    COMFYUI_PATH=... python -m bench.streamed_block_peak --out $OUT/streamed-block-peak.jsonl [--size 1280x720x81]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+GiB = 1 << 30
+
+
+def _block_and_inputs(comfy, torch, width: int, height: int, frames: int):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "host"))
+    import comfy_env
+    dims = dict(dim=5120, ffn_dim=13824, num_layers=1)
+    state = comfy_env.tiny_wan_state_dict(**dims, seed=0)
+    kw = comfy_env._wan_kwargs(dims["dim"], dims["ffn_dim"], 1, "t2v", None, 16, comfy_env.WAN_TEXT_DIM)
+    model = comfy.wan_model.WanModel(**kw, device="cuda", dtype=torch.bfloat16,
+                                     operations=comfy.ops.disable_weight_init)
+    model.load_state_dict({k: v.to(torch.bfloat16) for k, v in state.items()})
+    del state
+    captured = {}
+
+    def grab(module, args, kwargs):
+        captured["args"], captured["kwargs"] = args, kwargs
+    g = torch.Generator(device="cuda").manual_seed(0)
+    latent = (1, 16, (frames - 1) // 4 + 1, height // 8, width // 8)
+    x = torch.randn(latent, device="cuda", dtype=torch.bfloat16, generator=g)
+    context = 0.1 * torch.randn(1, 512, comfy_env.WAN_TEXT_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+    handle = model.blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
+    with torch.inference_mode():
+        model(x, torch.tensor([500.0], device="cuda"), context, transformer_options={})
+    handle.remove()
+    block = model.blocks[0]
+    del model.blocks  # the block alone stays on the GPU
+    return block, captured["args"], captured["kwargs"]
+
+
+def _stream(torch, block):
+    """ComfyUI's lowvram state for every Linear of ``block``: the cast flag on, the weight on the host."""
+    for m in block.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.prev_comfy_cast_weights = m.comfy_cast_weights
+            m.comfy_cast_weights = True
+            m.to("cpu")
+
+
+def _peak(torch, fn, runs: int = 3, snapshot: str | None = None) -> tuple[float, float]:
+    """(allocated peak above the start of the last run, seconds of the last run); ``snapshot``: a file to dump
+    the allocator's history of the last run into (torch.cuda.memory._dump_snapshot)."""
+    for i in range(runs):
+        if snapshot and i == runs - 1:
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        del out
+    if snapshot:
+        torch.cuda.memory._dump_snapshot(snapshot)
+        torch.cuda.memory._record_memory_history(enabled=None)
+    return (torch.cuda.max_memory_allocated() - base) / GiB, dt
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="1280x720x81")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--snapshots", default=None, help="a folder for the allocator history of the streamed modes")
+    a = ap.parse_args(argv)
+    width, height, frames = (int(v) for v in a.size.split("x"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "host"))
+    import comfy_env
+    from bench import _host
+    _host.ensure_av(allow_stub=True)
+    comfy = comfy_env.boot(cpu=False, attention="pytorch")
+    import torch
+    from wan_sage.nodes import compile_blocks
+    block, args, kwargs = _block_and_inputs(comfy, torch, width, height, frames)
+    rows = []
+    with torch.inference_mode():
+        compiled = torch.compile(block, backend="inductor")
+        modes = [("eager, resident", lambda: block(*args, **kwargs), False),
+                 ("compiled, resident", lambda: compiled(*args, **kwargs), False),
+                 ("eager, streamed", lambda: block(*args, **kwargs), True),
+                 ("compiled around eager layers, streamed",
+                  lambda: compile_blocks.CompiledBlock(block, compiled)(*args, **kwargs), True)]
+        for name, fn, streamed in modes:
+            if streamed:
+                _stream(torch, block)
+            snap = None
+            if a.snapshots and streamed:
+                Path(a.snapshots).mkdir(parents=True, exist_ok=True)
+                snap = str(Path(a.snapshots) / (name.split(",")[0].replace(" ", "-") + ".pickle"))
+            peak, secs = _peak(torch, fn, snapshot=snap)
+            row = {"mode": name, "size": a.size, "peak_above_input_gib": round(peak, 3), "s": round(secs, 3)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    with open(a.out, "w") as f:
+        for r in rows:
+            f.write(json.dumps({**r, "torch": torch.__version__}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
