@@ -88,6 +88,7 @@ def main(argv=None) -> int:
     from bench import _host
     _host.ensure_av(allow_stub=True)
     comfy = comfy_env.boot(cpu=False, attention="pytorch")
+    _host.load_pack()
     import torch
     from wan_sage.nodes import compile_blocks
     block, args, kwargs = _block_and_inputs(comfy, torch, width, height, frames)
