@@ -136,9 +136,6 @@ PROMPT = ("a cinematic shot of a red fox running through a snowy forest at golde
 NEGATIVE = "low quality, worst quality, static frame, overexposed, blurred"
 
 
-# how the pack's Wan Compile Blocks runs streamed blocks in these runs (nodes.compile_blocks.STREAMED_COMPILED); its
-# records before the option existed ran them eagerly and say "eager"
-NODE_STREAMED = "compiled, streamed layers eager"
 COMPILE_SUFFIX = {"model": ["compile"], "blocks": ["compileblocks"], "node": ["compilenode"]}  # RunSpec.compile -> suffix
 SPEC_FORM = ("{est|comfy}+{sdpa|sage}[+compile|+compileblocks|+compilenode]@{GB|full}:{WxHxF|720p81|480p81}"
              "[:Nsteps][:cfgX][:nolora][:decode|:nodecode][:fp8fast][:tecopy]")
@@ -900,7 +897,7 @@ class Host:
                           **({"compile": {"node": "per block (set_torch_compile_wrapper)", "backend": self.args.compile_backend,
                                           "keys": ["diffusion_model.blocks.N"]}} if spec.compile == "blocks" else {}),
                           **({"compile": {"node": "Wan Compile Blocks", "backend": self.args.compile_backend,
-                                          "keys": ["diffusion_model.blocks.N"], "streamed_blocks": NODE_STREAMED}}
+                                          "keys": ["diffusion_model.blocks.N"], "streamed_blocks": "eager"}}
                              if spec.compile == "node" else {})},
                "budget": {"free_before_gib": _r(ballast.free_before and ballast.free_before / GiB),
                           "free_seen_gib": _r(ballast.free_seen and ballast.free_seen / GiB),
@@ -1000,8 +997,8 @@ class Host:
                         made[f"compile_{e}"] = _compile.compile_blocks(m, self.args.compile_backend)
                     elif spec.compile == "node":  # the pack's Wan Compile Blocks, through its wiring
                         from wan_sage.nodes.compile_blocks import apply_compile_blocks
-                        m, text = apply_compile_blocks(m, self.args.compile_backend, streamed=NODE_STREAMED)
-                        made[f"compile_{e}"] = {"how": f"Wan Compile Blocks (streamed blocks: {NODE_STREAMED})", "status": text,
+                        m, text = apply_compile_blocks(m, self.args.compile_backend)
+                        made[f"compile_{e}"] = {"how": "Wan Compile Blocks (streamed blocks eager)", "status": text,
                                                 "backend": self.args.compile_backend}
                     ov = find_override(m.model_options.get("transformer_options", {}))
                     made[f"patch_id_{e}"] = ov.patch_id if ov is not None else None

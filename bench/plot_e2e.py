@@ -61,14 +61,13 @@ def sets_of(runs: list[dict]) -> list[str]:
 
 
 def compile_kind(c: dict) -> str:
-    """'' (eager), 'compile' (ComfyUI's TorchCompileModel: the whole model), 'compile per block', 'Wan Compile
-    Blocks' (the pack's node: per block, streamed blocks eager) or 'Wan Compile Blocks, streamed layers' (the node
-    with streamed blocks compiled around their eager layers)."""
+    """'' (eager), 'compile' (ComfyUI's TorchCompileModel: the whole model), 'compile per block' or 'Wan Compile
+    Blocks' (the pack's node: per block, streamed blocks eager)."""
     comp = c.get("compile")
     if not comp:
         return ""
     if comp.get("node") == "Wan Compile Blocks":
-        return "Wan Compile Blocks" if comp.get("streamed_blocks", "eager") == "eager" else "Wan Compile Blocks, streamed layers"
+        return "Wan Compile Blocks"
     return "compile per block" if "diffusion_model.blocks.N" in (comp.get("keys") or []) else "compile"
 
 

@@ -2090,11 +2090,9 @@ def decode_rooms_gib(width: int, height: int) -> tuple:
 
 # --------------------------------------------------------------------------- docs/benchmarks.md
 
-# plot_e2e.compile_kind: eager, per block, the node (streamed blocks eager; around streamed layers), whole
-SETUPS = ("", "compile per block", "Wan Compile Blocks", "Wan Compile Blocks, streamed layers", "compile")
+SETUPS = ("", "compile per block", "Wan Compile Blocks", "compile")  # plot_e2e.compile_kind: eager, per block, node, whole
 SETUP_NAMES = {"": "eager", "compile per block": "compiled per block", "compile": "compiled whole (TorchCompileModel)",
-               "Wan Compile Blocks": "Wan Compile Blocks (streamed blocks eager)",
-               "Wan Compile Blocks, streamed layers": "Wan Compile Blocks (streamed layers eager)"}
+               "Wan Compile Blocks": "Wan Compile Blocks (streamed blocks eager)"}
 
 
 def e2e_sets() -> list[dict]:

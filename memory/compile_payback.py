@@ -85,16 +85,14 @@ class Payback:
 
 def compile_payback(dims: WanDims, tokens: int, rows: int = 1, steps: int | None = None, *,
                     whole_model: bool = False, streamed: bool = False, shared_by: int = 1,
-                    kept: bool = False, compiled_blocks: int | None = None, block_graphs: int = 1) -> Payback:
+                    kept: bool = False, compiled_blocks: int | None = None) -> Payback:
     """The payback of compiling ``dims``' model for a sampling of ``steps`` steps of ``rows`` rows (batch, times 2
     with an uncond pass) of ``tokens`` tokens.  ``streamed``: its weights are partly offloaded; ``shared_by``:
     the models of one schedule with these blocks (2 for the two experts of Wan 2.2 A14B), which share the graph
     only with resident weights; ``kept``: the pack keeps a compile file of this run, which a fresh process
     hot-loads (it shortens only the block graph of resident weights); ``compiled_blocks``: the blocks that run
     compiled where fewer than all do (a compile that runs streamed blocks eagerly: one graph, the saving of
-    those blocks only); ``block_graphs``: the graphs of blocks compiled one by one where their weights are not
-    guarded on (2 for a compile that runs resident blocks whole and streamed ones around eager layers: each
-    further one costs as a further graph of the same block code)."""
+    those blocks only)."""
     blocks = max(1, int(dims.num_layers))
     if whole_model:
         graphs, compile_s = 1, WHOLE_MODEL_S_PER_BLOCK * blocks
@@ -102,8 +100,7 @@ def compile_payback(dims: WanDims, tokens: int, rows: int = 1, steps: int | None
         graphs = blocks
         compile_s = FIRST_GRAPH_S + STREAMED_GRAPH_S * (blocks - 1)
     else:
-        graphs = max(1, int(block_graphs))
-        compile_s = (KEPT_GRAPH_S if kept else FIRST_GRAPH_S) + STREAMED_GRAPH_S * (graphs - 1)
+        graphs, compile_s = 1, KEPT_GRAPH_S if kept else FIRST_GRAPH_S
     kept = kept and not whole_model and not streamed
     shared = 1 if streamed else max(1, int(shared_by))
     runs = blocks if compiled_blocks is None else max(1, min(blocks, int(compiled_blocks)))

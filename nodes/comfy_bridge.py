@@ -512,8 +512,7 @@ def is_dynamic(model) -> bool:
 
 COMPILE_WRAPPER_KEY = "torch.compile"  # comfy_api.torch_helpers' APPLY_MODEL wrapper key
 COMPILE_KWARGS_KEY = "torch_compile_kwargs"  # where set_torch_compile_wrapper keeps its arguments
-# on the Wan Compile Blocks wrapper: how its streamed blocks run (compile_blocks.STREAMED), their weights cast eagerly
-RESIDENT_ONLY_MARK = "wan_sage_resident_only"
+RESIDENT_ONLY_MARK = "wan_sage_resident_only"  # on the Wan Compile Blocks wrapper: streamed blocks run eagerly
 
 
 def _compiled_module(obj) -> bool:
@@ -561,23 +560,13 @@ def compile_wrappers(model, model_options=None) -> list:
                               for w in (keyed or {}).get(COMPILE_WRAPPER_KEY, ())))
 
 
-def _resident_only(wrappers) -> str | None:
-    for w in wrappers:
-        mark = getattr(w, RESIDENT_ONLY_MARK, None)
-        if mark:
-            return mark if isinstance(mark, str) else "eager"
-    return None
+def _resident_only(wrappers) -> bool:
+    return any(getattr(w, RESIDENT_ONLY_MARK, False) for w in wrappers)
 
 
 def resident_only_compile(model, model_options=None) -> bool:
-    """Whether ``model`` is compiled by the pack's Wan Compile Blocks node, which casts streamed weights eagerly."""
-    return _resident_only(compile_wrappers(model, model_options)) is not None
-
-
-def streamed_blocks_compiled(model, model_options=None) -> bool:
-    """Whether the pack's Wan Compile Blocks runs ``model``'s streamed blocks compiled around eager layers (else
-    eagerly, or another compile runs the model)."""
-    return _resident_only(compile_wrappers(model, model_options)) not in (None, "eager")
+    """Whether ``model`` is compiled by the pack's Wan Compile Blocks node, whose streamed blocks run eagerly."""
+    return _resident_only(compile_wrappers(model, model_options))
 
 
 def compile_scope(model, model_options=None) -> tuple[str, str] | None:
@@ -599,10 +588,8 @@ def compile_scope(model, model_options=None) -> tuple[str, str] | None:
             keys |= found
         if not keys:  # only the compile kwargs: the wrapper that uses them is not on the model here
             return UNKNOWN_SCOPE, "torch_compile_kwargs without a readable compile wrapper"
-        mark = _resident_only(wrappers)
-        if mark:
-            return _scope_of_keys(keys), ("Wan Compile Blocks, streamed blocks eager" if mark == "eager"
-                                          else "Wan Compile Blocks, streamed layers eager")
+        if _resident_only(wrappers):
+            return _scope_of_keys(keys), "Wan Compile Blocks, streamed blocks eager"
         return _scope_of_keys(keys), "ComfyUI's compile wrapper"
     patches = getattr(model, "object_patches", None) or {}
     patched = {k for k, v in patches.items() if k.startswith("diffusion_model") and _compiled_module(v)}

@@ -60,21 +60,15 @@ def payback_for(guider, args, kwargs, kept: bool = False) -> Payback | None:
     dims = comfy_bridge.wan_dims(patcher)
     tokens = activation_model.tokens(dims, int(shape[2]), int(shape[3]), int(shape[4]))
     streamed = bool(getattr(comfy_bridge.base_model(patcher), "model_lowvram", False))
-    compiled_blocks, block_graphs = None, 1
-    options = getattr(guider, "model_options", None)
-    if streamed and comfy_bridge.resident_only_compile(patcher, options):
-        # Wan Compile Blocks: no graph sees a streamed weight; resident blocks run the one block graph, and
-        # streamed ones either the graphs around their eager layers or no graph
+    compiled_blocks = None
+    if streamed and comfy_bridge.resident_only_compile(patcher, getattr(guider, "model_options", None)):
+        # Wan Compile Blocks: the streamed blocks ran eagerly, the resident ones the one block graph
         counted = compile_blocks.count_resident_blocks(patcher)
         if counted is not None:
-            resident, total = counted
-            if comfy_bridge.streamed_blocks_compiled(patcher, options):
-                streamed, block_graphs = False, int(resident > 0) + int(resident < total)
-            elif resident == 0:
-                return None  # every block streamed and ran eagerly: nothing ran compiled
-            else:
-                streamed, compiled_blocks = False, resident
+            if counted[0] == 0:
+                return None  # every block streamed: nothing ran compiled
+            streamed, compiled_blocks = False, counted[0]
     return compile_payback(dims, tokens, _rows(guider, int(shape[0])), _steps(sigmas),
                            whole_model=scope[0] == comfy_bridge.WHOLE_MODEL, streamed=streamed,
                            shared_by=2 if _shares_schedule(noise, sigmas) else 1, kept=kept,
-                           compiled_blocks=compiled_blocks, block_graphs=block_graphs)
+                           compiled_blocks=compiled_blocks)

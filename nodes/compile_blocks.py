@@ -1,29 +1,24 @@
-"""Wan Compile Blocks: torch.compile of a Wan model's transformer blocks, one by one, with the layers whose weights
-stream run outside the compiled graphs.
+"""Wan Compile Blocks: torch.compile of a Wan model's transformer blocks, one by one, where streamed blocks run
+eagerly.
 
 Per-block compile (ComfyUI's ``set_torch_compile_wrapper`` given block keys, KJNodes' Wan compile nodes) traces
 each block with its weights.  A block whose weights ComfyUI streams (lowvram: the weights stay on the host and
 are cast onto the GPU inside each layer's forward) traces into a different graph from a resident one: dynamo's
 guards fail on the parameters' device, on ComfyUI's cast flag and on a streamed GGUF weight's LoRA patch list.
 On the H200 a 12 GiB A14B prompt compiled 5 graphs with 4-5 recompiles, 22-51 s on the first prompt and again on
-the repeat (docs/benchmarks.md, "Whole generation").
+the repeat (docs/benchmarks.md, "Whole generation").  A streamed block also gains little from compiling: its
+time is the copy of its weights.
 
 Here each block is swapped, for the sampling only (the ``APPLY_MODEL`` wrapper ComfyUI's own compile uses, under
-the same key), for a :class:`CompiledBlock` that picks its path at each call from where the block's weights are:
-
-* every weight on the input's device: the compiled block.  Every such block, in both experts of Wan 2.2 A14B,
-  runs the one graph; the cast flags ComfyUI's partial unload and reload leave on a block's modules are settled
-  first (:func:`settle_cast_flags`).
-* a weight streamed (``STREAMED_COMPILED``, the default): the same compiled block, called while each of its
-  Linear layers, and any other layer with a streamed weight, stands behind an :class:`EagerLayer`, which dynamo
-  does not trace.  The weight casts, dequantisation and LoRA patches of streamed layers run as they do eagerly,
-  and dynamo compiles the work between the layers (norms, modulation, RoPE, gates, residuals) into graphs that
-  see no weight: one family of graphs for every streamed block, whichever of its layers stream.
-* a weight streamed (``STREAMED_EAGER``): the block itself, eagerly.
-
-ComfyUI's lowvram load takes the largest modules of every block first, so a partial load streams part of every
-block.  Either way a streamed layer's weights are cast as eagerly, so the estimator plans a streamed load of this
-node's model as an eager one (``memory.estimate.Setup.streamed_blocks_eager``).
+the same key), for a :class:`ResidentOnlyBlock` that calls the compiled block when every weight of the block is on
+the input's device and the block itself otherwise. So every block that runs compiled has its weights resident, and
+every one of them, in both experts of Wan 2.2 A14B, runs the one graph; no guard sees a streamed weight. Which
+blocks stream is read at each call, so a block that ComfyUI loads or offloads between prompts takes the other path
+without a recompile, and the cast flags ComfyUI's partial unload and reload leave on a block's modules are settled
+before its compiled call (:func:`settle_cast_flags`). ComfyUI's lowvram load takes the largest modules of every
+block first, so a partial load streams part of every block: with the weights streamed the model runs eagerly (and
+the estimator plans it so: ``memory.estimate.Setup.streamed_blocks_eager``), with every weight resident it runs
+compiled.
 
 The wrapper closes over the dict of compiled keys as ComfyUI's does, so the estimator, the Sage patch's compile
 cache and its payback read the scope the same way (``comfy_bridge.compile_scope``).
@@ -37,8 +32,6 @@ from . import comfy_bridge
 
 BACKENDS = ("inductor", "cudagraphs")
 MODES = ("default", "max-autotune-no-cudagraphs")
-STREAMED_COMPILED, STREAMED_EAGER = "compiled, streamed layers eager", "eager"
-STREAMED = (STREAMED_COMPILED, STREAMED_EAGER)
 
 
 def block_resident(block, device) -> bool:
@@ -75,85 +68,32 @@ def _input_device(args, kwargs):
     return getattr(x, "device", None)
 
 
-class EagerLayer(torch.nn.Module):
-    """Stands in for one layer of a streamed block while the compiled block runs: dynamo does not trace its call,
-    so the layer runs as it does eagerly (ComfyUI's cast of a streamed weight, ComfyUI-GGUF's dequantisation, a
-    LoRA patch) and no guard sees its weights.  It holds the layer without registering it as a child."""
+class ResidentOnlyBlock(torch.nn.Module):
+    """Stands in for one transformer block while the model samples: the compiled block where all its weights
+    are resident, the block itself where any of them streams.  It holds both without registering them as its
+    children, so it adds no parameters to the model it is swapped into."""
 
-    def __init__(self, layer: torch.nn.Module):
-        super().__init__()
-        object.__setattr__(self, "layer", layer)
-
-    @torch.compiler.disable
-    def forward(self, *args, **kwargs):
-        return self.layer(*args, **kwargs)
-
-
-def _off_device(module, device) -> bool:
-    for t in module.parameters(recurse=False):
-        if t.device != device:
-            return True
-    for t in module.buffers(recurse=False):
-        if t.device != device:
-            return True
-    return False
-
-
-def eager_layers(block, device) -> list:
-    """(parent, name, layer) for the layers of ``block`` that run eagerly while it streams: every Linear (streamed
-    or not, so that every streamed block traces the same graphs, whichever of its layers ComfyUI streams) and any
-    other layer whose own weights are off ``device`` or that ComfyUI marked streamed (``prev_comfy_cast_weights``,
-    set by its lowvram load)."""
-    found = []
-    for parent in block.modules():
-        for name, child in parent._modules.items():
-            if child is None or isinstance(child, EagerLayer):
-                continue
-            if (isinstance(child, torch.nn.Linear) or "prev_comfy_cast_weights" in child.__dict__
-                    or _off_device(child, device)):
-                found.append((parent, name, child))
-    return found
-
-
-class CompiledBlock(torch.nn.Module):
-    """Stands in for one transformer block while the model samples: the compiled block where all its weights are
-    resident; where any of them streams, the compiled block around eager layers (``streamed_compiled``) or the
-    block itself.  It holds both without registering them as its children, so it adds no parameters to the model
-    it is swapped into."""
-
-    def __init__(self, block: torch.nn.Module, compiled, streamed_compiled: bool = True):
+    def __init__(self, block: torch.nn.Module, compiled):
         super().__init__()
         object.__setattr__(self, "block", block)
         object.__setattr__(self, "compiled", compiled)
-        object.__setattr__(self, "streamed_compiled", bool(streamed_compiled))
 
     def forward(self, *args, **kwargs):
         device = _input_device(args, kwargs)
-        if device is None:
-            return self.block(*args, **kwargs)
-        if block_resident(self.block, device):
+        if device is not None and block_resident(self.block, device):
             settle_cast_flags(self.block)
             return self.compiled(*args, **kwargs)
-        if not self.streamed_compiled:
-            return self.block(*args, **kwargs)
-        swapped = eager_layers(self.block, device)
-        try:
-            for parent, name, layer in swapped:
-                parent._modules[name] = EagerLayer(layer)
-            return self.compiled(*args, **kwargs)
-        finally:
-            for parent, name, layer in swapped:
-                parent._modules[name] = layer
+        return self.block(*args, **kwargs)
 
 
-def _wrapper(stand_ins: dict, streamed: str):
+def _wrapper(stand_ins: dict):
     """The ``APPLY_MODEL`` wrapper: ComfyUI's own compile wrapper (it swaps the modules in for the sampling's model
     calls and puts the blocks back in ``finally``; its closure holds the dict of keys ``diffusion_model.blocks.N``),
-    marked as this node's with how it runs streamed blocks."""
+    marked as this node's."""
     from comfy_api.torch_helpers.torch_compile import apply_torch_compile_factory
 
     wrapper = apply_torch_compile_factory(compiled_module_dict=stand_ins)
-    setattr(wrapper, comfy_bridge.RESIDENT_ONLY_MARK, streamed)
+    setattr(wrapper, comfy_bridge.RESIDENT_ONLY_MARK, True)
     return wrapper
 
 
@@ -167,17 +107,15 @@ def count_resident_blocks(model) -> tuple[int, int] | None:
     return sum(1 for b in blocks if block_resident(b, device)), len(blocks)
 
 
-def apply_compile_blocks(model, backend: str = "inductor", mode: str = "default", streamed: str = STREAMED_COMPILED):
-    """A clone of ``model`` whose Wan blocks run compiled one by one, streamed ones as ``streamed`` says;
-    (model, status text).  A model that is not Wan passes through unchanged, and says so."""
+def apply_compile_blocks(model, backend: str = "inductor", mode: str = "default"):
+    """A clone of ``model`` whose Wan blocks run compiled one by one while resident; (model, status text).
+    A model that is not Wan passes through unchanged, and says so."""
     # the node offers BACKENDS; another dynamo backend by name is for callers of this function.  Listing dynamo's
     # backends imports each of them, so it is asked only for a name the node does not offer.
     if backend not in BACKENDS and backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {str(backend)[:40]!r}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {str(mode)[:40]!r}")
-    if streamed not in STREAMED:
-        raise ValueError(f"streamed_blocks must be one of {', '.join(STREAMED)}; got {str(streamed)[:40]!r}")
     if not comfy_bridge.is_wan(model):
         return model, "not a Wan model: passed through unchanged, nothing compiled"
     m = model.clone()
@@ -186,16 +124,13 @@ def apply_compile_blocks(model, backend: str = "inductor", mode: str = "default"
               "fullgraph": False, "dynamic": None}
     stand_ins = {}
     for i, block in enumerate(dm.blocks):
-        stand_ins[f"diffusion_model.blocks.{i}"] = CompiledBlock(block, torch.compile(block, **kwargs),
-                                                                streamed == STREAMED_COMPILED)
+        stand_ins[f"diffusion_model.blocks.{i}"] = ResidentOnlyBlock(block, torch.compile(block, **kwargs))
     wmp = comfy_bridge.wrappers_mp()
     key = comfy_bridge.COMPILE_WRAPPER_KEY  # the key of ComfyUI's own compile: one compile per model
     m.remove_wrappers_with_key(wmp.APPLY_MODEL, key)
-    m.add_wrapper_with_key(wmp.APPLY_MODEL, key, _wrapper(stand_ins, streamed))
+    m.add_wrapper_with_key(wmp.APPLY_MODEL, key, _wrapper(stand_ins))
     m.model_options[comfy_bridge.COMPILE_KWARGS_KEY] = kwargs
     text = (f"{len(stand_ins)} blocks compiled one by one ({backend}"
-            + ("" if mode == "default" else f", {mode}") + "); "
-            + ("in blocks whose weights stream, the layers run eagerly. " if streamed == STREAMED_COMPILED
-               else "blocks whose weights stream run eagerly. ") +
+            + ("" if mode == "default" else f", {mode}") + "); blocks whose weights stream run eagerly. "
             "The Sage patch's panel says after a run whether compiling pays back over the prompt's steps.")
     return m, text

@@ -9,7 +9,7 @@ from ..memory import activation_model
 from ..memory import report, request
 from ..memory.errors import RequestError
 from . import comfy_bridge
-from .compile_blocks import BACKENDS, MODES, STREAMED, apply_compile_blocks
+from .compile_blocks import BACKENDS, MODES, apply_compile_blocks
 from .estimator import POLICIES, SAGE_COUNT, Settings, apply_estimator
 from .sage_patch import MEMORY_MODE_LABELS, apply_patch, memory_mode_id
 from .text_encoder import apply_text_encoder_host_copy
@@ -169,13 +169,12 @@ class WanCompileBlocks(io.ComfyNode):
             node_id="WanCompileBlocks",
             display_name="Wan Compile Blocks",
             category="model_patches/wan-sage",
-            description=("torch.compile of this Wan model's transformer blocks one by one, for the sampling. In "
-                         "blocks whose weights ComfyUI streams from RAM, the layers run eagerly and the work between "
-                         "them compiled, so no graph sees a streamed weight: all blocks, in both experts of Wan 2.2 "
-                         "A14B, share one graph when resident and one when streamed, and streaming causes no "
-                         "recompiles. Compiling costs seconds on the first prompt of a ComfyUI start (less where "
-                         "the pack kept the run's compile file); the Sage patch's panel says after a run whether it "
-                         "pays back over the prompt's steps."),
+            description=("torch.compile of this Wan model's transformer blocks one by one, for the sampling. Blocks "
+                         "whose weights ComfyUI streams from RAM run eagerly, so every compiled block has its "
+                         "weights on the GPU and all of them, in both experts of Wan 2.2 A14B, share one graph: "
+                         "streaming causes no recompiles. Compiling costs seconds on the first prompt of a "
+                         "ComfyUI start (less where the pack kept the run's compile file); the Sage patch's panel "
+                         "says after a run whether it pays back over the prompt's steps."),
             inputs=[
                 io.Model.Input("model", tooltip="the Wan 2.1/2.2 model to compile (after the loader and LoRAs; "
                                                 "the Sage patch and the estimator may come before or after)"),
@@ -184,9 +183,6 @@ class WanCompileBlocks(io.ComfyNode):
                 io.Combo.Input("mode", options=list(MODES), default=MODES[0],
                                tooltip="default compiles fastest; max-autotune-no-cudagraphs tunes kernels, "
                                        "a longer first compile"),
-                io.Combo.Input("streamed_blocks", options=list(STREAMED), default=STREAMED[0],
-                               tooltip="blocks with weights streamed from RAM: compiled around their layers, which "
-                                       "run eagerly (the weight copies as without compile), or wholly eager"),
             ],
             outputs=[io.Model.Output(tooltip="the same model with its blocks compiled while it samples; unchanged "
                                              "when the model is not Wan"),
@@ -194,8 +190,8 @@ class WanCompileBlocks(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model, backend=BACKENDS[0], mode=MODES[0], streamed_blocks=STREAMED[0]) -> io.NodeOutput:
-        m, text = apply_compile_blocks(model, backend, mode, streamed_blocks)
+    def execute(cls, model, backend=BACKENDS[0], mode=MODES[0]) -> io.NodeOutput:
+        m, text = apply_compile_blocks(model, backend, mode)
         return io.NodeOutput(m, text, ui=ui.PreviewText(text))
 
 

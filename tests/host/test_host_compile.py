@@ -115,19 +115,3 @@ def test_wan_compile_blocks_runs_the_first_prompts_graph_after_a_partial_unload_
     assert r["first"]["graphs"] == 1 and r["first"]["finite"], r
     assert r["repeat"]["graphs"] == 0 and r["repeat"]["recompiles"] == 0 and r["repeat"]["finite"], r
     assert r["repeat"]["flags_in_dict"] == 0, r
-
-
-@pytest.mark.parametrize("which", ["compile_blocks_streamed_layers", "compile_blocks_streamed_layers_all"])
-def test_wan_compile_blocks_compiles_streamed_blocks_around_eager_layers_in_graphs_both_experts_share(report, which):
-    """The node's default for streamed blocks, on two partly (or wholly) streamed experts with a LoRA each: each
-    streamed block runs compiled with its layers eager, so no graph sees a streamed weight or its LoRA patch.
-    The first expert compiles the graphs between the layers once for all its blocks; the second compiles
-    nothing; nothing recompiles, and the latent is eager's within compile's rounding."""
-    r = report[which]
-    assert "error" not in r, r
-    for e in ("high", "low"):
-        assert r[e]["lowvram"] and r[e]["streamed_blocks"] == r["blocks"], r
-        assert r[e]["finite"] and r[e]["max_abs_diff"] <= 0.05 * max(1.0, r[e]["eager_max_abs"]), r
-        assert r[e]["scope"] == ["blocks", "Wan Compile Blocks, streamed layers eager"], r
-        assert r[e]["recompiles"] == 0 and r[e]["graph_breaks"] > 0, r
-    assert r["high"]["graphs"] >= 1 and r["low"]["graphs"] == 0, r

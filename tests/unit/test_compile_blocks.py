@@ -37,12 +37,12 @@ class Compiled:
         return args[0] + 2 if args else kwargs["x"] + 2
 
 
-def test_a_resident_block_runs_compiled_and_a_streamed_one_eagerly_where_asked():
+def test_a_resident_block_runs_compiled_and_a_streamed_one_eagerly():
     x = torch.zeros(2, 4)
     resident, streamed = Block(), Block("meta")
     c_res, c_str = Compiled(), Compiled()
-    assert torch.equal(compile_blocks.CompiledBlock(resident, c_res, False)(x, e=1), x + 2)
-    assert torch.equal(compile_blocks.CompiledBlock(streamed, c_str, False)(x, e=1), x + 1)
+    assert torch.equal(compile_blocks.ResidentOnlyBlock(resident, c_res)(x, e=1), x + 2)
+    assert torch.equal(compile_blocks.ResidentOnlyBlock(streamed, c_str)(x, e=1), x + 1)
     assert (len(c_res.calls), resident.calls) == (1, 0) and (len(c_str.calls), streamed.calls) == (0, 1)
     assert len(c_res.calls[0][0]) == 1 and c_res.calls[0][1] == {"e": 1}  # the call is passed on as made
 
@@ -51,7 +51,7 @@ def test_one_streamed_tensor_makes_the_block_run_eagerly_and_x_by_name_is_read()
     b = Block()
     b.scale = torch.ones(4, device="meta")  # a buffer left on the host
     c = Compiled()
-    stand_in = compile_blocks.CompiledBlock(b, c, False)
+    stand_in = compile_blocks.ResidentOnlyBlock(b, c)
     assert torch.equal(stand_in(x=torch.zeros(1, 4)), torch.ones(1, 4))
     assert (len(c.calls), b.calls) == (0, 1)
     b.scale = torch.ones(4)  # loaded before the next prompt: the compiled path, no other change
@@ -79,7 +79,7 @@ def test_the_compiled_path_sees_the_cast_flags_of_a_freshly_loaded_block():
     b.a.comfy_cast_weights = False
     b.b.comfy_cast_weights, b.b.prev_comfy_cast_weights = True, False
     b.c.comfy_cast_weights = True
-    compile_blocks.CompiledBlock(b, c)(torch.zeros(1, 4))
+    compile_blocks.ResidentOnlyBlock(b, c)(torch.zeros(1, 4))
     assert len(c.calls) == 1
     assert "comfy_cast_weights" not in b.a.__dict__ and b.a.comfy_cast_weights is False
     assert b.b.__dict__["comfy_cast_weights"] is True and b.c.__dict__["comfy_cast_weights"] is True
@@ -95,7 +95,7 @@ def test_a_layer_whose_class_always_casts_gets_its_class_value_back_too():
     b.g = AlwaysCastLinear(4, 4)
     b.g.comfy_cast_weights = True   # put back by the reload: the class's value
     b.a.comfy_cast_weights = True   # a bf16 layer flagged to cast: not its class's value
-    compile_blocks.CompiledBlock(b, c)(torch.zeros(1, 4))
+    compile_blocks.ResidentOnlyBlock(b, c)(torch.zeros(1, 4))
     assert "comfy_cast_weights" not in b.g.__dict__ and b.g.comfy_cast_weights is True
     assert b.a.__dict__["comfy_cast_weights"] is True
 
@@ -103,85 +103,11 @@ def test_a_layer_whose_class_always_casts_gets_its_class_value_back_too():
 def test_the_eager_path_leaves_the_cast_flags_as_they_are():
     b, c = CastBlock("meta"), Compiled()
     b.a.comfy_cast_weights = False
-    compile_blocks.CompiledBlock(b, c, False)(torch.zeros(1, 4))
+    compile_blocks.ResidentOnlyBlock(b, c)(torch.zeros(1, 4))
     assert (len(c.calls), b.calls) == (0, 1) and "comfy_cast_weights" in b.a.__dict__
 
-class Inner(torch.nn.Module):
-    """A block part with layers of its own: a Linear, a norm, and a norm ComfyUI's lowvram load marked streamed."""
-
-    def __init__(self, device="cpu"):
-        super().__init__()
-        self.q = torch.nn.Linear(4, 4, device=device)
-        self.norm = torch.nn.LayerNorm(4)
-        self.streamed_norm = torch.nn.LayerNorm(4)
-        self.streamed_norm.prev_comfy_cast_weights = False
-
-
-class NestedBlock(Block):
-    def __init__(self, device="cpu"):
-        super().__init__(device)
-        self.attn = Inner(device)
-        self.host_norm = torch.nn.LayerNorm(4, device="meta")  # a layer of its own left on the host
-
-
-class SeesLayers(Compiled):
-    """A compiled block that records, at each call, the types of the block's layers by name."""
-
-    def __init__(self, block, fail=False):
-        super().__init__()
-        self.block, self.fail, self.seen = block, fail, []
-
-    def __call__(self, *args, **kwargs):
-        self.seen.append({n: type(m).__name__ for n, m in self.block.named_modules() if n})
-        if self.fail:
-            raise RuntimeError("the compiled call failed")
-        return super().__call__(*args, **kwargs)
-
-
-def _layer_types(block):
-    return {n: type(m).__name__ for n, m in block.named_modules() if n}
-
-
-def test_a_streamed_block_runs_compiled_with_its_layers_behind_eager_stand_ins_and_gets_them_back():
-    b = NestedBlock("meta")
-    c = SeesLayers(b)
-    before = _layer_types(b)
-    layers = {n: m for n, m in b.named_modules() if n}
-    out = compile_blocks.CompiledBlock(b, c)(torch.zeros(1, 4))
-    assert torch.equal(out, torch.full((1, 4), 2.0)) and b.calls == 0 and len(c.calls) == 1
-    seen = c.seen[0]
-    # every Linear, the layer ComfyUI marked streamed and the layer left on the host run eagerly; the resident
-    # norm and the containers stay in the compiled graph
-    assert seen["lin"] == seen["attn.q"] == seen["attn.streamed_norm"] == seen["host_norm"] == "EagerLayer", seen
-    assert seen["attn"] == "Inner" and seen["attn.norm"] == "LayerNorm", seen
-    assert _layer_types(b) == before and all(dict(b.named_modules())[n] is m for n, m in layers.items())
-
-
-def test_the_eager_stand_in_runs_the_layer_itself_and_holds_no_parameters():
-    lin = torch.nn.Linear(4, 3)
-    x = torch.randn(2, 4)
-    stand_in = compile_blocks.EagerLayer(lin)
-    assert torch.equal(stand_in(x), lin(x)) and list(stand_in.parameters()) == []
-
-
-def test_the_layers_come_back_when_the_compiled_call_fails():
-    b = NestedBlock("meta")
-    before = {n: m for n, m in b.named_modules() if n}
-    with pytest.raises(RuntimeError, match="compiled call failed"):
-        compile_blocks.CompiledBlock(b, SeesLayers(b, fail=True))(torch.zeros(1, 4))
-    assert {n: m for n, m in b.named_modules() if n} == before
-
-
-def test_a_resident_block_runs_compiled_with_its_own_layers():
-    b = NestedBlock()
-    b.host_norm = torch.nn.LayerNorm(4)
-    c = SeesLayers(b)
-    compile_blocks.CompiledBlock(b, c)(torch.zeros(1, 4))
-    assert "EagerLayer" not in c.seen[0].values()
-
-
 def test_the_stand_in_adds_no_parameters_to_the_model_it_is_swapped_into():
-    stand_in = compile_blocks.CompiledBlock(Block(), Compiled())
+    stand_in = compile_blocks.ResidentOnlyBlock(Block(), Compiled())
     assert list(stand_in.parameters()) == [] and list(stand_in.children()) == []
 
 
@@ -190,8 +116,8 @@ def _wrapper_closing_over(keys, marked):
 
     def wrapper(executor, *args, **kwargs):
         return compiled_module_dict, executor
-    if marked:  # a mark that names no mode (True) reads as streamed blocks eager
-        setattr(wrapper, comfy_bridge.RESIDENT_ONLY_MARK, marked)
+    if marked:
+        setattr(wrapper, comfy_bridge.RESIDENT_ONLY_MARK, True)
     return wrapper
 
 
@@ -209,16 +135,10 @@ def _patcher(wrapper, blocks=None, lowvram=True):
 
 
 def test_the_nodes_compile_reads_as_blocks_and_as_its_own():
-    ours = _patcher(_wrapper_closing_over(BLOCK_KEYS, compile_blocks.STREAMED_COMPILED))
-    eager = _patcher(_wrapper_closing_over(BLOCK_KEYS, compile_blocks.STREAMED_EAGER))
-    comfys = _patcher(_wrapper_closing_over(BLOCK_KEYS, False))
-    assert comfy_bridge.compile_scope(ours) == (comfy_bridge.BLOCKS, "Wan Compile Blocks, streamed layers eager")
-    assert comfy_bridge.compile_scope(eager) == (comfy_bridge.BLOCKS, "Wan Compile Blocks, streamed blocks eager")
+    ours, comfys = _patcher(_wrapper_closing_over(BLOCK_KEYS, True)), _patcher(_wrapper_closing_over(BLOCK_KEYS, False))
+    assert comfy_bridge.compile_scope(ours) == (comfy_bridge.BLOCKS, "Wan Compile Blocks, streamed blocks eager")
     assert comfy_bridge.compile_scope(comfys) == (comfy_bridge.BLOCKS, "ComfyUI's compile wrapper")
-    assert comfy_bridge.resident_only_compile(ours) and comfy_bridge.resident_only_compile(eager)
-    assert not comfy_bridge.resident_only_compile(comfys)
-    assert comfy_bridge.streamed_blocks_compiled(ours) and not comfy_bridge.streamed_blocks_compiled(eager)
-    assert not comfy_bridge.streamed_blocks_compiled(comfys)
+    assert comfy_bridge.resident_only_compile(ours) and not comfy_bridge.resident_only_compile(comfys)
 
 
 def _guider(patcher):
@@ -248,22 +168,6 @@ def test_a_run_whose_every_block_streamed_ran_nothing_compiled_and_gets_no_compi
                                       _args(), {}) is None
 
 
-def test_a_streamed_run_compiled_around_its_layers_runs_every_block_compiled_in_two_graph_families():
-    """Streamed blocks compiled around their eager layers: every block saves, the resident ones in the block graph,
-    the streamed ones in one more family of graphs (shared by the experts: no graph sees a streamed weight)."""
-    wrapper = _wrapper_closing_over(BLOCK_KEYS, compile_blocks.STREAMED_COMPILED)
-    tokens = activation_model.tokens(A14B, 21, 90, 160)
-    full = cp.compile_payback(A14B, tokens, 1, 2, shared_by=2)
-    part = compile_advice.payback_for(_guider(_patcher(wrapper, [Block() for _ in range(10)]
-                                                       + [Block("meta") for _ in range(30)])), _args(), {})
-    assert (part.graphs, part.shared_by) == (2, 2)
-    assert part.compile_s == pytest.approx(cp.FIRST_GRAPH_S + cp.STREAMED_GRAPH_S)
-    assert part.step_gain_s == pytest.approx(full.step_gain_s)
-    every = compile_advice.payback_for(_guider(_patcher(wrapper, [Block("meta") for _ in range(40)])), _args(), {})
-    assert (every.graphs, every.shared_by, every.compile_s) == (1, 2, cp.FIRST_GRAPH_S)
-    assert every.step_gain_s == pytest.approx(full.step_gain_s)
-
-
 def test_a_resident_run_under_the_node_is_the_block_graph_of_every_block():
     blocks = [Block() for _ in range(40)]
     p = compile_advice.payback_for(_guider(_patcher(_wrapper_closing_over(BLOCK_KEYS, True), blocks, lowvram=False)),
@@ -284,8 +188,6 @@ def test_the_backend_is_checked_and_the_offered_ones_need_no_lookup_of_dynamos(m
         compile_blocks.apply_compile_blocks(thing, "nope")
     with pytest.raises(ValueError, match="mode must be one of"):
         compile_blocks.apply_compile_blocks(thing, "inductor", "fast")
-    with pytest.raises(ValueError, match="streamed_blocks must be one of compiled, streamed layers eager, eager"):
-        compile_blocks.apply_compile_blocks(thing, "inductor", "default", "sometimes")
     assert compile_blocks.apply_compile_blocks(thing, "eager")[0] is thing  # a dynamo backend the node does not offer
 
     def no_lookup(*a, **k):
