@@ -1,0 +1,43 @@
+"""bench.streamed_block_peak's compiled-around-eager-layers call, on the CPU without ComfyUI: the Linears of the
+block stand behind stand-ins only for the call, and are back afterwards, also when the call fails."""
+import pytest
+import torch
+
+from bench import streamed_block_peak as sbp
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+        self.out = torch.nn.Linear(4, 4)
+
+
+def _types(block):
+    return {n: type(m).__name__ for n, m in block.named_modules() if n}
+
+
+def test_the_linears_run_behind_stand_ins_for_the_call_only():
+    b = Block()
+    before = {n: m for n, m in b.named_modules() if n}
+    seen = []
+
+    def compiled(x):
+        seen.append(_types(b))
+        return b.out(b.attn(x))
+    x = torch.randn(2, 4)
+    expected = b.out(b.attn(x))
+    assert torch.allclose(sbp.around_eager_layers(torch, b, compiled, x), expected)
+    assert seen[0]["attn.0"] == seen[0]["out"] == "EagerLayer" and seen[0]["attn.1"] == "LayerNorm"
+    assert {n: m for n, m in b.named_modules() if n} == before
+
+
+def test_the_linears_come_back_when_the_call_fails():
+    b = Block()
+    before = {n: m for n, m in b.named_modules() if n}
+
+    def compiled(x):
+        raise RuntimeError("the compiled call failed")
+    with pytest.raises(RuntimeError, match="compiled call failed"):
+        sbp.around_eager_layers(torch, b, compiled, torch.zeros(1, 4))
+    assert {n: m for n, m in b.named_modules() if n} == before
