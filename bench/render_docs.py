@@ -566,7 +566,14 @@ def compile_section() -> list:
   recompiles per prompt at 12 GiB in the rows above), and its step time is the copy of its weights. ComfyUI's
   lowvram load takes the largest modules of every block first, so a partial load streams part of every block:
   with the weights streamed the node runs the model eagerly, and the estimator plans that load as eager (the
-  GGUF streaming term, not the partial-load term of compiled streaming). With every weight resident it is the
+  GGUF streaming term, not the partial-load term of compiled streaming). Compiling a streamed block with its
+  Linear layers left out of the graph (each behind a `torch.compiler.disable`d stand-in, so that no guard sees a
+  streamed weight) was measured and not adopted: each graph break passes the values live at it on to the next
+  compiled piece, which holds them until the block returns. One A14B block at 1280×720×81 with its Linears
+  streamed held 7.50 GiB above its input that way, against 5.77 GiB eagerly and 3.61 GiB compiled with its
+  weights resident, for 0.363 s against 0.414 s eagerly (`python -m bench.streamed_block_peak`,
+  `bench/records/compile/streamed-block-peak-422b0cb.jsonl`), and a 12 GiB seed prompt planned as eager ran out
+  of memory in its first step (`whole-prompt/void-compile-streamed-layers-b4d6a7a.jsonl`). With every weight resident it is the
   per-block compile of the rows above: one graph for both A14B experts. The host tier checks both on a tiny
   real Wan model on the CPU (`tests/host/test_host_compile.py`: no graph, no recompile and eager's latent
   exactly when partly streamed; one graph for both experts when resident). On the H200 (GGUF 832×480×81, 20
@@ -579,7 +586,8 @@ def compile_section() -> list:
   compiles nothing: 59.1 s against ComfyUI alone's 89.2 s (1.51×, round `c` of the compiled file), and 59.7 s
   against 93.4 s (1.56×) with the text encoder host copy (`gguf-480p81-20steps-24gib-te-copy`). With the pack's
   compile file kept, the first prompt took 88.1 s against 97.3 s (1.11×), and 76.4 s against 102.6 s (1.34×) with the
-  text encoder host copy, where eager estimator + Sage with it took 78.4 s (1.31×) on the same machine. The first
+  text encoder host copy, where eager estimator + Sage with it took 78.4 s (1.31×) on the same machine; on another
+  machine 80.4 s against 99.1 s (1.23×, 7.3 s compiling) and eager 80.8 s (1.23×). The first
   prompt after installing, with only `wan-sage bench`'s timings, took 98.5 s (18.4 s compiling), where ComfyUI alone
   took 90.3–103.5 s on three other machines: it can be slower than ComfyUI alone, so no template compiles.
 - **Compile caches across ComfyUI starts.** Inductor keeps what it compiled in a temporary folder that a
