@@ -1,6 +1,8 @@
 """What one Wan A14B block holds on the GPU while its Linear weights stream from the host, eagerly and compiled
 with the streamed layers left out of the graphs: the allocated peak above the block's input, per mode, at a real
-size.  Why Wan Compile Blocks runs a streamed block eagerly (docs/attention.md, "Wan Compile Blocks").
+size.  Why Wan Compile Blocks runs a streamed block eagerly (docs/attention.md, "Wan Compile Blocks"), and what
+copying a streamed block's weights onto the GPU before its compiled call (:func:`staged`) and page-locked host
+memory for the streamed weights would give.
 
 "Compiled around eager layers" is the block compiled with torch.compile while each of its Linear layers stands
 behind a ``torch.compiler.disable``d module (:func:`around_eager_layers`): the weight casts run eagerly and dynamo
@@ -8,8 +10,9 @@ compiles the work between the layers, at one graph break per layer.
 
 The block is ComfyUI 0.3.64's ``WanAttentionBlock`` at A14B's dims (bf16, random weights), its inputs those of a
 real forward of a one-block model.  "Streamed" is ComfyUI's lowvram state of a layer: the cast flag set and the
-weight on the host, so the layer's forward copies it onto the GPU at each call.  Each mode runs the block three
-times (the first compiles) and reports the peak of the last.
+weight on the host, so the layer's forward copies it onto the GPU at each call; "pinned" keeps that host copy in
+page-locked memory.  Each mode runs the block three times (the first compiles) and reports the peak and the
+seconds of the last.
 
     COMFYUI_PATH=... python -m bench.streamed_block_peak --out $OUT/streamed-block-peak.jsonl [--size 1280x720x81]
 """
@@ -51,13 +54,19 @@ def _block_and_inputs(comfy, torch, width: int, height: int, frames: int):
     return block, captured["args"], captured["kwargs"]
 
 
-def _stream(torch, block):
-    """ComfyUI's lowvram state for every Linear of ``block``: the cast flag on, the weight on the host."""
+def _stream(torch, block, pinned: bool = False):
+    """ComfyUI's lowvram state for every Linear of ``block``: the cast flag on, the weight on the host (in page-locked
+    memory where ``pinned``)."""
     for m in block.modules():
         if isinstance(m, torch.nn.Linear):
-            m.prev_comfy_cast_weights = m.comfy_cast_weights
+            if "prev_comfy_cast_weights" not in m.__dict__:
+                m.prev_comfy_cast_weights = m.comfy_cast_weights
             m.comfy_cast_weights = True
             m.to("cpu")
+            if pinned:
+                for p in m.parameters(recurse=False):
+                    if not p.data.is_pinned():
+                        p.data = p.data.pin_memory()
 
 
 def around_eager_layers(torch, block, compiled, *args, **kwargs):
@@ -78,6 +87,33 @@ def around_eager_layers(torch, block, compiled, *args, **kwargs):
     try:
         for parent, name, child in swapped:
             parent._modules[name] = EagerLayer(child)
+        return compiled(*args, **kwargs)
+    finally:
+        for parent, name, child in swapped:
+            parent._modules[name] = child
+
+
+def staged(torch, cast, block, compiled, *args, **kwargs):
+    """``compiled(*args, **kwargs)`` with every Linear of ``block`` replaced, for the call, by a plain layer whose
+    weight and bias ``cast(layer, x)`` put on the input's device beforehand (ComfyUI's ``cast_bias_weight``, as
+    the layer's own forward casts them): the block's streamed weights copied onto the GPU at once, then the
+    compiled block, whose graph sees plain GPU weights.  The layers are put back afterwards."""
+
+    class StagedLinear(torch.nn.Module):
+        def __init__(self, weight, bias):
+            super().__init__()
+            self.register_buffer("weight", weight, persistent=False)
+            self.register_buffer("bias", bias, persistent=False)
+
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+
+    x = args[0] if args else kwargs["x"]
+    swapped = [(parent, name, child) for parent in block.modules() for name, child in parent._modules.items()
+               if isinstance(child, torch.nn.Linear)]
+    try:
+        for parent, name, child in swapped:
+            parent._modules[name] = StagedLinear(*cast(child, x))
         return compiled(*args, **kwargs)
     finally:
         for parent, name, child in swapped:
@@ -121,18 +157,25 @@ def main(argv=None) -> int:
     rows = []
     with torch.inference_mode():
         compiled = torch.compile(block, backend="inductor")
-        modes = [("eager, resident", lambda: block(*args, **kwargs), False),
-                 ("compiled, resident", lambda: compiled(*args, **kwargs), False),
-                 ("eager, streamed", lambda: block(*args, **kwargs), True),
+        cast = comfy.ops.cast_bias_weight
+        modes = [("eager, resident", lambda: block(*args, **kwargs), "resident"),
+                 ("compiled, resident", lambda: compiled(*args, **kwargs), "resident"),
+                 ("eager, streamed", lambda: block(*args, **kwargs), "streamed"),
                  ("compiled around eager layers, streamed",
-                  lambda: around_eager_layers(torch, block, compiled, *args, **kwargs), True)]
-        for name, fn, streamed in modes:
+                  lambda: around_eager_layers(torch, block, compiled, *args, **kwargs), "streamed"),
+                 ("compiled with the block's weights staged, streamed",
+                  lambda: staged(torch, cast, block, compiled, *args, **kwargs), "streamed"),
+                 ("eager, streamed from pinned memory", lambda: block(*args, **kwargs), "pinned"),
+                 ("compiled with the block's weights staged, streamed from pinned memory",
+                  lambda: staged(torch, cast, block, compiled, *args, **kwargs), "pinned")]
+        for name, fn, state in modes:
+            streamed = state != "resident"
             if streamed:
-                _stream(torch, block)
+                _stream(torch, block, pinned=state == "pinned")
             snap = None
             if a.snapshots and streamed:
                 Path(a.snapshots).mkdir(parents=True, exist_ok=True)
-                snap = str(Path(a.snapshots) / (name.split(",")[0].replace(" ", "-") + ".pickle"))
+                snap = str(Path(a.snapshots) / (name.replace(",", "").replace("'", "").replace(" ", "-") + ".pickle"))
             peak, secs = _peak(torch, fn, snapshot=snap)
             row = {"mode": name, "size": a.size, "peak_above_input_gib": round(peak, 3), "s": round(secs, 3)}
             print(json.dumps(row), flush=True)

@@ -41,3 +41,26 @@ def test_the_linears_come_back_when_the_call_fails():
     with pytest.raises(RuntimeError, match="compiled call failed"):
         sbp.around_eager_layers(torch, b, compiled, torch.zeros(1, 4))
     assert {n: m for n, m in b.named_modules() if n} == before
+
+
+def test_the_staged_call_runs_plain_layers_on_the_cast_weights_and_puts_the_layers_back():
+    b = Block()
+    before = {n: m for n, m in b.named_modules() if n}
+    casts, seen = [], []
+
+    def cast(layer, x):
+        casts.append(layer)
+        return layer.weight.detach() * 2, layer.bias.detach()
+
+    def compiled(x):
+        seen.append(_types(b))
+        return b.out(b.attn(x))
+    x = torch.randn(2, 4)
+    lin0, norm, out = b.attn[0], b.attn[1], b.out
+    expected = torch.nn.functional.linear(norm(torch.nn.functional.linear(x, 2 * lin0.weight, lin0.bias)),
+                                          2 * out.weight, out.bias)
+    got = sbp.staged(torch, cast, b, compiled, x)
+    assert torch.allclose(got, expected)
+    assert sorted(map(id, casts)) == sorted(map(id, [lin0, out]))  # each Linear cast once, before the call
+    assert seen[0]["attn.0"] == seen[0]["out"] == "StagedLinear" and seen[0]["attn.1"] == "LayerNorm"
+    assert {n: m for n, m in b.named_modules() if n} == before
