@@ -946,7 +946,9 @@ def partial_unload_lines() -> list:
             f"(repeat) at `{_commit_of_round(path, before)}` (round `{before}`), when it copied every module, and",
             f"{_secs(got[(after, 'first')])} and {_secs(got[(after, 'repeat')])} at `{_commit_of_round(path, after)}` "
             f"(round `{after}`): the weights with the LoRA on them, most of",
-            "the bytes it frees, are still copied."
+            "the bytes it frees, were still copied. The clone now gives those back too, as twins on their host storage",
+            "that carry the LoRA (`host_copy._host_twin`; host tier: `tests/host/test_host_unload.py`); not yet",
+            "measured on the H200."
             + (f" The first prompt's other partial unload, of the text encoder ({min(te):.2f}–{max(te):.2f} s), is not "
                "the clone's." if te else "")]
 

@@ -16,8 +16,9 @@ For a model that passed through the Working-Memory Estimator this module keeps t
 * :func:`release`, when the model is unloaded (its ``unpatch_model``), puts the noted host tensor back in
   place of each loaded weight, so ``model.to(offload_device)`` finds it there and copies nothing;
 * when ComfyUI frees only part of the model for another one (its ``partially_unload``: the next expert where
-  both do not fit), each module it moves gets its weights' host tensors back the same way, where the load
-  kept the weight's object.
+  both do not fit), each module it moves gets its weights' host tensors back the same way; where the load
+  replaced a weight's object with one that carries more (ComfyUI-GGUF's LoRA), a twin on the host storage
+  carrying it.
 
 A weight gets its host tensor back only where that is the weight the model would get from the copy:
 
@@ -123,8 +124,9 @@ def _partially_unload(self, *args, **kwargs):
     """The patcher's ``partially_unload`` (ComfyUI freeing part of a loaded model for another one): each module
     it moves to the offload device first gets back the host tensors its loaded weights came from, so its
     ``module.to`` copies nothing, and ComfyUI then marks it streamed as it does after a copy.  A weight whose
-    object the load replaced is given back only where that object carries nothing the host one lacks (a
-    ComfyUI-GGUF LoRA rides on the loaded tensor); patched weights are restored from ComfyUI's backups first,
+    object the load replaced gets its host object back where that object carries nothing the host one lacks,
+    and otherwise a twin of it on the host storage with the loaded object's attributes (a ComfyUI-GGUF LoRA
+    rides on the loaded tensor: :func:`_host_twin`); patched weights are restored from ComfyUI's backups first,
     as before."""
     device_to = args[0] if args else kwargs.get("device_to")
     moves: list = []
@@ -347,11 +349,29 @@ def _interchangeable(cur, host) -> bool:
         return False
 
 
+def _host_twin(cur, host):
+    """A new tensor object on ``host``'s storage that carries the instance attributes of the loaded object ``cur``,
+    as the copy ComfyUI-GGUF's ``GGMLTensor.to`` makes would carry them (its LoRA ``patches``, a list copied, and its
+    quantization fields); None where the two are not one tensor subclass with attributes of its own, or where an
+    attribute holds a tensor off the host (the copy would keep that, but it is not this module's to keep)."""
+    if type(cur) is not type(host) or type(cur) in (torch.Tensor, torch.nn.Parameter):
+        return None
+    attrs = getattr(cur, "__dict__", None)
+    if not attrs or any(
+            isinstance(v, torch.Tensor) and v.device.type != host.device.type for v in attrs.values()):
+        return None
+    twin = torch.Tensor.as_subclass(host, type(host))  # a new object on the same storage
+    for n, v in attrs.items():
+        setattr(twin, n, list(v) if isinstance(v, list) else v)
+    return twin
+
+
 def _give_back(base: torch.nn.Module, kept: dict, key: str, backup: dict, device_to, same_object: bool = False) -> int:
     """Put the kept host tensor of ``key`` back in place of the weight loaded from it; the bytes not copied.
     0, and the key forgotten, where that is not the weight the copy would give (:func:`release`);
-    ``same_object``: a replaced object only where it carries nothing the host one lacks
-    (:func:`_interchangeable`), for a module left streamed rather than reloaded."""
+    ``same_object``: for a module left streamed rather than reloaded, a replaced object is given back where it
+    carries nothing the host one lacks (:func:`_interchangeable`), else as a twin carrying its attributes
+    (:func:`_host_twin`)."""
     k = kept[key]
     try:
         module, name, cur = _param(base, key)
@@ -365,6 +385,8 @@ def _give_back(base: torch.nn.Module, kept: dict, key: str, backup: dict, device
     elif (ok and _same(k.host.device, device_to)  # the load replaced the object
           and (not same_object or _interchangeable(cur, k.host))):
         _put(module, name, k.host)
+    elif ok and same_object and _same(k.host.device, device_to) and (twin := _host_twin(cur, k.host)) is not None:
+        _put(module, name, twin)  # a module left streamed keeps what rides on the loaded object (a GGUF LoRA)
     else:
         del kept[key]
         return 0

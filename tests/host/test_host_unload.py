@@ -198,7 +198,7 @@ def test_stock_comfyui_copies_on_a_partial_unload_so_the_test_can_fail(comfy):
         base.partially_unload(base.offload_device, memory_to_free=base.model.model_loaded_weight_memory // 3)
 
 
-def test_a_gguf_lora_on_the_loaded_tensor_is_never_given_back_on_a_partial_unload(comfy, tmp_path):
+def test_a_gguf_lora_on_the_loaded_tensor_is_not_interchangeable_with_the_host_one(comfy, tmp_path):
     """ComfyUI-GGUF hangs a LoRA on the loaded quantized tensor (``patches``): a module left streamed with the host
     tensor instead would lose it, so only the tensors that carry nothing more are interchangeable."""
     from wan_sage.nodes import host_copy
@@ -214,6 +214,29 @@ def test_a_gguf_lora_on_the_loaded_tensor_is_never_given_back_on_a_partial_unloa
         patched = {key for key in kept if getattr(dict(m.model.named_parameters()).get(key), "patches", None)}
         assert patched and all(not verdict[key] for key in patched)
         assert any(verdict[key] for key in kept if key not in patched)
+        m.detach()
+
+
+def test_a_partial_unload_of_a_gguf_expert_keeps_its_lora_on_the_host_storage(comfy, tmp_path):
+    """The real ComfyUI-GGUF expert with its LoRA, loaded on ``meta`` and partly unloaded: every module moved gets its
+    weights back on their very host storage (a meta tensor cannot be copied, so a copy would raise), and each
+    weight that carried the LoRA on the device still carries the same patches, as ComfyUI-GGUF's copy would."""
+    with torch.inference_mode():
+        m = _gguf_on_meta(tmp_path)
+        before = _state(m.model)
+        m.patch_model(META, lowvram_model_memory=0)
+        loaded = m.model.model_loaded_weight_memory
+        patches = {k: list(t.patches) for k, t in m.model.named_parameters() if getattr(t, "patches", None)}
+        assert patches
+        freed = m.partially_unload(m.offload_device, memory_to_free=loaded // 3)
+        assert freed >= loaded // 3 and m.model.model_lowvram
+        params = dict(m.model.named_parameters())
+        moved = [k for k, t in params.items() if t.device.type == "cpu"]
+        assert moved and any(k in patches for k in moved)
+        for k in moved:
+            assert params[k].data_ptr() == before[k][0], f"{k} was copied back"
+            if k in patches:
+                assert params[k].patches == patches[k], k
         m.detach()
 
 
@@ -233,3 +256,26 @@ def test_a_failing_give_back_on_a_partial_unload_leaves_it_to_comfyuis_copy(comf
         c.partially_unload(c.offload_device, memory_to_free=c.model.model_loaded_weight_memory // 3)
     assert all("to" not in mod.__dict__ for mod in c.model.modules())
     assert host_copy.kept_bytes(c) == 0  # forgotten: the rest is ComfyUI's copy too
+
+
+def test_a_gguf_twin_dequantises_with_its_lora_as_the_loaded_tensor_does(comfy, tmp_path):
+    """What a module left streamed computes from its weight after the partial unload: ComfyUI-GGUF's own
+    ``get_weight`` (dequantisation, then the LoRA from ``patches``) on the twin equals it on the loaded tensor,
+    and on the bare host tensor it does not (the LoRA would be lost)."""
+    from wan_sage.nodes import host_copy
+
+    with torch.inference_mode():
+        model = _gguf_model(tmp_path)
+        model.patch_model(model.load_device)  # the CPU here: ComfyUI-GGUF hangs the LoRA on each loaded tensor
+        mod, cur = next((mod, mod.weight) for mod in model.model.modules()
+                        if getattr(getattr(mod, "weight", None), "patches", None)
+                        and getattr(mod.weight, "tensor_type", None) is not None and hasattr(mod, "get_weight"))
+        host = torch.Tensor.as_subclass(cur, type(cur))  # the same bytes without what the load hung on them
+        for name in ("tensor_type", "tensor_shape"):
+            setattr(host, name, getattr(cur, name))
+        twin = host_copy._host_twin(cur, host)
+        assert twin is not None and twin.data_ptr() == cur.data_ptr()
+        torch.testing.assert_close(mod.get_weight(twin, torch.bfloat16), mod.get_weight(cur, torch.bfloat16),
+                                   rtol=0, atol=0)
+        assert not torch.equal(mod.get_weight(host, torch.bfloat16), mod.get_weight(cur, torch.bfloat16))
+        model.detach()

@@ -361,3 +361,40 @@ def test_where_comfyui_pins_streamed_weights_or_the_copy_was_made_gguf_keeps_its
     assert host_copy.skip_unmapping(plain) is False and not hasattr(plain, "mmap_released")
     stock = GGUFPatcher(Net())  # no host copies kept: ComfyUI-GGUF's copy stays
     assert host_copy.skip_unmapping(stock) is False and stock.mmap_released is False
+
+
+def test_a_loaded_tensor_that_carries_more_gets_a_twin_on_its_host_storage():
+    """ComfyUI-GGUF's LoRA rides on the loaded quantized tensor (``patches``): the twin has the host tensor's
+    storage and the loaded object's attributes, a list copied as ``GGMLTensor.to`` copies it, and the host object
+    is left as it was."""
+    host = QTensor(torch.arange(8, dtype=torch.uint8))
+    cur = QTensor(torch.arange(8, dtype=torch.uint8), tensor_type="Q4_K")
+    cur.patches = [((torch.ones(2),), "blocks.0.q.weight")]
+    twin = host_copy._host_twin(cur, host)
+    assert twin is not host and type(twin) is QTensor and twin.data_ptr() == host.data_ptr()
+    assert twin.patches == cur.patches and twin.patches is not cur.patches and twin.tensor_type == "Q4_K"
+    assert "patches" not in host.__dict__
+    assert host_copy._host_twin(torch.ones(8), torch.ones(8)) is None  # plain tensors: nothing to carry
+    assert host_copy._host_twin(torch.nn.Parameter(torch.ones(8)), torch.nn.Parameter(torch.ones(8))) is None
+    off = QTensor(torch.arange(8, dtype=torch.uint8))
+    off.patches = [((torch.ones(2, device="meta"),), "k")]
+    off.scale = torch.ones(1, device="meta")  # a tensor attribute on another device: not this module's to keep
+    assert host_copy._host_twin(off, host) is None
+
+
+def test_a_partly_unloaded_gguf_lora_weight_gets_its_host_storage_with_its_lora():
+    model = Net()
+    p = Patcher(model)
+    p.lora.add("q.weight")
+    before = _host_state(model)
+    assert host_copy.install(p)
+    _load(p)
+    loaded = model.q.weight
+    loaded.patches = [((torch.ones(2),), "q.weight")]  # as ComfyUI-GGUF's patch_weight_to_device sets it
+    kept = host_copy._KEPT[model]
+    freed = host_copy._give_back(model, kept, "q.weight", p.backup, CPU, same_object=True)
+    assert freed == 64 and model.q.weight is not loaded
+    _check_given_back(model, before, keys={"q.weight"})
+    assert model.q.weight.patches == loaded.patches and model.q.weight.tensor_type == "Q4_K"
+    # without the twin the module would get the host object, whose LoRA is gone: the test can fail
+    assert getattr(kept["q.weight"].host, "patches", None) is None
