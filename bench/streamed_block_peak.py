@@ -28,30 +28,14 @@ GiB = 1 << 30
 
 
 def _block_and_inputs(comfy, torch, width: int, height: int, frames: int):
+    """The block of a one-block A14B on the GPU and its inputs (``comfy_env.a14b_block_and_inputs``); only the
+    block is kept on the GPU."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "host"))
     import comfy_env
-    dims = dict(dim=5120, ffn_dim=13824, num_layers=1)
-    state = comfy_env.tiny_wan_state_dict(**dims, seed=0)
-    kw = comfy_env._wan_kwargs(dims["dim"], dims["ffn_dim"], 1, "t2v", None, 16, comfy_env.WAN_TEXT_DIM)
-    model = comfy.wan_model.WanModel(**kw, device="cuda", dtype=torch.bfloat16,
-                                     operations=comfy.ops.disable_weight_init)
-    model.load_state_dict({k: v.to(torch.bfloat16) for k, v in state.items()})
-    del state
-    captured = {}
-
-    def grab(module, args, kwargs):
-        captured["args"], captured["kwargs"] = args, kwargs
-    g = torch.Generator(device="cuda").manual_seed(0)
     latent = (1, 16, (frames - 1) // 4 + 1, height // 8, width // 8)
-    x = torch.randn(latent, device="cuda", dtype=torch.bfloat16, generator=g)
-    context = 0.1 * torch.randn(1, 512, comfy_env.WAN_TEXT_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
-    handle = model.blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
-    with torch.inference_mode():
-        model(x, torch.tensor([500.0], device="cuda"), context, transformer_options={})
-    handle.remove()
-    block = model.blocks[0]
+    model, block, args, kwargs = comfy_env.a14b_block_and_inputs(comfy, latent)
     del model.blocks  # the block alone stays on the GPU
-    return block, captured["args"], captured["kwargs"]
+    return block, args, kwargs
 
 
 def _stream(torch, block, pinned: bool = False):

@@ -48,27 +48,9 @@ def wan_block():
     inputs a real forward gives it."""
     _stub_pyav_if_missing()
     comfy = comfy_env.boot(cpu=False, attention="pytorch")
-    dims = dict(dim=5120, ffn_dim=13824, num_layers=1)
-    state = comfy_env.tiny_wan_state_dict(**dims, seed=0)
-    kw = comfy_env._wan_kwargs(dims["dim"], dims["ffn_dim"], 1, "t2v", None, 16, comfy_env.WAN_TEXT_DIM)
-    model = comfy.wan_model.WanModel(**kw, device="cuda", dtype=torch.bfloat16,
-                                     operations=comfy.ops.disable_weight_init)
-    model.load_state_dict({k: v.to(torch.bfloat16) for k, v in state.items()})
-    del state
-    model.eval()
-    captured = {}
-
-    def grab(module, args, kwargs):
-        captured["args"], captured["kwargs"] = args, kwargs
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(LATENT_480P81, device="cuda", dtype=torch.bfloat16, generator=g)
-    context = 0.1 * torch.randn(1, 512, comfy_env.WAN_TEXT_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
-    handle = model.blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
-    with torch.no_grad():
-        model(x, torch.tensor([500.0], device="cuda"), context, transformer_options={})
-    handle.remove()
-    yield comfy, model.blocks[0], captured["args"], captured["kwargs"]
-    del model
+    model, block, args, kwargs = comfy_env.a14b_block_and_inputs(comfy, LATENT_480P81)
+    yield comfy, block, args, kwargs
+    del model, block, args, kwargs
     gc.collect()
     torch.cuda.empty_cache()
 

@@ -426,6 +426,33 @@ def tiny_wan_patcher(dim: int = 256, ffn_dim: int = 256, num_layers: int = 2,
     return patcher
 
 
+def a14b_block_and_inputs(comfy, latent_shape, device: str = "cuda"):
+    """A one-block Wan A14B at its real dims (dim 5120, ffn 13824; random weights, bf16, ComfyUI's
+    ``disable_weight_init`` ops, on ``device``, in eval mode) and the exact inputs a real forward of a
+    ``latent_shape`` latent gives its block: ``(model, block, args, kwargs)``."""
+    import torch
+    dims = dict(dim=5120, ffn_dim=13824, num_layers=1)
+    state = tiny_wan_state_dict(**dims, seed=0)
+    kw = _wan_kwargs(dims["dim"], dims["ffn_dim"], 1, "t2v", None, 16, WAN_TEXT_DIM)
+    model = comfy.wan_model.WanModel(**kw, device=device, dtype=torch.bfloat16,
+                                     operations=comfy.ops.disable_weight_init)
+    model.load_state_dict({k: v.to(torch.bfloat16) for k, v in state.items()})
+    del state
+    model.eval()
+    captured = {}
+
+    def grab(module, args, kwargs):
+        captured["args"], captured["kwargs"] = args, kwargs
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(tuple(latent_shape), device=device, dtype=torch.bfloat16, generator=g)
+    context = 0.1 * torch.randn(1, 512, WAN_TEXT_DIM, device=device, dtype=torch.bfloat16, generator=g)
+    handle = model.blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
+    with torch.no_grad():
+        model(x, torch.tensor([500.0], device=device), context, transformer_options={})
+    handle.remove()
+    return model, model.blocks[0], captured["args"], captured["kwargs"]
+
+
 def tiny_gguf_expert(gguf_dir: str | os.PathLike, models_dir: str | os.PathLike, lora_rank: int = 8):
     """A real ComfyUI-GGUF patcher around the miniature high-noise Wan 2.2 expert of ``bench.e2e_models``
     (random weights, Q4_K/Q6_K/F32/BF16 as the real file's), with its LoRA, loaded through ``UnetLoaderGGUF``
