@@ -53,6 +53,20 @@ def _stream(torch, block, pinned: bool = False):
                         p.data = p.data.pin_memory()
 
 
+def _linears_replaced(torch, block, stand_in, call):
+    """``call()`` with every Linear of ``block`` replaced by ``stand_in(layer)``, the layers put back afterwards (also
+    when the call fails)."""
+    swapped = [(parent, name, child) for parent in block.modules() for name, child in parent._modules.items()
+               if isinstance(child, torch.nn.Linear)]
+    try:
+        for parent, name, child in swapped:
+            parent._modules[name] = stand_in(child)
+        return call()
+    finally:
+        for parent, name, child in swapped:
+            parent._modules[name] = child
+
+
 def around_eager_layers(torch, block, compiled, *args, **kwargs):
     """``compiled(*args, **kwargs)`` with every Linear of ``block`` behind a stand-in that dynamo does not trace,
     the layers put back afterwards (also when the call fails)."""
@@ -66,15 +80,7 @@ def around_eager_layers(torch, block, compiled, *args, **kwargs):
         def forward(self, *a, **k):
             return self.layer(*a, **k)
 
-    swapped = [(parent, name, child) for parent in block.modules() for name, child in parent._modules.items()
-               if isinstance(child, torch.nn.Linear)]
-    try:
-        for parent, name, child in swapped:
-            parent._modules[name] = EagerLayer(child)
-        return compiled(*args, **kwargs)
-    finally:
-        for parent, name, child in swapped:
-            parent._modules[name] = child
+    return _linears_replaced(torch, block, EagerLayer, lambda: compiled(*args, **kwargs))
 
 
 def staged(torch, cast, block, compiled, *args, **kwargs):
@@ -93,15 +99,8 @@ def staged(torch, cast, block, compiled, *args, **kwargs):
             return torch.nn.functional.linear(x, self.weight, self.bias)
 
     x = args[0] if args else kwargs["x"]
-    swapped = [(parent, name, child) for parent in block.modules() for name, child in parent._modules.items()
-               if isinstance(child, torch.nn.Linear)]
-    try:
-        for parent, name, child in swapped:
-            parent._modules[name] = StagedLinear(*cast(child, x))
-        return compiled(*args, **kwargs)
-    finally:
-        for parent, name, child in swapped:
-            parent._modules[name] = child
+    return _linears_replaced(torch, block, lambda layer: StagedLinear(*cast(layer, x)),
+                             lambda: compiled(*args, **kwargs))
 
 
 def _peak(torch, fn, runs: int = 3, snapshot: str | None = None) -> tuple[float, float]:
