@@ -37,8 +37,9 @@ The host tensors kept are those the model was loaded from; a ComfyUI-GGUF model'
 map, so its model stays on that map while loaded and after an unload.  ComfyUI-GGUF's first partial load
 copies each module left streaming to the GPU and back (``mmap_released``) to take it off the map: on this
 clone that frees nothing and costs the first prompt about 1 s per GiB streamed (H200), so
-:func:`skip_unmapping` leaves those modules on the map, where ComfyUI pins no streamed weights (ComfyUI-GGUF
-copies a weight off the map before ComfyUI pins it).
+:func:`skip_unmapping` skips it where ComfyUI pins no streamed weights (ComfyUI-GGUF copies a weight off the map
+before ComfyUI pins it).  After each load, :mod:`.pinned_host` copies the modules left streaming off the map into
+page-locked memory, on a CUDA device and within its host memory ceiling.
 """
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import pinned_host
 from .comfy_bridge import same_device as _same
 from .log_once import reason, warn_once
 
@@ -188,7 +190,8 @@ def _failed(patcher, what: str, e: Exception) -> None:
 
 def _load(self, *args, **kwargs):
     """The patcher's ``load`` (every load: ``patch_model``, ``partially_load``): notes the host tensors
-    before the class's own load and keeps those it put on the device after it.  Never fails a load."""
+    before the class's own load and keeps those it put on the device after it; then page-locks the weights it
+    left streaming where ComfyUI does not (:mod:`.pinned_host`).  Never fails a load."""
     try:
         note(self)
     except Exception as e:
@@ -201,6 +204,8 @@ def _load(self, *args, **kwargs):
             settle(self)
         except Exception as e:
             _failed(self, "keeping the weights' host copies", e)
+        if not _pins_streamed_weights(self):
+            pinned_host.pin_streamed(self)
 
 
 def _pins_streamed_weights(patcher) -> bool:

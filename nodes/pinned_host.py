@@ -1,0 +1,200 @@
+"""Page-locked host memory for the weights a partial load leaves streaming, where ComfyUI does not pin them.
+
+ComfyUI 0.3.64 streams the weights a partial load leaves on the host (lowvram) from pageable memory: each layer's
+forward copies its weights onto the GPU through the driver's staging buffer.  On the H200 one A14B block at
+1280x720x81 ran 0.403 s with its Linears streamed from pageable memory, 0.310 s from page-locked memory and 0.304 s
+resident (``python -m bench.streamed_block_peak``); a GGUF A14B expert sampling 720p81 at 12 GiB streams about
+5.8 GiB per step.  Newer ComfyUI pins streamed weights itself (``pin_weight_to_device``); there, and wherever the
+pack does not keep the model's host copies (:mod:`.host_copy`: dynamic VRAM, one device), this does nothing.
+
+After each load of a model the pack keeps host copies for, :func:`pin_streamed` gives every module left streaming
+one new host buffer holding its weights, page-locks it (``cudaHostRegister``) and points the weights at it.  The
+weight objects stay the same (a ComfyUI-GGUF LoRA rides on them); only their storage moves, off the file map or
+pageable memory they lay on.  The pack page-locks at most :data:`FRACTION` of the machine's RAM in all (ComfyUI's
+own ceiling on Windows) and never takes the host's available memory below :data:`KEEP_AVAILABLE`.  A buffer is
+unregistered when the last weight on it lets go of it.  A module that cannot be pinned keeps its weights where
+they were, and the reason is logged once.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+import time
+import weakref
+
+import torch
+
+from .log_once import reason, warn_once
+
+log = logging.getLogger("wan_sage")
+
+__all__ = ["pin_streamed", "pinned_bytes", "ceiling", "FRACTION", "KEEP_AVAILABLE", "CudaLocker"]
+
+FRACTION = 0.40          # of the machine's RAM, page-locked by the pack at most
+KEEP_AVAILABLE = 4 << 30  # host memory left available after each buffer
+ALIGN = 64                # each weight's offset in its module's buffer
+
+_lock = threading.Lock()
+_pinned = {"bytes": 0}
+_buffers: dict = {}  # start address -> size of each buffer the pack holds page-locked
+
+
+def pinned_bytes() -> int:
+    """The host memory the pack holds page-locked now."""
+    return _pinned["bytes"]
+
+
+def _in_buffer(ptr: int) -> bool:
+    with _lock:
+        return any(start <= ptr < start + size for start, size in _buffers.items())
+
+
+def _ram_total() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        pass
+    try:
+        import psutil
+        return int(psutil.virtual_memory().total)
+    except Exception:
+        return 0
+
+
+def _ram_available() -> int | None:
+    try:
+        import psutil
+        return int(psutil.virtual_memory().available)
+    except Exception:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def ceiling(total: int | None = None) -> int:
+    """The most host memory the pack page-locks: :data:`FRACTION` of ``total`` (the machine's RAM)."""
+    return int((_ram_total() if total is None else total) * FRACTION)
+
+
+class CudaLocker:
+    """Page-locks host memory with the CUDA runtime: ``cudaHostRegister`` and ``cudaHostUnregister``."""
+
+    def usable(self, device) -> bool:
+        return getattr(device, "type", None) == "cuda" and torch.cuda.is_available()
+
+    def lock(self, ptr: int, nbytes: int) -> bool:
+        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister returned CUDA error {int(err)}")
+        return True
+
+    def unlock(self, ptr: int) -> None:
+        torch.cuda.synchronize()  # no copy from the buffer is still in flight
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def _released(locker, ptr: int, nbytes: int) -> None:
+    """The buffer's last weight let go of it: unregister it (before its memory is unmapped) and count it off."""
+    with _lock:
+        _pinned["bytes"] -= nbytes
+        _buffers.pop(ptr, None)
+    try:
+        locker.unlock(ptr)
+    except Exception as e:  # never raise from a finalizer
+        warn_once(("pin-unlock", type(e).__name__), "wan-sage: unregistering page-locked host memory failed (%s).",
+                  reason(e))
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's own bytes as a plain tensor on the same storage (a GGUF weight's raw blocks)."""
+    return t if type(t) is torch.Tensor else torch.Tensor.as_subclass(t, torch.Tensor)
+
+
+def _streamed_modules(model: torch.nn.Module, offload: torch.device):
+    """(module, [(name, tensor)]) for each module that casts its weights per call (``comfy_cast_weights``) and
+    holds them on the offload device, not yet page-locked."""
+    for module in model.modules():
+        if not getattr(module, "comfy_cast_weights", False):
+            continue
+        params = [(n, p) for n, p in module.named_parameters(recurse=False) if p is not None]
+        if not params or any(p.device != offload for _, p in params):
+            continue
+        plain = [(n, _plain(p)) for n, p in params]
+        if any(not t.is_contiguous() or t.is_pinned() or _in_buffer(t.data_ptr()) for _, t in plain):
+            continue
+        yield module, params, plain
+
+
+def _layout(plain) -> tuple[list[int], int]:
+    offsets, end = [], 0
+    for _, t in plain:
+        start = -(-end // ALIGN) * ALIGN
+        offsets.append(start)
+        end = start + t.numel() * t.element_size()
+    return offsets, end
+
+
+def _pin_module(params, plain, locker) -> int:
+    """Copy one module's weights into one new page-locked buffer and point them at it; the bytes pinned."""
+    offsets, size = _layout(plain)
+    view = memoryview(mmap.mmap(-1, size))  # page-aligned, this buffer's alone; the storage holds the view
+    base = torch.frombuffer(view, dtype=torch.uint8)
+    targets = []
+    for (_, t), off in zip(plain, offsets):
+        n = t.numel() * t.element_size()
+        dst = base[off:off + n].view(t.dtype).view(t.size())
+        dst.copy_(t)
+        targets.append(dst)
+    ptr = base.data_ptr()
+    locker.lock(ptr, size)
+    with _lock:
+        _pinned["bytes"] += size
+        _buffers[ptr] = size
+    weakref.finalize(view, _released, locker, ptr, size)
+    for (_, p), dst in zip(params, targets):
+        p.data = dst
+    return size
+
+
+def pin_streamed(patcher, locker=None, total: int | None = None, available=_ram_available) -> int:
+    """After a load of ``patcher``: page-lock the weights of each module left streaming, within the ceiling; the
+    bytes pinned.  Never raises."""
+    locker = locker or CudaLocker()
+    try:
+        load = torch.device(getattr(patcher, "load_device", "cpu"))
+        offload = torch.device(getattr(patcher, "offload_device", "cpu"))
+        model = getattr(patcher, "model", None)
+        if not isinstance(model, torch.nn.Module) or offload.type != "cpu" or not locker.usable(load):
+            return 0
+        limit = ceiling(total)
+        done, skipped, t0 = 0, 0, time.perf_counter()
+        for module, params, plain in _streamed_modules(model, offload):
+            need = _layout(plain)[1]
+            free = available() if available is not None else None
+            if (_pinned["bytes"] + need > limit
+                    or (free is not None and free - need < KEEP_AVAILABLE)):
+                skipped += need
+                continue
+            try:
+                done += _pin_module(params, plain, locker)
+            except Exception as e:  # this module streams from where it was
+                warn_once(("pin", type(e).__name__), "wan-sage: page-locking streamed weights failed (%s); they "
+                          "stream from pageable memory.", reason(e))
+                break
+        if done or skipped:
+            log.info("wan-sage: page-locked %.2f GiB of streamed weights in %.2f s%s", done / 2**30,
+                     time.perf_counter() - t0,
+                     f"; {skipped / 2**30:.2f} GiB left pageable (host memory ceiling)" if skipped else "")
+        return done
+    except Exception as e:
+        warn_once(("pin-plan", type(e).__name__), "wan-sage: page-locking streamed weights failed (%s); they "
+                  "stream from pageable memory.", reason(e))
+        return 0
