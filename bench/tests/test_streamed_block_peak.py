@@ -64,3 +64,40 @@ def test_the_staged_call_runs_plain_layers_on_the_cast_weights_and_puts_the_laye
     assert sorted(map(id, casts)) == sorted(map(id, [lin0, out]))  # each Linear cast once, before the call
     assert seen[0]["attn.0"] == seen[0]["out"] == "StagedLinear" and seen[0]["attn.1"] == "LayerNorm"
     assert {n: m for n, m in b.named_modules() if n} == before
+
+
+class Run(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return self.block.out(self.block.attn(x * 2) + 1)
+
+
+@pytest.mark.parametrize("mode", ["eager layers", "staged"])
+def test_a_repeated_compiled_call_compiles_nothing_new(mode):
+    """The stand-ins are one class per process: a class made anew per call fails dynamo's guard on the module's
+    type at every call, which compiles again (and measures the compile, not the block)."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    b = Block()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    compiled = torch.compile(Run(b), backend=backend)
+    x = torch.randn(2, 4)
+
+    def call():
+        if mode == "staged":
+            return sbp.staged(torch, lambda layer, x: (layer.weight.detach(), layer.bias.detach()), b, compiled, x)
+        return sbp.around_eager_layers(torch, b, compiled, x)
+    call()
+    first = len(graphs)
+    assert first >= 1
+    for _ in range(3):
+        call()
+    assert len(graphs) == first
+    torch._dynamo.reset()
