@@ -159,8 +159,10 @@ def _forward(patcher, latent, text):
 
 def test_a_gguf_model_first_loaded_in_part_streams_from_its_host_tensors_as_stock_does(comfy, tmp_path):
     """The first load of a GGUF model that leaves modules streaming: ComfyUI-GGUF copies each of them to the GPU
-    and back (off the file's memory map), the estimator's clone does not. Its streamed weights are their very host
-    tensors, with the LoRA on them, and its forward equals the one after ComfyUI-GGUF's copy."""
+    and back (off the file's memory map); the estimator's clone copies them once into page-locked host buffers
+    instead (:mod:`wan_sage.nodes.pinned_host`). Its streamed weights keep their bytes and the LoRA on them, its
+    loaded ones get their very host tensors back on the unload, and its forward equals the one after
+    ComfyUI-GGUF's copy."""
     from wan_sage.nodes import host_copy
     mm = comfy.model_management
     dev = mm.get_torch_device()
@@ -178,10 +180,11 @@ def test_a_gguf_model_first_loaded_in_part_streams_from_its_host_tensors_as_stoc
         streamed = {k for k, t in params.items() if t.device.type == "cpu"}
         assert streamed and any(getattr(params[k], "patches", None) for k in streamed)
         for k in streamed:
-            assert params[k].data_ptr() == before[k][0], f"{k} was copied off its host tensor"
+            assert params[k].is_pinned() and params[k].data_ptr() != before[k][0], f"{k} is not page-locked"
+            assert torch.equal(params[k].detach().as_subclass(torch.Tensor), before[k][1]), k
         ours = _forward(m, latent, text)
         m.detach()
-        _assert_on_host_tensors(m.model, before)
+        _assert_on_host_tensors(m.model, {k: v for k, v in before.items() if k not in streamed})
         assert base.mmap_released is False
         base.patch_model(dev, lowvram_model_memory=base.model_size() // 4)  # ComfyUI-GGUF's copy
         assert base.mmap_released
