@@ -67,13 +67,13 @@ def _host_state(model):
             for k, t in [*model.named_parameters(), *model.named_buffers()]}
 
 
-def _assert_on_host_tensors(model, before):
+def _assert_on_host_tensors(model, before, moved=frozenset()):
     """Every weight and buffer of ``model`` is the very host tensor ``before`` (:func:`_host_state`) noted:
-    the same data pointer and bytes."""
+    the same data pointer and bytes; those in ``moved`` the same bytes."""
     after = _host_state(model)
     assert after.keys() == before.keys()
     for k, (ptr, value) in before.items():
-        assert after[k][0] == ptr, f"{k} was copied back, not given its host tensor"
+        assert k in moved or after[k][0] == ptr, f"{k} was copied back, not given its host tensor"
         assert torch.equal(after[k][1], value), k
 
 
@@ -179,12 +179,19 @@ def test_a_gguf_model_first_loaded_in_part_streams_from_its_host_tensors_as_stoc
         params = dict(m.model.named_parameters())
         streamed = {k for k, t in params.items() if t.device.type == "cpu"}
         assert streamed and any(getattr(params[k], "patches", None) for k in streamed)
+        # the weights of layers that cast them per call; a block's own modulation is cast by its forward and stays
+        cast = {k for k in streamed
+                if getattr(m.model.get_submodule(k.rpartition(".")[0]), "comfy_cast_weights", False)}
+        assert cast
         for k in streamed:
-            assert params[k].is_pinned() and params[k].data_ptr() != before[k][0], f"{k} is not page-locked"
+            if k in cast:
+                assert params[k].is_pinned() and params[k].data_ptr() != before[k][0], f"{k} is not page-locked"
+            else:
+                assert params[k].data_ptr() == before[k][0], f"{k} was copied off its host tensor"
             assert torch.equal(params[k].detach().as_subclass(torch.Tensor), before[k][1]), k
         ours = _forward(m, latent, text)
         m.detach()
-        _assert_on_host_tensors(m.model, {k: v for k, v in before.items() if k not in streamed})
+        _assert_on_host_tensors(m.model, before, moved=cast)
         assert base.mmap_released is False
         base.patch_model(dev, lowvram_model_memory=base.model_size() // 4)  # ComfyUI-GGUF's copy
         assert base.mmap_released
