@@ -957,9 +957,9 @@ def unmapping_lines() -> list:
     """ComfyUI-GGUF's first partial load, before and after the estimator's clone left streamed modules on the map."""
     o = ["ComfyUI-GGUF's first partial load moves each module left streaming to the GPU and back, to take it off the",
          "file's memory map. The estimator's clone keeps its loaded weights' host tensors, which lie on that map, so on",
-         "the clone that copy frees nothing: the clone leaves the streamed modules on the map",
-         "(`host_copy.skip_unmapping`), except where ComfyUI pins streamed weights (ComfyUI-GGUF copies a weight off the",
-         "map before ComfyUI pins it). Seconds of the first prompt's partial loads (`partially_load`, high / low",
+         "the clone that copy frees nothing: the clone skips it (`host_copy.skip_unmapping`; below, it copies the",
+         "streamed modules into page-locked memory instead), except where ComfyUI pins streamed weights (ComfyUI-GGUF",
+         "copies a weight off the map before ComfyUI pins it). Seconds of the first prompt's partial loads (`partially_load`, high / low",
          "expert), estimator + Sage, GGUF Q4_K_M A14B 720p81:", ""]
     for path, before, after, budget in UNMAP_ROUNDS:
         b = _expert_phase_seconds(path, before, "est+sage", "first", "partially_load")
@@ -967,7 +967,45 @@ def unmapping_lines() -> list:
         fmt = lambda xs: " / ".join(f"{x:.2f}" for x in xs) + " s" if xs else "—"  # noqa: E731
         o.append(f"- {budget}: {fmt(b)} at `{_commit_of_round(path, before)}` (round `{before}`), {fmt(a)} at "
                  f"`{_commit_of_round(path, after)}` (round `{after}`; {link(path)}).")
-    return o + [""] + te_copy_lines()
+    return o + [""] + pinned_lines() + [""] + te_copy_lines()
+
+
+# (records, round before, round after) around the page-locked streamed weights (nodes/pinned_host.py), and the probe
+PIN_ROUNDS = ("whole-prompt/gguf-720p81-4steps-12gib-eager.jsonl", "g", "h")
+PIN_PROBE = "compile/streamed-block-peak-2916b3e.jsonl"
+
+
+def pinned_lines() -> list:
+    """The streamed weights in page-locked host memory: the one-block probe, and the 12 GiB whole prompts before and
+    after the estimator's clone page-locked them."""
+    probe = {r["mode"]: r["s"] for r in rows(PIN_PROBE)}
+    path, before, after = PIN_ROUNDS
+
+    def later_steps(rnd):
+        return [s_ for r in _round_runs(path, rnd, "est+sage") for pr in r["prompts"] for x in pr["experts"].values()
+                for s_ in x["step_s"][1:]]
+
+    def frames(rnd, prompt):
+        return [pr["to_frames_s"] for r in _round_runs(path, rnd, "est+sage") for pr in r["prompts"]
+                if pr["prompt"] == prompt]
+    fmt = lambda xs: " / ".join(f"{x:.2f}" for x in xs) + " s" if xs else "—"  # noqa: E731
+    loads = {rnd: _expert_phase_seconds(path, rnd, "est+sage", "first", "partially_load") for rnd in (before, after)}
+    return [
+        "ComfyUI 0.3.64 streams the weights a partial load leaves on the host from pageable memory, through the",
+        "driver's staging buffer. After each load the estimator's clone copies the weights of every module left",
+        "streaming into one page-locked buffer per module (`nodes/pinned_host.py`, `cudaHostRegister`), within 40 % of",
+        "the machine's RAM and never below 4 GiB of available host memory; newer ComfyUI pins streamed weights itself,",
+        "and there the clone does not. One A14B block at 1280×720×81 with its Linears streamed "
+        f"({link(PIN_PROBE)}): {probe.get('eager, streamed', float('nan')):.3f} s from pageable memory, "
+        f"{probe.get('eager, streamed from pinned memory', float('nan')):.3f} s from page-locked memory, "
+        f"{probe.get('eager, resident', float('nan')):.3f} s resident.",
+        f"In the 12 GiB seed prompts ({link(path)}, estimator + Sage + text encoder host copy) the first prompt's",
+        f"partial loads took {fmt(loads[before])} at `{_commit_of_round(path, before)}` (round `{before}`) and "
+        f"{fmt(loads[after])} at `{_commit_of_round(path, after)}` (round `{after}`, the copies into page-locked",
+        f"memory); the later steps {_span(later_steps(before))} s and {_span(later_steps(after))} s; the prompt "
+        f"{fmt(frames(before, 'first'))} and {fmt(frames(after, 'first'))} first, {fmt(frames(before, 'repeat'))} and "
+        f"{fmt(frames(after, 'repeat'))} repeated (two machines; the ratios to ComfyUI alone on each are in "
+        "[benchmarks](benchmarks.md#whole-generation))."]
 
 
 # the whole prompts with Wan Text Encoder Host Copy and ComfyUI alone on one machine (nodes/text_encoder.py)

@@ -2,9 +2,10 @@
 
 ComfyUI 0.3.64 streams the weights a partial load leaves on the host (lowvram) from pageable memory: each layer's
 forward copies its weights onto the GPU through the driver's staging buffer.  On the H200 one A14B block at
-1280x720x81 ran 0.403 s with its Linears streamed from pageable memory, 0.310 s from page-locked memory and 0.304 s
+1280x720x81 ran 0.379 s with its Linears streamed from pageable memory, 0.305 s from page-locked memory and 0.294 s
 resident (``python -m bench.streamed_block_peak``); a GGUF A14B expert sampling 720p81 at 12 GiB streams about
-5.8 GiB per step.  Newer ComfyUI pins streamed weights itself (``pin_weight_to_device``); there, and wherever the
+5.8 GiB per step, and its later steps went from 11.0-11.3 s to 10.6-10.7 s (docs/memory-model.md, "Unloading a
+model at an expert switch").  Newer ComfyUI pins streamed weights itself (``pin_weight_to_device``); there, and wherever the
 pack does not keep the model's host copies (:mod:`.host_copy`: dynamic VRAM, one device), this does nothing.
 
 After each load of a model the pack keeps host copies for, :func:`pin_streamed` gives every module left streaming

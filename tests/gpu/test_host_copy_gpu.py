@@ -157,7 +157,7 @@ def _forward(patcher, latent, text):
     return patcher.model.apply_model(latent.to(dev), sigma, c_crossattn=text.to(dev)).float().cpu()
 
 
-def test_a_gguf_model_first_loaded_in_part_streams_from_its_host_tensors_as_stock_does(comfy, tmp_path):
+def test_a_gguf_model_first_loaded_in_part_streams_page_locked_and_runs_as_stock_does(comfy, tmp_path):
     """The first load of a GGUF model that leaves modules streaming: ComfyUI-GGUF copies each of them to the GPU
     and back (off the file's memory map); the estimator's clone copies them once into page-locked host buffers
     instead (:mod:`wan_sage.nodes.pinned_host`). Its streamed weights keep their bytes and the LoRA on them, its
