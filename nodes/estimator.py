@@ -33,7 +33,7 @@ from ..memory import activation_model, report
 from ..memory.estimate import DEFAULT_CC, GiB, POLICIES, AttentionPlan, Estimate, Setup, plan
 from ..memory.parallel import Parallel, problem
 from ..memory.request import LEGACY_POLICIES
-from . import comfy_bridge, decode_room, host_copy, raylight_bridge, sage_patch
+from . import comfy_bridge, decode_room, host_copy, pinned_host, raylight_bridge, sage_patch
 from .log_once import reason, warn_once
 from .sage_patch import find_override
 
@@ -444,4 +444,7 @@ def apply_estimator(model, settings: Settings, shape, model_options=None, pixels
         text += "\nnote: " + _later_compile_note(m, shape, mo, settings, est)
     if kept:
         text += "\nnote: " + HOST_COPY_NOTE
+        pin_note = pinned_host.report_note(host_copy.comfy_pins_streamed_weights(m))
+        if pin_note:
+            text += "\nnote: " + pin_note
     return m, est, text

@@ -204,13 +204,13 @@ def _load(self, *args, **kwargs):
             settle(self)
         except Exception as e:
             _failed(self, "keeping the weights' host copies", e)
-        if not _pins_streamed_weights(self):
+        if not comfy_pins_streamed_weights(self):
             pinned_host.pin_streamed(self)
 
 
-def _pins_streamed_weights(patcher) -> bool:
-    # ComfyUI's patcher classes (not ComfyUI-GGUF's, the class that holds ``mmap_released``) define
-    # ``pin_weight_to_device`` where ComfyUI pins the weights left streaming
+def comfy_pins_streamed_weights(patcher) -> bool:
+    """Whether ComfyUI pins the weights a partial load leaves streaming: its patcher classes (not ComfyUI-GGUF's,
+    the class that holds ``mmap_released``) define ``pin_weight_to_device`` where it does."""
     return any("pin_weight_to_device" in vars(c) for c in type(patcher).__mro__ if "mmap_released" not in vars(c))
 
 
@@ -222,7 +222,7 @@ def skip_unmapping(patcher) -> bool:
     if getattr(patcher, "mmap_released", None) is not False or not installed(patcher):
         return False
     try:
-        if _pins_streamed_weights(patcher):
+        if comfy_pins_streamed_weights(patcher):
             return False
         patcher.mmap_released = True
     except Exception as e:  # ComfyUI-GGUF's copy stays

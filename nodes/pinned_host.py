@@ -31,7 +31,7 @@ from .log_once import reason, warn_once
 
 log = logging.getLogger("wan_sage")
 
-__all__ = ["pin_streamed", "pinned_bytes", "ceiling", "FRACTION", "KEEP_AVAILABLE", "CudaLocker"]
+__all__ = ["pin_streamed", "pinned_bytes", "ceiling", "report_note", "FRACTION", "KEEP_AVAILABLE", "CudaLocker"]
 
 FRACTION = 0.40          # of the machine's RAM, page-locked by the pack at most
 KEEP_AVAILABLE = 4 << 30  # host memory left available after each buffer
@@ -163,6 +163,15 @@ def _pin_module(params, plain, locker) -> int:
     for (_, p), dst in zip(params, targets):
         p.data = dst
     return size
+
+
+def report_note(comfy_pins: bool) -> str | None:
+    """The estimator report's line on streamed weights; None where ComfyUI pins them itself (``comfy_pins``)."""
+    if comfy_pins:
+        return None
+    return (f"streaming: the weights a partial load leaves on the host are copied into page-locked memory after each "
+            f"load (at most {FRACTION:.0%} of RAM in all, never below {KEEP_AVAILABLE / 2**30:.0f} GiB available), so "
+            f"they stream about as fast as resident ones; the first load of each expert pays the copy")
 
 
 def pin_streamed(patcher, locker=None, total: int | None = None, available=_ram_available) -> int:

@@ -72,7 +72,8 @@ def test_the_estimators_partly_loaded_clone_streams_pinned_and_runs_the_same_for
     streamed = [m for m in stock.model.modules() if getattr(m, "comfy_cast_weights", False)]
     assert streamed and not any(p.is_pinned() for m in streamed for p in m.parameters(recurse=False))
     stock.unpatch_model(CPU)
-    m, _, _ = apply_estimator(base, Settings(), list(latent.shape))
+    m, _, text = apply_estimator(base, Settings(), list(latent.shape))
+    assert "page-locked memory after each load" in text
     start = pinned_host.pinned_bytes()
     m.load(CUDA, lowvram_model_memory=budget)
     pinned = [m_ for m_ in m.model.modules() if getattr(m_, "comfy_cast_weights", False)

@@ -162,3 +162,15 @@ def test_where_comfyui_pins_streamed_weights_itself_the_pack_does_not(monkeypatc
     assert host_copy.install(p)
     p.load(streamed=("b",))
     assert not locker.locked
+
+
+def test_the_report_says_what_is_page_locked_unless_comfyui_pins_itself():
+    class Stock(StreamingPatcher):
+        pass
+
+    class Pinning(StreamingPatcher):
+        def pin_weight_to_device(self, key):
+            pass
+    note = pinned_host.report_note(host_copy.comfy_pins_streamed_weights(Stock(Net())))
+    assert note and "page-locked" in note and "40%" in note
+    assert pinned_host.report_note(host_copy.comfy_pins_streamed_weights(Pinning(Net()))) is None
