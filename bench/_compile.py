@@ -120,16 +120,44 @@ class DynamoWatch:
         """Graphs dynamo has handed to the backend."""
         return int(self.counters["stats"]["unique_graphs"])
 
+    def phases(self) -> dict:
+        """Where compiling went: dynamo's and inductor's cumulative seconds per timed function
+        (``compile_times``, ``s:`` keys) and the compile caches' hits and misses (``n:`` keys: the FX graph cache's
+        and AOTAutograd's counters), to tell tracing from compiling from loading a cached graph."""
+        out: dict = {}
+        try:
+            from torch._dynamo.utils import compile_times
+            names, values = compile_times(repr="csv", aggregate=True)
+            out.update({f"s:{n}": float(v) for n, v in zip(names, values)})
+        except Exception:        # a torch without these timers
+            pass
+        for group in ("inductor", "aot_autograd"):
+            for name, n in self.counters[group].items():
+                if "cache" in name:
+                    out[f"n:{group}.{name}"] = float(n)
+        return out
+
     def reading(self) -> dict:
         total = self.compile_seconds_total()
         return {"graph_breaks": int(sum(self.counters["graph_break"].values())),
                 "unique_graphs": self.graphs(),
                 "frames": self.frames(), "recompiles": len(self.recompiles),
-                "compile_s": None if total is None else round(total - self._compile_s0, 3)}
+                "compile_s": None if total is None else round(total - self._compile_s0, 3),
+                "phases": self.phases()}
 
     @staticmethod
     def delta(after: dict, before: dict) -> dict:
-        return {k: (None if after[k] is None or before[k] is None else round(after[k] - before[k], 3)) for k in after}
+        """``after`` minus ``before`` per key; a dict of counts or seconds per key of its own, the keys that
+        changed only."""
+        out: dict = {}
+        for k, a in after.items():
+            b = before.get(k)
+            if isinstance(a, dict):
+                d = {n: round(v - (b or {}).get(n, 0.0), 3) for n, v in a.items()}
+                out[k] = {n: v for n, v in d.items() if v}
+            else:
+                out[k] = None if a is None or b is None else round(a - b, 3)
+        return out
 
     def break_reasons(self, n: int = 10) -> dict:
         """The most frequent graph-break reasons (first line and explanation) with their counts."""

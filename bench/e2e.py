@@ -1089,6 +1089,10 @@ class Host:
                 for e, got in row["compile"]["by_expert"].items():
                     self.log(f"e2e compile {e}: {got['unique_graphs']} graphs, {got['recompiles']} recompiles; "
                              f"causes {json.dumps(got['guard_causes'])}")
+            phases = row["compile"].get("phases") or {}
+            top = sorted(((k, v) for k, v in phases.items() if k.startswith("s:")), key=lambda kv: -kv[1])[:8]
+            self.log("e2e compile phases: " + ", ".join(f"{k[2:]} {v:.2f} s" for k, v in top)
+                     + "; " + ", ".join(f"{k[2:]} {v:.0f}" for k, v in phases.items() if k.startswith("n:")))
         if session is not None:       # the process keeps running: models, ballast and compiled graphs stay
             h.clear()
             probes.clear()

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench import _host, compile_table
+from bench import _compile, _host, compile_table
 
 
 def test_configuration_names():
@@ -177,3 +177,28 @@ def test_guard_causes_leave_out_the_entries_of_other_blocks_and_fold_block_numbe
         "len(self._modules['ffn']._modules['0'].weight_function) == 1"
     assert _compile.fold_guard("0/3: x.key == 'diffusion_model.blocks.7.ffn.0.weight'") == \
         "x.key == 'diffusion_model.blocks.N.ffn.0.weight'"
+
+
+def test_the_dynamo_delta_subtracts_phase_seconds_and_cache_counts_key_by_key():
+    before = {"compile_s": 1.0, "recompiles": 0, "phases": {"s:a": 1.0, "n:inductor.fxgraph_cache_hit": 2.0}}
+    after = {"compile_s": 4.5, "recompiles": 1, "phases": {"s:a": 3.25, "s:b": 0.5, "n:inductor.fxgraph_cache_hit": 2.0,
+                                                            "n:inductor.fxgraph_cache_miss": 1.0}}
+    assert _compile.DynamoWatch.delta(after, before) == {
+        "compile_s": 3.5, "recompiles": 1,
+        "phases": {"s:a": 2.25, "s:b": 0.5, "n:inductor.fxgraph_cache_miss": 1.0}}  # unchanged keys left out
+
+
+def test_the_phases_name_dynamos_timers_and_the_compile_caches_counters():
+    import torch
+    import torch._dynamo
+    torch._dynamo.reset()
+    watch = _compile.DynamoWatch(torch)
+    try:
+        before = watch.reading()
+        torch.compile(lambda x: torch.sin(x) * 2, backend="eager")(torch.ones(3))
+        got = watch.delta(watch.reading(), before)["phases"]
+    finally:
+        watch.close()
+        torch._dynamo.reset()
+    assert got.get("s:_compile.compile_inner", 0) > 0
+    assert all(k.startswith(("s:", "n:")) for k in got)
