@@ -573,7 +573,9 @@ def compile_section() -> list:
   streamed held 7.50 GiB above its input that way, against 5.77 GiB eagerly and 3.61 GiB compiled with its
   weights resident, for 0.363 s against 0.414 s eagerly (`python -m bench.streamed_block_peak`,
   `bench/records/compile/streamed-block-peak-422b0cb.jsonl`), and a 12 GiB seed prompt planned as eager ran out
-  of memory in its first step (`whole-prompt/void-compile-streamed-layers-b4d6a7a.jsonl`). With every weight resident it is the
+  of memory in its first step (`whole-prompt/void-compile-streamed-layers-b4d6a7a.jsonl`). Copying the block's
+  streamed weights onto the GPU before its compiled call (the graph then sees plain GPU weights) held 8.16 GiB, so
+  it does not fit the eager budget either (`streamed-block-peak-2916b3e.jsonl`). With every weight resident it is the
   per-block compile of the rows above: one graph for both A14B experts. The host tier checks both on a tiny
   real Wan model on the CPU (`tests/host/test_host_compile.py`: no graph, no recompile and eager's latent
   exactly when partly streamed; one graph for both experts when resident). On the H200 (GGUF 832×480×81, 20
