@@ -129,7 +129,8 @@ def _streamed_modules(model: torch.nn.Module, offload: torch.device):
         if not params or any(p.device != offload for _, p in params):
             continue
         plain = [(n, _plain(p)) for n, p in params]
-        if any(not t.is_contiguous() or t.is_pinned() or _in_buffer(t.data_ptr()) for _, t in plain):
+        if (not any(t.numel() for _, t in plain)
+                or any(not t.is_contiguous() or t.is_pinned() or _in_buffer(t.data_ptr()) for _, t in plain)):
             continue
         yield module, params, plain
 

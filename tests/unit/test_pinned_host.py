@@ -174,3 +174,12 @@ def test_the_report_says_what_is_page_locked_unless_comfyui_pins_itself():
     note = pinned_host.report_note(host_copy.comfy_pins_streamed_weights(Stock(Net())))
     assert note and "page-locked" in note and "40%" in note
     assert pinned_host.report_note(host_copy.comfy_pins_streamed_weights(Pinning(Net()))) is None
+
+
+def test_a_module_without_bytes_is_passed_over_and_the_rest_still_pinned():
+    empty, locker = torch.nn.Module(), FakeLocker()
+    empty.weight = torch.nn.Parameter(torch.empty(4, 0), requires_grad=False)
+    empty.comfy_cast_weights = True
+    model = torch.nn.Sequential(empty, Net())  # the empty module comes first
+    done = pinned_host.pin_streamed(_patcher(model), locker, total=64 * GiB, available=lambda: 64 * GiB)
+    assert len(locker.locked) == 2 and done == sum(locker.locked.values())
