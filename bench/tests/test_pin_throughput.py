@@ -1,0 +1,46 @@
+"""bench.pin_throughput on the CPU with registration faked: every method copies (or not) what it says, rows carry
+their parts, and a bad method name is refused with the choices."""
+import json
+
+import torch
+
+from bench import pin_throughput as pt
+
+
+class RecordingLocker(pt.FakeLocker):
+    def __init__(self):
+        self.locked, self.unlocked = [], []
+
+    def lock(self, ptr, nbytes):
+        self.locked.append((ptr, nbytes))
+        return True
+
+    def unlock(self, ptr):
+        self.unlocked.append(ptr)
+
+
+def test_each_method_registers_every_weight_once_and_lets_them_go():
+    for method in ("copy", "copy-thp", "threads-2", "in-place"):
+        sources = pt._sources(torch, 0.01, 2)
+        locker = RecordingLocker()
+        row = pt.run_method(torch, method, sources, locker)
+        assert row["weights"] == len(sources) == len(locker.locked) == len(locker.unlocked)
+        in_place = {t.data_ptr() for t in sources} == {p for p, _ in locker.locked}
+        assert in_place is (method == "in-place"), method  # the copying methods register their own buffers
+        assert (row["copy_s"] == 0) is (method == "in-place")
+        assert row["total_s"] == round(row["copy_s"] + row["lock_s"], 3)
+
+
+def test_the_copies_hold_the_sources_bytes():
+    src = torch.arange(256, dtype=torch.uint8).repeat(4096)
+    buf, _keep, _ = pt._copy_one(torch, src, huge=True)
+    assert torch.equal(buf, src) and buf.data_ptr() != src.data_ptr()
+
+
+def test_the_command_writes_one_row_per_method_and_refuses_an_unknown_one(tmp_path, capsys):
+    out = tmp_path / "pin.jsonl"
+    assert pt.main(["--out", str(out), "--gib", "0.01", "--mib", "2", "--methods", "copy,in-place", "--fake-lock"]) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(r["method"], r["rep"]) for r in rows] == [("copy", 0), ("in-place", 0), ("copy", 1), ("in-place", 1)]
+    assert pt.main(["--out", str(out), "--methods", "copy,fast", "--fake-lock"]) == 2
+    assert "--methods: unknown fast" in capsys.readouterr().err
