@@ -120,8 +120,9 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 
 def _streamed_modules(model: torch.nn.Module, offload: torch.device):
-    """(module, [(name, tensor)]) for each module that casts its weights per call (``comfy_cast_weights``) and
-    holds them on the offload device, not yet page-locked."""
+    """(module, its weights as [(name, parameter)], the same as plain tensors) for each module that casts its
+    weights per call (``comfy_cast_weights``), holds them on the offload device, and has bytes not yet
+    page-locked."""
     for module in model.modules():
         if not getattr(module, "comfy_cast_weights", False):
             continue
