@@ -38,13 +38,13 @@ KEEP_AVAILABLE = 4 << 30  # host memory left available after each buffer
 ALIGN = 64                # each weight's offset in its module's buffer
 
 _lock = threading.Lock()
-_pinned = {"bytes": 0}
 _buffers: dict = {}  # start address -> size of each buffer the pack holds page-locked
 
 
 def pinned_bytes() -> int:
     """The host memory the pack holds page-locked now."""
-    return _pinned["bytes"]
+    with _lock:
+        return sum(_buffers.values())
 
 
 def _in_buffer(ptr: int) -> bool:
@@ -105,7 +105,6 @@ class CudaLocker:
 def _released(locker, ptr: int, nbytes: int) -> None:
     """The buffer's last weight let go of it: unregister it (before its memory is unmapped) and count it off."""
     with _lock:
-        _pinned["bytes"] -= nbytes
         _buffers.pop(ptr, None)
     try:
         locker.unlock(ptr)
@@ -145,9 +144,10 @@ def _layout(plain) -> tuple[list[int], int]:
     return offsets, end
 
 
-def _pin_module(params, plain, locker) -> int:
-    """Copy one module's weights into one new page-locked buffer and point them at it; the bytes pinned."""
-    offsets, size = _layout(plain)
+def _pin_module(params, plain, layout, locker) -> int:
+    """Copy one module's weights into one new page-locked buffer laid out as ``layout`` (:func:`_layout`) and point
+    them at it; the bytes pinned."""
+    offsets, size = layout
     view = memoryview(mmap.mmap(-1, size))  # page-aligned, this buffer's alone; the storage holds the view
     base = torch.frombuffer(view, dtype=torch.uint8)
     targets = []
@@ -159,7 +159,6 @@ def _pin_module(params, plain, locker) -> int:
     ptr = base.data_ptr()
     locker.lock(ptr, size)
     with _lock:
-        _pinned["bytes"] += size
         _buffers[ptr] = size
     weakref.finalize(view, _released, locker, ptr, size)
     for (_, p), dst in zip(params, targets):
@@ -189,14 +188,15 @@ def pin_streamed(patcher, locker=None, total: int | None = None, available=_ram_
         limit = ceiling(total)
         done, skipped, t0 = 0, 0, time.perf_counter()
         for module, params, plain in _streamed_modules(model, offload):
-            need = _layout(plain)[1]
+            layout = _layout(plain)
+            need = layout[1]
             free = available() if available is not None else None
-            if (_pinned["bytes"] + need > limit
+            if (pinned_bytes() + need > limit
                     or (free is not None and free - need < KEEP_AVAILABLE)):
                 skipped += need
                 continue
             try:
-                done += _pin_module(params, plain, locker)
+                done += _pin_module(params, plain, layout, locker)
             except Exception as e:  # this module streams from where it was
                 warn_once(("pin", type(e).__name__), "wan-sage: page-locking streamed weights failed (%s); they "
                           "stream from pageable memory.", reason(e))
