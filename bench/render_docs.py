@@ -932,8 +932,13 @@ def _expert_phase_seconds(path: str, rnd: str, run: str, prompt: str, key: str,
             for _e, v in _phases_seconds(pr, key, expert_before)]
 
 
-def _secs(xs) -> str:
-    return " + ".join(f"{x:.2f}" for x in xs) + " s" if xs else "—"
+def _secs(xs, sep: str = " + ") -> str:
+    return sep.join(f"{x:.2f}" for x in xs) + " s" if xs else "—"
+
+
+def _per_expert(xs) -> str:
+    """Seconds per expert, high / low."""
+    return _secs(xs, " / ")
 
 
 def partial_unload_lines() -> list:
@@ -966,8 +971,7 @@ def unmapping_lines() -> list:
     for path, before, after, budget in UNMAP_ROUNDS:
         b = _expert_phase_seconds(path, before, "est+sage", "first", "partially_load")
         a = _expert_phase_seconds(path, after, "est+sage", "first", "partially_load")
-        fmt = lambda xs: " / ".join(f"{x:.2f}" for x in xs) + " s" if xs else "—"  # noqa: E731
-        o.append(f"- {budget}: {fmt(b)} at `{_commit_of_round(path, before)}` (round `{before}`), {fmt(a)} at "
+        o.append(f"- {budget}: {_per_expert(b)} at `{_commit_of_round(path, before)}` (round `{before}`), {_per_expert(a)} at "
                  f"`{_commit_of_round(path, after)}` (round `{after}`; {link(path)}).")
     return o + [""] + pinned_lines() + [""] + te_copy_lines()
 
@@ -990,7 +994,6 @@ def pinned_lines() -> list:
     def frames(rnd, prompt):
         return [pr["to_frames_s"] for r in _round_runs(path, rnd, "est+sage") for pr in r["prompts"]
                 if pr["prompt"] == prompt]
-    fmt = lambda xs: " / ".join(f"{x:.2f}" for x in xs) + " s" if xs else "—"  # noqa: E731
     loads = {rnd: _expert_phase_seconds(path, rnd, "est+sage", "first", "partially_load") for rnd in (before, after)}
     return [
         "ComfyUI 0.3.64 streams the weights a partial load leaves on the host from pageable memory, through the",
@@ -1002,11 +1005,11 @@ def pinned_lines() -> list:
         f"{probe.get('eager, streamed from pinned memory', float('nan')):.3f} s from page-locked memory, "
         f"{probe.get('eager, resident', float('nan')):.3f} s resident.",
         f"In the 12 GiB seed prompts ({link(path)}, estimator + Sage + text encoder host copy) the first prompt's",
-        f"partial loads took {fmt(loads[before])} at `{_commit_of_round(path, before)}` (round `{before}`) and "
-        f"{fmt(loads[after])} at `{_commit_of_round(path, after)}` (round `{after}`, the copies into page-locked",
+        f"partial loads took {_per_expert(loads[before])} at `{_commit_of_round(path, before)}` (round `{before}`) and "
+        f"{_per_expert(loads[after])} at `{_commit_of_round(path, after)}` (round `{after}`, the copies into page-locked",
         f"memory); the later steps {_span(later_steps(before))} s and {_span(later_steps(after))} s; the prompt "
-        f"{fmt(frames(before, 'first'))} and {fmt(frames(after, 'first'))} first, {fmt(frames(before, 'repeat'))} and "
-        f"{fmt(frames(after, 'repeat'))} repeated (two machines; the ratios to ComfyUI alone on each are in "
+        f"{_per_expert(frames(before, 'first'))} and {_per_expert(frames(after, 'first'))} first, {_per_expert(frames(before, 'repeat'))} and "
+        f"{_per_expert(frames(after, 'repeat'))} repeated (two machines; the ratios to ComfyUI alone on each are in "
         "[benchmarks](benchmarks.md#whole-generation))."]
 
 
