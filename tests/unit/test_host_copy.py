@@ -123,12 +123,19 @@ def _check_given_back(model, before, keys=None):
         assert torch.equal(torch.Tensor(p) if isinstance(p, QTensor) else p.detach(), value), k
 
 
-def test_an_unload_gives_every_loaded_weight_its_host_tensor_and_copies_nothing():
+def _installed_with_gguf_lora():
+    """(model, patcher, host state before any load): a Net whose GGUF weight gets a LoRA at each load, the host copy
+    installed on its patcher."""
     model = Net()
     p = Patcher(model)
     p.lora.add("q.weight")
     before = _host_state(model)
     assert host_copy.install(p)
+    return model, p, before
+
+
+def test_an_unload_gives_every_loaded_weight_its_host_tensor_and_copies_nothing():
+    model, p, before = _installed_with_gguf_lora()
     kept = _load(p)
     assert kept == sum(t.numel() * t.element_size() for t in model.parameters())
     assert all(t.device == META for t in model.parameters())
@@ -146,11 +153,7 @@ def test_without_the_host_copy_the_unload_copies_so_the_meta_check_can_fail():
 
 
 def test_it_lasts_over_repeated_loads_and_clones():
-    model = Net()
-    p = Patcher(model)
-    p.lora.add("q.weight")
-    before = _host_state(model)
-    host_copy.install(p)
+    model, p, before = _installed_with_gguf_lora()
     for _ in range(3):
         c = p.clone()
         assert host_copy.installed(c)
@@ -383,11 +386,7 @@ def test_a_loaded_tensor_that_carries_more_gets_a_twin_on_its_host_storage():
 
 
 def test_a_partly_unloaded_gguf_lora_weight_gets_its_host_storage_with_its_lora():
-    model = Net()
-    p = Patcher(model)
-    p.lora.add("q.weight")
-    before = _host_state(model)
-    assert host_copy.install(p)
+    model, p, before = _installed_with_gguf_lora()
     _load(p)
     loaded = model.q.weight
     loaded.patches = [((torch.ones(2),), "q.weight")]  # as ComfyUI-GGUF's patch_weight_to_device sets it
