@@ -8,6 +8,10 @@ fresh source tensors:
 * ``copy``: what ``pinned_host`` does, one module at a time: a new anonymous map per weight, the weight copied into
   it, the map registered (``cudaHostRegister``);
 * ``copy-thp``: the same with ``madvise(MADV_HUGEPAGE)`` on each map before the copy (Linux);
+* ``copy-populate``: the same with the map's pages faulted in by the kernel when it is made (``MAP_POPULATE``, Linux),
+  not one fault per page during the copy;
+* ``alloc-pinned``: torch's own page-locked allocation per weight (``torch.empty(pin_memory=True)``, the CUDA host
+  allocator: allocated and locked at once, so its registration time is counted in the copy), then the copy;
 * ``threads-N``: ``copy`` on N weights at once;
 * ``in-place``: the source tensors registered where they lie, no copy (newer ComfyUI's way; the pack cannot know
   when a storage it does not own is freed, so it copies).
@@ -30,7 +34,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 GB = 1e9
-METHODS = ("copy", "copy-thp", "threads-4", "in-place")
+METHODS = ("copy", "copy-thp", "copy-populate", "alloc-pinned", "threads-4", "in-place")
 
 
 class FakeLocker:
@@ -49,10 +53,13 @@ def _sources(torch, gib: float, mib: int) -> list:
     return out
 
 
-def _copy_one(torch, src, huge: bool):
+def _copy_one(torch, src, huge: bool, populate: bool = False):
     """One weight copied into a new anonymous map; (buffer, its keeper, copy seconds)."""
     t0 = time.perf_counter()
-    mm = mmap.mmap(-1, src.numel())
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    if populate and hasattr(mmap, "MAP_POPULATE"):
+        flags |= mmap.MAP_POPULATE
+    mm = mmap.mmap(-1, src.numel(), flags=flags)
     if huge and hasattr(mmap, "MADV_HUGEPAGE"):
         mm.madvise(mmap.MADV_HUGEPAGE)
     view = memoryview(mm)
@@ -69,6 +76,13 @@ def run_method(torch, method: str, sources: list, locker) -> dict:
     copy_s = 0.0
     if method == "in-place":
         bufs = sources
+    elif method == "alloc-pinned":
+        bufs = []
+        for s in sources:  # without CUDA (--fake-lock) the allocation is plain host memory
+            b = torch.empty(s.numel(), dtype=torch.uint8, pin_memory=not isinstance(locker, FakeLocker))
+            b.copy_(s)
+            bufs.append(b)
+        copy_s = time.perf_counter() - t0
     elif method.startswith("threads-"):
         with ThreadPoolExecutor(int(method.split("-")[1])) as pool:
             got = list(pool.map(lambda s: _copy_one(torch, s, False), sources))
@@ -78,13 +92,13 @@ def run_method(torch, method: str, sources: list, locker) -> dict:
     else:
         bufs = []
         for s in sources:
-            b, k, _ = _copy_one(torch, s, method == "copy-thp")
+            b, k, _ = _copy_one(torch, s, method == "copy-thp", populate=method == "copy-populate")
             bufs.append(b)
             kept.append(k)
         copy_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     try:
-        for b in bufs:
+        for b in ([] if method == "alloc-pinned" else bufs):  # the allocator locked its own
             locker.lock(b.data_ptr(), b.numel())
             registered.append(b.data_ptr())
         lock_s = time.perf_counter() - t1

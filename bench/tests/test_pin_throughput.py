@@ -20,7 +20,7 @@ class RecordingLocker(pt.FakeLocker):
 
 
 def test_each_method_registers_every_weight_once_and_lets_them_go():
-    for method in ("copy", "copy-thp", "threads-2", "in-place"):
+    for method in ("copy", "copy-thp", "copy-populate", "threads-2", "in-place"):
         sources = pt._sources(torch, 0.01, 2)
         locker = RecordingLocker()
         row = pt.run_method(torch, method, sources, locker)
@@ -33,8 +33,18 @@ def test_each_method_registers_every_weight_once_and_lets_them_go():
 
 def test_the_copies_hold_the_sources_bytes():
     src = torch.arange(256, dtype=torch.uint8).repeat(4096)
-    buf, _keep, _ = pt._copy_one(torch, src, huge=True)
-    assert torch.equal(buf, src) and buf.data_ptr() != src.data_ptr()
+    for huge, populate in ((True, False), (False, True)):
+        buf, _keep, _ = pt._copy_one(torch, src, huge=huge, populate=populate)
+        assert torch.equal(buf, src) and buf.data_ptr() != src.data_ptr()
+
+
+def test_the_allocators_own_locked_buffers_are_not_registered_again():
+    sources = pt._sources(torch, 0.01, 2)
+    locker = RecordingLocker()
+    row = pt.run_method(torch, "alloc-pinned", sources, pt.FakeLocker())
+    pt.run_method(torch, "alloc-pinned", sources, locker)
+    assert row["weights"] == len(sources) and row["lock_s"] == 0 and row["copy_s"] > 0
+    assert locker.locked == []  # a real locker is never asked: torch allocated the memory page-locked
 
 
 def test_the_command_writes_one_row_per_method_and_refuses_an_unknown_one(tmp_path, capsys):
