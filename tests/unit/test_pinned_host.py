@@ -183,3 +183,32 @@ def test_a_module_without_bytes_is_passed_over_and_the_rest_still_pinned():
     model = torch.nn.Sequential(empty, Net())  # the empty module comes first
     done = pinned_host.pin_streamed(_patcher(model), locker, total=64 * GiB, available=lambda: 64 * GiB)
     assert len(locker.locked) == 2 and done == sum(locker.locked.values())
+
+
+def test_each_buffer_asks_for_huge_pages_before_its_bytes_are_copied_and_works_where_the_host_refuses(monkeypatch):
+    asked, refuse = [], []
+
+    class Map(pinned_host.mmap.mmap):
+        """An anonymous map that records the advice it gets and whether its bytes were written by then."""
+
+        def madvise(self, advice, *a):
+            asked.append((advice, any(self[:])))
+            if refuse:
+                raise OSError(22, "Invalid argument")
+
+    for refusing in (False, True):
+        refuse[:] = [True] if refusing else []
+        model, locker = Net(), FakeLocker()
+        before = _values(model)
+        asked.clear()
+        monkeypatch.setattr(pinned_host, "HUGE_PAGES", 14)
+        monkeypatch.setattr(pinned_host.mmap, "mmap", Map)
+        try:
+            done = pinned_host.pin_streamed(_patcher(model), locker, total=64 * GiB, available=lambda: 64 * GiB)
+        finally:
+            monkeypatch.undo()
+        assert asked == [(14, False), (14, False)]  # one buffer per streamed module, advised while still empty
+        assert done == sum(locker.locked.values()) > 0
+        for k, p in model.named_parameters():
+            assert torch.equal(torch.Tensor.as_subclass(p, torch.Tensor), before[k][2]), k
+            assert _within(p.data_ptr(), locker) is (k.split(".")[0] in ("a", "q")), k
