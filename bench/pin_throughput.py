@@ -19,7 +19,10 @@ fresh source tensors:
 Per method: seconds and GB/s of the copies, of the registrations and of both; then the host-to-GPU copy of one
 weight from pageable and from page-locked memory (GB/s).  One JSON line per method and pass (``--repeats``, ``rep``)
 on stdout and in ``--out``.
-``--fake-lock`` registers nothing (to run the tool where there is no GPU).
+``--fake-lock`` registers nothing (to run the tool where there is no GPU).  ``--source file`` takes the source
+tensors from a fresh read-only map of a file in the page cache, as ComfyUI holds a checkpoint's weights (safetensors
+and ComfyUI-GGUF map the file), so each copy also faults the file's pages in; ``memory`` (the default) from
+anonymous memory already faulted in.
 
     python -m bench.pin_throughput --out $OUT/pin-throughput.jsonl [--gib 4] [--mib 68] [--methods copy,...]
 """
@@ -45,12 +48,30 @@ class FakeLocker:
         pass
 
 
-def _sources(torch, gib: float, mib: int) -> list:
+def _sources(torch, gib: float, mib: int, file: str | None = None) -> list:
+    """``gib`` GiB of ``mib`` MiB uint8 tensors: in anonymous memory with their pages faulted in, or (``file``) on a
+    new read-only map of that file (written here when it is missing or short)."""
     n = max(1, int(gib * 1024 // mib))
-    out = [torch.empty(mib << 20, dtype=torch.uint8) for _ in range(n)]
-    for t in out:
-        t.fill_(1)  # fault the pages in, as weights loaded from a file are
-    return out
+    if file is None:
+        out = [torch.empty(mib << 20, dtype=torch.uint8) for _ in range(n)]
+        for t in out:
+            t.fill_(1)  # fault the pages in, as weights loaded into memory are
+        return out
+    import os
+    import warnings
+
+    import numpy as np
+    size = n * (mib << 20)
+    if not os.path.exists(file) or os.path.getsize(file) < size:
+        chunk = np.ones(mib << 20, dtype=np.uint8).tobytes()
+        with open(file, "wb") as f:
+            for _ in range(n):
+                f.write(chunk)
+    mapped = np.memmap(file, dtype=np.uint8, mode="r", shape=(size,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # a read-only array: the tensors are only read
+        whole = torch.from_numpy(mapped)
+    return [whole[i * (mib << 20):(i + 1) * (mib << 20)] for i in range(n)]
 
 
 def _copy_one(torch, src, huge: bool, populate: bool = False):
@@ -141,6 +162,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="passes over the methods (the first pass also warms the "
                     "host's memory up)")
     ap.add_argument("--fake-lock", action="store_true", help="register nothing (no GPU)")
+    ap.add_argument("--source", choices=("memory", "file"), default="memory",
+                    help="where the weights lie: anonymous memory, or a map of a file in the page cache")
+    ap.add_argument("--file", default=None, help="the file for --source file (default: pin-throughput.bin beside --out)")
     a = ap.parse_args(argv)
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS and not (m.startswith("threads-") and m[8:].isdigit())]
@@ -158,11 +182,16 @@ def main(argv=None) -> int:
         from bench import _host
         _host.load_pack()
         locker = importlib.import_module("wan_sage.nodes.pinned_host").CudaLocker()
+    import os
+    src_file = None if a.source == "memory" else (a.file or os.path.join(os.path.dirname(os.path.abspath(a.out)),
+                                                                          "pin-throughput.bin"))
     rows = []
     for rep in range(max(1, a.repeats)):
         for m in methods:
-            row = run_method(torch, m, _sources(torch, a.gib, a.mib), locker)
-            row.update(rep=rep, torch=torch.__version__)
+            if src_file and m == "in-place":
+                continue  # a read-only file map is not the pack's to register
+            row = run_method(torch, m, _sources(torch, a.gib, a.mib, src_file), locker)
+            row.update(rep=rep, source=a.source, torch=torch.__version__)
             print(json.dumps(row), flush=True)
             rows.append(row)
     with open(a.out, "w") as f:

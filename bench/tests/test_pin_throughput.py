@@ -54,3 +54,21 @@ def test_the_command_writes_one_row_per_method_and_refuses_an_unknown_one(tmp_pa
     assert [(r["method"], r["rep"]) for r in rows] == [("copy", 0), ("in-place", 0), ("copy", 1), ("in-place", 1)]
     assert pt.main(["--out", str(out), "--methods", "copy,fast", "--fake-lock"]) == 2
     assert "--methods: unknown fast" in capsys.readouterr().err
+
+
+def test_file_sources_lie_on_a_map_of_the_file_and_are_copied_whole(tmp_path):
+    f = tmp_path / "src.bin"
+    sources = pt._sources(torch, 0.01, 2, str(f))
+    assert f.stat().st_size == len(sources) * (2 << 20)
+    assert all(int(t.sum()) == t.numel() for t in sources)
+    row = pt.run_method(torch, "copy-thp", sources, RecordingLocker())
+    assert row["weights"] == len(sources) and row["copy_s"] > 0
+
+
+def test_the_command_with_file_sources_skips_registering_in_place(tmp_path):
+    out = tmp_path / "pin.jsonl"
+    assert pt.main(["--out", str(out), "--gib", "0.01", "--mib", "2", "--methods", "copy,in-place", "--fake-lock",
+                    "--source", "file", "--repeats", "1"]) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [(r["method"], r["source"]) for r in rows] == [("copy", "file")]
+    assert (tmp_path / "pin-throughput.bin").exists()
