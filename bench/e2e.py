@@ -700,6 +700,21 @@ def faithful(r: dict) -> bool:
 
 # --------------------------------------------------------------------------- the host
 
+def _pack_log_to_stderr() -> None:
+    """The pack's logger at INFO on stderr, prefixed ``wan-sage log:``, once per process, whatever level ComfyUI's
+    root logger has (``--quiet`` sets WARNING)."""
+    import logging
+    lg = logging.getLogger("wan_sage")
+    if any(getattr(h, "_e2e", False) for h in lg.handlers):
+        return
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(logging.Formatter("wan-sage log: %(message)s"))
+    h._e2e = True
+    lg.addHandler(h)
+    lg.setLevel(logging.INFO)
+    lg.propagate = False
+
+
 class Host:
     def __init__(self, args):
         self.args = args
@@ -721,6 +736,7 @@ class Host:
             ce.load_custom_node(gguf)
         self.gguf_path = gguf
         self.pack = _host.load_pack()
+        _pack_log_to_stderr()  # the pack's INFO lines (page-locking, compile caches) reach the run's log
         if not getattr(args, "sage_trim", True):
             from wan_sage.nodes import comfy_bridge
             without_sampling_trim(comfy_bridge)   # this process only: its runs are labelled /no-trim

@@ -148,9 +148,10 @@ def _layout(plain) -> tuple[list[int], int]:
     return offsets, end
 
 
-def _pin_module(params, plain, layout, locker) -> int:
+def _pin_module(params, plain, layout, locker, times: list | None = None) -> int:
     """Copy one module's weights into one new page-locked buffer laid out as ``layout`` (:func:`_layout`) and point
-    them at it; the bytes pinned."""
+    them at it; the bytes pinned.  ``times``: [map and copy seconds, registering seconds], added to."""
+    t0 = time.perf_counter()
     offsets, size = layout
     mm = mmap.mmap(-1, size)  # page-aligned, this buffer's alone; the storage holds it through the view
     if HUGE_PAGES is not None:
@@ -167,7 +168,11 @@ def _pin_module(params, plain, layout, locker) -> int:
         dst.copy_(t)
         targets.append(dst)
     ptr = base.data_ptr()
+    t1 = time.perf_counter()
     locker.lock(ptr, size)
+    if times is not None:
+        times[0] += t1 - t0
+        times[1] += time.perf_counter() - t1
     with _lock:
         _buffers[ptr] = size
     weakref.finalize(view, _released, locker, ptr, size)
@@ -196,7 +201,7 @@ def pin_streamed(patcher, locker=None, total: int | None = None, available=_ram_
         if not isinstance(model, torch.nn.Module) or offload.type != "cpu" or not locker.usable(load):
             return 0
         limit = ceiling(total)
-        done, skipped, t0 = 0, 0, time.perf_counter()
+        done, skipped, modules, times, t0 = 0, 0, 0, [0.0, 0.0], time.perf_counter()
         for module, params, plain in _streamed_modules(model, offload):
             layout = _layout(plain)
             need = layout[1]
@@ -206,14 +211,15 @@ def pin_streamed(patcher, locker=None, total: int | None = None, available=_ram_
                 skipped += need
                 continue
             try:
-                done += _pin_module(params, plain, layout, locker)
+                done += _pin_module(params, plain, layout, locker, times)
+                modules += 1
             except Exception as e:  # this module streams from where it was
                 warn_once(("pin", type(e).__name__), "wan-sage: page-locking streamed weights failed (%s); they "
                           "stream from pageable memory.", reason(e))
                 break
         if done or skipped:
-            log.info("wan-sage: page-locked %.2f GiB of streamed weights in %.2f s%s", done / 2**30,
-                     time.perf_counter() - t0,
+            log.info("wan-sage: page-locked %.2f GiB of streamed weights in %.2f s (%d modules; copies %.2f s, "
+                     "registering %.2f s)%s", done / 2**30, time.perf_counter() - t0, modules, times[0], times[1],
                      f"; {skipped / 2**30:.2f} GiB left pageable (host memory ceiling)" if skipped else "")
         return done
     except Exception as e:

@@ -681,3 +681,22 @@ def test_the_tecopy_option_puts_the_text_encoder_host_copy_in_the_graph():
     assert not e2e.RunSpec.parse("est+sage@24:480p81:20steps").te_copy
     with pytest.raises(SystemExit, match="bad run spec"):
         e2e.RunSpec.parse("est+sage@24:480p81:tecopy:tecopy")
+
+
+def test_the_packs_info_lines_reach_stderr_once_whatever_the_root_level(capsys):
+    import logging
+
+    from bench import e2e
+    lg = logging.getLogger("wan_sage")
+    saved = (list(lg.handlers), lg.level, lg.propagate)
+    root_level = logging.getLogger().level
+    try:
+        logging.getLogger().setLevel(logging.WARNING)  # as ComfyUI's --quiet boot leaves it
+        e2e._pack_log_to_stderr()
+        e2e._pack_log_to_stderr()
+        lg.info("wan-sage: page-locked %.2f GiB", 1.5)
+        err = capsys.readouterr().err
+        assert err.count("wan-sage log: wan-sage: page-locked 1.50 GiB") == 1
+    finally:
+        lg.handlers[:], lg.level, lg.propagate = saved[0], saved[1], saved[2]
+        logging.getLogger().setLevel(root_level)
