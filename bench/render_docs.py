@@ -973,12 +973,52 @@ def unmapping_lines() -> list:
         a = _expert_phase_seconds(path, after, "est+sage", "first", "partially_load")
         o.append(f"- {budget}: {_per_expert(b)} at `{_commit_of_round(path, before)}` (round `{before}`), {_per_expert(a)} at "
                  f"`{_commit_of_round(path, after)}` (round `{after}`; {link(path)}).")
-    return o + [""] + pinned_lines() + [""] + te_copy_lines()
+    return o + [""] + pinned_lines() + [""] + pin_throughput_lines() + [""] + te_copy_lines()
 
 
 # (records, round before, round after) around the page-locked streamed weights (nodes/pinned_host.py), and the probe
 PIN_ROUNDS = ("whole-prompt/gguf-720p81-4steps-12gib-eager.jsonl", "g", "h")
 PIN_PROBE = "compile/streamed-block-peak-2916b3e.jsonl"
+# python -m bench.pin_throughput on the H200 (rounds: sources in memory, sources on a file map), and the fp8 12 GiB
+# whole prompts before and after the page-locked buffers asked for huge pages
+PIN_THROUGHPUT = "pinning/throughput.jsonl"
+PIN_HUGE_ROUNDS = ("whole-prompt/fp8-720p81-4steps-12gib-eager.jsonl", None, "b")
+PIN_METHOD_WORDS = {"copy": "a new map per weight with 4 KiB pages, the pack's way before",
+                    "copy-thp": "the same with huge pages asked for, the pack's way now",
+                    "copy-populate": "the map's pages faulted in when it is made",
+                    "alloc-pinned": "torch's page-locked allocator",
+                    "in-place": "the source registered where it lies, no copy"}
+
+
+def pin_throughput_lines() -> list:
+    """How fast the page-locking runs per method (the tool's rows), and what huge pages changed in a whole prompt."""
+    recs = rows(PIN_THROUGHPUT)
+    o = [f"How fast weights are page-locked ({link(PIN_THROUGHPUT)}, `python -m bench.pin_throughput`: "
+         f"{recs[0]['gb']:.1f} GB in {recs[0]['weights']} weights, copy and `cudaHostRegister` together, each pass):", ""]
+    for source in ("memory", "file"):
+        got = [r for r in recs if r.get("source", "memory") == source]
+        if not got:
+            continue
+        where = "from memory already faulted in" if source == "memory" else "from a file map in the page cache"
+        parts = []
+        for m in dict.fromkeys(r["method"] for r in got):
+            if m == "alloc-pinned":
+                continue  # its second pass reuses the first pass's blocks (torch's host allocator caches them)
+            secs = [r["total_s"] for r in got if r["method"] == m]
+            parts.append(f"`{m}` {_span(secs)} s" + (f" ({PIN_METHOD_WORDS[m]})" if m in PIN_METHOD_WORDS else ""))
+        o.append(f"- {where}: " + "; ".join(parts) + ".")
+    first = [r["total_s"] for r in recs if r["method"] == "alloc-pinned"][:1]
+    if first:
+        o.append(f"- torch's page-locked allocator took {first[0]:.2f} s on its first pass (its later passes reuse "
+                 "the blocks it keeps, so they do not measure a first load).")
+    path, before, after = PIN_HUGE_ROUNDS
+    b = _expert_phase_seconds(path, before, "est+sage", "first", "partially_load")
+    a = _expert_phase_seconds(path, after, "est+sage", "first", "partially_load")
+    o += ["", f"In the fp8 12 GiB prompts ({link(path)}) the first prompt's partial loads took {_per_expert(b)} at "
+          f"`{_commit_of_round(path, before)}` (the file's first set) and {_per_expert(a)} with huge pages at "
+          f"`{_commit_of_round(path, after)}` (round `{after}`): about 13 GiB page-locked per expert, several times "
+          "slower than the tool's rate, so the copy's mechanics are not what the first load waits on."]
+    return o
 
 
 def pinned_lines() -> list:

@@ -37,7 +37,7 @@ FRACTION = 0.40          # of the machine's RAM, page-locked by the pack at most
 KEEP_AVAILABLE = 4 << 30  # host memory left available after each buffer
 ALIGN = 64                # each weight's offset in its module's buffer
 # Transparent huge pages for each buffer, asked before its first touch (Linux): on the H200 host, 4.3 GB of
-# weights copied into new maps and registered took 0.41-0.74 s with 4 KiB pages and 0.29 s with huge pages
+# weights copied into new maps and registered took 0.41-0.73 s with 4 KiB pages and 0.28-0.29 s with huge pages
 # (``python -m bench.pin_throughput``, docs/memory-model.md).
 HUGE_PAGES = getattr(mmap, "MADV_HUGEPAGE", None)
 
