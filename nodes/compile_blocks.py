@@ -20,6 +20,9 @@ block first, so a partial load streams part of every block: with the weights str
 the estimator plans it so: ``memory.estimate.Setup.streamed_blocks_eager``), with every weight resident it runs
 compiled.
 
+A ComfyUI-GGUF block runs compiled with its weights cast through :mod:`.gguf_cast`: ComfyUI-GGUF's own cast, with
+the dequantization on plain tensors, given to the block's layers for that call only.
+
 The wrapper closes over the dict of compiled keys as ComfyUI's does, so the estimator, the Sage patch's compile
 cache and its payback read the scope the same way (``comfy_bridge.compile_scope``).
 """
@@ -28,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch._dynamo
 
-from . import comfy_bridge
+from . import comfy_bridge, gguf_cast
 
 BACKENDS = ("inductor", "cudagraphs")
 MODES = ("default", "max-autotune-no-cudagraphs")
@@ -82,7 +85,8 @@ class ResidentOnlyBlock(torch.nn.Module):
         device = _input_device(args, kwargs)
         if device is not None and block_resident(self.block, device):
             settle_cast_flags(self.block)
-            return self.compiled(*args, **kwargs)
+            with gguf_cast.plain_casts(self.block):  # GGUF weights: dynamo traces no op of their tensor subclass
+                return self.compiled(*args, **kwargs)
         return self.block(*args, **kwargs)
 
 

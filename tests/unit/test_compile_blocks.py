@@ -195,3 +195,39 @@ def test_the_backend_is_checked_and_the_offered_ones_need_no_lookup_of_dynamos(m
     monkeypatch.setattr(torch._dynamo, "list_backends", no_lookup)
     for backend in compile_blocks.BACKENDS:
         assert compile_blocks.apply_compile_blocks(thing, backend)[0] is thing
+
+
+class QLayer(torch.nn.Linear):
+    """Stands in for a ComfyUI-GGUF layer: the plain-tensor cast is found for it (monkeypatched below)."""
+
+
+def _plain(s, input=None, dtype=None, device=None, bias_dtype=None):
+    return s.weight, s.bias
+
+
+def test_the_compiled_call_alone_sees_the_plain_gguf_cast_and_the_layers_are_restored(monkeypatch):
+    from wan_sage.nodes import gguf_cast
+    monkeypatch.setattr(gguf_cast, "cast_for", lambda mod: _plain if isinstance(mod, QLayer) else None)
+    block = Block()
+    block.q = QLayer(4, 4)
+    block.q2 = QLayer(4, 4)
+    block.q2.cast_bias_weight = "its own"  # an attribute the layer already holds is left alone
+    seen = []
+
+    class Recording(Compiled):
+        def __call__(self, *args, **kwargs):
+            seen.append((getattr(block.q.__dict__.get("cast_bias_weight"), "__func__", None),
+                         block.q2.__dict__.get("cast_bias_weight"), "cast_bias_weight" in block.lin.__dict__))
+            if kwargs.get("fail"):
+                raise RuntimeError("compiled call failed")
+            return super().__call__(*args, **kwargs)
+    stand_in = compile_blocks.ResidentOnlyBlock(block, Recording())
+    stand_in(torch.zeros(1, 4))
+    assert seen == [(_plain, "its own", False)]
+    assert "cast_bias_weight" not in block.q.__dict__ and block.q2.cast_bias_weight == "its own"
+    with pytest.raises(RuntimeError):
+        stand_in(torch.zeros(1, 4), fail=True)
+    assert len(seen) == 2 and "cast_bias_weight" not in block.q.__dict__
+    block.q.weight = torch.nn.Parameter(torch.ones(4, 4, device="meta"))  # streamed: eager, GGUF's own cast
+    stand_in(torch.zeros(1, 4))
+    assert len(seen) == 2 and block.calls == 1 and "cast_bias_weight" not in block.q.__dict__

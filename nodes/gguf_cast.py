@@ -1,0 +1,146 @@
+"""ComfyUI-GGUF's weight cast on plain tensors, for the blocks Wan Compile Blocks runs compiled.
+
+ComfyUI-GGUF holds each quantized weight as a ``GGMLTensor``, a ``torch.Tensor`` subclass, and dequantizes it in
+Python inside every layer call (``GGMLLayer.cast_bias_weight``, ``get_weight``).  Under torch.compile dynamo traces
+that dequantization op by op, and for each op on a ``GGMLTensor`` it also interprets the subclass's
+``__torch_function__``, ``.to`` and ``.shape``.  On the H200 that tracing took 7.1 s of the first step of a compiled
+GGUF A14B prompt (``e2e compile phases:`` in bench/records/whole-prompt, the 20-step compiled round ``c``); on the
+CPU, one block of the miniature A14B (Q4_K and Q6_K weights, a rank-64 LoRA, A14B's 10 Linears) traced in 4.0-4.3 s
+through ComfyUI-GGUF's cast and in 1.1-1.4 s through this one (bytecode tracing, two runs each).
+
+:func:`cast_bias_weight` is ComfyUI-GGUF's cast step for step: the same LoRA patches moved with ComfyUI-GGUF's
+``move_patch_to_device``, the same ``dequantize`` (or ``.to`` for the types torch holds natively), ComfyUI's
+``calculate_weight``, ``cast_to``.  It only takes each weight's bytes as a plain tensor view first, so no op of the
+dequantization runs on the subclass: the result is the same bit for bit.
+
+:func:`plain_casts` gives it to the ComfyUI-GGUF layers of one block for one call: as an attribute of each layer
+object, taken away again in ``finally``.  So a block that runs eagerly (weights streamed), every other model that
+shares the layers, and every layer of a type it does not know run ComfyUI-GGUF's own code.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+
+import torch
+
+ATTR = "cast_bias_weight"
+
+_casts: dict = {}  # ComfyUI-GGUF's ops module -> the cast made for it (one function object), or None
+
+
+def _gguf_parts(layer):
+    """(ComfyUI-GGUF's ops module, its dequant module) for a ComfyUI-GGUF layer, or None: a layer of another kind,
+    or a ComfyUI-GGUF whose functions this does not find (then its own cast runs)."""
+    ops = sys.modules.get(type(layer).__module__)
+    deq_fn = getattr(ops, "dequantize_tensor", None)
+    dq = sys.modules.get(getattr(deq_fn, "__module__", None) or "")
+    if (dq is None or not callable(getattr(ops, "move_patch_to_device", None))
+            or not callable(getattr(dq, "dequantize", None))
+            or not isinstance(getattr(dq, "dequantize_functions", None), dict)
+            or getattr(dq, "TORCH_COMPATIBLE_QTYPES", None) is None):
+        return None
+    return ops, dq
+
+
+def cast_for(layer):
+    """The plain-tensor cast for ``layer`` (one function per ComfyUI-GGUF, unbound), or None where ``layer`` is not a
+    ComfyUI-GGUF layer this can stand in for."""
+    if not (callable(getattr(type(layer), "is_ggml_quantized", None)) and callable(getattr(type(layer), ATTR, None))
+            and hasattr(layer, "dequant_dtype") and hasattr(layer, "patch_dtype")):
+        return None
+    ops = sys.modules.get(type(layer).__module__)
+    if ops not in _casts:
+        parts = _gguf_parts(layer)
+        _casts[ops] = None if parts is None else _make_cast(*parts)
+    return _casts[ops]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The weight's bytes as a plain tensor view (no subclass op runs to make it)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.view(t.dtype)
+
+
+def _make_cast(ops, dq):
+    """ComfyUI-GGUF's ``GGMLLayer.cast_bias_weight`` for the ops module ``ops`` and dequant module ``dq``, with the
+    dequantization on plain tensors (module docstring).  The modules it calls are bound here, outside any trace."""
+    import comfy.lora
+    import comfy.model_management
+    import comfy.ops
+
+    calculate_weight = comfy.lora.calculate_weight
+    cast_to = comfy.ops.cast_to
+    supports_non_blocking = comfy.model_management.device_supports_non_blocking
+    move_patch_to_device = ops.move_patch_to_device
+    dequantize = dq.dequantize
+    native = dq.TORCH_COMPATIBLE_QTYPES
+    known = dq.dequantize_functions
+
+    def weight_of(s, t, dtype, device):
+        """ComfyUI-GGUF's ``get_weight(t.to(device), dtype)`` on plain tensors."""
+        qtype = getattr(t, "tensor_type", None)
+        oshape = getattr(t, "tensor_shape", None)
+        patches = getattr(t, "patches", [])
+        raw = _bytes(t)
+        if oshape is None:
+            oshape = raw.shape
+        raw = raw.to(device)
+        patch_list, key = [], None
+        for p, key in patches:
+            patch_list += move_patch_to_device(p, device)
+        if qtype in native:
+            weight = raw.to(dtype)
+        else:
+            deq = dtype if s.dequant_dtype == "target" else s.dequant_dtype
+            weight = dequantize(raw, qtype, oshape, dtype=deq).to(dtype)
+        if patch_list:
+            if s.patch_dtype is None:
+                weight = calculate_weight(patch_list, weight, key)
+            else:
+                patch_dtype = dtype if s.patch_dtype == "target" else s.patch_dtype
+                weight = calculate_weight(patch_list, weight, key, patch_dtype)
+        return weight
+
+    def cast_bias_weight(s, input=None, dtype=None, device=None, bias_dtype=None):
+        for t in (s.weight, s.bias):
+            qtype = None if t is None else getattr(t, "tensor_type", None)
+            if qtype is not None and qtype not in native and qtype not in known:  # ComfyUI-GGUF's numpy fallback
+                return type(s).cast_bias_weight(s, input, dtype, device, bias_dtype)
+        if input is not None:
+            if dtype is None:
+                dtype = getattr(input, "dtype", torch.float32)
+            if bias_dtype is None:
+                bias_dtype = dtype
+            if device is None:
+                device = input.device
+        bias = None
+        non_blocking = supports_non_blocking(device)
+        if s.bias is not None:
+            bias = weight_of(s, s.bias, dtype, device)
+            bias = cast_to(bias, bias_dtype, device, non_blocking=non_blocking, copy=False)
+        weight = weight_of(s, s.weight, dtype, device)
+        weight = cast_to(weight, dtype, device, non_blocking=non_blocking, copy=False)
+        return weight, bias
+
+    return cast_bias_weight
+
+
+@contextlib.contextmanager
+def plain_casts(block: torch.nn.Module):
+    """For the ``with`` body: the plain-tensor cast on each ComfyUI-GGUF layer of ``block`` whose own attributes do
+    not already hold a cast; afterwards each layer as it was (also when the body fails).  Yields how many."""
+    given = []
+    try:
+        for mod in block.modules():
+            if ATTR in mod.__dict__:
+                continue
+            fn = cast_for(mod)
+            if fn is not None:
+                mod.__dict__[ATTR] = types.MethodType(fn, mod)
+                given.append(mod)
+        yield len(given)
+    finally:
+        for mod in given:
+            mod.__dict__.pop(ATTR, None)

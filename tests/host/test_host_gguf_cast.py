@@ -1,0 +1,156 @@
+"""Host tier: the plain-tensor GGUF cast of Wan Compile Blocks (nodes/gguf_cast.py) against ComfyUI-GGUF's own, on
+the miniature A14B expert with its LoRA in a real ComfyUI 0.3.64 with ComfyUI-GGUF, on the CPU.
+
+The cast must give ComfyUI-GGUF's weights bit for bit, and dynamo must trace none of the dequantization through
+ComfyUI-GGUF's tensor subclass: its FX nodes carry ``Tensor.__torch_function__`` in their stack when it does, as
+every node of ComfyUI-GGUF's own cast on a quantized weight does."""
+import pytest
+import torch
+
+import comfy_env
+import workflow_check
+
+if comfy_env.skip_reason():
+    pytest.skip(f"host tier: {comfy_env.skip_reason()}", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def loaded(comfy, tmp_path_factory):
+    """The expert loaded (its LoRA hung on the quantized weights) and the first block's call, captured from a
+    one-step sampling: (patcher, blocks, args, kwargs)."""
+    reason = workflow_check.gguf_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    pytest.importorskip("gguf", reason="the gguf package (ComfyUI-GGUF's dependency) is not installed")
+    with torch.inference_mode():
+        m = comfy_env.tiny_gguf_expert(workflow_check.gguf_path(), tmp_path_factory.mktemp("gguf-cast"), lora_rank=8)
+        m.model.manual_cast_dtype = torch.bfloat16  # computing in bf16, as on the GPU
+        blocks = m.model.diffusion_model.blocks
+        got = {}
+
+        def capture(mod, args, kwargs):
+            got.setdefault("call", (args, dict(kwargs)))
+        h = blocks[0].register_forward_pre_hook(capture, with_kwargs=True)
+        try:
+            comfy_env.sample_tiny(m, steps=1, cfg=1.0)
+        finally:
+            h.remove()
+        import comfy.model_management as mm
+        mm.load_models_gpu([m])  # loaded again: the LoRA stays hung on the weights for the checks
+    args, kwargs = got["call"]
+    return m, blocks, args, kwargs
+
+
+def _gguf_layers(blocks):
+    from wan_sage.nodes import gguf_cast
+    return [mod for b in blocks for mod in b.modules()
+            if gguf_cast.cast_for(mod) is not None and getattr(mod, "weight", None) is not None]
+
+
+def test_the_plain_cast_gives_ggufs_weights_bit_for_bit(loaded):
+    from wan_sage.nodes import gguf_cast
+    _m, blocks, args, _kw = loaded
+    layers = _gguf_layers(blocks)
+    x = args[0]
+    types_seen, patched = set(), 0
+    with torch.inference_mode():
+        for layer in layers:
+            w0, b0 = layer.cast_bias_weight(x)
+            w1, b1 = gguf_cast.cast_for(layer)(layer, x)
+            assert type(w1) is torch.Tensor and w1.dtype == w0.dtype and torch.equal(w1, torch.Tensor(w0)), layer
+            assert (b0 is None) == (b1 is None) and (b1 is None or torch.equal(b1, torch.Tensor(b0))), layer
+            types_seen.add(getattr(getattr(layer.weight, "tensor_type", None), "name", None))
+            patched += bool(getattr(layer.weight, "patches", None))
+    assert {"Q4_K", "Q6_K"} <= types_seen, types_seen  # both quantized types of the real A14B file
+    assert patched >= 10  # the LoRA's weights ride on the quantized ones
+
+
+def test_no_op_of_the_dequantization_runs_on_ggufs_tensor_subclass(loaded, monkeypatch):
+    from wan_sage.nodes import gguf_cast
+    _m, blocks, args, _kw = loaded
+    layer = blocks[0].ffn[0]
+    cls = type(layer.weight)
+    calls = []
+    original = cls.__torch_function__
+
+    def counting(klass, func, types, a=(), kw=None):
+        calls.append(func)
+        return original.__func__(klass, func, types, a, kw)
+    monkeypatch.setattr(cls, "__torch_function__", classmethod(counting))
+    with torch.inference_mode():
+        layer.cast_bias_weight(args[0])
+        own = len(calls)
+        calls.clear()
+        gguf_cast.cast_for(layer)(layer, args[0])
+    assert own > 20 and calls == [], (own, calls[:5])  # the test can fail: ComfyUI-GGUF's own cast runs many
+
+
+def _traced(block, args, kwargs, plain: bool):
+    """(FX graphs, nodes whose stack passes through Tensor.__torch_function__, output) of ``block`` compiled with a
+    backend that only records the graph."""
+    from wan_sage.nodes import gguf_cast
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    torch._dynamo.reset()
+    try:
+        with torch.inference_mode():
+            compiled = torch.compile(block, backend=recording)
+            if plain:
+                with gguf_cast.plain_casts(block) as n:
+                    assert n >= 10
+                    out = compiled(*args, **kwargs)
+            else:
+                out = compiled(*args, **kwargs)
+        subclass_nodes = sum(1 for g in graphs for node in g.graph.nodes
+                             if "__torch_function__" in (node.meta.get("stack_trace") or ""))
+        return graphs, subclass_nodes, out
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.fixture
+def sdpa(monkeypatch):
+    """The block's attention on PyTorch's SDPA, as on the GPU (the CPU's default, sub-quadratic attention reads the
+    host's free memory inside the block: a graph break of its own)."""
+    import comfy.ldm.modules.attention as attention
+    import comfy.ldm.wan.model as wan
+    monkeypatch.setattr(wan, "optimized_attention", attention.attention_pytorch)
+
+
+def test_a_compiled_block_traces_no_subclass_op_and_runs_as_eager(loaded, sdpa):
+    _m, blocks, args, kwargs = loaded
+    with torch.inference_mode():
+        eager = blocks[0](*args, **kwargs)
+    graphs, own_nodes, out_own = _traced(blocks[0], args, kwargs, plain=False)
+    assert own_nodes > 100  # the test can fail: ComfyUI-GGUF's cast traces through its subclass
+    graphs, nodes, out = _traced(blocks[0], args, kwargs, plain=True)
+    assert len(graphs) == 1 and nodes == 0
+    assert torch.equal(out, eager) and torch.equal(out_own, eager)
+    assert all("cast_bias_weight" not in mod.__dict__ for b in blocks for mod in b.modules())
+
+
+def test_the_blocks_share_one_graph_with_the_plain_cast(loaded, sdpa):
+    """Every block binds the same cast function, so the second block runs the first one's graph."""
+    from torch._dynamo.utils import counters
+    from wan_sage.nodes import gguf_cast
+    _m, blocks, args, kwargs = loaded
+    assert len(blocks) >= 2
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        with torch.inference_mode():
+            compiled = [torch.compile(b, backend=recording) for b in blocks[:2]]
+            for b, c in zip(blocks[:2], compiled):
+                with gguf_cast.plain_casts(b):
+                    c(*args, **kwargs)
+        assert len(graphs) == 1 and not counters["recompiles"], (len(graphs), dict(counters["recompiles"]))
+    finally:
+        torch._dynamo.reset()
