@@ -592,6 +592,16 @@ def compile_section() -> list:
   machine 80.4 s against 99.1 s (1.23×, 7.3 s compiling) and eager 80.8 s (1.23×). The first
   prompt after installing, with only `wan-sage bench`'s timings, took 98.5 s (18.4 s compiling), where ComfyUI alone
   took 90.3–103.5 s on three other machines: it can be slower than ComfyUI alone, so no template compiles.
+  Where that first prompt's compiling went, with the compile file kept (round `c` of the host copy file,
+  `2852b60`): 8.2 s in dynamo, 7.1 s of it tracing the block's bytecode, and 2.9 s of kernel autotuning. The tracing
+  was ComfyUI-GGUF's: it holds each quantized weight as a tensor subclass, and dynamo interprets the subclass's
+  `__torch_function__`, `.to` and `.shape` for each op of the dequantization. The node now gives the layers of
+  a block it runs compiled ComfyUI-GGUF's own cast with the dequantization on a plain view of each weight's bytes
+  (`nodes/gguf_cast.py`; for that call only, taken away in `finally`), the same weights bit for bit
+  (`tests/host/test_host_gguf_cast.py`: every Q4_K, Q6_K, F32 and BF16 layer of the miniature A14B with its LoRA,
+  and no FX node traced through the subclass). The tracing then took 2.45 s on the H200 (round `d`, a process
+  that compiled the changed graph afresh: its first prompt is not the kept-file case), one graph for both experts,
+  no recompile, steps 2.79 s; the first prompt with the compile file kept is not measured since.
 - **Compile caches across ComfyUI starts.** Inductor keeps what it compiled in a temporary folder that a
   reboot empties. Around each sampling run of a compiled model the Sage patch hot-loads, once per process,
   the files of this torch build and GPU from `compile/` beside the kernel timing cache
