@@ -85,7 +85,8 @@ class ResidentOnlyBlock(torch.nn.Module):
         device = _input_device(args, kwargs)
         if device is not None and block_resident(self.block, device):
             settle_cast_flags(self.block)
-            with gguf_cast.plain_casts(self.block):  # GGUF weights: dynamo traces no op of their tensor subclass
+            x = args[0] if args else kwargs.get("x")
+            with gguf_cast.plain_casts(self.block, x):  # GGUF weights: dynamo traces no op of their tensor subclass
                 return self.compiled(*args, **kwargs)
         return self.block(*args, **kwargs)
 

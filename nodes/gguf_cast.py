@@ -14,7 +14,8 @@ through ComfyUI-GGUF's cast and in 1.1-1.4 s through this one (bytecode tracing,
 dequantization runs on the subclass: the result is the same bit for bit.
 
 :func:`plain_casts` gives it to the ComfyUI-GGUF layers of one block for one call: as an attribute of each layer
-object, taken away again in ``finally``.  So a block that runs eagerly (weights streamed), every other model that
+object, taken away again in ``finally``.  The first layer of each ComfyUI-GGUF met is cast both ways once, eagerly,
+and a difference in any bit (a ComfyUI-GGUF whose cast has changed) keeps its own cast from then on.  So a block that runs eagerly (weights streamed), every other model that
 shares the layers, and every layer of a type it does not know run ComfyUI-GGUF's own code.
 """
 from __future__ import annotations
@@ -25,9 +26,12 @@ import types
 
 import torch
 
+from .log_once import warn_once
+
 ATTR = "cast_bias_weight"
 
 _casts: dict = {}  # ComfyUI-GGUF's ops module -> the cast made for it (one function object), or None
+_checked_fns: dict = {}  # a cast made here -> whether it agreed with ComfyUI-GGUF's own (:func:`_checked`)
 
 
 def _gguf_parts(layer):
@@ -127,16 +131,51 @@ def _make_cast(ops, dq):
     return cast_bias_weight
 
 
+def _same(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    with torch._C.DisableTorchFunctionSubclass():
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def _agrees(fn, layer, x) -> bool:
+    """Whether ``fn`` gives ``layer``'s weight and bias for input ``x`` bit for bit as the layer's class casts them
+    (ComfyUI-GGUF's own cast, run here eagerly).  Never raises."""
+    try:
+        own = type(layer).cast_bias_weight(layer, x)
+        plain = fn(layer, x)
+        return all(_same(a, b) for a, b in zip(own, plain))
+    except Exception:
+        return False
+
+
+def _checked(fn, layer, x):
+    """``fn`` where it agrees with ComfyUI-GGUF's own cast on ``layer``, checked once per function and process (the
+    first layer of each ComfyUI-GGUF met); None where it does not, and from then on."""
+    if fn in _checked_fns:
+        return fn if _checked_fns[fn] else None
+    ok = _agrees(fn, layer, x)
+    _checked_fns[fn] = ok
+    if not ok:
+        warn_once(("gguf-cast",), "wan-sage: ComfyUI-GGUF's weights differ through the pack's plain-tensor cast on "
+                  "%s; compiled blocks use ComfyUI-GGUF's own cast (slower to compile, same results).",
+                  type(layer).__qualname__)
+    return fn if ok else None
+
+
 @contextlib.contextmanager
-def plain_casts(block: torch.nn.Module):
+def plain_casts(block: torch.nn.Module, x: torch.Tensor | None):
     """For the ``with`` body: the plain-tensor cast on each ComfyUI-GGUF layer of ``block`` whose own attributes do
-    not already hold a cast; afterwards each layer as it was (also when the body fails).  Yields how many."""
+    not already hold a cast; afterwards each layer as it was (also when the body fails).  ``x``: the block's input,
+    for the one-time check against ComfyUI-GGUF's own cast (none given: no layer gets it).  Yields how many."""
     given = []
     try:
         for mod in block.modules():
-            if ATTR in mod.__dict__:
+            if x is None or ATTR in mod.__dict__:
                 continue
             fn = cast_for(mod)
+            if fn is not None and getattr(mod, "weight", None) is not None:
+                fn = _checked(fn, mod, x)
             if fn is not None:
                 mod.__dict__[ATTR] = types.MethodType(fn, mod)
                 given.append(mod)

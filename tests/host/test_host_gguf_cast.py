@@ -99,7 +99,7 @@ def _traced(block, args, kwargs, plain: bool):
         with torch.inference_mode():
             compiled = torch.compile(block, backend=recording)
             if plain:
-                with gguf_cast.plain_casts(block) as n:
+                with gguf_cast.plain_casts(block, args[0]) as n:
                     assert n >= 10
                     out = compiled(*args, **kwargs)
             else:
@@ -149,7 +149,7 @@ def test_the_blocks_share_one_graph_with_the_plain_cast(loaded, sdpa):
         with torch.inference_mode():
             compiled = [torch.compile(b, backend=recording) for b in blocks[:2]]
             for b, c in zip(blocks[:2], compiled):
-                with gguf_cast.plain_casts(b):
+                with gguf_cast.plain_casts(b, args[0]):
                     c(*args, **kwargs)
         assert len(graphs) == 1 and not counters["recompiles"], (len(graphs), dict(counters["recompiles"]))
     finally:

@@ -200,13 +200,17 @@ def test_the_backend_is_checked_and_the_offered_ones_need_no_lookup_of_dynamos(m
 class QLayer(torch.nn.Linear):
     """Stands in for a ComfyUI-GGUF layer: the plain-tensor cast is found for it (monkeypatched below)."""
 
+    def cast_bias_weight(self, input=None, dtype=None, device=None, bias_dtype=None):
+        return self.weight * 1, self.bias * 1
+
 
 def _plain(s, input=None, dtype=None, device=None, bias_dtype=None):
-    return s.weight, s.bias
+    return s.weight * 1, s.bias * 1
 
 
 def test_the_compiled_call_alone_sees_the_plain_gguf_cast_and_the_layers_are_restored(monkeypatch):
     from wan_sage.nodes import gguf_cast
+    monkeypatch.setattr(gguf_cast, "_checked_fns", {})
     monkeypatch.setattr(gguf_cast, "cast_for", lambda mod: _plain if isinstance(mod, QLayer) else None)
     block = Block()
     block.q = QLayer(4, 4)
@@ -231,3 +235,29 @@ def test_the_compiled_call_alone_sees_the_plain_gguf_cast_and_the_layers_are_res
     block.q.weight = torch.nn.Parameter(torch.ones(4, 4, device="meta"))  # streamed: eager, GGUF's own cast
     stand_in(torch.zeros(1, 4))
     assert len(seen) == 2 and block.calls == 1 and "cast_bias_weight" not in block.q.__dict__
+
+
+def test_a_plain_cast_that_differs_from_ggufs_own_in_one_bit_is_never_given(monkeypatch, caplog):
+    from wan_sage.nodes import gguf_cast, log_once
+
+    def off_by_one_bit(s, input=None, dtype=None, device=None, bias_dtype=None):
+        w = s.weight * 1
+        w.view(torch.int32)[0, 0] ^= 1
+        return w, s.bias * 1
+    monkeypatch.setattr(gguf_cast, "_checked_fns", {})
+    monkeypatch.setattr(log_once, "warned", set())
+    monkeypatch.setattr(gguf_cast, "cast_for", lambda mod: off_by_one_bit if isinstance(mod, QLayer) else None)
+    block = Block()
+    block.q = QLayer(4, 4)
+    seen = []
+
+    class Recording(Compiled):
+        def __call__(self, *args, **kwargs):
+            seen.append("cast_bias_weight" in block.q.__dict__)
+            return super().__call__(*args, **kwargs)
+    stand_in = compile_blocks.ResidentOnlyBlock(block, Recording())
+    with caplog.at_level("WARNING", logger="wan_sage"):
+        stand_in(torch.zeros(1, 4))
+        stand_in(torch.zeros(1, 4))
+    assert seen == [False, False]  # the compiled calls ran with the layer's own cast
+    assert sum("plain-tensor cast" in r.getMessage() for r in caplog.records) == 1
