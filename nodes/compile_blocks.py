@@ -86,8 +86,9 @@ class ResidentOnlyBlock(torch.nn.Module):
         if device is not None and block_resident(self.block, device):
             settle_cast_flags(self.block)
             x = args[0] if args else kwargs.get("x")
-            with gguf_cast.plain_casts(self.block, x):  # GGUF weights: dynamo traces no op of their tensor subclass
-                return self.compiled(*args, **kwargs)
+            with gguf_cast.plain_casts(self.block, x) as given:  # GGUF: dynamo traces no op of their tensor subclass
+                out = self.compiled(*args, **kwargs)
+            return gguf_cast.as_input_class(out, x) if given else out
         return self.block(*args, **kwargs)
 
 

@@ -183,3 +183,13 @@ def plain_casts(block: torch.nn.Module, x: torch.Tensor | None):
     finally:
         for mod in given:
             mod.__dict__.pop(ATTR, None)
+
+
+def as_input_class(out, x):
+    """The compiled block's output as a plain tensor where its input ``x`` is one.  Eagerly the block returns a plain
+    tensor; dynamo (torch 2.14 on the CPU) reconstructs the compiled output as ComfyUI-GGUF's subclass when the graph
+    read the weights' bytes this way, and the next block's input would then fail its guard and compile again."""
+    if isinstance(out, torch.Tensor) and type(out) is not torch.Tensor and type(x) is torch.Tensor:
+        with torch._C.DisableTorchFunctionSubclass():  # eager, outside the graph; the same storage and strides
+            return out.as_subclass(torch.Tensor)
+    return out

@@ -87,8 +87,8 @@ def test_no_op_of_the_dequantization_runs_on_ggufs_tensor_subclass(loaded, monke
 
 def _traced(block, args, kwargs, plain: bool):
     """(FX graphs, nodes whose stack passes through Tensor.__torch_function__, output) of ``block`` compiled with a
-    backend that only records the graph."""
-    from wan_sage.nodes import gguf_cast
+    backend that only records the graph: through Wan Compile Blocks' stand-in (``plain``), or compiled as it is."""
+    from wan_sage.nodes import compile_blocks, gguf_cast
     graphs = []
 
     def recording(gm, example_inputs):
@@ -101,7 +101,7 @@ def _traced(block, args, kwargs, plain: bool):
             if plain:
                 with gguf_cast.plain_casts(block, args[0]) as n:
                     assert n >= 10
-                    out = compiled(*args, **kwargs)
+                out = compile_blocks.ResidentOnlyBlock(block, compiled)(*args, **kwargs)
             else:
                 out = compiled(*args, **kwargs)
         subclass_nodes = sum(1 for g in graphs for node in g.graph.nodes
@@ -129,13 +129,14 @@ def test_a_compiled_block_traces_no_subclass_op_and_runs_as_eager(loaded, sdpa):
     graphs, nodes, out = _traced(blocks[0], args, kwargs, plain=True)
     assert len(graphs) == 1 and nodes == 0
     assert torch.equal(out, eager) and torch.equal(out_own, eager)
+    assert type(out) is type(eager) is torch.Tensor  # the next block's input: a subclass would fail its guard
     assert all("cast_bias_weight" not in mod.__dict__ for b in blocks for mod in b.modules())
 
 
 def test_the_blocks_share_one_graph_with_the_plain_cast(loaded, sdpa):
     """Every block binds the same cast function, so the second block runs the first one's graph."""
     from torch._dynamo.utils import counters
-    from wan_sage.nodes import gguf_cast
+    from wan_sage.nodes import compile_blocks
     _m, blocks, args, kwargs = loaded
     assert len(blocks) >= 2
     graphs = []
@@ -147,10 +148,9 @@ def test_the_blocks_share_one_graph_with_the_plain_cast(loaded, sdpa):
     counters.clear()
     try:
         with torch.inference_mode():
-            compiled = [torch.compile(b, backend=recording) for b in blocks[:2]]
-            for b, c in zip(blocks[:2], compiled):
-                with gguf_cast.plain_casts(b, args[0]):
-                    c(*args, **kwargs)
+            stand_ins = [compile_blocks.ResidentOnlyBlock(b, torch.compile(b, backend=recording)) for b in blocks[:2]]
+            x = stand_ins[0](*args, **kwargs)  # the second block takes the first one's output, as in the model
+            stand_ins[1](x, *args[1:], **kwargs)
         assert len(graphs) == 1 and not counters["recompiles"], (len(graphs), dict(counters["recompiles"]))
     finally:
         torch._dynamo.reset()
