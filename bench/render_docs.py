@@ -597,9 +597,11 @@ def compile_section() -> list:
   was ComfyUI-GGUF's: it holds each quantized weight as a tensor subclass, and dynamo interprets the subclass's
   `__torch_function__`, `.to` and `.shape` for each op of the dequantization. The node now gives the layers of
   a block it runs compiled ComfyUI-GGUF's own cast with the dequantization on a plain view of each weight's bytes
-  (`nodes/gguf_cast.py`; for that call only, taken away in `finally`), the same weights bit for bit
-  (`tests/host/test_host_gguf_cast.py`: every Q4_K, Q6_K, F32 and BF16 layer of the miniature A14B with its LoRA,
-  and no FX node traced through the subclass). The tracing then took 2.45 s on the H200 (round `d`, a process
+  (`nodes/gguf_cast.py`; for that call only, taken away in `finally`; the first layer of each ComfyUI-GGUF is cast
+  both ways once per process, and a difference in any bit keeps ComfyUI-GGUF's own cast), the same weights bit for
+  bit (`tests/host/test_host_gguf_cast.py`: every Q4_K, Q6_K, F32 and BF16 layer of the miniature A14B with its
+  LoRA, no FX node traced through the subclass, and one graph for two chained blocks, the output handed on as a
+  plain tensor as eagerly). The tracing then took 2.45 s on the H200 (round `d`, a process
   that compiled the changed graph afresh: its first prompt is not the kept-file case), one graph for both experts,
   no recompile, steps 2.79 s; the first prompt with the compile file kept is not measured since.
 - **Compile caches across ComfyUI starts.** Inductor keeps what it compiled in a temporary folder that a
