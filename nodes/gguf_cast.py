@@ -165,8 +165,8 @@ def _checked(fn, layer, x):
 
 @contextlib.contextmanager
 def plain_casts(block: torch.nn.Module, x: torch.Tensor | None):
-    """For the ``with`` body: the plain-tensor cast on each ComfyUI-GGUF layer of ``block`` whose own attributes do
-    not already hold a cast; afterwards each layer as it was (also when the body fails).  ``x``: the block's input,
+    """For the ``with`` body: the plain-tensor cast on each ComfyUI-GGUF layer of ``block`` that has a weight and whose
+    own attributes do not already hold a cast; afterwards each layer as it was (also when the body fails).  ``x``: the block's input,
     for the one-time check against ComfyUI-GGUF's own cast (none given: no layer gets it).  Yields how many."""
     given = []
     try:
@@ -174,8 +174,9 @@ def plain_casts(block: torch.nn.Module, x: torch.Tensor | None):
             if x is None or ATTR in mod.__dict__:
                 continue
             fn = cast_for(mod)
-            if fn is not None and getattr(mod, "weight", None) is not None:
-                fn = _checked(fn, mod, x)
+            if fn is None or getattr(mod, "weight", None) is None:  # no weight (an affine-free norm): nothing to cast
+                continue
+            fn = _checked(fn, mod, x)
             if fn is not None:
                 mod.__dict__[ATTR] = types.MethodType(fn, mod)
                 given.append(mod)
