@@ -5,9 +5,10 @@ per fp8 A14B expert at 12 GiB; bench/records/LOG.md entry 47).  This measures th
 ``--gib`` GiB of host tensors cut into ``--mib`` MiB weights (default 68: an fp8 A14B FFN weight), each method on
 fresh source tensors:
 
-* ``copy``: what ``pinned_host`` does, one module at a time: a new anonymous map per weight, the weight copied into
-  it, the map registered (``cudaHostRegister``);
-* ``copy-thp``: the same with ``madvise(MADV_HUGEPAGE)`` on each map before the copy (Linux);
+* ``copy``: a new private anonymous map per weight (``pinned_host.new_map`` without huge pages), the weight copied
+  into it, the map registered (``cudaHostRegister``);
+* ``copy-thp``: the same with ``madvise(MADV_HUGEPAGE)`` on each map before the copy (Linux): what ``pinned_host``
+  does, one module at a time;
 * ``copy-populate``: the same with the map's pages faulted in by the kernel when it is made (``MAP_POPULATE``, Linux),
   not one fault per page during the copy;
 * ``alloc-pinned``: torch's own page-locked allocation per weight (``torch.empty(pin_memory=True)``, the CUDA host
@@ -35,6 +36,8 @@ import mmap
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+
+from . import _host
 
 GB = 1e9
 METHODS = ("copy", "copy-thp", "copy-populate", "alloc-pinned", "threads-4", "in-place")
@@ -74,15 +77,21 @@ def _sources(torch, gib: float, mib: int, file: str | None = None) -> list:
     return [whole[i * (mib << 20):(i + 1) * (mib << 20)] for i in range(n)]
 
 
+def _pinned_host():
+    """The pack's ``nodes/pinned_host.py`` (the pack loaded from this checkout)."""
+    _host.load_pack()
+    return importlib.import_module("wan_sage.nodes.pinned_host")
+
+
 def _copy_one(torch, src, huge: bool, populate: bool = False):
-    """One weight copied into a new anonymous map; (buffer, its keeper, copy seconds)."""
+    """One weight copied into a new anonymous map, the pack's own (``pinned_host.new_map``) or, ``populate``, one
+    faulted in when it is made; (buffer, its keeper, copy seconds)."""
+    new_map = _pinned_host().new_map
     t0 = time.perf_counter()
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
     if populate and hasattr(mmap, "MAP_POPULATE"):
-        flags |= mmap.MAP_POPULATE
-    mm = mmap.mmap(-1, src.numel(), flags=flags)
-    if huge and hasattr(mmap, "MADV_HUGEPAGE"):
-        mm.madvise(mmap.MADV_HUGEPAGE)
+        mm = mmap.mmap(-1, src.numel(), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+    else:
+        mm = new_map(src.numel(), huge)
     view = memoryview(mm)
     buf = torch.frombuffer(view, dtype=torch.uint8)
     buf.copy_(src)
@@ -179,9 +188,7 @@ def main(argv=None) -> int:
             print("no CUDA device: run on the GPU machine, or pass --fake-lock to time the copies alone",
                   file=sys.stderr)
             return 2
-        from bench import _host
-        _host.load_pack()
-        locker = importlib.import_module("wan_sage.nodes.pinned_host").CudaLocker()
+        locker = _pinned_host().CudaLocker()
     import os
     src_file = None if a.source == "memory" else (a.file or os.path.join(os.path.dirname(os.path.abspath(a.out)),
                                                                           "pin-throughput.bin"))

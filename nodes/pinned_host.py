@@ -31,14 +31,15 @@ from .log_once import reason, warn_once
 
 log = logging.getLogger("wan_sage")
 
-__all__ = ["pin_streamed", "pinned_bytes", "ceiling", "report_note", "FRACTION", "KEEP_AVAILABLE", "CudaLocker"]
+__all__ = ["pin_streamed", "pinned_bytes", "ceiling", "report_note", "new_map", "FRACTION", "KEEP_AVAILABLE",
+           "CudaLocker"]
 
 FRACTION = 0.40          # of the machine's RAM, page-locked by the pack at most
 KEEP_AVAILABLE = 4 << 30  # host memory left available after each buffer
 ALIGN = 64                # each weight's offset in its module's buffer
 # Transparent huge pages for each buffer, asked before its first touch (Linux): on the H200 host, 4.3 GB of
-# weights copied into new maps and registered took 0.41-0.73 s with 4 KiB pages and 0.28-0.29 s with huge pages
-# (``python -m bench.pin_throughput``, docs/memory-model.md).
+# weights copied into new private maps and registered took 0.41-0.73 s with 4 KiB pages and 0.28-0.29 s with huge
+# pages (``python -m bench.pin_throughput``, docs/memory-model.md).
 HUGE_PAGES = getattr(mmap, "MADV_HUGEPAGE", None)
 
 _lock = threading.Lock()
@@ -148,18 +149,26 @@ def _layout(plain) -> tuple[list[int], int]:
     return offsets, end
 
 
+def new_map(size: int, huge: bool = True) -> mmap.mmap:
+    """A new anonymous map of ``size`` bytes, page-aligned and its buffer's alone, with transparent huge pages asked
+    before its first touch where ``huge``.  Private where the platform says so: a shared anonymous map (Python's
+    default) is shared memory, which the kernel's default setting gives no huge pages."""
+    private = getattr(mmap, "MAP_PRIVATE", None)
+    mm = mmap.mmap(-1, size) if private is None else mmap.mmap(-1, size, flags=private | mmap.MAP_ANONYMOUS)
+    if huge and HUGE_PAGES is not None:
+        try:
+            mm.madvise(HUGE_PAGES)
+        except OSError:  # transparent huge pages off: 4 KiB pages, slower to fault in and to lock
+            pass
+    return mm
+
+
 def _pin_module(params, plain, layout, locker, times: list | None = None) -> int:
     """Copy one module's weights into one new page-locked buffer laid out as ``layout`` (:func:`_layout`) and point
     them at it; the bytes pinned.  ``times``: [map and copy seconds, registering seconds], added to."""
     t0 = time.perf_counter()
     offsets, size = layout
-    mm = mmap.mmap(-1, size)  # page-aligned, this buffer's alone; the storage holds it through the view
-    if HUGE_PAGES is not None:
-        try:
-            mm.madvise(HUGE_PAGES)
-        except OSError:  # transparent huge pages off: 4 KiB pages, slower to fault in and to lock
-            pass
-    view = memoryview(mm)
+    view = memoryview(new_map(size))  # the storage holds the map through the view
     base = torch.frombuffer(view, dtype=torch.uint8)
     targets = []
     for (_, t), off in zip(plain, offsets):

@@ -188,8 +188,15 @@ def test_a_module_without_bytes_is_passed_over_and_the_rest_still_pinned():
 def test_each_buffer_asks_for_huge_pages_before_its_bytes_are_copied_and_works_where_the_host_refuses(monkeypatch):
     asked, refuse = [], []
 
+    made = []
+
     class Map(pinned_host.mmap.mmap):
-        """An anonymous map that records the advice it gets and whether its bytes were written by then."""
+        """An anonymous map that records how it was made, the advice it gets and whether its bytes were written by
+        then."""
+
+        def __new__(cls, *a, **k):
+            made.append(k.get("flags"))
+            return super().__new__(cls, *a, **k)
 
         def madvise(self, advice, *a):
             asked.append((advice, any(self[:])))
@@ -201,6 +208,7 @@ def test_each_buffer_asks_for_huge_pages_before_its_bytes_are_copied_and_works_w
         model, locker = Net(), FakeLocker()
         before = _values(model)
         asked.clear()
+        made.clear()
         monkeypatch.setattr(pinned_host, "HUGE_PAGES", 14)
         monkeypatch.setattr(pinned_host.mmap, "mmap", Map)
         try:
@@ -208,6 +216,9 @@ def test_each_buffer_asks_for_huge_pages_before_its_bytes_are_copied_and_works_w
         finally:
             monkeypatch.undo()
         assert asked == [(14, False), (14, False)]  # one buffer per streamed module, advised while still empty
+        private = pinned_host.mmap.MAP_PRIVATE | pinned_host.mmap.MAP_ANONYMOUS
+        assert made == [private, private]  # a shared anonymous map is shared memory: no huge pages by default
+        made.clear()
         assert done == sum(locker.locked.values()) > 0
         for k, p in model.named_parameters():
             assert torch.equal(torch.Tensor.as_subclass(p, torch.Tensor), before[k][2]), k
