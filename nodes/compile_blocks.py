@@ -66,9 +66,9 @@ def settle_cast_flags(block) -> None:
             del d["comfy_cast_weights"]
 
 
-def _input_device(args, kwargs):
-    x = args[0] if args else kwargs.get("x")
-    return getattr(x, "device", None)
+def _input(args, kwargs):
+    """The block's input ``x``, given first or by name."""
+    return args[0] if args else kwargs.get("x")
 
 
 class ResidentOnlyBlock(torch.nn.Module):
@@ -82,10 +82,10 @@ class ResidentOnlyBlock(torch.nn.Module):
         object.__setattr__(self, "compiled", compiled)
 
     def forward(self, *args, **kwargs):
-        device = _input_device(args, kwargs)
+        x = _input(args, kwargs)
+        device = getattr(x, "device", None)
         if device is not None and block_resident(self.block, device):
             settle_cast_flags(self.block)
-            x = args[0] if args else kwargs.get("x")
             with gguf_cast.plain_casts(self.block, x) as given:  # GGUF: dynamo traces no op of their tensor subclass
                 out = self.compiled(*args, **kwargs)
             return gguf_cast.as_input_class(out, x) if given else out

@@ -15,8 +15,9 @@ dequantization runs on the subclass: the result is the same bit for bit.
 
 :func:`plain_casts` gives it to the ComfyUI-GGUF layers of one block for one call: as an attribute of each layer
 object, taken away again in ``finally``.  The first layer of each ComfyUI-GGUF met is cast both ways once, eagerly,
-and a difference in any bit (a ComfyUI-GGUF whose cast has changed) keeps its own cast from then on.  So a block that runs eagerly (weights streamed), every other model that
-shares the layers, and every layer of a type it does not know run ComfyUI-GGUF's own code.
+and a difference in any bit (a ComfyUI-GGUF whose cast has changed) keeps its own cast from then on.  So a block
+that runs eagerly (weights streamed), every other model that shares the layers, and every layer of a type it does
+not know run ComfyUI-GGUF's own code.
 """
 from __future__ import annotations
 
@@ -166,8 +167,9 @@ def _checked(fn, layer, x):
 @contextlib.contextmanager
 def plain_casts(block: torch.nn.Module, x: torch.Tensor | None):
     """For the ``with`` body: the plain-tensor cast on each ComfyUI-GGUF layer of ``block`` that has a weight and whose
-    own attributes do not already hold a cast; afterwards each layer as it was (also when the body fails).  ``x``: the block's input,
-    for the one-time check against ComfyUI-GGUF's own cast (none given: no layer gets it).  Yields how many."""
+    own attributes do not already hold a cast; afterwards each layer as it was (also when the body fails).  ``x``: the
+    block's input, for the one-time check against ComfyUI-GGUF's own cast (none given: no layer gets it).  Yields how
+    many."""
     given = []
     try:
         for mod in block.modules():
