@@ -12,7 +12,13 @@ The block is ComfyUI 0.3.64's ``WanAttentionBlock`` at A14B's dims (bf16, random
 real forward of a one-block model.  "Streamed" is ComfyUI's lowvram state of a layer: the cast flag set and the
 weight on the host, so the layer's forward copies it onto the GPU at each call; "pinned" keeps that host copy in
 page-locked memory.  Each mode runs the block three times (the first compiles) and reports the peak and the
-seconds of the last.
+seconds of the last.  Each compiled mode starts from a reset dynamo with a block compiled for it alone: dynamo keeps
+its compiled code per code object, so a mode run after "compiled around eager layers" otherwise entered that mode's
+first graph (its guards read no layer's type) and ran with its graph breaks.
+
+``--device cpu`` runs the same modes on the host (the peak from the profiler's record of the CPU allocator; a
+streamed layer's weight is already on the compute device there, so staging copies nothing), at dims and sizes a
+CPU runs (``--dims 1536x8960 --size 512x512x17``): what each mode's graph holds, not the H200's figures.
 
     COMFYUI_PATH=... python -m bench.streamed_block_peak --out $OUT/streamed-block-peak.jsonl [--size 1280x720x81]
 """
@@ -27,13 +33,15 @@ from pathlib import Path
 GiB = 1 << 30
 
 
-def _block_and_inputs(comfy, torch, width: int, height: int, frames: int):
-    """The block of a one-block A14B on the GPU and its inputs (``comfy_env.a14b_block_and_inputs``); only the
-    block is kept on the GPU."""
+def _block_and_inputs(comfy, torch, width: int, height: int, frames: int, device: str = "cuda",
+                      dims: tuple = (5120, 13824)):
+    """The block of a one-block A14B (or of ``dims``, dim x ffn_dim) on ``device`` and its inputs
+    (``comfy_env.a14b_block_and_inputs``); only the block is kept there."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "host"))
     import comfy_env
     latent = (1, 16, (frames - 1) // 4 + 1, height // 8, width // 8)
-    model, block, args, kwargs = comfy_env.a14b_block_and_inputs(comfy, latent)
+    model, block, args, kwargs = comfy_env.a14b_block_and_inputs(comfy, latent, device=device, dim=dims[0],
+                                                                 ffn_dim=dims[1])
     del model.blocks  # the block alone stays on the GPU
     return block, args, kwargs
 
@@ -114,6 +122,34 @@ def staged(torch, cast, block, compiled, *args, **kwargs):
                              lambda: compiled(*args, **kwargs))
 
 
+def _cpu_peak(torch, fn, runs: int = 3) -> tuple[float, float]:
+    """:func:`_peak` on the host: the CPU allocator's peak above the start of the last run, from the profiler's
+    memory events."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(runs - 1):
+        out = fn()
+        del out
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        t0 = time.perf_counter()
+        out = fn()
+        dt = time.perf_counter() - t0
+        del out
+    import os
+    import tempfile
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"]
+    finally:
+        os.unlink(path)
+    events.sort(key=lambda e: e["ts"])
+    start = events[0]["args"]["Total Allocated"] - events[0]["args"]["Bytes"] if events else 0
+    peak = max((e["args"]["Total Allocated"] - start for e in events), default=0)
+    return peak / GiB, dt
+
+
 def _peak(torch, fn, runs: int = 3, snapshot: str | None = None) -> tuple[float, float]:
     """(allocated peak above the start of the last run, seconds of the last run); ``snapshot``: a file to dump
     the allocator's history of the last run into (torch.cuda.memory._dump_snapshot)."""
@@ -139,30 +175,47 @@ def main(argv=None) -> int:
     ap.add_argument("--size", default="1280x720x81")
     ap.add_argument("--out", required=True)
     ap.add_argument("--snapshots", default=None, help="a folder for the allocator history of the streamed modes")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--one-compile", action="store_true",
+                    help="one compiled block for every mode, dynamo never reset (how the probe ran before: each "
+                         "mode then runs in the graphs of the modes before it)")
+    ap.add_argument("--dims", default="5120x13824", help="dim x ffn_dim of the block (A14B's by default)")
     a = ap.parse_args(argv)
     width, height, frames = (int(v) for v in a.size.split("x"))
+    dims = tuple(int(v) for v in a.dims.split("x"))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "host"))
     import comfy_env
     from bench import _host
     _host.ensure_av(allow_stub=True)
-    comfy = comfy_env.boot(cpu=False, attention="pytorch")
+    cpu = a.device == "cpu"
+    comfy = comfy_env.boot(cpu=cpu, attention="pytorch")
     import torch
-    block, args, kwargs = _block_and_inputs(comfy, torch, width, height, frames)
+    import torch._dynamo
+    block, args, kwargs = _block_and_inputs(comfy, torch, width, height, frames, a.device, dims)
     rows = []
+    compiled = None
+
+    class Fresh:
+        """The block compiled anew, from a reset dynamo, at the first call of each mode (module docstring)."""
+
+        def __call__(self, *args, **kwargs):
+            return compiled(*args, **kwargs)
     with torch.inference_mode():
-        compiled = torch.compile(block, backend="inductor")
+        fresh = Fresh()
         cast = comfy.ops.cast_bias_weight
         modes = [("eager, resident", lambda: block(*args, **kwargs), "resident"),
-                 ("compiled, resident", lambda: compiled(*args, **kwargs), "resident"),
+                 ("compiled, resident", lambda: fresh(*args, **kwargs), "resident"),
                  ("eager, streamed", lambda: block(*args, **kwargs), "streamed"),
                  ("compiled around eager layers, streamed",
-                  lambda: around_eager_layers(torch, block, compiled, *args, **kwargs), "streamed"),
+                  lambda: around_eager_layers(torch, block, fresh, *args, **kwargs), "streamed"),
                  ("compiled with the block's weights staged, streamed",
-                  lambda: staged(torch, cast, block, compiled, *args, **kwargs), "streamed"),
+                  lambda: staged(torch, cast, block, fresh, *args, **kwargs), "streamed"),
                  ("eager, streamed from pinned memory", lambda: block(*args, **kwargs), "pinned"),
                  ("compiled with the block's weights staged, streamed from pinned memory",
-                  lambda: staged(torch, cast, block, compiled, *args, **kwargs), "pinned")]
+                  lambda: staged(torch, cast, block, fresh, *args, **kwargs), "pinned")]
         for name, fn, state in modes:
+            if cpu and state == "pinned":  # page-locked memory needs a GPU
+                continue
             streamed = state != "resident"
             if streamed:
                 _stream(torch, block, pinned=state == "pinned")
@@ -170,8 +223,12 @@ def main(argv=None) -> int:
             if a.snapshots and streamed:
                 Path(a.snapshots).mkdir(parents=True, exist_ok=True)
                 snap = str(Path(a.snapshots) / (name.replace(",", "").replace("'", "").replace(" ", "-") + ".pickle"))
-            peak, secs = _peak(torch, fn, snapshot=snap)
-            row = {"mode": name, "size": a.size, "peak_above_input_gib": round(peak, 3), "s": round(secs, 3)}
+            if compiled is None or not a.one_compile:
+                torch._dynamo.reset()
+                compiled = torch.compile(block, backend="inductor")
+            peak, secs = _cpu_peak(torch, fn) if cpu else _peak(torch, fn, snapshot=snap)
+            row = {"mode": name, "size": a.size, "peak_above_input_gib": round(peak, 3), "s": round(secs, 3),
+                   "device": a.device, "dims": a.dims, "one_compile": a.one_compile}
             print(json.dumps(row), flush=True)
             rows.append(row)
     with open(a.out, "w") as f:

@@ -426,12 +426,12 @@ def tiny_wan_patcher(dim: int = 256, ffn_dim: int = 256, num_layers: int = 2,
     return patcher
 
 
-def a14b_block_and_inputs(comfy, latent_shape, device: str = "cuda"):
-    """A one-block Wan A14B at its real dims (dim 5120, ffn 13824; random weights, bf16, ComfyUI's
+def a14b_block_and_inputs(comfy, latent_shape, device: str = "cuda", dim: int = 5120, ffn_dim: int = 13824):
+    """A one-block Wan A14B at its real dims (dim 5120, ffn 13824, or those given; random weights, bf16, ComfyUI's
     ``disable_weight_init`` ops, on ``device``, in eval mode) and the exact inputs a real forward of a
     ``latent_shape`` latent gives its block: ``(model, block, args, kwargs)``."""
     import torch
-    dims = dict(dim=5120, ffn_dim=13824, num_layers=1)
+    dims = dict(dim=dim, ffn_dim=ffn_dim, num_layers=1)
     state = tiny_wan_state_dict(**dims, seed=0)
     kw = _wan_kwargs(dims["dim"], dims["ffn_dim"], 1, "t2v", None, 16, WAN_TEXT_DIM)
     model = comfy.wan_model.WanModel(**kw, device=device, dtype=torch.bfloat16,
