@@ -85,14 +85,16 @@ class Payback:
 
 def compile_payback(dims: WanDims, tokens: int, rows: int = 1, steps: int | None = None, *,
                     whole_model: bool = False, streamed: bool = False, shared_by: int = 1,
-                    kept: bool = False, compiled_blocks: int | None = None) -> Payback:
+                    kept: bool = False, compiled_blocks: int | None = None, staged_blocks: int = 0) -> Payback:
     """The payback of compiling ``dims``' model for a sampling of ``steps`` steps of ``rows`` rows (batch, times 2
     with an uncond pass) of ``tokens`` tokens.  ``streamed``: its weights are partly offloaded; ``shared_by``:
     the models of one schedule with these blocks (2 for the two experts of Wan 2.2 A14B), which share the graph
     only with resident weights; ``kept``: the pack keeps a compile file of this run, which a fresh process
     hot-loads (it shortens only the block graph of resident weights); ``compiled_blocks``: the blocks that run
-    compiled where fewer than all do (a compile that runs streamed blocks eagerly: one graph, the saving of
-    those blocks only)."""
+    compiled where fewer than all do (Wan Compile Blocks with weights streamed: the saving of those blocks only);
+    ``staged_blocks``: of those, the blocks that run the graph of a block with its weights staged (Wan Compile
+    Blocks), a second graph beside the resident block's where some blocks are resident, costing a first graph's
+    time (its kept file is not measured) and taken to save what a resident block saves (not measured)."""
     blocks = max(1, int(dims.num_layers))
     if whole_model:
         graphs, compile_s = 1, WHOLE_MODEL_S_PER_BLOCK * blocks
@@ -101,6 +103,11 @@ def compile_payback(dims: WanDims, tokens: int, rows: int = 1, steps: int | None
         compile_s = FIRST_GRAPH_S + STREAMED_GRAPH_S * (blocks - 1)
     else:
         graphs, compile_s = 1, KEPT_GRAPH_S if kept else FIRST_GRAPH_S
+        staged = max(0, int(staged_blocks))
+        if staged and (compiled_blocks is None or staged < int(compiled_blocks)):
+            graphs, compile_s = 2, compile_s + FIRST_GRAPH_S
+        elif staged:
+            compile_s = FIRST_GRAPH_S  # the staged graph alone
     kept = kept and not whole_model and not streamed
     shared = 1 if streamed else max(1, int(shared_by))
     runs = blocks if compiled_blocks is None else max(1, min(blocks, int(compiled_blocks)))

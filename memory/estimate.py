@@ -300,9 +300,11 @@ class Setup:
     # compile whose scope wan-sage cannot read): planned as eager, but streamed GGUF weights keep the
     # partial-load term (fragmentation_bytes).
     other_compile: bool = False
-    # The compile runs every block whose weights stream eagerly (the pack's Wan Compile Blocks node): where the
-    # weights stream, the forward is planned as an eager one, streamed GGUF included (fragmentation_bytes).
-    streamed_blocks_eager: bool = False
+    # The pack's Wan Compile Blocks node runs the model: a block whose weights stream runs compiled with its
+    # Linears' weights cast onto the GPU first (nodes/staged_blocks.py), or eagerly where it cannot be staged.
+    # Where the weights stream, the forward is planned as the larger of the eager one (streamed GGUF included,
+    # fragmentation_bytes) and the compiled one holding a block's staged weights (staged_block_bytes).
+    streamed_blocks_staged: bool = False
     legacy_reason: str | None = None  # why the reservation places the weights (the legacy path), when known
     # A Wan VAE decode of this latent follows the sampling, in a dtype of this many bytes: on the legacy path the
     # reservation in force keeps the room the decode takes (memory.vae_decode), so the decode evicts none of the
@@ -401,11 +403,40 @@ def _policy_need(s: Setup, ours: int, comfy: int, rows: int) -> int:
     return ours
 
 
+def staged_block_bytes(dims: activation_model.WanDims, dtype: str) -> int:
+    """One transformer block's Linear weights and biases in the compute dtype: what a streamed block that Wan
+    Compile Blocks runs compiled holds for its call (nodes/staged_blocks.py)."""
+    d, f = dims.dim, dims.ffn_dim
+    params = 8 * d * d + 2 * d * f + 9 * d + f
+    if dims.has_img_emb:
+        params += 2 * d * d + 2 * d
+    return activation_model.DTYPE_BYTES[dtype] * params
+
+
+def _with_staged(s: Setup, w: activation_model.Workload, par: dict) -> dict:
+    """The streamed terms under Wan Compile Blocks: the eager streamed forward's, raised to the compiled forward
+    with a block's staged weights where that holds more (the ``staged_block`` term).  Weights cast at every call
+    (fp8) are not staged: their blocks run eagerly."""
+    par = dict(par, staged_block=0)
+    if not w.compiled or s.weights.casts_to(w.dtype):
+        return par
+    staged = activation_bytes(s.dims, w, replace(s.weights, streamed=False), partial=False,
+                              other_compile=s.other_compile)
+    if staged["compiled_as_eager"]:
+        return par
+    more = staged["total"] + staged_block_bytes(s.dims, w.dtype) - par["total"]
+    if more > 0:
+        par["staged_block"], par["total"] = more, par["total"] + more
+    return par
+
+
 def _needs(s: Setup, w: activation_model.Workload) -> tuple:
     """(resident terms, streamed terms, resident reservation, streamed reservation) under the policy."""
     res = activation_bytes(s.dims, w, s.weights, partial=False, other_compile=s.other_compile)
-    par = activation_bytes(s.dims, replace(w, compiled=False) if s.streamed_blocks_eager else w, s.weights,
+    par = activation_bytes(s.dims, replace(w, compiled=False) if s.streamed_blocks_staged else w, s.weights,
                            partial=True, other_compile=s.other_compile)
+    if s.streamed_blocks_staged:
+        par = _with_staged(s, w, par)
     comfy = comfy_figure(s.dims, (w.rows,) + tuple(s.latent[1:]), s.dtype, s.comfy_flash)
     return (res, par, _policy_need(s, res["total"] + s.margin_bytes, comfy, w.rows),
             _policy_need(s, par["total"] + s.margin_bytes, comfy, w.rows))

@@ -512,7 +512,7 @@ def is_dynamic(model) -> bool:
 
 COMPILE_WRAPPER_KEY = "torch.compile"  # comfy_api.torch_helpers' APPLY_MODEL wrapper key
 COMPILE_KWARGS_KEY = "torch_compile_kwargs"  # where set_torch_compile_wrapper keeps its arguments
-RESIDENT_ONLY_MARK = "wan_sage_resident_only"  # on the Wan Compile Blocks wrapper: streamed blocks run eagerly
+COMPILE_BLOCKS_MARK = "wan_sage_compile_blocks"  # on the Wan Compile Blocks wrapper (nodes/compile_blocks.py)
 
 
 def _compiled_module(obj) -> bool:
@@ -560,13 +560,14 @@ def compile_wrappers(model, model_options=None) -> list:
                               for w in (keyed or {}).get(COMPILE_WRAPPER_KEY, ())))
 
 
-def _resident_only(wrappers) -> bool:
-    return any(getattr(w, RESIDENT_ONLY_MARK, False) for w in wrappers)
+def _compile_blocks_node(wrappers) -> bool:
+    return any(getattr(w, COMPILE_BLOCKS_MARK, False) for w in wrappers)
 
 
-def resident_only_compile(model, model_options=None) -> bool:
-    """Whether ``model`` is compiled by the pack's Wan Compile Blocks node, whose streamed blocks run eagerly."""
-    return _resident_only(compile_wrappers(model, model_options))
+def compile_blocks_node(model, model_options=None) -> bool:
+    """Whether ``model`` is compiled by the pack's Wan Compile Blocks node, which runs a streamed block compiled with
+    its weights staged, or eagerly where it cannot stage them."""
+    return _compile_blocks_node(compile_wrappers(model, model_options))
 
 
 def compile_scope(model, model_options=None) -> tuple[str, str] | None:
@@ -588,8 +589,8 @@ def compile_scope(model, model_options=None) -> tuple[str, str] | None:
             keys |= found
         if not keys:  # only the compile kwargs: the wrapper that uses them is not on the model here
             return UNKNOWN_SCOPE, "torch_compile_kwargs without a readable compile wrapper"
-        if _resident_only(wrappers):
-            return _scope_of_keys(keys), "Wan Compile Blocks, streamed blocks eager"
+        if _compile_blocks_node(wrappers):
+            return _scope_of_keys(keys), "Wan Compile Blocks, streamed blocks staged"
         return _scope_of_keys(keys), "ComfyUI's compile wrapper"
     patches = getattr(model, "object_patches", None) or {}
     patched = {k for k, v in patches.items() if k.startswith("diffusion_model") and _compiled_module(v)}

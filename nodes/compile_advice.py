@@ -60,15 +60,16 @@ def payback_for(guider, args, kwargs, kept: bool = False) -> Payback | None:
     dims = comfy_bridge.wan_dims(patcher)
     tokens = activation_model.tokens(dims, int(shape[2]), int(shape[3]), int(shape[4]))
     streamed = bool(getattr(comfy_bridge.base_model(patcher), "model_lowvram", False))
-    compiled_blocks = None
-    if streamed and comfy_bridge.resident_only_compile(patcher, getattr(guider, "model_options", None)):
-        # Wan Compile Blocks: the streamed blocks ran eagerly, the resident ones the one block graph
-        counted = compile_blocks.count_resident_blocks(patcher)
+    compiled_blocks = staged = None
+    if streamed and comfy_bridge.compile_blocks_node(patcher, getattr(guider, "model_options", None)):
+        # Wan Compile Blocks: the resident blocks ran the block graph, the streamed ones the staged graph where
+        # they could be staged and eagerly otherwise
+        counted = compile_blocks.count_compiled_blocks(patcher)
         if counted is not None:
-            if counted[0] == 0:
-                return None  # every block streamed: nothing ran compiled
-            streamed, compiled_blocks = False, counted[0]
+            if counted[0] + counted[1] == 0:
+                return None  # every block ran eagerly: nothing ran compiled
+            streamed, compiled_blocks, staged = False, counted[0] + counted[1], counted[1]
     return compile_payback(dims, tokens, _rows(guider, int(shape[0])), _steps(sigmas),
                            whole_model=scope[0] == comfy_bridge.WHOLE_MODEL, streamed=streamed,
                            shared_by=2 if _shares_schedule(noise, sigmas) else 1, kept=kept,
-                           compiled_blocks=compiled_blocks)
+                           compiled_blocks=compiled_blocks, staged_blocks=staged or 0)

@@ -1,24 +1,25 @@
-"""Wan Compile Blocks: torch.compile of a Wan model's transformer blocks, one by one, where streamed blocks run
-eagerly.
+"""Wan Compile Blocks: torch.compile of a Wan model's transformer blocks, one by one, streamed blocks included.
 
 Per-block compile (ComfyUI's ``set_torch_compile_wrapper`` given block keys, KJNodes' Wan compile nodes) traces
 each block with its weights.  A block whose weights ComfyUI streams (lowvram: the weights stay on the host and
 are cast onto the GPU inside each layer's forward) traces into a different graph from a resident one: dynamo's
 guards fail on the parameters' device, on ComfyUI's cast flag and on a streamed GGUF weight's LoRA patch list.
 On the H200 a 12 GiB A14B prompt compiled 5 graphs with 4-5 recompiles, 22-51 s on the first prompt and again on
-the repeat (docs/benchmarks.md, "Whole generation").  A streamed block also gains little from compiling: its
-time is the copy of its weights.
+the repeat (docs/benchmarks.md, "Whole generation").
 
 Here each block is swapped, for the sampling only (the ``APPLY_MODEL`` wrapper ComfyUI's own compile uses, under
-the same key), for a :class:`ResidentOnlyBlock` that calls the compiled block when every weight of the block is on
-the input's device and the block itself otherwise. So every block that runs compiled has its weights resident, and
-every one of them, in both experts of Wan 2.2 A14B, runs the one graph; no guard sees a streamed weight. Which
-blocks stream is read at each call, so a block that ComfyUI loads or offloads between prompts takes the other path
-without a recompile, and the cast flags ComfyUI's partial unload and reload leave on a block's modules are settled
-before its compiled call (:func:`settle_cast_flags`). ComfyUI's lowvram load takes the largest modules of every
-block first, so a partial load streams part of every block: with the weights streamed the model runs eagerly (and
-the estimator plans it so: ``memory.estimate.Setup.streamed_blocks_eager``), with every weight resident it runs
-compiled.
+the same key), for a :class:`BlockStandIn`, which at each call runs
+  * the compiled block where every weight of the block is on the input's device;
+  * the compiled block with its Linears staged where some of them stream (:mod:`.staged_blocks`: each layer's
+    weight cast onto the GPU by its own cast before the call, the graph seeing plain weights);
+  * the block itself, eagerly, where it cannot be staged (a layer of a kind not known, weights cast at every call
+    such as fp8, another module of the block streamed).
+So a model compiles at most two graphs, the resident block's and the staged block's, shared by every block of both
+experts of Wan 2.2 A14B, and no guard sees a streamed weight.  Which blocks stream is read at each call, so a block
+that ComfyUI loads or offloads between prompts takes the other path without a recompile, and the cast flags
+ComfyUI's partial unload and reload leave on a block's modules are settled before its compiled call
+(:func:`settle_cast_flags`).  The estimator plans a streamed load for the larger of the eager forward and the
+compiled one holding a block's staged weights (``memory.estimate.Setup.streamed_blocks_staged``).
 
 A ComfyUI-GGUF block runs compiled with its weights cast through :mod:`.gguf_cast`: ComfyUI-GGUF's own cast, with
 the dequantization on plain tensors, given to the block's layers for that call only.
@@ -31,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch._dynamo
 
-from . import comfy_bridge, gguf_cast
+from . import comfy_bridge, gguf_cast, staged_blocks
 
 BACKENDS = ("inductor", "cudagraphs")
 MODES = ("default", "max-autotune-no-cudagraphs")
@@ -71,9 +72,10 @@ def _input(args, kwargs):
     return args[0] if args else kwargs.get("x")
 
 
-class ResidentOnlyBlock(torch.nn.Module):
+class BlockStandIn(torch.nn.Module):
     """Stands in for one transformer block while the model samples: the compiled block where all its weights
-    are resident, the block itself where any of them streams.  It holds both without registering them as its
+    are resident, the compiled block with its Linears staged where some stream and the block can be staged
+    (:mod:`.staged_blocks`), the block itself otherwise.  It holds both without registering them as its
     children, so it adds no parameters to the model it is swapped into."""
 
     def __init__(self, block: torch.nn.Module, compiled):
@@ -81,14 +83,20 @@ class ResidentOnlyBlock(torch.nn.Module):
         object.__setattr__(self, "block", block)
         object.__setattr__(self, "compiled", compiled)
 
+    def _compiled_call(self, x, args, kwargs):
+        settle_cast_flags(self.block)
+        with gguf_cast.plain_casts(self.block, x) as given:  # GGUF: dynamo traces no op of their tensor subclass
+            out = self.compiled(*args, **kwargs)
+        return gguf_cast.as_input_class(out, x) if given else out
+
     def forward(self, *args, **kwargs):
         x = _input(args, kwargs)
         device = getattr(x, "device", None)
         if device is not None and block_resident(self.block, device):
-            settle_cast_flags(self.block)
-            with gguf_cast.plain_casts(self.block, x) as given:  # GGUF: dynamo traces no op of their tensor subclass
-                out = self.compiled(*args, **kwargs)
-            return gguf_cast.as_input_class(out, x) if given else out
+            return self._compiled_call(x, args, kwargs)
+        with staged_blocks.staged(self.block, x) as ok:
+            if ok:
+                return self._compiled_call(x, args, kwargs)
         return self.block(*args, **kwargs)
 
 
@@ -99,22 +107,29 @@ def _wrapper(stand_ins: dict):
     from comfy_api.torch_helpers.torch_compile import apply_torch_compile_factory
 
     wrapper = apply_torch_compile_factory(compiled_module_dict=stand_ins)
-    setattr(wrapper, comfy_bridge.RESIDENT_ONLY_MARK, True)
+    setattr(wrapper, comfy_bridge.COMPILE_BLOCKS_MARK, True)
     return wrapper
 
 
-def count_resident_blocks(model) -> tuple[int, int] | None:
-    """(blocks with every weight on the load device, blocks) of a Wan model, or None where it has no blocks."""
+def count_compiled_blocks(model) -> tuple[int, int, int] | None:
+    """(blocks with every weight on the load device, blocks that run compiled with their weights staged, blocks) of
+    a Wan model as it is loaded now, or None where it has no blocks."""
     dm = comfy_bridge.diffusion_model(model)
     blocks = list(getattr(dm, "blocks", ()) or ())
     if not blocks:
         return None
     device = torch.device(getattr(model, "load_device", "cpu"))
-    return sum(1 for b in blocks if block_resident(b, device)), len(blocks)
+    try:
+        dtype = comfy_bridge.compute_torch_dtype(model)
+    except Exception:  # no dtype to read: no block counts as staged
+        dtype = None
+    resident = [block_resident(b, device) for b in blocks]
+    staged = sum(1 for b, r in zip(blocks, resident) if not r and staged_blocks.plan(b, device, dtype) is not None)
+    return sum(resident), staged, len(blocks)
 
 
 def apply_compile_blocks(model, backend: str = "inductor", mode: str = "default"):
-    """A clone of ``model`` whose Wan blocks run compiled one by one while resident; (model, status text).
+    """A clone of ``model`` whose Wan blocks run compiled one by one, streamed ones staged; (model, status text).
     A model that is not Wan passes through unchanged, and says so."""
     # the node offers BACKENDS; another dynamo backend by name is for callers of this function.  Listing dynamo's
     # backends imports each of them, so it is asked only for a name the node does not offer.
@@ -130,13 +145,14 @@ def apply_compile_blocks(model, backend: str = "inductor", mode: str = "default"
               "fullgraph": False, "dynamic": None}
     stand_ins = {}
     for i, block in enumerate(dm.blocks):
-        stand_ins[f"diffusion_model.blocks.{i}"] = ResidentOnlyBlock(block, torch.compile(block, **kwargs))
+        stand_ins[f"diffusion_model.blocks.{i}"] = BlockStandIn(block, torch.compile(block, **kwargs))
     wmp = comfy_bridge.wrappers_mp()
     key = comfy_bridge.COMPILE_WRAPPER_KEY  # the key of ComfyUI's own compile: one compile per model
     m.remove_wrappers_with_key(wmp.APPLY_MODEL, key)
     m.add_wrapper_with_key(wmp.APPLY_MODEL, key, _wrapper(stand_ins))
     m.model_options[comfy_bridge.COMPILE_KWARGS_KEY] = kwargs
     text = (f"{len(stand_ins)} blocks compiled one by one ({backend}"
-            + ("" if mode == "default" else f", {mode}") + "); blocks whose weights stream run eagerly. "
+            + ("" if mode == "default" else f", {mode}") + "); a block whose weights stream runs compiled with its "
+            "layers' weights cast onto the GPU first, or eagerly where they cannot be. "
             "The Sage patch's panel says after a run whether compiling pays back over the prompt's steps.")
     return m, text

@@ -234,7 +234,7 @@ def setup_for(model, shape, model_options, settings: Settings, *, assume_compile
                  attention=att, sage_grouped=mode.sage_grouped and att.self_path != "sdpa",
                  compiled=mode.compiled or assume_compiled,
                  other_compile=scope is not None and not (mode.compiled or assume_compiled),
-                 streamed_blocks_eager=comfy_bridge.resident_only_compile(model, model_options),
+                 streamed_blocks_staged=comfy_bridge.compile_blocks_node(model, model_options),
                  margin_bytes=int(settings.margin_gib * GiB),
                  policy=settings.policy, fixed_bytes=int(settings.fixed_gib * GiB), streamed=streamed,
                  img_tokens=257 if dims.has_img_emb else 0, per_frame_timesteps=dims.latent_channels == 48,

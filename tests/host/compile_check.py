@@ -305,8 +305,8 @@ def _dynamo_totals(dyn) -> tuple[int, int]:
 
 def compile_blocks_streamed(budget_fraction):
     """The pack's Wan Compile Blocks on two experts with a LoRA each, loaded whole (``budget_fraction`` None) or
-    partly streamed as in ``two_experts_streamed_lora``: blocks with a streamed module run eagerly, the resident
-    ones of both experts share one graph, and nothing recompiles.  ComfyUI's lowvram load takes the largest
+    partly streamed as in ``two_experts_streamed_lora``: blocks whose Linears stream run the staged graph, the
+    resident ones the block graph, each shared by both experts, and nothing recompiles.  ComfyUI's lowvram load takes the largest
     modules of every block first, so a partial load streams part of every block.  On the CPU a streamed module's
     weights stay on the compute device, so the node's test for "weights off the input's device" is stood in for
     by ComfyUI's own mark of a streamed module (``prev_comfy_cast_weights``, set by its lowvram load)."""
@@ -337,9 +337,11 @@ def compile_blocks_streamed(budget_fraction):
                 latent = comfy_env.sample_tiny(c, steps=2, cfg=1.0)
             blocks = c.model.diffusion_model.blocks
             graphs, recompiles = _dynamo_totals(dyn)
+            counted = compile_blocks.count_compiled_blocks(c)
             out[name] = {"graphs": graphs - graphs_before,
                          "recompiles": recompiles,
                          "streamed_blocks": sum(1 for b in blocks if not not_streamed(b, None)),
+                         "staged_blocks": counted[1], "resident_blocks": counted[0],
                          "lowvram": bool(getattr(c.model, "model_lowvram", False)),
                          "finite": bool(torch.isfinite(latent).all()),
                          "max_abs_diff": float((latent.float() - eager.float()).abs().max()),

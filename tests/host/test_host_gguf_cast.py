@@ -101,7 +101,7 @@ def _traced(block, args, kwargs, plain: bool):
             if plain:
                 with gguf_cast.plain_casts(block, args[0]) as n:
                     assert n >= 10
-                out = compile_blocks.ResidentOnlyBlock(block, compiled)(*args, **kwargs)
+                out = compile_blocks.BlockStandIn(block, compiled)(*args, **kwargs)
             else:
                 out = compiled(*args, **kwargs)
         subclass_nodes = sum(1 for g in graphs for node in g.graph.nodes
@@ -148,9 +148,44 @@ def test_the_blocks_share_one_graph_with_the_plain_cast(loaded, sdpa):
     counters.clear()
     try:
         with torch.inference_mode():
-            stand_ins = [compile_blocks.ResidentOnlyBlock(b, torch.compile(b, backend=recording)) for b in blocks[:2]]
+            stand_ins = [compile_blocks.BlockStandIn(b, torch.compile(b, backend=recording)) for b in blocks[:2]]
             x = stand_ins[0](*args, **kwargs)  # the second block takes the first one's output, as in the model
             stand_ins[1](x, *args[1:], **kwargs)
         assert len(graphs) == 1 and not counters["recompiles"], (len(graphs), dict(counters["recompiles"]))
+    finally:
+        torch._dynamo.reset()
+
+
+def test_streamed_gguf_blocks_run_one_staged_graph_with_ggufs_weights(loaded, sdpa, monkeypatch):
+    """Wan Compile Blocks on ComfyUI-GGUF blocks that stream (on the CPU: the resident test answers no): each Linear's
+    weight dequantized with its LoRA before the call, the two chained blocks one graph with no op on the subclass,
+    their output eager's bit for bit (the recording backend runs the graph's own ops), the layers put back."""
+    from torch._dynamo.utils import counters
+    from wan_sage.nodes import compile_blocks, staged_blocks
+    _m, blocks, args, kwargs = loaded
+    monkeypatch.setattr(compile_blocks, "block_resident", lambda block, device: False)
+    monkeypatch.setattr(staged_blocks, "_agreed", {})
+    layers = [[m for m in b.modules() if isinstance(m, torch.nn.Linear)] for b in blocks[:2]]
+    assert all(len(ls) >= 10 for ls in layers)
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        with torch.inference_mode():
+            e0 = blocks[0](*args, **kwargs)
+            eager = blocks[1](e0, *args[1:], **kwargs)
+            stand_ins = [compile_blocks.BlockStandIn(b, torch.compile(b, backend=recording)) for b in blocks[:2]]
+            x = stand_ins[0](*args, **kwargs)
+            out = stand_ins[1](x, *args[1:], **kwargs)
+        assert len(graphs) == 1 and not counters["recompiles"], (len(graphs), dict(counters["recompiles"]))
+        assert sum(1 for node in graphs[0].graph.nodes if "__torch_function__" in (node.meta.get("stack_trace") or "")) == 0
+        assert torch.equal(x, e0) and torch.equal(out, eager) and type(out) is torch.Tensor
+        assert set(staged_blocks._agreed.values()) == {True}
+        assert [[m for m in b.modules() if isinstance(m, torch.nn.Linear)] for b in blocks[:2]] == layers
+        assert not any(isinstance(m, staged_blocks.StagedLinear) for b in blocks for m in b.modules())
     finally:
         torch._dynamo.reset()

@@ -41,8 +41,8 @@ def test_a_resident_block_runs_compiled_and_a_streamed_one_eagerly():
     x = torch.zeros(2, 4)
     resident, streamed = Block(), Block("meta")
     c_res, c_str = Compiled(), Compiled()
-    assert torch.equal(compile_blocks.ResidentOnlyBlock(resident, c_res)(x, e=1), x + 2)
-    assert torch.equal(compile_blocks.ResidentOnlyBlock(streamed, c_str)(x, e=1), x + 1)
+    assert torch.equal(compile_blocks.BlockStandIn(resident, c_res)(x, e=1), x + 2)
+    assert torch.equal(compile_blocks.BlockStandIn(streamed, c_str)(x, e=1), x + 1)
     assert (len(c_res.calls), resident.calls) == (1, 0) and (len(c_str.calls), streamed.calls) == (0, 1)
     assert len(c_res.calls[0][0]) == 1 and c_res.calls[0][1] == {"e": 1}  # the call is passed on as made
 
@@ -51,7 +51,7 @@ def test_one_streamed_tensor_makes_the_block_run_eagerly_and_x_by_name_is_read()
     b = Block()
     b.scale = torch.ones(4, device="meta")  # a buffer left on the host
     c = Compiled()
-    stand_in = compile_blocks.ResidentOnlyBlock(b, c)
+    stand_in = compile_blocks.BlockStandIn(b, c)
     assert torch.equal(stand_in(x=torch.zeros(1, 4)), torch.ones(1, 4))
     assert (len(c.calls), b.calls) == (0, 1)
     b.scale = torch.ones(4)  # loaded before the next prompt: the compiled path, no other change
@@ -79,7 +79,7 @@ def test_the_compiled_path_sees_the_cast_flags_of_a_freshly_loaded_block():
     b.a.comfy_cast_weights = False
     b.b.comfy_cast_weights, b.b.prev_comfy_cast_weights = True, False
     b.c.comfy_cast_weights = True
-    compile_blocks.ResidentOnlyBlock(b, c)(torch.zeros(1, 4))
+    compile_blocks.BlockStandIn(b, c)(torch.zeros(1, 4))
     assert len(c.calls) == 1
     assert "comfy_cast_weights" not in b.a.__dict__ and b.a.comfy_cast_weights is False
     assert b.b.__dict__["comfy_cast_weights"] is True and b.c.__dict__["comfy_cast_weights"] is True
@@ -95,7 +95,7 @@ def test_a_layer_whose_class_always_casts_gets_its_class_value_back_too():
     b.g = AlwaysCastLinear(4, 4)
     b.g.comfy_cast_weights = True   # put back by the reload: the class's value
     b.a.comfy_cast_weights = True   # a bf16 layer flagged to cast: not its class's value
-    compile_blocks.ResidentOnlyBlock(b, c)(torch.zeros(1, 4))
+    compile_blocks.BlockStandIn(b, c)(torch.zeros(1, 4))
     assert "comfy_cast_weights" not in b.g.__dict__ and b.g.comfy_cast_weights is True
     assert b.a.__dict__["comfy_cast_weights"] is True
 
@@ -103,11 +103,11 @@ def test_a_layer_whose_class_always_casts_gets_its_class_value_back_too():
 def test_the_eager_path_leaves_the_cast_flags_as_they_are():
     b, c = CastBlock("meta"), Compiled()
     b.a.comfy_cast_weights = False
-    compile_blocks.ResidentOnlyBlock(b, c)(torch.zeros(1, 4))
+    compile_blocks.BlockStandIn(b, c)(torch.zeros(1, 4))
     assert (len(c.calls), b.calls) == (0, 1) and "comfy_cast_weights" in b.a.__dict__
 
 def test_the_stand_in_adds_no_parameters_to_the_model_it_is_swapped_into():
-    stand_in = compile_blocks.ResidentOnlyBlock(Block(), Compiled())
+    stand_in = compile_blocks.BlockStandIn(Block(), Compiled())
     assert list(stand_in.parameters()) == [] and list(stand_in.children()) == []
 
 
@@ -117,7 +117,7 @@ def _wrapper_closing_over(keys, marked):
     def wrapper(executor, *args, **kwargs):
         return compiled_module_dict, executor
     if marked:
-        setattr(wrapper, comfy_bridge.RESIDENT_ONLY_MARK, True)
+        setattr(wrapper, comfy_bridge.COMPILE_BLOCKS_MARK, True)
     return wrapper
 
 
@@ -136,9 +136,9 @@ def _patcher(wrapper, blocks=None, lowvram=True):
 
 def test_the_nodes_compile_reads_as_blocks_and_as_its_own():
     ours, comfys = _patcher(_wrapper_closing_over(BLOCK_KEYS, True)), _patcher(_wrapper_closing_over(BLOCK_KEYS, False))
-    assert comfy_bridge.compile_scope(ours) == (comfy_bridge.BLOCKS, "Wan Compile Blocks, streamed blocks eager")
+    assert comfy_bridge.compile_scope(ours) == (comfy_bridge.BLOCKS, "Wan Compile Blocks, streamed blocks staged")
     assert comfy_bridge.compile_scope(comfys) == (comfy_bridge.BLOCKS, "ComfyUI's compile wrapper")
-    assert comfy_bridge.resident_only_compile(ours) and not comfy_bridge.resident_only_compile(comfys)
+    assert comfy_bridge.compile_blocks_node(ours) and not comfy_bridge.compile_blocks_node(comfys)
 
 
 def _guider(patcher):
@@ -176,10 +176,119 @@ def test_a_resident_run_under_the_node_is_the_block_graph_of_every_block():
     assert p == cp.compile_payback(A14B, tokens, 1, 2, shared_by=2)
 
 
-def test_count_resident_blocks():
+def test_count_compiled_blocks():
     pt = _patcher(None, [Block(), Block("meta"), Block()])
-    assert compile_blocks.count_resident_blocks(pt) == (2, 3)
-    assert compile_blocks.count_resident_blocks(_patcher(None, [])) is None
+    assert compile_blocks.count_compiled_blocks(pt) == (2, 0, 3)  # a plain torch Linear is not a kind it stages
+    assert compile_blocks.count_compiled_blocks(_patcher(None, [])) is None
+
+
+class HostLinear(torch.nn.Linear):
+    """A layer as ComfyUI streams it: its parameter off the input's device (meta) and its forward casting a host
+    copy for the call.  ``cast`` gives the host copy, as the layer's own cast would."""
+
+    def __init__(self, seed):
+        super().__init__(4, 4, device="meta")
+        g = torch.Generator().manual_seed(seed)
+        self.host = (torch.randn(4, 4, generator=g), torch.randn(4, generator=g))
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, *self.host)
+
+
+def host_cast(layer, x):
+    return layer.host
+
+
+class StreamedBlock(torch.nn.Module):
+    """Two streamed layers and a resident buffer; its forward is the layers' composition."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Module()
+        self.inner.a = HostLinear(0)
+        self.b = HostLinear(1)
+        self.register_buffer("scale", torch.full((4,), 2.0))
+
+    def forward(self, x):
+        return self.b(self.inner.a(x)) * self.scale
+
+
+@pytest.fixture
+def stager(monkeypatch):
+    """The staging with ``host_cast`` as the cast of :class:`HostLinear` (the unit tier has no ComfyUI), and no
+    layer kind checked yet."""
+    from wan_sage.nodes import staged_blocks
+    monkeypatch.setattr(staged_blocks, "_agreed", {})
+    monkeypatch.setattr(staged_blocks, "caster", lambda layer: host_cast if isinstance(layer, HostLinear) else None)
+    return staged_blocks
+
+
+def test_a_streamed_block_runs_compiled_with_its_layers_staged_and_then_put_back(stager):
+    block, x = StreamedBlock(), torch.randn(3, 4)
+    layers = (block.inner.a, block.b)
+    seen = []
+
+    def compiled(x):
+        seen.append((type(block.inner.a), type(block.b)))
+        assert block.inner.a.weight is layers[0].host[0] and block.b.bias is layers[1].host[1]
+        return block(x)  # the block as the graph sees it: its layers staged
+    out = compile_blocks.BlockStandIn(block, compiled)(x)
+    assert seen == [(stager.StagedLinear, stager.StagedLinear)]
+    assert (block.inner.a, block.b) == layers and all(isinstance(m, HostLinear) for m in layers)
+    assert torch.equal(out, block(x))
+    assert compile_blocks.count_compiled_blocks(SimpleNamespace(
+        model=SimpleNamespace(diffusion_model=SimpleNamespace(blocks=[block]), manual_cast_dtype=torch.float32),
+        load_device=torch.device("cpu"))) == (0, 1, 1)
+
+
+def test_the_layers_are_put_back_when_the_compiled_call_fails(stager):
+    block = StreamedBlock()
+    layers = (block.inner.a, block.b)
+
+    def failing(x):
+        raise RuntimeError("compile failed")
+    with pytest.raises(RuntimeError, match="compile failed"):
+        compile_blocks.BlockStandIn(block, failing)(torch.randn(2, 4))
+    assert (block.inner.a, block.b) == layers
+
+
+def test_a_block_with_another_tensor_streamed_or_a_layer_of_another_kind_runs_eagerly(stager):
+    block, calls = StreamedBlock(), []
+    block.scale = torch.ones(4, device="meta")  # a buffer outside the layers left on the host
+    stand_in = compile_blocks.BlockStandIn(block, lambda x: calls.append(x))
+    x = torch.randn(2, 4)
+    with pytest.raises((NotImplementedError, RuntimeError)):  # the eager block itself, on its meta buffer
+        stand_in(x)
+    assert calls == []
+    other = StreamedBlock()
+    other.c = torch.nn.Linear(4, 4)  # a Linear of a kind with no known cast
+    compile_blocks.BlockStandIn(other, lambda x: calls.append(x))(x)
+    assert calls == [] and type(other.b) is HostLinear
+
+
+def test_staged_weights_that_miss_the_layers_own_output_by_one_bit_keep_that_kind_eager(stager, monkeypatch, caplog):
+    def off_by_one_bit(layer, x):
+        w, b = layer.host
+        return w, b.clone().view(torch.int32).add_(1).view(torch.float32)
+    monkeypatch.setattr(stager, "caster", lambda layer: off_by_one_bit if isinstance(layer, HostLinear) else None)
+    calls = []
+    block, x = StreamedBlock(), torch.randn(2, 4)
+    with caplog.at_level("WARNING"):
+        out = compile_blocks.BlockStandIn(block, lambda x: calls.append(x))(x)
+        compile_blocks.BlockStandIn(block, lambda x: calls.append(x))(x)
+    assert calls == [] and torch.equal(out, block(x)) and type(block.b) is HostLinear
+    assert stager._agreed == {HostLinear: False}
+    assert sum("do not give its own output" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_run_under_the_node_with_streamed_blocks_staged_pays_for_a_second_graph():
+    tokens = activation_model.tokens(A14B, 21, 90, 160)
+    full = cp.compile_payback(A14B, tokens, 1, 4, shared_by=2)
+    mixed = cp.compile_payback(A14B, tokens, 1, 4, shared_by=2, compiled_blocks=40, staged_blocks=30)
+    assert (mixed.graphs, mixed.compile_s) == (2, 2 * cp.FIRST_GRAPH_S)
+    assert mixed.step_gain_s == pytest.approx(full.step_gain_s)
+    every = cp.compile_payback(A14B, tokens, 1, 4, shared_by=2, kept=True, compiled_blocks=40, staged_blocks=40)
+    assert (every.graphs, every.compile_s) == (1, cp.FIRST_GRAPH_S)  # the kept file holds no staged graph
 
 
 def test_the_backend_is_checked_and_the_offered_ones_need_no_lookup_of_dynamos(monkeypatch):
@@ -225,7 +334,7 @@ def test_the_compiled_call_alone_sees_the_plain_gguf_cast_and_the_layers_are_res
             if kwargs.get("fail"):
                 raise RuntimeError("compiled call failed")
             return super().__call__(*args, **kwargs)
-    stand_in = compile_blocks.ResidentOnlyBlock(block, Recording())
+    stand_in = compile_blocks.BlockStandIn(block, Recording())
     stand_in(torch.zeros(1, 4))
     assert seen == [(_plain, "its own", False)]
     assert "cast_bias_weight" not in block.q.__dict__ and block.q2.cast_bias_weight == "its own"
@@ -255,7 +364,7 @@ def test_a_plain_cast_that_differs_from_ggufs_own_in_one_bit_is_never_given(monk
         def __call__(self, *args, **kwargs):
             seen.append("cast_bias_weight" in block.q.__dict__)
             return super().__call__(*args, **kwargs)
-    stand_in = compile_blocks.ResidentOnlyBlock(block, Recording())
+    stand_in = compile_blocks.BlockStandIn(block, Recording())
     with caplog.at_level("WARNING", logger="wan_sage"):
         stand_in(torch.zeros(1, 4))
         stand_in(torch.zeros(1, 4))

@@ -4,10 +4,12 @@ fp8 records it was set from are replayed against it in bench/tests/test_fragment
 import pytest
 
 from wan_sage.memory import activation_model
-from wan_sage.memory.estimate import CALIBRATED, fragmentation_bytes
+from wan_sage.memory.estimate import CALIBRATED, fragmentation_bytes, staged_block_bytes
+from wan_sage.memory.report import report as format_report
 from wan_sage.memory.weights import weights_for_key
 from setups import estimate
 
+GiB = 1 << 30
 A14B = activation_model.PRESETS["wan2.2-a14b"]
 W720 = activation_model.Workload(L=75600, self_attn="sdpa")
 
@@ -59,14 +61,32 @@ def test_streamed_gguf_under_any_compile_keeps_the_partial_load_term():
     assert whole.resident["total"] == eager.resident["total"]
 
 
-def test_a_compile_that_runs_streamed_blocks_eagerly_plans_a_streamed_load_as_eager():
-    """The pack's Wan Compile Blocks: where the weights stream the blocks run eagerly, so the streamed column is
-    eager's (the GGUF term, not the partial-load term of compiled streaming); the resident one stays compiled."""
+def test_wan_compile_blocks_plans_a_streamed_load_as_the_larger_of_eager_and_compiled_with_a_block_staged():
+    """The pack's Wan Compile Blocks runs a streamed block compiled with its Linears' weights staged in the compute
+    dtype (nodes/staged_blocks.py), or eagerly where it cannot stage it.  The streamed column is the larger of the
+    eager one (the GGUF term, not the partial-load term of compiled streaming) and the compiled resident forward plus
+    one block's staged weights; the resident column stays compiled."""
     plan = weights_for_key(A14B, "q4_k_m", True, compute="bf16")
     kw = dict(attention="sdpa", weights=plan.setup, weights_bytes=plan.nbytes)
-    eager = estimate(A14B, 1280, 720, 81, **kw)
-    blocks = estimate(A14B, 1280, 720, 81, compiled=True, **kw)
-    ours = estimate(A14B, 1280, 720, 81, compiled=True, streamed_blocks_eager=True, **kw)
-    assert ours.partial == eager.partial and ours.reservation_partial == eager.reservation_partial
-    assert ours.reservation_partial < blocks.reservation_partial
-    assert ours.resident == blocks.resident and ours.resident["total"] < eager.resident["total"]
+    block = staged_block_bytes(A14B, "bf16")
+    assert 0.65 * GiB < block < 0.66 * GiB  # A14B's 10 Linears of a block in bf16
+    for size, staged_more in (((1280, 720, 81), False), ((480, 320, 33), True)):
+        eager = estimate(A14B, *size, **kw)
+        blocks = estimate(A14B, *size, compiled=True, **kw)
+        ours = estimate(A14B, *size, compiled=True, streamed_blocks_staged=True, **kw)
+        staged_total = blocks.resident["total"] + block
+        assert ours.partial["total"] == max(eager.partial["total"], staged_total), size
+        assert (ours.partial["staged_block"] > 0) == staged_more, size
+        if not staged_more:  # eager's GGUF term is less than compiled streaming's partial-load term
+            assert ours.reservation_partial < blocks.reservation_partial
+        assert ours.resident == blocks.resident and ours.resident["total"] < eager.resident["total"]
+        assert ("compiled with a block staged" in format_report(ours)) == staged_more
+
+
+def test_weights_cast_at_every_call_are_not_staged_and_plan_eager():
+    """fp8 weights: their blocks run eagerly under Wan Compile Blocks when they stream; no staged term."""
+    plan = weights_for_key(A14B, "fp8", False, compute="bf16")
+    kw = dict(attention="sdpa", weights=plan.setup, weights_bytes=plan.nbytes)
+    eager = estimate(A14B, 480, 320, 33, **kw)
+    ours = estimate(A14B, 480, 320, 33, compiled=True, streamed_blocks_staged=True, **kw)
+    assert ours.partial["staged_block"] == 0 and ours.partial["total"] == eager.partial["total"]
