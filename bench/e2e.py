@@ -104,7 +104,7 @@ nodes do (KJNodes' ``TorchCompileModelWanVideoV2``): ``set_torch_compile_wrapper
 ``diffusion_model.blocks.N`` and dynamo's recompile limit raised to 64, as those nodes raise it.  The
 blocks share one graph, so it compiles in seconds where the whole model takes minutes (A14B, inductor:
 360 s for the first expert on the H200).  ``+compilenode`` is the pack's own Wan Compile Blocks node
-(``wan_sage.nodes.compile_blocks``): per block as well, with the blocks whose weights stream run eagerly.
+(``wan_sage.nodes.compile_blocks``): per block as well, streamed blocks compiled with their weights staged.
 
 ``--sage-memory-mode`` passes the Sage patch's memory mode (``sdpa``: head groups at SDPA's memory,
 ``fastest``) to the node's wiring; the run's label then ends in ``/memory-MODE``.
@@ -151,7 +151,7 @@ class RunSpec:
     budget_gib: float | None  # None: the whole card
     res: tuple
     compile: str = ""         # after the Sage patch: "model" (ComfyUI's TorchCompileModel), "blocks" (per block),
-    #                           "node" (the pack's Wan Compile Blocks: per block, streamed blocks eager)
+    #                           "node" (the pack's Wan Compile Blocks: per block, streamed blocks staged)
     steps: int | None = None  # None: --steps
     cfg: float | None = None  # None: --cfg
     lora: bool = True         # False (":nolora"): no LoRA on the experts, as the 20-step workflows without Lightning
@@ -1014,7 +1014,7 @@ class Host:
                     elif spec.compile == "node":  # the pack's Wan Compile Blocks, through its wiring
                         from wan_sage.nodes.compile_blocks import apply_compile_blocks
                         m, text = apply_compile_blocks(m, self.args.compile_backend)
-                        made[f"compile_{e}"] = {"how": "Wan Compile Blocks (streamed blocks eager)", "status": text,
+                        made[f"compile_{e}"] = {"how": "Wan Compile Blocks (streamed blocks staged)", "status": text,
                                                 "backend": self.args.compile_backend}
                     ov = find_override(m.model_options.get("transformer_options", {}))
                     made[f"patch_id_{e}"] = ov.patch_id if ov is not None else None

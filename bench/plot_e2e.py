@@ -62,7 +62,7 @@ def sets_of(runs: list[dict]) -> list[str]:
 
 def compile_kind(c: dict) -> str:
     """'' (eager), 'compile' (ComfyUI's TorchCompileModel: the whole model), 'compile per block' or 'Wan Compile
-    Blocks' (the pack's node: per block, streamed blocks eager)."""
+    Blocks' (the pack's node: per block)."""
     comp = c.get("compile")
     if not comp:
         return ""

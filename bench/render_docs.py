@@ -560,25 +560,34 @@ def compile_section() -> list:
   other machines; [benchmarks](benchmarks.md#whole-generation)), so it is ahead by the second or third prompt;
   the model, with its 0.8 s per forward, says by the fourth.
 - **Wan Compile Blocks** (`nodes/compile_blocks.py`). The pack's compile node compiles the blocks one by one,
-  as the records above do, and runs a block compiled only while every weight of it is on the input's device;
-  a block with a streamed weight runs eagerly. A streamed block traces into a graph of its own (its weights'
-  device, ComfyUI's cast flag and a streamed GGUF weight's LoRA patch list are guarded on: 5 graphs and 4–5
-  recompiles per prompt at 12 GiB in the rows above), and its step time is the copy of its weights. ComfyUI's
-  lowvram load takes the largest modules of every block first, so a partial load streams part of every block:
-  with the weights streamed the node runs the model eagerly, and the estimator plans that load as eager (the
-  GGUF streaming term, not the partial-load term of compiled streaming). Compiling a streamed block with its
-  Linear layers left out of the graph (each behind a `torch.compiler.disable`d stand-in, so that no guard sees a
-  streamed weight) was measured and not adopted: each graph break passes the values live at it on to the next
-  compiled piece, which holds them until the block returns. One A14B block at 1280×720×81 with its Linears
-  streamed held 7.50 GiB above its input that way, against 5.77 GiB eagerly and 3.61 GiB compiled with its
-  weights resident, for 0.363 s against 0.414 s eagerly (`python -m bench.streamed_block_peak`,
+  as the records above do. A block whose weights are all on the input's device runs the block graph. A streamed
+  block traced as it is would make a graph of its own (its weights' device, ComfyUI's cast flag and a streamed
+  GGUF weight's LoRA patch list are guarded on: 5 graphs and 4–5 recompiles per prompt at 12 GiB in the rows
+  above), and ComfyUI's lowvram load takes the largest modules of every block first, so a partial load streams
+  part of every block. So a block whose Linears stream runs compiled with them staged (`nodes/staged_blocks.py`):
+  for that call each Linear stands behind one stand-in class holding its weight and bias, cast onto the GPU by
+  the layer's own cast (ComfyUI's, LoRA included, or ComfyUI-GGUF's dequantization), and the graph sees plain
+  weights in the compute dtype. A model compiles at most two graphs, the resident block's and the staged block's,
+  shared by both experts. A block that cannot be staged runs eagerly: weights cast at every call (fp8), a Linear
+  of a kind not known, another module of the block streamed; the first layer of each kind in a process is run
+  both ways, and a difference in any bit keeps that kind eager. The estimator plans a streamed load for the larger
+  of the eager forward and the compiled one plus a block's staged weights (0.65 GiB at A14B in bf16; at 480p81 and
+  720p81 the eager forward is the larger). Compiling a streamed block with its Linear layers left out of the
+  graph (each behind a `torch.compiler.disable`d stand-in) was measured and not adopted: each graph break passes
+  the values live at it on to the next compiled piece, which holds them until the block returns. One A14B block at
+  1280×720×81 with its Linears streamed held 7.50 GiB above its input that way, against 5.77 GiB eagerly and
+  3.61 GiB compiled with its weights resident (`python -m bench.streamed_block_peak`,
   `bench/records/compile/streamed-block-peak-422b0cb.jsonl`), and a 12 GiB seed prompt planned as eager ran out
-  of memory in its first step (`whole-prompt/void-compile-streamed-layers-b4d6a7a.jsonl`). Copying the block's
-  streamed weights onto the GPU before its compiled call (the graph then sees plain GPU weights) held 8.16 GiB, so
-  it does not fit the eager budget either (`streamed-block-peak-2916b3e.jsonl`). With every weight resident it is the
-  per-block compile of the rows above: one graph for both A14B experts. The host tier checks both on a tiny
-  real Wan model on the CPU (`tests/host/test_host_compile.py`: no graph, no recompile and eager's latent
-  exactly when partly streamed; one graph for both experts when resident). On the H200 (GGUF 832×480×81, 20
+  of memory in its first step (`whole-prompt/void-compile-streamed-layers-b4d6a7a.jsonl`). The probe's staged
+  rows on the H200 (8.16 GiB, `streamed-block-peak-2916b3e.jsonl`) ran in the graphs of that mode: the probe
+  compiled the block once for every mode, and dynamo entered the earlier mode's first graph. Compiled afresh per
+  mode, on the CPU, the staged block held what the compiled resident one held (0.115 GiB against 0.244 GiB around
+  eager layers and 0.200 GiB eagerly, dims 1536×8960 at 512×512×17,
+  `streamed-block-peak-cpu-2af99b2.jsonl`); the H200 figure with staging is not measured yet. The host tier
+  checks the node on tiny real Wan models on the CPU (`tests/host/test_host_compile.py`: one staged graph for
+  two partly streamed experts with a LoRA, no recompile, eager's latent within bf16's rounding; one graph for both
+  experts when resident; `tests/host/test_host_gguf_cast.py`: two streamed ComfyUI-GGUF blocks, one graph,
+  eager's output bit for bit). On the H200 (GGUF 832×480×81, 20
   steps, 24 GiB, every weight resident) the node compiled one graph for both experts on the first prompt, and the
   steps ran at 2.75–2.83 s against ComfyUI alone's 3.73–3.78 s. Every repeat prompt then compiled 3 more graphs
   (13.2–15.9 s): loading the other expert had unloaded part of this one, and ComfyUI's reload puts its cast flag
@@ -2247,7 +2256,7 @@ def decode_rooms_gib(width: int, height: int) -> tuple:
 
 SETUPS = ("", "compile per block", "Wan Compile Blocks", "compile")  # plot_e2e.compile_kind: eager, per block, node, whole
 SETUP_NAMES = {"": "eager", "compile per block": "compiled per block", "compile": "compiled whole (TorchCompileModel)",
-               "Wan Compile Blocks": "Wan Compile Blocks (streamed blocks eager)"}
+               "Wan Compile Blocks": "Wan Compile Blocks"}
 
 
 def e2e_sets() -> list[dict]:

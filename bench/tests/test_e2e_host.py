@@ -356,7 +356,7 @@ def test_the_packs_compile_node_runs_after_the_patch_and_is_recorded_as_such(e2e
     assert r["run"] == "est+sage+compilenode@full:64x64x5"
     assert r["config"]["compile"] == {"node": "Wan Compile Blocks", "backend": "eager",
                                       "keys": ["diffusion_model.blocks.N"], "streamed_blocks": "eager"}
-    assert r["compile"]["kwargs"]["high"]["how"] == "Wan Compile Blocks (streamed blocks eager)"
+    assert r["compile"]["kwargs"]["high"]["how"] == "Wan Compile Blocks (streamed blocks staged)"
     by = r["compile"]["by_expert"]
     assert by["high"]["unique_graphs"] >= 1 and by["low"]["unique_graphs"] == 0, by
     assert r["compile"]["recompiles"] == 0
