@@ -564,13 +564,15 @@ def compile_section() -> list:
   block traced as it is would make a graph of its own (its weights' device, ComfyUI's cast flag and a streamed
   GGUF weight's LoRA patch list are guarded on: 5 graphs and 4–5 recompiles per prompt at 12 GiB in the rows
   above), and ComfyUI's lowvram load takes the largest modules of every block first, so a partial load streams
-  part of every block. So a block whose Linears stream runs compiled with them staged (`nodes/staged_blocks.py`):
-  for that call each Linear stands behind one stand-in class holding its weight and bias, cast onto the GPU by
-  the layer's own cast (ComfyUI's, LoRA included, or ComfyUI-GGUF's dequantization), and the graph sees plain
-  weights in the compute dtype. A model compiles at most two graphs, the resident block's and the staged block's,
-  shared by both experts. A block that cannot be staged runs eagerly: weights cast at every call (fp8), a Linear
-  of a kind not known, another module of the block streamed; the first layer of each kind in a process is run
-  both ways, and a difference in any bit keeps that kind eager. The estimator plans a streamed load for the larger
+  part of every block. So a block whose Linears stream is made to look resident for its compiled call
+  (`nodes/staged_blocks.py`): a streamed ComfyUI-GGUF layer's quantized weight is copied onto the GPU with its LoRA
+  and ComfyUI's marks of a streamed module are taken off, so the block runs the resident block's graph (*lifted*);
+  any other Linear stands behind one stand-in class holding its weight and bias cast onto the GPU by the layer's
+  own cast, LoRA included, and the graph sees plain weights in the compute dtype (*staged*). A model compiles at
+  most two graphs, the resident block's and the staged block's, shared by both experts; a GGUF model one. A block
+  that cannot be lifted or staged runs eagerly: weights cast at every call (fp8), a Linear of a kind not known,
+  another module of the block streamed; the first layer of each kind in a process is run both ways, and a
+  difference in any bit keeps that kind eager. The estimator plans a streamed load for the larger
   of the eager forward and the compiled one plus a block's staged weights (0.65 GiB at A14B in bf16; at 480p81 and
   720p81 the eager forward is the larger). Compiling a streamed block with its Linear layers left out of the
   graph (each behind a `torch.compiler.disable`d stand-in) was measured and not adopted: each graph break passes
@@ -586,8 +588,8 @@ def compile_section() -> list:
   `streamed-block-peak-cpu-2af99b2.jsonl`); the H200 figure with staging is not measured yet. The host tier
   checks the node on tiny real Wan models on the CPU (`tests/host/test_host_compile.py`: one staged graph for
   two partly streamed experts with a LoRA, no recompile, eager's latent within bf16's rounding; one graph for both
-  experts when resident; `tests/host/test_host_gguf_cast.py`: two streamed ComfyUI-GGUF blocks, one graph,
-  eager's output bit for bit). On the H200 (GGUF 832×480×81, 20
+  experts when resident; `tests/host/test_host_gguf_cast.py`: a streamed ComfyUI-GGUF block after a resident one,
+  lifted into the resident block's graph with no recompile, eager's output bit for bit). On the H200 (GGUF 832×480×81, 20
   steps, 24 GiB, every weight resident) the node compiled one graph for both experts on the first prompt, and the
   steps ran at 2.75–2.83 s against ComfyUI alone's 3.73–3.78 s. Every repeat prompt then compiled 3 more graphs
   (13.2–15.9 s): loading the other expert had unloaded part of this one, and ComfyUI's reload puts its cast flag

@@ -10,12 +10,13 @@ the repeat (docs/benchmarks.md, "Whole generation").
 Here each block is swapped, for the sampling only (the ``APPLY_MODEL`` wrapper ComfyUI's own compile uses, under
 the same key), for a :class:`BlockStandIn`, which at each call runs
   * the compiled block where every weight of the block is on the input's device;
-  * the compiled block with its Linears staged where some of them stream (:mod:`.staged_blocks`: each layer's
-    weight cast onto the GPU by its own cast before the call, the graph seeing plain weights);
+  * the compiled block made to look resident where some of its Linears stream (:mod:`.staged_blocks`): a streamed
+    ComfyUI-GGUF layer's quantized weight copied onto the GPU for the call (the resident block's graph), any other
+    Linear's weight cast onto the GPU by its own cast and handed to the graph as a plain tensor (the staged graph);
   * the block itself, eagerly, where it cannot be staged (a layer of a kind not known, weights cast at every call
     such as fp8, another module of the block streamed).
-So a model compiles at most two graphs, the resident block's and the staged block's, shared by every block of both
-experts of Wan 2.2 A14B, and no guard sees a streamed weight.  Which blocks stream is read at each call, so a block
+So a model compiles at most two graphs, the resident block's and the staged block's (a GGUF model one), shared by
+every block of both experts of Wan 2.2 A14B, and no guard sees a streamed weight.  Which blocks stream is read at each call, so a block
 that ComfyUI loads or offloads between prompts takes the other path without a recompile, and the cast flags
 ComfyUI's partial unload and reload leave on a block's modules are settled before its compiled call
 (:func:`settle_cast_flags`).  The estimator plans a streamed load for the larger of the eager forward and the
@@ -112,8 +113,9 @@ def _wrapper(stand_ins: dict):
 
 
 def count_compiled_blocks(model) -> tuple[int, int, int] | None:
-    """(blocks with every weight on the load device, blocks that run compiled with their weights staged, blocks) of
-    a Wan model as it is loaded now, or None where it has no blocks."""
+    """(blocks that run the resident block's graph: every weight on the load device, or streamed quantized layers
+    lifted; blocks that run the staged block's graph; blocks) of a Wan model as it is loaded now, or None where it
+    has no blocks."""
     dm = comfy_bridge.diffusion_model(model)
     blocks = list(getattr(dm, "blocks", ()) or ())
     if not blocks:
@@ -123,9 +125,18 @@ def count_compiled_blocks(model) -> tuple[int, int, int] | None:
         dtype = comfy_bridge.compute_torch_dtype(model)
     except Exception:  # no dtype to read: no block counts as staged
         dtype = None
-    resident = [block_resident(b, device) for b in blocks]
-    staged = sum(1 for b, r in zip(blocks, resident) if not r and staged_blocks.plan(b, device, dtype) is not None)
-    return sum(resident), staged, len(blocks)
+    resident = staged = 0
+    for b in blocks:
+        if block_resident(b, device):
+            resident += 1
+            continue
+        actions = staged_blocks.plan(b, device, dtype)
+        if actions is not None:
+            if all(a[0] == "lift" for a in actions):
+                resident += 1
+            else:
+                staged += 1
+    return resident, staged, len(blocks)
 
 
 def apply_compile_blocks(model, backend: str = "inductor", mode: str = "default"):

@@ -1,23 +1,31 @@
-"""Streamed blocks run compiled: each layer's weight is cast onto the GPU before the block's compiled call.
+"""Streamed blocks run compiled: each streamed layer's weight is put on the GPU before the block's compiled call.
 
 Where ComfyUI streams a block (lowvram: a layer's weight stays on the host and its forward copies it onto the GPU at
 every call), dynamo would trace that copy and guard on the weight's device, the layer's cast flag and its LoRA patch,
 so a streamed block compiled a graph of its own (docs/attention.md, "Wan Compile Blocks").  Here, for one call of the
-compiled block, every Linear of the block stands behind a :class:`StagedLinear` whose weight and bias the layer's own
-cast has already put on the input's device, LoRA patches included (ComfyUI's ``cast_bias_weight``, or ComfyUI-GGUF's
-dequantization).  The graph sees plain weights in the compute dtype: one graph for every streamed block of every
-expert, whatever part of each block streams.  The layers are put back in ``finally``.
+compiled block, the block is made to look resident, and is put back in ``finally``:
 
-The block holds its Linears' weights in the compute dtype for the call (0.65 GiB for a Wan A14B block in bf16), and
-the compiled block holds less than the eager one above its input (one A14B block at 1280x720x81: 3.61 against
-5.77 GiB; ``bench.streamed_block_peak``), so the estimator reserves the larger of the eager streamed forward and the
-compiled one with a block's weights staged (``memory.estimate.Setup.streamed_blocks_staged``).
+* a ComfyUI-GGUF Linear with quantized weights that streams is *lifted*: its quantized weight (and bias) copied onto
+  the GPU as ComfyUI-GGUF's own tensor, its LoRA riding along as on the host tensor, and ComfyUI's marks of a streamed
+  module (``comfy_cast_weights``, ``prev_comfy_cast_weights``) taken off its ``__dict__``.  The block is then what a
+  resident block is, and runs the resident block's graph, the dequantization in it, at the cost of the quantized
+  bytes (about 0.2 GiB for a Q4_K_M A14B block);
+* any other Linear of a streamed block (ComfyUI's Linear and its manual-cast one, or a ComfyUI-GGUF Linear holding
+  plain tensors) is *staged*: it stands behind a :class:`StagedLinear` holding its weight and bias cast onto the GPU
+  by its own cast, LoRA included, so the graph sees plain weights in the compute dtype (0.65 GiB for an A14B block in
+  bf16) and every staged block runs one graph.
 
-A block is staged only when it is safe to: every Linear is of a kind whose forward is ``linear(x, *cast(x))``
-(ComfyUI's Linear and its manual-cast one, ComfyUI-GGUF's Linear), its weight is in the compute dtype or GGUF, and
-every other tensor of the block is on the input's device.  The first layer of each kind met in a process is run both
-ways once (its own forward, and the staged weights through ``linear``); a difference in any bit keeps that kind's
-blocks eager from then on, with one warning.  Any other block runs eagerly, as ComfyUI runs it.
+A model compiles at most two graphs, the resident block's and the staged block's, shared by every block of both
+experts of Wan 2.2 A14B; a GGUF model, all of whose Linears are lifted, compiles one.  The compiled block holds less
+than the eager one above its input (one A14B block at 1280x720x81 on the H200: 3.61 against 5.77 GiB), so the
+estimator reserves the larger of the eager streamed forward and the compiled one with a block's weights in the
+compute dtype (``memory.estimate.Setup.streamed_blocks_staged``).
+
+A block is lifted or staged only when it is safe to: every Linear is of a kind this knows, a staged one's weight is
+in the compute dtype (a weight cast at every call, fp8, keeps its blocks eager), a lifted one has no per-call patch
+function, and no other module of the block streams.  The first layer of each kind met in a process is run both ways
+once (its own forward, and lifted or through the staged weights); a difference in any bit keeps that kind's blocks
+eager from then on, with one warning.  Any other block runs eagerly, as ComfyUI runs it.
 """
 from __future__ import annotations
 
@@ -97,80 +105,136 @@ def _stored_ok(layer, dtype) -> bool:
     return getattr(w, "tensor_type", None) is not None or w.dtype == dtype
 
 
+MARKS = ("comfy_cast_weights", "prev_comfy_cast_weights")  # ComfyUI's marks of a module it streams
+
+
+def _quantized(layer) -> bool:
+    """A ComfyUI-GGUF layer holding quantized tensors (it dequantizes them in its forward)."""
+    return caster(layer) is _gguf_cast and bool(layer.is_ggml_quantized())
+
+
+def _off(mod, device) -> bool:
+    """Whether ComfyUI streams ``mod``: its mark, or a tensor of its own off ``device``."""
+    if "prev_comfy_cast_weights" in mod.__dict__:
+        return True
+    return any(t.device != device for t in list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False)))
+
+
 def plan(block: torch.nn.Module, device, dtype):
-    """The Linears of ``block`` to stage, as ``(parent, name, layer, cast)``, when the block can run compiled staged
-    on ``device`` in ``dtype``; None where it cannot (a layer of another kind, a module outside its Linears that
-    ComfyUI streams or a tensor of one off ``device``, no Linear)."""
-    linears, inside = [], set()
+    """What makes ``block`` run compiled on ``device`` in ``dtype``: a list of ``("lift", layer)`` and
+    ``("stage", parent, name, layer, cast)``; None where it cannot be (a Linear of another kind, a quantized one
+    with a patch function, a staged one in another dtype, a module outside its Linears that ComfyUI streams or a
+    tensor of one off ``device``, no Linear to lift or stage)."""
+    actions, inside = [], set()
     for parent in block.modules():
         for name, child in parent._modules.items():
-            if isinstance(child, torch.nn.Linear):
-                cast = caster(child)
-                if cast is None or not _stored_ok(child, dtype) or _agreed.get(type(child)) is False:
-                    return None
-                linears.append((parent, name, child, cast))
-                inside.add(id(child))
-    if not linears:
+            if not isinstance(child, torch.nn.Linear):
+                continue
+            inside.add(id(child))
+            if _agreed.get(type(child)) is False:
+                return None
+            if _quantized(child):
+                if _off(child, device):
+                    if child.__dict__.get("weight_function") or child.__dict__.get("bias_function"):
+                        return None
+                    actions.append(("lift", child))
+                continue
+            cast = caster(child)
+            if cast is None or not _stored_ok(child, dtype):
+                return None
+            actions.append(("stage", parent, name, child, cast))
+    if not actions:
         return None
     for mod in block.modules():
-        if id(mod) in inside:
-            continue
-        if "prev_comfy_cast_weights" in mod.__dict__:  # ComfyUI's mark of a module it streams
+        if id(mod) not in inside and _off(mod, device):
             return None
-        for t in list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False)):
-            if t.device != device:
-                return None
-    return linears
+    return actions
 
 
-def _same_output(layer, weight, bias, x) -> bool:
-    """Whether ``linear(probe, weight, bias)`` equals ``layer(probe)`` bit for bit for a small seeded probe in the
-    input's dtype and on its device.  Never raises."""
+def _output(layer, x, features: int):
+    """``layer``'s own output, as a plain tensor, for a small seeded probe of ``features`` in the input's dtype and
+    on its device; None where it fails."""
     try:
         g = torch.Generator(device=x.device).manual_seed(0)
-        probe = torch.randn(2, layer.in_features, generator=g, device=x.device, dtype=torch.float32).to(x.dtype)
-        own = layer(probe)
+        probe = torch.randn(2, features, generator=g, device=x.device, dtype=torch.float32).to(x.dtype)
+        out = layer(probe)
         with torch._C.DisableTorchFunctionSubclass():
-            own = own.as_subclass(torch.Tensor) if isinstance(own, torch.Tensor) else own
-        return isinstance(own, torch.Tensor) and torch.equal(own, torch.nn.functional.linear(probe, weight, bias))
+            return out.as_subclass(torch.Tensor) if isinstance(out, torch.Tensor) else None
     except Exception:
-        return False
+        return None
 
 
-def _checked(layer, weight, bias, x) -> bool:
-    """Whether the staged weights of ``layer``'s kind give its own forward's output; checked on the first layer of
-    each kind met in the process."""
-    t = type(layer)
-    if t not in _agreed:
-        _agreed[t] = _same_output(layer, weight, bias, x)
-        if not _agreed[t]:
-            warn_once(("staged", t.__qualname__), "wan-sage: %s's weights cast before the compiled block do not give "
-                      "its own output; its streamed blocks run eagerly.", t.__qualname__)
-    return _agreed[t]
+def _agrees(layer, before, after) -> bool:
+    """Records whether ``layer``'s kind gave the same output both ways (its own forward ``before``, the output
+    ``after`` lifting or staging), warning once where not; the verdict for the kind from then on."""
+    ok = before is not None and after is not None and before.shape == after.shape and torch.equal(before, after)
+    _agreed[type(layer)] = ok
+    if not ok:
+        name = type(layer).__qualname__
+        warn_once(("staged", name), "wan-sage: %s's weights put on the GPU before the compiled block do not give "
+                  "its own output; its streamed blocks run eagerly.", name)
+    return ok
+
+
+class _Lifted:
+    """One lifted layer: its own tensors and marks, to put back."""
+
+    def __init__(self, layer, device):
+        self.layer = layer
+        self.params = dict(layer._parameters)
+        self.marks = {k: layer.__dict__[k] for k in MARKS if k in layer.__dict__}
+        for k, t in self.params.items():
+            if t is not None and t.device != device:
+                moved = t.to(device, non_blocking=True)  # ComfyUI-GGUF's .to carries its type, shape and LoRA
+                if getattr(t, "_is_param", False):
+                    moved._is_param = True  # as torch.nn.Parameter marks a tensor subclass it wraps
+                layer._parameters[k] = moved
+        for k in self.marks:
+            del layer.__dict__[k]
+
+    def undo(self):
+        self.layer._parameters.update(self.params)
+        self.layer.__dict__.update(self.marks)
 
 
 @contextlib.contextmanager
 def staged(block: torch.nn.Module, x):
-    """For the ``with`` body: ``block``'s Linears replaced by :class:`StagedLinear` layers holding their weights cast
-    for ``x``, and True; False (nothing changed) where the block cannot run staged.  Afterwards every layer is
-    back in place (also when the body fails) and the staged weights are let go."""
-    linears = plan(block, getattr(x, "device", None), getattr(x, "dtype", None)) if isinstance(x, torch.Tensor) else None
-    swapped = []
+    """For the ``with`` body: ``block`` made to run compiled (its streamed quantized layers lifted, its other Linears
+    replaced by :class:`StagedLinear` layers holding their weights cast for ``x``), and True; False (nothing changed)
+    where it cannot be.  Afterwards every layer is back as it was (also when the body fails) and the weights put on
+    the GPU for the call are let go."""
+    actions = plan(block, getattr(x, "device", None), getattr(x, "dtype", None)) if isinstance(x, torch.Tensor) else None
+    swapped, lifted = [], []
     try:
-        if linears is not None:
-            for parent, name, layer, cast in linears:
-                weight, bias = cast(layer, x)
-                if not _checked(layer, weight, bias, x):
+        ok = actions is not None
+        for action in actions or ():
+            layer = action[-1] if action[0] == "lift" else action[3]
+            check = type(layer) not in _agreed  # the first layer of its kind in this process
+            before = _output(layer, x, layer.in_features) if check else None
+            if action[0] == "lift":
+                lifted.append(_Lifted(layer, x.device))
+                if check and not _agrees(layer, before, _output(layer, x, layer.in_features)):
+                    ok = False
                     break
-                parent._modules[name] = StagedLinear(weight, bias)
-                swapped.append((parent, name, layer))
-            else:
-                yield True
-                return
+                continue
+            _, parent, name, layer, cast = action
+            weight, bias = cast(layer, x)
+            parent._modules[name] = StagedLinear(weight, bias)
+            swapped.append((parent, name, layer))
+            if check and not _agrees(layer, before, _output(parent._modules[name], x, layer.in_features)):
+                ok = False
+                break
+        if ok:
+            yield True
+            return
         for parent, name, layer in reversed(swapped):
             parent._modules[name] = layer
-        swapped = []
+        for lift in reversed(lifted):
+            lift.undo()
+        swapped, lifted = [], []
         yield False
     finally:
         for parent, name, layer in reversed(swapped):
             parent._modules[name] = layer
+        for lift in reversed(lifted):
+            lift.undo()

@@ -370,3 +370,61 @@ def test_a_plain_cast_that_differs_from_ggufs_own_in_one_bit_is_never_given(monk
         stand_in(torch.zeros(1, 4))
     assert seen == [False, False]  # the compiled calls ran with the layer's own cast
     assert sum("plain-tensor cast" in r.getMessage() for r in caplog.records) == 1
+
+
+class QuantLinear(torch.nn.Linear):
+    """A ComfyUI-GGUF-like layer with quantized weights, marked as ComfyUI marks a module it streams."""
+
+    def __init__(self):
+        super().__init__(4, 4)
+        self.comfy_cast_weights, self.prev_comfy_cast_weights = True, False
+        self.weight_function, self.bias_function = [], []
+
+    def is_ggml_quantized(self):
+        return True
+
+
+class QuantBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = QuantLinear(), QuantLinear()
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+@pytest.fixture
+def lifter(monkeypatch, stager):
+    """ComfyUI-GGUF's cast for :class:`QuantLinear`, and a block read as streamed by ComfyUI's mark (the unit tier's
+    tensors are all on the CPU, where a streamed weight is on the host on a GPU)."""
+    monkeypatch.setattr(stager, "caster", lambda layer: stager._gguf_cast if isinstance(layer, QuantLinear) else None)
+    monkeypatch.setattr(compile_blocks, "block_resident", lambda block, device: not any(
+        "prev_comfy_cast_weights" in m.__dict__ for m in block.modules()))
+    return stager
+
+
+def test_a_streamed_quantized_layer_is_lifted_as_a_resident_one_and_its_marks_put_back(lifter):
+    block, x = QuantBlock(), torch.randn(2, 4)
+    layers, weights = (block.a, block.b), (block.a.weight, block.b.weight)
+    seen = []
+
+    def compiled(x):
+        seen.append([sorted(k for k in ("comfy_cast_weights", "prev_comfy_cast_weights") if k in m.__dict__)
+                     for m in (block.a, block.b)])
+        assert (block.a, block.b) == layers  # the layers themselves, not stand-ins: the resident graph
+        return block(x)
+    out = compile_blocks.BlockStandIn(block, compiled)(x)
+    assert seen == [[[], []]] and torch.equal(out, block(x))
+    assert all(m.__dict__["comfy_cast_weights"] is True and m.__dict__["prev_comfy_cast_weights"] is False
+               for m in layers)
+    assert (block.a.weight, block.b.weight) == weights and lifter._agreed == {QuantLinear: True}
+    model = SimpleNamespace(model=SimpleNamespace(diffusion_model=SimpleNamespace(blocks=[block, QuantBlock()]),
+                                                  manual_cast_dtype=torch.float32), load_device=torch.device("cpu"))
+    assert compile_blocks.count_compiled_blocks(model) == (2, 0, 2)  # a lifted block runs the resident graph
+
+
+def test_a_streamed_quantized_layer_with_a_patch_function_keeps_its_block_eager(lifter):
+    block, calls = QuantBlock(), []
+    block.b.weight_function = [lambda w: w]  # ComfyUI's LowVramPatch, which the layer's own forward would apply
+    compile_blocks.BlockStandIn(block, lambda x: calls.append(x))(torch.randn(2, 4))
+    assert calls == [] and "prev_comfy_cast_weights" in block.a.__dict__
