@@ -5,13 +5,15 @@ every call), dynamo would trace that copy and guard on the weight's device, the 
 so a streamed block compiled a graph of its own (docs/attention.md, "Wan Compile Blocks").  Here, for one call of the
 compiled block, the block is made to look resident, and is put back in ``finally``:
 
-* a ComfyUI-GGUF Linear with quantized weights that streams is *lifted*: its quantized weight (and bias) copied onto
-  the GPU as ComfyUI-GGUF's own tensor, its LoRA riding along as on the host tensor, and ComfyUI's marks of a streamed
-  module (``comfy_cast_weights``, ``prev_comfy_cast_weights``) taken off its ``__dict__``.  The block is then what a
-  resident block is, and runs the resident block's graph, the dequantization in it, at the cost of the quantized
-  bytes (about 0.2 GiB for a Q4_K_M A14B block);
-* any other Linear of a streamed block (ComfyUI's Linear and its manual-cast one, or a ComfyUI-GGUF Linear holding
-  plain tensors) is *staged*: it stands behind a :class:`StagedLinear` holding its weight and bias cast onto the GPU
+* a streamed module is *lifted* where it has no per-call patch function: its own tensors copied onto the GPU as its
+  resident self holds them (a ComfyUI-GGUF weight as ComfyUI-GGUF's tensor, its LoRA riding along as on the host
+  tensor) and ComfyUI's marks of a streamed module (``comfy_cast_weights``, ``prev_comfy_cast_weights``) taken off its
+  ``__dict__``.  The block's own ``modulation`` (which ComfyUI's partial load leaves on the host) and its norms are
+  always lifted; where every streamed Linear can be lifted too (ComfyUI-GGUF's, whose LoRA rides on the weight; a
+  Linear without a LoRA), the block is what a resident block is and runs the resident block's graph, at the cost of
+  the weights as stored (about 0.2 GiB for a Q4_K_M A14B block);
+* otherwise every Linear of the block (ComfyUI's Linear and its manual-cast one with a LoRA patched in at each call,
+  ComfyUI-GGUF's) is *staged*: it stands behind a :class:`StagedLinear` holding its weight and bias cast onto the GPU
   by its own cast, LoRA included, so the graph sees plain weights in the compute dtype (0.65 GiB for an A14B block in
   bf16) and every staged block runs one graph.
 
@@ -21,9 +23,10 @@ than the eager one above its input (one A14B block at 1280x720x81 on the H200: 3
 estimator reserves the larger of the eager streamed forward and the compiled one with a block's weights in the
 compute dtype (``memory.estimate.Setup.streamed_blocks_staged``).
 
-A block is lifted or staged only when it is safe to: every Linear is of a kind this knows, a staged one's weight is
-in the compute dtype (a weight cast at every call, fp8, keeps its blocks eager), a lifted one has no per-call patch
-function, and no other module of the block streams.  The first layer of each kind met in a process is run both ways
+A block runs compiled only when it is safe to: every Linear is of a kind this knows, a staged one's weight is in the
+compute dtype or quantized (an fp8 weight with a LoRA patched in at each call keeps its block eager), and no other
+streamed module of the block has a patch function.  Moving a tensor that fails (out of memory) leaves the block eager
+for that call.  The first layer of each kind met in a process is run both ways
 once (its own forward, and lifted or through the staged weights); a difference in any bit keeps that kind's blocks
 eager from then on, with one warning.  Any other block runs eagerly, as ComfyUI runs it.
 """
@@ -120,35 +123,47 @@ def _off(mod, device) -> bool:
     return any(t.device != device for t in list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False)))
 
 
+def _liftable(mod) -> bool:
+    """No per-call patch function (ComfyUI's ``LowVramPatch`` of a LoRA): the module's own tensors, moved onto the
+    GPU, are what its resident self holds."""
+    return not mod.__dict__.get("weight_function") and not mod.__dict__.get("bias_function")
+
+
 def plan(block: torch.nn.Module, device, dtype):
-    """What makes ``block`` run compiled on ``device`` in ``dtype``: a list of ``("lift", layer)`` and
-    ``("stage", parent, name, layer, cast)``; None where it cannot be (a Linear of another kind, a quantized one
-    with a patch function, a staged one in another dtype, a module outside its Linears that ComfyUI streams or a
-    tensor of one off ``device``, no Linear to lift or stage)."""
-    actions, inside = [], set()
+    """What makes ``block`` run compiled on ``device`` in ``dtype``: a list of ``("lift", module)`` and
+    ``("stage", parent, name, layer, cast)``; None where nothing needs doing or it cannot be done.
+
+    Every streamed module other than a Linear (a block's own ``modulation``, a norm) is lifted.  Where every streamed
+    Linear can be lifted too (a kind this knows, no patch function), they are, and the block runs the resident
+    block's graph; otherwise every Linear of the block is staged (each of a kind this knows, in the compute dtype or
+    quantized), and it runs the staged block's graph.  None where a streamed module other than a Linear has a patch
+    function or a Linear cannot be staged, or nothing streams."""
+    lifts, linears, off_linears = [], [], []
+    for mod in block.modules():
+        if isinstance(mod, torch.nn.Linear):
+            continue
+        if _off(mod, device):
+            if not _liftable(mod):
+                return None
+            lifts.append(("lift", mod))
     for parent in block.modules():
         for name, child in parent._modules.items():
-            if not isinstance(child, torch.nn.Linear):
-                continue
-            inside.add(id(child))
-            if _agreed.get(type(child)) is False:
-                return None
-            if _quantized(child):
+            if isinstance(child, torch.nn.Linear):
+                if _agreed.get(type(child)) is False:
+                    return None
+                linears.append((parent, name, child))
                 if _off(child, device):
-                    if child.__dict__.get("weight_function") or child.__dict__.get("bias_function"):
-                        return None
-                    actions.append(("lift", child))
-                continue
-            cast = caster(child)
-            if cast is None or not _stored_ok(child, dtype):
-                return None
-            actions.append(("stage", parent, name, child, cast))
-    if not actions:
-        return None
-    for mod in block.modules():
-        if id(mod) not in inside and _off(mod, device):
+                    off_linears.append(child)
+    if all(caster(m) is not None and _liftable(m) for m in off_linears):
+        actions = lifts + [("lift", m) for m in off_linears]
+        return actions or None
+    staged = []
+    for parent, name, child in linears:
+        cast = caster(child)
+        if cast is None or not (_quantized(child) or _stored_ok(child, dtype)):
             return None
-    return actions
+        staged.append(("stage", parent, name, child, cast))
+    return lifts + staged
 
 
 def _output(layer, x, features: int):
@@ -177,53 +192,49 @@ def _agrees(layer, before, after) -> bool:
 
 
 class _Lifted:
-    """One lifted layer: its own tensors and marks, to put back."""
+    """One lifted module: its own tensors and marks as they were, to put back with :meth:`undo`."""
 
-    def __init__(self, layer, device):
-        self.layer = layer
-        self.params = dict(layer._parameters)
-        self.marks = {k: layer.__dict__[k] for k in MARKS if k in layer.__dict__}
-        for k, t in self.params.items():
-            if t is not None and t.device != device:
-                moved = t.to(device, non_blocking=True)  # ComfyUI-GGUF's .to carries its type, shape and LoRA
-                if getattr(t, "_is_param", False):
-                    moved._is_param = True  # as torch.nn.Parameter marks a tensor subclass it wraps
-                layer._parameters[k] = moved
+    def __init__(self, mod):
+        self.mod = mod
+        self.params = dict(mod._parameters)
+        self.buffers = dict(mod._buffers)
+        self.marks = {k: mod.__dict__[k] for k in MARKS if k in mod.__dict__}
+
+    def apply(self, device):
+        mod = self.mod
+        for store in (mod._parameters, mod._buffers):
+            for k, t in list(store.items()):
+                if t is not None and t.device != device:
+                    moved = t.to(device, non_blocking=True)  # ComfyUI-GGUF's .to carries its type, shape and LoRA
+                    if isinstance(t, torch.nn.Parameter):  # as the module's resident self holds it
+                        moved = torch.nn.Parameter(moved, requires_grad=t.requires_grad)
+                    store[k] = moved
         for k in self.marks:
-            del layer.__dict__[k]
+            del mod.__dict__[k]
 
     def undo(self):
-        self.layer._parameters.update(self.params)
-        self.layer.__dict__.update(self.marks)
+        self.mod._parameters.update(self.params)
+        self.mod._buffers.update(self.buffers)
+        self.mod.__dict__.update(self.marks)
 
 
 @contextlib.contextmanager
 def staged(block: torch.nn.Module, x):
-    """For the ``with`` body: ``block`` made to run compiled (its streamed quantized layers lifted, its other Linears
-    replaced by :class:`StagedLinear` layers holding their weights cast for ``x``), and True; False (nothing changed)
-    where it cannot be.  Afterwards every layer is back as it was (also when the body fails) and the weights put on
+    """For the ``with`` body: ``block`` made to run compiled as :func:`plan` says (streamed modules lifted, or its
+    Linears replaced by :class:`StagedLinear` layers holding their weights cast for ``x``), and True; False (nothing
+    changed) where it cannot be.  Afterwards every layer is back as it was (also when the body fails) and the weights put on
     the GPU for the call are let go."""
     actions = plan(block, getattr(x, "device", None), getattr(x, "dtype", None)) if isinstance(x, torch.Tensor) else None
     swapped, lifted = [], []
     try:
         ok = actions is not None
-        for action in actions or ():
-            layer = action[-1] if action[0] == "lift" else action[3]
-            check = type(layer) not in _agreed  # the first layer of its kind in this process
-            before = _output(layer, x, layer.in_features) if check else None
-            if action[0] == "lift":
-                lifted.append(_Lifted(layer, x.device))
-                if check and not _agrees(layer, before, _output(layer, x, layer.in_features)):
-                    ok = False
-                    break
-                continue
-            _, parent, name, layer, cast = action
-            weight, bias = cast(layer, x)
-            parent._modules[name] = StagedLinear(weight, bias)
-            swapped.append((parent, name, layer))
-            if check and not _agrees(layer, before, _output(parent._modules[name], x, layer.in_features)):
-                ok = False
-                break
+        try:
+            ok = ok and _apply(actions, x, swapped, lifted)
+        except (RuntimeError, NotImplementedError) as e:  # a copy that does not fit: the block runs eagerly
+            first = (str(e).splitlines() or [type(e).__name__])[0][:200]
+            warn_once(("staged-failed", type(e).__name__), "wan-sage: putting a streamed block's weights on the GPU "
+                      "failed (%s); the block ran eagerly.", first)
+            ok = False
         if ok:
             yield True
             return
@@ -238,3 +249,27 @@ def staged(block: torch.nn.Module, x):
             parent._modules[name] = layer
         for lift in reversed(lifted):
             lift.undo()
+
+
+def _apply(actions, x, swapped: list, lifted: list) -> bool:
+    """Lifts and stages ``actions`` for ``x``, recording each in ``swapped`` / ``lifted`` as it is done; False where
+    a layer kind's first check failed."""
+    for action in actions:
+        layer = action[1] if action[0] == "lift" else action[3]
+        linear = isinstance(layer, torch.nn.Linear)  # a lifted module of another kind moves its tensors only
+        check = linear and type(layer) not in _agreed  # the first layer of its kind in this process
+        before = _output(layer, x, layer.in_features) if check else None
+        if action[0] == "lift":
+            lift = _Lifted(layer)
+            lifted.append(lift)  # first, so that a copy failing half-way is put back too
+            lift.apply(x.device)
+            if check and not _agrees(layer, before, _output(layer, x, layer.in_features)):
+                return False
+            continue
+        _, parent, name, layer, cast = action
+        weight, bias = cast(layer, x)
+        parent._modules[name] = StagedLinear(weight, bias)
+        swapped.append((parent, name, layer))
+        if check and not _agrees(layer, before, _output(parent._modules[name], x, layer.in_features)):
+            return False
+    return True

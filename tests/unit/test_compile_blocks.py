@@ -190,6 +190,7 @@ class HostLinear(torch.nn.Linear):
         super().__init__(4, 4, device="meta")
         g = torch.Generator().manual_seed(seed)
         self.host = (torch.randn(4, 4, generator=g), torch.randn(4, generator=g))
+        self.weight_function = [lambda w: w]  # a LoRA patched in at each call: staged, not lifted
 
     def forward(self, x):
         return torch.nn.functional.linear(x, *self.host)
@@ -383,6 +384,9 @@ class QuantLinear(torch.nn.Linear):
     def is_ggml_quantized(self):
         return True
 
+    def cast_bias_weight(self, x):
+        return self.weight, self.bias
+
 
 class QuantBlock(torch.nn.Module):
     def __init__(self):
@@ -423,8 +427,37 @@ def test_a_streamed_quantized_layer_is_lifted_as_a_resident_one_and_its_marks_pu
     assert compile_blocks.count_compiled_blocks(model) == (2, 0, 2)  # a lifted block runs the resident graph
 
 
-def test_a_streamed_quantized_layer_with_a_patch_function_keeps_its_block_eager(lifter):
+def test_a_streamed_quantized_layer_with_a_patch_function_is_staged_not_lifted(lifter):
+    block, seen = QuantBlock(), []
+    block.b.weight_function = [lambda w: w]  # a per-call patch, which lifting would leave out of the graph
+    compile_blocks.BlockStandIn(block, lambda x: seen.append((type(block.a), type(block.b))))(torch.randn(2, 4))
+    assert seen == [(lifter.StagedLinear, lifter.StagedLinear)] and "prev_comfy_cast_weights" in block.a.__dict__
+
+
+def test_a_streamed_module_beside_the_layers_is_lifted_and_one_with_a_patch_function_keeps_the_block_eager(lifter):
+    block, seen = QuantBlock(), []
+    block.norm = torch.nn.LayerNorm(4)
+    block.norm.comfy_cast_weights, block.norm.prev_comfy_cast_weights = True, False
+    compile_blocks.BlockStandIn(block, lambda x: seen.append("comfy_cast_weights" in block.norm.__dict__))(
+        torch.randn(2, 4))
+    assert seen == [False] and block.norm.__dict__["prev_comfy_cast_weights"] is False
+    block.norm.weight_function = [lambda w: w]
+    compile_blocks.BlockStandIn(block, lambda x: seen.append("compiled"))(torch.randn(2, 4))
+    assert seen == [False]
+
+
+def test_a_copy_that_fails_leaves_the_block_eager_and_as_it_was(lifter, caplog, monkeypatch):
+    from wan_sage.nodes import log_once
+    monkeypatch.setattr(log_once, "warned", set())
     block, calls = QuantBlock(), []
-    block.b.weight_function = [lambda w: w]  # ComfyUI's LowVramPatch, which the layer's own forward would apply
-    compile_blocks.BlockStandIn(block, lambda x: calls.append(x))(torch.randn(2, 4))
-    assert calls == [] and "prev_comfy_cast_weights" in block.a.__dict__
+    block.a.weight = torch.nn.Parameter(torch.ones(4, 4, device="meta"), requires_grad=False)
+    block.a.__dict__["weight_function"] = []
+    meta = block.a.weight
+    stand_in = compile_blocks.BlockStandIn(block, lambda x: calls.append(x))
+    with caplog.at_level("WARNING"):
+        try:
+            stand_in(torch.randn(2, 4))  # the eager block itself, on its meta weight
+        except (NotImplementedError, RuntimeError):
+            pass
+    assert calls == [] and block.a.weight is meta and "prev_comfy_cast_weights" in block.a.__dict__
+    assert any("ran eagerly" in r.getMessage() for r in caplog.records)
