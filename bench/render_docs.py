@@ -564,15 +564,17 @@ def compile_section() -> list:
   block traced as it is would make a graph of its own (its weights' device, ComfyUI's cast flag and a streamed
   GGUF weight's LoRA patch list are guarded on: 5 graphs and 4–5 recompiles per prompt at 12 GiB in the rows
   above), and ComfyUI's lowvram load takes the largest modules of every block first, so a partial load streams
-  part of every block. So a block whose Linears stream is made to look resident for its compiled call
-  (`nodes/staged_blocks.py`): a streamed ComfyUI-GGUF layer's quantized weight is copied onto the GPU with its LoRA
-  and ComfyUI's marks of a streamed module are taken off, so the block runs the resident block's graph (*lifted*);
-  any other Linear stands behind one stand-in class holding its weight and bias cast onto the GPU by the layer's
+  part of every block, and leaves every block's own `modulation` on the host. So a streamed block is made to look
+  resident for its compiled call (`nodes/staged_blocks.py`). A streamed module with no per-call patch function is
+  *lifted*: its tensors copied onto the GPU as its resident self holds them (a ComfyUI-GGUF weight with its LoRA
+  riding on it) and ComfyUI's marks of a streamed module taken off; where every streamed Linear can be lifted, the
+  block runs the resident block's graph. Otherwise (a LoRA that ComfyUI patches into a streamed bf16 Linear at each
+  call) every Linear stands behind one stand-in class holding its weight and bias cast onto the GPU by the layer's
   own cast, LoRA included, and the graph sees plain weights in the compute dtype (*staged*). A model compiles at
   most two graphs, the resident block's and the staged block's, shared by both experts; a GGUF model one. A block
-  that cannot be lifted or staged runs eagerly: weights cast at every call (fp8), a Linear of a kind not known,
-  another module of the block streamed; the first layer of each kind in a process is run both ways, and a
-  difference in any bit keeps that kind eager. The estimator plans a streamed load for the larger
+  that cannot be lifted or staged runs eagerly (an fp8 Linear with a per-call LoRA, a Linear of a kind not known,
+  another streamed module with a patch function), and so does one whose copy fails; the first layer of each kind in
+  a process is run both ways, and a difference in any bit keeps that kind eager. The estimator plans a streamed load for the larger
   of the eager forward and the compiled one plus a block's staged weights (0.65 GiB at A14B in bf16; at 480p81 and
   720p81 the eager forward is the larger). Compiling a streamed block with its Linear layers left out of the
   graph (each behind a `torch.compiler.disable`d stand-in) was measured and not adopted: each graph break passes
