@@ -585,9 +585,9 @@ def compile_section() -> list:
   of memory in its first step (`whole-prompt/void-compile-streamed-layers-b4d6a7a.jsonl`). The probe's staged
   rows on the H200 (8.16 GiB, `streamed-block-peak-2916b3e.jsonl`) ran in the graphs of that mode: the probe
   compiled the block once for every mode, and dynamo entered the earlier mode's first graph. Compiled afresh per
-  mode, on the CPU, the staged block held what the compiled resident one held (0.115 GiB against 0.244 GiB around
-  eager layers and 0.200 GiB eagerly, dims 1536×8960 at 512×512×17,
-  `streamed-block-peak-cpu-2af99b2.jsonl`); the H200 figure with staging is not measured yet. The host tier
+  mode, on the CPU, the staged block held the compiled resident one's 0.115 GiB plus its weights when they are
+  copied (0.202 GiB; 0.244 GiB around eager layers, 0.200 GiB eagerly; dims 1536×8960 at 512×512×17,
+  `streamed-block-peak-cpu.jsonl`); the H200 figure with staging is not measured yet. The host tier
   checks the node on tiny real Wan models on the CPU (`tests/host/test_host_compile.py`: one staged graph for
   two partly streamed experts with a LoRA, no recompile, eager's latent within bf16's rounding; one graph for both
   experts when resident; `tests/host/test_host_gguf_cast.py`: a streamed ComfyUI-GGUF block after a resident one,
