@@ -416,7 +416,9 @@ def staged_block_bytes(dims: activation_model.WanDims, dtype: str) -> int:
 def _with_staged(s: Setup, w: activation_model.Workload, par: dict) -> dict:
     """The streamed terms under Wan Compile Blocks: the eager streamed forward's, raised to the compiled forward
     with a block's staged weights where that holds more (the ``staged_block`` term).  Weights cast at every call
-    (fp8) are not staged: their blocks run eagerly."""
+    (fp8) keep the eager figure: their blocks run eagerly where ComfyUI patches a LoRA in at each call, and lifted
+    where not, with the casts in the resident block's graph, which compiled resident fp8 blocks are planned as
+    eager for (``COMPILED_CAST_NOTE``)."""
     par = dict(par, staged_block=0)
     if not w.compiled or s.weights.casts_to(w.dtype):
         return par

@@ -169,10 +169,10 @@ class WanCompileBlocks(io.ComfyNode):
             node_id="WanCompileBlocks",
             display_name="Wan Compile Blocks",
             category="model_patches/wan-sage",
-            description=("torch.compile of this Wan model's transformer blocks one by one, for the sampling. Blocks "
-                         "whose weights ComfyUI streams from RAM run eagerly, so every compiled block has its "
-                         "weights on the GPU and all of them, in both experts of Wan 2.2 A14B, share one graph: "
-                         "streaming causes no recompiles. Compiling costs seconds on the first prompt of a "
+            description=("torch.compile of this Wan model's transformer blocks one by one, for the sampling. A "
+                         "block whose weights ComfyUI streams from RAM has them put on the GPU for its call, so "
+                         "every block runs one of at most two graphs (one for GGUF), shared by both experts of Wan "
+                         "2.2 A14B: streaming causes no recompiles. Compiling costs seconds on the first prompt of a "
                          "ComfyUI start (less where the pack kept the run's compile file); the Sage patch's panel "
                          "says after a run whether it pays back over the prompt's steps."),
             inputs=[
