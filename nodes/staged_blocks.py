@@ -25,10 +25,10 @@ compute dtype (``memory.estimate.Setup.streamed_blocks_staged``).
 
 A block runs compiled only when it is safe to: every Linear is of a kind this knows, a staged one's weight is in the
 compute dtype or quantized (an fp8 weight with a LoRA patched in at each call keeps its block eager), and no other
-streamed module of the block has a patch function.  Moving a tensor that fails (out of memory) leaves the block eager
-for that call.  The first layer of each kind met in a process is run both ways
-once (its own forward, and lifted or through the staged weights); a difference in any bit keeps that kind's blocks
-eager from then on, with one warning.  Any other block runs eagerly, as ComfyUI runs it.
+streamed module of the block has a patch function.  A copy or a cast that fails (out of memory, another ComfyUI's
+cast) leaves the block eager for that call, with one warning; a cancel goes on up.  The first layer of each kind met
+in a process is run both ways once (its own forward, and lifted or through the staged weights); a difference in any
+bit keeps that kind's blocks eager from then on, with one warning.  Any other block runs eagerly, as ComfyUI runs it.
 """
 from __future__ import annotations
 
@@ -230,7 +230,9 @@ def staged(block: torch.nn.Module, x):
         ok = actions is not None
         try:
             ok = ok and _apply(actions, x, swapped, lifted)
-        except (RuntimeError, NotImplementedError) as e:  # a copy that does not fit: the block runs eagerly
+        except Exception as e:  # a copy that does not fit, a cast of another ComfyUI: the block runs eagerly
+            if type(e).__name__ == "InterruptProcessingException":  # the user's cancel goes on up
+                raise
             first = (str(e).splitlines() or [type(e).__name__])[0][:200]
             warn_once(("staged-failed", type(e).__name__), "wan-sage: putting a streamed block's weights on the GPU "
                       "failed (%s); the block ran eagerly.", first)

@@ -461,3 +461,23 @@ def test_a_copy_that_fails_leaves_the_block_eager_and_as_it_was(lifter, caplog, 
             pass
     assert calls == [] and block.a.weight is meta and "prev_comfy_cast_weights" in block.a.__dict__
     assert any("ran eagerly" in r.getMessage() for r in caplog.records)
+
+
+def test_a_cast_that_raises_leaves_the_block_eager_but_a_cancel_goes_on_up(stager, monkeypatch):
+    class InterruptProcessingException(Exception):
+        pass
+
+    def failing(layer, x):
+        raise ValueError("too many values to unpack")
+    monkeypatch.setattr(stager, "caster", lambda layer: failing if isinstance(layer, HostLinear) else None)
+    block, calls = StreamedBlock(), []
+    layers = (block.inner.a, block.b)
+    compile_blocks.BlockStandIn(block, lambda x: calls.append(x))(torch.randn(2, 4))
+    assert calls == [] and (block.inner.a, block.b) == layers
+
+    def cancelled(layer, x):
+        raise InterruptProcessingException()
+    monkeypatch.setattr(stager, "caster", lambda layer: cancelled if isinstance(layer, HostLinear) else None)
+    with pytest.raises(InterruptProcessingException):
+        compile_blocks.BlockStandIn(block, lambda x: calls.append(x))(torch.randn(2, 4))
+    assert (block.inner.a, block.b) == layers
