@@ -27,7 +27,8 @@ def test_each_method_registers_every_weight_once_and_lets_them_go():
         assert row["weights"] == len(sources) == len(locker.locked) == len(locker.unlocked)
         in_place = {t.data_ptr() for t in sources} == {p for p, _ in locker.locked}
         assert in_place is (method == "in-place"), method  # the copying methods register their own buffers
-        assert (row["copy_s"] == 0) is (method == "in-place")
+        if method == "in-place":  # nothing copied; a copy's seconds round to 0 on a fast host, so only this is tested
+            assert row["copy_s"] == 0
         assert row["total_s"] == round(row["copy_s"] + row["lock_s"], 3)
 
 
@@ -43,7 +44,7 @@ def test_the_allocators_own_locked_buffers_are_not_registered_again():
     locker = RecordingLocker()
     row = pt.run_method(torch, "alloc-pinned", sources, pt.FakeLocker())
     pt.run_method(torch, "alloc-pinned", sources, locker)
-    assert row["weights"] == len(sources) and row["lock_s"] == 0 and row["copy_s"] > 0
+    assert row["weights"] == len(sources) and row["lock_s"] == 0
     assert locker.locked == []  # a real locker is never asked: torch allocated the memory page-locked
 
 
