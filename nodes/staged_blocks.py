@@ -191,6 +191,16 @@ def _agrees(layer, before, after) -> bool:
     return ok
 
 
+def moved(t: torch.Tensor, device, copy: bool = False) -> torch.Tensor:
+    """``t`` on ``device`` as a resident module holds it: ComfyUI-GGUF's ``.to`` carries its tensor's type, shape and
+    LoRA, and a ``Parameter`` stays one, as ComfyUI's load sets it (``comfy.utils.set_attr_param``).  ``copy``: a new
+    tensor even on ``t``'s own device."""
+    out = t.to(device, non_blocking=True, copy=copy)
+    if isinstance(t, torch.nn.Parameter):
+        out = torch.nn.Parameter(out, requires_grad=t.requires_grad)
+    return out
+
+
 class _Lifted:
     """One lifted module: its own tensors and marks as they were, to put back with :meth:`undo`."""
 
@@ -205,10 +215,7 @@ class _Lifted:
         for store in (mod._parameters, mod._buffers):
             for k, t in list(store.items()):
                 if t is not None and t.device != device:
-                    moved = t.to(device, non_blocking=True)  # ComfyUI-GGUF's .to carries its type, shape and LoRA
-                    if isinstance(t, torch.nn.Parameter):  # as the module's resident self holds it
-                        moved = torch.nn.Parameter(moved, requires_grad=t.requires_grad)
-                    store[k] = moved
+                    store[k] = moved(t, device)
         for k in self.marks:
             del mod.__dict__[k]
 

@@ -196,3 +196,41 @@ def test_a_streamed_gguf_block_is_lifted_into_the_resident_blocks_graph(loaded, 
             m.__dict__.pop("comfy_cast_weights", None)
             m.__dict__.pop("prev_comfy_cast_weights", None)
         torch._dynamo.reset()
+
+
+def test_weights_moved_as_lifting_moves_them_pass_the_resident_graphs_guards(loaded, sdpa):
+    """Lifting builds a streamed module's tensors anew on the GPU (``staged_blocks.moved``). On the CPU, a block whose
+    quantized weights and ``modulation`` are built that way (copies, as a move to another device makes) runs the graph
+    of a block loaded by ComfyUI: no recompile, eager's output bit for bit. A guard on anything ``moved`` loses (the
+    subclass, its LoRA, ``Parameter``) would compile again."""
+    from torch._dynamo.utils import counters
+    from wan_sage.nodes import compile_blocks, staged_blocks
+    _m, blocks, args, kwargs = loaded
+    mods = [m for m in blocks[1].modules() if staged_blocks._quantized(m)] + [blocks[1]]
+    saved = [(m, dict(m._parameters)) for m in mods]
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        with torch.inference_mode():
+            e0 = blocks[0](*args, **kwargs)
+            eager = blocks[1](e0, *args[1:], **kwargs)
+            for m in mods:
+                for k, t in list(m._parameters.items()):
+                    if t is not None:
+                        m._parameters[k] = staged_blocks.moved(t, t.device, copy=True)
+            assert blocks[1].modulation.data_ptr() != saved[-1][1]["modulation"].data_ptr()
+            assert type(blocks[1].modulation) is type(saved[-1][1]["modulation"])
+            stand_ins = [compile_blocks.BlockStandIn(b, torch.compile(b, backend=recording)) for b in blocks[:2]]
+            x = stand_ins[0](*args, **kwargs)
+            out = stand_ins[1](x, *args[1:], **kwargs)
+        assert len(graphs) == 1 and not counters["recompiles"], (len(graphs), dict(counters["recompiles"]))
+        assert torch.equal(out, eager)
+    finally:
+        for m, params in saved:
+            m._parameters.update(params)
+        torch._dynamo.reset()
