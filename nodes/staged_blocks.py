@@ -39,7 +39,7 @@ import torch
 from . import gguf_cast
 from .log_once import warn_once
 
-_agreed: dict = {}  # a layer class -> whether its staged weights gave its own forward's output bit for bit
+_agreed: dict = {}  # a layer class -> whether, lifted or staged, it gave its own forward's output bit for bit
 
 
 class StagedLinear(torch.nn.Module):
@@ -100,8 +100,9 @@ def caster(layer):
 
 
 def _stored_ok(layer, dtype) -> bool:
-    """The weight is GGUF or already in the compute dtype: staging then casts nothing the compiled block's graph
-    would cast itself (a weight cast at every call, fp8, keeps its blocks eager)."""
+    """The weight is GGUF or already in the compute dtype, so a staged copy is what the layer's forward computes with
+    at each call anyway.  A weight in another dtype that has to be staged (fp8 with a LoRA ComfyUI patches in at each
+    call) keeps its block eager: the estimator's plan for such blocks is the eager one."""
     w = getattr(layer, "weight", None)
     if w is None:
         return False
