@@ -4,6 +4,9 @@ size.  Why Wan Compile Blocks runs a streamed block eagerly (docs/attention.md, 
 copying a streamed block's weights onto the GPU before its compiled call (:func:`staged`) and page-locked host
 memory for the streamed weights would give.
 
+"Wan Compile Blocks" is the pack's node's own path for the block (``nodes.compile_blocks.BlockStandIn``): its streamed
+Linears, which carry no LoRA here, lifted onto the GPU for the call, the block run in the resident block's graph.
+
 "Compiled around eager layers" is the block compiled with torch.compile while each of its Linear layers stands
 behind a ``torch.compiler.disable``d module (:func:`around_eager_layers`): the weight casts run eagerly and dynamo
 compiles the work between the layers, at one graph break per layer.
@@ -203,8 +206,11 @@ def main(argv=None) -> int:
 
         def __call__(self, *args, **kwargs):
             return compiled(*args, **kwargs)
+    _host.load_pack()
+    from wan_sage.nodes import compile_blocks
     with torch.inference_mode():
         fresh = Fresh()
+        node_block = compile_blocks.BlockStandIn(block, fresh)  # the node's own path: lifting, the resident graph
         cast = comfy.ops.cast_bias_weight
         if a.copy_staged:
             def cast(layer, x, own=cast):
@@ -216,7 +222,11 @@ def main(argv=None) -> int:
                   lambda: around_eager_layers(torch, block, fresh, *args, **kwargs), "streamed"),
                  ("compiled with the block's weights staged, streamed",
                   lambda: staged(torch, cast, block, fresh, *args, **kwargs), "streamed"),
+                 ("Wan Compile Blocks (streamed Linears lifted), streamed",
+                  lambda: node_block(*args, **kwargs), "streamed"),
                  ("eager, streamed from pinned memory", lambda: block(*args, **kwargs), "pinned"),
+                 ("Wan Compile Blocks (streamed Linears lifted), streamed from pinned memory",
+                  lambda: node_block(*args, **kwargs), "pinned"),
                  ("compiled with the block's weights staged, streamed from pinned memory",
                   lambda: staged(torch, cast, block, fresh, *args, **kwargs), "pinned")]
         for name, fn, state in modes:
