@@ -4,6 +4,8 @@ the miniature A14B expert with its LoRA in a real ComfyUI 0.3.64 with ComfyUI-GG
 The cast must give ComfyUI-GGUF's weights bit for bit, and dynamo must trace none of the dequantization through
 ComfyUI-GGUF's tensor subclass: its FX nodes carry ``Tensor.__torch_function__`` in their stack when it does, as
 every node of ComfyUI-GGUF's own cast on a quantized weight does."""
+import contextlib
+
 import pytest
 import torch
 
@@ -85,30 +87,55 @@ def test_no_op_of_the_dequantization_runs_on_ggufs_tensor_subclass(loaded, monke
     assert own > 20 and calls == [], (own, calls[:5])  # the test can fail: ComfyUI-GGUF's own cast runs many
 
 
-def _traced(block, args, kwargs, plain: bool):
-    """(FX graphs, nodes whose stack passes through Tensor.__torch_function__, output) of ``block`` compiled with a
-    backend that only records the graph: through Wan Compile Blocks' stand-in (``plain``), or compiled as it is."""
-    from wan_sage.nodes import compile_blocks, gguf_cast
+@contextlib.contextmanager
+def _recording():
+    """A dynamo backend that only records each graph it is given (the graph then runs its own ops, as eager does),
+    from a reset dynamo with its counters cleared: yields (backend, graphs, counters); dynamo is reset again after."""
+    from torch._dynamo.utils import counters
     graphs = []
 
     def recording(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
     torch._dynamo.reset()
+    counters.clear()
     try:
-        with torch.inference_mode():
-            compiled = torch.compile(block, backend=recording)
-            if plain:
-                with gguf_cast.plain_casts(block, args[0]) as n:
-                    assert n >= 10
-                out = compile_blocks.BlockStandIn(block, compiled)(*args, **kwargs)
-            else:
-                out = compiled(*args, **kwargs)
-        subclass_nodes = sum(1 for g in graphs for node in g.graph.nodes
-                             if "__torch_function__" in (node.meta.get("stack_trace") or ""))
-        return graphs, subclass_nodes, out
+        yield recording, graphs, counters
     finally:
         torch._dynamo.reset()
+
+
+def _pair(first, second, args, kwargs):
+    """The two blocks' outputs as the model chains them (the second takes the first one's output)."""
+    x = first(*args, **kwargs)
+    return x, second(x, *args[1:], **kwargs)
+
+
+def _compiled_pair(blocks, args, kwargs, backend, graphs):
+    """:func:`_pair` through Wan Compile Blocks' stand-ins compiled with ``backend``: (first output, second output,
+    graphs recorded after the first block)."""
+    from wan_sage.nodes import compile_blocks
+    first, second = (compile_blocks.BlockStandIn(b, torch.compile(b, backend=backend)) for b in blocks[:2])
+    x = first(*args, **kwargs)
+    after_first = len(graphs)
+    return x, second(x, *args[1:], **kwargs), after_first
+
+
+def _traced(block, args, kwargs, plain: bool):
+    """(FX graphs, nodes whose stack passes through Tensor.__torch_function__, output) of ``block`` compiled with a
+    backend that only records the graph: through Wan Compile Blocks' stand-in (``plain``), or compiled as it is."""
+    from wan_sage.nodes import compile_blocks, gguf_cast
+    with _recording() as (recording, graphs, _counters), torch.inference_mode():
+        compiled = torch.compile(block, backend=recording)
+        if plain:
+            with gguf_cast.plain_casts(block, args[0]) as n:
+                assert n >= 10
+            out = compile_blocks.BlockStandIn(block, compiled)(*args, **kwargs)
+        else:
+            out = compiled(*args, **kwargs)
+    subclass_nodes = sum(1 for g in graphs for node in g.graph.nodes
+                         if "__torch_function__" in (node.meta.get("stack_trace") or ""))
+    return graphs, subclass_nodes, out
 
 
 @pytest.fixture
@@ -135,25 +162,12 @@ def test_a_compiled_block_traces_no_subclass_op_and_runs_as_eager(loaded, sdpa):
 
 def test_the_blocks_share_one_graph_with_the_plain_cast(loaded, sdpa):
     """Every block binds the same cast function, so the second block runs the first one's graph."""
-    from torch._dynamo.utils import counters
-    from wan_sage.nodes import compile_blocks
     _m, blocks, args, kwargs = loaded
     assert len(blocks) >= 2
-    graphs = []
-
-    def recording(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-    torch._dynamo.reset()
-    counters.clear()
-    try:
+    with _recording() as (recording, graphs, counters):
         with torch.inference_mode():
-            stand_ins = [compile_blocks.BlockStandIn(b, torch.compile(b, backend=recording)) for b in blocks[:2]]
-            x = stand_ins[0](*args, **kwargs)  # the second block takes the first one's output, as in the model
-            stand_ins[1](x, *args[1:], **kwargs)
+            _compiled_pair(blocks, args, kwargs, recording, graphs)
         assert len(graphs) == 1 and not counters["recompiles"], (len(graphs), dict(counters["recompiles"]))
-    finally:
-        torch._dynamo.reset()
 
 
 def test_a_streamed_gguf_block_is_lifted_into_the_resident_blocks_graph(loaded, sdpa, monkeypatch):
@@ -162,7 +176,6 @@ def test_a_streamed_gguf_block_is_lifted_into_the_resident_blocks_graph(loaded, 
     device, so the marks stand for streaming, as the node's test for a resident block is told here), the block runs
     the resident block's graph with no recompile, its output eager's bit for bit (the recording backend runs the
     graph's own ops), and the marks are back afterwards."""
-    from torch._dynamo.utils import counters
     from wan_sage.nodes import compile_blocks, staged_blocks
     _m, blocks, args, kwargs = loaded
     monkeypatch.setattr(compile_blocks, "block_resident", lambda block, device: not any(
@@ -170,24 +183,15 @@ def test_a_streamed_gguf_block_is_lifted_into_the_resident_blocks_graph(loaded, 
     monkeypatch.setattr(staged_blocks, "_agreed", {})
     streamed = [m for m in blocks[1].modules() if isinstance(m, torch.nn.Linear)]
     assert len(streamed) >= 10 and all(staged_blocks._quantized(m) for m in streamed)
-    graphs = []
-
-    def recording(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-    torch._dynamo.reset()
-    counters.clear()
     try:
         for m in streamed:  # as ComfyUI's lowvram load marks the modules it streams
             m.comfy_cast_weights, m.prev_comfy_cast_weights = True, True
-        with torch.inference_mode():
-            e0 = blocks[0](*args, **kwargs)
-            eager = blocks[1](e0, *args[1:], **kwargs)
-            stand_ins = [compile_blocks.BlockStandIn(b, torch.compile(b, backend=recording)) for b in blocks[:2]]
-            x = stand_ins[0](*args, **kwargs)
-            assert len(graphs) == 1
-            out = stand_ins[1](x, *args[1:], **kwargs)
-        assert len(graphs) == 1 and not counters["recompiles"], (len(graphs), dict(counters["recompiles"]))
+        with _recording() as (recording, graphs, counters):
+            with torch.inference_mode():
+                e0, eager = _pair(blocks[0], blocks[1], args, kwargs)
+                x, out, after_first = _compiled_pair(blocks, args, kwargs, recording, graphs)
+            assert after_first == 1
+            assert len(graphs) == 1 and not counters["recompiles"], (len(graphs), dict(counters["recompiles"]))
         assert torch.equal(x, e0) and torch.equal(out, eager) and type(out) is torch.Tensor
         assert staged_blocks._agreed == {type(streamed[0]): True}
         assert all(m.__dict__.get("prev_comfy_cast_weights") is True for m in streamed)
@@ -195,7 +199,6 @@ def test_a_streamed_gguf_block_is_lifted_into_the_resident_blocks_graph(loaded, 
         for m in streamed:
             m.__dict__.pop("comfy_cast_weights", None)
             m.__dict__.pop("prev_comfy_cast_weights", None)
-        torch._dynamo.reset()
 
 
 def test_weights_moved_as_lifting_moves_them_pass_the_resident_graphs_guards(loaded, sdpa):
@@ -203,34 +206,23 @@ def test_weights_moved_as_lifting_moves_them_pass_the_resident_graphs_guards(loa
     quantized weights and ``modulation`` are built that way (copies, as a move to another device makes) runs the graph
     of a block loaded by ComfyUI: no recompile, eager's output bit for bit. A guard on anything ``moved`` loses (the
     subclass, its LoRA, ``Parameter``) would compile again."""
-    from torch._dynamo.utils import counters
-    from wan_sage.nodes import compile_blocks, staged_blocks
+    from wan_sage.nodes import staged_blocks
     _m, blocks, args, kwargs = loaded
     mods = [m for m in blocks[1].modules() if staged_blocks._quantized(m)] + [blocks[1]]
     saved = [(m, dict(m._parameters)) for m in mods]
-    graphs = []
-
-    def recording(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-    torch._dynamo.reset()
-    counters.clear()
     try:
-        with torch.inference_mode():
-            e0 = blocks[0](*args, **kwargs)
-            eager = blocks[1](e0, *args[1:], **kwargs)
-            for m in mods:
-                for k, t in list(m._parameters.items()):
-                    if t is not None:
-                        m._parameters[k] = staged_blocks.moved(t, t.device, copy=True)
-            assert blocks[1].modulation.data_ptr() != saved[-1][1]["modulation"].data_ptr()
-            assert type(blocks[1].modulation) is type(saved[-1][1]["modulation"])
-            stand_ins = [compile_blocks.BlockStandIn(b, torch.compile(b, backend=recording)) for b in blocks[:2]]
-            x = stand_ins[0](*args, **kwargs)
-            out = stand_ins[1](x, *args[1:], **kwargs)
-        assert len(graphs) == 1 and not counters["recompiles"], (len(graphs), dict(counters["recompiles"]))
+        with _recording() as (recording, graphs, counters):
+            with torch.inference_mode():
+                _e0, eager = _pair(blocks[0], blocks[1], args, kwargs)
+                for m in mods:
+                    for k, t in list(m._parameters.items()):
+                        if t is not None:
+                            m._parameters[k] = staged_blocks.moved(t, t.device, copy=True)
+                assert blocks[1].modulation.data_ptr() != saved[-1][1]["modulation"].data_ptr()
+                assert type(blocks[1].modulation) is type(saved[-1][1]["modulation"])
+                _x, out, _after_first = _compiled_pair(blocks, args, kwargs, recording, graphs)
+            assert len(graphs) == 1 and not counters["recompiles"], (len(graphs), dict(counters["recompiles"]))
         assert torch.equal(out, eager)
     finally:
         for m, params in saved:
             m._parameters.update(params)
-        torch._dynamo.reset()
