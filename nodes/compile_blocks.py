@@ -10,15 +10,16 @@ the repeat (docs/benchmarks.md, "Whole generation").
 Here each block is swapped, for the sampling only (the ``APPLY_MODEL`` wrapper ComfyUI's own compile uses, under
 the same key), for a :class:`BlockStandIn`, which at each call runs
   * the compiled block where every weight of the block is on the input's device;
-  * the compiled block made to look resident where some of its Linears stream (:mod:`.staged_blocks`): a streamed
-    ComfyUI-GGUF layer's quantized weight copied onto the GPU for the call (the resident block's graph), any other
-    Linear's weight cast onto the GPU by its own cast and handed to the graph as a plain tensor (the staged graph);
-  * the block itself, eagerly, where it cannot be staged (a layer of a kind not known, weights cast at every call
-    such as fp8, another module of the block streamed).
+  * the compiled block made to look resident where some of it streams (:mod:`.staged_blocks`): streamed modules
+    without a per-call patch (a ComfyUI-GGUF layer, the block's own ``modulation``) copied onto the GPU for the call
+    (the resident block's graph), or, where a streamed Linear has a LoRA patched in at each call, every Linear's
+    weight cast onto the GPU by its own cast and handed to the graph as a plain tensor (the staged graph);
+  * the block itself, eagerly, where neither can be done (a Linear of a kind not known, an fp8 weight with a
+    per-call LoRA, another streamed module with a patch function, a copy that fails).
 So a model compiles at most two graphs, the resident block's and the staged block's (a GGUF model one), shared by
-every block of both experts of Wan 2.2 A14B, and no guard sees a streamed weight.  Which blocks stream is read at each call, so a block
-that ComfyUI loads or offloads between prompts takes the other path without a recompile, and the cast flags
-ComfyUI's partial unload and reload leave on a block's modules are settled before its compiled call
+every block of both experts of Wan 2.2 A14B, and no guard sees a streamed weight.  Which blocks stream is read at
+each call, so a block that ComfyUI loads or offloads between prompts takes the other path without a recompile, and
+the cast flags ComfyUI's partial unload and reload leave on a block's modules are settled before its compiled call
 (:func:`settle_cast_flags`).  The estimator plans a streamed load for the larger of the eager forward and the
 compiled one holding a block's staged weights (``memory.estimate.Setup.streamed_blocks_staged``).
 

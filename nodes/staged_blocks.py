@@ -174,8 +174,7 @@ def _output(layer, x, features: int):
         g = torch.Generator(device=x.device).manual_seed(0)
         probe = torch.randn(2, features, generator=g, device=x.device, dtype=torch.float32).to(x.dtype)
         out = layer(probe)
-        with torch._C.DisableTorchFunctionSubclass():
-            return out.as_subclass(torch.Tensor) if isinstance(out, torch.Tensor) else None
+        return _plain(out) if isinstance(out, torch.Tensor) else None
     except Exception:
         return None
 
@@ -230,9 +229,9 @@ class _Lifted:
 def staged(block: torch.nn.Module, x):
     """For the ``with`` body: ``block`` made to run compiled as :func:`plan` says (streamed modules lifted, or its
     Linears replaced by :class:`StagedLinear` layers holding their weights cast for ``x``), and True; False (nothing
-    changed) where it cannot be.  Afterwards every layer is back as it was (also when the body fails) and the weights put on
-    the GPU for the call are let go."""
-    actions = plan(block, getattr(x, "device", None), getattr(x, "dtype", None)) if isinstance(x, torch.Tensor) else None
+    changed) where it cannot be.  Afterwards every layer is back as it was (also when the body fails) and the weights
+    put on the GPU for the call are let go."""
+    actions = plan(block, x.device, x.dtype) if isinstance(x, torch.Tensor) else None
     swapped, lifted = [], []
     try:
         ok = actions is not None
@@ -245,20 +244,22 @@ def staged(block: torch.nn.Module, x):
             warn_once(("staged-failed", type(e).__name__), "wan-sage: putting a streamed block's weights on the GPU "
                       "failed (%s); the block ran eagerly.", first)
             ok = False
-        if ok:
-            yield True
-            return
-        for parent, name, layer in reversed(swapped):
-            parent._modules[name] = layer
-        for lift in reversed(lifted):
-            lift.undo()
-        swapped, lifted = [], []
-        yield False
+        if not ok:
+            _restore(swapped, lifted)  # the eager block runs as it was
+        yield ok
     finally:
-        for parent, name, layer in reversed(swapped):
-            parent._modules[name] = layer
-        for lift in reversed(lifted):
-            lift.undo()
+        _restore(swapped, lifted)
+
+
+def _restore(swapped: list, lifted: list) -> None:
+    """Every staged layer and lifted module back as it was, in the reverse order they were changed; both lists
+    emptied."""
+    for parent, name, layer in reversed(swapped):
+        parent._modules[name] = layer
+    for lift in reversed(lifted):
+        lift.undo()
+    swapped.clear()
+    lifted.clear()
 
 
 def _apply(actions, x, swapped: list, lifted: list) -> bool:
