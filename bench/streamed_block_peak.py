@@ -82,8 +82,8 @@ _STAND_INS: dict = {}
 
 
 def _stand_ins(torch):
-    """The two stand-in layer classes, made once per process: a class made anew at each call would fail dynamo's
-    guard on the module's type, and every call would compile again."""
+    """The stand-in class for an eager layer, made once per process: a class made anew at each call would fail
+    dynamo's guard on the module's type, and every call would compile again."""
     if not _STAND_INS:
         class EagerLayer(torch.nn.Module):
             def __init__(self, layer):
@@ -94,23 +94,14 @@ def _stand_ins(torch):
             def forward(self, *a, **k):
                 return self.layer(*a, **k)
 
-        class StagedLinear(torch.nn.Module):
-            def __init__(self, weight, bias):
-                super().__init__()
-                self.register_buffer("weight", weight, persistent=False)
-                self.register_buffer("bias", bias, persistent=False)
-
-            def forward(self, x):
-                return torch.nn.functional.linear(x, self.weight, self.bias)
-
-        _STAND_INS.update(eager=EagerLayer, staged=StagedLinear)
-    return _STAND_INS["eager"], _STAND_INS["staged"]
+        _STAND_INS.update(eager=EagerLayer)
+    return _STAND_INS["eager"]
 
 
 def around_eager_layers(torch, block, compiled, *args, **kwargs):
     """``compiled(*args, **kwargs)`` with every Linear of ``block`` behind a stand-in that dynamo does not trace,
     the layers put back afterwards (also when the call fails)."""
-    eager_layer, _ = _stand_ins(torch)
+    eager_layer = _stand_ins(torch)
     return _linears_replaced(torch, block, eager_layer, lambda: compiled(*args, **kwargs))
 
 
@@ -118,10 +109,11 @@ def staged(torch, cast, block, compiled, *args, **kwargs):
     """``compiled(*args, **kwargs)`` with every Linear of ``block`` replaced, for the call, by a plain layer whose
     weight and bias ``cast(layer, x)`` put on the input's device beforehand (ComfyUI's ``cast_bias_weight``, as
     the layer's own forward casts them): the block's streamed weights copied onto the GPU at once, then the
-    compiled block, whose graph sees plain GPU weights.  The layers are put back afterwards."""
-    _, staged_linear = _stand_ins(torch)
+    compiled block, whose graph sees plain GPU weights.  The plain layer is Wan Compile Blocks' own
+    (``nodes.staged_blocks.StagedLinear``).  The layers are put back afterwards."""
+    from wan_sage.nodes.staged_blocks import StagedLinear
     x = args[0] if args else kwargs["x"]
-    return _linears_replaced(torch, block, lambda layer: staged_linear(*cast(layer, x)),
+    return _linears_replaced(torch, block, lambda layer: StagedLinear(*cast(layer, x)),
                              lambda: compiled(*args, **kwargs))
 
 
