@@ -132,39 +132,49 @@ def _liftable(mod) -> bool:
 
 def plan(block: torch.nn.Module, device, dtype):
     """What makes ``block`` run compiled on ``device`` in ``dtype``: a list of ``("lift", module)`` and
-    ``("stage", parent, name, layer, cast)``; None where nothing needs doing or it cannot be done.
+    ``("stage", parent, name, layer, cast)``; None where nothing needs doing or it cannot be done
+    (:func:`plan_why` says why)."""
+    return plan_why(block, device, dtype)[0]
+
+
+def plan_why(block: torch.nn.Module, device, dtype):
+    """(:func:`plan`'s actions, None) or (None, why the block runs eagerly, in words; None where nothing streams).
 
     Every streamed module other than a Linear (a block's own ``modulation``, a norm) is lifted.  Where every streamed
     Linear can be lifted too (a kind this knows, no patch function), they are, and the block runs the resident
     block's graph; otherwise every Linear of the block is staged (each of a kind this knows, in the compute dtype or
-    quantized), and it runs the staged block's graph.  None where a streamed module other than a Linear has a patch
-    function or a Linear cannot be staged, or nothing streams."""
+    quantized), and it runs the staged block's graph.  Nothing is done where a streamed module other than a Linear
+    has a patch function or a Linear cannot be staged, or nothing streams."""
     lifts, linears, off_linears = [], [], []
     for mod in block.modules():
         if isinstance(mod, torch.nn.Linear):
             continue
         if _off(mod, device):
             if not _liftable(mod):
-                return None
+                return None, f"a streamed {type(mod).__name__} has a LoRA or other patch applied at each call"
             lifts.append(("lift", mod))
     for parent in block.modules():
         for name, child in parent._modules.items():
             if isinstance(child, torch.nn.Linear):
                 if _agreed.get(type(child)) is False:
-                    return None
+                    return None, f"{type(child).__name__} did not give its own output when put on the GPU first"
                 linears.append((parent, name, child))
                 if _off(child, device):
                     off_linears.append(child)
     if all(caster(m) is not None and _liftable(m) for m in off_linears):
         actions = lifts + [("lift", m) for m in off_linears]
-        return actions or None
+        return (actions, None) if actions else (None, None)
     staged = []
     for parent, name, child in linears:
         cast = caster(child)
-        if cast is None or not (_quantized(child) or _stored_ok(child, dtype)):
-            return None
+        if cast is None:
+            return None, f"a Linear of a kind wan-sage does not stage ({type(child).__name__})"
+        if not (_quantized(child) or _stored_ok(child, dtype)):
+            w = getattr(child, "weight", None)
+            held = str(getattr(w, "dtype", "no")).replace("torch.", "")
+            return None, f"{held} weights with a LoRA applied at each call"
         staged.append(("stage", parent, name, child, cast))
-    return lifts + staged
+    return lifts + staged, None
 
 
 def _output(layer, x, features: int):
@@ -225,28 +235,48 @@ class _Lifted:
         self.mod.__dict__.update(self.marks)
 
 
+class Staging:
+    """What :func:`staged` did for one call: true where the block runs compiled; ``path`` is ``"lifted"`` (the
+    resident block's graph) or ``"staged"`` (the staged block's graph) then, and ``why`` says, where it is false,
+    why the block runs eagerly."""
+
+    __slots__ = ("ok", "path", "why")
+
+    def __init__(self, ok: bool, path: str | None = None, why: str | None = None):
+        self.ok, self.path, self.why = ok, path, why
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
 @contextlib.contextmanager
 def staged(block: torch.nn.Module, x):
     """For the ``with`` body: ``block`` made to run compiled as :func:`plan` says (streamed modules lifted, or its
-    Linears replaced by :class:`StagedLinear` layers holding their weights cast for ``x``), and True; False (nothing
-    changed) where it cannot be.  Afterwards every layer is back as it was (also when the body fails) and the weights
-    put on the GPU for the call are let go."""
-    actions = plan(block, x.device, x.dtype) if isinstance(x, torch.Tensor) else None
+    Linears replaced by :class:`StagedLinear` layers holding their weights cast for ``x``), and a true
+    :class:`Staging`; a false one (nothing changed, and why) where it cannot be.  Afterwards every layer is back as
+    it was (also when the body fails) and the weights put on the GPU for the call are let go."""
+    if isinstance(x, torch.Tensor):
+        actions, why = plan_why(block, x.device, x.dtype)
+    else:
+        actions, why = None, "the block's input is not a tensor"
     swapped, lifted = [], []
     try:
-        ok = actions is not None
-        try:
-            ok = ok and _apply(actions, x, swapped, lifted)
-        except Exception as e:  # a copy that does not fit, a cast of another ComfyUI: the block runs eagerly
-            if type(e).__name__ == "InterruptProcessingException":  # the user's cancel goes on up
-                raise
-            first = (str(e).splitlines() or [type(e).__name__])[0][:200]
-            warn_once(("staged-failed", type(e).__name__), "wan-sage: putting a streamed block's weights on the GPU "
-                      "failed (%s); the block ran eagerly.", first)
-            ok = False
-        if not ok:
+        result = Staging(False, why=why or "nothing of the block streams")
+        if actions is not None:
+            path = "lifted" if all(a[0] == "lift" for a in actions) else "staged"
+            try:
+                differs = _apply(actions, x, swapped, lifted)
+                result = Staging(True, path) if differs is None else Staging(False, why=differs)
+            except Exception as e:  # a copy that does not fit, a cast of another ComfyUI: the block runs eagerly
+                if type(e).__name__ == "InterruptProcessingException":  # the user's cancel goes on up
+                    raise
+                first = (str(e).splitlines() or [type(e).__name__])[0][:200]
+                warn_once(("staged-failed", type(e).__name__), "wan-sage: putting a streamed block's weights on the "
+                          "GPU failed (%s); the block ran eagerly.", first)
+                result = Staging(False, why=f"putting its weights on the GPU failed ({type(e).__name__})")
+        if not result:
             _restore(swapped, lifted)  # the eager block runs as it was
-        yield ok
+        yield result
     finally:
         _restore(swapped, lifted)
 
@@ -262,9 +292,9 @@ def _restore(swapped: list, lifted: list) -> None:
     lifted.clear()
 
 
-def _apply(actions, x, swapped: list, lifted: list) -> bool:
-    """Lifts and stages ``actions`` for ``x``, recording each in ``swapped`` / ``lifted`` as it is done; False where
-    a layer kind's first check failed."""
+def _apply(actions, x, swapped: list, lifted: list) -> str | None:
+    """Lifts and stages ``actions`` for ``x``, recording each in ``swapped`` / ``lifted`` as it is done; None, or
+    why the block runs eagerly where a layer kind's first check failed."""
     for action in actions:
         layer = action[1] if action[0] == "lift" else action[3]
         linear = isinstance(layer, torch.nn.Linear)  # a lifted module of another kind moves its tensors only
@@ -274,13 +304,13 @@ def _apply(actions, x, swapped: list, lifted: list) -> bool:
             lift = _Lifted(layer)
             lifted.append(lift)  # first, so that a copy failing half-way is put back too
             lift.apply(x.device)
-            if check and not _agrees(layer, before, _output(layer, x, layer.in_features)):
-                return False
-            continue
-        _, parent, name, layer, cast = action
-        weight, bias = cast(layer, x)
-        parent._modules[name] = StagedLinear(weight, bias)
-        swapped.append((parent, name, layer))
-        if check and not _agrees(layer, before, _output(parent._modules[name], x, layer.in_features)):
-            return False
-    return True
+            after = _output(layer, x, layer.in_features) if check else None
+        else:
+            _, parent, name, layer, cast = action
+            weight, bias = cast(layer, x)
+            parent._modules[name] = StagedLinear(weight, bias)
+            swapped.append((parent, name, layer))
+            after = _output(parent._modules[name], x, layer.in_features) if check else None
+        if check and not _agrees(layer, before, after):
+            return f"{type(layer).__name__} did not give its own output when put on the GPU first"
+    return None
