@@ -211,6 +211,28 @@ def compile_payback_line(p: Payback) -> str:
     return line
 
 
+def blocks_ran_line(blocks: dict, calls: dict, why: dict) -> str:
+    """How the blocks of a model compiled by Wan Compile Blocks ran in one sampling, in one line: ``blocks`` and
+    ``calls`` by path (``resident``, ``lifted``, ``staged``, ``eager``), ``why`` the eager calls by reason."""
+    total = sum(blocks.values())
+    compiled = total - blocks.get("eager", 0)
+    kinds = [f"{blocks.get('resident', 0)} resident"]
+    if blocks.get("lifted"):
+        kinds.append(f"{blocks['lifted']} streamed, lifted into the resident block's graph")
+    if blocks.get("staged"):
+        kinds.append(f"{blocks['staged']} streamed, staged")
+    line = f"Wan Compile Blocks: {compiled} of {total} blocks ran compiled ({', '.join(kinds)})"
+    if blocks.get("eager"):
+        line += f", {blocks['eager']} eagerly"
+    eager_calls = calls.get("eager", 0)
+    if eager_calls:
+        reasons = sorted(why.items(), key=lambda kv: (-kv[1], kv[0]))
+        shown = "; ".join(f"{r} ({n})" for r, n in reasons[:3])
+        more = f"; {len(reasons) - 3} more" if len(reasons) > 3 else ""
+        line += f"; {eager_calls} of {sum(calls.values())} block calls ran eagerly: {shown}{more}"
+    return line
+
+
 def compile_payback_summary(p: Payback) -> dict:
     """The payback's figures, its verdict (``pays_back``: True, False, or None with the steps unknown) and its
     line, for the panel."""

@@ -61,10 +61,15 @@ def payback_for(guider, args, kwargs, kept: bool = False) -> Payback | None:
     tokens = activation_model.tokens(dims, int(shape[2]), int(shape[3]), int(shape[4]))
     streamed = bool(getattr(comfy_bridge.base_model(patcher), "model_lowvram", False))
     compiled_blocks = staged = None
-    if streamed and comfy_bridge.compile_blocks_node(patcher, getattr(guider, "model_options", None)):
-        # Wan Compile Blocks: the resident blocks ran the block graph, the streamed ones the staged graph where
-        # they could be staged and eagerly otherwise
-        counted = compile_blocks.count_compiled_blocks(patcher)
+    options = getattr(guider, "model_options", None)
+    if comfy_bridge.compile_blocks_node(patcher, options):
+        # Wan Compile Blocks: the blocks that ran the resident block's graph (resident, or streamed and lifted),
+        # the staged graph, or eagerly; as counted while the model sampled, else as the model is loaded now
+        ran = compile_blocks.blocks_ran(patcher, options)
+        if ran is not None and ran.any_calls:
+            counted = (ran.blocks["resident"] + ran.blocks["lifted"], ran.blocks["staged"])
+        else:
+            counted = compile_blocks.count_compiled_blocks(patcher) if streamed else None
         if counted is not None:
             if counted[0] + counted[1] == 0:
                 return None  # every block ran eagerly: nothing ran compiled

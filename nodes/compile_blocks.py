@@ -27,17 +27,30 @@ A ComfyUI-GGUF block runs compiled with its weights cast through :mod:`.gguf_cas
 the dequantization on plain tensors, given to the block's layers for that call only.
 
 The wrapper closes over the dict of compiled keys as ComfyUI's does, so the estimator, the Sage patch's compile
-cache and its payback read the scope the same way (``comfy_bridge.compile_scope``).
+cache and its payback read the scope the same way (``comfy_bridge.compile_scope``).  Each stand-in counts its calls
+by the path they took, and the node's ``OUTER_SAMPLE`` wrapper starts the count with each sampling and logs it when
+the sampling ends (:func:`blocks_ran`); the Sage patch's payback reads the same count.
 """
 from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
 
 import torch
 import torch._dynamo
 
+from ..memory import report
 from . import comfy_bridge, gguf_cast, staged_blocks
+from .log_once import reason, warn_once
+
+log = logging.getLogger("wan_sage")
 
 BACKENDS = ("inductor", "cudagraphs")
 MODES = ("default", "max-autotune-no-cudagraphs")
+PATHS = ("resident", "lifted", "staged", "eager")  # how a stand-in ran its block (BlockStandIn.ran)
+STAND_INS = "wan_sage_stand_ins"  # on the wrapper: its dict of BlockStandIn s by key
+OUTER_KEY = "wan_sage_compile_blocks"  # the node's OUTER_SAMPLE wrapper: how the blocks ran, per sampling
 
 
 def block_resident(block, device) -> bool:
@@ -78,12 +91,15 @@ class BlockStandIn(torch.nn.Module):
     """Stands in for one transformer block while the model samples: the compiled block where all its weights
     are resident, the compiled block with its Linears staged where some stream and the block can be staged
     (:mod:`.staged_blocks`), the block itself otherwise.  It holds both without registering them as its
-    children, so it adds no parameters to the model it is swapped into."""
+    children, so it adds no parameters to the model it is swapped into.  ``ran`` counts its calls by path
+    (:data:`PATHS`) and ``why`` its eager calls by reason, since the last :func:`begin_run`."""
 
     def __init__(self, block: torch.nn.Module, compiled):
         super().__init__()
         object.__setattr__(self, "block", block)
         object.__setattr__(self, "compiled", compiled)
+        object.__setattr__(self, "ran", Counter())
+        object.__setattr__(self, "why", Counter())
 
     def _compiled_call(self, x, args, kwargs):
         settle_cast_flags(self.block)
@@ -95,11 +111,66 @@ class BlockStandIn(torch.nn.Module):
         x = _input(args, kwargs)
         device = getattr(x, "device", None)
         if device is not None and block_resident(self.block, device):
+            self.ran["resident"] += 1
             return self._compiled_call(x, args, kwargs)
-        with staged_blocks.staged(self.block, x) as ok:
-            if ok:
+        with staged_blocks.staged(self.block, x) as staging:
+            if staging:
+                self.ran[staging.path] += 1
                 return self._compiled_call(x, args, kwargs)
+        self.ran["eager"] += 1
+        self.why[staging.why] += 1
         return self.block(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class BlocksRan:
+    """How the blocks of a Wan Compile Blocks model ran since :func:`begin_run`: each block counted once, by the
+    path most of its calls took (:data:`PATHS`), with the calls and the reasons of the eager ones."""
+
+    blocks: dict  # path -> blocks
+    calls: dict  # path -> calls
+    why: dict  # reason -> eager calls
+
+    @property
+    def compiled(self) -> int:
+        """Blocks that ran compiled: in the resident block's graph (resident or lifted) or the staged one."""
+        return sum(self.blocks.get(p, 0) for p in PATHS[:3])
+
+    @property
+    def any_calls(self) -> bool:
+        return sum(self.calls.values()) > 0
+
+
+def stand_ins(model, model_options=None) -> list:
+    """The :class:`BlockStandIn` s of ``model``'s Wan Compile Blocks wrapper, in block order ([] where the node is not
+    on the model)."""
+    options = model_options if model_options is not None else getattr(model, "model_options", {}) or {}
+    for w in comfy_bridge.compile_wrappers(model, options):
+        found = getattr(w, STAND_INS, None)
+        if found:
+            return list(found.values())
+    return []
+
+
+def begin_run(model, model_options=None) -> None:
+    """Start counting how ``model``'s blocks run afresh (a sampling run begins)."""
+    for s in stand_ins(model, model_options):
+        s.ran.clear()
+        s.why.clear()
+
+
+def blocks_ran(model, model_options=None) -> BlocksRan | None:
+    """How ``model``'s blocks ran since :func:`begin_run`; None where the node is not on the model."""
+    found = stand_ins(model, model_options)
+    if not found:
+        return None
+    blocks, calls, why = Counter(), Counter(), Counter()
+    for s in found:
+        calls.update(s.ran)
+        why.update(s.why)
+        if s.ran:
+            blocks[max(PATHS, key=lambda p: s.ran.get(p, 0))] += 1
+    return BlocksRan({p: blocks[p] for p in PATHS}, {p: calls[p] for p in PATHS}, dict(why))
 
 
 def _wrapper(stand_ins: dict):
@@ -110,7 +181,35 @@ def _wrapper(stand_ins: dict):
 
     wrapper = apply_torch_compile_factory(compiled_module_dict=stand_ins)
     setattr(wrapper, comfy_bridge.COMPILE_BLOCKS_MARK, True)
+    setattr(wrapper, STAND_INS, stand_ins)  # for blocks_ran: how the blocks ran
     return wrapper
+
+
+def blocks_ran_text(ran: BlocksRan) -> str:
+    return report.blocks_ran_line(ran.blocks, ran.calls, ran.why)
+
+
+def outer_sample(executor, *args, **kwargs):
+    """``OUTER_SAMPLE`` wrapper: counts how the blocks run during the sampling and logs it when the sampling ends.
+    Never fails the sampling over it."""
+    guider = getattr(executor, "class_obj", None)
+    patcher, options = getattr(guider, "model_patcher", None), getattr(guider, "model_options", None)
+    try:
+        begin_run(patcher, options)
+    except Exception as e:
+        warn_once(("blocks-ran", type(e).__name__), "wan-sage: how Wan Compile Blocks ran the blocks is not "
+                  "counted (%s).", reason(e))
+        return executor(*args, **kwargs)
+    try:
+        return executor(*args, **kwargs)
+    finally:
+        try:
+            ran = blocks_ran(patcher, options)
+            if ran is not None and ran.any_calls:
+                log.info("wan-sage: %s", blocks_ran_text(ran))
+        except Exception as e:
+            warn_once(("blocks-ran", type(e).__name__), "wan-sage: how Wan Compile Blocks ran the blocks is not "
+                      "counted (%s).", reason(e))
 
 
 def count_compiled_blocks(model) -> tuple[int, int, int] | None:
@@ -162,6 +261,8 @@ def apply_compile_blocks(model, backend: str = "inductor", mode: str = "default"
     key = comfy_bridge.COMPILE_WRAPPER_KEY  # the key of ComfyUI's own compile: one compile per model
     m.remove_wrappers_with_key(wmp.APPLY_MODEL, key)
     m.add_wrapper_with_key(wmp.APPLY_MODEL, key, _wrapper(stand_ins))
+    m.remove_wrappers_with_key(wmp.OUTER_SAMPLE, OUTER_KEY)
+    m.add_wrapper_with_key(wmp.OUTER_SAMPLE, OUTER_KEY, outer_sample)
     m.model_options[comfy_bridge.COMPILE_KWARGS_KEY] = kwargs
     text = (f"{len(stand_ins)} blocks compiled one by one ({backend}"
             + ("" if mode == "default" else f", {mode}") + "); a block whose weights stream runs compiled with its "

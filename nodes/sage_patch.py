@@ -12,7 +12,7 @@ from ..attention import kernels, registry, stats
 from ..attention.config import PatchConfig
 from ..attention.override import SageAttentionOverride
 from ..memory import report
-from . import comfy_bridge, compile_advice, compile_cache, handover, raylight_bridge
+from . import comfy_bridge, compile_advice, compile_blocks, compile_cache, handover, raylight_bridge
 from .log_once import reason, warn_once
 
 log = logging.getLogger("wan_sage")
@@ -126,7 +126,17 @@ def _compile_payback(guider, args, kwargs, kept: bool = False) -> dict | None:
         warn_once(("compile-payback", type(e).__name__), "wan-sage: the compile payback of this sampling run "
                   "could not be worked out (%s); the report leaves it out.", reason(e))
         return None
-    return None if found is None else report.compile_payback_summary(found)
+    if found is None:
+        return None
+    summary = report.compile_payback_summary(found)
+    try:
+        ran = compile_blocks.blocks_ran(getattr(guider, "model_patcher", None), getattr(guider, "model_options", None))
+    except Exception:  # the count is a detail of the line: the payback stands without it
+        ran = None
+    if ran is not None and ran.any_calls:
+        summary["blocks"] = {"blocks": ran.blocks, "calls": ran.calls, "why": ran.why}
+        summary["text"] += ". " + compile_blocks.blocks_ran_text(ran)
+    return summary
 
 
 def status_text(kernel: str) -> str:

@@ -11,8 +11,10 @@ goes through the custom op onto the "kernel".
 
     COMFYUI_PATH=... python3 tests/host/compile_check.py
 """
+import contextlib
 import importlib.util
 import json
+import logging
 import sys
 import tempfile
 from pathlib import Path
@@ -334,10 +336,12 @@ def compile_blocks_streamed(budget_fraction):
                 mm.unload_all_models()
                 c, text = compile_blocks.apply_compile_blocks(m, "inductor", "default")
                 graphs_before, _ = _dynamo_totals(dyn)
-                latent = comfy_env.sample_tiny(c, steps=2, cfg=1.0)
+                with _pack_log() as lines:
+                    latent = comfy_env.sample_tiny(c, steps=2, cfg=1.0)
             blocks = c.model.diffusion_model.blocks
             graphs, recompiles = _dynamo_totals(dyn)
             counted = compile_blocks.count_compiled_blocks(c)
+            ran = compile_blocks.blocks_ran(c)
             out[name] = {"graphs": graphs - graphs_before,
                          "recompiles": recompiles,
                          "streamed_blocks": sum(1 for b in blocks if not not_streamed(b, None)),
@@ -346,12 +350,33 @@ def compile_blocks_streamed(budget_fraction):
                          "finite": bool(torch.isfinite(latent).all()),
                          "max_abs_diff": float((latent.float() - eager.float()).abs().max()),
                          "eager_max_abs": float(eager.float().abs().max()),
-                         "scope": list(comfy_bridge.compile_scope(c)), "status": text}
+                         "scope": list(comfy_bridge.compile_scope(c)), "status": text,
+                         "ran": ran.blocks, "ran_calls": ran.calls,
+                         "ran_logged": [x for x in lines if "Wan Compile Blocks:" in x]}
             mm.unload_all_models()
     finally:
         mm.LoadedModel.model_load = load
         compile_blocks.block_resident = resident
     return out
+
+
+@contextlib.contextmanager
+def _pack_log():
+    """The pack's log lines (INFO and up) while the body runs."""
+    lines = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+    log, handler = logging.getLogger("wan_sage"), Keep(logging.INFO)
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
 
 
 def _own_attr_count(blocks, name: str) -> int:

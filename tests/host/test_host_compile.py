@@ -96,6 +96,11 @@ def test_wan_compile_blocks_runs_streamed_blocks_staged_in_one_graph_for_both_ex
         assert r[e]["finite"] and 0 < r[e]["max_abs_diff"] <= 0.05 * max(1.0, r[e]["eager_max_abs"]), r
         assert r[e]["scope"] == ["blocks", "Wan Compile Blocks, streamed blocks staged"], r
         assert r[e]["recompiles"] == 0, r
+        # the node's count of the sampling, and its log line: every block ran the staged graph, none eagerly
+        assert r[e]["ran"] == {"resident": 0, "lifted": 0, "staged": r["blocks"], "eager": 0}, r
+        assert r[e]["ran_calls"]["staged"] >= 2 * r["blocks"], r
+        assert r[e]["ran_logged"] == [f"wan-sage: Wan Compile Blocks: {r['blocks']} of {r['blocks']} blocks ran "
+                                      f"compiled (0 resident, {r['blocks']} streamed, staged)"], r
     assert r["high"]["graphs"] == 1 and r["low"]["graphs"] == 0, r
 
 
@@ -106,6 +111,7 @@ def test_wan_compile_blocks_compiles_one_graph_for_both_resident_experts(report)
         assert not r[e]["lowvram"] and r[e]["streamed_blocks"] == 0, r
         assert r[e]["finite"] and r[e]["max_abs_diff"] <= 0.05 * max(1.0, r[e]["eager_max_abs"]), r
         assert r[e]["recompiles"] == 0, r
+        assert r[e]["ran"] == {"resident": r["blocks"], "lifted": 0, "staged": 0, "eager": 0}, r
     assert r["high"]["graphs"] == 1 and r["low"]["graphs"] == 0, r
 
 

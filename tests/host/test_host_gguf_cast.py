@@ -113,12 +113,12 @@ def _pair(first, second, args, kwargs):
 
 def _compiled_pair(blocks, args, kwargs, backend, graphs):
     """:func:`_pair` through Wan Compile Blocks' stand-ins compiled with ``backend``: (first output, second output,
-    graphs recorded after the first block)."""
+    graphs recorded after the first block, the paths each stand-in counted)."""
     from wan_sage.nodes import compile_blocks
     first, second = (compile_blocks.BlockStandIn(b, torch.compile(b, backend=backend)) for b in blocks[:2])
     x = first(*args, **kwargs)
     after_first = len(graphs)
-    return x, second(x, *args[1:], **kwargs), after_first
+    return x, second(x, *args[1:], **kwargs), after_first, [dict(first.ran), dict(second.ran)]
 
 
 def _traced(block, args, kwargs, plain: bool):
@@ -189,8 +189,8 @@ def test_a_streamed_gguf_block_is_lifted_into_the_resident_blocks_graph(loaded, 
         with _recording() as (recording, graphs, counters):
             with torch.inference_mode():
                 e0, eager = _pair(blocks[0], blocks[1], args, kwargs)
-                x, out, after_first = _compiled_pair(blocks, args, kwargs, recording, graphs)
-            assert after_first == 1
+                x, out, after_first, paths = _compiled_pair(blocks, args, kwargs, recording, graphs)
+            assert after_first == 1 and paths == [{"resident": 1}, {"lifted": 1}]
             assert len(graphs) == 1 and not counters["recompiles"], (len(graphs), dict(counters["recompiles"]))
         assert torch.equal(x, e0) and torch.equal(out, eager) and type(out) is torch.Tensor
         assert staged_blocks._agreed == {type(streamed[0]): True}
@@ -220,7 +220,7 @@ def test_weights_moved_as_lifting_moves_them_pass_the_resident_graphs_guards(loa
                             m._parameters[k] = staged_blocks.moved(t, t.device, copy=True)
                 assert blocks[1].modulation.data_ptr() != saved[-1][1]["modulation"].data_ptr()
                 assert type(blocks[1].modulation) is type(saved[-1][1]["modulation"])
-                _x, out, _after_first = _compiled_pair(blocks, args, kwargs, recording, graphs)
+                _x, out, _after_first, _paths = _compiled_pair(blocks, args, kwargs, recording, graphs)
             assert len(graphs) == 1 and not counters["recompiles"], (len(graphs), dict(counters["recompiles"]))
         assert torch.equal(out, eager)
     finally:

@@ -481,3 +481,130 @@ def test_a_cast_that_raises_leaves_the_block_eager_but_a_cancel_goes_on_up(stage
     with pytest.raises(InterruptProcessingException):
         compile_blocks.BlockStandIn(block, lambda x: calls.append(x))(torch.randn(2, 4))
     assert (block.inner.a, block.b) == layers
+
+
+def test_each_call_is_counted_by_the_path_it_took_and_an_eager_one_says_why(lifter):
+    resident = compile_blocks.BlockStandIn(QuantBlock(), lambda x: x)
+    for m in resident.block.modules():  # loaded: no streaming mark
+        m.__dict__.pop("prev_comfy_cast_weights", None)
+    lifted = compile_blocks.BlockStandIn(QuantBlock(), lambda x: x)
+    staged_block = QuantBlock()
+    staged_block.b.weight_function = [lambda w: w]
+    staged = compile_blocks.BlockStandIn(staged_block, lambda x: x)
+    eager_block = QuantBlock()
+    eager_block.norm = torch.nn.LayerNorm(4)
+    eager_block.norm.prev_comfy_cast_weights, eager_block.norm.weight_function = False, [lambda w: w]
+    eager = compile_blocks.BlockStandIn(eager_block, lambda x: x)
+    x = torch.randn(2, 4)
+    for s in (resident, lifted, staged, eager, eager):
+        s(x)
+    assert [dict(s.ran) for s in (resident, lifted, staged)] == [{"resident": 1}, {"lifted": 1}, {"staged": 1}]
+    assert dict(eager.ran) == {"eager": 2}
+    assert dict(eager.why) == {"a streamed LayerNorm has a LoRA or other patch applied at each call": 2}
+
+
+def test_a_weight_of_another_dtype_with_a_per_call_lora_is_named_as_why_the_block_runs_eagerly(stager):
+    block = StreamedBlock()
+    block.b.weight = torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.float16, device="meta"))
+    actions, why = stager.plan_why(block, torch.device("cpu"), torch.float32)
+    assert actions is None and why == "float16 weights with a LoRA applied at each call"
+    block.b.weight = torch.nn.Parameter(torch.zeros(4, 4, device="meta"))
+    block.c = torch.nn.Linear(4, 4, device="meta")
+    assert stager.plan_why(block, torch.device("cpu"), torch.float32) == (
+        None, "a Linear of a kind wan-sage does not stage (Linear)")
+
+
+def _node_patcher(stand_ins: dict):
+    """A patcher carrying a Wan Compile Blocks wrapper over ``stand_ins``, as apply_compile_blocks leaves it."""
+    wrapper = _wrapper_closing_over(stand_ins, True)
+    setattr(wrapper, compile_blocks.STAND_INS, stand_ins)
+    return _patcher(wrapper, [s.block for s in stand_ins.values()])
+
+
+def _ran(stand_in, **calls):
+    stand_in.ran.update(calls)
+    return stand_in
+
+
+def test_blocks_are_counted_by_the_path_most_of_their_calls_took_and_begin_run_starts_afresh():
+    s = {f"diffusion_model.blocks.{i}": compile_blocks.BlockStandIn(Block(), Compiled()) for i in range(4)}
+    blocks = list(s.values())
+    _ran(blocks[0], resident=4)
+    _ran(blocks[1], lifted=3, eager=1)
+    blocks[1].why["putting its weights on the GPU failed (OutOfMemoryError)"] += 1
+    _ran(blocks[2], staged=4)
+    _ran(blocks[3], eager=4)
+    blocks[3].why["float8_e4m3fn weights with a LoRA applied at each call"] += 4
+    p = _node_patcher(s)
+    ran = compile_blocks.blocks_ran(p)
+    assert ran.blocks == {"resident": 1, "lifted": 1, "staged": 1, "eager": 1} and ran.compiled == 3
+    assert ran.calls == {"resident": 4, "lifted": 3, "staged": 4, "eager": 5}
+    line = compile_blocks.blocks_ran_text(ran)
+    assert line.startswith("Wan Compile Blocks: 3 of 4 blocks ran compiled (1 resident, 1 streamed, lifted")
+    assert ("5 of 16 block calls ran eagerly: float8_e4m3fn weights with a LoRA applied at each call (4); "
+            "putting its weights on the GPU failed (OutOfMemoryError) (1)") in line
+    compile_blocks.begin_run(p)
+    assert not compile_blocks.blocks_ran(p).any_calls and not blocks[3].why
+    assert compile_blocks.blocks_ran(_patcher(_wrapper_closing_over(BLOCK_KEYS, True))) is None  # no stand-ins
+
+
+def test_the_payback_counts_the_blocks_as_they_ran_not_as_the_model_is_loaded_after():
+    """After the sampling ComfyUI may have loaded the model otherwise (the other expert's load); the payback of the
+    run reads how its blocks ran: here 10 of 40 in the resident graph, 30 eagerly, while every block is loaded
+    now."""
+    s = {k: compile_blocks.BlockStandIn(Block(), Compiled()) for k in BLOCK_KEYS}
+    for i, stand_in in enumerate(s.values()):
+        _ran(stand_in, **({"resident": 2} if i < 10 else {"eager": 2}))
+    p = compile_advice.payback_for(_guider(_node_patcher(s)), _args(), {})
+    tokens = activation_model.tokens(A14B, 21, 90, 160)
+    full = cp.compile_payback(A14B, tokens, 1, 2, shared_by=2)
+    assert p.graphs == 1 and p.step_gain_s == pytest.approx(full.step_gain_s * 10 / 40)
+    for stand_in in s.values():
+        stand_in.ran.clear()
+        _ran(stand_in, eager=2)
+    assert compile_advice.payback_for(_guider(_node_patcher(s)), _args(), {}) is None  # nothing ran compiled
+
+
+def test_the_node_counts_each_sampling_afresh_logs_it_and_never_fails_the_sampling_over_it(monkeypatch, caplog):
+    s = {k: compile_blocks.BlockStandIn(Block(), Compiled()) for k in BLOCK_KEYS[:2]}
+    p = _node_patcher(s)
+    _ran(next(iter(s.values())), eager=7)  # a previous sampling's count
+
+    def sampling(*args, **kwargs):
+        for stand_in in s.values():
+            stand_in(torch.zeros(1, 4))
+        return "latent"
+    executor = _executor(_guider(p), sampling)
+    with caplog.at_level("INFO", logger="wan_sage"):
+        assert compile_blocks.outer_sample(executor) == "latent"
+    assert [r.getMessage() for r in caplog.records if "Wan Compile Blocks" in r.getMessage()] == [
+        "wan-sage: Wan Compile Blocks: 2 of 2 blocks ran compiled (2 resident)"]
+
+    def broken(*a, **k):
+        raise RuntimeError("no stand-ins today")
+    monkeypatch.setattr(compile_blocks, "stand_ins", broken)
+    assert compile_blocks.outer_sample(executor) == "latent"
+
+
+def _executor(guider, fn):
+    """An OUTER_SAMPLE executor as ComfyUI passes one: callable, with the guider as ``class_obj``."""
+    class Executor:
+        class_obj = guider
+
+        def __call__(self, *args, **kwargs):
+            return fn(*args, **kwargs)
+    return Executor()
+
+
+def test_the_sage_patchs_panel_line_says_how_the_blocks_ran():
+    from wan_sage.nodes import sage_patch
+    s = {k: compile_blocks.BlockStandIn(Block(), Compiled()) for k in BLOCK_KEYS}
+    for i, stand_in in enumerate(s.values()):
+        _ran(stand_in, **({"resident": 2} if i < 30 else {"lifted": 2}))
+    summary = sage_patch._compile_payback(_guider(_node_patcher(s)), _args(), {})
+    assert summary["text"].endswith(". Wan Compile Blocks: 40 of 40 blocks ran compiled (30 resident, 10 streamed, "
+                                    "lifted into the resident block's graph)")
+    assert summary["blocks"]["blocks"] == {"resident": 30, "lifted": 10, "staged": 0, "eager": 0}
+    plain = sage_patch._compile_payback(_guider(_patcher(_wrapper_closing_over(BLOCK_KEYS, True),
+                                                         [Block() for _ in range(40)])), _args(), {})
+    assert "blocks" not in plain and "Wan Compile Blocks" not in plain["text"]  # nothing counted: the payback alone
