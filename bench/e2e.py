@@ -913,7 +913,7 @@ class Host:
                           **({"compile": {"node": "per block (set_torch_compile_wrapper)", "backend": self.args.compile_backend,
                                           "keys": ["diffusion_model.blocks.N"]}} if spec.compile == "blocks" else {}),
                           **({"compile": {"node": "Wan Compile Blocks", "backend": self.args.compile_backend,
-                                          "keys": ["diffusion_model.blocks.N"], "streamed_blocks": "eager"}}
+                                          "keys": ["diffusion_model.blocks.N"], "streamed_blocks": "lifted or staged"}}
                              if spec.compile == "node" else {})},
                "budget": {"free_before_gib": _r(ballast.free_before and ballast.free_before / GiB),
                           "free_seen_gib": _r(ballast.free_seen and ballast.free_seen / GiB),
@@ -1105,6 +1105,14 @@ class Host:
                 for e, got in row["compile"]["by_expert"].items():
                     self.log(f"e2e compile {e}: {got['unique_graphs']} graphs, {got['recompiles']} recompiles; "
                              f"causes {json.dumps(got['guard_causes'])}")
+            if spec.compile == "node":  # how Wan Compile Blocks ran each expert's blocks in this prompt
+                from wan_sage.nodes import compile_blocks
+                row["compile"]["blocks_ran"] = {}
+                for e in ("high", "low"):
+                    ran = compile_blocks.blocks_ran(h.get(f"model_{e}")) if h.get(f"model_{e}") is not None else None
+                    if ran is not None and ran.any_calls:
+                        row["compile"]["blocks_ran"][e] = {"blocks": ran.blocks, "calls": ran.calls, "why": ran.why}
+                        self.log(f"e2e compile blocks {e}: {compile_blocks.blocks_ran_text(ran)}")
             phases = row["compile"].get("phases") or {}
             top = sorted(((k, v) for k, v in phases.items() if k.startswith("s:")), key=lambda kv: -kv[1])[:8]
             self.log("e2e compile phases: " + ", ".join(f"{k[2:]} {v:.2f} s" for k, v in top)

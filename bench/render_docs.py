@@ -574,7 +574,10 @@ def compile_section() -> list:
   most two graphs, the resident block's and the staged block's, shared by both experts; a GGUF model one. A block
   that cannot be lifted or staged runs eagerly (an fp8 Linear with a per-call LoRA, a Linear of a kind not known,
   another streamed module with a patch function), and so does one whose copy fails; the first layer of each kind in
-  a process is run both ways, and a difference in any bit keeps that kind eager. The estimator plans a streamed load for the larger
+  a process is run both ways, and a difference in any bit keeps that kind eager. When a sampling ends the node logs
+  how its blocks ran (resident, lifted, staged or eagerly, with the reason of each eager call: "Wan Compile Blocks:
+  40 of 40 blocks ran compiled (12 resident, 28 streamed, lifted into the resident block's graph)"), the Sage
+  patch's panel adds that line to its compile line, and the payback counts the blocks as they ran. The estimator plans a streamed load for the larger
   of the eager forward and the compiled one plus a block's staged weights (0.65 GiB at A14B in bf16; at 480p81 and
   720p81 the eager forward is the larger). Compiling a streamed block with its Linear layers left out of the
   graph (each behind a `torch.compiler.disable`d stand-in) was measured and not adopted: each graph break passes

@@ -355,11 +355,14 @@ def test_the_packs_compile_node_runs_after_the_patch_and_is_recorded_as_such(e2e
     assert r["status"] == "ok", r["error"]
     assert r["run"] == "est+sage+compilenode@full:64x64x5"
     assert r["config"]["compile"] == {"node": "Wan Compile Blocks", "backend": "eager",
-                                      "keys": ["diffusion_model.blocks.N"], "streamed_blocks": "eager"}
+                                      "keys": ["diffusion_model.blocks.N"], "streamed_blocks": "lifted or staged"}
     assert r["compile"]["kwargs"]["high"]["how"] == "Wan Compile Blocks (streamed blocks staged)"
     by = r["compile"]["by_expert"]
     assert by["high"]["unique_graphs"] >= 1 and by["low"]["unique_graphs"] == 0, by
     assert r["compile"]["recompiles"] == 0
+    for e in ("high", "low"):  # the node's own count of how each expert's blocks ran
+        ran = r["compile"]["blocks_ran"][e]
+        assert ran["blocks"]["resident"] >= 1 and ran["blocks"]["eager"] == 0 and ran["why"] == {}, ran
 
 
 def test_per_block_compiled_runs_compile_each_block_after_the_patch(e2e_rows):
