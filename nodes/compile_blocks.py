@@ -33,6 +33,7 @@ the sampling ends (:func:`blocks_ran`); the Sage patch's payback reads the same 
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from collections import Counter
 from dataclasses import dataclass
@@ -250,7 +251,9 @@ def apply_compile_blocks(model, backend: str = "inductor", mode: str = "default"
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {str(mode)[:40]!r}")
     if not comfy_bridge.is_wan(model):
         return model, "not a Wan model: passed through unchanged, nothing compiled"
-    m = model.clone()
+    m, note = _clone_to_compile(model)
+    if m is None:
+        return model, note
     dm = comfy_bridge.diffusion_model(m)
     kwargs = {"backend": backend, "options": None, "mode": None if mode == "default" else mode,
               "fullgraph": False, "dynamic": None}
@@ -268,4 +271,31 @@ def apply_compile_blocks(model, backend: str = "inductor", mode: str = "default"
             + ("" if mode == "default" else f", {mode}") + "); a block whose weights stream runs compiled with its "
             "layers' weights cast onto the GPU first, or eagerly where they cannot be. "
             "The Sage patch's panel says after a run whether compiling pays back over the prompt's steps.")
-    return m, text
+    return m, text if note is None else f"{text} {note}"
+
+
+DYNAMIC_OFF = ("Dynamic VRAM is off for this model, as ComfyUI's own compile node turns it off: ComfyUI loaded it "
+               "again for its legacy memory path, which places its weights (the estimator's reservation applies).")
+
+
+def _clone_to_compile(model):
+    """(clone, note) for the compile: a plain clone; where ComfyUI manages the model's residency itself (dynamic
+    VRAM, on by default in newer ComfyUI), a clone without it, as ComfyUI's own ``TorchCompileModel`` makes one
+    (``clone(disable_dynamic=True)``: ComfyUI loads the model again from its loader).  Dynamic VRAM casts each
+    weight in at every call, which dynamo cannot trace as a weight.  (None, why) where that clone cannot be made:
+    the model passes through uncompiled."""
+    if not comfy_bridge.is_dynamic(model):
+        return model.clone(), None
+    try:
+        takes = "disable_dynamic" in inspect.signature(model.clone).parameters
+    except (TypeError, ValueError):
+        takes = False
+    if not takes:
+        return None, ("not compiled: dynamic VRAM manages this model and its patcher cannot give a copy without it; "
+                      "start ComfyUI with --disable-dynamic-vram to compile it")
+    try:
+        return model.clone(disable_dynamic=True), DYNAMIC_OFF
+    except RuntimeError as e:  # a loader that did not register how to load the model again (cached_patcher_init)
+        return None, (f"not compiled: dynamic VRAM manages this model and ComfyUI could not load it again without it "
+                      f"({str(e).splitlines()[0][:160] if str(e) else type(e).__name__}); start ComfyUI with "
+                      f"--disable-dynamic-vram to compile it")
