@@ -29,7 +29,8 @@ def test_each_method_registers_every_weight_once_and_lets_them_go():
         assert in_place is (method == "in-place"), method  # the copying methods register their own buffers
         if method == "in-place":  # nothing copied; a copy's seconds round to 0 on a fast host, so only this is tested
             assert row["copy_s"] == 0
-        assert row["total_s"] == round(row["copy_s"] + row["lock_s"], 3)
+        # each figure is rounded to the millisecond on its own, so the parts' sum may differ from the total by one
+        assert abs(row["total_s"] - (row["copy_s"] + row["lock_s"])) <= 0.0015, row
 
 
 def test_the_copies_hold_the_sources_bytes():
