@@ -226,3 +226,48 @@ def test_weights_moved_as_lifting_moves_them_pass_the_resident_graphs_guards(loa
     finally:
         for m, params in saved:
             m._parameters.update(params)
+
+
+def test_a_gguf_expert_comfyui_loads_in_part_runs_every_block_in_the_resident_graph(comfy, sdpa, tmp_path, monkeypatch):
+    """Wan Compile Blocks on a ComfyUI-GGUF expert with its LoRA that ComfyUI's own lowvram load left partly
+    streamed (its marks and patch-function lists on the streamed Linears and norms, as the load sets them): over two
+    steps every block is lifted and runs one graph, nothing recompiles, the latent is eager's, and the node's count
+    says so.  On the CPU the streamed weights stay on the compute device, so
+    the node's test for weights off the input's device is stood in for by ComfyUI's mark of a streamed module."""
+    reason = workflow_check.gguf_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    pytest.importorskip("gguf", reason="the gguf package (ComfyUI-GGUF's dependency) is not installed")
+    import comfy.model_management as mm
+    from torch._dynamo.utils import counters
+    from wan_sage.nodes import compile_blocks, staged_blocks
+    load = mm.LoadedModel.model_load
+
+    def partial_load(self, lowvram_model_memory=0, force_patch_weights=False):  # 10 % of the expert's size
+        return load(self, max(1, int(self.model.model_size() * 0.1)), force_patch_weights)
+    monkeypatch.setattr(mm.LoadedModel, "model_load", partial_load)
+    monkeypatch.setattr(compile_blocks, "block_resident", lambda block, device: not any(
+        "prev_comfy_cast_weights" in m.__dict__ for m in block.modules()))
+    monkeypatch.setattr(staged_blocks, "_agreed", {})
+    try:
+        with torch.inference_mode():
+            m = comfy_env.tiny_gguf_expert(workflow_check.gguf_path(), tmp_path, lora_rank=8)
+            m.model.manual_cast_dtype = torch.bfloat16
+            eager = comfy_env.sample_tiny(m, steps=2, cfg=1.0)
+            mm.unload_all_models()
+            c, _text = compile_blocks.apply_compile_blocks(m, "eager")
+            torch._dynamo.reset()
+            counters.clear()
+            latent = comfy_env.sample_tiny(c, steps=2, cfg=1.0)
+            ran = compile_blocks.blocks_ran(c)
+            streamed = [any("prev_comfy_cast_weights" in mod.__dict__ for mod in b.modules())
+                        for b in c.model.diffusion_model.blocks]
+            graphs, recompiles = counters["stats"].get("unique_graphs", 0), sum(counters["recompiles"].values())
+            mm.unload_all_models()
+    finally:
+        torch._dynamo.reset()
+    assert all(streamed), streamed  # as at 12 GiB on the H200, ComfyUI streams part of every block
+    assert ran.blocks == {"resident": streamed.count(False), "lifted": streamed.count(True), "staged": 0,
+                          "eager": 0}, ran
+    assert graphs == 1 and recompiles == 0, (graphs, dict(counters["recompiles"]))
+    assert torch.equal(latent, eager)
