@@ -594,7 +594,10 @@ def compile_section() -> list:
   checks the node on tiny real Wan models on the CPU (`tests/host/test_host_compile.py`: one staged graph for
   two partly streamed experts with a LoRA, no recompile, eager's latent within bf16's rounding; one graph for both
   experts when resident; `tests/host/test_host_gguf_cast.py`: a streamed ComfyUI-GGUF block after a resident one,
-  lifted into the resident block's graph with no recompile, eager's output bit for bit). On the H200 (GGUF 832×480×81, 20
+  lifted into the resident block's graph with no recompile, eager's output bit for bit, and a ComfyUI-GGUF expert
+  with its LoRA that ComfyUI's own lowvram load streams part of every block: every block lifted, one graph over two
+  steps, eager's latent bit for bit). On a ComfyUI with dynamic VRAM the node compiles a clone without it, as
+  ComfyUI's own compile node does ([compatibility](compatibility.md)). On the H200 (GGUF 832×480×81, 20
   steps, 24 GiB, every weight resident) the node compiled one graph for both experts on the first prompt, and the
   steps ran at 2.75–2.83 s against ComfyUI alone's 3.73–3.78 s. Every repeat prompt then compiled 3 more graphs
   (13.2–15.9 s): loading the other expert had unloaded part of this one, and ComfyUI's reload puts its cast flag
