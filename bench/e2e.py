@@ -420,18 +420,35 @@ def profiled(torch, top: int):
 
 
 class Mem:
-    """CUDA memory readings above the ballast (all None on CPU)."""
+    """CUDA memory readings above the ballast (all None on CPU).  :meth:`peaks` are the peaks since the last
+    :meth:`reset`; :meth:`step_peaks` reads the peaks of a window inside that (one sampling step) without losing
+    them for :meth:`peaks`."""
 
     def __init__(self, torch, cuda: bool):
         self.torch, self.cuda, self.ballast = torch, cuda, 0
+        self._carried = (0, 0)  # the largest step peaks read since the last reset, in bytes
 
     def sync(self):
         if self.cuda:
             self.torch.cuda.synchronize()
 
     def reset(self):
+        self._carried = (0, 0)
         if self.cuda:
             self.torch.cuda.reset_peak_memory_stats()
+
+    def _raw_peaks(self):
+        t = self.torch.cuda
+        return t.max_memory_allocated(), t.max_memory_reserved()
+
+    def step_peaks(self):
+        """The peaks since the last reset or step, then a new step; (None, None) on CPU."""
+        if not self.cuda:
+            return None, None
+        pa, pr = self._raw_peaks()
+        self._carried = (max(self._carried[0], pa), max(self._carried[1], pr))
+        self.torch.cuda.reset_peak_memory_stats()
+        return (pa - self.ballast) / GiB, (pr - self.ballast) / GiB
 
     def alloc(self):
         return (self.torch.cuda.memory_allocated() - self.ballast) / GiB if self.cuda else None
@@ -442,8 +459,12 @@ class Mem:
     def peaks(self):
         if not self.cuda:
             return None, None
-        t = self.torch.cuda
-        return (t.max_memory_allocated() - self.ballast) / GiB, (t.max_memory_reserved() - self.ballast) / GiB
+        pa, pr = self._raw_peaks()
+        pa, pr = max(pa, self._carried[0]), max(pr, self._carried[1])
+        return (pa - self.ballast) / GiB, (pr - self.ballast) / GiB
+
+    def reserved(self):
+        return (self.torch.cuda.memory_reserved() - self.ballast) / GiB if self.cuda else None
 
     def pool(self) -> dict | None:
         """Allocated and reserved (above the ballast) and the device's free memory, in GiB; None on CPU."""
@@ -583,6 +604,7 @@ class ExpertProbe:
         self.t_run = t_run                    # a step_line() per step through log, its run time from t_run
         self.t_call = self.t0 = self.t1 = None
         self.marks = []
+        self.step_mem = []                    # (peak allocated, peak reserved) of each step, CUDA only
         self.patcher = None
         self.d = {}
 
@@ -616,6 +638,7 @@ class ExpertProbe:
             self.d["resident_gib"] = p.loaded_size() / GiB
             self.d["lowvram"] = bool(getattr(p.model, "model_lowvram", False))
         self.d["base_alloc_gib"] = mem.alloc()
+        self.d["base_reserved_gib"] = mem.reserved()
         mem.reset()
         self.t0 = time.perf_counter()
 
@@ -623,6 +646,8 @@ class ExpertProbe:
             mem.sync()
             t = time.perf_counter()
             self.marks.append(t)
+            if mem.cuda:  # each step's own peaks, so a run shows whether the allocator's holes grow from step to step
+                self.step_mem.append(mem.step_peaks())
             if self.log is not None:
                 prev = self.marks[-2] if len(self.marks) > 1 else self.t0
                 self.log(step_line(self.name, i + 1, total, t - prev, None if self.t_run is None else t - self.t_run))
@@ -639,6 +664,9 @@ class ExpertProbe:
         d = dict(self.d)
         steps = [b - a for a, b in zip([self.t0] + self.marks[:-1], self.marks)] if self.t0 else []
         d["step_s"] = [round(s, 3) for s in steps]
+        if self.step_mem:
+            d["step_peak_alloc_gib"] = [_r(a) for a, _ in self.step_mem]
+            d["step_peak_reserved_gib"] = [_r(r) for _, r in self.step_mem]
         d["s_per_step"] = _r(statistics.mean(steps)) if steps else None
         d["sampler_s"] = _r(self.t1 - self.t0) if self.t0 and self.t1 else None
         d["wall_s"] = _r(wall_s)

@@ -700,3 +700,42 @@ def test_the_packs_info_lines_reach_stderr_once_whatever_the_root_level(capsys):
     finally:
         lg.handlers[:], lg.level, lg.propagate = saved[0], saved[1], saved[2]
         logging.getLogger().setLevel(root_level)
+
+
+def test_each_steps_peaks_are_read_without_losing_the_samplings_or_the_phases():
+    """The probe reads each step's own peaks (PyTorch's peak counters reset per step), while the sampling's and
+    the phase's peaks, read later, still cover every step."""
+    import types
+
+    from bench import e2e
+    state = {"alloc": 0, "reserved": 0, "peak_alloc": 0, "peak_reserved": 0}
+
+    def use(alloc, reserved):
+        state.update(alloc=alloc, reserved=reserved, peak_alloc=max(state["peak_alloc"], alloc),
+                     peak_reserved=max(state["peak_reserved"], reserved))
+
+    def reset():
+        state.update(peak_alloc=state["alloc"], peak_reserved=state["reserved"])
+    cuda = types.SimpleNamespace(synchronize=lambda: None, reset_peak_memory_stats=reset,
+                                 memory_allocated=lambda: state["alloc"], memory_reserved=lambda: state["reserved"],
+                                 max_memory_allocated=lambda: state["peak_alloc"],
+                                 max_memory_reserved=lambda: state["peak_reserved"])
+    mem = e2e.Mem(types.SimpleNamespace(cuda=cuda), True)
+    mem.reset()  # the phase begins
+    probe = e2e.ExpertProbe("high", mem)
+    steps = [(3, 4), (5, 8), (2, 9)]  # GiB allocated and reserved at each step's peak
+
+    def executor(model_wrap, sigmas, extra_args, cb, noise):
+        for i, (a, r) in enumerate(steps):
+            use(a * e2e.GiB, r * e2e.GiB)
+            use(1 * e2e.GiB, r * e2e.GiB)  # the step's activations let go; the allocator keeps what it reserved
+            cb(i, None, None, len(steps))
+        return "x"
+    probe._sampler(executor, None, None, {}, None, None)
+    got = probe.result(1.0)
+    assert got["step_peak_alloc_gib"] == [3.0, 5.0, 2.0] and got["step_peak_reserved_gib"] == [4.0, 8.0, 9.0]
+    assert (got["peak_alloc_gib"], got["peak_reserved_gib"]) == (5.0, 9.0)  # the sampling's, over every step
+    assert mem.peaks() == (5.0, 9.0)  # and the phase's, read when it ends
+    mem.reset()
+    assert mem.peaks() == (1.0, 9.0)
+    assert e2e.Mem(torch, False).step_peaks() == (None, None)
