@@ -461,6 +461,8 @@ def test_a_copy_that_fails_leaves_the_block_eager_and_as_it_was(lifter, caplog, 
             pass
     assert calls == [] and block.a.weight is meta and "prev_comfy_cast_weights" in block.a.__dict__
     assert any("ran eagerly" in r.getMessage() for r in caplog.records)
+    (why,) = stand_in.why  # the node's count names the failure
+    assert why.startswith("putting its weights on the GPU failed (") and stand_in.ran == {"eager": 1}
 
 
 def test_a_cast_that_raises_leaves_the_block_eager_but_a_cancel_goes_on_up(stager, monkeypatch):
