@@ -81,13 +81,17 @@ def test_a_partly_loaded_expert_runs_its_streamed_blocks_compiled_without_recomp
         second = comfy_env.sample_tiny(c, steps=2, cfg=1.0)
         recompiles = sum(counters["recompiles"].values()) if "recompiles" in counters else 0
         graphs_after = counters["stats"].get("unique_graphs", 0)
+        ran = compile_blocks.blocks_ran(c)  # how the second sampling's blocks ran, as the node counted them
         mm.unload_all_models()
     assert streamed >= 1, "nothing streamed: the test would not test streaming"
+    assert ran.blocks["eager"] == 0 and ran.why == {}, ran
     if kind == "gguf":
         assert (resident_graph, staged) == (total, 0)
+        assert ran.blocks["lifted"] == streamed and ran.blocks["staged"] == 0, ran
         assert graphs == 1
     else:
         assert staged >= 1 and resident_graph + staged == total
+        assert ran.blocks["staged"] == staged, ran
         assert 1 <= graphs <= 2
     assert graphs_after == graphs and recompiles == 0
     scale = max(1.0, float(eager.float().abs().max()))
