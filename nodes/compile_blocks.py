@@ -286,16 +286,20 @@ def _clone_to_compile(model):
     the model passes through uncompiled."""
     if not comfy_bridge.is_dynamic(model):
         return model.clone(), None
+    cannot = ("not compiled: dynamic VRAM manages this model and its patcher cannot give a copy without it; start "
+              "ComfyUI with --disable-dynamic-vram to compile it")
     try:
-        takes = "disable_dynamic" in inspect.signature(model.clone).parameters
+        params = inspect.signature(model.clone).parameters
     except (TypeError, ValueError):
-        takes = False
-    if not takes:
-        return None, ("not compiled: dynamic VRAM manages this model and its patcher cannot give a copy without it; "
-                      "start ComfyUI with --disable-dynamic-vram to compile it")
+        params = {}
+    if "disable_dynamic" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return None, cannot
     try:
-        return model.clone(disable_dynamic=True), DYNAMIC_OFF
-    except RuntimeError as e:  # a loader that did not register how to load the model again (cached_patcher_init)
+        clone = model.clone(disable_dynamic=True)
+    except (RuntimeError, TypeError) as e:  # no way registered to load the model again (cached_patcher_init)
         return None, (f"not compiled: dynamic VRAM manages this model and ComfyUI could not load it again without it "
                       f"({str(e).splitlines()[0][:160] if str(e) else type(e).__name__}); start ComfyUI with "
                       f"--disable-dynamic-vram to compile it")
+    if comfy_bridge.is_dynamic(clone):  # a patcher that took the keyword and stayed dynamic
+        return None, cannot
+    return clone, DYNAMIC_OFF

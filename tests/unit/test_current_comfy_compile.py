@@ -63,6 +63,18 @@ def test_a_dynamic_model_is_compiled_as_a_clone_without_dynamic_vram_as_comfyuis
     assert dynamic.is_dynamic() and dynamic.model.name == "as first loaded"  # the input model is left as it was
 
 
+def test_a_patcher_whose_clone_takes_keywords_through_kwargs_is_cloned_without_dynamic_vram():
+    loads = []
+
+    class Wrapping(ModelPatcherDynamic):  # a pack's patcher that hands every keyword on to ComfyUI's clone
+        def clone(self, *args, **kwargs):
+            return super().clone(*args, **kwargs)
+    dynamic = Wrapping(SimpleNamespace(name="gguf"))
+    dynamic.cached_patcher_init = (_loader(loads), ("wan.gguf",))
+    clone, note = compile_blocks._clone_to_compile(dynamic)
+    assert type(clone) is ModelPatcher and note == compile_blocks.DYNAMIC_OFF and loads == [("wan.gguf", True)]
+
+
 def test_a_model_that_is_not_dynamic_gets_a_plain_clone():
     plain = ModelPatcher(SimpleNamespace(name="m"))
     clone, note = compile_blocks._clone_to_compile(plain)
@@ -90,6 +102,11 @@ def test_a_dynamic_model_that_cannot_be_loaded_again_passes_through_uncompiled_a
     assert compile_blocks._clone_to_compile(NoKeyword(None)) == (None, (
         "not compiled: dynamic VRAM manages this model and its patcher cannot give a copy without it; start ComfyUI "
         "with --disable-dynamic-vram to compile it"))
+
+    class StaysDynamic(ModelPatcherDynamic):  # takes the keyword through **kwargs and ignores it
+        def clone(self, *args, **kwargs):
+            return ModelPatcherDynamic(self.model)
+    assert compile_blocks._clone_to_compile(StaysDynamic(None))[0] is None
     # the node: the model itself comes back, with that status, and nothing is compiled
     monkeypatch.setattr(comfy_bridge, "is_wan", lambda model: True)
     out, text = compile_blocks.apply_compile_blocks(dynamic)
