@@ -164,6 +164,13 @@ def _checked(fn, layer, x):
     return fn if ok else None
 
 
+def checked_cast(layer, x):
+    """The plain-tensor cast for ``layer`` where it agrees with ComfyUI-GGUF's own (:func:`_checked`, on input
+    ``x``); None where ``layer`` is not a ComfyUI-GGUF layer this stands in for, or the cast differed."""
+    fn = cast_for(layer)
+    return None if fn is None else _checked(fn, layer, x)
+
+
 @contextlib.contextmanager
 def plain_casts(block: torch.nn.Module, x: torch.Tensor | None):
     """For the ``with`` body: the plain-tensor cast on each ComfyUI-GGUF layer of ``block`` that has a weight and whose
@@ -175,10 +182,9 @@ def plain_casts(block: torch.nn.Module, x: torch.Tensor | None):
         for mod in block.modules():
             if x is None or ATTR in mod.__dict__:
                 continue
-            fn = cast_for(mod)
-            if fn is None or getattr(mod, "weight", None) is None:  # no weight (an affine-free norm): nothing to cast
+            if getattr(mod, "weight", None) is None:  # no weight (an affine-free norm): nothing to cast
                 continue
-            fn = _checked(fn, mod, x)
+            fn = checked_cast(mod, x)
             if fn is not None:
                 mod.__dict__[ATTR] = types.MethodType(fn, mod)
                 given.append(mod)

@@ -74,9 +74,7 @@ def _gguf_cast(layer, x):
     cast where that agreed with ComfyUI-GGUF's own, :mod:`.gguf_cast`), ComfyUI's cast otherwise, as the layer's
     ``forward_comfy_cast_weights`` chooses."""
     if layer.is_ggml_quantized():
-        fn = gguf_cast.cast_for(layer)
-        fn = gguf_cast._checked(fn, layer, x) if fn is not None else None
-        return (fn or type(layer).cast_bias_weight)(layer, x)
+        return (gguf_cast.checked_cast(layer, x) or type(layer).cast_bias_weight)(layer, x)
     return _comfy_cast(layer, x)
 
 
