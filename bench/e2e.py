@@ -824,6 +824,7 @@ class Host:
         d = {"date": time.strftime("%Y-%m-%d"), "host": platform.node(), "python": platform.python_version(),
              "torch": t.__version__, "cuda": t.version.cuda, "device": t.cuda.get_device_name() if self.cuda else "cpu",
              "allocator": (t.cuda.memory.get_allocator_backend() if self.cuda else None),
+             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
              "comfyui": comfy_ver, "comfyui_gguf": _read_version(self.gguf_path / "pyproject.toml"),
              "sageattention": getattr(probe, "sage_version", None), "sage_flavour": getattr(probe, "sage_flavour", None),
              "sageattention_commit": os.environ.get("SAGEATTENTION_COMMIT"),

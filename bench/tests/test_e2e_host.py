@@ -69,6 +69,7 @@ def test_tiny_pipeline_end_to_end_through_real_loaders(e2e_rows):
         # the seconds a phase spent in ComfyUI's loading calls: loading the expert is inside the sampling phase
         assert r["phases"]["high"]["comfy_memory_s"].get("load_models_gpu", 0) > 0
         assert r["env"]["comfyui"] and r["env"]["device"] == "cpu" and r["env"]["weights"] == "gguf"
+        assert "alloc_conf" in r["env"]             # the allocator's settings, for runs that compare allocators
         assert r["peak_alloc_gib"] is None          # no CUDA: no memory readings, no ballast
         assert r["alloc_retries"] is None and r["budget"]["inherited_alloc_gib"] is None
     # run 1: estimator + Sage patch (on the CPU every call goes to SDPA with reason "cpu"), decoded
