@@ -44,13 +44,12 @@ from . import stats
 from .config import PatchConfig
 from .override import SageAttentionOverride
 
-__all__ = ["InnerAttention", "INNER_ATTENTION_KEY", "PROCESSOR_NAME", "INNER_REASONS", "ring_size"]
+__all__ = ["InnerAttention", "INNER_ATTENTION_KEY", "PROCESSOR_NAME", "ring_size"]
 
 # The transformer_options key Raylight reads its processor from, and the namespaced name the pack
 # registers its processor factory under in Raylight's registry (when Raylight is loaded).
 INNER_ATTENTION_KEY = "raylight_inner_attention"
 PROCESSOR_NAME = "wan_sage:sage_attention"
-INNER_REASONS = ("ring", "options")
 
 # The ring function of the call being served, for the dispatch's SDPA fallback (one per thread/task).
 _DENSE = contextvars.ContextVar("wan_sage_inner_dense", default=None)

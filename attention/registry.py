@@ -6,7 +6,7 @@ it takes, the exact extra-bytes formula (a name in :mod:`.kernel_bytes`), and ho
 runner).  Everything else derives from these entries:
 
 * the ``auto`` order of an architecture (:func:`auto_order`), including "none, so SDPA";
-* which architectures wan-sage knows (:func:`known_archs`, for validating ``--arch``);
+* which architectures wan-sage knows (:data:`KNOWN_ARCHS`, which :func:`parse_arch` checks ``--arch`` against);
 * the memory formula of a kernel on an architecture (:func:`memory_path`), which the dispatcher's
   VRAM check and the working-memory estimate both use;
 * the kernel a call runs on before its shape is timed (:func:`unmeasured_kernel`: SDPA for
@@ -25,9 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["KernelSpec", "PackageSpec", "KERNELS", "PACKAGES", "KNOWN_ARCHS", "auto_order", "known_archs",
+__all__ = ["KernelSpec", "PackageSpec", "KERNELS", "PACKAGES", "KNOWN_ARCHS", "auto_order",
            "memory_path", "unmeasured_kernel", "unmeasured_paths", "planned_candidates", "within_limits", "parse_arch",
-           "arch_name", "kernel_names", "install_hint"]
+           "arch_name", "install_hint"]
 
 INSTALL_HINT = (
     "Install SageAttention 2.x from source (a build of thu-ml/SageAttention main at or after "
@@ -261,14 +261,6 @@ KERNELS: dict = {k.name: k for k in (
                _CK_INT8, auto_rank_elsewhere=0, head_dims=(1, 256),
                layouts=("HND",), call=_ck_int8),
 )}
-
-
-def kernel_names() -> tuple:
-    return tuple(KERNELS)
-
-
-def known_archs() -> tuple:
-    return KNOWN_ARCHS
 
 
 def auto_order(cc: int | None) -> tuple:

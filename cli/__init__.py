@@ -1,6 +1,6 @@
-"""wan-sage's command line: ``wan-sage plan`` (the working-memory estimate of a Wan denoise; no GPU, no
-ComfyUI, no torch needed) and ``wan-sage bench`` (SageAttention kernels timed against PyTorch SDPA on
-Wan's attention shapes on this GPU, filling the kernel timing cache the Sage patch reads).
+"""wan-sage's command line: "wan-sage plan" estimates the working memory of a Wan denoise (no GPU, ComfyUI or
+torch needed); "wan-sage bench" times SageAttention kernels against PyTorch SDPA on Wan's attention shapes on
+this GPU and fills the kernel timing cache the Sage patch reads.
 
 plan           the plan command: its flags, the estimate request they make, the printed report
 bench          the bench command: its flags and its checks before anything is measured
@@ -28,7 +28,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="wan-sage", description=__doc__)
+    ap = _Parser(prog="wan-sage", description=__doc__.split("\n\n")[0])
     ap.add_argument("--version", action="version", version=f"wan-sage {__version__}")
     sub = ap.add_subparsers(dest="cmd", metavar="{plan,bench}")
     plan.add_parser(sub)
@@ -40,11 +40,14 @@ def main(argv=None) -> int:
     ap = parser()
     cmd = None
     try:
-        a = ap.parse_args(argv)
+        a, extra = ap.parse_known_args(argv)
         cmd = a.cmd
-        if cmd is None:  # bare `wan-sage`: say what it does and how to use it
-            ap.print_help()
-            return 0
+        if extra:  # named for the command they were given to, as its other errors are
+            raise UsageError(f"wan-sage{' ' + cmd if cmd else ''}: unrecognized arguments: {' '.join(extra)}"
+                             + (f" (wan-sage {cmd} --help lists them)" if cmd else ""))
+        if cmd is None:  # bare `wan-sage`: say what it does and how to use it; no command ran
+            ap.print_help(sys.stderr)
+            return 2
         if cmd == "plan":
             return plan.run(a)
         if cmd == "bench":

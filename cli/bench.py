@@ -33,7 +33,9 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", choices=["fp16", "bf16", "both"], default="fp16",
                    help="the dtype of the attention inputs: ComfyUI runs Wan in fp16 (its Wan models list fp16 "
                         "first), bf16 only when started with --bf16-unet (default fp16)")
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--iters", type=int, default=5,
+                   help="timed batches per kernel and shape (each batch at least about 20 ms of calls); the table "
+                        "gives their median and minimum (default 5)")
     p.add_argument("--no-accuracy", action="store_true", help="skip the fp32 reference comparison")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--comfyui", metavar="PATH", default=None,
@@ -67,6 +69,8 @@ def run(a) -> int:
         flag = next(iter(sized))
         raise RequestError(flag, f"--{flag} sizes the shapes of --preset; add --preset MODEL, or leave --{flag} out "
                                  "for the named Wan shapes (--shapes)")
+    if not 1 <= a.iters <= 1000:
+        raise RequestError("iters", f"--iters must be between 1 and 1000, got {a.iters}")
     if a.preset is not None and a.shapes is not None:
         raise RequestError("shapes", "--shapes and --preset each choose the shapes; give one of them")
     a.model_shapes = None if a.preset is None else model_shapes(a.preset, **{**SIZE_DEFAULTS, **sized})

@@ -1,14 +1,15 @@
-"""``wan-sage plan``: the flags become an estimate request (:func:`memory.request.build`, the validator the
-server route uses), :func:`memory.estimate.plan` estimates it, and :mod:`memory.report` prints it: the
-same figures and words as the node's report and the route's answer."""
+"""``wan-sage plan``: the flags become an estimate request, answered by :func:`memory.answer.estimate_answer`, the
+path the server route answers with (the validator of :mod:`memory.request`, the words of :mod:`memory.report`):
+the same figures and words as the node's report and the route's answer."""
 from __future__ import annotations
 
 import json
 
 from ..attention import registry
-from ..memory import activation_model, report, request
+from ..memory import activation_model, request
+from ..memory.answer import estimate_answer
 from ..memory.errors import ModelFileError, NotAWanModel
-from ..memory.estimate import plan
+from ..memory.estimate import DEFAULT_CC
 from ..memory.headers import read_model_file
 from ..memory.request import SIZE_LIMITS
 from ..memory.weights import WEIGHT_BYTES
@@ -120,22 +121,17 @@ def run(a) -> int:
     total = cc = gpu = note = None
     if a.vram is None or a.arch is None:
         total, cc, gpu, note = _cuda_info()
-    built = request.build(fields, request.Env(vram_bytes=total, cc=cc), text=True, labels=FLAGS, model_info=info)
-    notes = ([note] if note else []) + ([] if built.setup.vram_bytes is not None else
+    notes = ([note] if note else []) + ([] if a.vram is not None or total is not None else
                                         ["no GPU found and no --vram given: the verdict needs --vram GiB"])
-    est = plan(built.setup)
-    text = report.report(est, held=built.weights.held, gpu=gpu if a.vram is None else None)
-    text += "".join(f"\nnote: {n}" for n in notes)
+    if a.arch is None and cc is None and a.attention != "sdpa":
+        notes.append(f"no GPU found and no --arch given: the Sage kernels are planned for "
+                     f"{registry.arch_name(DEFAULT_CC)}; give --arch (e.g. sm89, sm120) for another GPU")
+    answer = estimate_answer(fields, request.Env(vram_bytes=total, cc=cc), text=True, labels=FLAGS, model_info=info,
+                             notes=notes, gpu=gpu if a.vram is None else None)
     if a.json:
-        summary = report.summary(est)
-        summary["notes"] += notes
-        summary["detected"] = built.detected
-        if info is not None:
-            summary["model_file"] = {"format": info.format, "ffn_dim": info.dims.ffn_dim, "weight_dtype": info.main_dtype,
-                                     "weights_bytes": info.weights_bytes}
-        print(json.dumps({"estimate": est.as_dict(), "summary": summary, "text": text}, indent=1, default=str))
+        print(json.dumps(answer, indent=1, default=str))
         return 0
     if info is not None:
         print(f"model file: {a.model}: {_described(info)}")
-    print(text)
+    print(answer["text"])
     return 0

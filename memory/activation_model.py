@@ -82,6 +82,17 @@ class WanDims:
     def head_dim(self) -> int:
         return self.dim // self.num_heads
 
+    @property
+    def img_tokens(self) -> int:
+        """The CLIP image tokens of cross-attention: 257 (a CLIP ViT-H/14 image's 256 patches and its class
+        token) where the model has an image embedding, else none."""
+        return 257 if self.has_img_emb else 0
+
+    @property
+    def per_frame_timesteps(self) -> bool:
+        """Whether the model takes a timestep per latent frame: the 48-channel VAE's models (TI2V-5B)."""
+        return self.latent_channels == 48
+
     def params(self) -> int:
         d, f, L = self.dim, self.ffn_dim, self.num_layers
         per_block = 4 * d * d + 4 * d * d + 2 * d * f + 6 * d + 10 * d + f

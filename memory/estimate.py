@@ -627,6 +627,11 @@ def plan(s: Setup) -> Estimate:
             return activation_bytes(dims, replace(w, L=local), s.weights, partial=False)["total"]
         per = parallel.per_rank(s.parallel, dims, L, rows_seq, activation_model.DTYPE_BYTES[s.dtype], att.self_path,
                                 s.weights_bytes, local_total, uncond=s.cfg != 1.0)
+        if room is not None and per["weights_bytes"] is not None:
+            # each rank is a GPU of its own: its weights against its working memory, as for one GPU
+            need = per["working_bytes"] + s.margin_bytes
+            per["verdict"], off = verdict_for(per["weights_bytes"], need, need, room, s.margin_bytes)
+            per["offload_bytes"] = max(0, off)
     return Estimate(
         setup=s, tokens=L, rows_sequential=rows_seq, rows_batched=rows_bat, resident=res, partial=par,
         reservation_resident=res_need, reservation_partial=par_need, reservation_batched_resident=bat_res,

@@ -18,6 +18,7 @@ patch's report and panel after a compiled sampling run).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict
 
 from .compile_payback import Payback
@@ -67,8 +68,9 @@ def _gib(x) -> float | None:
     return None if x is None else x / GiB
 
 
-def summary(est: Estimate) -> dict:
-    """The estimate's figures in GiB and its words: what the panel and the node's outputs show."""
+def summary(est: Estimate, notes: Sequence[str] = ()) -> dict:
+    """The estimate's figures in GiB and its words: what the panel and the node's outputs show.  ``notes``: the
+    caller's facts beyond the estimate's own notes (what it found on this machine), listed after them."""
     s = est.setup
     return {"tokens": est.tokens, "activation_gib": est.activation_peak / GiB, "sage_extra_gib": est.sage_extra / GiB,
             "reservation_gib": est.reservation / GiB, "comfy_gib": est.comfy_estimate / GiB,
@@ -79,7 +81,7 @@ def summary(est: Estimate) -> dict:
             "level": est.level, "dominant_phase": est.terms["dominant_phase"], "policy": s.policy,
             "compiled": s.compiled, "sage_head_groups": est.sage_head_groups, "dynamic_vram": s.dynamic_vram,
             "kernel_set": s.kernel_set, "sage_advice": est.sage_advice, "memory_path": memory_path_line(est),
-            "source": s.source, "notes": list(est.notes), "problems": list(est.problems),
+            "source": s.source, "notes": list(est.notes) + list(notes), "problems": list(est.problems),
             "per_rank": None if est.per_rank is None else dict(est.per_rank)}
 
 
@@ -106,9 +108,9 @@ def _rows(est: Estimate) -> str:
             f"{est.rows_batched} when ComfyUI batches them)")
 
 
-def report(est: Estimate, held: str | None = None, gpu: str | None = None) -> str:
+def report(est: Estimate, held: str | None = None, gpu: str | None = None, notes: Sequence[str] = ()) -> str:
     """The estimate as a text table.  ``held``: how the weights are held (fp16, fp8, q4_k ...);
-    ``gpu``: the GPU's name when the VRAM figure is the card's."""
+    ``gpu``: the GPU's name when the VRAM figure is the card's; ``notes``: as for :func:`summary`."""
     s, d = est.setup, est.setup.dims
     res, par = est.resident, est.partial
     size = f" ({s.pixels[0]}x{s.pixels[1]}x{s.pixels[2]})" if s.pixels else ""
@@ -158,8 +160,12 @@ def report(est: Estimate, held: str | None = None, gpu: str | None = None) -> st
     w1 = max(len(r[1]) for r in rows if r[2])
     lines += [f"  {k:<{w0}}  {v1:<{w1}}  {v2}".rstrip() for k, v1, v2 in rows]
     lines += [f"problem: {p}" for p in est.problems]
-    lines.append(f"verdict: {est.verdict}")
-    lines += [f"note: {n}" for n in est.notes]
+    per = est.per_rank or {}
+    if per.get("verdict"):  # several GPUs: what each rank needs decides; one GPU's verdict beside it
+        lines.append(f"verdict: {per['verdict']} (per rank, {per['world_size']} ranks); on one GPU: {est.verdict}")
+    else:
+        lines.append(f"verdict: {est.verdict}")
+    lines += [f"note: {n}" for n in (*est.notes, *notes)]
     if est.sage_advice:
         lines.append(est.sage_advice)
     path = memory_path_line(est)
@@ -176,7 +182,8 @@ def per_rank_lines(est: Estimate) -> list:
         return []
     how = [f"Ulysses {r['ulysses']}", f"ring {r['ring']}"] + (["FSDP"] if r["fsdp"] else []) + (
         ["CFG parallel"] if r["cfg_parallel"] else [])
-    lines = [f"per rank ({r['world_size']} ranks: {', '.join(how)}; modelled, not measured on multiple GPUs):",
+    ranks = f"{r['world_size']} rank{'s' if r['world_size'] != 1 else ''}"
+    lines = [f"per rank ({ranks}: {', '.join(how)}; modelled, not measured on multiple GPUs):",
              f"  tokens per rank {r['tokens_per_rank']:,} of {r['tokens']:,}; attention: {r['heads_per_rank']} heads "
              f"over {r['attention_tokens']:,} tokens, {r['rows_per_rank']} row(s), {r['forwards_per_step']} "
              f"forward(s) per step",

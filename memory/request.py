@@ -21,7 +21,7 @@ from .weights import HEADER_DTYPES, WEIGHT_BYTES, WeightPlan, weights_for_file, 
 from ..attention import registry
 
 __all__ = ["Env", "Built", "build", "check_fields", "guess_preset", "weights_from_name", "shown", "FIELDS", "SIZE_LIMITS",
-           "CFG_LIMITS", "RENAMED_FIELDS", "LEGACY_POLICIES", "ATTENTION_CHOICES", "COMPUTE_DTYPES",
+           "CFG_LIMITS", "MARGIN_GIB_MAX", "RENAMED_FIELDS", "LEGACY_POLICIES", "ATTENTION_CHOICES", "COMPUTE_DTYPES",
            "LATENT_CHANNELS"]
 
 # Bounds of the sizes: (lowest, highest).  The node's widgets use the same.
@@ -139,12 +139,13 @@ class _Fields:
             raise RequestError(field, f"{name} must be {kind}{unit}, got {shown(v)}")
         if isinstance(v, float) and not math.isfinite(v):
             raise RequestError(field, f"{name} must be a finite number{unit}, got {self.p[field]}")
+        got = shown(int(v) if v == int(v) and abs(v) < 1e9 else v)  # "--frames 0" and 0.0: got 0
+        if above_lo and not lo < v <= hi:
+            raise RequestError(field, f"{name} must be more than {lo:g} and at most {hi:g}{unit}, got {got}")
         if not lo <= v <= hi:
-            raise RequestError(field, f"{name} must be between {lo:g} and {hi:g}{unit}, got {shown(v)}")
-        if above_lo and v <= lo:
-            raise RequestError(field, f"{name} must be more than {lo:g}{unit}, got {shown(v)}")
+            raise RequestError(field, f"{name} must be between {lo:g} and {hi:g}{unit}, got {got}")
         if integer and v != int(v):
-            raise RequestError(field, f"{name} must be an integer, got {shown(v)}")
+            raise RequestError(field, f"{name} must be an integer, got {got}")
         return int(v) if integer else float(v)
 
     def size(self, field: str, default=None) -> int:
@@ -354,7 +355,7 @@ def build(p, env: Env = Env(), *, text: bool = False, labels: dict | None = None
         dims=dims, latent=latent, dtype=wplan.compute, cfg=cfg, attention=attention_plan(attention, cc, activation_model.tokens(dims, *latent[2:5])),
         sage_grouped=sage_grouped, compiled=compiled, weights=wplan.setup, weights_bytes=wplan.nbytes,
         vram_bytes=vram_bytes, margin_bytes=int(margin * GiB), policy=policy, fixed_bytes=int(fixed * GiB),
-        img_tokens=257 if dims.has_img_emb else 0, per_frame_timesteps=dims.latent_channels == 48, comfy_flash=env.comfy_flash,
+        img_tokens=dims.img_tokens, per_frame_timesteps=dims.per_frame_timesteps, comfy_flash=env.comfy_flash,
         kernel_set=kernel_set, pixels=(width, height, frames), parallel=par,
         decode_dtype_size=None if f.flag("no_decode") else VAE_DTYPE_SIZE, decode_by_unload=DECODE_BY_UNLOAD,
         source=source, notes=tuple(([assumed] if assumed else []) + notes + list(wplan.notes)

@@ -73,12 +73,15 @@ def _plan(params: int, key: str, lora: bool, compute: str | None, cc, vram_bytes
         # UNETLoader's fp8_e4m3fn_fast: fp8_ops, picked where the GPU has fp8 compute (comfy/ops.py pick_operations)
         return WeightPlan(WeightSetup("fp8", lora=lora, fp8_matmul=True), file_bytes or params, compute, "fp8")
     if key in ("fp8", "fp8_fast"):  # fp8_fast without fp8 compute: ComfyUI's ordinary fp8 path
+        slow = ((f"fp8_e4m3fn_fast multiplies in fp8 only on GPUs with fp8 compute (sm89 and newer); on sm{cc} "
+                 "ComfyUI treats them as plain fp8 weights",) if key == "fp8_fast" else ())
         if explicit or keep_fp8 or fp8_stays_fp8(cc, params, vram_bytes):
             nbytes = file_bytes if file_bytes is not None else params
             return WeightPlan(WeightSetup("fp8", lora=lora), nbytes, compute, "fp8",
-                              (f"fp8 weights are cast to {compute} at every layer call",))
+                              slow + (f"fp8 weights are cast to {compute} at every layer call",))
         return WeightPlan(WeightSetup(compute, lora=lora), params * DTYPE_BYTES[compute], compute, compute,
-                          (f"fp8 weights are loaded as {compute}: sm{cc} has no fp8 compute and {compute} weights fit",))
+                          slow + (f"fp8 weights are loaded as {compute}: sm{cc} has no fp8 compute and {compute} "
+                                  "weights fit",))
     raise ValueError(f"weights must be one of {', '.join(WEIGHT_BYTES)}")
 
 

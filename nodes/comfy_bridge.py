@@ -335,9 +335,9 @@ def _skipped_in_training(code, module) -> bool:
 
 def fp8_matmul_skipped(base) -> bool:
     """Whether the model's fp8 matmul layers skip ``fp8_linear`` because they are in training mode.
-    ComfyUI 0.3.64's ``fp8_ops.Linear`` calls it only ``if not self.training`` (comfy/ops.py@a125cd84, since
-    7be2b49b), and its Wan model is never put in eval mode, so there the fp8 weights are cast at every layer
-    call as on the ordinary fp8 path.  Read from the class's code (``training`` among the names it reads) and
+    ComfyUI 0.3.64's ``fp8_ops.Linear`` calls it only ``if not self.training`` (comfy/ops.py@a125cd84), and its
+    Wan model is never put in eval mode, so there the fp8 weights are cast at every layer call as on the ordinary
+    fp8 path.  Read from the class's code (``training`` among the names it reads) and
     the layer's own flag."""
     module = _first_linear(base)
     code, _cells = _fp8_linear_code(module)

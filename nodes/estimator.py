@@ -237,7 +237,7 @@ def setup_for(model, shape, model_options, settings: Settings, *, assume_compile
                  streamed_blocks_staged=comfy_bridge.compile_blocks_node(model, model_options),
                  margin_bytes=int(settings.margin_gib * GiB),
                  policy=settings.policy, fixed_bytes=int(settings.fixed_gib * GiB), streamed=streamed,
-                 img_tokens=257 if dims.has_img_emb else 0, per_frame_timesteps=dims.latent_channels == 48,
+                 img_tokens=dims.img_tokens, per_frame_timesteps=dims.per_frame_timesteps,
                  comfy_flash=comfy_bridge.comfy_uses_flash(), kernel_set=comfy_bridge.kernel_set(),
                  q_handed_over=_q_handed_over(model, att),
                  sage_memory_mode=_memory_mode(model_options),
@@ -437,14 +437,14 @@ def apply_estimator(model, settings: Settings, shape, model_options=None, pixels
     mo = model_options or m.model_options
     setup = setup_for(m, shape, mo, settings, decode=True)
     est = plan(replace(setup, pixels=pixels, cfg=float(cfg)))
-    text = report.report(est, held=_held(m))
+    notes = []  # what a node after this one would change, and the weights' host copy
     if settings.count_sage == "auto-detect" and est.setup.attention.kernel is None:
-        text += "\nnote: " + _later_patch_note(m, shape, mo, settings, est)
+        notes.append(_later_patch_note(m, shape, mo, settings, est))
     if not est.setup.compiled and not any(n.startswith("torch.compile") for n in est.setup.notes):
-        text += "\nnote: " + _later_compile_note(m, shape, mo, settings, est)
+        notes.append(_later_compile_note(m, shape, mo, settings, est))
     if kept:
-        text += "\nnote: " + HOST_COPY_NOTE
+        notes.append(HOST_COPY_NOTE)
         pin_note = pinned_host.report_note(host_copy.comfy_pins_streamed_weights(m))
         if pin_note:
-            text += "\nnote: " + pin_note
-    return m, est, text
+            notes.append(pin_note)
+    return m, est, report.report(est, held=_held(m), notes=notes)

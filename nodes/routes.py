@@ -1,9 +1,8 @@
 """Server routes: ``POST /wan_sage/estimate`` (the memory estimate for given model info or a
 preset) and ``GET /wan_sage/stats`` (the last sampling run's attention stats per patch).
 
-The estimate answers ``{"estimate", "summary", "text"}``: :func:`memory.estimate.plan` of the setup
-:func:`memory.request.build` makes from the body, worded by :mod:`memory.report` (the same words as the
-node's report and ``wan-sage plan``).  The fields are documented in docs/route.md.
+The estimate answers ``{"estimate", "summary", "text"}``: :func:`memory.answer.estimate_answer` of the body
+(the same answer ``wan-sage plan --json`` prints, in the words of the node's report).  The fields are documented in docs/route.md.
 
 A client error answers 4xx with ``{"error": one line, "field": the field's name}``: the body is
 read with a size cap and its nesting depth checked before it is parsed, and every field is
@@ -15,9 +14,9 @@ from __future__ import annotations
 import logging
 
 from ..attention import kernels, stats
-from ..memory import report, request
+from ..memory import request
+from ..memory.answer import estimate_answer
 from ..memory.errors import RequestError
-from ..memory.estimate import plan
 from ..memory.json_body import MAX_BODY_BYTES, BodyError, parse_body
 from . import comfy_bridge
 from .log_once import reason, warn_once
@@ -39,17 +38,6 @@ def resolve_model_file(name: str):
         if p:
             return p
     return None
-
-
-def estimate_answer(payload, env: request.Env | None = None) -> dict:
-    """The answer to a valid body: the estimate, its summary (with the model it is for) and its report.
-    ``env``: this machine's GPU and model folders (None: neither)."""
-    built = request.build(payload, env or request.Env())
-    est = plan(built.setup)
-    summary = report.summary(est)
-    summary["detected"] = built.detected
-    summary["assumed"] = built.assumed
-    return {"estimate": est.as_dict(), "summary": summary, "text": report.report(est, held=built.weights.held)}
 
 
 def _device_defaults():

@@ -7,6 +7,7 @@ from comfy_api.latest import io, ui
 from ..attention import registry
 from ..memory import activation_model
 from ..memory import report, request
+from ..memory.request import CFG_LIMITS, MARGIN_GIB_MAX, SIZE_LIMITS
 from ..memory.errors import RequestError
 from . import comfy_bridge
 from .compile_blocks import BACKENDS, MODES, apply_compile_blocks
@@ -89,23 +90,24 @@ class WanWorkingMemoryEstimator(io.ComfyNode):
             inputs=[
                 io.Model.Input("model", tooltip="the Wan 2.1/2.2 model to sample; its config (layers, width, "
                                                 "weights) sets the estimate"),
-                io.Int.Input("width", default=1280, min=16, max=16384, step=16,
+                io.Int.Input("width", default=1280, min=SIZE_LIMITS["width"][0], max=SIZE_LIMITS["width"][1], step=16,
                              tooltip="video width in pixels, as in the latent node (ignored when latent is connected)"),
-                io.Int.Input("height", default=720, min=16, max=16384, step=16,
+                io.Int.Input("height", default=720, min=SIZE_LIMITS["height"][0], max=SIZE_LIMITS["height"][1],
+                             step=16,
                              tooltip="video height in pixels (ignored when latent is connected)"),
-                io.Int.Input("frames", default=81, min=1, max=4097, step=4,
+                io.Int.Input("frames", default=81, min=SIZE_LIMITS["frames"][0], max=SIZE_LIMITS["frames"][1], step=4,
                              tooltip="frames; Wan uses 4n+1 (others are rounded as ComfyUI rounds them, and "
                                      "the report says how); ignored when latent is connected"),
-                io.Int.Input("batch_size", default=1, min=1, max=64,
+                io.Int.Input("batch_size", default=1, min=SIZE_LIMITS["batch"][0], max=SIZE_LIMITS["batch"][1],
                              tooltip="videos per batch (ignored when latent is connected)"),
-                io.Float.Input("cfg", default=1.0, min=0.0, max=100.0, step=0.1,
+                io.Float.Input("cfg", default=1.0, min=CFG_LIMITS[0], max=CFG_LIMITS[1], step=0.1,
                                tooltip="cfg != 1 runs cond and uncond (two rows when batched)"),
                 io.Combo.Input("policy", options=list(POLICIES), default=POLICIES[0],
                                tooltip="what ComfyUI reserves per forward row: wan-sage's estimate; the larger of "
                                        "it and ComfyUI's own (about 2x, offloads more); or fixed_gib"),
-                io.Float.Input("margin_gib", default=0.0, min=0.0, max=64.0, step=0.1,
+                io.Float.Input("margin_gib", default=0.0, min=0.0, max=MARGIN_GIB_MAX, step=0.1,
                                tooltip="GiB added to wan-sage's estimate per row (e.g. for other nodes' VRAM use)"),
-                io.Float.Input("fixed_gib", default=10.0, min=0.0, max=256.0, step=0.1,
+                io.Float.Input("fixed_gib", default=10.0, min=0.0, max=MARGIN_GIB_MAX, step=0.1,
                                tooltip="GiB reserved per row by the fixed policy"),
                 io.Combo.Input("count_sage_extra", options=list(SAGE_COUNT), default=SAGE_COUNT[0],
                                tooltip="auto-detect: counted when the Sage patch is on this model"),
@@ -152,8 +154,8 @@ class WanWorkingMemoryEstimator(io.ComfyNode):
         elif comfy_bridge.is_wan(model):
             shape = list(activation_model.latent_shape(comfy_bridge.wan_dims(model), width, height, frames, batch_size))
             pixels = (width, height, frames)
-        else:
-            shape = [batch_size, 16, (frames - 1) // 4 + 1, height // 8, width // 8]
+        else:  # not a Wan model: apply_estimator passes it through without a shape
+            shape = None
         m, est, text = apply_estimator(model, settings, shape, pixels=pixels, cfg=cfg)
         if est is None:
             return io.NodeOutput(m, 0, 0.0, 0.0, 0.0, text, ui=ui.PreviewText(text))

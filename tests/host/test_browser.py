@@ -101,7 +101,7 @@ def frontend_root(fe: str) -> tuple:
 def _run_texts() -> dict:
     """What the nodes send after a run on a 24 GiB card: the estimator's report (its verdict line is
     what the panel shows) and the Sage patch's status, without SageAttention and with it."""
-    from wan_sage.nodes.routes import estimate_answer as estimate_from_json
+    from wan_sage.memory.answer import estimate_answer as estimate_from_json
     s = estimate_from_json({"model_file": "wan2.2_t2v_high_noise_14B_Q4_K_M.gguf", "width": 1280, "height": 720,
                             "frames": 81, "attention": "sage-auto", "vram_gib": 24.0})["summary"]
     return {"estimatorText": f"tokens: {s['tokens']:,} per row, 1 row(s) per forward\nverdict: {s['verdict']}",
@@ -270,7 +270,7 @@ def test_a14b_720p_panel_numbers_and_model(case):
     """The panel shows the route's figures (GiB keys) for the request it sent, the verdict as the
     server words it, the model it detected, and, since the test server's model files are empty
     placeholders, that the model was guessed from its name."""
-    from wan_sage.nodes.routes import estimate_answer as estimate_from_json
+    from wan_sage.memory.answer import estimate_answer as estimate_from_json
     _fe, _mode, _r, m = case
     sent = [p for p in m["detail"]["posts"] if p and "high_noise" in p.get("model_file", "") and p["width"] == 1280]
     assert sent and "vram_gib" in sent[-1], m["detail"]["posts"]

@@ -28,6 +28,26 @@ def test_pack_loaded_without_errors(server):
     assert status == 200 and "WanWorkingMemoryEstimator" in info
 
 
+def test_the_estimators_widgets_offer_what_the_validator_accepts(server):
+    """Each size, cfg and GiB widget's bounds, as the server tells the frontend, are accepted by the one validator,
+    and a value past either bound is refused naming its field: no widget value the node then rejects."""
+    from wan_sage.memory.errors import RequestError
+    from wan_sage.memory.request import check_fields
+    status, info = server.request("GET", "/object_info/WanWorkingMemoryEstimator")
+    assert status == 200
+    widgets = info["WanWorkingMemoryEstimator"]["input"]["required"]
+    fields = {"width": "width", "height": "height", "frames": "frames", "batch_size": "batch", "cfg": "cfg",
+              "margin_gib": "margin_gib", "fixed_gib": "fixed_gib"}
+    for widget, field in fields.items():
+        spec = widgets[widget][1]
+        for bound, past in ((spec["min"], spec["min"] - 1), (spec["max"], spec["max"] + 1)):
+            size = {"width": 1280, "height": 720, "frames": 81}
+            check_fields({**size, field: bound})
+            with pytest.raises(RequestError) as e:
+                check_fields({**size, field: past})
+            assert e.value.field == field
+
+
 @pytest.mark.parametrize("prefix", ["", "/api"])
 def test_estimate_ok(server, prefix):
     status, body = server.request("POST", prefix + "/wan_sage/estimate",

@@ -49,7 +49,8 @@ def _reservation(key, dtype=None):
 
 
 def test_fp16_weights_get_no_cast_fragmentation():
-    # 1.3B at 720p81: --weights fp16 used to count a cast to bf16 (6.10 GiB against 3.31)
+    # 1.3B at 720p81: fp16 weights are the compute dtype, so no per-call cast is counted (a cast to bf16 would
+    # make it 6.10 GiB)
     assert _reservation("fp16") == _reservation("fp16", "fp16") == _reservation("bf16")
     assert _reservation("fp16") / GiB == pytest.approx(3.31, abs=0.01)
     assert _reservation("fp8") > _reservation("fp16") + 2 * GiB  # fp8 casts: the cast term applies

@@ -122,8 +122,8 @@ def test_the_policy_name_earlier_workflows_saved_still_works():
 
 
 def test_bare_wan_sage_prints_usage_and_version_works(capsys):
-    code, out, err = _cli(capsys)
-    assert code == 0 and "usage: wan-sage" in out and "plan" in out and "bench" in out and err == ""
+    code, out, err = _cli(capsys)  # no command ran: a usage error, the help on stderr
+    assert code == 2 and "usage: wan-sage" in err and "plan" in err and "bench" in err and out == ""
     with pytest.raises(SystemExit) as e:
         cli.main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"wan-sage {__version__}"

@@ -40,7 +40,7 @@ def test_plan_reads_a_model_file(tmp_path, capsys):
 def test_estimate_api_json_and_field_errors():
     from wan_sage.memory.errors import RequestError
     from wan_sage.memory.request import guess_preset
-    from wan_sage.nodes.routes import estimate_answer as estimate_from_json
+    from wan_sage.memory.answer import estimate_answer as estimate_from_json
     req = {"preset": "wan2.2-a14b", "width": 1280, "height": 720, "frames": 81, "vram_gib": 24, "attention": "sage-auto",
            "arch": "sm90"}
     r = estimate_from_json({**req, "no_decode": True})
@@ -90,7 +90,7 @@ def test_route_handler_answers_400_not_500():
 
 def test_estimate_api_policies():
     from wan_sage.memory.errors import RequestError
-    from wan_sage.nodes.routes import estimate_answer as estimate_from_json
+    from wan_sage.memory.answer import estimate_answer as estimate_from_json
     base = {"preset": "wan2.2-a14b", "width": 1280, "height": 720, "frames": 81, "vram_gib": 24, "no_decode": True}
     ours = estimate_from_json(base)["summary"]["reservation_gib"]
     assert estimate_from_json({**base, "policy": "fixed GB per row", "fixed_gib": 9.5})["summary"]["reservation_gib"] == 9.5
@@ -102,8 +102,31 @@ def test_estimate_api_policies():
 
 
 def test_api_and_cli_count_the_same_weight_transients():
-    from wan_sage.nodes.routes import estimate_answer as estimate_from_json
+    from wan_sage.memory.answer import estimate_answer as estimate_from_json
     base = {"preset": "wan2.2-a14b", "width": 1280, "height": 720, "frames": 81}
     bf16 = estimate_from_json({**base, "weights": "bf16"})["estimate"]["resident"]["weight_transient"]
     fp8 = estimate_from_json({**base, "weights": "fp8"})["estimate"]["resident"]["weight_transient"]
     assert bf16 == 0 and fp8 == 2 * 5120 * 13824  # fp8 weights are cast to bf16 per call
+
+
+def test_plan_json_is_the_routes_answer_with_this_machines_notes(capsys, monkeypatch):
+    """``wan-sage plan --json`` prints what the route answers for the same request, and a note of its own (no GPU
+    here) reaches the summary's notes as well as the text: one answer, one formatter."""
+    from wan_sage.cli import plan as plan_cli
+    from wan_sage.memory.answer import estimate_answer
+    monkeypatch.setattr(plan_cli, "_cuda_info", lambda: (None, None, None, None))
+    assert cli.main(["plan", "--preset", "wan2.2-a14b", "--width", "832", "--height", "480", "--frames", "81",
+                     "--attention", "sage-auto", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    route = estimate_answer({"preset": "wan2.2-a14b", "width": 832, "height": 480, "frames": 81,
+                             "attention": "sage-auto"})
+    mine = ["no GPU found and no --vram given: the verdict needs --vram GiB",
+            "no GPU found and no --arch given: the Sage kernels are planned for sm90; give --arch (e.g. sm89, sm120) "
+            "for another GPU"]
+    assert printed["summary"]["notes"] == route["summary"]["notes"] + mine
+    lines = printed["text"].splitlines()
+    assert all(f"note: {n}" in lines for n in mine)
+    assert [x for x in lines if x[len("note: "):] not in mine] == route["text"].splitlines()
+    assert {k: v for k, v in printed["summary"].items() if k != "notes"} == \
+        {k: v for k, v in route["summary"].items() if k != "notes"}
+    assert printed["estimate"] == json.loads(json.dumps(route["estimate"], default=str))

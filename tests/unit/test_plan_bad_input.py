@@ -157,3 +157,46 @@ def test_plan_into_a_closed_pipe_prints_no_traceback(tmp_path):
 def _shell_quote(s):
     import shlex
     return shlex.quote(s)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--frames", "0"], "--frames must be between 1 and 4097, got 0"),
+    (["--batch", "0"], "--batch must be between 1 and 64, got 0"),
+    (["--width", "8"], "--width must be between 16 and 16384, got 8"),
+    (["--vram", "-1"], "--vram must be more than 0 and at most 4096 (GiB), got -1"),
+    (["--vram", "0"], "--vram must be more than 0 and at most 4096 (GiB), got 0"),
+    (["--vram", "0.5e4"], "--vram must be more than 0 and at most 4096 (GiB), got 5000"),
+    (["--margin", "-0.5"], "--margin must be between 0 and 1024 (GiB), got -0.5"),
+])
+def test_a_number_out_of_range_is_shown_as_typed_with_its_whole_range(capsys, flags, message):
+    code, _out, err = run(capsys, PRESET + flags)
+    assert_one_line(code, err, message)
+
+
+def test_the_command_line_itself(capsys):
+    """No command is a usage error (status 2, the help on stderr); an unknown flag is named with its command."""
+    code, out, err = run(capsys, [])
+    assert code == 2 and out == "" and "wan-sage plan" in err and "{plan,bench}" in err
+    assert "bench_kernels" not in err  # the package's module list is not the user's help
+    code, _out, err = run(capsys, PRESET + ["--wdith", "832"])
+    assert_one_line(code, err, "wan-sage plan: unrecognized arguments: --wdith 832")
+    code, _out, err = run(capsys, ["bench", "--iters", "0"])
+    assert_one_line(code, err, "--iters must be between 1 and 1000, got 0")
+
+
+def test_planning_without_a_gpu_says_which_arch_it_assumed(capsys, monkeypatch):
+    from wan_sage.cli import plan as plan_cli
+    monkeypatch.setattr(plan_cli, "_cuda_info", lambda: (None, None, None, None))
+    note = "no GPU found and no --arch given: the Sage kernels are planned for sm90"
+    code, out, _err = run(capsys, PRESET + ["--vram", "24", "--attention", "sage-auto"])
+    assert code == 0 and note in out
+    for flags in (["--arch", "sm89"], ["--attention", "sdpa"]):
+        code, out, _err = run(capsys, PRESET + ["--vram", "24", "--attention", "sage-auto", *flags])
+        assert code == 0 and note not in out
+
+
+def test_fp8_fast_on_a_gpu_without_fp8_compute_says_it_runs_as_plain_fp8(capsys):
+    code, out, _err = run(capsys, PRESET + ["--vram", "24", "--weights", "fp8_fast", "--arch", "sm80"])
+    assert code == 0 and "fp8_e4m3fn_fast multiplies in fp8 only on GPUs with fp8 compute" in out
+    code, out, _err = run(capsys, PRESET + ["--vram", "24", "--weights", "fp8_fast", "--arch", "sm90"])
+    assert code == 0 and "fp8_e4m3fn_fast multiplies in fp8 only" not in out

@@ -98,3 +98,28 @@ def test_cli_prints_per_rank_and_rejects_bad_degrees_in_one_line(capsys):
     answer = json.loads(capsys.readouterr()[0])
     assert answer["summary"]["per_rank"]["heads_per_rank"] == 20
     assert answer["estimate"]["request"]["ulysses"] == 2
+
+
+def test_each_rank_gets_a_verdict_of_its_own():
+    """Several GPUs: each rank holds its weights (sharded with FSDP) and its working memory in its own VRAM, so
+    the headline verdict is the rank's, with one GPU's beside it."""
+    est = estimate(vram_gib=24, ulysses=2)
+    r, room = est.per_rank, est.setup.vram_bytes - est.setup.kept_free
+    # no FSDP: all 26.6 GiB of weights on each rank, which must stream what its working memory leaves no room for
+    assert r["weights_bytes"] + r["working_bytes"] > room > r["working_bytes"]
+    assert r["offload_bytes"] == r["weights_bytes"] - (room - r["working_bytes"])
+    assert r["verdict"] == f"offloads {r['offload_bytes'] / 2**30:.1f} GiB of weights"
+    sharded = estimate(vram_gib=24, ulysses=4, ring=2, fsdp=True)
+    assert sharded.per_rank["total_bytes"] <= room and sharded.per_rank["verdict"].startswith("fits")
+    assert sharded.level == "offloads"  # one GPU alone would stream
+    from wan_sage.memory import report
+    line = next(x for x in report.report(sharded).splitlines() if x.startswith("verdict:"))
+    assert line.startswith("verdict: fits: all weights resident (per rank, 8 ranks); on one GPU: offloads")
+    assert estimate(ulysses=2, vram_gib=None).per_rank.get("verdict") is None  # no VRAM: no verdict
+
+
+def test_fsdp_over_one_rank_is_refused_naming_the_field():
+    with pytest.raises(RequestError) as e:
+        request.build(dict(A14B_720P81, fsdp=True))
+    assert e.value.field == "fsdp" and "one rank" in str(e.value)
+    assert estimate(fsdp=True, cfg=5.0, cfg_parallel=True).per_rank["world_size"] == 2
