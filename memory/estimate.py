@@ -97,7 +97,8 @@ class AttentionPlan:
     self_by: str | None = None  # another node runs self-attention (e.g. KJNodes' Mem Eff Sage), in words
 
 
-def attention_plan(attention: str, cc: int | None = None, tokens: int | None = None) -> AttentionPlan:
+def attention_plan(attention: str, cc: int | None = None, tokens: int | None = None,
+                   installed: tuple | None = None) -> AttentionPlan:
     """The attention of a forward for an ``attention`` choice (``sdpa``, ``sage-auto``/``auto`` or a
     registry kernel) on compute capability ``cc`` (None: sm90), before any shape is timed.
 
@@ -105,7 +106,9 @@ def attention_plan(attention: str, cc: int | None = None, tokens: int | None = N
     order for ``sage-auto``; the named kernel where it runs), and the paths the registry's
     :func:`~attention.registry.unmeasured_paths` over them: cross-attention on SDPA, self-attention on
     the first candidate, as the dispatcher runs a shape it has not timed.  ``tokens`` (the self-attention
-    length) leaves out the kernels whose registry token limit that length exceeds on ``cc``."""
+    length) leaves out the kernels whose registry token limit that length exceeds on ``cc``.
+    ``installed``: for ``sage-auto``, the kernels installed on this GPU in its auto order (the node reads
+    them), which take the place of the arch's whole order where any of them serves the call."""
     arch = cc or DEFAULT_CC
     if attention == "sdpa":
         return AttentionPlan()
@@ -116,8 +119,11 @@ def attention_plan(attention: str, cc: int | None = None, tokens: int | None = N
     else:
         raise ValueError(f"attention must be sdpa, sage-auto or one of {', '.join(registry.KERNELS)}")
     names, why = registry.planned_candidates(kernel, arch, tokens)
+    if kernel == "auto" and installed is not None:
+        names = registry.within_limits(installed, arch, tokens) or names
     self_path, cross_path, name = registry.unmeasured_paths(names, arch, tokens)
-    return AttentionPlan(self_path, cross_path, name, None if why is None else f"{why}: attention stays on SDPA")
+    return AttentionPlan(self_path, cross_path, name,
+                         f"{why}: attention stays on SDPA" if why is not None and not names else None)
 
 
 def comfy_figure(dims: WanDims, latent: tuple, dtype: str = "bf16", flash: bool = True) -> int:

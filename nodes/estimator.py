@@ -30,7 +30,7 @@ from functools import lru_cache
 from ..attention import kernels, registry
 from ..attention.override import SageAttentionOverride
 from ..memory import activation_model, report
-from ..memory.estimate import DEFAULT_CC, GiB, POLICIES, AttentionPlan, Estimate, Setup, plan
+from ..memory.estimate import GiB, POLICIES, AttentionPlan, Estimate, Setup, attention_plan, plan
 from ..memory.parallel import Parallel, problem
 from ..memory.request import LEGACY_POLICIES
 from . import comfy_bridge, decode_room, host_copy, pinned_host, raylight_bridge, sage_patch
@@ -81,18 +81,12 @@ def attention_for(model_options, settings: Settings, dev, tokens: int | None = N
     if settings.count_sage == "never" or (settings.count_sage == "auto-detect" and ov is None):
         return AttentionPlan()
     found_cc = _cc(dev)
-    cc = found_cc or DEFAULT_CC
     name = ov.config.kernel if ov is not None else "auto"
     if name != "auto" and name not in registry.KERNELS:
         return AttentionPlan(note=f"{name} is not a kernel of this version: attention stays on SDPA")
-    names, why = registry.planned_candidates(name, cc, tokens)
-    if name == "auto" and found_cc:
-        # the kernels installed here, in the same order, within their token limits
-        names = registry.within_limits(kernels.auto_candidates(cc), cc, tokens) or names
-    if not names:
-        return AttentionPlan(note=f"{why}: attention stays on SDPA")
-    self_path, cross_path, kernel = registry.unmeasured_paths(names, cc, tokens)
-    return AttentionPlan(self_path, cross_path, kernel)
+    # on a GPU, sage-auto plans the kernels installed here, in the registry's order
+    installed = kernels.auto_candidates(found_cc) if name == "auto" and found_cc else None
+    return attention_plan(name, found_cc, tokens, installed)
 
 
 def chained_attention(model, model_options, dims: activation_model.WanDims, tokens: int,
