@@ -56,7 +56,7 @@ def test_the_int8_down_projection_holds_what_the_ffn_phase_models_beside_its_inp
 def test_the_tool_runs_on_the_cpu_with_the_eager_backend():
     """Its calls as written (shapes, arguments, the row fields), on a tiny size: the GPU figures need the H200."""
     torch = pytest.importorskip("torch")
-    ck = pytest.importorskip("comfy_kitchen")
+    ck = pytest.importorskip("comfy_kitchen", reason="comfy-kitchen is not installed (pip install comfy-kitchen)")
     rows = kitchen_kernels.measure(torch, ck, sizes=(("tiny", 64, 4, 256, 40),), ffn=True, device="cpu",
                                    backends=("eager",))
     assert {r["kernel"] for r in rows} == {"apply_rope1", "adaln_per_sample", "adaln_per_token",

@@ -85,7 +85,7 @@ def skip_reason(path: str | os.PathLike | None = None) -> str | None:
     """Return None if a ComfyUI tree is usable, else a human-readable reason (for pytest.skip)."""
     p = comfy_path(path)
     if p is None:
-        return "COMFYUI_PATH is not set"
+        return "COMFYUI_PATH is not set (a ComfyUI 0.3.64 checkout: CONTRIBUTING.md, host tier)"
     for rel in ("nodes.py", "execution.py", os.path.join("comfy", "sd.py")):
         if not os.path.isfile(os.path.join(p, rel)):
             return f"COMFYUI_PATH={p} does not look like a ComfyUI tree (no {rel})"

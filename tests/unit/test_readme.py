@@ -11,8 +11,8 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 def test_the_readme_verdict_is_what_plan_prints(capsys):
     section = README.read_text().split("## Plan without ComfyUI or a GPU", 1)[1].split("\n## ", 1)[0]
     command = next(line for line in section.splitlines() if line.startswith("wan-sage plan "))
-    quoted = re.search(r'for this command, "([^"]+)"', section.replace("\n", " ")).group(1)
-    # without a GPU plan assumes sm90, as the README says; --arch pins that on a machine with one
+    quoted = re.search(r'a verdict, here "([^"]+)"', section.replace("\n", " ")).group(1)
+    # without a GPU plan assumes sm90 (and says so in a note); --arch pins that on a machine with one
     assert cli.main(shlex.split(command)[1:] + ["--arch", "sm90"]) == 0
     verdict = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("verdict:"))
     assert verdict.strip() == f"verdict: {quoted}"
