@@ -1907,7 +1907,10 @@ def whole_sets(paths=None) -> list[dict]:
         per_file.setdefault(p, []).append(rnd)
     out = []
     for p, rnd, rs in sets:
-        recs = [r for r in rs if r.get("prompts") and r.get("config") and plot_e2e.faithful(r)]
+        # the tables compare setups on the allocator ComfyUI selects (cudaMallocAsync); a run on another one (an
+        # allocator experiment: PyTorch's own with expandable segments) is left out of them and told in the log
+        recs = [r for r in rs if r.get("prompts") and r.get("config") and plot_e2e.faithful(r)
+                and (r.get("env") or {}).get("allocator") in (None, "cudaMallocAsync")]
         if recs:
             rounds = per_file[p]
             label = p.stem + (f" ({'abcdefghij'[rounds.index(rnd)]})" if len(rounds) > 1 else "")
