@@ -28,7 +28,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="wan-sage", description=__doc__.split("\n\n")[0])
+    ap = _Parser(prog="wan-sage", description=(__doc__ or "").split("\n\n")[0] or None)
     ap.add_argument("--version", action="version", version=f"wan-sage {__version__}")
     sub = ap.add_subparsers(dest="cmd", metavar="{plan,bench}")
     plan.add_parser(sub)
@@ -40,11 +40,14 @@ def main(argv=None) -> int:
     ap = parser()
     cmd = None
     try:
-        a, extra = ap.parse_known_args(argv)
+        words = list(sys.argv[1:] if argv is None else argv)
+        a, extra = ap.parse_known_args(words)
         cmd = a.cmd
-        if extra:  # named for the command they were given to, as its other errors are
-            raise UsageError(f"wan-sage{' ' + cmd if cmd else ''}: unrecognized arguments: {' '.join(extra)}"
-                             + (f" (wan-sage {cmd} --help lists them)" if cmd else ""))
+        if extra:  # named for the command they were given to (after its name), as its other errors are
+            after = words[words.index(cmd) + 1:] if cmd in words else []
+            named = cmd if cmd and all(x in after for x in extra) else None
+            raise UsageError(f"wan-sage{' ' + named if named else ''}: unrecognized arguments: {' '.join(extra)}"
+                             + (f" (wan-sage {named} --help lists them)" if named else ""))
         if cmd is None:  # bare `wan-sage`: say what it does and how to use it; no command ran
             ap.print_help(sys.stderr)
             return 2

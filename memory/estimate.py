@@ -633,7 +633,7 @@ def plan(s: Setup) -> Estimate:
             return activation_bytes(dims, replace(w, L=local), s.weights, partial=False)["total"]
         per = parallel.per_rank(s.parallel, dims, L, rows_seq, activation_model.DTYPE_BYTES[s.dtype], att.self_path,
                                 s.weights_bytes, local_total, uncond=s.cfg != 1.0)
-        if room is not None and per["weights_bytes"] is not None:
+        if room is not None and per["weights_bytes"] is not None and not s.dynamic_vram:
             # each rank is a GPU of its own: its weights against its working memory, as for one GPU
             need = per["working_bytes"] + s.margin_bytes
             per["verdict"], off = verdict_for(per["weights_bytes"], need, need, room, s.margin_bytes)

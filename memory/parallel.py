@@ -69,9 +69,6 @@ def problem(par: Parallel, heads: int, cfg: float) -> tuple | None:
         fits = [u for u in range(1, min(heads, DEGREE_MAX) + 1) if heads % u == 0]
         return "ulysses", (f"must divide the model's {heads} heads (Ulysses splits the heads over ranks), got "
                            f"{par.ulysses}: use one of {', '.join(map(str, fits))}")
-    if par.fsdp and par.world_size == 1:
-        return "fsdp", ("shards the weights over the ranks, and these degrees make one rank: add a Ulysses, ring "
-                        "or CFG-parallel degree, or drop it for one GPU")
     if par.cfg_parallel and cfg == 1.0:
         return "cfg_parallel", "needs a cfg other than 1 (an uncond pass to put on the second rank): set cfg or drop it"
     return None

@@ -346,6 +346,9 @@ def build(p, env: Env = Env(), *, text: bool = False, labels: dict | None = None
                    ring=f.number("ring", 1, 1, DEGREE_MAX, integer=True), fsdp=f.flag("fsdp"),
                    cfg_parallel=f.flag("cfg_parallel"))
     wrong = problem(par, dims.num_heads, cfg)
+    if wrong is None and par.fsdp and par.world_size == 1:  # a request's degrees: FSDP needs ranks to shard over
+        wrong = ("fsdp", "shards the weights over the ranks, and these degrees make one rank: add a Ulysses, ring or "
+                         "CFG-parallel degree, or drop it for one GPU")
     if wrong is not None:
         raise RequestError(wrong[0], f"{f.label(wrong[0])} {wrong[1]}")
     latent = activation_model.latent_shape(dims, width, height, frames, batch)

@@ -168,7 +168,7 @@ def _shell_quote(s):
     (["--vram", "0.5e4"], "--vram must be more than 0 and at most 4096 (GiB), got 5000"),
     (["--margin", "-0.5"], "--margin must be between 0 and 1024 (GiB), got -0.5"),
 ])
-def test_a_number_out_of_range_is_shown_as_typed_with_its_whole_range(capsys, flags, message):
+def test_a_number_out_of_range_is_shown_whole_where_it_is_with_its_whole_range(capsys, flags, message):
     code, _out, err = run(capsys, PRESET + flags)
     assert_one_line(code, err, message)
 
@@ -180,6 +180,8 @@ def test_the_command_line_itself(capsys):
     assert "bench_kernels" not in err  # the package's module list is not the user's help
     code, _out, err = run(capsys, PRESET + ["--wdith", "832"])
     assert_one_line(code, err, "wan-sage plan: unrecognized arguments: --wdith 832")
+    code, _out, err = run(capsys, ["--bogus", *PRESET])  # given to wan-sage itself, not to plan
+    assert_one_line(code, err, "wan-sage: unrecognized arguments: --bogus")
     code, _out, err = run(capsys, ["bench", "--iters", "0"])
     assert_one_line(code, err, "--iters must be between 1 and 1000, got 0")
 

@@ -123,3 +123,12 @@ def test_fsdp_over_one_rank_is_refused_naming_the_field():
         request.build(dict(A14B_720P81, fsdp=True))
     assert e.value.field == "fsdp" and "one rank" in str(e.value)
     assert estimate(fsdp=True, cfg=5.0, cfg_parallel=True).per_rank["world_size"] == 2
+
+
+def test_an_fsdp_model_on_one_rank_keeps_its_estimate_and_dynamic_vram_gets_no_rank_verdict():
+    """The one-rank refusal is the request's (a user's flags); degrees read from a running model are estimated as
+    they are.  Under dynamic VRAM, where ComfyUI evicts weights on demand, no rank gets an offload verdict."""
+    from dataclasses import replace
+    setup = request.build(dict(A14B_720P81, vram_gib=24, ulysses=2)).setup
+    assert plan(replace(setup, parallel=Parallel(fsdp=True))).per_rank["world_size"] == 1
+    assert plan(replace(setup, dynamic_vram=True)).per_rank.get("verdict") is None
