@@ -15,6 +15,7 @@ import json
 import math
 import re
 import statistics
+import string
 import sys
 from pathlib import Path
 from unittest import mock
@@ -1913,7 +1914,7 @@ def whole_sets(paths=None) -> list[dict]:
                 and (r.get("env") or {}).get("allocator") in (None, "cudaMallocAsync")]
         if recs:
             rounds = per_file[p]
-            label = p.stem + (f" ({'abcdefghij'[rounds.index(rnd)]})" if len(rounds) > 1 else "")
+            label = p.stem + (f" ({string.ascii_lowercase[rounds.index(rnd)]})" if len(rounds) > 1 else "")
             out.append(dict(file=p, label=label, runs=recs))
     return out
 
@@ -2286,7 +2287,7 @@ def e2e_sets() -> list[dict]:
         per_file.setdefault(p, []).append(rnd)
     for p, rnd, rs in sets:
         rounds = per_file[p]
-        label = p.stem + (f" ({'abcdefghij'[rounds.index(rnd)]})" if len(rounds) > 1 else "")
+        label = p.stem + (f" ({string.ascii_lowercase[rounds.index(rnd)]})" if len(rounds) > 1 else "")
         runs = []
         for r in rs:
             if r.get("schema") == plot_e2e.SCHEMA and "config" in r and plot_e2e.faithful(r):

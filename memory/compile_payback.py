@@ -44,7 +44,9 @@ STREAMED_GRAPH_S = 1.8
 # bench/records/whole-prompt/gguf-720p81-4steps-compiled-blocks.jsonl, round g, process 2: A14B 720p81 at 16 GiB,
 # every weight resident, its first compiled step 20.07 s against 9.47 s for the next (10.6 s).  Only this graph:
 # on the H200 the files did not give back a graph traced with weights streamed, and a whole-model compile with
-# the file was not measured, so both keep their cost.
+# the file was not measured, so both keep their cost.  On rows it was not set from the cost measured 4.3-9.4 s (its
+# Triton kernels are built again in each process, at the machine's speed): it errs long, so the payback it gives
+# comes no earlier than the real one.
 KEPT_GRAPH_S = 10.0
 # The whole diffusion model as one graph (TorchCompileModel's default key), per block inlined: 9 s.  Set from
 # bench/records/e2e/gguf-compile.jsonl: the whole-model compile of A14B's 40 blocks took 359.9 s.

