@@ -311,6 +311,12 @@ class Setup:
     # Where the weights stream, the forward is planned as the larger of the eager one (streamed GGUF included,
     # fragmentation_bytes) and the compiled one holding a block's staged weights (staged_block_bytes).
     streamed_blocks_staged: bool = False
+    # How Wan Compile Blocks has run this model's streamed blocks so far (the node's count, kept for the process):
+    # "" none yet, or one ran eagerly: planned as above; "lifted": every streamed call ran in the resident block's
+    # graph, with the block's weights copied onto the GPU as stored (lifted_block_bytes); "staged": some ran the
+    # staged graph, with the block's weights in the compute dtype (staged_block_bytes).  Either of those two: the
+    # compiled forward plus that one block's weights, with no eager floor (no block of the model runs eagerly).
+    streamed_blocks_ran: str = ""
     legacy_reason: str | None = None  # why the reservation places the weights (the legacy path), when known
     # A Wan VAE decode of this latent follows the sampling, in a dtype of this many bytes: on the legacy path the
     # reservation in force keeps the room the decode takes (memory.vae_decode), so the decode evicts none of the
@@ -419,19 +425,36 @@ def staged_block_bytes(dims: activation_model.WanDims, dtype: str) -> int:
     return activation_model.DTYPE_BYTES[dtype] * params
 
 
+def lifted_block_bytes(dims: activation_model.WanDims, ws: activation_model.WeightSetup, dtype: str) -> int:
+    """One transformer block's Linear weights and biases as stored (GGUF's quantized bytes): what a streamed block
+    that Wan Compile Blocks lifts into the resident block's graph copies onto the GPU for its call."""
+    per_param = (ws.gguf_bytes_per_param if ws.gguf
+                 else activation_model.DTYPE_BYTES[ws.weight_dtype or dtype])
+    return int(staged_block_bytes(dims, dtype) / activation_model.DTYPE_BYTES[dtype] * per_param)
+
+
+STREAMED_PATHS = ("lifted", "staged")  # Setup.streamed_blocks_ran: the compiled ways a streamed block runs
+
+
 def _with_staged(s: Setup, w: activation_model.Workload, par: dict) -> dict:
-    """The streamed terms under Wan Compile Blocks: the eager streamed forward's, raised to the compiled forward
-    with a block's staged weights where that holds more (the ``staged_block`` term).  Weights cast at every call
-    (fp8) keep the eager figure: their blocks run eagerly where ComfyUI patches a LoRA in at each call, and lifted
-    where not, with the casts in the resident block's graph, which compiled resident fp8 blocks are planned as
-    eager for (``COMPILED_CAST_NOTE``)."""
-    par = dict(par, staged_block=0)
+    """The streamed terms under Wan Compile Blocks.  Until the model's streamed blocks have run compiled and none
+    eagerly (``Setup.streamed_blocks_ran``): the eager streamed forward's, raised to the compiled forward with a
+    block's staged weights where that holds more (the ``staged_block`` term).  After: the compiled forward plus the
+    one block's weights its path holds (``streamed_compiled``).  Weights cast at every call (fp8) keep the eager
+    figure: their blocks run eagerly where ComfyUI patches a LoRA in at each call, and lifted where not, with the
+    casts in the resident block's graph, which compiled resident fp8 blocks are planned as eager for
+    (``COMPILED_CAST_NOTE``)."""
+    par = dict(par, staged_block=0, streamed_compiled=False)
     if not w.compiled or s.weights.casts_to(w.dtype):
         return par
     staged = activation_bytes(s.dims, w, replace(s.weights, streamed=False), partial=False,
                               other_compile=s.other_compile)
     if staged["compiled_as_eager"]:
         return par
+    if s.streamed_blocks_ran in STREAMED_PATHS:
+        held = (lifted_block_bytes(s.dims, s.weights, w.dtype) if s.streamed_blocks_ran == "lifted"
+                else staged_block_bytes(s.dims, w.dtype))
+        return dict(staged, staged_block=held, streamed_compiled=True, total=staged["total"] + held)
     more = staged["total"] + staged_block_bytes(s.dims, w.dtype) - par["total"]
     if more > 0:
         par["staged_block"], par["total"] = more, par["total"] + more

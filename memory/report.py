@@ -134,7 +134,8 @@ def report(est: Estimate, held: str | None = None, gpu: str | None = None, notes
         ("allocator slack", _g(res["slack"]), _g(par["slack"])),
     ]
     if par.get("staged_block"):
-        rows.append(("compiled with a block staged, above eager", "", _g(par["staged_block"])))
+        rows.append(("a streamed block's weights, compiled" if par.get("streamed_compiled")
+                     else "compiled with a block staged, above eager", "", _g(par["staged_block"])))
     if s.margin_bytes:
         rows.append(("margin", _g(s.margin_bytes), _g(s.margin_bytes)))
     label = "reservation per forward" + ("" if s.policy.startswith("wan-sage") else f" ({s.policy})")

@@ -21,7 +21,9 @@ every block of both experts of Wan 2.2 A14B, and no guard sees a streamed weight
 each call, so a block that ComfyUI loads or offloads between prompts takes the other path without a recompile, and
 the cast flags ComfyUI's partial unload and reload leave on a block's modules are settled before its compiled call
 (:func:`settle_cast_flags`).  The estimator plans a streamed load for the larger of the eager forward and the
-compiled one holding a block's staged weights (``memory.estimate.Setup.streamed_blocks_staged``).
+compiled one holding a block's staged weights (``memory.estimate.Setup.streamed_blocks_staged``), and, once the
+model's streamed blocks have run compiled with none eager, for the compiled one holding the one block's weights its
+path holds (:func:`streamed_blocks_ran`).
 
 A ComfyUI-GGUF block runs compiled with its weights cast through :mod:`.gguf_cast`: ComfyUI-GGUF's own cast, with
 the dequantization on plain tensors, given to the block's layers for that call only.
@@ -93,7 +95,8 @@ class BlockStandIn(torch.nn.Module):
     are resident, the compiled block with its Linears staged where some stream and the block can be staged
     (:mod:`.staged_blocks`), the block itself otherwise.  It holds both without registering them as its
     children, so it adds no parameters to the model it is swapped into.  ``ran`` counts its calls by path
-    (:data:`PATHS`) and ``why`` its eager calls by reason, since the last :func:`begin_run`."""
+    (:data:`PATHS`) and ``why`` its eager calls by reason, since the last :func:`begin_run`; ``ever`` its calls by
+    path since it was made (:func:`streamed_blocks_ran`)."""
 
     def __init__(self, block: torch.nn.Module, compiled):
         super().__init__()
@@ -101,6 +104,11 @@ class BlockStandIn(torch.nn.Module):
         object.__setattr__(self, "compiled", compiled)
         object.__setattr__(self, "ran", Counter())
         object.__setattr__(self, "why", Counter())
+        object.__setattr__(self, "ever", Counter())
+
+    def _count(self, path: str) -> None:
+        self.ran[path] += 1
+        self.ever[path] += 1
 
     def _compiled_call(self, x, args, kwargs):
         settle_cast_flags(self.block)
@@ -112,13 +120,13 @@ class BlockStandIn(torch.nn.Module):
         x = _input(args, kwargs)
         device = getattr(x, "device", None)
         if device is not None and block_resident(self.block, device):
-            self.ran["resident"] += 1
+            self._count("resident")
             return self._compiled_call(x, args, kwargs)
         with staged_blocks.staged(self.block, x) as staging:
             if staging:
-                self.ran[staging.path] += 1
+                self._count(staging.path)
                 return self._compiled_call(x, args, kwargs)
-        self.ran["eager"] += 1
+        self._count("eager")
         self.why[staging.why] += 1
         return self.block(*args, **kwargs)
 
@@ -172,6 +180,18 @@ def blocks_ran(model, model_options=None) -> BlocksRan | None:
         if s.ran:
             blocks[max(PATHS, key=lambda p: s.ran.get(p, 0))] += 1
     return BlocksRan({p: blocks[p] for p in PATHS}, {p: calls[p] for p in PATHS}, dict(why))
+
+
+def streamed_blocks_ran(model, model_options=None) -> str:
+    """How ``model``'s streamed blocks have run since the node made its stand-ins, for the estimator
+    (``memory.estimate.Setup.streamed_blocks_ran``): "" where none has streamed yet or a call ran eagerly (the next
+    may too), "staged" where a call ran the staged graph, else "lifted"."""
+    ever = Counter()
+    for s in stand_ins(model, model_options):
+        ever.update(s.ever)
+    if ever["eager"] or not (ever["lifted"] or ever["staged"]):
+        return ""
+    return "staged" if ever["staged"] else "lifted"
 
 
 def _wrapper(stand_ins: dict):

@@ -33,7 +33,7 @@ from ..memory import activation_model, report
 from ..memory.estimate import GiB, POLICIES, AttentionPlan, Estimate, Setup, attention_plan, plan
 from ..memory.parallel import Parallel, problem
 from ..memory.request import LEGACY_POLICIES
-from . import comfy_bridge, decode_room, host_copy, pinned_host, raylight_bridge, sage_patch
+from . import comfy_bridge, compile_blocks, decode_room, host_copy, pinned_host, raylight_bridge, sage_patch
 from .log_once import reason, warn_once
 from .sage_patch import find_override
 
@@ -224,11 +224,13 @@ def setup_for(model, shape, model_options, settings: Settings, *, assume_compile
         if wrong is not None:  # degrees this model cannot run: estimate one GPU and say why
             notes.append(f"Raylight degrees not used: {wrong[0]} {wrong[1]}")
             par = Parallel()
+    blocks_node = comfy_bridge.compile_blocks_node(model, model_options)
     return Setup(dims=dims, parallel=par, latent=tuple(int(x) for x in shape[:5]), dtype=dtype,
                  attention=att, sage_grouped=mode.sage_grouped and att.self_path != "sdpa",
                  compiled=mode.compiled or assume_compiled,
                  other_compile=scope is not None and not (mode.compiled or assume_compiled),
-                 streamed_blocks_staged=comfy_bridge.compile_blocks_node(model, model_options),
+                 streamed_blocks_staged=blocks_node,
+                 streamed_blocks_ran=compile_blocks.streamed_blocks_ran(model, model_options) if blocks_node else "",
                  margin_bytes=int(settings.margin_gib * GiB),
                  policy=settings.policy, fixed_bytes=int(settings.fixed_gib * GiB), streamed=streamed,
                  img_tokens=dims.img_tokens, per_frame_timesteps=dims.per_frame_timesteps,

@@ -314,7 +314,8 @@ def compile_blocks_streamed(budget_fraction):
     by ComfyUI's own mark of a streamed module (``prev_comfy_cast_weights``, set by its lowvram load)."""
     import comfy.model_management as mm
     from torch._dynamo.utils import counters as dyn
-    from wan_sage.nodes import comfy_bridge, compile_blocks
+    from wan_sage.memory.estimate import plan
+    from wan_sage.nodes import comfy_bridge, compile_blocks, estimator
 
     layers = 3
     load = mm.LoadedModel.model_load
@@ -342,7 +343,12 @@ def compile_blocks_streamed(budget_fraction):
             graphs, recompiles = _dynamo_totals(dyn)
             counted = compile_blocks.count_compiled_blocks(c)
             ran = compile_blocks.blocks_ran(c)
+            # what the estimator plans the next sampling of this model with (memory.estimate.Setup.streamed_blocks_ran)
+            planned = estimator.setup_for(c, tuple(latent.shape), c.model_options, estimator.Settings())
             out[name] = {"graphs": graphs - graphs_before,
+                         "streamed_ran": compile_blocks.streamed_blocks_ran(c),
+                         "planned_ran": planned.streamed_blocks_ran,
+                         "planned_staged_block": plan(planned).partial["staged_block"],
                          "recompiles": recompiles,
                          "streamed_blocks": sum(1 for b in blocks if not not_streamed(b, None)),
                          "staged_blocks": counted[1], "resident_blocks": counted[0],

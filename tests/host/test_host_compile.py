@@ -101,6 +101,8 @@ def test_wan_compile_blocks_runs_streamed_blocks_staged_in_one_graph_for_both_ex
         assert r[e]["ran_calls"]["staged"] >= 2 * r["blocks"], r
         assert r[e]["ran_logged"] == [f"wan-sage: Wan Compile Blocks: {r['blocks']} of {r['blocks']} blocks ran "
                                       f"compiled (0 resident, {r['blocks']} streamed, staged)"], r
+        # so the estimator plans this model's next sampling as the compiled forward with a staged block's weights
+        assert r[e]["streamed_ran"] == r[e]["planned_ran"] == "staged" and r[e]["planned_staged_block"] > 0, r
     assert r["high"]["graphs"] == 1 and r["low"]["graphs"] == 0, r
 
 
@@ -112,6 +114,7 @@ def test_wan_compile_blocks_compiles_one_graph_for_both_resident_experts(report)
         assert r[e]["finite"] and r[e]["max_abs_diff"] <= 0.05 * max(1.0, r[e]["eager_max_abs"]), r
         assert r[e]["recompiles"] == 0, r
         assert r[e]["ran"] == {"resident": r["blocks"], "lifted": 0, "staged": 0, "eager": 0}, r
+        assert r[e]["streamed_ran"] == r[e]["planned_ran"] == "", r  # nothing streamed: the first plan stands
     assert r["high"]["graphs"] == 1 and r["low"]["graphs"] == 0, r
 
 

@@ -610,3 +610,39 @@ def test_the_sage_patchs_panel_line_says_how_the_blocks_ran():
     plain = sage_patch._compile_payback(_guider(_patcher(_wrapper_closing_over(BLOCK_KEYS, True),
                                                          [Block() for _ in range(40)])), _args(), {})
     assert "blocks" not in plain and "Wan Compile Blocks" not in plain["text"]  # nothing counted: the payback alone
+
+
+def test_the_estimator_hears_how_the_streamed_blocks_ran_since_the_stand_ins_were_made(lifter):
+    """streamed_blocks_ran: "" until a streamed call ran compiled, "lifted" or "staged" after, and "" for good once a
+    call ran eagerly; begin_run (a new sampling) forgets none of it."""
+    resident_block = QuantBlock()
+    for m in resident_block.modules():  # loaded: no streaming mark
+        m.__dict__.pop("prev_comfy_cast_weights", None)
+    resident = compile_blocks.BlockStandIn(resident_block, lambda x: x)
+    lifted = compile_blocks.BlockStandIn(QuantBlock(), lambda x: x)
+    p = _node_patcher({"diffusion_model.blocks.0": resident, "diffusion_model.blocks.1": lifted})
+    x = torch.randn(2, 4)
+    assert compile_blocks.streamed_blocks_ran(p) == ""
+    resident(x)
+    assert compile_blocks.streamed_blocks_ran(p) == ""  # a resident call says nothing about streaming
+    lifted(x)
+    compile_blocks.begin_run(p)
+    assert compile_blocks.streamed_blocks_ran(p) == "lifted"
+
+    staged_block = QuantBlock()
+    staged_block.b.weight_function = [lambda w: w]
+    staged = compile_blocks.BlockStandIn(staged_block, lambda x: x)
+    p = _node_patcher({"diffusion_model.blocks.0": lifted, "diffusion_model.blocks.1": staged})
+    staged(x)
+    assert compile_blocks.streamed_blocks_ran(p) == "staged"
+
+    eager_block = QuantBlock()
+    eager_block.norm = torch.nn.LayerNorm(4)
+    eager_block.norm.prev_comfy_cast_weights, eager_block.norm.weight_function = False, [lambda w: w]
+    eager = compile_blocks.BlockStandIn(eager_block, lambda x: x)
+    p = _node_patcher({"diffusion_model.blocks.0": lifted, "diffusion_model.blocks.1": eager})
+    eager(x)
+    compile_blocks.begin_run(p)
+    lifted(x)
+    assert compile_blocks.streamed_blocks_ran(p) == ""
+    assert compile_blocks.streamed_blocks_ran(_patcher(_wrapper_closing_over(BLOCK_KEYS, False))) == ""  # not the node

@@ -4,7 +4,7 @@ fp8 records it was set from are replayed against it in bench/tests/test_fragment
 import pytest
 
 from wan_sage.memory import activation_model
-from wan_sage.memory.estimate import CALIBRATED, fragmentation_bytes, staged_block_bytes
+from wan_sage.memory.estimate import CALIBRATED, fragmentation_bytes, lifted_block_bytes, staged_block_bytes
 from wan_sage.memory.report import report as format_report
 from wan_sage.memory.weights import weights_for_key
 from setups import estimate
@@ -90,3 +90,33 @@ def test_weights_cast_at_every_call_are_not_staged_and_plan_eager():
     eager = estimate(A14B, 480, 320, 33, **kw)
     ours = estimate(A14B, 480, 320, 33, compiled=True, streamed_blocks_staged=True, **kw)
     assert ours.partial["staged_block"] == 0 and ours.partial["total"] == eager.partial["total"]
+
+
+def test_once_the_streamed_blocks_ran_compiled_the_streamed_load_is_the_compiled_forward_and_one_blocks_weights():
+    """After Wan Compile Blocks has run the model's streamed blocks compiled and none eagerly, no block runs the eager
+    forward: the streamed column is the compiled resident forward plus the one block's weights its path holds, as
+    stored where lifted (GGUF's quantized bytes, about 0.2 GiB for a Q4_K_M A14B block) and in the compute dtype
+    where staged, and it is below the eager floor the first run plans."""
+    plan = weights_for_key(A14B, "q4_k_m", True, compute="bf16")
+    kw = dict(attention="sdpa", weights=plan.setup, weights_bytes=plan.nbytes, compiled=True, streamed_blocks_staged=True)
+    lifted = lifted_block_bytes(A14B, plan.setup, "bf16")
+    assert 0.15 * GiB < lifted < 0.25 * GiB
+    assert lifted_block_bytes(A14B, _ws("bf16", lora=False), "bf16") == staged_block_bytes(A14B, "bf16")
+    for size in ((1280, 720, 81), (832, 480, 81), (480, 320, 33)):
+        first = estimate(A14B, *size, **kw)
+        resident = estimate(A14B, *size, compiled=True, attention="sdpa", weights=plan.setup,
+                            weights_bytes=plan.nbytes).resident["total"]
+        for ran, held in (("lifted", lifted), ("staged", staged_block_bytes(A14B, "bf16"))):
+            later = estimate(A14B, *size, streamed_blocks_ran=ran, **kw)
+            assert later.partial["total"] == resident + held and later.partial["staged_block"] == held, (size, ran)
+            assert later.partial["streamed_compiled"] and not first.partial["streamed_compiled"]
+            assert later.reservation_partial <= first.reservation_partial, (size, ran)
+            assert "a streamed block's weights, compiled" in format_report(later)
+        assert estimate(A14B, *size, streamed_blocks_ran="", **kw).partial == first.partial
+
+
+def test_cast_weights_keep_the_eager_streamed_load_however_the_blocks_ran():
+    plan = weights_for_key(A14B, "fp8", False, compute="bf16")
+    kw = dict(attention="sdpa", weights=plan.setup, weights_bytes=plan.nbytes, compiled=True, streamed_blocks_staged=True)
+    assert (estimate(A14B, 1280, 720, 81, streamed_blocks_ran="lifted", **kw).partial
+            == estimate(A14B, 1280, 720, 81, **kw).partial)
