@@ -4,6 +4,8 @@ The tests that hold the model to the records (bench/tests) and the docs rendered
 (``python -m bench.render_docs``) both predict through here, so a row is predicted one way only."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from . import _host
 
 _host.load_pack()
@@ -69,6 +71,17 @@ def e2e_estimate(config: dict, preset: str = "wan2.2-a14b", q_handed_over: bool 
                       weights=weights.setup, weights_bytes=weights.nbytes, dtype="bf16",
                       compiled=compiled_blocks(config), q_handed_over=q_handed_over,
                       other_compile=bool(config.get("compile")) and not compiled_blocks(config)))
+
+
+def streamed_blocks_estimate(config: dict, ran: str, grouped: bool, dtype: str = "fp16",
+                             preset: str = "wan2.2-a14b") -> Estimate:
+    """The estimate the node makes for a whole-prompt run under Wan Compile Blocks once the model's streamed blocks
+    have run compiled (``ran``: "lifted" or "staged", ``Setup.streamed_blocks_ran``): its configuration as
+    :func:`e2e_estimate` plans it, in the run's compute ``dtype``, with q handed over to the Sage patch and its
+    self-attention ``grouped`` as the run's dispatcher settled it."""
+    est = e2e_estimate(config, preset, q_handed_over=True)
+    return plan(replace(est.setup, dtype=dtype, compiled=True, streamed_blocks_staged=True, streamed_blocks_ran=ran,
+                        sage_grouped=grouped))
 
 
 def compiled_blocks(config: dict) -> bool:

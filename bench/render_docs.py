@@ -578,9 +578,16 @@ def compile_section() -> list:
   a process is run both ways, and a difference in any bit keeps that kind eager. When a sampling ends the node logs
   how its blocks ran (resident, lifted, staged or eagerly, with the reason of each eager call: "Wan Compile Blocks:
   40 of 40 blocks ran compiled (12 resident, 28 streamed, lifted into the resident block's graph)"), the Sage
-  patch's panel adds that line to its compile line, and the payback counts the blocks as they ran. The estimator plans a streamed load for the larger
-  of the eager forward and the compiled one plus a block's staged weights (0.65 GiB at A14B in bf16; at 480p81 and
-  720p81 the eager forward is the larger). Compiling a streamed block with its Linear layers left out of the
+  patch's panel adds that line to its compile line, and the payback counts the blocks as they ran. Until the
+  model's streamed blocks have run, the estimator plans a streamed load for the larger of the eager forward and the
+  compiled one plus a block's staged weights (0.65 GiB at A14B in bf16; at 480p81 and 720p81 the eager forward is the
+  larger): a block the node cannot lift or stage runs eagerly. Once they have run compiled with none eagerly (the
+  node's count since it made its stand-ins), it plans the compiled forward plus the one block's weights its path
+  holds: as stored where lifted (0.20 GiB for a Q4_K_M A14B block), in the compute dtype where staged. On the 12 GiB
+  seed records (`gguf-720p81-4steps-compiled-blocks.jsonl`, rounds `i` and `j`) that plan is 5.46 GiB where every
+  streamed expert held 5.00-5.09 GiB above its base (`bench/tests/test_compiled_streamed_records.py`), against the
+  7.90 GiB of the eager floor: 2.4 GiB more of a 12 GiB budget left to the weights from the repeat prompt on.
+  Compiling a streamed block with its Linear layers left out of the
   graph (each behind a `torch.compiler.disable`d stand-in) was measured and not adopted: each graph break passes
   the values live at it on to the next compiled piece, which holds them until the block returns. One A14B block at
   1280×720×81 with its Linears streamed held 7.50 GiB above its input that way, against 5.77 GiB eagerly and

@@ -1,0 +1,50 @@
+"""The streamed reservation under Wan Compile Blocks once the model's streamed blocks have run compiled
+(``memory.estimate.Setup.streamed_blocks_ran``), against the whole-prompt records of the node: the compiled forward
+plus the one block's weights its path holds must cover what each streamed expert held above its base, within +15 %.
+The rule has no constant fitted to these rows; the rows are every streamed expert of the node's records."""
+from __future__ import annotations
+
+import pytest
+
+from bench import _records
+from bench.measured_rows import streamed_blocks_estimate
+
+GiB = 1 << 30
+
+
+def _streamed_experts() -> list:
+    """(id, config, path, grouped, GiB held above the base at the step peak, reserved) per streamed expert whose
+    blocks all ran compiled (lifted or staged, none eagerly) under the node."""
+    out = []
+    for p in _records.files("whole-prompt"):
+        for r in _records.rows(p):
+            c = r.get("config") or {}
+            if (c.get("compile") or {}).get("node") != "Wan Compile Blocks" or r.get("status") not in (None, "ok"):
+                continue
+            for pr in r.get("prompts") or []:
+                ran = ((pr.get("compile") or {}).get("blocks_ran") or {})
+                for ex, e in (pr.get("experts") or {}).items():
+                    calls = (ran.get(ex) or {}).get("calls") or {}
+                    if (pr.get("status") != "ok" or e["resident_frac"] >= 0.9999 or calls.get("eager")
+                            or not (calls.get("lifted") or calls.get("staged"))):
+                        continue
+                    att = e.get("attention") or {}
+                    grouped = att.get("head_split_calls", 0) == att.get("sage_calls", 0) > 0
+                    held = max(e["step_peak_reserved_gib"]) - e["base_reserved_gib"]
+                    out.append((f"{p.stem} {r.get('round')} {(r.get('process') or {}).get('index')} {pr['prompt']} {ex}",
+                                c, "staged" if calls.get("staged") else "lifted", grouped, held))
+    return out
+
+
+STREAMED = _streamed_experts()
+
+
+@pytest.mark.parametrize("name,config,ran,grouped,held", STREAMED, ids=[x[0] for x in STREAMED])
+def test_the_compiled_streamed_reservation_covers_the_run_within_15_percent(name, config, ran, grouped, held):
+    planned = streamed_blocks_estimate(config, ran, grouped).reservation_partial / GiB
+    assert 1.0 <= planned / held <= 1.15, (planned, held)
+
+
+def test_the_rows_cover_repeat_prompts_and_grouped_and_ungrouped_sage():
+    assert {n.split()[-2] for n, *_ in STREAMED} >= {"first", "repeat"}
+    assert {g for *_, g, _h in STREAMED} == {True, False}
