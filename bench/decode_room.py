@@ -59,6 +59,8 @@ def one(args) -> dict:
     ce = _host.comfy_env()
     ns = ce.boot(cpu=False, quiet=True)
     mm = ns.model_management
+    if args.cudnn_benchmark:
+        torch.backends.cudnn.benchmark = True
     import comfy.sd
     import comfy.utils
     from . import e2e_models as EM
@@ -140,6 +142,9 @@ def main(argv=None) -> int:
     ap.add_argument("--models-dir", default=".e2e/models")
     ap.add_argument("--out", default=None)
     ap.add_argument("--timeout-s", type=float, default=240)
+    ap.add_argument("--cudnn-benchmark", action="store_true",
+                    help="cuDNN times its engines for each convolution shape at its first call and keeps the fastest "
+                         "(torch.backends.cudnn.benchmark; ComfyUI's default leaves it off)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
@@ -156,6 +161,7 @@ def main(argv=None) -> int:
     for s in scenarios:
         cmd = [sys.executable, "-m", "bench.decode_room", "--one", s, "--budget-gb", str(args.budget_gb),
                "--res", args.res, "--allocator", args.allocator, "--models-dir", args.models_dir]
+        cmd += ["--cudnn-benchmark"] if args.cudnn_benchmark else []
         t0 = time.perf_counter()
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s,

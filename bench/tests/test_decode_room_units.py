@@ -185,3 +185,14 @@ def test_decode_room_extra_reaches_the_estimators_reservation():
     assert after.room_for_weights == before.room_for_weights - 2 * e2e.GiB
     assert after_unload.decode_unload == before_unload.decode_unload + 2 * e2e.GiB > 2 * e2e.GiB
     assert setups()[0].decode_floor == before.decode_floor
+
+
+def test_cudnn_benchmark_reaches_each_scenarios_process(monkeypatch):
+    seen = []
+
+    class Done:
+        stdout, stderr = "", "no output"
+    monkeypatch.setattr(decode_room.subprocess, "run", lambda cmd, **kw: seen.append(cmd) or Done())
+    decode_room.main(["--scenarios", "room:15", "--cudnn-benchmark"])
+    decode_room.main(["--scenarios", "room:15"])
+    assert "--cudnn-benchmark" in seen[0] and "--cudnn-benchmark" not in seen[1]
