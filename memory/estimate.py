@@ -440,7 +440,8 @@ def _with_staged(s: Setup, w: activation_model.Workload, par: dict) -> dict:
     """The streamed terms under Wan Compile Blocks.  Until the model's streamed blocks have run compiled and none
     eagerly (``Setup.streamed_blocks_ran``): the eager streamed forward's, raised to the compiled forward with a
     block's staged weights where that holds more (the ``staged_block`` term).  After: the compiled forward plus the
-    one block's weights its path holds (``streamed_compiled``).  Weights cast at every call (fp8) keep the eager
+    one block's weights its path holds (``streamed_compiled``), except for a VACE model, whose VACE blocks the node
+    does not compile: they stream and run eagerly whatever the main blocks did.  Weights cast at every call (fp8) keep the eager
     figure: their blocks run eagerly where ComfyUI patches a LoRA in at each call, and lifted where not, with the
     casts in the resident block's graph, which compiled resident fp8 blocks are planned as eager for
     (``COMPILED_CAST_NOTE``)."""
@@ -451,7 +452,7 @@ def _with_staged(s: Setup, w: activation_model.Workload, par: dict) -> dict:
                               other_compile=s.other_compile)
     if staged["compiled_as_eager"]:
         return par
-    if s.streamed_blocks_ran in STREAMED_PATHS:
+    if s.streamed_blocks_ran in STREAMED_PATHS and not s.dims.vace_layers:
         held = (lifted_block_bytes(s.dims, s.weights, w.dtype) if s.streamed_blocks_ran == "lifted"
                 else staged_block_bytes(s.dims, w.dtype))
         return dict(staged, staged_block=held, streamed_compiled=True, total=staged["total"] + held)

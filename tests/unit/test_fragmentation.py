@@ -120,3 +120,22 @@ def test_cast_weights_keep_the_eager_streamed_load_however_the_blocks_ran():
     kw = dict(attention="sdpa", weights=plan.setup, weights_bytes=plan.nbytes, compiled=True, streamed_blocks_staged=True)
     assert (estimate(A14B, 1280, 720, 81, streamed_blocks_ran="lifted", **kw).partial
             == estimate(A14B, 1280, 720, 81, **kw).partial)
+
+
+def test_a_vace_model_keeps_the_first_runs_streamed_plan_however_its_main_blocks_ran():
+    """Wan Compile Blocks compiles the main blocks only: a VACE model's VACE blocks stream and run eagerly, so a
+    count of compiled main blocks does not lower its streamed column."""
+    from dataclasses import replace
+    vace = replace(A14B, model_type="vace", vace_layers=8)
+    plan = weights_for_key(vace, "q4_k_m", True, compute="bf16")
+    kw = dict(attention="sdpa", weights=plan.setup, weights_bytes=plan.nbytes, compiled=True,
+              streamed_blocks_staged=True, vace_streams=1)
+    first = estimate(vace, 1280, 720, 81, **kw)
+    for ran in ("lifted", "staged"):
+        later = estimate(vace, 1280, 720, 81, streamed_blocks_ran=ran, **kw)
+        assert later.partial == first.partial and not later.partial["streamed_compiled"], ran
+    # the same sizes without VACE blocks do come down, so the check above is not vacuous
+    plain = dict(kw, weights=weights_for_key(A14B, "q4_k_m", True, compute="bf16").setup)
+    plain.pop("vace_streams")
+    assert (estimate(A14B, 1280, 720, 81, streamed_blocks_ran="lifted", **plain).reservation_partial
+            < estimate(A14B, 1280, 720, 81, **plain).reservation_partial)
