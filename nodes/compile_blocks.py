@@ -22,8 +22,8 @@ each call, so a block that ComfyUI loads or offloads between prompts takes the o
 the cast flags ComfyUI's partial unload and reload leave on a block's modules are settled before its compiled call
 (:func:`settle_cast_flags`).  The estimator plans a streamed load for the larger of the eager forward and the
 compiled one holding a block's staged weights (``memory.estimate.Setup.streamed_blocks_staged``), and, once the
-model's streamed blocks have run compiled with none eager, for the compiled one holding the one block's weights its
-path holds (:func:`streamed_blocks_ran`).
+model's streamed Linears have run compiled with no call eager and no sampling failed, for the compiled one holding
+the one block's weights its path holds (:func:`streamed_blocks_ran`).
 
 A ComfyUI-GGUF block runs compiled with its weights cast through :mod:`.gguf_cast`: ComfyUI-GGUF's own cast, with
 the dequantization on plain tensors, given to the block's layers for that call only.
@@ -54,6 +54,8 @@ MODES = ("default", "max-autotune-no-cudagraphs")
 PATHS = ("resident", "lifted", "staged", "eager")  # how a stand-in ran its block (BlockStandIn.ran)
 STAND_INS = "wan_sage_stand_ins"  # on the wrapper: its dict of BlockStandIn s by key
 OUTER_KEY = "wan_sage_compile_blocks"  # the node's OUTER_SAMPLE wrapper: how the blocks ran, per sampling
+NO_LINEAR = "streamed-no-linear"  # BlockStandIn.ever: lifted with only modules beside the Linears streamed
+FAILED = "failed"  # BlockStandIn.ever: a sampling that raised (out of memory, a kernel) while the block was in it
 
 
 def block_resident(block, device) -> bool:
@@ -96,7 +98,8 @@ class BlockStandIn(torch.nn.Module):
     (:mod:`.staged_blocks`), the block itself otherwise.  It holds both without registering them as its
     children, so it adds no parameters to the model it is swapped into.  ``ran`` counts its calls by path
     (:data:`PATHS`) and ``why`` its eager calls by reason, since the last :func:`begin_run`; ``ever`` its calls by
-    path since it was made (:func:`streamed_blocks_ran`)."""
+    path since it was made, a lifted or staged call that moved no Linear under :data:`NO_LINEAR`, and the samplings
+    that failed under :data:`FAILED` (:func:`streamed_blocks_ran`)."""
 
     def __init__(self, block: torch.nn.Module, compiled):
         super().__init__()
@@ -106,9 +109,9 @@ class BlockStandIn(torch.nn.Module):
         object.__setattr__(self, "why", Counter())
         object.__setattr__(self, "ever", Counter())
 
-    def _count(self, path: str) -> None:
+    def _count(self, path: str, linears: bool = True) -> None:
         self.ran[path] += 1
-        self.ever[path] += 1
+        self.ever[path if linears else NO_LINEAR] += 1
 
     def _compiled_call(self, x, args, kwargs):
         settle_cast_flags(self.block)
@@ -124,7 +127,7 @@ class BlockStandIn(torch.nn.Module):
             return self._compiled_call(x, args, kwargs)
         with staged_blocks.staged(self.block, x) as staging:
             if staging:
-                self._count(staging.path)
+                self._count(staging.path, linears=staging.linears > 0)
                 return self._compiled_call(x, args, kwargs)
         self._count("eager")
         self.why[staging.why] += 1
@@ -184,14 +187,22 @@ def blocks_ran(model, model_options=None) -> BlocksRan | None:
 
 def streamed_blocks_ran(model, model_options=None) -> str:
     """How ``model``'s streamed blocks have run since the node made its stand-ins, for the estimator
-    (``memory.estimate.Setup.streamed_blocks_ran``): "" where none has streamed yet or a call ran eagerly (the next
-    may too), "staged" where a call ran the staged graph, else "lifted"."""
+    (``memory.estimate.Setup.streamed_blocks_ran``): "staged" where a call ran the staged graph, "lifted" where
+    calls lifted streamed Linears into the resident block's graph; "" where no streamed Linear has run compiled yet
+    (a block with only its ``modulation`` streamed proves nothing of its Linears), or where, ever, a call ran
+    eagerly or a sampling failed (the next may too: the eager floor stands for good)."""
     ever = Counter()
     for s in stand_ins(model, model_options):
         ever.update(s.ever)
-    if ever["eager"] or not (ever["lifted"] or ever["staged"]):
+    if ever["eager"] or ever[FAILED] or not (ever["lifted"] or ever["staged"]):
         return ""
     return "staged" if ever["staged"] else "lifted"
+
+
+def _failed(model, model_options) -> None:
+    """A sampling over ``model`` raised: its plan is not trusted again (:func:`streamed_blocks_ran`)."""
+    for s in stand_ins(model, model_options):
+        s.ever[FAILED] += 1
 
 
 def _wrapper(stand_ins: dict):
@@ -223,6 +234,13 @@ def outer_sample(executor, *args, **kwargs):
         return executor(*args, **kwargs)
     try:
         return executor(*args, **kwargs)
+    except BaseException as e:
+        if type(e).__name__ != "InterruptProcessingException":  # the user's cancel says nothing of the plan
+            try:
+                _failed(patcher, options)
+            except Exception:
+                pass
+        raise
     finally:
         try:
             ran = blocks_ran(patcher, options)

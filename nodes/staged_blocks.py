@@ -235,13 +235,14 @@ class _Lifted:
 
 class Staging:
     """What :func:`staged` did for one call: true where the block runs compiled; ``path`` is ``"lifted"`` (the
-    resident block's graph) or ``"staged"`` (the staged block's graph) then, and ``why`` says, where it is false,
-    why the block runs eagerly."""
+    resident block's graph) or ``"staged"`` (the staged block's graph) then, and ``linears`` how many of its Linears
+    were lifted or staged for it (0 where only a module beside them streamed); ``why`` says, where it is false, why
+    the block runs eagerly."""
 
-    __slots__ = ("ok", "path", "why")
+    __slots__ = ("ok", "path", "why", "linears")
 
-    def __init__(self, ok: bool, path: str | None = None, why: str | None = None):
-        self.ok, self.path, self.why = ok, path, why
+    def __init__(self, ok: bool, path: str | None = None, why: str | None = None, linears: int = 0):
+        self.ok, self.path, self.why, self.linears = ok, path, why, linears
 
     def __bool__(self) -> bool:
         return self.ok
@@ -262,9 +263,10 @@ def staged(block: torch.nn.Module, x):
         result = Staging(False, why=why or "nothing of the block streams")
         if actions is not None:
             path = "lifted" if all(a[0] == "lift" for a in actions) else "staged"
+            linears = sum(isinstance(a[1] if a[0] == "lift" else a[3], torch.nn.Linear) for a in actions)
             try:
                 differs = _apply(actions, x, swapped, lifted)
-                result = Staging(True, path) if differs is None else Staging(False, why=differs)
+                result = Staging(True, path, linears=linears) if differs is None else Staging(False, why=differs)
             except Exception as e:  # a copy that does not fit, a cast of another ComfyUI: the block runs eagerly
                 if type(e).__name__ == "InterruptProcessingException":  # the user's cancel goes on up
                     raise

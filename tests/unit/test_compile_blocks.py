@@ -646,3 +646,50 @@ def test_the_estimator_hears_how_the_streamed_blocks_ran_since_the_stand_ins_wer
     lifted(x)
     assert compile_blocks.streamed_blocks_ran(p) == ""
     assert compile_blocks.streamed_blocks_ran(_patcher(_wrapper_closing_over(BLOCK_KEYS, False))) == ""  # not the node
+
+
+def test_a_streamed_call_that_lifted_no_linear_does_not_lower_the_plan(lifter):
+    """A block whose only streamed module is one beside its Linears (its ``modulation``, a norm) runs the resident
+    block's graph, but says nothing of how its Linears will run once they stream: the eager floor stands."""
+    block = QuantBlock()
+    for m in (block.a, block.b):  # the Linears resident
+        m.__dict__.pop("prev_comfy_cast_weights")
+    block.norm = torch.nn.LayerNorm(4)
+    block.norm.comfy_cast_weights, block.norm.prev_comfy_cast_weights = True, False
+    only_norm = compile_blocks.BlockStandIn(block, lambda x: x)
+    p = _node_patcher({"diffusion_model.blocks.0": only_norm})
+    only_norm(torch.randn(2, 4))
+    assert only_norm.ran == {"lifted": 1}  # the sampling's log still calls it lifted
+    assert compile_blocks.streamed_blocks_ran(p) == ""
+    linears = compile_blocks.BlockStandIn(QuantBlock(), lambda x: x)
+    p = _node_patcher({"diffusion_model.blocks.0": only_norm, "diffusion_model.blocks.1": linears})
+    linears(torch.randn(2, 4))
+    assert compile_blocks.streamed_blocks_ran(p) == "lifted"
+
+
+def test_a_sampling_that_fails_keeps_the_eager_floor_for_good_but_a_cancel_does_not(lifter):
+    """Out of memory (or any failure) in a sampling planned from the compiled streamed path: the next estimate
+    goes back to the eager floor, and stays there.  A cancel is the user's, not the plan's."""
+    lifted = compile_blocks.BlockStandIn(QuantBlock(), lambda x: x)
+    p = _node_patcher({"diffusion_model.blocks.0": lifted})
+    x = torch.randn(2, 4)
+
+    def sampling_then(error):
+        def run(*a, **k):
+            lifted(x)
+            if error is not None:
+                raise error
+            return "latent"
+        return _executor(_guider(p), run)
+
+    assert compile_blocks.outer_sample(sampling_then(None)) == "latent"
+    assert compile_blocks.streamed_blocks_ran(p) == "lifted"
+    InterruptProcessingException = type("InterruptProcessingException", (Exception,), {})
+    with pytest.raises(InterruptProcessingException):
+        compile_blocks.outer_sample(sampling_then(InterruptProcessingException()))
+    assert compile_blocks.streamed_blocks_ran(p) == "lifted"
+    with pytest.raises(torch.OutOfMemoryError):
+        compile_blocks.outer_sample(sampling_then(torch.OutOfMemoryError("CUDA out of memory")))
+    assert compile_blocks.streamed_blocks_ran(p) == ""
+    assert compile_blocks.outer_sample(sampling_then(None)) == "latent"
+    assert compile_blocks.streamed_blocks_ran(p) == ""
