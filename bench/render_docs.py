@@ -582,9 +582,9 @@ def compile_section() -> list:
   model's streamed blocks have run, the estimator plans a streamed load for the larger of the eager forward and the
   compiled one plus a block's staged weights (0.65 GiB at A14B in bf16; at 480p81 and 720p81 the eager forward is the
   larger): a block the node cannot lift or stage runs eagerly. Once their Linears have run compiled with no call
-  eager and no sampling failed (the node's count since it made its stand-ins), it plans the compiled forward plus the one block's weights its path
-  holds: as stored where lifted (0.20 GiB for a Q4_K_M A14B block), in the compute dtype where staged; a VACE model
-  keeps the eager floor, since its VACE blocks are not compiled. On the 12 GiB
+  eager and no sampling failed (the node's count since it made its stand-ins), it plans the compiled forward plus
+  the one block's weights its path holds: as stored where lifted (0.20 GiB for a Q4_K_M A14B block), in the compute
+  dtype where staged; a VACE model keeps the eager floor, since its VACE blocks are not compiled. On the 12 GiB
   seed records (`gguf-720p81-4steps-compiled-blocks.jsonl`, rounds `i` and `j`) that plan is 5.46 GiB where every
   streamed expert held 5.00-5.09 GiB above its base (`bench/tests/test_compiled_streamed_records.py`), against the
   7.89 GiB of the eager floor: 2.4 GiB more of a 12 GiB budget left to the weights from the repeat prompt on.

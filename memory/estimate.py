@@ -441,8 +441,8 @@ def _with_staged(s: Setup, w: activation_model.Workload, par: dict) -> dict:
     eagerly (``Setup.streamed_blocks_ran``): the eager streamed forward's, raised to the compiled forward with a
     block's staged weights where that holds more (the ``staged_block`` term).  After: the compiled forward plus the
     one block's weights its path holds (``streamed_compiled``), except for a VACE model, whose VACE blocks the node
-    does not compile: they stream and run eagerly whatever the main blocks did.  Weights cast at every call (fp8) keep the eager
-    figure: their blocks run eagerly where ComfyUI patches a LoRA in at each call, and lifted where not, with the
+    does not compile: they stream and run eagerly whatever the main blocks did.  Weights cast at every call (fp8)
+    keep the eager figure: their blocks run eagerly where ComfyUI patches a LoRA in at each call, and lifted where not, with the
     casts in the resident block's graph, which compiled resident fp8 blocks are planned as eager for
     (``COMPILED_CAST_NOTE``)."""
     par = dict(par, staged_block=0, streamed_compiled=False)

@@ -31,6 +31,12 @@ SETTER_QUALNAME = "set_model_optimized_attention.<locals>.optimized_attention_ov
 MAX_CHAIN = 8
 
 
+def user_cancel(e: BaseException) -> bool:
+    """Whether ``e`` is ComfyUI's cancel of the prompt (``comfy.model_management.InterruptProcessingException``),
+    read by name so that nothing of ComfyUI is imported to ask."""
+    return type(e).__name__ == "InterruptProcessingException"
+
+
 def _closure_values(fn) -> list:
     out = []
     for cell in getattr(fn, "__closure__", None) or ():

@@ -235,7 +235,7 @@ def outer_sample(executor, *args, **kwargs):
     try:
         return executor(*args, **kwargs)
     except BaseException as e:
-        if type(e).__name__ != "InterruptProcessingException":  # the user's cancel says nothing of the plan
+        if not comfy_bridge.user_cancel(e):  # the user's cancel says nothing of the plan
             try:
                 _failed(patcher, options)
             except Exception:

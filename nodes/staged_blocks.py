@@ -36,7 +36,7 @@ import contextlib
 
 import torch
 
-from . import gguf_cast
+from . import comfy_bridge, gguf_cast
 from .log_once import warn_once
 
 _agreed: dict = {}  # a layer class -> whether, lifted or staged, it gave its own forward's output bit for bit
@@ -263,12 +263,12 @@ def staged(block: torch.nn.Module, x):
         result = Staging(False, why=why or "nothing of the block streams")
         if actions is not None:
             path = "lifted" if all(a[0] == "lift" for a in actions) else "staged"
-            linears = sum(isinstance(a[1] if a[0] == "lift" else a[3], torch.nn.Linear) for a in actions)
+            linears = sum(isinstance(_layer(a), torch.nn.Linear) for a in actions)
             try:
                 differs = _apply(actions, x, swapped, lifted)
                 result = Staging(True, path, linears=linears) if differs is None else Staging(False, why=differs)
             except Exception as e:  # a copy that does not fit, a cast of another ComfyUI: the block runs eagerly
-                if type(e).__name__ == "InterruptProcessingException":  # the user's cancel goes on up
+                if comfy_bridge.user_cancel(e):  # the user's cancel goes on up
                     raise
                 first = (str(e).splitlines() or [type(e).__name__])[0][:200]
                 warn_once(("staged-failed", type(e).__name__), "wan-sage: putting a streamed block's weights on the "
@@ -292,11 +292,16 @@ def _restore(swapped: list, lifted: list) -> None:
     lifted.clear()
 
 
+def _layer(action):
+    """The module a :func:`plan` action lifts or stages."""
+    return action[1] if action[0] == "lift" else action[3]
+
+
 def _apply(actions, x, swapped: list, lifted: list) -> str | None:
     """Lifts and stages ``actions`` for ``x``, recording each in ``swapped`` / ``lifted`` as it is done; None, or
     why the block runs eagerly where a layer kind's first check failed."""
     for action in actions:
-        layer = action[1] if action[0] == "lift" else action[3]
+        layer = _layer(action)
         linear = isinstance(layer, torch.nn.Linear)  # a lifted module of another kind moves its tensors only
         check = linear and type(layer) not in _agreed  # the first layer of its kind in this process
         before = _output(layer, x, layer.in_features) if check else None
