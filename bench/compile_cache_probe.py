@@ -10,7 +10,8 @@ start would find them.
 
 Per process: the first call (the compile) and a later one, in seconds; inductor's counters (FX graph cache hits,
 kernels compiled); how each Triton kernel found its launch configuration (``autotune_cache_state``: ``hit`` from the
-autotune cache, ``miss`` benchmarked, ``only 1 config``); the seconds dynamo's phases took (autotuning is
+autotune cache, ``miss`` benchmarked, ``only 1 config``; per kernel with a choice, whether its autotune cache file
+exists and matches one configuration); the seconds dynamo's phases took (autotuning is
 ``CachingAutotuner.benchmark_all_configs``); and, for the saved file, the artifacts it holds by kind.  On the H200 a
 process that hot-loaded the file still spent 2.6 s autotuning in the 20-step prompt's first step (docs/benchmarks.md,
 "Whole generation"); this says which kernels came back and which did not.
@@ -59,6 +60,50 @@ def autotune_states(torch) -> dict:
     return dict(states)
 
 
+def autotune_kernels(torch) -> list:
+    """Each Triton kernel loaded in this process that had configurations to choose from: its name, heuristic, how
+    many configurations it had and has left, its autotune cache state, whether its kernel file lies under this
+    process's inductor folder, and whether the autotune cache file its key names exists there (with how many of its
+    configurations match the choice written in it: torch reads the choice back only where exactly one does)."""
+    from torch._inductor.codecache import PyCodeCache
+    try:
+        from torch._inductor.runtime.autotune_cache import AutotuneCache
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        from torch._inductor.runtime.triton_heuristics import CachingAutotuner, hash_configs
+    except ImportError:  # no Triton: C++ kernels only
+        return []
+    rows, seen = [], set()
+    for m in list(PyCodeCache.modules):
+        for v in vars(m).values():
+            if not isinstance(v, CachingAutotuner) or id(v) in seen:
+                continue
+            seen.add(id(v))
+            configs = list(getattr(v, "configs", None) or [])
+            info = getattr(v, "autotune_cache_info", None) or {}
+            if len(configs) < 2 and info.get("autotune_cache_state") != "miss":
+                continue
+            name = getattr(getattr(v, "fn", None), "__name__", None) or str(getattr(v, "filename", "?"))
+            row = {"kernel": name, "heuristic": str(getattr(v, "heuristic_type", "")), "configs": len(configs),
+                   "launchers": len(getattr(v, "launchers", None) or []), "state": info.get("autotune_cache_state"),
+                   "file_in_cache_dir": str(getattr(v, "filename", "")).startswith(str(cache_dir()))}
+            try:
+                cache = AutotuneCache.create(v.inductor_meta, v.filename, hash_configs(configs))
+                local = cache.local_cache if cache is not None else None
+                path = local[1] if local else None
+                row["best_config_file"] = bool(path) and os.path.isfile(path)
+                if row["best_config_file"]:
+                    best = json.loads(Path(path).read_text())
+                    row["best_configs_hash_matches"] = best.get("configs_hash") == hash_configs(configs)
+                    row["matching_configs"] = sum(
+                        1 for c in configs
+                        if all(best.get(k) == val for k, val in c.kwargs.items())
+                        and c.num_warps == best.get("num_warps") and c.num_stages == best.get("num_stages"))
+            except Exception as e:  # torch's private API moved: say so in the row
+                row["error"] = f"{type(e).__name__}: {e}"
+            rows.append(row)
+    return rows
+
+
 def _child(a) -> int:
     """One process of the table: compile the block, time two calls, say what the caches gave, save or load the file."""
     sys.path.insert(0, str(ROOT / "tests" / "host"))
@@ -93,6 +138,7 @@ def _child(a) -> int:
     row = {"process": a.name, "first_call_s": times[0], "later_call_s": times[1], "loaded_artifacts": loaded,
            "inductor": {k: v for k, v in dyn_utils.counters["inductor"].items()},
            "autotune": autotune_states(torch),
+           "autotune_kernels": autotune_kernels(torch),
            "phases_s": {k: round(sum(v), 3) for k, v in sorted(dyn_utils.compilation_time_metrics.items())},
            "folders": {k: Path(os.environ[k]).name for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}}
     if a.save:
