@@ -586,8 +586,13 @@ def compile_section() -> list:
   the one block's weights its path holds: as stored where lifted (0.20 GiB for a Q4_K_M A14B block), in the compute
   dtype where staged; a VACE model keeps the eager floor, since its VACE blocks are not compiled. On the 12 GiB
   seed records (`gguf-720p81-4steps-compiled-blocks.jsonl`, rounds `i` and `j`) that plan is 5.46 GiB where every
-  streamed expert held 5.00-5.09 GiB above its base (`bench/tests/test_compiled_streamed_records.py`), against the
-  7.89 GiB of the eager floor: 2.4 GiB more of a 12 GiB budget left to the weights from the repeat prompt on.
+  streamed expert held 5.00-5.09 GiB above its base, against the 7.89 GiB of the eager floor: 2.4 GiB more of a 12
+  GiB budget left to the weights from the repeat prompt on. On the H200 at a size and budget it was not first
+  checked on (the 20-step A14B 832×480×81 at 12 GiB, `whole-prompt/void-compiled-streamed-plan-h200-588f023.jsonl`)
+  the repeat prompt planned 3.17 GiB where the experts held 2.56-2.59 GiB, against 4.14-4.30 GiB by the eager floor
+  on the first prompt, and 89 % of the weights stayed resident against 77-78 %; 0 out-of-memory errors. Over every
+  streamed expert of these records the plan covers what it held and runs 0.35-0.60 GiB over: 1.05-1.10× at
+  720p81, 1.19-1.22× at 832×480×81 (`bench/tests/test_compiled_streamed_records.py`).
   Compiling a streamed block with its Linear layers left out of the
   graph (each behind a `torch.compiler.disable`d stand-in) was measured and not adopted: each graph break passes
   the values live at it on to the next compiled piece, which holds them until the block returns. One A14B block at
