@@ -650,6 +650,16 @@ def compile_section() -> list:
   (`tests/unit/test_compile_cache.py`) a fresh process with empty inductor folders finds every graph of the
   files. On the H200 the files gave back the graph of resident weights but not one traced with weights
   streamed on the CPU{pack_expert_text()}, so they save most where every weight is resident.
+  What a file gives back, one A14B block at 1280×720×81 compiled in four fresh processes on the H200
+  (`python -m bench.compile_cache_probe`, `bench/records/compile/compile-cache-probe-588f023.jsonl` and
+  `compile-cache-probe-kernels-588f023.jsonl`): the first call took 12.6-13.1 s with inductor's and Triton's folders
+  empty, 3.6 s with only the pack's file, and 3.1-3.9 s with both folders kept, so the file restores what kept
+  folders do (the graph, its 280 Triton kernels, and the autotuning of 5 kernels). Two reduction kernels (the layer
+  norms fused with the modulation) are benchmarked again in every process, kept folders included: about 1 s a
+  graph. Their saved choice is in their cache file, under the hash of their list of configurations, but is none of
+  the configurations in that list, and torch reads a saved choice back only where it is one of them. Inductor adds
+  configurations with a smaller R0_BLOCK to a reduction that uses many registers after the list is hashed
+  (`dynamic_scale_rblock`), which would explain it; not measured yet.
 
 ### The gpu tier on the H200
 
