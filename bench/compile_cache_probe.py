@@ -45,19 +45,24 @@ def folders(work: Path, index: int, inductor: str, triton: str) -> dict:
     return {"TORCHINDUCTOR_CACHE_DIR": one("torchinductor", inductor), "TRITON_CACHE_DIR": one("triton", triton)}
 
 
-def autotune_states(torch) -> dict:
-    """How each Triton kernel loaded in this process found its configuration: count by ``autotune_cache_state``."""
+def _autotuners():
+    """Every Triton kernel (``CachingAutotuner``) of the modules inductor loaded in this process, as each module
+    holds it; none without Triton (C++ kernels only)."""
     from torch._inductor.codecache import PyCodeCache
     try:
         from torch._inductor.runtime.triton_heuristics import CachingAutotuner
-    except ImportError:  # no Triton: C++ kernels only
-        return {}
-    states = Counter()
+    except ImportError:
+        return
     for m in list(PyCodeCache.modules):
         for v in vars(m).values():
             if isinstance(v, CachingAutotuner):
-                states[(getattr(v, "autotune_cache_info", None) or {}).get("autotune_cache_state", "none")] += 1
-    return dict(states)
+                yield v
+
+
+def autotune_states(torch) -> dict:
+    """How each Triton kernel loaded in this process found its configuration: count by ``autotune_cache_state``."""
+    return dict(Counter((getattr(v, "autotune_cache_info", None) or {}).get("autotune_cache_state", "none")
+                        for v in _autotuners()))
 
 
 def autotune_kernels(torch) -> list:
@@ -65,42 +70,41 @@ def autotune_kernels(torch) -> list:
     many configurations it had and has left, its autotune cache state, whether its kernel file lies under this
     process's inductor folder, and whether the autotune cache file its key names exists there (with how many of its
     configurations match the choice written in it: torch reads the choice back only where exactly one does)."""
-    from torch._inductor.codecache import PyCodeCache
     try:
         from torch._inductor.runtime.autotune_cache import AutotuneCache
         from torch._inductor.runtime.cache_dir_utils import cache_dir
-        from torch._inductor.runtime.triton_heuristics import CachingAutotuner, hash_configs
+        from torch._inductor.runtime.triton_heuristics import hash_configs
     except ImportError:  # no Triton: C++ kernels only
         return []
     rows, seen = [], set()
-    for m in list(PyCodeCache.modules):
-        for v in vars(m).values():
-            if not isinstance(v, CachingAutotuner) or id(v) in seen:
-                continue
-            seen.add(id(v))
-            configs = list(getattr(v, "configs", None) or [])
-            info = getattr(v, "autotune_cache_info", None) or {}
-            if len(configs) < 2 and info.get("autotune_cache_state") != "miss":
-                continue
-            name = getattr(getattr(v, "fn", None), "__name__", None) or str(getattr(v, "filename", "?"))
-            row = {"kernel": name, "heuristic": str(getattr(v, "heuristic_type", "")), "configs": len(configs),
-                   "launchers": len(getattr(v, "launchers", None) or []), "state": info.get("autotune_cache_state"),
-                   "file_in_cache_dir": str(getattr(v, "filename", "")).startswith(str(cache_dir()))}
-            try:
-                cache = AutotuneCache.create(v.inductor_meta, v.filename, hash_configs(configs))
-                local = cache.local_cache if cache is not None else None
-                path = local[1] if local else None
-                row["best_config_file"] = bool(path) and os.path.isfile(path)
-                if row["best_config_file"]:
-                    best = json.loads(Path(path).read_text())
-                    row["best_configs_hash_matches"] = best.get("configs_hash") == hash_configs(configs)
-                    row["matching_configs"] = sum(
-                        1 for c in configs
-                        if all(best.get(k) == val for k, val in c.kwargs.items())
-                        and c.num_warps == best.get("num_warps") and c.num_stages == best.get("num_stages"))
-            except Exception as e:  # torch's private API moved: say so in the row
-                row["error"] = f"{type(e).__name__}: {e}"
-            rows.append(row)
+    for v in _autotuners():
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        configs = list(getattr(v, "configs", None) or [])
+        info = getattr(v, "autotune_cache_info", None) or {}
+        if len(configs) < 2 and info.get("autotune_cache_state") != "miss":
+            continue
+        name = getattr(getattr(v, "fn", None), "__name__", None) or str(getattr(v, "filename", "?"))
+        row = {"kernel": name, "heuristic": str(getattr(v, "heuristic_type", "")), "configs": len(configs),
+               "launchers": len(getattr(v, "launchers", None) or []), "state": info.get("autotune_cache_state"),
+               "file_in_cache_dir": str(getattr(v, "filename", "")).startswith(str(cache_dir()))}
+        try:
+            configs_hash = hash_configs(configs)
+            cache = AutotuneCache.create(v.inductor_meta, v.filename, configs_hash)
+            local = cache.local_cache if cache is not None else None
+            path = local[1] if local else None
+            row["best_config_file"] = bool(path) and os.path.isfile(path)
+            if row["best_config_file"]:
+                best = json.loads(Path(path).read_text())
+                row["best_configs_hash_matches"] = best.get("configs_hash") == configs_hash
+                row["matching_configs"] = sum(
+                    1 for c in configs
+                    if all(best.get(k) == val for k, val in c.kwargs.items())
+                    and c.num_warps == best.get("num_warps") and c.num_stages == best.get("num_stages"))
+        except Exception as e:  # torch's private API moved: say so in the row
+            row["error"] = f"{type(e).__name__}: {e}"
+        rows.append(row)
     return rows
 
 

@@ -442,8 +442,8 @@ def _with_staged(s: Setup, w: activation_model.Workload, par: dict) -> dict:
     block's staged weights where that holds more (the ``staged_block`` term).  After: the compiled forward plus the
     one block's weights its path holds (``streamed_compiled``), except for a VACE model, whose VACE blocks the node
     does not compile: they stream and run eagerly whatever the main blocks did.  Weights cast at every call (fp8)
-    keep the eager figure: their blocks run eagerly where ComfyUI patches a LoRA in at each call, and lifted where not, with the
-    casts in the resident block's graph, which compiled resident fp8 blocks are planned as eager for
+    keep the eager figure: their blocks run eagerly where ComfyUI patches a LoRA in at each call, and lifted where
+    not, with the casts in the resident block's graph, which compiled resident fp8 blocks are planned as eager for
     (``COMPILED_CAST_NOTE``)."""
     par = dict(par, staged_block=0, streamed_compiled=False)
     if not w.compiled or s.weights.casts_to(w.dtype):
