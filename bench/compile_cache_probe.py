@@ -130,7 +130,8 @@ def _child(a) -> int:
     def sync():
         if a.device == "cuda":
             torch.cuda.synchronize()
-    compiled = torch.compile(block, backend="inductor")
+    from wan_sage.nodes.compile_blocks import compile_kwargs
+    compiled = torch.compile(block, **({"backend": "inductor"} if a.torch_defaults else compile_kwargs("inductor")))
     times = []
     with torch.inference_mode():
         for _ in range(2):
@@ -162,6 +163,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--out", help="JSON lines, one per process")
     ap.add_argument("--timeout", type=int, default=300, help="seconds each process may take")
+    ap.add_argument("--torch-defaults", action="store_true",
+                    help="compile with torch's inductor defaults instead of Wan Compile Blocks' options")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--name", help=argparse.SUPPRESS)
     ap.add_argument("--save", help=argparse.SUPPRESS)
@@ -179,18 +182,19 @@ def main(argv=None) -> int:
             cmd = [sys.executable, "-m", "bench.compile_cache_probe", "--child", "--name", name, "--size", a.size,
                    "--dims", a.dims, "--device", a.device]
             cmd += ["--save", str(file)] if i == 1 else (["--load", str(file)] if load else [])
+            cmd += ["--torch-defaults"] if a.torch_defaults else []
             p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=a.timeout, check=False)
             found = [line[4:] for line in p.stdout.splitlines() if line.startswith("ROW ")]
             row = json.loads(found[-1]) if p.returncode == 0 and found else {
                 "process": name, "error": (p.stderr or p.stdout).strip().splitlines()[-1:]}
             row.update(size=a.size, dims=a.dims, device=a.device)
+            row["options"] = "torch defaults" if a.torch_defaults else "Wan Compile Blocks"
             print(json.dumps(row), flush=True)
             rows.append(row)
+            with open(a.out, "a" if i > 1 else "w") as f:  # row by row: a killed run keeps what it measured
+                f.write(json.dumps(row) + "\n")
             if i == 1 and not file.exists():
                 break  # nothing was saved: the other processes would measure nothing
-    with open(a.out, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
     return 0 if all("error" not in r for r in rows) else 1
 
 

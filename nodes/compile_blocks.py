@@ -57,6 +57,14 @@ OUTER_KEY = "wan_sage_compile_blocks"  # the node's OUTER_SAMPLE wrapper: how th
 NO_LINEAR = "streamed-no-linear"  # BlockStandIn.ever: lifted with only modules beside the Linears streamed
 FAILED = "failed"  # BlockStandIn.ever: a sampling that raised (out of memory, a kernel) while the block was in it
 
+# Inductor's options for the blocks.  dynamic_scale_rblock off: with it on, a reduction kernel whose registers limit
+# its occupancy gets extra configs with a halved R0_BLOCK after its config list is hashed for the autotune cache;
+# when one of those wins, the saved choice matches none of the listed configs in the next process, so the kernel is
+# benchmarked again at every ComfyUI start, even with every cache kept.  Measured with bench.compile_cache_probe
+# (bench/records/compile/): off, every autotuned kernel hits the cache in a later process, and a block's settled
+# call takes the same time.
+INDUCTOR_OPTIONS = {"dynamic_scale_rblock": False}
+
 
 def block_resident(block, device) -> bool:
     """Whether every parameter and buffer of ``block`` is on ``device`` (the device its input is on)."""
@@ -278,6 +286,18 @@ def count_compiled_blocks(model) -> tuple[int, int, int] | None:
     return resident, staged, len(blocks)
 
 
+def compile_kwargs(backend: str = "inductor", mode: str = "default") -> dict:
+    """``torch.compile``'s arguments for each block.  For inductor, the mode's options and :data:`INDUCTOR_OPTIONS`
+    (torch.compile takes a mode or options, not both)."""
+    kwargs = {"backend": backend, "options": None, "mode": None if mode == "default" else mode,
+              "fullgraph": False, "dynamic": None}
+    if backend == "inductor":
+        from torch._inductor import list_mode_options
+        kwargs["options"] = dict(list_mode_options(kwargs["mode"]) if kwargs["mode"] else {}, **INDUCTOR_OPTIONS)
+        kwargs["mode"] = None
+    return kwargs
+
+
 def apply_compile_blocks(model, backend: str = "inductor", mode: str = "default"):
     """A clone of ``model`` whose Wan blocks run compiled one by one, streamed ones staged; (model, status text).
     A model that is not Wan passes through unchanged, and says so."""
@@ -293,8 +313,7 @@ def apply_compile_blocks(model, backend: str = "inductor", mode: str = "default"
     if m is None:
         return model, note
     dm = comfy_bridge.diffusion_model(m)
-    kwargs = {"backend": backend, "options": None, "mode": None if mode == "default" else mode,
-              "fullgraph": False, "dynamic": None}
+    kwargs = compile_kwargs(backend, mode)
     stand_ins = {}
     for i, block in enumerate(dm.blocks):
         stand_ins[f"diffusion_model.blocks.{i}"] = BlockStandIn(block, torch.compile(block, **kwargs))

@@ -693,3 +693,13 @@ def test_a_sampling_that_fails_keeps_the_eager_floor_for_good_but_a_cancel_does_
     assert compile_blocks.streamed_blocks_ran(p) == ""
     assert compile_blocks.outer_sample(sampling_then(None)) == "latent"
     assert compile_blocks.streamed_blocks_ran(p) == ""
+
+
+@pytest.mark.parametrize("mode", compile_blocks.MODES)
+@pytest.mark.parametrize("backend", compile_blocks.BACKENDS)
+def test_torch_compile_takes_the_node_s_arguments_for_every_backend_and_mode(backend, mode):
+    """torch.compile refuses a mode and options together, and options for a backend that takes none."""
+    kwargs = compile_blocks.compile_kwargs(backend, mode)
+    torch.compile(torch.nn.Linear(2, 2), **kwargs)
+    if backend == "inductor" and mode != "default":
+        assert kwargs["options"]["max_autotune"]  # the mode's own options are kept
