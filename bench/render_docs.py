@@ -659,7 +659,10 @@ def compile_section() -> list:
   graph. Their saved choice is in their cache file, under the hash of their list of configurations, but is none of
   the configurations in that list, and torch reads a saved choice back only where it is one of them. Inductor adds
   configurations with a smaller R0_BLOCK to a reduction that uses many registers after the list is hashed
-  (`dynamic_scale_rblock`), which would explain it; not measured yet.
+  (`dynamic_scale_rblock`). Wan Compile Blocks compiles with it off: then, on an H100, a process that hot-loaded the
+  file found every kernel's choice in the autotune cache (7 of 7, no autotuning; with it on, 2 of 8 were benchmarked
+  again, 0.7 s) and the block's settled call took the same time, 0.27 s either way (bench/records/LOG.md, the probe
+  with `TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK=0` and with torch's default on one machine).
 
 ### The gpu tier on the H200
 
