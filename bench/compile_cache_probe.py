@@ -130,6 +130,7 @@ def _child(a) -> int:
     def sync():
         if a.device == "cuda":
             torch.cuda.synchronize()
+    _host.load_pack()
     from wan_sage.nodes.compile_blocks import compile_kwargs
     compiled = torch.compile(block, **({"backend": "inductor"} if a.torch_defaults else compile_kwargs("inductor")))
     times = []

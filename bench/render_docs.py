@@ -592,7 +592,14 @@ def compile_section() -> list:
   the repeat prompt planned 3.17 GiB where the experts held 2.56-2.59 GiB, against 4.14-4.30 GiB by the eager floor
   on the first prompt, and 89 % of the weights stayed resident against 77-78 %; 0 out-of-memory errors. Over every
   streamed expert of these records the plan covers what it held and runs 0.35-0.60 GiB over: 1.05-1.10× at
-  720p81, 1.19-1.22× at 832×480×81 (`bench/tests/test_compiled_streamed_records.py`).
+  720p81, 1.19-1.22× at 832×480×81 (`bench/tests/test_compiled_streamed_records.py`). The excess is the weight
+  transient, planned as the eager chain's 12 bytes per element of the largest Linear (a ComfyUI-GGUF dequantisation
+  in two bf16 copies, the LoRA's two fp32 ones): 0.79 GiB at A14B. Compiled, inductor fuses the chain and keeps 6
+  (the fp32 `up @ down` product, the bf16 weight; `python -m bench.compiled_weight_chain`,
+  `bench/records/compile/compiled-weight-chain-cpu.jsonl`), and the resident compiled experts of the same records
+  held 0.32-0.46 GiB above the forward's other terms, the streamed ones 0.19-0.45 GiB above those and the block's
+  weights. A 6-byte term covers the allocated peaks, but the pool held 0.05-0.27 GiB above them in those rows, and
+  the plan has no term for that, so the transient stays at the eager chain's figure.
   Compiling a streamed block with its Linear layers left out of the
   graph (each behind a `torch.compiler.disable`d stand-in) was measured and not adopted: each graph break passes
   the values live at it on to the next compiled piece, which holds them until the block returns. One A14B block at
