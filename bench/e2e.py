@@ -1142,6 +1142,12 @@ class Host:
                     if ran is not None and ran.any_calls:
                         row["compile"]["blocks_ran"][e] = {"blocks": ran.blocks, "calls": ran.calls, "why": ran.why}
                         self.log(f"e2e compile blocks {e}: {compile_blocks.blocks_ran_text(ran)}")
+            from .compile_cache_probe import autotune_kernels  # the Triton kernels benchmarked in this process
+            row["compile"]["autotune_missed"] = [k for k in autotune_kernels(torch) if k.get("state") == "miss"]
+            if row["compile"]["autotune_missed"]:
+                self.log("e2e compile autotune missed: " + ", ".join(
+                    f"{k['kernel']} ({k['configs']} configs, cache file {k.get('best_config_file')}, "
+                    f"{k.get('matching_configs')} matching)" for k in row["compile"]["autotune_missed"]))
             phases = row["compile"].get("phases") or {}
             top = sorted(((k, v) for k, v in phases.items() if k.startswith("s:")), key=lambda kv: -kv[1])[:8]
             self.log("e2e compile phases: " + ", ".join(f"{k[2:]} {v:.2f} s" for k, v in top)
