@@ -81,12 +81,16 @@ def autotune_kernels(torch) -> list:
         if id(v) in seen:
             continue
         seen.add(id(v))
+        # a kernel compiled in this process drops its list once compiled: its compiled configs stand for it
         configs = list(getattr(v, "configs", None) or [])
+        listed = bool(configs)
+        configs = configs or [r.config for r in (getattr(v, "compile_results", None) or []) if hasattr(r, "config")]
         info = getattr(v, "autotune_cache_info", None) or {}
         if len(configs) < 2 and info.get("autotune_cache_state") != "miss":
             continue
         name = getattr(getattr(v, "fn", None), "__name__", None) or str(getattr(v, "filename", "?"))
         row = {"kernel": name, "heuristic": str(getattr(v, "heuristic_type", "")), "configs": len(configs),
+               "configs_from": "list" if listed else "compiled",
                "launchers": len(getattr(v, "launchers", None) or []), "state": info.get("autotune_cache_state"),
                "file_in_cache_dir": str(getattr(v, "filename", "")).startswith(str(cache_dir()))}
         try:
@@ -98,6 +102,7 @@ def autotune_kernels(torch) -> list:
             if row["best_config_file"]:
                 best = json.loads(Path(path).read_text())
                 row["best_configs_hash_matches"] = best.get("configs_hash") == configs_hash
+                row["best"] = {k: v for k, v in best.items() if k not in ("configs_hash", "found_by_coordesc")}
                 row["matching_configs"] = sum(
                     1 for c in configs
                     if all(best.get(k) == val for k, val in c.kwargs.items())
