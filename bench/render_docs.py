@@ -670,9 +670,10 @@ def compile_section() -> list:
   file found every kernel's choice in the autotune cache (7 of 7, no autotuning; with it on, 2 of 8 were benchmarked
   again, 0.7 s) and the block's settled call took the same time, 0.27 s either way (bench/records/LOG.md, the probe
   with `TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK=0` and with torch's default on one machine). That block is bf16; the
-  GGUF A14B's graph still benchmarked kernels for 1.4 s in the 20-step prompt of a process that hot-loaded the file
-  (H100, `whole-prompt/void-rblock-off-h100-39bd122.jsonl`), so some of its kernels miss the autotune cache for
-  another reason, not yet found.
+  GGUF A14B's graph still benchmarked kernels for 1.4-1.9 s in the 20-step prompt of a process that hot-loaded the
+  file (H100, `whole-prompt/void-rblock-off-h100-39bd122.jsonl`, `void-autotune-missed-h100-16e0afb.jsonl`): all 17
+  of its kernels with a choice, pointwise ones too, missed the autotune cache although each one's saved choice file
+  existed. Why is not found yet.
 
 ### The gpu tier on the H200
 
