@@ -60,9 +60,9 @@ FAILED = "failed"  # BlockStandIn.ever: a sampling that raised (out of memory, a
 # Inductor's options for the blocks.  dynamic_scale_rblock off: with it on, a reduction kernel whose registers limit
 # its occupancy gets extra configs with a halved R0_BLOCK after its config list is hashed for the autotune cache;
 # when one of those wins, the saved choice matches none of the listed configs in the next process, so the kernel is
-# benchmarked again at every ComfyUI start, even with every cache kept.  Measured with bench.compile_cache_probe
-# (bench/records/compile/): off, every autotuned kernel hits the cache in a later process, and a block's settled
-# call takes the same time.
+# benchmarked again at every ComfyUI start, even with every cache kept.  Measured with bench.compile_cache_probe on
+# one bf16 A14B block (bench/records/LOG.md): off, each of its autotuned kernels hits the cache in a later process,
+# and its settled call takes the same time.  A GGUF block's graph still misses for a reason not found yet.
 INDUCTOR_OPTIONS = {"dynamic_scale_rblock": False}
 
 
