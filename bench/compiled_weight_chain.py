@@ -36,8 +36,8 @@ _MM = re.compile(r"extern_kernels\.(?:mm|addmm)\(")
 
 
 def live_buffers(code: str):
-    """Yield (line number, {buffer: (bytes, shape, dtype)}) after each line of inductor's wrapper code: the buffers
-    it allocated and has not deleted.  A buffer reused under a new name keeps its bytes."""
+    """Yield (line number, line, {buffer: (bytes, shape, dtype)}) after each line of inductor's wrapper code: the
+    buffers it allocated and has not deleted.  A buffer reused under a new name keeps its bytes."""
     live: dict = {}
     for i, line in enumerate(code.splitlines(), start=1):
         m = _ALLOC.match(line)
@@ -49,21 +49,19 @@ def live_buffers(code: str):
         else:
             for name in _DEL.findall(line):
                 live.pop(name, None)
-        yield i, dict(live)
+        yield i, line, dict(live)
 
 
 def weight_chains(code: str, d: int, f: int) -> list:
     """Per matmul whose weight is ``d x f`` or ``f x d`` (the FFN's two Linears): the most bytes of weight-shaped
     buffers alive at once before it, in units of ``d * f`` elements, with the buffers at that point."""
     shapes = {(d, f), (f, d)}
-    lines = code.splitlines()
     chains, best = [], (0, None)
-    for i, live in live_buffers(code):
+    for i, line, live in live_buffers(code):
         held = {k: v for k, v in live.items() if v[1] in shapes}
         total = sum(v[0] for v in held.values())
         if total > best[0]:
             best = (total, held)
-        line = lines[i - 1]
         if _MM.search(line) and any(f"reinterpret_tensor({k}, " in line for k in held if held[k][2] != "torch.float32"):
             chains.append({"line": i, "units": round(best[0] / (d * f), 3),
                            "buffers": [{"shape": list(v[1]), "dtype": v[2].replace("torch.", ""),

@@ -21,7 +21,7 @@ def call(args):
 
 
 def test_a_reused_buffer_keeps_its_bytes_and_a_deleted_one_frees_them():
-    seen = dict(live_buffers(CODE))
+    seen = {i: live for i, _line, live in live_buffers(CODE)}
     assert set(seen[5]) == {"buf0", "buf1", "buf2"}
     assert seen[5]["buf2"][0] == 8 * 64 * 4
     assert set(seen[9]) == {"buf2", "buf3"}
