@@ -1410,6 +1410,13 @@ def folder_contents(path) -> dict:
 # The cache folder a ``--caches pack DIR`` process keeps: the pack's own (its timing cache and the torch.compile
 # files it keeps, nodes/compile_cache.py); inductor's and Triton's start empty, as after a reboot.
 PACK_CACHE = "WAN_SAGE_CACHE_DIR"
+# Where a ``pack`` process's inductor and Triton folders lie, under the configuration's folder: the same path in
+# every process, emptied at each start, as a reboot empties the temporary folder torch's default cache path
+# names (``<temp>/torchinductor_<user>``) and leaves the path.  The path matters: a graph loaded from inductor's
+# cache brings its Triton kernels with the absolute file name they were compiled under, and torch looks for their
+# autotuning beside that name, so a fresh path per process would miss every kernel's saved choice where a user's
+# restart finds it.
+PACK_TEMP = "temp-emptied-each-start"
 
 
 def set_caches(mode: str, kept_dir: str | None, work_dir) -> dict:
@@ -1417,8 +1424,9 @@ def set_caches(mode: str, kept_dir: str | None, work_dir) -> dict:
     ``none``, fresh empty folders under ``work_dir`` (the first prompt after installing; removed at exit
     by :func:`drop_caches`), ``kept``, the folders under ``kept_dir``, made when missing and left for the
     next process (the first prompt after a restart, once a process has filled them), or ``pack``, the pack's
-    folder under ``kept_dir`` and fresh empty ones for inductor and Triton (the first prompt after a reboot
-    that emptied the temporary folders torch keeps its caches in).  Returns the record's ``caches``: the mode,
+    folder under ``kept_dir`` and empty ones for inductor and Triton at the same path in every process
+    (:data:`PACK_TEMP`: the first prompt after a reboot that emptied the temporary folders torch keeps its
+    caches in).  Returns the record's ``caches``: the mode,
     each variable's folder and what it held at the start."""
     import tempfile
     fresh = None
@@ -1427,8 +1435,11 @@ def set_caches(mode: str, kept_dir: str | None, work_dir) -> dict:
     elif mode == "kept" and kept_dir:
         base = Path(kept_dir).resolve()
     elif mode == "pack" and kept_dir:
+        import shutil
         base = Path(kept_dir).resolve()
-        fresh = Path(tempfile.mkdtemp(prefix="caches-pack-", dir=str(work_dir)))
+        fresh = base / PACK_TEMP
+        shutil.rmtree(fresh, ignore_errors=True)   # what an earlier process left, were it stopped before its exit
+        fresh.mkdir(parents=True)
     else:
         raise SystemExit("--caches takes 'none', 'kept DIR' or 'pack DIR'")
     folders, at_start = {}, {}

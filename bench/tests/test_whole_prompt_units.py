@@ -95,7 +95,7 @@ def test_caches_pack_keep_only_the_packs_folder_and_give_torch_fresh_ones(tmp_pa
     p1 = e2e.set_caches("pack", str(kept), tmp_path)
     assert p1["mode"] == "pack" and p1["folders"]["WAN_SAGE_CACHE_DIR"] == str(kept / "wan-sage")
     for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
-        assert p1["folders"][var].startswith(p1["fresh_dir"]) and not p1["folders"][var].startswith(str(kept))
+        assert p1["folders"][var].startswith(p1["fresh_dir"]) and not p1["folders"][var].startswith(str(kept / "wan-sage"))
     (kept / "wan-sage" / "compile").mkdir()
     (kept / "wan-sage" / "compile" / "a.bin").write_bytes(b"x" * 4)
     with open(os.path.join(p1["folders"]["TORCHINDUCTOR_CACHE_DIR"], "graph"), "wb") as f:
@@ -105,7 +105,12 @@ def test_caches_pack_keep_only_the_packs_folder_and_give_torch_fresh_ones(tmp_pa
     p2 = e2e.set_caches("pack", str(kept), tmp_path)
     assert p2["filled_at_start"] is True and p2["at_start"]["WAN_SAGE_CACHE_DIR"] == {"files": 1, "bytes": 4}
     assert p2["at_start"]["TORCHINDUCTOR_CACHE_DIR"] == {"files": 0, "bytes": 0}
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == p2["folders"]["TORCHINDUCTOR_CACHE_DIR"] != p1["folders"]["TORCHINDUCTOR_CACHE_DIR"]
+    # the same path as process 1's, emptied: a kernel's saved autotuning is looked up beside its compiled path
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == p2["folders"]["TORCHINDUCTOR_CACHE_DIR"] == p1["folders"]["TORCHINDUCTOR_CACHE_DIR"]
+    with open(os.path.join(p2["folders"]["TRITON_CACHE_DIR"], "left"), "wb") as f:
+        f.write(b"z")                                         # a process stopped before its exit left this
+    p3 = e2e.set_caches("pack", str(kept), tmp_path)
+    assert p3["at_start"]["TRITON_CACHE_DIR"] == {"files": 0, "bytes": 0}
     with pytest.raises(SystemExit):
         e2e.set_caches("pack", None, tmp_path)
 
