@@ -669,11 +669,17 @@ def compile_section() -> list:
   (`dynamic_scale_rblock`). Wan Compile Blocks compiles with it off: then, on an H100, a process that hot-loaded the
   file found every kernel's choice in the autotune cache (7 of 7, no autotuning; with it on, 2 of 8 were benchmarked
   again, 0.7 s) and the block's settled call took the same time, 0.27 s either way (bench/records/LOG.md, the probe
-  with `TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK=0` and with torch's default on one machine). That block is bf16; the
-  GGUF A14B's graph still benchmarked kernels for 1.4-1.9 s in the 20-step prompt of a process that hot-loaded the
-  file (H100, `whole-prompt/void-rblock-off-h100-39bd122.jsonl`, `void-autotune-missed-h100-16e0afb.jsonl`): all 17
-  of its kernels with a choice, pointwise ones too, missed the autotune cache although each one's saved choice file
-  existed. Why is not found yet.
+  with `TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK=0` and with torch's default on one machine).
+- **The path of torch's cache folder.** A graph found in inductor's cache brings its Triton kernels ready to launch,
+  each with the absolute file name it was compiled under, and torch looks for a kernel's saved choice beside that
+  name (`CachingAutotuner.recheck_autotune_cache`), not in the folder the file's choices were written into. Torch's
+  default folder keeps its path across restarts and reboots (`<temp>/torchinductor_<user>`), so the file's choices
+  are found there; a `TORCHINDUCTOR_CACHE_DIR` that changes from one start to the next loses them, and every kernel
+  with a choice is benchmarked again. On an H100, the 20-step GGUF A14B prompt of a process that had hot-loaded the
+  file benchmarked all 17 such kernels of its graph, 1.4-1.9 s, where each process had a folder of a new name
+  (`whole-prompt/void-rblock-off-h100-39bd122.jsonl`, `void-autotune-missed-h100-16e0afb.jsonl`); with one path
+  emptied at each start, as a reboot leaves it, none, and the prompt took 68.0 s to the frames against 72.5 s
+  (`whole-prompt/h100-gguf-480p81-20steps-24gib-compiled-blocks.jsonl`).
 
 ### The gpu tier on the H200
 
@@ -1165,7 +1171,8 @@ def decode_room_section() -> list:
          f"and `load_models_gpu` frees that figure plus 1.1× the VAE's weights first: for the Wan 2.1 VAE at 1280×720 in bf16,",
          f"{fig:.2f} + {vae:.2f} = {fig + vae:.2f} GiB above what it always keeps free (`memory/vae_decode.py`). Weights the sampling kept",
          "resident beyond that are evicted there, smallest modules first, and the decode runs among the holes they leave.",
-         "Whole prompts on the H200 (the decode of each prompt, first / repeat; *resident*: the diffusion model's GiB on",
+         "Whole prompts on the H200, and on an H100 in the `h100-` files (the decode of each prompt, first / repeat;",
+         "*resident*: the diffusion model's GiB on",
          "the GPU as the decode began; *free*: the device's free GiB then, where the record read it):\n",
          "| record | configuration | wan-sage | resident GiB | evicted GiB | free GiB | decode s |",
          "|---|---|---|---:|---:|---:|---:|"]
@@ -2137,7 +2144,9 @@ def whole_generation_section(paths=None) -> list:
          "alone + SDPA's seconds over the row's (above 1: faster), same workflow, budget, caches and machine round;",
          "medians where several processes ran. The process's own start (interpreter, ComfyUI's import) is apart, under",
          "*start-up*. `python -m bench.whole_prompt` (bench/README.md) wrote the records, on",
-         f"{vals('device')} with torch {vals('torch')} and ComfyUI {vals('comfyui')}; the graph is that of *The case* below.\n",
+         f"{vals('device')} with torch {vals('torch')} and ComfyUI {vals('comfyui')}; the graph is that of *The case* below.",
+         "A record file named `h100-...` was written on the H100, the others on the H200; a row's × is always against",
+         "ComfyUI alone on its own machine.\n",
          "| workflow | budget | caches at start | configuration | first prompt: to the latent | first prompt: to the "
          "frames | repeat prompt: to the latent | repeat prompt: to the frames | first prompt's first step, high / low "
          "| start-up | processes | records | wan-sage |",
