@@ -669,7 +669,8 @@ def compile_section() -> list:
   (`dynamic_scale_rblock`). Wan Compile Blocks compiles with it off: then, on an H100, a process that hot-loaded the
   file found every kernel's choice in the autotune cache (7 of 7, no autotuning; with it on, 2 of 8 were benchmarked
   again, 0.7 s) and the block's settled call took the same time, 0.27 s either way (bench/records/LOG.md, the probe
-  with `TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK=0` and with torch's default on one machine).
+  with `TORCHINDUCTOR_DYNAMIC_SCALE_RBLOCK=0` and with torch's default on one machine). The probe keeps process 1's
+  folder, where those choices were read (next item): what a cache path that stays the same across starts gives.
 - **The path of torch's cache folder.** A graph found in inductor's cache brings its Triton kernels ready to launch,
   each with the absolute file name it was compiled under, and torch looks for a kernel's saved choice beside that
   name (`CachingAutotuner.recheck_autotune_cache`), not in the folder the file's choices were written into. Torch's
