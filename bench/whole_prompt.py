@@ -21,7 +21,8 @@ Caches (``--caches``), the pack's timing cache (``WAN_SAGE_CACHE_DIR``), TorchIn
   the specs and ``--skip-done`` change nothing in what a process finds.
 * ``pack DIR``: only the pack's folder ``DIR/<weights>-<spec>/wan-sage`` is kept (its timing cache and the
   torch.compile files it keeps); inductor's and Triton's start empty in every process at the same path, as
-  after a reboot empties the temporary folder torch keeps them in (``bench.e2e.PACK_TEMP``).  Default: two processes per configuration.
+  after a reboot empties the temporary folder torch keeps them in (``bench.e2e.PACK_TEMP``).  Default: two
+  processes per configuration.
 
 ``--bench-first`` (with ``kept`` or ``pack``): before a configuration's first process, ``wan-sage bench`` runs once
 for the A14B expert's attention calls at the spec's size (``--preset wan2.2-a14b``, the fp16 ComfyUI runs Wan in)
