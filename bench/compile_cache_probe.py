@@ -33,7 +33,9 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# (name, inductor folder of its own or process 1's, Triton folder of its own or process 1's, hot-load the file)
+# (name, inductor folder of its own or process 1's, Triton folder of its own or process 1's, hot-load the file).
+# Process 1's folders stay on disk throughout: a graph a later process finds brings its kernels under process 1's
+# paths, and torch reads their saved autotuning there, as a user's unchanged cache path gives it.
 PROCESSES = (("empty", "own", "own", False), ("pack's file", "own", "own", True),
              ("pack's file, Triton kept", "own", "first", True), ("all kept", "first", "first", False))
 

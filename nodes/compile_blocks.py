@@ -62,7 +62,9 @@ FAILED = "failed"  # BlockStandIn.ever: a sampling that raised (out of memory, a
 # when one of those wins, the saved choice matches none of the listed configs in the next process, so the kernel is
 # benchmarked again at every ComfyUI start, even with every cache kept.  Measured with bench.compile_cache_probe on
 # one bf16 A14B block (bench/records/LOG.md): off, each of its autotuned kernels hits the cache in a later process,
-# and its settled call takes the same time.  A GGUF block's graph still misses for a reason not found yet.
+# and its settled call takes the same time.  Torch looks for those choices beside the path a kernel was compiled
+# under, so they are found where its cache folder keeps its path across starts, as its default one does
+# (docs/attention.md, "The path of torch's cache folder").
 INDUCTOR_OPTIONS = {"dynamic_scale_rblock": False}
 
 
