@@ -40,14 +40,17 @@ FIRST_GRAPH_S = 20.0
 # streamed, a LoRA) took 55.1-110.4 s, (x - 20) / 39 = 0.9-2.3 s each.
 STREAMED_GRAPH_S = 1.8
 # The block graph in a fresh process that hot-loads the pack's compile file of this run (nodes/compile_cache.py),
-# inductor's and Triton's own folders empty (as after a reboot): 10 s.  Set from
-# bench/records/whole-prompt/gguf-720p81-4steps-compiled-blocks.jsonl, round g, process 2: A14B 720p81 at 16 GiB,
-# every weight resident, its first compiled step 20.07 s against 9.47 s for the next (10.6 s).  Only this graph:
-# on the H200 the files did not give back a graph traced with weights streamed, and a whole-model compile with
-# the file was not measured, so both keep their cost.  On rows it was not set from the cost measured 4.3-9.4 s (its
-# Triton kernels are built again in each process, at the machine's speed): it errs long, so the payback it gives
-# comes no earlier than the real one.
-KEPT_GRAPH_S = 10.0
+# inductor's and Triton's own folders empty at the path they had before (as after a reboot): 5 s.  Set from
+# bench/records/whole-prompt/gguf-720p81-4steps-compiled-blocks.jsonl, round l, process 2: A14B 720p81 at 16 GiB,
+# its streamed blocks lifted into the block graph, its first compiled step 14.38 s against 9.29 s for the next
+# (5.09 s; dynamo 3.6 s of it).  Only this graph: a graph traced with weights streamed and a whole-model compile
+# were not measured with the file, so both keep their cost.  On rows it was not set from the cost measured 2.4-2.9 s
+# (832x480x81 on the H200 and an H100, 1280x720x81 on the H100), so it errs long: the payback it gives comes no
+# earlier than the real one.
+# Processes whose inductor folder had a new path at each start (the harness before it kept one) are not evidence:
+# the file's kernels look for their autotuning beside the path they were compiled under, missed it and were
+# benchmarked again (docs/attention.md, "The path of torch's cache folder").
+KEPT_GRAPH_S = 5.0
 # The whole diffusion model as one graph (TorchCompileModel's default key), per block inlined: 9 s.  Set from
 # bench/records/e2e/gguf-compile.jsonl: the whole-model compile of A14B's 40 blocks took 359.9 s.
 WHOLE_MODEL_S_PER_BLOCK = 9.0

@@ -8,13 +8,13 @@ every end-to-end pair of one set that ran compiled per block and eagerly with ot
 the whole sampling (each expert's first step, which carries the compile, included) must be slower compiled
 exactly where the model says "run eager"; and the compile cost of a fresh process, with and without the pack's
 compile file (``KEPT_GRAPH_S`` was set from one whole-prompt process, left out here), on the first steps of the
-compiled whole-prompt records (A14B at 1280x720x81 and 832x480x81).
+compiled whole-prompt records (A14B at 1280x720x81 and 832x480x81, on the H200 and an H100).
 """
 import statistics
 
 import pytest
 
-from bench import _records
+from bench import _records, e2e
 from wan_sage.memory import activation_model
 from wan_sage.memory.compile_payback import compile_payback
 
@@ -103,15 +103,28 @@ def test_the_pairs_cover_gguf_and_fp8_resident_and_streamed():
 # ---------------------------------------------------------------- the compile cost of a whole prompt's first step
 
 WHOLE_COMPILED = ("whole-prompt/gguf-720p81-4steps-compiled-blocks.jsonl",
-                  "whole-prompt/gguf-480p81-20steps-compiled-blocks.jsonl")
-KEPT_SET_FROM = (WHOLE_COMPILED[0], "g", 2)  # (file, round, process) KEPT_GRAPH_S was set from
+                  "whole-prompt/gguf-480p81-20steps-compiled-blocks.jsonl",
+                  "whole-prompt/gguf-480p81-20steps-24gib-te-copy.jsonl",
+                  "whole-prompt/h100-gguf-720p81-4steps-16gib-compiled-blocks.jsonl",
+                  "whole-prompt/h100-gguf-480p81-20steps-24gib-compiled-blocks.jsonl")
+KEPT_SET_FROM = (WHOLE_COMPILED[0], "l", 2)  # (file, round, process) KEPT_GRAPH_S was set from
 COMPILE_FILE_BYTES = 1 << 20  # a compile file the pack keeps is MBs; its timing and self-test files are bytes
 
 
+def _kept_path(caches: dict) -> bool:
+    """Whether a process of ``--caches pack`` found inductor's folder at the path the earlier process had, as a
+    user's restart does: the harness keeps one path (``bench.e2e.PACK_TEMP``); before it did, each process had a
+    new one, where the file's kernels missed the autotuning saved beside their old path."""
+    fresh = caches.get("fresh_dir") or ""
+    return fresh.rstrip("/").rsplit("/", 1)[-1] == e2e.PACK_TEMP
+
+
 def _first_step_costs() -> list:
-    """(id, found the pack's compile file, seconds) per first prompt of a process compiled per block whose
-    high-noise expert kept every weight resident and compiled one graph with no recompile, inductor's and Triton's
-    folders empty at its start: the expert's first step (which carries the compile) against its later ones."""
+    """(id, found the pack's compile file, tokens, seconds) per first prompt of a process compiled per block whose
+    high-noise expert ran every block in one graph (its weights resident, or streamed blocks lifted into the block
+    graph by Wan Compile Blocks, none eagerly) with no recompile, inductor's and Triton's folders empty at its
+    start: the expert's first step (which carries the compile) against its later ones.  A process that found the
+    pack's file counts only where its inductor folder kept its path (:func:`_kept_path`)."""
     out = []
     for name, r in ((name, r) for name in WHOLE_COMPILED for r in _records.rows(name)):
         caches, proc = r.get("caches") or {}, r.get("process") or {}
@@ -119,19 +132,22 @@ def _first_step_costs() -> list:
         p = (r.get("prompts") or [{}])[0]
         high = (p.get("experts") or {}).get("high")
         by = ((p.get("compile") or {}).get("by_expert") or {}).get("high") or {}
+        calls = (((p.get("compile") or {}).get("blocks_ran") or {}).get("high") or {}).get("calls") or {}
         if (not r["config"].get("compile") or p.get("status") != "ok" or not high
-                or high["resident_frac"] < 0.9999 or (by.get("unique_graphs"), by.get("recompiles")) != (1, 0)
+                or (by.get("unique_graphs"), by.get("recompiles")) != (1, 0)
                 or any(at_start.get(k, {}).get("files") for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"))):
+            continue
+        if high["resident_frac"] < 0.9999 and (calls.get("eager") or calls.get("staged") or not calls.get("lifted")):
             continue
         pack_bytes = (at_start.get("WAN_SAGE_CACHE_DIR") or {}).get("bytes", 0)
         kept = caches.get("mode") == "pack" and pack_bytes >= COMPILE_FILE_BYTES  # the pack's folder held a compile file
-        if (name, r.get("round"), proc.get("index")) == KEPT_SET_FROM:
+        if (name, r.get("round"), proc.get("index")) == KEPT_SET_FROM or (kept and not _kept_path(caches)):
             continue
         c = r["config"]
         tokens = _tokens(c)
         steps = high["step_s"]
-        out.append((f"{c['width']}x{c['height']}x{c['frames']} round {r.get('round')} process {proc.get('index')}",
-                    kept, tokens, steps[0] - statistics.median(steps[1:])))
+        out.append((f"{name.split('/')[-1][:-6]} {c['width']}x{c['height']}x{c['frames']} round {r.get('round')} "
+                    f"process {proc.get('index')}", kept, tokens, steps[0] - statistics.median(steps[1:])))
     return out
 
 
@@ -140,8 +156,9 @@ FIRST_STEP_COSTS = _first_step_costs()
 
 # The payback step count is the advice "compile pays back from N steps": a cost predicted short makes compile look
 # paid back on prompts where it is slower than eager, one predicted long only says so later.  So the prediction
-# may fall short of a measured cost by at most a quarter (noise), and run long by up to 2.5x: loading the pack's
-# compile file measured 4.3-9.4 s across machines, its Triton kernels built again each time.
+# may fall short of a measured cost by at most a quarter (noise), and run long by up to 2.5x: the first steps vary
+# with the machine's CPU (dynamo's tracing) and with what else the first step does (the Sage patch's first call of
+# a shape).
 @pytest.mark.parametrize("name,kept,tokens,measured", FIRST_STEP_COSTS, ids=[x[0] for x in FIRST_STEP_COSTS])
 def test_the_compile_cost_of_a_fresh_process_is_never_predicted_short(name, kept, tokens, measured):
     predicted = compile_payback(A14B, tokens, 1, 2, shared_by=2, kept=kept).compile_s
@@ -149,5 +166,10 @@ def test_the_compile_cost_of_a_fresh_process_is_never_predicted_short(name, kept
 
 
 def test_the_first_step_costs_cover_a_fresh_process_with_and_without_the_packs_file_at_two_sizes():
-    assert {kept for _n, kept, _t, _m in FIRST_STEP_COSTS} == {True, False}
-    assert {(kept, t) for _n, kept, t, _m in FIRST_STEP_COSTS} >= {(True, 32_760), (False, 32_760), (True, 75_600)}
+    assert {(kept, t) for _n, kept, t, _m in FIRST_STEP_COSTS} >= {(True, 32_760), (False, 32_760), (True, 75_600),
+                                                                    (False, 75_600)}
+
+
+def test_a_process_whose_inductor_folder_moved_is_not_taken_as_a_kept_start():
+    assert _kept_path({"fresh_dir": f"/tmp/wan-sage-caches/x/{e2e.PACK_TEMP}"})
+    assert not _kept_path({"fresh_dir": ".e2e/e2e-work/caches-pack-2rm8g23x"}) and not _kept_path({})
