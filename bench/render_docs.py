@@ -551,15 +551,15 @@ def compile_section() -> list:
   verdict for the run's own steps (`run eager` or `compile pays back`) and, where one prompt does not pay it
   back, the prompt of a process by which it does, from `memory/compile_payback.py`: about 20 s for blocks
   compiled one by one (one graph, shared by Wan 2.2 A14B's two experts while their weights are resident), about
-  10 s for that graph where the pack keeps the run's compile file (next item), up to one graph per block with
+  5 s for that graph where the pack keeps the run's compile file (next item), up to one graph per block with
   streamed weights, about 9 s per block for a whole-model compile; the saving scales with rows × tokens × width
   × blocks. `bench/tests/test_compile_payback_records.py` checks the two block-graph costs on whole-prompt first
   steps they were not set from. The 4-step A14B prompt runs eager for one prompt, so the templates do. Over
-  several prompts of one process compiling the blocks comes out ahead where every weight is resident: GGUF 720p81
-  at 16 GiB, a process with the pack's compile file took 72.7 s for its first prompt and 45.6 s for the next,
+  several prompts of one process compiling the blocks comes out ahead: GGUF 720p81 at 16 GiB, a process with the
+  pack's compile file took 59.8 s for its first prompt and 45.2 s for the next (round `l` of the compiled file),
   where eager estimator + Sage took 64.8–70.7 s and 50.0–52.2 s (rounds `e` to `h` of the 16 GiB eager file,
-  other machines; [benchmarks](benchmarks.md#whole-generation)), so it is ahead by the second or third prompt;
-  the model, with its 0.8 s per forward, says by the fourth.
+  other machines; [benchmarks](benchmarks.md#whole-generation)), so it is ahead from the first prompt after a
+  restart; the model, with its 0.8 s per forward and 5 s for the kept graph, says by the second.
 - **Wan Compile Blocks** (`nodes/compile_blocks.py`). The pack's compile node compiles the blocks one by one,
   as the records above do. A block whose weights are all on the input's device runs the block graph. A streamed
   block traced as it is would make a graph of its own (its weights' device, ComfyUI's cast flag and a streamed
@@ -629,13 +629,15 @@ def compile_section() -> list:
   where it equals the class's value before a compiled call (`settle_cast_flags`; the host tier's repeat after a
   partial unload and reload compiled 2 graphs before, none now). On the H200 since that change the repeat prompt
   compiles nothing: 59.1 s against ComfyUI alone's 89.2 s (1.51×, round `c` of the compiled file), and 59.7 s
-  against 93.4 s (1.56×) with the text encoder host copy (`gguf-480p81-20steps-24gib-te-copy`). With the pack's
-  compile file kept, the first prompt took 88.1 s against 97.3 s (1.11×), and 76.4 s against 102.6 s (1.34×) with the
-  text encoder host copy, where eager estimator + Sage with it took 78.4 s (1.31×) on the same machine; on another
-  machine 80.4 s against 99.1 s (1.23×, 7.3 s compiling) and eager 80.8 s (1.23×). The first
-  prompt after installing, with only `wan-sage bench`'s timings, took 98.5 s (18.4 s compiling), where ComfyUI alone
-  took 90.3–103.5 s on three other machines: it can be slower than ComfyUI alone, so no template compiles.
-  Where that first prompt's compiling went, with the compile file kept (round `c` of the host copy file,
+  against 93.4 s (1.56×) with the text encoder host copy (`gguf-480p81-20steps-24gib-te-copy`). The node as it is
+  now, with the host copy, on one H200 (round `f` of that file, `d57c9d4`): ComfyUI alone 93.4 s for the first
+  prompt and 87.7 s for the repeat; the node 77.4 s and 58.6 s from empty caches (1.21× / 1.50×), and 68.5 s (1.36×)
+  for the first prompt after a restart that kept only the pack's compile file, where eager estimator + Sage with
+  the host copy took 78.4–80.8 s (1.23–1.31×) on other machines. So over 20 steps compiling wins every prompt but
+  the very first after installing, where it is about even with eager and still ahead of ComfyUI alone. The 20-step
+  templates run other models with CFG (Wan 2.1 image to video, Wan 2.2 5B), not measured compiled end to end,
+  so they run eager.
+  Where an earlier first prompt's compiling went, with the compile file kept (round `c` of the host copy file,
   `2852b60`): 8.2 s in dynamo, 7.1 s of it tracing the block's bytecode, and 2.9 s of kernel autotuning. The tracing
   was ComfyUI-GGUF's: it holds each quantized weight as a tensor subclass, and dynamo interprets the subclass's
   `__torch_function__`, `.to` and `.shape` for each op of the dequantization. The node now gives the layers of
@@ -1740,6 +1742,7 @@ def fp8_hole_lines() -> list:
     what most runs hold."""
     holes = {True: [], False: []}
     by_config: dict = {}  # (file, run, round) -> holes of its streamed samplings
+    expandable: dict = {}  # budget -> holes of the streamed samplings on PyTorch's allocator with expandable segments
     oom = []
     for name in FP8_HOLE_FILES:
         for r in rows(name):
@@ -1757,6 +1760,8 @@ def fp8_hole_lines() -> list:
                         holes[bool(e["lowvram"])].append(hole)
                         if e["lowvram"]:
                             by_config.setdefault((name, r["run"], r.get("round")), []).append(hole)
+                            if "expandable_segments:True" in str((r.get("env") or {}).get("alloc_conf") or ""):
+                                expandable.setdefault(c.get("budget_gib"), []).append(hole)
     if not holes[True] or not holes[False]:
         return []
     spread = [max(v) - min(v) for v in by_config.values() if len(v) > 1]
@@ -1772,7 +1777,12 @@ def fp8_hole_lines() -> list:
             + f". One configuration's streamed samplings spread by up to {max(spread):.2f} GiB, so a cast term cut to what "
             "most runs hold would run out of memory in the runs with the largest holes. It stays above the largest "
             f"measured ({frag:.2f} GiB with the fixed part at this size), and the fp8 rows of the whole-generation table "
-            "leave more than 1 GiB of the budget unused when weights stream.", ""]
+            "leave more than 1 GiB of the budget unused when weights stream."
+            + (" On PyTorch's own allocator with expandable segments (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, "
+               "ComfyUI started with `--disable-cuda-malloc`; those runs are left out of the tables) the streamed "
+               "samplings held " + "; ".join(f"{_span(v)} GiB at {b:g} GiB" for b, v in sorted(expandable.items()))
+               + ": the holes shrink where almost every weight streams, but where part of the weights is resident "
+               "they stay of the size the cast term covers, so the cast term does not depend on the allocator." if len(expandable) > 1 else ""), ""]
 
 
 def e2e_compiled_resident_section() -> list:
