@@ -26,6 +26,7 @@ from .measured_rows import compiled_blocks, e2e_estimate, gguf_stream_copy_gib, 
 
 _host.load_pack()
 from wan_sage.memory import activation_model, vae_decode  # noqa: E402
+from wan_sage.memory.compile_payback import compile_payback  # noqa: E402
 from wan_sage.memory.estimate import CALIBRATED, COMFY_EXTRA_RESERVED, fragmentation_bytes  # noqa: E402
 
 GiB = 2 ** 30
@@ -2107,10 +2108,46 @@ def whole_rows(sets) -> list[dict]:
     return sorted(out, key=order)
 
 
+COMPILE_NODE = "Wan Compile Blocks"
+
+
+def headline_setup(wf: tuple) -> str:
+    """The setup the README gives for a whole-prompt workflow (A14B, both experts sharing the schedule): Wan Compile
+    Blocks where the payback model the Sage patch's panel reports from (``memory/compile_payback.py``) says that
+    compiling, with the pack's compile file kept from an earlier start, pays back within the workflow's steps,
+    else eager."""
+    weights, size, steps, cfg, *_rest = wf
+    dims = activation_model.PRESETS["wan2.2-a14b"]
+    tokens = activation_model.tokens(dims, *activation_model.latent_shape(dims, *size)[2:])
+    payback = compile_payback(dims, tokens, 1 if cfg == 1.0 else 2, max(1, int(steps or 0) // 2), shared_by=2, kept=True)
+    return COMPILE_NODE if payback.pays_back else ""
+
+
+def headline_rows(ws: list) -> list:
+    """The whole-generation rows the README's lines are made of: the estimator + Sage rows of the weight formats
+    the templates load, on the H200, against ComfyUI alone; per workflow those of :func:`headline_setup` where that
+    setup was measured, else the eager ones.  Caches empty, and for a compiled setup also the pack's folder only."""
+    cands = [w for w in ws if w["config"][:2] == (True, "sage") and w["workflow"][0] in WHOLE_HEADLINE_WEIGHTS
+             and w["workflow"][5] in ("", COMPILE_NODE) and not w["set"]["file"].name.startswith("h100-")
+             and (w["caches"] == "empty" or (w["caches"] == PACK_ONLY and w["workflow"][5]))
+             and w["figures"]["first_to_frames_s"][1]]
+    setups: dict = {}
+    for w in cands:
+        setups.setdefault(w["workflow"][:5] + w["workflow"][6:], set()).add(w["workflow"][5])
+    out = []
+    for w in cands:
+        measured = setups[w["workflow"][:5] + w["workflow"][6:]]
+        want = headline_setup(w["workflow"])
+        if w["workflow"][5] == (want if want in measured else ""):
+            out.append(w)
+    return out
+
+
 def whole_headlines(ws: list) -> list:
     """The README's results rows of the whole-generation rows, one per workflow apart from its size (three lines
     for the three workflows; a workflow measured at several sizes names each size in its line): per size and
-    budget the prompt to the frames, first and repeat, against ComfyUI alone + SDPA."""
+    budget the prompt to the frames, first and repeat, against ComfyUI alone + SDPA, from empty caches; and where
+    a process started with the pack's folder only was measured (a compiled setup), its first prompt too."""
     by = {}
     for w in ws:
         weights, _size, *rest = w["workflow"]
@@ -2119,13 +2156,23 @@ def whole_headlines(ws: list) -> list:
     for group in by.values():
         sizes = list(dict.fromkeys(w["workflow"][1] for w in group))
         per_budget: dict = {}
+        restart: dict = {}
         for w in group:  # a budget measured in several sets (machines): the last set of its file, the code as it is
-            per_budget[(w["workflow"][1], _budget_text(w["budget"]))] = w
+            key = (w["workflow"][1], _budget_text(w["budget"]))
+            if w["caches"] == PACK_ONLY:
+                restart[key] = w
+            else:
+                per_budget[key] = w
         parts = []
         for (size, budget), w in per_budget.items():
             (f1, b1), (f2, b2) = w["figures"]["first_to_frames_s"], w["figures"]["repeat_to_frames_s"]
             where = f"{_size_text(size)} {budget}" if len(sizes) > 1 else budget
-            parts.append(f"{where} **{b1 / f1:.2f}× / {b2 / f2:.2f}×**")
+            later = restart.get((size, budget))
+            after = ""
+            if later and later["figures"]["first_to_frames_s"][1]:
+                f3, b3 = later["figures"]["first_to_frames_s"]
+                after = f", after a restart **{b3 / f3:.2f}×**"
+            parts.append(f"{where} **{b1 / f1:.2f}× / {b2 / f2:.2f}×**{after}")
         text = _whole_workflow_text(group[0]["workflow"])
         if len(sizes) > 1:
             text = text.replace(f"{_size_text(sizes[0])}, ", "", 1)
@@ -2787,21 +2834,10 @@ def readme_results(summary) -> str:
     errs = [p / r["measured"] - 1 for _t, (rs, tot) in held for r, p in zip(rs, tot)]
     under = sum(1 for e in errs if e < 0)
     over = [m for _t, (rs, tot) in held for m in _over_peaks(rs, tot)]
-    pairs = e2e_pairs((True, "sage"), (False, "sdpa"))
     sets = e2e_sets()
     est = [r for s in sets for r in s["runs"] if r["config"]["estimator"]]
     ooms = [(s, r) for s in sets for r in s["runs"] if r["config"]["estimator"] and r.get("status") == "oom"]
 
-    def e2e_row(weights):
-        parts = []                  # (measured before a rule, text): what the estimate does now first
-        for setup in SETUPS:
-            xs = [x for x in pairs if x["cfg"] == (weights, 24.0, R720, setup)]
-            fresh = [x for x in xs if not rule_source(x["set"]["file"])]
-            use = fresh or xs
-            if use:
-                parts.append((not fresh, f"{_span([x['ratio'] for x in use], '{:.2f}')}× {SETUP_NAMES[setup].split(' (')[0]}"
-                              + ("" if fresh else ", measured before " + _and(sorted({RULE_TEXT[rule_source(x['set']['file'])] for x in use})))))
-        return "; ".join(text for _before, text in sorted(parts, key=lambda x: x[0]))
     oom_why = []
     for s, r in ooms:
         alone = [x for s2 in sets for x in s2["runs"] if not x["config"]["estimator"] and _cfg(x) == _cfg(r)]
@@ -2813,10 +2849,7 @@ def readme_results(summary) -> str:
             oom_why.append(f"{where}, before {RULE_TEXT[rule_source(s['file'])]} set from it")
         else:
             oom_why.append(f"{where}, where ComfyUI alone completed")
-    rows_ = whole_headlines([w for w in whole_rows(whole_sets()) if w["config"][:2] == (True, "sage")
-                             and w["caches"] == "empty" and w["workflow"][0] in WHOLE_HEADLINE_WEIGHTS
-                             and w["workflow"][5] == ""
-                             and w["figures"]["first_to_frames_s"][1]])
+    rows_ = whole_headlines(headline_rows(whole_rows(whole_sets())))
     rows_ += [
         ("A14B 720p81 self-attention, `auto` against SDPA", f"**{auto720['ratio']:.2f}×** ({auto720['chosen']})",
          f"[attention](docs/attention.md#{anchor('The `auto` override end to end')})"),
@@ -2824,9 +2857,6 @@ def readme_results(summary) -> str:
          + (", never under" if not under else f", {under} under")
          + (f"; above +10 % only peaks under {_ceil2(max(over) / GiB):.2f} GiB" if over else ""),
          f"[memory model](docs/memory-model.md#{anchor('Fit, held-out and check rows')})"),
-        ("A14B per settled step, 24 GiB, estimator + Sage against stock",
-         f"**GGUF {e2e_row('gguf')}; fp8 {e2e_row('fp8')}**",
-         f"[benchmarks](docs/benchmarks.md#{anchor('Per step against stock ComfyUI')})"),
         ("estimator runs out of memory", f"**{len(ooms)} of {len(est)}**" + (f" ({'; '.join(oom_why)})" if ooms else ""),
          f"[benchmarks](docs/benchmarks.md#{anchor('Out of memory')})"),
     ]

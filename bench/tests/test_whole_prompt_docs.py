@@ -332,3 +332,33 @@ def test_the_text_encoder_host_copy_is_a_configuration_of_its_own_against_comfyu
     assert len(mine) == 1 and len(plain) == 1
     assert "60.0 s (1.33×)" in mine[0] and "66.0 s (1.33×)" in mine[0]
     assert "70.0 s (1.14×)" in plain[0]
+
+
+def _compiled(rec, pack_only=False):
+    rec["config"]["compile"] = {"node": "Wan Compile Blocks"}
+    if pack_only:
+        rec["caches"] = {"mode": "pack", "filled_at_start": True}
+        rec["process"] = {"index": 2, "count": 2}
+    return rec
+
+
+def test_the_readme_gives_the_compile_node_where_the_payback_model_says_it_pays_back_and_eager_elsewhere(
+        tmp_path, monkeypatch):
+    recs = []
+    for steps in (4, 20):
+        recs += [record(False, "sdpa", (90.0, 100.0), (80.0, 90.0), steps=steps),
+                 record(True, "sage", (75.0, 80.0), (65.0, 72.0), steps=steps),
+                 _compiled(record(True, "sage", (76.0, 82.0), (55.0, 60.0), steps=steps)),
+                 _compiled(record(True, "sage", (66.0, 71.0), (55.0, 60.0), steps=steps), pack_only=True)]
+    monkeypatch.setattr(render_docs, "whole_prompt_files", lambda: [_write(tmp_path / "w.jsonl", recs)])
+    readme = render_docs.readme_results(render_docs.forward_summary())
+    # 4 steps of 1280x720x81 (2 per expert) do not pay back even the kept graph's 5 s: eager
+    assert "whole prompt: GGUF Q4_K_M, 720p81, 4 steps, eager | 24 GiB **1.25× / 1.25×** |" in readme, readme
+    # 20 steps do: the node, from empty caches, and the first prompt after a restart with the pack's file
+    assert ("whole prompt: GGUF Q4_K_M, 720p81, 20 steps, Wan Compile Blocks | 24 GiB **1.22× / 1.50×**, "
+            "after a restart **1.41×** |") in readme, readme
+    # a workflow whose compiled setup was not measured keeps its eager line
+    only_eager = [r for r in recs if not r["config"].get("compile")]
+    monkeypatch.setattr(render_docs, "whole_prompt_files", lambda: [_write(tmp_path / "e.jsonl", only_eager)])
+    readme = render_docs.readme_results(render_docs.forward_summary())
+    assert "whole prompt: GGUF Q4_K_M, 720p81, 20 steps, eager | 24 GiB **1.25× / 1.25×** |" in readme, readme
