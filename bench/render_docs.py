@@ -2128,7 +2128,7 @@ def headline_rows(ws: list) -> list:
     the templates load, on the H200, against ComfyUI alone; per workflow those of :func:`headline_setup` where that
     setup was measured, else the eager ones.  Caches empty, and for a compiled setup also the pack's folder only."""
     cands = [w for w in ws if w["config"][:2] == (True, "sage") and w["workflow"][0] in WHOLE_HEADLINE_WEIGHTS
-             and w["workflow"][5] in ("", COMPILE_NODE) and not w["set"]["file"].name.startswith("h100-")
+             and w["workflow"][5] in ("", COMPILE_NODE) and not _h100(w)
              and (w["caches"] == "empty" or (w["caches"] == PACK_ONLY and w["workflow"][5]))
              and w["figures"]["first_to_frames_s"][1]]
     setups: dict = {}
@@ -2281,15 +2281,23 @@ def _outside_pool_gib(budget: float, phase: dict | None) -> float | None:
     return max(0.0, budget - pool["free_gib"] - pool["reserved_gib"])
 
 
+def _h100(x: dict) -> bool:
+    """Whether a whole-generation row's set was measured on the H100 (an ``h100-`` record file)."""
+    return x["set"]["file"].name.startswith("h100-")
+
+
 def whole_streamed_budget_lines(rows_) -> list:
     """Per estimator row whose experts streamed weights: the budget its sampling left unused at its peak beyond
     what ComfyUI keeps free and what the device held outside PyTorch's pool, and its reservation over what the
     allocator held above the resident weights."""
     kept_free = COMFY_EXTRA_RESERVED / GiB
-    newest = {}  # the newest set of each workflow, budget, caches and configuration: the code as it is
-    for x in rows_:
+    newest = {}  # the newest set of each workflow, budget, caches and configuration: the code as it is; an H100
+    for x in rows_:  # set (an `h100-` file) only where the H200 has none
         if x["config"][0] and x["budget"] is not None:
-            newest[(x["workflow"], x["budget"], x["caches"], x["config"])] = x
+            key = (x["workflow"], x["budget"], x["caches"], x["config"])
+            if key in newest and _h100(x) and not _h100(newest[key]):
+                continue
+            newest[key] = x
     o = []
     for x in newest.values():
         es = [(e, _outside_pool_gib(x["budget"], (pr.get("phases") or {}).get(name)))
