@@ -683,7 +683,8 @@ def compile_section() -> list:
   file benchmarked all 17 such kernels of its graph, 1.4-1.9 s, where each process had a folder of a new name
   (`whole-prompt/void-rblock-off-h100-39bd122.jsonl`, `void-autotune-missed-h100-16e0afb.jsonl`); with one path
   emptied at each start, as a reboot leaves it, none, and the prompt took 68.0 s to the frames against 72.5 s
-  (`whole-prompt/h100-gguf-480p81-20steps-24gib-compiled-blocks.jsonl`).
+  (`whole-prompt/h100-gguf-480p81-20steps-24gib-compiled-blocks.jsonl`); on the H200 68.5 s, its first step 2.9 s
+  longer than the next (round `f` of `whole-prompt/gguf-480p81-20steps-24gib-te-copy.jsonl`).
 
 ### The gpu tier on the H200
 
