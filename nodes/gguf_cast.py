@@ -176,8 +176,13 @@ def plain_casts(block: torch.nn.Module, x: torch.Tensor | None):
     """For the ``with`` body: the plain-tensor cast on each ComfyUI-GGUF layer of ``block`` that has a weight and whose
     own attributes do not already hold a cast; afterwards each layer as it was (also when the body fails).  ``x``: the
     block's input, for the one-time check against ComfyUI-GGUF's own cast (none given: no layer gets it).  Yields how
-    many."""
-    given = []
+    many.
+
+    For the call each of those layers' tensors also holds a copy of its LoRA list (``patches``), put back afterwards.
+    ComfyUI-GGUF's loader gives every tensor one default list and its ``.to`` gives the moved tensor a copy, so the
+    layers of a block never moved share one list where those of a block loaded onto the GPU do not; dynamo guards on
+    what the traced block shared, and the other kind of block would compile again (once per expert on the H200)."""
+    given, lists = [], []
     try:
         for mod in block.modules():
             if x is None or ATTR in mod.__dict__:
@@ -188,8 +193,15 @@ def plain_casts(block: torch.nn.Module, x: torch.Tensor | None):
             if fn is not None:
                 mod.__dict__[ATTR] = types.MethodType(fn, mod)
                 given.append(mod)
+                for t in (mod.weight, getattr(mod, "bias", None)):
+                    own = getattr(t, "patches", None)
+                    if isinstance(own, list):  # a copy of its own for the call (above)
+                        lists.append((t, own))
+                        t.patches = list(own)
         yield len(given)
     finally:
+        for t, own in lists:
+            t.patches = own
         for mod in given:
             mod.__dict__.pop(ATTR, None)
 

@@ -271,3 +271,32 @@ def test_a_gguf_expert_comfyui_loads_in_part_runs_every_block_in_the_resident_gr
                           "eager": 0}, ran
     assert graphs == 1 and recompiles == 0, (graphs, dict(counters["recompiles"]))
     assert torch.equal(latent, eager)
+
+
+def test_blocks_whose_layers_share_their_lora_list_or_not_run_one_graph(loaded, sdpa):
+    """ComfyUI-GGUF's loader gives every tensor one default ``patches`` list, and a move (``.to``) gives the tensor a
+    copy: a block whose layers were never moved holds one list in all of them, a block loaded onto the GPU a list
+    per tensor.  A graph traced on the first guards on that sharing (``...v.bias.patches is ...ffn.0.bias.patches``:
+    on the H200 the resident low-noise expert recompiled once after the high-noise one, part of it streamed, had
+    traced the graph).  With the plain cast each layer's list reaches the graph as its own: both blocks run one
+    graph, and each tensor holds its own list object again afterwards."""
+    _m, blocks, args, kwargs = loaded
+    shared, saved, given = [], [], []
+    for i, block in enumerate(blocks[:2]):
+        for mod in _gguf_layers([block]):
+            for t in (mod.weight, mod.bias):
+                if t is not None and hasattr(t, "patches") and not t.patches:
+                    saved.append((t, t.patches))
+                    t.patches = shared if i == 0 else []  # block 0 as the loader leaves it, block 1 as moved
+                    given.append((t, t.patches))
+    assert len(given) >= 20 and sum(p is shared for _t, p in given) >= 10
+    try:
+        with _recording() as (recording, graphs, counters):
+            with torch.inference_mode():
+                _compiled_pair(blocks, args, kwargs, recording, graphs)
+                _compiled_pair(blocks, args, kwargs, recording, graphs)
+            assert len(graphs) == 1 and not counters["recompiles"], (len(graphs), dict(counters["recompiles"]))
+        assert all(t.patches is p for t, p in given)
+    finally:
+        for t, p in saved:
+            t.patches = p
