@@ -1419,6 +1419,14 @@ PACK_CACHE = "WAN_SAGE_CACHE_DIR"
 PACK_TEMP = "temp-emptied-each-start"
 
 
+def kept_path(caches: dict) -> bool:
+    """Whether a record's ``pack`` process found inductor's folder at the path the earlier process had, as a
+    user's restart does (:data:`PACK_TEMP`).  Before the harness kept one path, each process had a new folder,
+    where the pack's file's kernels missed their saved autotuning: such a process is no evidence of a restart."""
+    fresh = str(caches.get("fresh_dir") or "")
+    return fresh.rstrip("/").rsplit("/", 1)[-1] == PACK_TEMP
+
+
 def set_caches(mode: str, kept_dir: str | None, work_dir) -> dict:
     """Point the three caches of :data:`CACHE_FOLDERS` at this run's folders, before torch is imported:
     ``none``, fresh empty folders under ``work_dir`` (the first prompt after installing; removed at exit

@@ -43,10 +43,12 @@ STREAMED_GRAPH_S = 1.8
 # inductor's and Triton's own folders empty at the path they had before (as after a reboot): 5 s.  Set from
 # bench/records/whole-prompt/gguf-720p81-4steps-compiled-blocks.jsonl, round l, process 2: A14B 720p81 at 16 GiB,
 # its streamed blocks lifted into the block graph, its first compiled step 14.38 s against 9.29 s for the next
-# (5.09 s; dynamo 3.6 s of it).  Only this graph: a graph traced with weights streamed and a whole-model compile
-# were not measured with the file, so both keep their cost.  On rows it was not set from the cost measured 2.4-2.9 s
-# (832x480x81 on the H200 and an H100, 1280x720x81 on the H100), so it errs long: the payback it gives comes no
-# earlier than the real one.
+# (5.09 s; dynamo 3.6 s of it).  Its resident low-noise expert then recompiled once (1.56 s) on a guard on
+# ComfyUI-GGUF's LoRA lists, which blocks never moved share; the node's cast no longer lets dynamo see them
+# (nodes/gguf_cast.py, plain_casts; not measured on the GPU yet).  Only this graph: a graph traced with weights
+# streamed and a whole-model compile were not measured with the file, so both keep their cost.  On rows it was not
+# set from the cost measured 2.4-2.9 s (832x480x81 on the H200 and an H100, 1280x720x81 on the H100), so it errs
+# long: the payback it gives comes no earlier than the real one.
 # Processes whose inductor folder had a new path at each start (the harness before it kept one) are not evidence:
 # the file's kernels look for their autotuning beside the path they were compiled under, missed it and were
 # benchmarked again (docs/attention.md, "The path of torch's cache folder").
