@@ -1759,11 +1759,13 @@ def fp8_hole_lines() -> list:
                     if r.get("status") == "oom":
                         oom.append(hole)
                     elif r.get("status") == "ok" and e.get("lowvram") is not None:
+                        if "expandable_segments:True" in str((r.get("env") or {}).get("alloc_conf") or ""):
+                            if e["lowvram"]:  # another allocator than ComfyUI selects: told apart
+                                expandable.setdefault(c.get("budget_gib"), []).append(hole)
+                            continue
                         holes[bool(e["lowvram"])].append(hole)
                         if e["lowvram"]:
                             by_config.setdefault((name, r["run"], r.get("round")), []).append(hole)
-                            if "expandable_segments:True" in str((r.get("env") or {}).get("alloc_conf") or ""):
-                                expandable.setdefault(c.get("budget_gib"), []).append(hole)
     if not holes[True] or not holes[False]:
         return []
     spread = [max(v) - min(v) for v in by_config.values() if len(v) > 1]
@@ -1771,7 +1773,7 @@ def fp8_hole_lines() -> list:
                                activation_model.Workload(L=21 * 45 * 80, rows=1, dtype="fp16"),
                                activation_model.WeightSetup(weight_dtype="fp8", streamed=True), True) / GiB
     return ["The allocator's holes around the casts vary more than the 1 GiB the streamed reservation may leave unused.",
-            "What it held above what was allocated, at the peak of each eager estimator sampling of fp8 A14B at",
+            "What cudaMallocAsync held above what was allocated, at the peak of each eager estimator sampling of fp8 A14B at",
             f"1280×720×81 ({_and([link(n) for n in FP8_HOLE_FILES])}): {_span(holes[False])} GiB over "
             f"{len(holes[False])} samplings with every weight resident, {_span(holes[True])} GiB over {len(holes[True])} "
             "with weights streamed"
@@ -2126,20 +2128,24 @@ def headline_setup(wf: tuple) -> str:
 
 def headline_rows(ws: list) -> list:
     """The whole-generation rows the README's lines are made of: the estimator + Sage rows of the weight formats
-    the templates load, on the H200, against ComfyUI alone; per workflow those of :func:`headline_setup` where that
-    setup was measured, else the eager ones.  Caches empty, and for a compiled setup also the pack's folder only."""
+    the templates load, on the H200, against ComfyUI alone.  Per workflow and budget, those of
+    :func:`headline_setup` where that setup was measured from empty caches, else the eager ones; a compiled setup's
+    rows from empty caches, and the first prompt of a process that started with the pack's folder only where its
+    inductor folder kept its path (``bench.e2e.kept_path``: the restart a user makes)."""
+    from . import e2e
     cands = [w for w in ws if w["config"][:2] == (True, "sage") and w["workflow"][0] in WHOLE_HEADLINE_WEIGHTS
-             and w["workflow"][5] in ("", COMPILE_NODE) and not _h100(w)
-             and (w["caches"] == "empty" or (w["caches"] == PACK_ONLY and w["workflow"][5]))
-             and w["figures"]["first_to_frames_s"][1]]
-    setups: dict = {}
+             and w["workflow"][5] in ("", COMPILE_NODE) and not _h100(w) and w["figures"]["first_to_frames_s"][1]
+             and (w["caches"] == "empty" or (w["caches"] == PACK_ONLY and w["workflow"][5]
+                                             and all(e2e.kept_path(r.get("caches") or {}) for r in w["recs"])))]
+    key = lambda w: (w["workflow"][:5] + w["workflow"][6:], w["budget"])  # noqa: E731  the workflow but its setup
+    from_empty: dict = {}
     for w in cands:
-        setups.setdefault(w["workflow"][:5] + w["workflow"][6:], set()).add(w["workflow"][5])
+        if w["caches"] == "empty":
+            from_empty.setdefault(key(w), set()).add(w["workflow"][5])
     out = []
     for w in cands:
-        measured = setups[w["workflow"][:5] + w["workflow"][6:]]
         want = headline_setup(w["workflow"])
-        if w["workflow"][5] == (want if want in measured else ""):
+        if w["workflow"][5] == (want if want in from_empty.get(key(w), ()) else ""):
             out.append(w)
     return out
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from bench import render_docs
+from bench import e2e, render_docs
 
 ENV = {"device": "NVIDIA H200", "torch": "2.8.0", "comfyui": "0.3.64", "wan_sage_commit": "abc1234"}
 
@@ -334,10 +334,10 @@ def test_the_text_encoder_host_copy_is_a_configuration_of_its_own_against_comfyu
     assert "70.0 s (1.14×)" in plain[0]
 
 
-def _compiled(rec, pack_only=False):
+def _compiled(rec, pack_only=False, fresh_dir=f"/tmp/caches/{e2e.PACK_TEMP}"):
     rec["config"]["compile"] = {"node": "Wan Compile Blocks"}
     if pack_only:
-        rec["caches"] = {"mode": "pack", "filled_at_start": True}
+        rec["caches"] = {"mode": "pack", "filled_at_start": True, "fresh_dir": fresh_dir}
         rec["process"] = {"index": 2, "count": 2}
     return rec
 
@@ -362,3 +362,20 @@ def test_the_readme_gives_the_compile_node_where_the_payback_model_says_it_pays_
     monkeypatch.setattr(render_docs, "whole_prompt_files", lambda: [_write(tmp_path / "e.jsonl", only_eager)])
     readme = render_docs.readme_results(render_docs.forward_summary())
     assert "whole prompt: GGUF Q4_K_M, 720p81, 20 steps, eager | 24 GiB **1.25× / 1.25×** |" in readme, readme
+
+
+def test_a_budget_whose_compiled_setup_ran_only_after_a_restart_keeps_its_eager_line(tmp_path, monkeypatch):
+    recs = []
+    for budget in (24.0, 16.0):
+        recs += [record(False, "sdpa", (90.0, 100.0), (80.0, 90.0), steps=20, budget=budget),
+                 record(True, "sage", (75.0, 80.0), (65.0, 72.0), steps=20, budget=budget)]
+    recs += [_compiled(record(True, "sage", (76.0, 82.0), (55.0, 60.0), steps=20)),
+             _compiled(record(True, "sage", (66.0, 71.0), (55.0, 60.0), steps=20, budget=16.0), pack_only=True),
+             # a restart whose inductor folder had a new path (the harness before it kept one): not evidence
+             _compiled(record(True, "sage", (60.0, 62.0), (55.0, 60.0), steps=20), pack_only=True,
+                       fresh_dir=".e2e/e2e-work/caches-pack-2rm8g23x")]
+    monkeypatch.setattr(render_docs, "whole_prompt_files", lambda: [_write(tmp_path / "w.jsonl", recs)])
+    readme = render_docs.readme_results(render_docs.forward_summary())
+    assert "whole prompt: GGUF Q4_K_M, 720p81, 20 steps, Wan Compile Blocks | 24 GiB **1.22× / 1.50×** |" in readme
+    assert "whole prompt: GGUF Q4_K_M, 720p81, 20 steps, eager | 16 GiB **1.25× / 1.25×** |" in readme, readme
+    assert "after a restart" not in readme
