@@ -648,8 +648,13 @@ def compile_section() -> list:
   bit (`tests/host/test_host_gguf_cast.py`: every Q4_K, Q6_K, F32 and BF16 layer of the miniature A14B with its
   LoRA, no FX node traced through the subclass, and one graph for two chained blocks, the output handed on as a
   plain tensor as eagerly). The tracing then took 2.45 s on the H200 (round `d`, a process
-  that compiled the changed graph afresh: its first prompt is not the kept-file case), one graph for both experts,
-  no recompile, steps 2.79 s; the first prompt with the compile file kept is not measured since.
+  that compiled the changed graph afresh), one graph for both experts, no recompile, steps 2.79 s; with the compile
+  file kept, 2.3 s (round `f`). For the call the cast also gives each layer's tensors a copy of their LoRA list:
+  ComfyUI-GGUF's loader gives every tensor one default list and a move to the GPU gives the moved tensor a copy, so
+  a block never moved shares one list across its layers where a resident one does not, and dynamo guarded on that.
+  At 16 GiB the resident low-noise expert recompiled once after the partly streamed high-noise one had traced the
+  graph (1.0–1.6 s of its first step, round `l` and the H100's 16 GiB file); the host tier's two such blocks ran 2
+  graphs and now run 1 (not measured on the GPU yet).
 - **Compile caches across ComfyUI starts.** Inductor keeps what it compiled in a temporary folder that a
   reboot empties. Around each sampling run of a compiled model the Sage patch hot-loads, once per process,
   the files of this torch build and GPU from `compile/` beside the kernel timing cache
