@@ -200,7 +200,7 @@ def plain_casts(block: torch.nn.Module, x: torch.Tensor | None):
                         t.patches = list(own)
         yield len(given)
     finally:
-        for t, own in lists:
+        for t, own in reversed(lists):  # last first: a tensor two layers share gets its first list back
             t.patches = own
         for mod in given:
             mod.__dict__.pop(ATTR, None)

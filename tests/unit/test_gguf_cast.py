@@ -41,3 +41,28 @@ def test_layers_that_are_not_comfyui_ggufs_get_no_plain_cast():
     layer = LooksLikeGGUF(2, 2)
     with gguf_cast.plain_casts(torch.nn.Sequential(layer), torch.zeros(1, 2)) as given:
         assert given == 0 and "cast_bias_weight" not in layer.__dict__
+
+
+def test_each_tensor_holds_a_copy_of_its_lora_list_for_the_call_and_its_own_list_afterwards(monkeypatch):
+    """Two layers whose tensors share one list (as ComfyUI-GGUF's loader leaves them), and a weight two layers share:
+    inside the call every tensor holds a list of its own with the same items, afterwards the very list it had, also
+    when the body fails."""
+    monkeypatch.setattr(gguf_cast, "checked_cast", lambda mod, x: lambda s, *a, **k: (s.weight, s.bias))
+    shared, lora = [], [("patch", "key")]
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    b.weight = a.weight  # tied: the same tensor in two layers
+    a.weight.patches, a.bias.patches, b.bias.patches = lora, shared, shared
+    block = torch.nn.Sequential(a, b)
+    tensors = [a.weight, a.bias, b.bias]
+    before = [t.patches for t in tensors]
+    try:
+        with gguf_cast.plain_casts(block, torch.zeros(1, 2)) as given:
+            assert given == 2
+            inside = [t.patches for t in tensors]
+            assert all(p is not q and p == q for p, q in zip(inside, before))
+            assert a.bias.patches is not b.bias.patches
+            raise RuntimeError("the compiled call failed")
+    except RuntimeError:
+        pass
+    assert all(t.patches is p for t, p in zip(tensors, before))
+    assert "cast_bias_weight" not in a.__dict__ and "cast_bias_weight" not in b.__dict__
