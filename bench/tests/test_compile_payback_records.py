@@ -163,8 +163,3 @@ def test_the_compile_cost_of_a_fresh_process_is_never_predicted_short(name, kept
 def test_the_first_step_costs_cover_a_fresh_process_with_and_without_the_packs_file_at_two_sizes():
     assert {(kept, t) for _n, kept, t, _m in FIRST_STEP_COSTS} >= {(True, 32_760), (False, 32_760), (True, 75_600),
                                                                     (False, 75_600)}
-
-
-def test_a_process_whose_inductor_folder_moved_is_not_taken_as_a_kept_start():
-    assert e2e.kept_path({"fresh_dir": f"/tmp/wan-sage-caches/x/{e2e.PACK_TEMP}"})
-    assert not e2e.kept_path({"fresh_dir": ".e2e/e2e-work/caches-pack-2rm8g23x"}) and not e2e.kept_path({})

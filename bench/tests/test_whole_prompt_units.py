@@ -111,6 +111,9 @@ def test_caches_pack_keep_only_the_packs_folder_and_give_torch_fresh_ones(tmp_pa
         f.write(b"z")                                         # a process stopped before its exit left this
     p3 = e2e.set_caches("pack", str(kept), tmp_path)
     assert p3["at_start"]["TRITON_CACHE_DIR"] == {"files": 0, "bytes": 0}
+    # what the records are read by: these processes kept the path; one with a new folder (the harness before) not
+    assert e2e.kept_path(p2) and e2e.kept_path(p3)
+    assert not e2e.kept_path({"fresh_dir": str(tmp_path / "caches-pack-2rm8g23x")}) and not e2e.kept_path({})
     with pytest.raises(SystemExit):
         e2e.set_caches("pack", None, tmp_path)
 
