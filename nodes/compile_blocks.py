@@ -44,7 +44,7 @@ import torch
 import torch._dynamo
 
 from ..memory import report
-from . import comfy_bridge, gguf_cast, staged_blocks
+from . import comfy_bridge, gguf_cast, staged_blocks, streamed_record
 from .log_once import reason, warn_once
 
 log = logging.getLogger("wan_sage")
@@ -195,18 +195,44 @@ def blocks_ran(model, model_options=None) -> BlocksRan | None:
     return BlocksRan({p: blocks[p] for p in PATHS}, {p: calls[p] for p in PATHS}, dict(why))
 
 
-def streamed_blocks_ran(model, model_options=None) -> str:
-    """How ``model``'s streamed blocks have run since the node made its stand-ins, for the estimator
-    (``memory.estimate.Setup.streamed_blocks_ran``): "staged" where a call ran the staged graph, "lifted" where
-    calls lifted streamed Linears into the resident block's graph; "" where no streamed Linear has run compiled yet
-    (a block with only its ``modulation`` streamed proves nothing of its Linears), or where, ever, a call ran
-    eagerly or a sampling failed (the next may too: the eager floor stands for good)."""
+def _ever(model, model_options) -> Counter:
     ever = Counter()
     for s in stand_ins(model, model_options):
         ever.update(s.ever)
+    return ever
+
+
+def streamed_blocks_ran(model, model_options=None) -> str:
+    """How ``model``'s streamed blocks have run since the node made its stand-ins: "staged" where a call ran the
+    staged graph, "lifted" where calls lifted streamed Linears into the resident block's graph; "" where no
+    streamed Linear has run compiled yet (a block with only its ``modulation`` streamed proves nothing of its
+    Linears), or where, ever, a call ran eagerly or a sampling failed (the next may too: the eager floor stands for
+    good)."""
+    ever = _ever(model, model_options)
     if ever["eager"] or ever[FAILED] or not (ever["lifted"] or ever["staged"]):
         return ""
     return "staged" if ever["staged"] else "lifted"
+
+
+def streamed_path(model, model_options=None) -> tuple[str, bool]:
+    """(the path the estimator plans ``model``'s streamed blocks for, ``memory.estimate.Setup.streamed_blocks_ran``;
+    whether it is an earlier start's): what this process saw where its blocks have streamed compiled, run eagerly
+    or failed a sampling (:func:`streamed_blocks_ran`), else what an earlier start kept (:mod:`.streamed_record`)."""
+    ever = _ever(model, model_options)
+    if ever["eager"] or ever[FAILED] or ever["lifted"] or ever["staged"]:
+        return streamed_blocks_ran(model, model_options), False
+    found = stand_ins(model, model_options)
+    kept = streamed_record.recorded(model, [s.block for s in found]) if found else ""
+    return kept, bool(kept)
+
+
+def _keep_path(model, model_options) -> None:
+    """After a sampling: keep what it showed of the streamed path for the next start (:mod:`.streamed_record`),
+    where it showed anything."""
+    ever = _ever(model, model_options)
+    if ever["eager"] or ever[FAILED] or ever["lifted"] or ever["staged"]:
+        streamed_record.keep(model, [s.block for s in stand_ins(model, model_options)],
+                             streamed_blocks_ran(model, model_options))
 
 
 def _failed(model, model_options) -> None:
@@ -252,6 +278,11 @@ def outer_sample(executor, *args, **kwargs):
                 pass
         raise
     finally:
+        try:
+            _keep_path(patcher, options)
+        except Exception as e:
+            warn_once(("streamed-path", type(e).__name__), "wan-sage: how Wan Compile Blocks ran the streamed "
+                      "blocks is not kept for the next start (%s).", reason(e))
         try:
             ran = blocks_ran(patcher, options)
             if ran is not None and ran.any_calls:

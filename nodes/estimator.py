@@ -172,6 +172,9 @@ UNKNOWN_COMPILE_NOTE = ("compile scope unknown: planned as eager ({who} keeps th
 FP8_MATMUL_SKIPPED_NOTE = ("fp8_e4m3fn_fast: this ComfyUI runs its fp8 matmuls only for layers in eval mode and "
                            "leaves the Wan model in training mode, so its fp8 weights are cast at every layer call "
                            "as on the ordinary fp8 path (planned so)")
+KEPT_PATH_NOTE = ("Wan Compile Blocks: streamed blocks planned as blocks of this model's kind ran compiled ({path}) "
+                  "in an earlier sampling (kept in the pack's cache folder); a block that runs eagerly or a sampling "
+                  "that fails brings back the eager plan")
 WHOLE_MODEL_COMPILE_NOTE = ("the whole diffusion model is one compiled graph, which is reserved for as eager: the "
                             "compiled figure is measured for blocks compiled one by one, and a whole-model compile "
                             "peaked above it")
@@ -225,12 +228,15 @@ def setup_for(model, shape, model_options, settings: Settings, *, assume_compile
             notes.append(f"Raylight degrees not used: {wrong[0]} {wrong[1]}")
             par = Parallel()
     blocks_node = comfy_bridge.compile_blocks_node(model, model_options)
+    streamed_path, kept = compile_blocks.streamed_path(model, model_options) if blocks_node else ("", False)
+    if kept:
+        notes.append(KEPT_PATH_NOTE.format(path=streamed_path))
     return Setup(dims=dims, parallel=par, latent=tuple(int(x) for x in shape[:5]), dtype=dtype,
                  attention=att, sage_grouped=mode.sage_grouped and att.self_path != "sdpa",
                  compiled=mode.compiled or assume_compiled,
                  other_compile=scope is not None and not (mode.compiled or assume_compiled),
                  streamed_blocks_staged=blocks_node,
-                 streamed_blocks_ran=compile_blocks.streamed_blocks_ran(model, model_options) if blocks_node else "",
+                 streamed_blocks_ran=streamed_path,
                  margin_bytes=int(settings.margin_gib * GiB),
                  policy=settings.policy, fixed_bytes=int(settings.fixed_gib * GiB), streamed=streamed,
                  img_tokens=dims.img_tokens, per_frame_timesteps=dims.per_frame_timesteps,

@@ -15,6 +15,7 @@ import contextlib
 import importlib.util
 import json
 import logging
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -315,7 +316,7 @@ def compile_blocks_streamed(budget_fraction):
     import comfy.model_management as mm
     from torch._dynamo.utils import counters as dyn
     from wan_sage.memory.estimate import plan
-    from wan_sage.nodes import comfy_bridge, compile_blocks, estimator
+    from wan_sage.nodes import comfy_bridge, compile_blocks, estimator, streamed_record
 
     layers = 3
     load = mm.LoadedModel.model_load
@@ -329,6 +330,8 @@ def compile_blocks_streamed(budget_fraction):
         mm.LoadedModel.model_load = _partial_load(budget_fraction)
     compile_blocks.block_resident = not_streamed
     out = {"blocks": layers}
+    cache_env = os.environ.get(comfy_bridge.CACHE_ENV)
+    os.environ[comfy_bridge.CACHE_ENV] = tempfile.mkdtemp(prefix="streamed-record-", dir=cache_env)  # its own file
     try:
         for name, seed, node_id in (("high", 0, "31"), ("low", 1, "32")):
             with torch.inference_mode():
@@ -345,9 +348,15 @@ def compile_blocks_streamed(budget_fraction):
             ran = compile_blocks.blocks_ran(c)
             # what the estimator plans the next sampling of this model with (memory.estimate.Setup.streamed_blocks_ran)
             planned = estimator.setup_for(c, tuple(latent.shape), c.model_options, estimator.Settings())
+            # and the same model after a ComfyUI restart: new stand-ins, the pack's file read afresh
+            streamed_record._read.clear()
+            restarted, _ = compile_blocks.apply_compile_blocks(m, "inductor", "default")
+            again = estimator.setup_for(restarted, tuple(latent.shape), restarted.model_options, estimator.Settings())
             out[name] = {"graphs": graphs - graphs_before,
                          "streamed_ran": compile_blocks.streamed_blocks_ran(c),
                          "planned_ran": planned.streamed_blocks_ran,
+                         "restart_planned_ran": again.streamed_blocks_ran,
+                         "restart_notes": [n for n in again.notes if n.startswith("Wan Compile Blocks:")],
                          "planned_staged_block": plan(planned).partial["staged_block"],
                          "recompiles": recompiles,
                          "streamed_blocks": sum(1 for b in blocks if not not_streamed(b, None)),
@@ -358,11 +367,15 @@ def compile_blocks_streamed(budget_fraction):
                          "eager_max_abs": float(eager.float().abs().max()),
                          "scope": list(comfy_bridge.compile_scope(c)), "status": text,
                          "ran": ran.blocks, "ran_calls": ran.calls,
-                         "ran_logged": [x for x in lines if "Wan Compile Blocks:" in x]}
+                         "ran_logged": [x for x in lines if x.startswith("wan-sage: Wan Compile Blocks:")]}
             mm.unload_all_models()
     finally:
         mm.LoadedModel.model_load = load
         compile_blocks.block_resident = resident
+        if cache_env is None:
+            os.environ.pop(comfy_bridge.CACHE_ENV, None)
+        else:
+            os.environ[comfy_bridge.CACHE_ENV] = cache_env
     return out
 
 

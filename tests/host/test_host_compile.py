@@ -18,8 +18,9 @@ HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")
-def report():
-    env = dict(os.environ, COMFYUI_PATH=comfy_env.comfy_path())
+def report(tmp_path_factory):
+    env = dict(os.environ, COMFYUI_PATH=comfy_env.comfy_path(),
+               WAN_SAGE_CACHE_DIR=str(tmp_path_factory.mktemp("wan-sage-cache")))  # the pack's files, this run's own
     p = subprocess.run([sys.executable, str(HERE / "compile_check.py")], capture_output=True, text=True, env=env,
                        timeout=900, check=False)
     lines = [line for line in p.stdout.splitlines() if line.startswith("REPORT ")]
@@ -103,6 +104,9 @@ def test_wan_compile_blocks_runs_streamed_blocks_staged_in_one_graph_for_both_ex
                                       f"compiled (0 resident, {r['blocks']} streamed, staged)"], r
         # so the estimator plans this model's next sampling as the compiled forward with a staged block's weights
         assert r[e]["streamed_ran"] == r[e]["planned_ran"] == "staged" and r[e]["planned_staged_block"] > 0, r
+        # and so does the first prompt after a restart, from the pack's file, saying so
+        assert r[e]["restart_planned_ran"] == "staged", r
+        assert len(r[e]["restart_notes"]) == 1 and "in an earlier sampling" in r[e]["restart_notes"][0], r
     assert r["high"]["graphs"] == 1 and r["low"]["graphs"] == 0, r
 
 
@@ -115,6 +119,7 @@ def test_wan_compile_blocks_compiles_one_graph_for_both_resident_experts(report)
         assert r[e]["recompiles"] == 0, r
         assert r[e]["ran"] == {"resident": r["blocks"], "lifted": 0, "staged": 0, "eager": 0}, r
         assert r[e]["streamed_ran"] == r[e]["planned_ran"] == "", r  # nothing streamed: the first plan stands
+        assert r[e]["restart_planned_ran"] == "" and r[e]["restart_notes"] == [], r  # and nothing was kept
     assert r["high"]["graphs"] == 1 and r["low"]["graphs"] == 0, r
 
 

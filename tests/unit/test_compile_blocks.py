@@ -695,6 +695,115 @@ def test_a_sampling_that_fails_keeps_the_eager_floor_for_good_but_a_cancel_does_
     assert compile_blocks.streamed_blocks_ran(p) == ""
 
 
+@pytest.fixture
+def kept_in(monkeypatch, tmp_path):
+    """The pack's cache folder in ``tmp_path``, read afresh as a new ComfyUI start reads it."""
+    from wan_sage.nodes import streamed_record
+    monkeypatch.setenv(comfy_bridge.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(streamed_record, "_read", {})
+    return streamed_record
+
+
+def _one_block_model(stand_in):
+    p = _node_patcher({"diffusion_model.blocks.0": stand_in})
+    p.model.manual_cast_dtype = torch.float16
+    return p
+
+
+def _restart(record, block):
+    """The same model in a new process: new stand-ins over the same block, and the record read from disk."""
+    record._read.clear()
+    stand_in = compile_blocks.BlockStandIn(block, lambda x: x)
+    return stand_in, _one_block_model(stand_in)
+
+
+def _sample(p, calls):
+    def run(*a, **k):
+        calls()
+        return "latent"
+    return compile_blocks.outer_sample(_executor(_guider(p), run))
+
+
+def test_a_new_start_plans_the_streamed_path_an_earlier_start_saw_until_a_block_runs_eagerly(lifter, kept_in):
+    """The first prompt of a new process plans the streamed blocks as they ran compiled in an earlier one (the
+    eager floor otherwise, as before any streamed call); a block that runs eagerly in any start takes that back,
+    for this process and the next."""
+    block, x = QuantBlock(), torch.randn(2, 4)
+    lifted = compile_blocks.BlockStandIn(block, lambda x: x)
+    p = _one_block_model(lifted)
+    assert compile_blocks.streamed_path(p) == ("", False)
+    assert _sample(p, lambda: lifted(x)) == "latent"
+    assert compile_blocks.streamed_path(p) == ("lifted", False)  # this process's own evidence
+
+    again, p2 = _restart(kept_in, block)
+    assert compile_blocks.streamed_path(p2) == ("lifted", True)
+    other = QuantBlock()
+    other.norm = torch.nn.LayerNorm(4)  # another kind of weighted module: another model as far as the record goes
+    assert compile_blocks.streamed_path(_restart(kept_in, other)[1]) == ("", False)
+
+    lifter._agreed[QuantLinear] = False  # its lifted output missed its own by a bit here: the block runs eagerly
+    assert _sample(p2, lambda: again(x)) == "latent" and again.ever["eager"] == 1
+    assert compile_blocks.streamed_path(p2) == ("", False)
+    assert compile_blocks.streamed_path(_restart(kept_in, block)[1]) == ("", False)
+
+
+def test_a_failed_sampling_forgets_the_kept_path_a_cancel_or_a_resident_run_does_not(lifter, kept_in):
+    block, x = QuantBlock(), torch.randn(2, 4)
+    lifted = compile_blocks.BlockStandIn(block, lambda x: x)
+    p = _one_block_model(lifted)
+    _sample(p, lambda: lifted(x))
+    resident_block = QuantBlock()
+    for m in resident_block.modules():
+        m.__dict__.pop("prev_comfy_cast_weights", None)
+    stand_in, p2 = _restart(kept_in, resident_block)
+    _sample(p2, lambda: stand_in(x))  # every weight resident: nothing learnt, nothing forgotten
+    assert compile_blocks.streamed_path(_restart(kept_in, block)[1]) == ("lifted", True)
+
+    InterruptProcessingException = type("InterruptProcessingException", (Exception,), {})
+    for error, kept in ((InterruptProcessingException(), ("lifted", True)),
+                        (torch.OutOfMemoryError("CUDA out of memory"), ("", False))):
+        stand_in, p3 = _restart(kept_in, block)
+
+        def fails():
+            stand_in(x)
+            raise error
+        with pytest.raises(type(error)):
+            compile_blocks.outer_sample(_executor(_guider(p3), fails))
+        assert compile_blocks.streamed_path(_restart(kept_in, block)[1]) == kept
+
+
+def test_the_kept_path_is_the_torch_build_and_gpus_and_a_broken_file_is_no_file(lifter, kept_in, monkeypatch,
+                                                                                  tmp_path, caplog):
+    import os
+    from wan_sage.nodes import compile_cache, log_once
+    block, x = QuantBlock(), torch.randn(2, 4)
+    lifted = compile_blocks.BlockStandIn(block, lambda x: x)
+    _sample(_one_block_model(lifted), lambda: lifted(x))
+    path = tmp_path / compile_cache.SUBDIR / kept_in.FILE_NAME
+    assert path.is_file() and compile_blocks.streamed_path(_restart(kept_in, block)[1]) == ("lifted", True)
+    with monkeypatch.context() as m:
+        m.setattr(compile_cache, "build_prefix", lambda torch_mod, device: "torch-9.9-another-gpu")
+        assert compile_blocks.streamed_path(_restart(kept_in, block)[1]) == ("", False)
+
+    path.write_text("{not json")
+    stand_in, p = _restart(kept_in, block)
+    assert compile_blocks.streamed_path(p) == ("", False)
+    assert _sample(p, lambda: stand_in(x)) == "latent"  # the next sampling writes a whole file again
+    assert compile_blocks.streamed_path(_restart(kept_in, block)[1]) == ("lifted", True)
+
+    monkeypatch.setattr(log_once, "warned", set())
+    path.unlink()
+    os.chmod(path.parent, 0o500)  # a folder it cannot write: logged, the sampling goes on
+    try:
+        stand_in, p = _restart(kept_in, block)
+        with caplog.at_level("WARNING", logger="wan_sage"):
+            assert _sample(p, lambda: stand_in(x)) == "latent"
+    finally:
+        os.chmod(path.parent, 0o700)
+    if os.geteuid() != 0:  # root writes anyway
+        assert any("could not be kept for the next start" in r.getMessage() for r in caplog.records)
+
+
 @pytest.mark.parametrize("mode", compile_blocks.MODES)
 @pytest.mark.parametrize("backend", compile_blocks.BACKENDS)
 def test_torch_compile_takes_the_node_s_arguments_for_every_backend_and_mode(backend, mode):
