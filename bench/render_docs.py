@@ -585,7 +585,18 @@ def compile_section() -> list:
   larger): a block the node cannot lift or stage runs eagerly. Once their Linears have run compiled with no call
   eager and no sampling failed (the node's count since it made its stand-ins), it plans the compiled forward plus
   the one block's weights its path holds: as stored where lifted (0.20 GiB for a Q4_K_M A14B block), in the compute
-  dtype where staged; a VACE model keeps the eager floor, since its VACE blocks are not compiled. On the 12 GiB
+  dtype where staged; a VACE model keeps the eager floor, since its VACE blocks are not compiled. The path a
+  sampling showed is kept in the pack's cache folder (`compile/streamed-blocks.json`, `nodes/streamed_record.py`),
+  under the torch build and GPU, the pack's version, the model's dims, compute dtype and LoRA, and the kinds of its
+  blocks' weighted modules; a block run eagerly or a failed sampling removes it. A model whose own blocks have not
+  streamed compiled yet plans from it: the first prompt after a restart, and Wan 2.2's low-noise expert after the
+  high-noise one (the two are of one kind), and the estimator's report says so. Only the first streamed sampling of
+  a model kind keeps the eager floor. On an H100 (`h100-gguf-720p81-4steps-16gib-compiled-blocks.jsonl` round `c`
+  and `h100-gguf-720p81-4steps-12gib-compiled-blocks.jsonl`, `7c19018`, one machine): at 16 GiB the first prompt
+  after a restart planned the high-noise expert at 7.33 GiB against 8.27, kept 87 % of its weights resident against
+  77 %, and left 0.71 GiB of the budget unused beyond what ComfyUI keeps free, against 1.77 GiB in the process
+  before it; at 12 GiB from empty caches the low-noise expert's first sampling planned 5.50 GiB against 7.90, kept
+  64 % resident against 38 %, and left 0.65 GiB unused; 0 out-of-memory errors, 0 allocator retries. On the 12 GiB
   seed records (`gguf-720p81-4steps-compiled-blocks.jsonl`, rounds `i` and `j`) that plan is 5.46 GiB where every
   streamed expert held 5.00-5.09 GiB above its base, against the 7.89 GiB of the eager floor: 2.4 GiB more of a 12
   GiB budget left to the weights from the repeat prompt on. On the H200 at a size and budget it was not first
