@@ -311,7 +311,8 @@ class Setup:
     # Where the weights stream, the forward is planned as the larger of the eager one (streamed GGUF included,
     # fragmentation_bytes) and the compiled one holding a block's staged weights (staged_block_bytes).
     streamed_blocks_staged: bool = False
-    # How Wan Compile Blocks has run this model's streamed blocks so far (the node's count, kept for the process):
+    # How Wan Compile Blocks has run this model's streamed blocks (the node's count in this process, else what an
+    # earlier sampling of the model's kind kept in the pack's cache folder, nodes/streamed_record.py):
     # "" none yet, or one ran eagerly: planned as above; "lifted": every streamed call ran in the resident block's
     # graph, with the block's weights copied onto the GPU as stored (lifted_block_bytes); "staged": some ran the
     # staged graph, with the block's weights in the compute dtype (staged_block_bytes).  Either of those two: the

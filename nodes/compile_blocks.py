@@ -23,7 +23,8 @@ the cast flags ComfyUI's partial unload and reload leave on a block's modules ar
 (:func:`settle_cast_flags`).  The estimator plans a streamed load for the larger of the eager forward and the
 compiled one holding a block's staged weights (``memory.estimate.Setup.streamed_blocks_staged``), and, once the
 model's streamed Linears have run compiled with no call eager and no sampling failed, for the compiled one holding
-the one block's weights its path holds (:func:`streamed_blocks_ran`).
+the one block's weights its path holds (:func:`streamed_blocks_ran`); what a sampling showed is kept across
+ComfyUI starts for the model's kind (:mod:`.streamed_record`, :func:`streamed_path`).
 
 A ComfyUI-GGUF block runs compiled with its weights cast through :mod:`.gguf_cast`: ComfyUI-GGUF's own cast, with
 the dequantization on plain tensors, given to the block's layers for that call only.

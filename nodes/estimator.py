@@ -228,7 +228,11 @@ def setup_for(model, shape, model_options, settings: Settings, *, assume_compile
             notes.append(f"Raylight degrees not used: {wrong[0]} {wrong[1]}")
             par = Parallel()
     blocks_node = comfy_bridge.compile_blocks_node(model, model_options)
-    streamed_path, kept = compile_blocks.streamed_path(model, model_options) if blocks_node else ("", False)
+    # the kept path is read for a patcher (the sampling's reservation); the cond-batch test, given the BaseModel,
+    # plans from what this process saw
+    streamed_path, kept = (("", False) if not blocks_node
+                           else compile_blocks.streamed_path(model, model_options) if weights
+                           else (compile_blocks.streamed_blocks_ran(model, model_options), False))
     if kept:
         notes.append(KEPT_PATH_NOTE.format(path=streamed_path))
     return Setup(dims=dims, parallel=par, latent=tuple(int(x) for x in shape[:5]), dtype=dtype,

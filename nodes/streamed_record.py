@@ -1,22 +1,26 @@
 """How a Wan Compile Blocks model's streamed blocks ran, kept across ComfyUI starts beside the compile cache.
 
-The estimator plans a streamed load under Wan Compile Blocks as the eager forward until the model's streamed Linears
-have run compiled, with no call eager and no sampling failed (``compile_blocks.streamed_blocks_ran``); after
-that, as the compiled forward plus the one block's weights its path holds.  That evidence lives in the process, so
-without this file every ComfyUI start's first prompt planned the eager floor again: on the H200 at 16 GiB the seed
-workflow's high-noise expert held 6.8 GiB above its weights on the first prompt after a restart against 8.3 GiB
-planned, and 1.6 GiB of the budget stayed unused while 23 % of its weights streamed (docs/benchmarks.md).
+The estimator plans a streamed load under Wan Compile Blocks as the eager forward (the eager floor) until the
+model's streamed Linears have run compiled, with no call eager and no sampling failed
+(``compile_blocks.streamed_blocks_ran``); after that, as the compiled forward plus the one block's weights its path
+holds.  A new process has none of that evidence, so its first prompt would plan the eager floor: on the H200 at
+16 GiB the seed workflow's high-noise expert held 6.8 GiB above its weights on such a prompt against 8.3 GiB
+planned, and 1.6 GiB of the budget stayed unused while 23 % of its weights streamed (docs/attention.md, "Wan
+Compile Blocks").
 
-When a sampling ends with the in-process evidence (streamed Linears run compiled, none eager, none failed), the
-path it names ("lifted" or "staged") is written under a key of what decides it: the torch build and GPU, the pack's
-version, the model's dims and compute dtype, whether ComfyUI patches its weights (a LoRA), and the kind of every
-weighted module of its blocks (class, weight class, dtype and quantization).  A sampling in which a block call ran
-eagerly, or that failed, removes the key.  A model reads the key while its own blocks have not streamed compiled
-yet, in a new process or in this one (Wan 2.2's two experts are of one kind: the low-noise expert's first sampling
-reads what the high-noise one's wrote); once they have, or once one ran eagerly, what the model saw decides.
+When a sampling ends, what it showed is written under a key of what decides it: the torch build and GPU, the
+versions of the pack and of ComfyUI, the model's dims and compute dtype, the weights its patches (LoRA) change by
+their name within a block, and the kind of every weighted module of its blocks (class, weight class, dtype,
+quantization, and whether the pack knows how to cast it).  The value is the path ("lifted" or "staged") where its
+streamed Linears ran compiled, or ``eager`` where a block call ran eagerly or the sampling failed; ``eager`` is
+never overwritten, so a model kind that once needed the eager floor keeps it until the key changes (another torch,
+ComfyUI or pack version).  A model reads its key while its own blocks have not streamed compiled yet, in a new
+process or in this one (Wan 2.2's two experts are of one kind: the low-noise expert's first sampling reads what
+the high-noise one's wrote); once they have, or once one ran eagerly, what the model saw decides.
 
 The file is ``<cache folder>/compile/streamed-blocks.json``.  Reading or writing it never fails a sampling: a file
-that cannot be read is as no file (the eager floor), and a failed write is logged once.
+that cannot be read is as no file (the eager floor); where ``eager`` cannot be written the file is removed, and
+where that fails too the warning says that the next start may plan too little.
 """
 from __future__ import annotations
 
@@ -24,11 +28,13 @@ import hashlib
 import json
 import logging
 import os
+import re
+import sys
 import threading
 
 from .. import __version__
 from ..attention.file_lock import file_lock, replace_atomically
-from . import comfy_bridge, compile_cache
+from . import comfy_bridge, compile_cache, staged_blocks
 from .log_once import reason, warn_once
 
 log = logging.getLogger("wan_sage")
@@ -36,14 +42,17 @@ log = logging.getLogger("wan_sage")
 FILE_NAME = "streamed-blocks.json"
 FORMAT = 1
 PATHS = ("lifted", "staged")  # the compiled ways a streamed block runs (nodes/compile_blocks.py)
+EAGER = "eager"  # a block call ran eagerly or a sampling failed: the eager floor, for good
+_BLOCK_KEY = re.compile(r"^diffusion_model\.blocks\.\d+\.")
 
 _lock = threading.Lock()
-_read: dict = {}  # file path -> {key: path} as this process last read or wrote it
+_read: dict = {}  # file path -> ((mtime_ns, size), {key: value}) as this process last read or wrote it
 
 
 def _module_kinds(blocks) -> list:
-    """Every distinct (module class, weight class, weight dtype, quantization) among the weighted modules of
-    ``blocks``: what decides whether a streamed block is lifted, staged or run eagerly (nodes/staged_blocks.py)."""
+    """Every distinct (module class, weight class, weight dtype, quantization, cast known) among the weighted
+    modules of ``blocks``: what decides whether a streamed block is lifted, staged or run eagerly
+    (nodes/staged_blocks.py)."""
     kinds = set()
     for block in blocks:
         for m in block.modules():
@@ -51,16 +60,36 @@ def _module_kinds(blocks) -> list:
             if w is None:
                 continue
             kinds.add((f"{type(m).__module__}.{type(m).__qualname__}", type(w).__name__, str(w.dtype),
-                       str(getattr(w, "tensor_type", ""))))
+                       str(getattr(w, "tensor_type", "")), staged_blocks.caster(m) is not None))
     return sorted(kinds)
+
+
+def _patched(model) -> list:
+    """The weights within a block that ``model``'s patches change (a LoRA's ``self_attn.q.weight``), and those its
+    weight wrappers wrap, by name without the block's index: a streamed module with a per-call patch runs staged
+    or eagerly, one without lifted."""
+    names = set()
+    for which, attr in (("patch", "patches"), ("wrapper", "weight_wrapper_patches")):
+        for key in getattr(model, attr, None) or {}:
+            name = key if isinstance(key, str) else str(key)
+            if _BLOCK_KEY.match(name):
+                names.add((which, _BLOCK_KEY.sub("", name)))
+            else:
+                names.add((which, "outside the blocks"))
+    return sorted(names)
+
+
+def _host_version() -> str:
+    found = sys.modules.get("comfyui_version")
+    return str(getattr(found, "__version__", "")) if found is not None else ""
 
 
 def record_key(model, blocks) -> str:
     """The key of ``model``'s streamed path, whose transformer blocks are ``blocks`` (hashed short)."""
     import torch
-    text = repr((compile_cache.build_prefix(torch, comfy_bridge.device_of(model)), __version__,
-                 comfy_bridge.wan_dims(model), comfy_bridge.compute_dtype(model),
-                 bool(getattr(model, "patches", None)), _module_kinds(blocks)))
+    text = repr((compile_cache.build_prefix(torch, comfy_bridge.device_of(model)), __version__, _host_version(),
+                 comfy_bridge.wan_dims(model), comfy_bridge.compute_dtype(model), _patched(model),
+                 _module_kinds(blocks)))
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -69,8 +98,16 @@ def _path() -> str | None:
     return None if base is None else os.path.join(base, compile_cache.SUBDIR, FILE_NAME)
 
 
+def _stamp(path: str):
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
 def _read_disk(path: str) -> dict:
-    """The file's {key: path}; {} where it is missing, unreadable or of another format."""
+    """The file's {key: value}; {} where it is missing, unreadable or of another format."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -78,60 +115,82 @@ def _read_disk(path: str) -> dict:
         return {}
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("paths"), dict):
         return {}
-    return {k: v for k, v in data["paths"].items() if v in PATHS}
+    return {k: v for k, v in data["paths"].items() if v in PATHS + (EAGER,)}
 
 
 def _entries(path: str) -> dict:
+    """The file's {key: value}, read again where it changed on disk since this process last read it."""
+    stamp = _stamp(path)
     with _lock:
         found = _read.get(path)
-    if found is None:
-        found = _read_disk(path)
-        with _lock:
-            _read[path] = found
-    return found
+    if found is not None and found[0] == stamp:
+        return found[1]
+    entries = _read_disk(path) if stamp is not None else {}
+    with _lock:
+        _read[path] = (stamp, entries)
+    return entries
 
 
-def _write(path: str, key: str, value: str | None) -> None:
-    """Set (``value``) or remove (None) ``key`` in the file, merged with what is on disk, atomically."""
+def _write(path: str, key: str, value: str) -> bool:
+    """Merge ``key``: ``value`` into the file under its lock, ``eager`` never overwritten; True where the file
+    changed."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with file_lock(path):
+    with file_lock(path) as held:
+        if not held:
+            warn_once(("streamed-record-lock", path), "wan-sage: %s stayed locked by another process; writing "
+                      "without the lock.", path)
         paths = _read_disk(path)
-        if value is None:
-            paths.pop(key, None)
+        if paths.get(key) in (value, EAGER):
+            changed = False
         else:
             paths[key] = value
-        replace_atomically(path, json.dumps({"format": FORMAT, "paths": paths}, indent=1, sort_keys=True).encode(),
-                           ".streamed-", mode=0o644)
+            replace_atomically(path, json.dumps({"format": FORMAT, "paths": paths}, indent=1,
+                                                sort_keys=True).encode(), ".streamed-", mode=0o644)
+            changed = True
     with _lock:
-        _read[path] = paths
+        _read[path] = (_stamp(path), paths)
+    return changed
 
 
 def recorded(model, blocks) -> str:
-    """The streamed path an earlier sampling of this model wrote ("lifted", "staged"), "" where none.  Never
-    raises."""
+    """The streamed path an earlier sampling of this model's kind showed ("lifted", "staged"), "" where none did or
+    one ran eagerly or failed.  Never raises."""
     try:
         path = _path()
-        return "" if path is None else _entries(path).get(record_key(model, blocks), "")
+        found = "" if path is None else _entries(path).get(record_key(model, blocks), "")
+        return found if found in PATHS else ""
     except Exception as e:
         warn_once(("streamed-record-read", type(e).__name__), "wan-sage: how this model's streamed blocks ran in "
-                  "an earlier start could not be read (%s); its first prompt plans them as eager.", reason(e))
+                  "an earlier sampling could not be read (%s); its first prompt plans them as eager.", reason(e))
         return ""
 
 
 def keep(model, blocks, ran: str) -> None:
-    """Write ``ran`` ("lifted", "staged") as this model's streamed path, or remove its key ("": a block call ran
-    eagerly or a sampling failed), where the file says otherwise.  Never raises."""
+    """Write what a sampling showed: ``ran`` ("lifted", "staged"), or "" where a block call ran eagerly or the
+    sampling failed (kept as ``eager``).  Never raises."""
+    value = ran if ran in PATHS else EAGER
+    path = None
     try:
         path = _path()
         if path is None:
             return
-        key = record_key(model, blocks)
-        if _entries(path).get(key, "") == ran:
-            return
-        _write(path, key, ran or None)
-        if ran:
+        if _write(path, record_key(model, blocks), value) and value != EAGER:
             log.info("wan-sage: this model's streamed blocks ran compiled (%s): kept in %s, so that the first prompt "
-                     "of the next ComfyUI start plans them so", ran, path)
+                     "of the next ComfyUI start plans them so", value, path)
     except Exception as e:
+        if value == EAGER and path is not None:
+            try:  # the file must not go on saying a compiled path: without it the eager floor stands
+                os.remove(path)
+                with _lock:
+                    _read.pop(path, None)
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                pass
+            warn_once(("streamed-record-eager", type(e).__name__), "wan-sage: a block of this model ran eagerly or "
+                      "its sampling failed, and %s could not be changed to say so (%s); the next start may plan its "
+                      "streamed blocks as compiled: remove that file.", path, reason(e))
+            return
         warn_once(("streamed-record-write", type(e).__name__), "wan-sage: how this model's streamed blocks ran "
                   "could not be kept for the next start (%s); its first prompt there plans them as eager.", reason(e))

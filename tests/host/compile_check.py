@@ -16,6 +16,7 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -331,7 +332,8 @@ def compile_blocks_streamed(budget_fraction):
     compile_blocks.block_resident = not_streamed
     out = {"blocks": layers}
     cache_env = os.environ.get(comfy_bridge.CACHE_ENV)
-    os.environ[comfy_bridge.CACHE_ENV] = tempfile.mkdtemp(prefix="streamed-record-", dir=cache_env)  # its own file
+    own = tempfile.mkdtemp(prefix="streamed-record-", dir=cache_env)  # its own kept streamed path
+    os.environ[comfy_bridge.CACHE_ENV] = own
     try:
         for name, seed, node_id in (("high", 0, "31"), ("low", 1, "32")):
             with torch.inference_mode():
@@ -376,6 +378,7 @@ def compile_blocks_streamed(budget_fraction):
             os.environ.pop(comfy_bridge.CACHE_ENV, None)
         else:
             os.environ[comfy_bridge.CACHE_ENV] = cache_env
+        shutil.rmtree(own, ignore_errors=True)
     return out
 
 

@@ -1,6 +1,9 @@
 """Wan Compile Blocks (nodes/compile_blocks.py) without ComfyUI: the stand-in that runs a block compiled only
 while its weights are resident, how the pack reads the node's compile scope, and the payback it gives a run
 whose blocks partly streamed."""
+import json
+import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -772,18 +775,98 @@ def test_a_failed_sampling_forgets_the_kept_path_a_cancel_or_a_resident_run_does
         assert compile_blocks.streamed_path(_restart(kept_in, block)[1]) == kept
 
 
-def test_the_kept_path_is_the_torch_build_and_gpus_and_a_broken_file_is_no_file(lifter, kept_in, monkeypatch,
-                                                                                  tmp_path, caplog):
-    import os
-    from wan_sage.nodes import compile_cache, log_once
-    block, x = QuantBlock(), torch.randn(2, 4)
+def _kept_lifted(record, block, x):
+    """A sampling over ``block``, streamed and lifted, that keeps "lifted"; the file's path."""
+    from wan_sage.nodes import compile_cache
     lifted = compile_blocks.BlockStandIn(block, lambda x: x)
     _sample(_one_block_model(lifted), lambda: lifted(x))
-    path = tmp_path / compile_cache.SUBDIR / kept_in.FILE_NAME
-    assert path.is_file() and compile_blocks.streamed_path(_restart(kept_in, block)[1]) == ("lifted", True)
+    return Path(comfy_bridge.cache_dir()) / compile_cache.SUBDIR / record.FILE_NAME
+
+
+def test_a_staged_path_is_kept_as_staged_and_one_model_kinds_failure_holds_for_the_other(lifter, kept_in):
+    """Wan 2.2's two experts share a key: once one of them ran eagerly or failed, the other's compiled run does not
+    bring the kept path back; a sampling that fails before any block call counts too."""
+    block, x = QuantBlock(), torch.randn(2, 4)
+    block.b.weight_function = [lambda w: w]  # a per-call patch: staged
+    staged, p = _restart(kept_in, block)
+    _sample(p, lambda: staged(x))
+    assert compile_blocks.streamed_path(_restart(kept_in, block)[1]) == ("staged", True)
+
+    high, low = QuantBlock(), QuantBlock()
+    first, p_high = _restart(kept_in, high)
+
+    def oom():
+        raise torch.OutOfMemoryError("CUDA out of memory")
+    with pytest.raises(torch.OutOfMemoryError):
+        compile_blocks.outer_sample(_executor(_guider(p_high), oom))  # before any block call
+    second, p_low = _restart(kept_in, low)
+    _sample(p_low, lambda: second(x))
+    assert compile_blocks.streamed_path(p_low) == ("lifted", False)  # what this model saw
+    assert compile_blocks.streamed_path(_restart(kept_in, high)[1]) == ("", False)  # the kind keeps the eager floor
+
+
+KEY_CHANGES = {
+    "torch build or GPU": lambda m, p, b: m.setattr(
+        __import__("wan_sage.nodes.compile_cache", fromlist=["x"]), "build_prefix", lambda t, d: "torch-9.9-gpu"),
+    "ComfyUI version": lambda m, p, b: m.setitem(__import__("sys").modules, "comfyui_version",
+                                                 SimpleNamespace(__version__="9.9.9")),
+    "pack version": lambda m, p, b: m.setattr(__import__("wan_sage.nodes.streamed_record", fromlist=["x"]),
+                                              "__version__", "9.9.9"),
+    "dims": lambda m, p, b: m.setattr(p.model.diffusion_model, "dim", 2048),
+    "compute dtype": lambda m, p, b: m.setattr(p.model, "manual_cast_dtype", torch.bfloat16),
+    "a LoRA on a block's weight": lambda m, p, b: m.setattr(
+        p, "patches", {"diffusion_model.blocks.0.a.weight": [()]}, raising=False),
+    "a LoRA on another weight": lambda m, p, b: m.setattr(
+        p, "patches", {"diffusion_model.blocks.7.norm.weight": [()]}, raising=False),
+    "a weight wrapper": lambda m, p, b: m.setattr(
+        p, "weight_wrapper_patches", {"diffusion_model.blocks.0.b.weight": [len]}, raising=False),
+    "a weight dtype": lambda m, p, b: m.setattr(
+        b.a, "weight", torch.nn.Parameter(b.a.weight.detach().half(), requires_grad=False)),
+    "a cast the pack does not know": lambda m, p, b: m.setattr(
+        __import__("wan_sage.nodes.staged_blocks", fromlist=["x"]), "caster", lambda layer: None),
+}
+
+
+@pytest.mark.parametrize("change", list(KEY_CHANGES))
+def test_each_part_of_the_key_makes_another_model_kind(lifter, kept_in, monkeypatch, change):
+    block, x = QuantBlock(), torch.randn(2, 4)
+    _kept_lifted(kept_in, block, x)
+    _, p = _restart(kept_in, block)
+    assert compile_blocks.streamed_path(p) == ("lifted", True)
     with monkeypatch.context() as m:
-        m.setattr(compile_cache, "build_prefix", lambda torch_mod, device: "torch-9.9-another-gpu")
-        assert compile_blocks.streamed_path(_restart(kept_in, block)[1]) == ("", False)
+        KEY_CHANGES[change](m, p, block)
+        assert compile_blocks.streamed_path(_restart(kept_in, block)[1] if change == "a weight dtype" else p) == (
+            "", False)
+
+
+def test_a_second_block_of_another_kind_makes_another_model_kind(lifter, kept_in):
+    x = torch.randn(2, 4)
+
+    def two_blocks(second):
+        stand_ins = {"diffusion_model.blocks.0": compile_blocks.BlockStandIn(QuantBlock(), lambda x: x),
+                     "diffusion_model.blocks.1": compile_blocks.BlockStandIn(second, lambda x: x)}
+        p = _node_patcher(stand_ins)
+        p.model.manual_cast_dtype = torch.float16
+        return p, list(stand_ins.values())
+    p, (one, two) = two_blocks(QuantBlock())
+    _sample(p, lambda: (one(x), two(x)))
+    kept_in._read.clear()
+    assert compile_blocks.streamed_path(two_blocks(QuantBlock())[0]) == ("lifted", True)
+    other = QuantBlock()
+    other.a = torch.nn.Linear(4, 4)  # a Linear of a kind the pack does not lift, in the second block only
+    assert compile_blocks.streamed_path(two_blocks(other)[0]) == ("", False)
+
+
+def test_the_file_is_read_again_when_another_process_changes_it_and_a_broken_file_is_no_file(lifter, kept_in):
+    block, x = QuantBlock(), torch.randn(2, 4)
+    path = _kept_lifted(kept_in, block, x)
+    _, p = _restart(kept_in, block)
+    assert compile_blocks.streamed_path(p) == ("lifted", True)
+    data = json.loads(path.read_text())
+    data["paths"] = {k: "eager" for k in data["paths"]}  # another ComfyUI sharing the folder saw a block run eagerly
+    path.write_text(json.dumps(data))
+    os.utime(path, ns=(1, 1))
+    assert compile_blocks.streamed_path(p) == ("", False)  # no restart: read again on its change
 
     path.write_text("{not json")
     stand_in, p = _restart(kept_in, block)
@@ -791,17 +874,28 @@ def test_the_kept_path_is_the_torch_build_and_gpus_and_a_broken_file_is_no_file(
     assert _sample(p, lambda: stand_in(x)) == "latent"  # the next sampling writes a whole file again
     assert compile_blocks.streamed_path(_restart(kept_in, block)[1]) == ("lifted", True)
 
+
+def test_an_eager_run_that_cannot_be_written_removes_the_file_or_says_so(lifter, kept_in, monkeypatch, caplog):
+    from wan_sage.nodes import log_once, streamed_record
     monkeypatch.setattr(log_once, "warned", set())
-    path.unlink()
-    os.chmod(path.parent, 0o500)  # a folder it cannot write: logged, the sampling goes on
-    try:
-        stand_in, p = _restart(kept_in, block)
-        with caplog.at_level("WARNING", logger="wan_sage"):
-            assert _sample(p, lambda: stand_in(x)) == "latent"
-    finally:
-        os.chmod(path.parent, 0o700)
-    if os.geteuid() != 0:  # root writes anyway
-        assert any("could not be kept for the next start" in r.getMessage() for r in caplog.records)
+    block, x = QuantBlock(), torch.randn(2, 4)
+    path = _kept_lifted(kept_in, block, x)
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(streamed_record, "replace_atomically", full)
+    lifter._agreed[QuantLinear] = False  # the block runs eagerly
+    stand_in, p = _restart(kept_in, block)
+    assert _sample(p, lambda: stand_in(x)) == "latent"
+    assert not path.exists() and compile_blocks.streamed_path(_restart(kept_in, block)[1]) == ("", False)
+
+    path.write_text(json.dumps({"format": 1, "paths": {streamed_record.record_key(p, [block]): "lifted"}}))
+    monkeypatch.setattr(streamed_record.os, "remove", full)
+    stand_in, p = _restart(kept_in, block)
+    with caplog.at_level("WARNING", logger="wan_sage"):
+        assert _sample(p, lambda: stand_in(x)) == "latent"
+    assert [r.getMessage() for r in caplog.records if "could not be changed to say so" in r.getMessage()], \
+        caplog.records
 
 
 @pytest.mark.parametrize("mode", compile_blocks.MODES)
