@@ -587,9 +587,10 @@ def compile_section() -> list:
   the one block's weights its path holds: as stored where lifted (0.20 GiB for a Q4_K_M A14B block), in the compute
   dtype where staged; a VACE model keeps the eager floor, since its VACE blocks are not compiled. The path a
   sampling showed is kept in the pack's cache folder (`compile/streamed-blocks.json`, `nodes/streamed_record.py`),
-  under the torch build and GPU, the pack's version, the model's dims, compute dtype and LoRA, and the kinds of its
-  blocks' weighted modules; a block run eagerly or a failed sampling removes it. A model whose own blocks have not
-  streamed compiled yet plans from it: the first prompt after a restart, and Wan 2.2's low-noise expert after the
+  under the torch build and GPU, the versions of the pack and ComfyUI, the model's dims and compute dtype, the
+  weights its LoRA changes, and the kinds of its blocks' weighted modules; a block run eagerly or a failed sampling
+  marks that key eager, and nothing compiled overwrites it. A model whose own blocks have not streamed compiled
+  yet plans from it: the first prompt after a restart, and Wan 2.2's low-noise expert after the
   high-noise one (the two are of one kind), and the estimator's report says so. Only the first streamed sampling of
   a model kind keeps the eager floor. On an H100 (`h100-gguf-720p81-4steps-16gib-compiled-blocks.jsonl` round `c`
   and `h100-gguf-720p81-4steps-12gib-compiled-blocks.jsonl`, `7c19018`, one machine): at 16 GiB the first prompt
