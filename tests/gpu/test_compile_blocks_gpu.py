@@ -2,7 +2,8 @@
 really sit on the host.  A ComfyUI-GGUF expert with its LoRA: every block runs the resident block's graph (its streamed
 quantized layers and its own ``modulation`` lifted onto the GPU for the call), one graph in all.  A bf16 expert with a
 LoRA on every Linear (ComfyUI patches a streamed one at each call): its streamed blocks run the staged graph.  Both
-sample as eagerly within inductor's rounding, and a second sampling compiles nothing.  Each skips, with its reason,
+sample as eagerly within inductor's rounding, a second sampling compiles nothing, and the model after a restart
+plans its streamed blocks from the path the pack kept.  Each skips, with its reason,
 without ComfyUI-GGUF."""
 import sys
 from pathlib import Path
@@ -59,9 +60,11 @@ def partial_load(comfy, monkeypatch):
 
 @pytest.mark.parametrize("kind", ["gguf", "lora"])
 def test_a_partly_loaded_expert_runs_its_streamed_blocks_compiled_without_recompiling(comfy, kind, tmp_path,
-                                                                                    partial_load):
+                                                                                    partial_load, monkeypatch):
     from torch._dynamo.utils import counters
-    from wan_sage.nodes import compile_blocks
+    from wan_sage.nodes import comfy_bridge, compile_blocks, streamed_record
+    monkeypatch.setenv(comfy_bridge.CACHE_ENV, str(tmp_path / "pack-cache"))
+    monkeypatch.setattr(streamed_record, "_read", {})
     mm = comfy.model_management
     with torch.inference_mode():
         base = _expert(comfy, kind, tmp_path)
@@ -83,8 +86,13 @@ def test_a_partly_loaded_expert_runs_its_streamed_blocks_compiled_without_recomp
         graphs_after = counters["stats"].get("unique_graphs", 0)
         ran = compile_blocks.blocks_ran(c)  # how the second sampling's blocks ran, as the node counted them
         mm.unload_all_models()
+        # a ComfyUI restart: new stand-ins over the model as loaded from its file, the kept path read afresh
+        streamed_record._read.clear()
+        restarted, _text = compile_blocks.apply_compile_blocks(base, "inductor", "default")
+        kept = compile_blocks.streamed_path(restarted)
     assert streamed >= 1, "nothing streamed: the test would not test streaming"
     assert ran.blocks["eager"] == 0 and ran.why == {}, ran
+    assert kept == ("lifted" if kind == "gguf" else "staged", True), kept
     if kind == "gguf":
         assert (resident_graph, staged) == (total, 0)
         assert ran.blocks["lifted"] == streamed and ran.blocks["staged"] == 0, ran
