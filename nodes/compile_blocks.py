@@ -196,11 +196,24 @@ def blocks_ran(model, model_options=None) -> BlocksRan | None:
     return BlocksRan({p: blocks[p] for p in PATHS}, {p: calls[p] for p in PATHS}, dict(why))
 
 
-def _ever(model, model_options) -> Counter:
+def _ever(found) -> Counter:
+    """The lifetime counts (``BlockStandIn.ever``) of the stand-ins ``found``, added up."""
     ever = Counter()
-    for s in stand_ins(model, model_options):
+    for s in found:
         ever.update(s.ever)
     return ever
+
+
+def _path_of(ever: Counter) -> str:
+    if ever["eager"] or ever[FAILED] or not (ever["lifted"] or ever["staged"]):
+        return ""
+    return "staged" if ever["staged"] else "lifted"
+
+
+def _showed_path(ever: Counter) -> bool:
+    """Whether the counts say anything of the streamed path: a streamed Linear run compiled, a call run eagerly or
+    a sampling failed."""
+    return bool(ever["eager"] or ever[FAILED] or ever["lifted"] or ever["staged"])
 
 
 def streamed_blocks_ran(model, model_options=None) -> str:
@@ -209,20 +222,17 @@ def streamed_blocks_ran(model, model_options=None) -> str:
     streamed Linear has run compiled yet (a block with only its ``modulation`` streamed proves nothing of its
     Linears), or where, ever, a call ran eagerly or a sampling failed (the next may too: the eager floor stands for
     good)."""
-    ever = _ever(model, model_options)
-    if ever["eager"] or ever[FAILED] or not (ever["lifted"] or ever["staged"]):
-        return ""
-    return "staged" if ever["staged"] else "lifted"
+    return _path_of(_ever(stand_ins(model, model_options)))
 
 
 def streamed_path(model, model_options=None) -> tuple[str, bool]:
     """(the path the estimator plans ``model``'s streamed blocks for, ``memory.estimate.Setup.streamed_blocks_ran``;
     whether it is an earlier start's): what this process saw where its blocks have streamed compiled, run eagerly
     or failed a sampling (:func:`streamed_blocks_ran`), else what an earlier start kept (:mod:`.streamed_record`)."""
-    ever = _ever(model, model_options)
-    if ever["eager"] or ever[FAILED] or ever["lifted"] or ever["staged"]:
-        return streamed_blocks_ran(model, model_options), False
     found = stand_ins(model, model_options)
+    ever = _ever(found)
+    if _showed_path(ever):
+        return _path_of(ever), False
     kept = streamed_record.recorded(model, [s.block for s in found]) if found else ""
     return kept, bool(kept)
 
@@ -230,10 +240,10 @@ def streamed_path(model, model_options=None) -> tuple[str, bool]:
 def _keep_path(model, model_options) -> None:
     """After a sampling: keep what it showed of the streamed path for the next start (:mod:`.streamed_record`),
     where it showed anything."""
-    ever = _ever(model, model_options)
-    if ever["eager"] or ever[FAILED] or ever["lifted"] or ever["staged"]:
-        streamed_record.keep(model, [s.block for s in stand_ins(model, model_options)],
-                             streamed_blocks_ran(model, model_options))
+    found = stand_ins(model, model_options)
+    ever = _ever(found)
+    if _showed_path(ever):
+        streamed_record.keep(model, [s.block for s in found], _path_of(ever))
 
 
 def _failed(model, model_options) -> None:
