@@ -15,6 +15,12 @@ Files (under ``<models-dir>/<ComfyUI folder>/``), deterministic for a seed and g
   here on fixed text; ids stay below its size, and the encoder always sees 512 tokens.
 * ``vae/``: the Wan 2.1 VAE (ComfyUI key names, bf16, 254 MB).  ComfyUI fixes its dims, so
   ``--scale tiny`` keeps it full size.
+* the TI2V-5B set (``model_set="ti2v-5b"``, what the pack's 5B template loads): the Wan 2.2 TI2V-5B diffusion
+  model in fp16 safetensors (``diffusion_models/``: dim 3072, FFN 14336, 30 blocks, 24 heads, in and out dim
+  48, 10.0 GB; ComfyUI detects it as ``WAN22_T2V`` from ``head.head.weight``'s out dim 48), the same UMT5-XXL
+  and the Wan 2.2 VAE (``vae/``: ComfyUI's ``comfy.ldm.wan.vae2_2.WanVAE`` key names, bf16, 1.4 GB; ComfyUI
+  detects it from ``decoder.upsamples.0.upsamples.0.residual.2.weight`` and fixes its dims, so ``--scale tiny``
+  keeps it full size).  At ``--scale tiny`` the 5B is dim 256, FFN 512, 2 blocks, still in and out dim 48.
 * ``loras/``: a rank-r LoRA per expert (``diffusion_model.<key>.lora_down/lora_up/alpha`` on every
   Linear of the blocks: self/cross q, k, v, o and both FFN layers), standing in for the
   Lightning LoRAs.
@@ -50,10 +56,13 @@ FORMAT_VERSION = 1
 MiB = 1 << 20
 
 SCALES = {
-    "full": dict(wan=dict(dim=5120, ffn_dim=13824, num_layers=40), te=None, label="a14b"),
-    "tiny": dict(wan=dict(dim=256, ffn_dim=512, num_layers=2),
-                 te=dict(num_heads=1, d_kv=64, d_ff=64, vocab_size=512), label="tiny"),
+    "full": dict(wan=dict(dim=5120, ffn_dim=13824, num_layers=40), wan5b=dict(dim=3072, ffn_dim=14336, num_layers=30),
+                 te=None, label="a14b", label5b="5b"),
+    "tiny": dict(wan=dict(dim=256, ffn_dim=512, num_layers=2), wan5b=dict(dim=256, ffn_dim=512, num_layers=2),
+                 te=dict(num_heads=1, d_kv=64, d_ff=64, vocab_size=512), label="tiny", label5b="tiny"),
 }
+MODEL_SETS = ("a14b", "ti2v-5b")      # the A14B experts, LoRAs and Wan 2.1 VAE; the TI2V-5B and the Wan 2.2 VAE
+WAN5B_IO_DIM = 48                     # the TI2V-5B's in and out channels: the Wan 2.2 VAE's 48 latent channels
 EXPERTS = ("high", "low")
 SUBDIRS = {"unet": "diffusion_models", "te": "text_encoders", "vae": "vae", "lora": "loras"}
 ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
@@ -81,8 +90,16 @@ class Spec:
 
 # --------------------------------------------------------------------------- names and sizes
 
-def file_names(scale: str, weights: str, te_dtype: str, lora_rank: int) -> dict:
+def file_names(scale: str, weights: str, te_dtype: str, lora_rank: int, model_set: str = "a14b") -> dict:
+    """{role: file name} of a model set (:data:`MODEL_SETS`); the 5B set's roles are ``unet_5b``, ``te`` and
+    ``vae_22``."""
     lab = SCALES[scale]["label"]
+    te = f"random-umt5-{'xxl' if scale == 'full' else 'tiny'}-{te_dtype}.safetensors"
+    if model_set == "ti2v-5b":
+        return {"unet_5b": f"random-wan2.2-ti2v-{SCALES[scale]['label5b']}-fp16.safetensors", "te": te,
+                "vae_22": "random-wan2.2-vae-bf16.safetensors"}
+    if model_set != "a14b":
+        raise ValueError(f"unknown model set {model_set!r}: expected one of {', '.join(MODEL_SETS)}")
     n = {}
     for e in EXPERTS:
         if weights == "gguf":
@@ -90,7 +107,7 @@ def file_names(scale: str, weights: str, te_dtype: str, lora_rank: int) -> dict:
         else:
             n[f"unet_{e}"] = f"random-wan2.2-t2v-{lab}-{e}-noise-fp8_e4m3fn.safetensors"
         n[f"lora_{e}"] = f"random-wan2.2-{lab}-{e}-noise-lora-r{lora_rank}.safetensors"
-    n["te"] = f"random-umt5-{'xxl' if scale == 'full' else 'tiny'}-{te_dtype}.safetensors"
+    n["te"] = te
     n["vae"] = "random-wan2.1-vae-bf16.safetensors"
     return n
 
@@ -106,20 +123,28 @@ def te_config(scale: str) -> dict | None:
 
 # --------------------------------------------------------------------------- specs from ComfyUI modules
 
-def wan_specs(scale: str, weights: str) -> list[Spec]:
+def _wan_state_shapes(dims: dict, io_dim: int) -> dict:
+    """{key: shape} of ComfyUI's ``WanModel`` (t2v) with these dims, built on the meta device."""
     import comfy.ldm.wan.model as comfy_wan
     import comfy.ops
-    d = SCALES[scale]["wan"]
-    kw = dict(model_type="t2v", patch_size=(1, 2, 2), text_len=512, in_dim=16, dim=d["dim"], ffn_dim=d["ffn_dim"],
-              freq_dim=256, text_dim=4096, out_dim=16, num_heads=d["dim"] // 128, num_layers=d["num_layers"],
-              window_size=(-1, -1), qk_norm=True, cross_attn_norm=True, eps=1e-6)
+    kw = dict(model_type="t2v", patch_size=(1, 2, 2), text_len=512, in_dim=io_dim, dim=dims["dim"],
+              ffn_dim=dims["ffn_dim"], freq_dim=256, text_dim=4096, out_dim=io_dim, num_heads=dims["dim"] // 128,
+              num_layers=dims["num_layers"], window_size=(-1, -1), qk_norm=True, cross_attn_norm=True, eps=1e-6)
     with torch.device("meta"):
         m = comfy_wan.WanModel(**kw, device="meta", dtype=torch.float32, operations=comfy.ops.disable_weight_init)
-    specs = []
-    for k, t in m.state_dict().items():
-        shape = tuple(t.shape)
-        specs.append(Spec(k, shape, _wan_store(k, shape, weights), _wan_init(k, shape)))
-    return specs
+    return {k: tuple(t.shape) for k, t in m.state_dict().items()}
+
+
+def wan_specs(scale: str, weights: str) -> list[Spec]:
+    """A Wan 2.2 A14B expert: GGUF Q4_K_M or fp8 layout."""
+    return [Spec(k, shape, _wan_store(k, shape, weights), _wan_init(k, shape))
+            for k, shape in _wan_state_shapes(SCALES[scale]["wan"], 16).items()]
+
+
+def wan5b_specs(scale: str) -> list[Spec]:
+    """The Wan 2.2 TI2V-5B in fp16, every tensor F16 as in ComfyUI's repackaged ``wan2.2_ti2v_5B_fp16``."""
+    return [Spec(k, shape, "F16", _wan_init(k, shape))
+            for k, shape in _wan_state_shapes(SCALES[scale]["wan5b"], WAN5B_IO_DIM).items()]
 
 
 def _wan_init(k: str, shape) -> str:
@@ -180,10 +205,24 @@ def umt5_specs(scale: str, te_dtype: str, tokenizer: bytes) -> list[Spec]:
 
 
 def vae_specs() -> list[Spec]:
+    """The Wan 2.1 VAE, with the dims ComfyUI's ``VAE`` builds it with."""
     import comfy.ldm.wan.vae as comfy_wan_vae
     with torch.device("meta"):
         vae = comfy_wan_vae.WanVAE(dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
                        temperal_downsample=[False, True, True], dropout=0.0)
+    return _vae_specs(vae)
+
+
+def vae22_specs() -> list[Spec]:
+    """The Wan 2.2 VAE, with the dims ComfyUI's ``VAE`` builds it with (48 latent channels)."""
+    import comfy.ldm.wan.vae2_2 as comfy_wan_vae22
+    with torch.device("meta"):
+        vae = comfy_wan_vae22.WanVAE(dim=160, z_dim=WAN5B_IO_DIM, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                                     attn_scales=[], temperal_downsample=[False, True, True], dropout=0.0)
+    return _vae_specs(vae)
+
+
+def _vae_specs(vae) -> list[Spec]:
     specs = []
     for k, v in vae.state_dict().items():
         shape = tuple(v.shape)
@@ -337,13 +376,14 @@ def write_gguf(path: Path, specs: list[Spec], seed: int, role: str, device, name
 # --------------------------------------------------------------------------- the set
 
 def ensure_models(models_dir, scale: str = "full", weights: str = "gguf", te_dtype: str = "bf16",
-                  lora_rank: int = 64, seed: int = 0, device: str = "auto", log=print, only=None) -> dict:
-    """Write whatever of the file set is missing (``only``: just these roles, e.g. ``("unet_high",)``);
-    return {role: path} plus the miniature TE config and the file names."""
+                  lora_rank: int = 64, seed: int = 0, device: str = "auto", log=print, only=None,
+                  model_set: str = "a14b") -> dict:
+    """Write whatever of the file set is missing (``only``: just these roles, e.g. ``("unet_high",)``;
+    ``model_set``: :data:`MODEL_SETS`); return {role: path} plus the miniature TE config and the file names."""
     root = Path(models_dir)
     dev = torch.device("cuda" if (device == "auto" and torch.cuda.is_available()) else
                        ("cpu" if device == "auto" else device))
-    names = file_names(scale, weights, te_dtype, lora_rank)
+    names = file_names(scale, weights, te_dtype, lora_rank, model_set)
     man_path = root / "manifest.json"
     manifest = json.loads(man_path.read_text()) if man_path.exists() else {"files": {}}
     out = {}
@@ -353,7 +393,7 @@ def ensure_models(models_dir, scale: str = "full", weights: str = "gguf", te_dty
         path = root / role_dir(role) / fname
         path.parent.mkdir(parents=True, exist_ok=True)
         want = {"role": role, "scale": scale, "seed": seed, "format": FORMAT_VERSION,
-                "weights": weights if role.startswith("unet") else None,
+                "weights": ("fp16" if role == "unet_5b" else weights) if role.startswith("unet") else None,
                 "te_dtype": te_dtype if role == "te" else None,
                 "lora_rank": lora_rank if role.startswith("lora") else None}
         have = manifest["files"].get(fname)
@@ -364,7 +404,9 @@ def ensure_models(models_dir, scale: str = "full", weights: str = "gguf", te_dty
         t0 = time.perf_counter()
         meta = {"wan_sage_e2e": json.dumps({**want, "gen_device": dev.type}),
                 "note": "random weights for benchmarking, not a trained model"}
-        if role.startswith("unet"):
+        if role == "unet_5b":
+            size = write_safetensors(path, wan5b_specs(scale), seed, role, dev, meta)
+        elif role.startswith("unet"):
             specs = wan_specs(scale, weights)
             if weights == "gguf":
                 size = write_gguf(path, specs, seed, role, dev, f"random Wan2.2 T2V {SCALES[scale]['label']} {role[5:]} noise")
@@ -375,7 +417,7 @@ def ensure_models(models_dir, scale: str = "full", weights: str = "gguf", te_dty
         elif role == "te":
             size = write_safetensors(path, umt5_specs(scale, te_dtype, train_tokenizer()), seed, role, dev, meta)
         else:
-            size = write_safetensors(path, vae_specs(), seed, role, dev, meta)
+            size = write_safetensors(path, vae22_specs() if role == "vae_22" else vae_specs(), seed, role, dev, meta)
         dt = time.perf_counter() - t0
         log(f"e2e models: wrote {path.name} ({size / 1e9:.2f} GB) in {dt:.1f} s on {dev.type}")
         manifest["files"][fname] = {**want, "bytes": size, "gen_device": dev.type, "seconds": round(dt, 1)}
