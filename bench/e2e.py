@@ -87,6 +87,12 @@ inputs did not change served from the first prompt).  ``--caches`` points the pa
 and Triton's caches at fresh empty folders (``none``) or at ``DIR``'s (``kept``) before torch is imported.  One
 record (``wan-sage-whole-prompt/1``) per process, with both prompts, the caches, the process's start and
 ComfyUI's import apart (``process_start_s``, ``startup``); ``python -m bench.whole_prompt`` drives the processes.
+With ``--workflow FILE`` the one spec of ``--runs`` is a variant of that saved workflow,
+``{template|comfy|compilenode}@{GB|full}[:WxHxF][:Nsteps]`` (``bench.workflow_variants``: as saved, the pack's nodes
+bypassed, Wan Compile Blocks added after the Sage patch), and both prompts run through one
+``execution.PromptExecutor`` (:class:`WorkflowRunner`): the repeat prompt changes the samplers' seed only, and
+ComfyUI's own node cache serves it the rest.  The model files are those the workflow loads (the TI2V-5B set for
+the pack's 5B template: ``bench.e2e_models``).
 
 ``+compile`` adds ComfyUI's own ``TorchCompileModel`` node (``comfy_extras/nodes_torch_compile.py``)
 to each expert after the Sage patch, so the compiled model carries the override.  In ComfyUI 0.3.64
@@ -200,6 +206,11 @@ class RunSpec:
             + (":fp8fast" if self.fp8_fast else "") + (":tecopy" if self.te_copy else "")
         return (f"{'est' if self.estimator else 'comfy'}+{self.attention}{suffix}"
                 f"@{b}:{'x'.join(map(str, self.res))}{options}")
+
+    @property
+    def name(self) -> str:
+        """The configuration's name in the whole-prompt driver (its records' ``run``, its kept caches' folder)."""
+        return self.label
 
     def steps_of(self, args) -> int:
         return self.steps if self.steps is not None else args.steps
@@ -783,7 +794,8 @@ class Host:
         t1 = time.perf_counter()
         from . import e2e_models as EM
         self.files = EM.ensure_models(args.models_dir, scale=args.scale, weights=args.weights, te_dtype=args.te_dtype,
-                                      lora_rank=args.lora_rank, seed=args.seed, device=args.gen_device, log=self.log)
+                                      lora_rank=args.lora_rank, seed=args.seed, device=args.gen_device, log=self.log,
+                                      model_set=workflow_model_set(args))
         fp = self.ns.folder_paths
         root = Path(args.models_dir).resolve()
         for key, sub in (("diffusion_models", "diffusion_models"), ("text_encoders", "text_encoders"),
@@ -1167,89 +1179,273 @@ class Host:
         return row
 
     # ------------------------------------------------------------------ a saved workflow
-    def run_workflow(self, path: Path, spec_res, budget_gib) -> dict:
-        import asyncio
-        import uuid
+    def workflow_prompt(self, path: Path) -> tuple[dict, dict]:
+        """The saved workflow's API prompt (converted from the UI format as the frontend queues it) with its loaders
+        pointed at the generated files, and what was substituted (:func:`substitute_models`)."""
         from .workflow_api import is_api_prompt, ui_to_api
-        torch, mem = self.torch, self.mem
         wf = json.loads(path.read_text())
         prompt = wf if is_api_prompt(wf) else ui_to_api(wf, self.N)
-        mapping = substitute_models(prompt, self.files["names"], self.args.weights)
-        if spec_res:
-            w, h, f = spec_res
-            for n in prompt.values():
-                if n["class_type"] in ("EmptyHunyuanLatentVideo", "Wan22ImageToVideoLatent"):
-                    n["inputs"].update({"width": w, "height": h, "length": f})
-                elif n["class_type"] == "WanWorkingMemoryEstimator":
-                    n["inputs"].update({"width": w, "height": h, "frames": f})
-        targets = [k for k, n in prompt.items() if n["class_type"].startswith("VAEDecode")]
+        return prompt, substitute_models(prompt, self.files["names"], self.args.weights)
+
+    def run_workflow(self, path: Path, spec_res, budget_gib) -> dict:
+        """A saved workflow run once, standing alone: every model unloaded before and after it, its own ballast."""
+        from . import workflow_variants as WV
+        prompt, mapping = self.workflow_prompt(path)
         self.free_all()
-        inherited = mem.alloc()
-        ballast = Ballast(torch, self.mm, self.dev, budget_gib, self.log)
-        mem.ballast = ballast.nbytes
-        server = self.ce.StubServer()
-        server.client_id = "e2e-harness"      # so the executor reports each node it starts
-        starts, marks, last = {}, [], {}
-        send = server.send_sync
+        inherited = self.mem.alloc()
+        ballast = Ballast(self.torch, self.mm, self.dev, budget_gib, self.log)
+        self.mem.ballast = ballast.nbytes
+        row = {"schema": SCHEMA, "run": f"workflow:{path.name}", "workflow": str(path.name), "models": mapping,
+               "budget": workflow_budget(budget_gib, ballast, inherited, self.log)}
+        row.update(WorkflowRunner(self).run(WV.resized(prompt, spec_res)))
+        ballast.release()
+        self.mem.ballast = 0
+        self.free_all()
+        row["alloc_after_free_gib"] = _r(self.mem.alloc())
+        return row
+
+    def workflow_prompts(self, spec, session: "PromptSession"):
+        """The prompts of a saved workflow's whole-prompt process: a function of the seed that runs the spec's
+        prompt (:func:`bench.workflow_variants.spec_prompt`) with that seed through one :class:`WorkflowRunner`
+        (one node cache for every prompt of the process) with the session's ballast, and returns its record."""
+        from . import workflow_variants as WV
+        prompt, mapping = self.workflow_prompt(Path(self.args.workflow))
+        prompt = WV.spec_prompt(prompt, spec, self.args.compile_backend)
+        runner = WorkflowRunner(self)
+        config = workflow_config(spec, prompt, self.args, files_weights(self.args))
+
+        def run(seed: int) -> dict:
+            inherited, ballast = session.hold(self, spec.budget_gib)
+            self.mem.ballast = ballast.nbytes
+            row = {"schema": SCHEMA, "run": spec.name, "workflow": spec.workflow, "models": mapping, "seed": seed,
+                   "config": config, "budget": workflow_budget(spec.budget_gib, ballast, inherited, self.log)}
+            row.update(runner.run(WV.with_seed(prompt, seed)))
+            return row
+        return run
+
+
+def workflow_budget(budget_gib, ballast, inherited, log) -> dict:
+    """The ``budget`` of a saved workflow's record: what was asked, what ComfyUI saw, the ballast."""
+    return {"requested_gib": budget_gib, "free_seen_gib": _r(ballast.free_seen and ballast.free_seen / GiB),
+            "ballast_gib": _r(ballast.nbytes / GiB), "note": ballast.note, **budget_check(inherited, budget_gib, log)}
+
+
+def workflow_config(spec, prompt: dict, args, weights: str) -> dict:
+    """The ``config`` of a saved workflow's whole-prompt record: the workflow, its variant, the budget, the pack's
+    nodes in its prompt, what its latent and sampler nodes are set to, the diffusion model files' weights, and
+    for ``compilenode`` what Wan Compile Blocks was given."""
+    from . import workflow_variants as WV
+    return {"workflow": spec.workflow, "variant": spec.variant, "budget_gib": spec.budget_gib,
+            "pack_nodes": WV.pack_nodes(prompt), **WV.prompt_settings(prompt), "weights": weights,
+            **({"compile": {"node": "Wan Compile Blocks", "backend": args.compile_backend,
+                            "keys": ["diffusion_model.blocks.N"], "streamed_blocks": "lifted or staged"}}
+               if spec.variant == "compilenode" else {})}
+
+
+def node_spans(events: list, t_end: float) -> dict:
+    """{node id: (start, end)} from the executor's "executing" messages, ``(time, node id)`` in order: a node
+    ends where the next begins, the last at ``t_end`` (a node started twice spans both)."""
+    spans = {}
+    for (t, nid), (t_next, _n) in zip(events, list(events[1:]) + [(t_end, None)]):
+        if nid is not None:
+            spans[nid] = (spans[nid][0] if nid in spans else t, t_next)
+    return spans
+
+
+def steps_by_node(marks: list, starts: dict, t0: float) -> dict:
+    """{node id: [seconds of each step]} from the progress hook's ``(time, node id, ...)`` marks; a node's first
+    step counts from the node's start (its model loading included)."""
+    per_node, prev = {}, {}
+    for t, nid, *_rest in marks:
+        per_node.setdefault(nid, []).append(round(t - prev.get(nid, starts.get(nid, t0)), 3))
+        prev[nid] = t
+    return per_node
+
+
+class WorkflowRunner:
+    """One ``execution.PromptExecutor`` for the prompts of a saved workflow: one node cache, as a running ComfyUI
+    keeps between queued prompts, so that a prompt queued again with a new seed runs the samplers and what
+    follows them only.  Per prompt it times each node from the executor's "executing" messages (a node ends
+    where the next begins), each sampler step from ComfyUI's progress hook, and reads which nodes the cache
+    served (its "execution_cached" message)."""
+
+    def __init__(self, host):
+        self.host = host
+        ex = host.ns.execution
+        self.server = host.ce.StubServer()
+        self.server.client_id = "e2e-harness"      # so the executor reports each node it starts
+        self.executor = ex.PromptExecutor(self.server, cache_type=ex.CacheType.CLASSIC)
+        self.events, self.cached = [], []
+        send = self.server.send_sync
 
         def send_sync(event, data, sid=None):
-            if event == "executing" and isinstance(data, dict) and data.get("node") is not None:
-                mem.sync()
-                starts[str(data["node"])] = time.perf_counter()
+            if event == "executing" and isinstance(data, dict):
+                host.mem.sync()
+                self.events.append((time.perf_counter(), None if data.get("node") is None else str(data["node"])))
+            elif event == "execution_cached" and isinstance(data, dict):
+                self.cached = [str(x) for x in data.get("nodes") or []]
             return send(event, data, sid)
-        server.send_sync = send_sync
+        self.server.send_sync = send_sync
+
+    def output(self, nid: str):
+        """The first output of a node that ran, from the executor's cache (None when it has none)."""
+        try:
+            out = self.executor.caches.outputs.get(nid)
+            return out[0][0] if out and out[0] else None
+        except Exception:          # the record's diagnostics never fail the run
+            return None
+
+    def _execute(self, prompt: dict, row: dict) -> None:
+        """Validate the prompt as ComfyUI's server does and execute it up to its VAE decodes; the status in ``row``."""
+        import asyncio
+        import uuid
+        ns = self.host.ns
+        targets = [k for k, n in prompt.items() if n["class_type"].startswith("VAEDecode")]
+        pid = str(uuid.uuid4())
+        ok, err, outputs, node_errors = asyncio.run(ns.execution.validate_prompt(pid, validation_view(prompt), None))[:4]
+        if not ok:
+            row.update(status="error", error=f"validation: {err} {node_errors}"[:800])
+            return
+        ex = self.executor
+        with self.host.te_config():
+            ex.execute(prompt, pid, extra_data={"client_id": self.server.client_id}, execute_outputs=targets or outputs)
+        msgs = [m for m in ex.status_messages if m[0] == "execution_error"]
+        oom = any("OutOfMemory" in json.dumps(m[1].get("exception_type", "")) for m in msgs)
+        row.update(status="ok" if ex.success else ("oom" if oom else "error"),
+                   error=None if ex.success else json.dumps(msgs[-1][1] if msgs else "failed")[:800])
+
+    def run(self, prompt: dict) -> dict:
+        """One prompt through the runner's executor; the record's fields of the prompt."""
+        host, mem = self.host, self.host.mem
+        self.events, self.cached, marks, step_mem, last = [], [], [], {}, {}
+        server = self.server
 
         def hook(value, total, preview, node_id=None):
             mem.sync()
             t, nid = time.perf_counter(), str(server.last_node_id)
             marks.append((t, nid, value, total))
-            self.log(step_line(f"node {nid}", value, total, t - last.get(nid, starts.get(nid, t0)), t - t0))
+            if mem.cuda:
+                step_mem.setdefault(nid, []).append(mem.step_peaks())
+            prev = last.get(nid) or next((t_ for t_, n in self.events if n == nid), t0)
             last[nid] = t
-        utils = self.ns.utils
+            host.log(step_line(f"node {nid}", value, total, t - prev, t - t0))
+        compiled = any(n["class_type"] == "WanCompileBlocks" for n in prompt.values())
+        dynamo0 = host.dynamo().reading() if compiled else None
+        utils = host.ns.utils
         old = utils.PROGRESS_BAR_HOOK
         utils.set_progress_bar_global_hook(hook)
-        row = {"schema": SCHEMA, "run": f"workflow:{path.name}", "workflow": str(path.name), "models": mapping,
-               "budget": {"requested_gib": budget_gib, "free_seen_gib": _r(ballast.free_seen and ballast.free_seen / GiB),
-                          "ballast_gib": _r(ballast.nbytes / GiB), "note": ballast.note,
-                          **budget_check(inherited, budget_gib, self.log)}}
-        t0 = time.perf_counter()
+        row = {"status": "ok", "error": None}
         mem.reset()
+        retries0 = mem.retries()
+        t0 = time.perf_counter()
+        host.last_start = t0
         try:
-            pid = str(uuid.uuid4())
-            ok, err, outputs, node_errors = asyncio.run(self.ns.execution.validate_prompt(pid, prompt, None))[:4]
-            if not ok:
-                row.update(status="error", error=f"validation: {err} {node_errors}"[:800])
-            else:
-                ex = self.ns.execution.PromptExecutor(server, cache_type=self.ns.execution.CacheType.CLASSIC)
-                with self.te_config():
-                    ex.execute(prompt, pid, extra_data={"client_id": server.client_id}, execute_outputs=targets or outputs)
-                msgs = [m for m in ex.status_messages if m[0] == "execution_error"]
-                oom = any("OutOfMemory" in json.dumps(m[1].get("exception_type", "")) for m in msgs)
-                row.update(status="ok" if ex.success else ("oom" if oom else "error"),
-                           error=None if ex.success else json.dumps(msgs[-1][1] if msgs else "failed")[:800])
+            self._execute(prompt, row)
         finally:
             utils.set_progress_bar_global_hook(old)
         mem.sync()
-        row["run_s"] = _r(time.perf_counter() - t0)
+        t_end = time.perf_counter()
+        spans = node_spans(self.events, t_end)
+        row.update(prompt_timings(prompt, spans, t0))
+        row["run_s"] = _r(t_end - t0)
+        row["reused"] = [k for k in self.cached if k in prompt]
         row["peak_alloc_gib"], row["peak_reserved_gib"] = (_r(x) for x in mem.peaks())
-        per_node, prev = {}, {}
-        for t, nid, value, total in marks:       # first step of a node: from the node's start (includes loading)
-            per_node.setdefault(nid, []).append(round(t - prev.get(nid, starts.get(nid, t0)), 3))
-            prev[nid] = t
-        row["step_s_by_node"] = per_node
-        row["node_types"] = {k: prompt[k]["class_type"] for k in per_node if k in prompt}
+        retries1 = mem.retries()
+        row["alloc_retries"] = None if retries0 is None or retries1 is None else retries1 - retries0
+        row["step_s_by_node"] = steps_by_node(marks, {k: v[0] for k, v in spans.items()}, t0)
+        row["node_types"] = {k: n["class_type"] for k, n in prompt.items()}
         row["attention"] = [v for m in _stats_modules() for v in m.last_runs().values()]
-        ballast.release()
-        mem.ballast = 0
-        self.free_all()
-        row["alloc_after_free_gib"] = _r(mem.alloc())
+        row["experts"] = sampler_entries(prompt, row, spans, step_mem)
+        row.update(self.outputs_checked(prompt))
+        if compiled:   # what dynamo did in this prompt; with one sampler, that sampler's share is all of it
+            delta = host.dynamo().delta(host.dynamo().reading(), dynamo0)
+            row["compile"] = {**delta, "blocks_ran": self.blocks_ran(prompt),
+                              **({"by_expert": {k: delta for k in row["experts"]}} if len(row["experts"]) == 1 else {})}
         return row
+
+    def outputs_checked(self, prompt: dict) -> dict:
+        """Whether the last sampler's latent is finite and the decoded frames' shape, from the executor's cache."""
+        from . import workflow_variants as WV
+        torch, out = self.host.torch, {}
+        ks = WV.samplers(prompt)
+        lat = self.output(ks[-1]) if ks else None
+        if isinstance(lat, dict) and "samples" in lat:
+            out["latent_finite"] = bool(torch.isfinite(lat["samples"]).all())
+        for k in (k for k, n in prompt.items() if n["class_type"].startswith("VAEDecode")):
+            images = self.output(k)
+            if images is not None and hasattr(images, "shape"):
+                out["decoded"] = list(images.shape)
+                out["images_finite"] = bool(torch.isfinite(images).all())
+        return out
+
+    def blocks_ran(self, prompt: dict) -> dict:
+        """How Wan Compile Blocks ran each compile node's blocks in this prompt, by node id (the pack's own count:
+        ``compile_blocks.blocks_ran``, read from whichever copy of the pack the node was loaded from)."""
+        out = {}
+        mods = [m for name, m in list(sys.modules.items()) if name.endswith("nodes.compile_blocks")
+                and hasattr(m, "blocks_ran")]
+        for k in (k for k, n in prompt.items() if n["class_type"] == "WanCompileBlocks"):
+            model = self.output(k)
+            for m in mods:
+                ran = m.blocks_ran(model) if model is not None else None
+                if ran is not None and ran.any_calls:
+                    out[k] = {"blocks": ran.blocks, "calls": ran.calls, "why": ran.why}
+                    self.host.log(f"e2e compile blocks node {k}: {m.blocks_ran_text(ran)}")
+                    break
+        return out
+
+
+def validation_view(prompt: dict) -> dict:
+    """The prompt as validated: a Wan Compile Blocks backend the node does not offer (``eager``, for CPU smoke
+    runs: ``--compile-backend``) is validated as the node's default and runs as given."""
+    import copy
+    from wan_sage.nodes.compile_blocks import BACKENDS
+    view = copy.deepcopy(prompt)
+    for n in view.values():
+        if n["class_type"] == "WanCompileBlocks" and n["inputs"].get("backend") not in BACKENDS:
+            n["inputs"]["backend"] = BACKENDS[0]
+    return view
+
+
+def prompt_timings(prompt: dict, spans: dict, t0: float) -> dict:
+    """The user's clock of a saved workflow's prompt: from its start to the end of its last sampler (the latent)
+    and of its VAE decode (the frames); None where that node did not run."""
+    from . import workflow_variants as WV
+    ends = [spans[k][1] for k in WV.samplers(prompt) if k in spans]
+    decodes = [spans[k][1] for k, n in prompt.items() if n["class_type"].startswith("VAEDecode") and k in spans]
+    return {"to_latent_s": _r(max(ends) - t0) if ends else None,
+            "to_frames_s": _r(max(decodes) - t0) if decodes else None}
+
+
+def sampler_entries(prompt: dict, row: dict, spans: dict, step_mem: dict) -> dict:
+    """Per sampler node that ran (by node id), what a run record keeps per expert: its steps, wall time (model
+    loading included), its steps' peaks (CUDA) and, where the prompt has one Sage patch run and one sampler, the
+    patch's call counts."""
+    from . import workflow_variants as WV
+    out = {}
+    ran = [k for k in WV.samplers(prompt) if k in spans]
+    for k in ran:
+        steps = (row.get("step_s_by_node") or {}).get(k, [])
+        d = {"node_type": prompt[k]["class_type"], "step_s": steps,
+             "s_per_step": _r(statistics.mean(steps)) if steps else None,
+             "wall_s": _r(spans[k][1] - spans[k][0]), "attention": None}
+        if step_mem.get(k):
+            d["step_peak_alloc_gib"] = [_r(a) for a, _ in step_mem[k]]
+            d["step_peak_reserved_gib"] = [_r(r) for _, r in step_mem[k]]
+        out[k] = d
+    runs = row.get("attention") or []
+    if len(ran) == 1 and len(runs) == 1:
+        out[ran[0]]["attention"] = {x: runs[0].get(x) for x in ("sage_calls", "sdpa_calls", "by_kernel", "reasons",
+                                                                "fallbacks", "head_split_calls", "saved_ms",
+                                                                "calibration_ms")}
+    return out
 
 
 def substitute_models(prompt: dict, names: dict, weights: str) -> dict:
     """Point the workflow's loaders at the generated files (experts and LoRAs by 'high'/'low' in
-    the original name, else in node order).  Returns {node id: (old, new)}; raises on loaders it
-    cannot map."""
+    the original name, else in node order; with the TI2V-5B set, the 5B model and the Wan 2.2 VAE; the
+    text encoder, whatever the workflow names (an fp8 umt5), the generated one).  Returns {node id:
+    [old, new]}, the record's ``models``; raises on loaders it cannot map."""
     fields = {"UnetLoaderGGUF": ("unet_name", "unet"), "UnetLoaderGGUFAdvanced": ("unet_name", "unet"),
               "UNETLoader": ("unet_name", "unet"), "CLIPLoader": ("clip_name", "te"),
               "VAELoader": ("vae_name", "vae"), "LoraLoaderModelOnly": ("lora_name", "lora")}
@@ -1263,14 +1459,19 @@ def substitute_models(prompt: dict, names: dict, weights: str) -> dict:
             continue
         key, role = fields[n["class_type"]]
         old = n["inputs"].get(key)
-        if role in seen:
+        if role == "unet" and "unet_5b" in names or role == "vae" and "vae_22" in names:
+            new = names["unet_5b" if role == "unet" else "vae_22"]      # the TI2V-5B set: one model, the 2.2 VAE
+        elif role in seen:
             low = str(old).lower()
             e = "high" if "high" in low else "low" if "low" in low else ("high" if not seen[role] else "low")
             seen[role].append(e)
             new = names[f"{role}_{e}"]
         else:
             new = names[role]
-        if n["class_type"] == "UNETLoader" and weights == "gguf" or n["class_type"].startswith("UnetLoaderGGUF") and weights != "gguf":
+        if "unet_5b" in names and n["class_type"] != "UNETLoader" and role == "unet":
+            raise ValueError(f"node {nid} is {n['class_type']}: the TI2V-5B stand-in is an fp16 file for UNETLoader")
+        if "unet_5b" not in names and (n["class_type"] == "UNETLoader" and weights == "gguf"
+                                       or n["class_type"].startswith("UnetLoaderGGUF") and weights != "gguf"):
             raise ValueError(f"node {nid} is {n['class_type']} but --weights is {weights}")
         n["inputs"][key] = new
         mapping[nid] = [old, new]
@@ -1348,7 +1549,10 @@ def check_sage_memory_mode(mode) -> None:
 def run_label(spec, args) -> str:
     """The record's ``run``: the spec, marked when the Sage patch ran without its NaN/Inf check, in a named
     memory mode or without its trim when sampling ends, or the estimator kept more room for the decode, so that
-    ``--skip-done`` and the tables never take one for the other."""
+    ``--skip-done`` and the tables never take one for the other.  A saved workflow's spec: its name (the workflow
+    and the spec), the workflow's nodes setting the rest."""
+    if not isinstance(spec, RunSpec):
+        return spec.name
     return (spec.label + (NO_CHECK if finite_check_off(spec, args) else "")
             + (MEMORY_MODE + args.sage_memory_mode if memory_mode_set(spec, args) else "")
             + (NO_TRIM if trim_off(spec, args) else "")
@@ -1372,6 +1576,36 @@ def check_specs(specs, weights: str) -> None:
     for spec in specs:
         if spec.fp8_fast and weights != "fp8":
             raise SystemExit(f"run spec {spec.label!r}: :fp8fast loads fp8 model files; run it with --weights fp8")
+
+
+def workflow_model_set(args) -> str:
+    """The model files a process loads: those its ``--workflow`` names (``bench.workflow_variants.model_set``),
+    else the A14B set of the built-in graph."""
+    from . import workflow_variants as WV
+    return WV.model_set(json.loads(Path(args.workflow).read_text())) if getattr(args, "workflow", None) else "a14b"
+
+
+def files_weights(args) -> str:
+    """A record's ``config.weights``: the diffusion model files' format, ``fp16`` for the TI2V-5B, else ``--weights``."""
+    return "fp16" if workflow_model_set(args) == "ti2v-5b" else args.weights
+
+
+def check_workflow_file(path: str) -> None:
+    """Stop with the saved workflows' folder named where ``--workflow`` names no file."""
+    if Path(path).is_file():
+        return
+    wf_dir = _host.ROOT / "example_workflows"
+    have = sorted(p.name for p in wf_dir.glob("*.json")) if wf_dir.is_dir() else []
+    raise SystemExit(f"--workflow: file {path} not found. The pack's saved workflows live in "
+                     f"example_workflows/ ({', '.join(have) if have else 'none there yet'}).")
+
+
+def whole_spec(runs: str, workflow: str | None):
+    """The one spec of a whole-prompt process: a built-in graph's :class:`RunSpec`, or with ``--workflow`` a
+    :class:`bench.workflow_variants.WorkflowSpec`."""
+    from . import workflow_variants as WV
+    text = runs.strip().strip(",")
+    return WV.WorkflowSpec.parse(text, workflow) if workflow else RunSpec.parse(text)
 
 
 def _read_version(pyproject: Path):
@@ -1566,10 +1800,15 @@ def expert_summary(row: dict) -> dict:
     return out
 
 
+# What a whole-prompt record holds once for the process, not in each prompt's entry (a saved workflow's records
+# add the workflow's file name and the model files substituted for its loaders).
+PROCESS_KEYS = ("schema", "run", "config", "budget", "workflow", "models")
+
+
 def prompt_entry(name: str, row: dict) -> dict:
     """One prompt of a whole-prompt record: the run record without what the process record holds once
-    (schema, run, config, budget), with ``prompt`` (first / repeat), ``first_step_s`` and ``by_expert``."""
-    d = {"prompt": name, **{k: v for k, v in row.items() if k not in ("schema", "run", "config", "budget")}}
+    (:data:`PROCESS_KEYS`), with ``prompt`` (first / repeat), ``first_step_s`` and ``by_expert``."""
+    d = {"prompt": name, **{k: v for k, v in row.items() if k not in PROCESS_KEYS}}
     d["by_expert"] = expert_summary(row)
     d["first_step_s"] = {e: v["first_step_s"] for e, v in d["by_expert"].items()}
     return d
@@ -1581,12 +1820,23 @@ def whole_decode(spec, args) -> bool:
     return spec.decode if spec.decode is not None else args.decode != "none"
 
 
+def prompt_runner(host, spec, args, session: PromptSession):
+    """The function of the seed that runs one prompt of a whole-prompt process in ``session`` and returns its
+    record: the built-in graph for a :class:`RunSpec`, the saved workflow's prompt (``Host.workflow_prompts``:
+    one PromptExecutor for both prompts) for a workflow's spec."""
+    if not isinstance(spec, RunSpec):
+        return host.workflow_prompts(spec, session)
+    decode = whole_decode(spec, args)
+    return lambda seed: host.run(spec, decode, seed=seed, session=session)
+
+
 def run_whole(host, spec, args, caches: dict, process_t0: float | None, t_main: float) -> dict:
     """The first prompt of this process, then the repeat prompt with a new seed, in one session (no
-    warm-up, nothing unloaded between them); one record for the process.  ``process_t0``: the process's
+    warm-up, nothing unloaded between them); one record for the process, for the built-in graph and a saved
+    workflow alike (:func:`prompt_runner`).  ``process_t0``: the process's
     start on the ``perf_counter`` clock (None where unknown), ``t_main``: the start of :func:`main`."""
     session = PromptSession()
-    decode = whole_decode(spec, args)
+    run_prompt = prompt_runner(host, spec, args, session)
     seeds = (args.seed, args.repeat_seed if args.repeat_seed is not None else args.seed + 1)
     prompts = []
     for name, seed in zip(PROMPT_NAMES, seeds):
@@ -1595,10 +1845,11 @@ def run_whole(host, spec, args, caches: dict, process_t0: float | None, t_main: 
                 host.log(f"e2e prompt {name}: not run, the {prompts[-1]['prompt']} prompt ended {prompts[-1]['status']}")
                 break
             session.between(host)
-        host.log(f"e2e prompt {name}: {spec.label}, seed {seed}")
-        row = host.run(spec, decode, seed=seed, session=session)
+        host.log(f"e2e prompt {name}: {spec.name}, seed {seed}")
+        row = run_prompt(seed)
         if not prompts:
             config, budget = row["config"], row["budget"]
+            once = {k: row[k] for k in ("workflow", "models") if k in row}
             # the process's start to the first prompt: the interpreter, ComfyUI's import, the model files' check
             process_start_s = None if process_t0 is None else _r(host.last_start - process_t0)
             startup = {"python_s": None if process_t0 is None else _r(t_main - process_t0), **host.startup,
@@ -1608,7 +1859,7 @@ def run_whole(host, spec, args, caches: dict, process_t0: float | None, t_main: 
         prompts.append(prompt_entry(name, row))
     env = host.env()
     return {"schema": WHOLE_SCHEMA, "run": run_label(spec, host.args),
-            "status": next((p["status"] for p in prompts if p["status"] != "ok"), "ok"),
+            "status": next((p["status"] for p in prompts if p["status"] != "ok"), "ok"), **once,
             "config": config, "caches": record_caches({**caches, "in_use": caches_in_use()}),
             "process": {"index": args.process_index, "count": args.process_count},
             "process_start_s": process_start_s, "startup": startup, "budget": budget,
@@ -1671,7 +1922,10 @@ def parse_args(argv=None):
                          "and Sage's kernels, so the first measured run does not pay it")
     ap.add_argument("--reload", action="store_true", help="reload every model in every run (default: loader outputs are "
                     "kept, as ComfyUI's node cache keeps them between queued prompts; GPU memory is freed either way)")
-    ap.add_argument("--workflow", default=None, help="run a saved workflow (UI or API JSON) instead of the built-in graph")
+    ap.add_argument("--workflow", default=None, help="run a saved workflow (UI or API JSON) instead of the built-in graph; "
+                    "with --whole-prompt, --runs names its variant: VARIANT@{GB|full}[:WxHxF][:Nsteps], VARIANT one of "
+                    "template (as saved), comfy (the pack's nodes bypassed), compilenode (Wan Compile Blocks added "
+                    "after the Sage patch)")
     ap.add_argument("--allocator", choices=["async", "native"], default="async",
                     help="async: cudaMallocAsync, what ComfyUI's main.py selects; native: PyTorch's caching allocator")
     ap.add_argument("--sage-check-finite", choices=["on", "off"], default="on",
@@ -1704,13 +1958,16 @@ def parse_args(argv=None):
     a.sage_trim = a.sage_trim == "on"
     if a.decode_room_extra_gib is not None and a.decode_room_extra_gib <= 0:
         ap.error("--decode-room-extra-gib: give a positive GiB figure, e.g. 2")
+    if a.workflow:
+        check_workflow_file(a.workflow)
     if a.whole_prompt:
-        why = [x for x, bad in (("--workflow", a.workflow), ("--matrix", a.matrix), ("--warmup", a.warmup),
+        why = [x for x, bad in (("--matrix", a.matrix), ("--warmup", a.warmup),
                                 ("--reload", a.reload), ("--skip-done", a.skip_done)) if bad]
         if why:
             ap.error(f"--whole-prompt runs one spec in a fresh process as ComfyUI runs it: {', '.join(why)} do not apply")
         if not a.runs or len([x for x in a.runs.split(",") if x.strip()]) != 1:
             ap.error("--whole-prompt takes exactly one spec in --runs (one configuration per fresh process)")
+        a.spec = whole_spec(a.runs, a.workflow)
         if not a.caches or a.caches[0] not in ("none", "kept", "pack") or len(a.caches) != (1 if a.caches[0] == "none" else 2):
             ap.error("--whole-prompt needs --caches none, --caches kept DIR or --caches pack DIR: every record says "
                      "which caches it had")
@@ -1726,11 +1983,6 @@ def main(argv=None):
     age = process_age_s()
     process_t0 = None if age is None else t_start - age
     args = parse_args(argv)
-    if args.workflow and not Path(args.workflow).is_file():
-        wf_dir = _host.ROOT / "example_workflows"
-        have = sorted(p.name for p in wf_dir.glob("*.json")) if wf_dir.is_dir() else []
-        raise SystemExit(f"workflow file {args.workflow} not found. The pack's saved workflows live in "
-                         f"example_workflows/ ({', '.join(have) if have else 'none there yet'}).")
     Path(args.work_dir).mkdir(parents=True, exist_ok=True)
     caches = set_caches(args.caches[0], args.caches[1:] and args.caches[1], args.work_dir) if args.whole_prompt else None
     try:
@@ -1749,9 +2001,10 @@ def _main_runs(host, args, caches, process_t0, t_start) -> int:
     """main's runs on a booted host: one whole-prompt process, a workflow, or the run specs."""
     if args.whole_prompt:
         try:
-            spec = RunSpec.parse(args.runs.strip().strip(","))
-            check_specs([spec], args.weights)
-            if spec.compile == "model" and "TorchCompileModel" not in host.N:
+            spec = args.spec
+            if isinstance(spec, RunSpec):
+                check_specs([spec], args.weights)
+            if getattr(spec, "compile", "") == "model" and "TorchCompileModel" not in host.N:
                 raise SystemExit("+compile runs need ComfyUI's TorchCompileModel node, which did not load")
             check_sage_memory_mode(args.sage_memory_mode)
             record = run_whole(host, spec, args, caches, process_t0, t_start)

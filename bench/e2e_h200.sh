@@ -6,7 +6,10 @@
 #                                                earlier call's build) when it is not importable yet
 #   (SageAttention 2.x is built on the device by a one-off command of the call, never by a
 #   file in this repository; see bench/README.md)
-#   bash bench/e2e_h200.sh gen [gguf|fp8]        write the full-size random model files (skips what exists)
+#   bash bench/e2e_h200.sh gen [gguf|fp8] [--workflow FILE]
+#                                                write the full-size random model files (skips what exists); with
+#                                                --workflow, the files that workflow loads (the 5B template: the
+#                                                TI2V-5B fp16, UMT5-XXL, the Wan 2.2 VAE)
 #   bash bench/e2e_h200.sh runs SPECS [ARGS...]  python3 -m bench.e2e --runs SPECS ARGS, JSON lines to $OUT/e2e.jsonl
 #   bash bench/e2e_h200.sh call W SPECS [ARGS..] setup + gen W + runs, starting no run that could end after
 #                                                the call's budget (E2E_CALL_BUDGET_S, default 570 s, counted
@@ -17,7 +20,9 @@
 #                                                process starts that could end after the call's budget (each
 #                                                taken as E2E_LONGEST_PROCESS_S, default 210 s); JSON lines
 #                                                to $OUT/whole-prompt.jsonl, the processes' stderr to
-#                                                $OUT/whole-prompt.log
+#                                                $OUT/whole-prompt.log.  With --workflow FILE in ARGS, SPECS
+#                                                are that saved workflow's variants (VARIANT@{GB|full}, VARIANT
+#                                                template|comfy|compilenode) and gen writes what it loads
 #   bash bench/e2e_h200.sh info                  GPU, driver, torch, disk, memory
 #
 # Every sub-command is idempotent, so a call on a fresh machine can start with "setup; gen" and a
@@ -70,10 +75,11 @@ PY
 
 
 gen() {
-  local weights=${1:-gguf}
-  # one expert format on disk at a time (64 GiB disk): drop the other one's experts first
+  local weights=${1:-gguf}; shift || true
+  # one expert format on disk at a time (64 GiB disk): drop the other one's experts first (a saved workflow's
+  # files, "$@" = --workflow FILE, are the TI2V-5B set or the experts of --weights)
   if [ "$weights" = fp8 ]; then rm -f "$MODELS"/diffusion_models/*.gguf; else rm -f "$MODELS"/diffusion_models/*fp8*.safetensors; fi
-  python3 -m bench.e2e --models-dir "$MODELS" --scale "${E2E_SCALE:-full}" --weights "$weights" --generate-only --av-stub --quiet
+  python3 -m bench.e2e --models-dir "$MODELS" --scale "${E2E_SCALE:-full}" --weights "$weights" --generate-only --av-stub --quiet "$@"
   ls -l "$MODELS"/*/ && df -h "$MODELS" | tail -1
 }
 
@@ -92,10 +98,18 @@ call() {
   runs "$specs" --weights "$weights" --deadline-s "$left" --warmup "$@"
 }
 
+workflow_arg() {   # "--workflow FILE" when the arguments name one (the files gen writes are that workflow's)
+  while [ $# -gt 0 ]; do
+    if [ "$1" = --workflow ] && [ $# -gt 1 ]; then printf '%s\n' "--workflow" "$2"; return; fi
+    shift
+  done
+}
+
 whole() {
   local weights=$1 specs=$2; shift 2
+  local wf=(); mapfile -t wf < <(workflow_arg "$@")
   setup >/dev/null || { echo "setup failed"; return 1; }
-  gen "$weights" || return 1
+  gen "$weights" "${wf[@]}" || return 1
   echo "e2e whole: $(( $(date +%s) - E2E_T0 )) s spent before the processes; each taken as $LONGEST_PROCESS s, within $BUDGET s"
   python3 -m bench.whole_prompt --runs "$specs" --t0 "$E2E_T0" --budget-s "$BUDGET" --process-s "$LONGEST_PROCESS" \
     --out "$OUT/whole-prompt.jsonl" --log "$OUT/whole-prompt.log" \
@@ -116,5 +130,5 @@ case "$cmd" in
   call) call "$@" ;;
   whole) whole "$@" ;;
   info) info ;;
-  *) sed -n '2,23p' "$0"; exit 2 ;;
+  *) sed -n '2,30p' "$0"; exit 2 ;;
 esac

@@ -2,13 +2,20 @@
 
     python -m bench.whole_prompt --runs SPECS --caches none|kept DIR|pack DIR [--processes N] [--bench-first]
         [--out FILE] [--log FILE] [--skip-done FILES] [--t0 EPOCH] [--budget-s S] [--process-s S]
-        BENCH.E2E OPTIONS (--models-dir ...)
+        BENCH.E2E OPTIONS (--models-dir ..., --workflow FILE)
 
 For each spec of ``--runs`` (``bench.e2e`` run specs, with ``:Nsteps``, ``:cfgX``, ``:nolora``,
 ``:decode`` / ``:nodecode``), N processes of ``python -m bench.e2e --whole-prompt --runs SPEC``, each a
 fresh interpreter with no warm-up that runs the first prompt and then a repeat prompt with a new seed, and
 prints one record (``wan-sage-whole-prompt/1``: bench/README.md lists its fields).  Every option this tool
 does not know is passed to each process (``--models-dir``, ``--scale``, ``--weights``, ``--av-stub``, ...).
+
+A saved workflow: ``--workflow FILE`` (passed to each process) makes ``--runs`` that workflow's variants,
+``{template|comfy|compilenode}@{GB|full}[:WxHxF][:Nsteps]`` (``bench.workflow_variants``), each a configuration
+of its own, e.g. the pack's 5B template at 24 GiB as saved, as stock ComfyUI and with Wan Compile Blocks::
+
+    python -m bench.whole_prompt --runs template@24,comfy@24,compilenode@24 --caches none \
+        --workflow "example_workflows/Wan 2.2 5B text to video 704p.json" --models-dir DIR
 
 Caches (``--caches``), the pack's timing cache (``WAN_SAGE_CACHE_DIR``), TorchInductor's and Triton's:
 
@@ -64,9 +71,10 @@ DEFAULT_PROCESSES = {"none": 1, "kept": 2, "pack": 2}
 PROGRESS = re.compile(r"^e2e ")      # the processes' progress lines; everything else goes to --log only
 
 
-def caches_slug(weights: str, spec: e2e.RunSpec) -> str:
-    """The folder name of a configuration's kept caches: its weights and run label, filename-safe."""
-    return re.sub(r"[^A-Za-z0-9.]+", "-", f"{weights}-{spec.label}").strip("-")
+def caches_slug(weights: str, spec) -> str:
+    """The folder name of a configuration's kept caches: its weights and name (a saved workflow's spec: the
+    workflow's file name and the spec), filename-safe."""
+    return re.sub(r"[^A-Za-z0-9.]+", "-", f"{weights}-{spec.name}").strip("-")
 
 
 def parse_args(argv=None):
@@ -99,14 +107,17 @@ def parse_args(argv=None):
     a.processes = a.processes or DEFAULT_PROCESSES[a.caches[0]]
     if a.processes < 1:
         ap.error("--processes must be at least 1")
-    a.specs = [e2e.RunSpec.parse(s.strip()) for s in a.runs.split(",") if s.strip()]
-    if not a.specs:
+    texts = [s.strip() for s in a.runs.split(",") if s.strip()]
+    if not texts:
         ap.error("--runs names no spec")
     if "--out" in rest or any(x.startswith("--out=") for x in rest):
         ap.error("--out is this tool's: the processes' records come back through it")
     # the processes' options, checked once here so that a typo stops the tool before any process starts
-    e2e_args = e2e.parse_args([*rest, "--whole-prompt", "--runs", a.specs[0].label, "--caches", "none"])
-    a.rest, a.weights = rest, e2e_args.weights
+    e2e_args = e2e.parse_args([*rest, "--whole-prompt", "--runs", texts[0], "--caches", "none"])
+    a.specs = [e2e.whole_spec(s, e2e_args.workflow) for s in texts]
+    if a.bench_first and e2e_args.workflow:
+        ap.error("--bench-first runs wan-sage bench for the built-in A14B graph: leave it out with --workflow")
+    a.rest, a.weights = rest, e2e.files_weights(e2e_args)
     return a
 
 
@@ -114,7 +125,7 @@ def done(paths: str | None, spec: e2e.RunSpec, weights: str, mode: str, count: i
     """Whether the configuration's last process (index ``count``) already has a completed or out-of-memory
     record with a faithful budget in those files."""
     for r in _host.jsonl_records(paths):
-        if (r.get("schema") == e2e.WHOLE_SCHEMA and r.get("run") == spec.label and r.get("prompts")
+        if (r.get("schema") == e2e.WHOLE_SCHEMA and r.get("run") == spec.name and r.get("prompts")
                 and e2e.model_files((r.get("config") or {}).get("weights")) == weights
                 and (r.get("caches") or {}).get("mode") == mode
                 and (r.get("process") or {}).get("index") == count and r.get("status") in ("ok", "oom")
@@ -253,12 +264,12 @@ def main(argv=None) -> int:
           f"{page_cache['s']:.1f} s (page cache)", file=sys.stderr, flush=True)
 
     def line(spec, index, status, error):
-        emit({"schema": e2e.WHOLE_SCHEMA, "run": spec.label, "status": status, "error": error,
+        emit({"schema": e2e.WHOLE_SCHEMA, "run": spec.name, "status": status, "error": error,
               "config": {"weights": a.weights}, "caches": {"mode": mode},
               "process": {"index": index, "count": a.processes}})
     try:
         for n, spec in enumerate(a.specs, 1):
-            name = f"{spec.label} ({a.weights}, caches {mode})"
+            name = f"{spec.name} ({a.weights}, caches {mode})"
             if a.skip_done and done(a.skip_done, spec, a.weights, mode, a.processes):
                 print(f"e2e whole {n}/{len(a.specs)}: {name} already recorded, skipped", file=sys.stderr, flush=True)
                 continue
