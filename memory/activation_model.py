@@ -53,7 +53,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-__all__ = ["WanDims", "PRESETS", "COMPILED", "KERNEL_SETS", "KITCHEN_UNMEASURED", "INT8_FFN_FORMATS", "Workload", "latent_shape", "latent_elems", "tokens", "phase_peaks", "forward_peak",
+__all__ = ["WanDims", "PRESETS", "COMPILED", "KERNEL_SETS", "KITCHEN_UNMEASURED", "INT8_FFN_FORMATS", "Workload", "latent_shape", "latent_elems", "tokens", "runs_uncond", "phase_peaks", "forward_peak",
            "largest_block", "weight_transient", "WeightSetup", "DTYPE_BYTES", "QUANT_FORMATS"]
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -128,6 +128,12 @@ def tokens(dims: WanDims, t_lat: int, h_lat: int, w_lat: int) -> int:
     """L = T_lat * ceil(H_lat / 2) * ceil(W_lat / 2): the DiT pads H and W to the patch size."""
     pt, ph, pw = dims.patch_size
     return math.ceil(t_lat / pt) * math.ceil(h_lat / ph) * math.ceil(w_lat / pw)
+
+
+def runs_uncond(cfg: float) -> bool:
+    """Whether the sampler runs an uncond pass at this cfg: ComfyUI's sampler skips it where
+    ``math.isclose(cfg, 1.0)`` (comfy/samplers.py), so a cfg of 1.0000001 runs cond only too."""
+    return not math.isclose(float(cfg), 1.0)
 
 
 def latent_elems(latent) -> int:

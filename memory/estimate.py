@@ -604,7 +604,7 @@ def plan(s: Setup) -> Estimate:
     B, _C, T, H, W = latent
     L = activation_model.tokens(dims, T, H, W)
     att = s.attention
-    rows_seq, rows_bat = B, B * (2 if s.cfg != 1.0 else 1)
+    rows_seq, rows_bat = B, B * (2 if activation_model.runs_uncond(s.cfg) else 1)
     groups = sage_groups(dims, att.self_path, rows_seq, L, s.dtype) if s.sage_grouped else 1
     self_path = att.self_path
     into_q = into_q_plan(s, att, rows_seq, L)
@@ -657,7 +657,7 @@ def plan(s: Setup) -> Estimate:
         def local_total(local: int) -> int:
             return activation_bytes(dims, replace(w, L=local), s.weights, partial=False)["total"]
         per = parallel.per_rank(s.parallel, dims, L, rows_seq, activation_model.DTYPE_BYTES[s.dtype], att.self_path,
-                                s.weights_bytes, local_total, uncond=s.cfg != 1.0)
+                                s.weights_bytes, local_total, uncond=activation_model.runs_uncond(s.cfg))
         if room is not None and per["weights_bytes"] is not None and not s.dynamic_vram:
             # each rank is a GPU of its own: its weights against its working memory, as for one GPU
             need = per["working_bytes"] + s.margin_bytes

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..attention.kernel_bytes import AttnShape, extra_bytes
+from .activation_model import runs_uncond
 
 __all__ = ["Parallel", "per_rank", "problem", "ALL_TO_ALL_BLOCKS", "DEGREE_MAX"]
 
@@ -69,7 +70,7 @@ def problem(par: Parallel, heads: int, cfg: float) -> tuple | None:
         fits = [u for u in range(1, min(heads, DEGREE_MAX) + 1) if heads % u == 0]
         return "ulysses", (f"must divide the model's {heads} heads (Ulysses splits the heads over ranks), got "
                            f"{par.ulysses}: use one of {', '.join(map(str, fits))}")
-    if par.cfg_parallel and cfg == 1.0:
+    if par.cfg_parallel and not runs_uncond(cfg):
         return "cfg_parallel", "needs a cfg other than 1 (an uncond pass to put on the second rank): set cfg or drop it"
     return None
 

@@ -10,8 +10,6 @@ above sigma 0 hands the rest of the schedule to another model, and one sampled f
 schedule (Wan 2.2 A14B's experts), which share the compiled block graph."""
 from __future__ import annotations
 
-import math
-
 from ..memory import activation_model
 from ..memory.compile_payback import Payback, compile_payback
 from . import comfy_bridge, compile_blocks
@@ -27,7 +25,7 @@ def _rows(guider, batch: int) -> int:
         cfg = float(getattr(guider, "cfg", 1.0))
     except (TypeError, ValueError):  # a guider whose cfg is not one number: counted as cond only
         cfg = 1.0
-    return batch * (1 if math.isclose(cfg, 1.0) else 2)
+    return batch * (2 if activation_model.runs_uncond(cfg) else 1)
 
 
 def _steps(sigmas) -> int | None:

@@ -130,3 +130,16 @@ def test_plan_json_is_the_routes_answer_with_this_machines_notes(capsys, monkeyp
     assert {k: v for k, v in printed["summary"].items() if k != "notes"} == \
         {k: v for k, v in route["summary"].items() if k != "notes"}
     assert printed["estimate"] == json.loads(json.dumps(route["estimate"], default=str))
+
+
+@pytest.mark.parametrize("cfg, uncond", [(1.0, False), (1.0 + 1e-12, False), (0.9999999999, False), (1.01, True),
+                                         (6.0, True)])
+def test_the_uncond_pass_is_counted_where_comfyuis_sampler_runs_it(cfg, uncond):
+    """ComfyUI's sampler skips the uncond pass where ``math.isclose(cfg, 1.0)``: a cfg within that of 1 plans one
+    row and prints no batched reservation, as cfg 1 does."""
+    from wan_sage.memory import request
+    from wan_sage.memory.estimate import plan
+    est = plan(request.build({"preset": "wan2.2-a14b", "width": 832, "height": 480, "frames": 81, "cfg": cfg,
+                              "vram_gib": 24}).setup)
+    assert (est.rows_batched == 2 * est.rows_sequential) is uncond
+    assert (est.reservation_batched_partial is not None) is uncond

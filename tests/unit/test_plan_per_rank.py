@@ -79,6 +79,7 @@ def test_one_gpu_has_no_per_rank_figures():
     ({"ring": 1.5}, "ring", "integer"),
     ({"fsdp": "yes"}, "fsdp", "true or false"),
     ({"cfg_parallel": True}, "cfg_parallel", "needs a cfg other than 1"),
+    ({"cfg_parallel": True, "cfg": 1.0000000001}, "cfg_parallel", "needs a cfg other than 1"),
 ])
 def test_bad_degrees_name_the_field(fields, field, needle):
     with pytest.raises(RequestError) as e:
