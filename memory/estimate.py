@@ -654,14 +654,18 @@ def plan(s: Setup) -> Estimate:
         notes.append(DECODE_UNLOAD_NOTE.format(vae=vae_decode.vae_name(latent), gib=unload / GiB))
     per = None
     if s.parallel.active:
-        def local_total(local: int) -> int:
-            return activation_bytes(dims, replace(w, L=local), s.weights, partial=False)["total"]
+        def local_totals(local: int) -> tuple:
+            """(resident, streamed) activation totals of one forward of the rank's slice, as one GPU's."""
+            r, p, _rn, _pn = _needs(s, replace(w, L=local))
+            return r["total"], p["total"]
         per = parallel.per_rank(s.parallel, dims, L, rows_seq, activation_model.DTYPE_BYTES[s.dtype], att.self_path,
-                                s.weights_bytes, local_total, uncond=activation_model.runs_uncond(s.cfg))
+                                s.weights_bytes, lambda n: local_totals(n)[0], uncond=activation_model.runs_uncond(s.cfg),
+                                streamed_total=lambda n: local_totals(n)[1])
         if room is not None and per["weights_bytes"] is not None and not s.dynamic_vram:
-            # each rank is a GPU of its own: its weights against its working memory, as for one GPU
-            need = per["working_bytes"] + s.margin_bytes
-            per["verdict"], off = verdict_for(per["weights_bytes"], need, need, room, s.margin_bytes)
+            # each rank is a GPU of its own: its weights against its working memory, resident and streamed, as for
+            # one GPU
+            per["verdict"], off = verdict_for(per["weights_bytes"], per["working_bytes"] + s.margin_bytes,
+                                              per["streamed_working_bytes"] + s.margin_bytes, room, s.margin_bytes)
             per["offload_bytes"] = max(0, off)
     return Estimate(
         setup=s, tokens=L, rows_sequential=rows_seq, rows_batched=rows_bat, resident=res, partial=par,

@@ -17,7 +17,9 @@ so the node, the route and ``wan-sage plan`` get the same numbers.  The terms:
   code, not measured.
 * **attention per rank**: the gathered q, k, v (3 blocks) plus the kernel's extra bytes on the rank's
   [rows, H/U, N/R, N/R] call (:func:`attention.kernel_bytes.extra_bytes`, output included).
-* **activations**: the single-GPU activation model run on the rank's slice of ``ceil(N / (U*R))`` tokens.
+* **activations**: the single-GPU activation model run on the rank's slice of ``ceil(N / (U*R))`` tokens, with
+  every weight resident (``working_bytes``) and with weights streamed (``streamed_working_bytes``: the rank's
+  verdict streams weights against that one, as one GPU's does).
 * **weights per rank**: with FSDP ``ceil(weights / world size)`` plus one block's weights gathered while it
   runs (``weights / layers``); without, every rank holds all weights.
 * **CFG parallel**: the ``2B`` cond and uncond rows split over 2 ranks, ``B`` rows per rank in one forward
@@ -76,10 +78,11 @@ def problem(par: Parallel, heads: int, cfg: float) -> tuple | None:
 
 
 def per_rank(par: Parallel, dims, tokens: int, rows: int, dtype_bytes: int, self_path: str,
-             weights_bytes: int | None, activation_total, uncond: bool = False) -> dict:
+             weights_bytes: int | None, activation_total, uncond: bool = False, streamed_total=None) -> dict:
     """The figures of one rank (see the module docstring).  ``rows``: rows per forward on one GPU (``B``);
-    ``activation_total(local_tokens)``: the activation model's total for one forward of the rank's slice;
-    ``uncond``: the sampler runs an uncond pass (cfg not 1)."""
+    ``activation_total(local_tokens)``: the activation model's total for one forward of the rank's slice with
+    every weight resident, ``streamed_total(local_tokens)`` with weights streamed (the streaming and
+    fragmentation terms added; None: as resident); ``uncond``: the sampler runs an uncond pass (cfg not 1)."""
     H, D = dims.num_heads, dims.head_dim
     seq_ranks = par.ulysses * par.ring
     local = _c(tokens, seq_ranks)
@@ -89,6 +92,7 @@ def per_rank(par: Parallel, dims, tokens: int, rows: int, dtype_bytes: int, self
     a2a = ALL_TO_ALL_BLOCKS * block if par.ulysses > 1 else 0
     kernel = extra_bytes(self_path, AttnShape(rows, heads, attn_tokens, attn_tokens, D, dtype_bytes))
     activations = int(activation_total(local))
+    streamed = activations if streamed_total is None else int(streamed_total(local))
     if weights_bytes is None:
         weights = None
     elif par.fsdp:
@@ -101,6 +105,7 @@ def per_rank(par: Parallel, dims, tokens: int, rows: int, dtype_bytes: int, self
         "world_size": par.world_size, "tokens": tokens, "tokens_per_rank": local, "attention_tokens": attn_tokens,
         "heads_per_rank": heads, "rows_per_rank": rows, "forwards_per_step": 2 if uncond and not par.cfg_parallel else 1,
         "block_bytes": block, "all_to_all_bytes": a2a, "attention_bytes": 3 * block + kernel,
-        "activation_bytes": activations, "working_bytes": working, "weights_bytes": weights,
+        "activation_bytes": activations, "working_bytes": working, "streamed_working_bytes": streamed + a2a,
+        "weights_bytes": weights,
         "total_bytes": None if weights is None else weights + working,
     }

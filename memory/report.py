@@ -189,7 +189,9 @@ def per_rank_lines(est: Estimate) -> list:
              f"over {r['attention_tokens']:,} tokens, {r['rows_per_rank']} row(s), {r['forwards_per_step']} "
              f"forward(s) per step",
              f"  activations of its slice {_g(r['activation_bytes'])}; all-to-all buffers {_g(r['all_to_all_bytes'])}; "
-             f"attention call {_g(r['attention_bytes'])}; working memory {_g(r['working_bytes'])}"]
+             f"attention call {_g(r['attention_bytes'])}; working memory {_g(r['working_bytes'])}"
+             + (f" ({_g(r['streamed_working_bytes'])} with weights streamed)"
+                if r.get("streamed_working_bytes", r["working_bytes"]) != r["working_bytes"] else "")]
     if r["weights_bytes"] is not None:
         held = "sharded, plus one block gathered" if r["fsdp"] else "all weights on every rank"
         lines.append(f"  weights {_g(r['weights_bytes'])} ({held}); total per rank {_g(r['total_bytes'])}")

@@ -106,9 +106,10 @@ def test_each_rank_gets_a_verdict_of_its_own():
     the headline verdict is the rank's, with one GPU's beside it."""
     est = estimate(vram_gib=24, ulysses=2)
     r, room = est.per_rank, est.setup.vram_bytes - est.setup.kept_free
-    # no FSDP: all 26.6 GiB of weights on each rank, which must stream what its working memory leaves no room for
-    assert r["weights_bytes"] + r["working_bytes"] > room > r["working_bytes"]
-    assert r["offload_bytes"] == r["weights_bytes"] - (room - r["working_bytes"])
+    # no FSDP: all 26.6 GiB of weights on each rank, which must stream what its working memory, weights streamed,
+    # leaves no room for
+    assert r["weights_bytes"] + r["working_bytes"] > room > r["streamed_working_bytes"] > r["working_bytes"]
+    assert r["offload_bytes"] == r["weights_bytes"] - (room - r["streamed_working_bytes"])
     assert r["verdict"] == f"offloads {r['offload_bytes'] / 2**30:.1f} GiB of weights"
     sharded = estimate(vram_gib=24, ulysses=4, ring=2, fsdp=True)
     assert sharded.per_rank["total_bytes"] <= room and sharded.per_rank["verdict"].startswith("fits")
@@ -117,6 +118,19 @@ def test_each_rank_gets_a_verdict_of_its_own():
     line = next(x for x in report.report(sharded).splitlines() if x.startswith("verdict:"))
     assert line.startswith("verdict: fits: all weights resident (per rank, 8 ranks); on one GPU: offloads")
     assert estimate(ulysses=2, vram_gib=None).per_rank.get("verdict") is None  # no VRAM: no verdict
+
+
+def test_a_cfg_parallel_rank_that_runs_one_gpus_forward_streams_as_one_gpu_does():
+    """CFG parallel without Ulysses or ring: each rank runs one GPU's forward (one row, every token, every head)
+    and holds every weight, so where the weights stream it offloads what one GPU offloads, against the streamed
+    reservation (its streaming and fragmentation terms), not the resident one."""
+    one = estimate(preset="wan2.1-14b", vram_gib=24, cfg=3.0)
+    ranks = estimate(preset="wan2.1-14b", vram_gib=24, cfg=3.0, cfg_parallel=True)
+    r = ranks.per_rank
+    assert one.level == "offloads" and r["rows_per_rank"] == one.rows_sequential == 1
+    assert r["working_bytes"] == one.resident["total"] < r["streamed_working_bytes"] == one.partial["total"]
+    assert r["offload_bytes"] == one.offload_bytes > 0
+    assert r["verdict"] == one.verdict
 
 
 def test_fsdp_over_one_rank_is_refused_naming_the_field():
