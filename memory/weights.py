@@ -80,8 +80,10 @@ def _plan(params: int, key: str, lora: bool, compute: str | None, cc, vram_bytes
             return WeightPlan(WeightSetup("fp8", lora=lora), nbytes, compute, "fp8",
                               slow + (f"fp8 weights are cast to {compute} at every layer call",))
         return WeightPlan(WeightSetup(compute, lora=lora), params * DTYPE_BYTES[compute], compute, compute,
-                          slow + (f"fp8 weights are loaded as {compute}: sm{cc} has no fp8 compute and {compute} "
-                                  "weights fit",))
+                          slow + (f"fp8 weights are loaded as {compute}: sm{cc} has no fp8 compute, and ComfyUI "
+                                  f"upcasts an fp8 file whose {compute} weights take less than 88 % of the VRAM less "
+                                  "1.2 GiB (its unet_dtype rule), whether or not they then stream; UNETLoader's "
+                                  f"weight_dtype fp8_e4m3fn keeps them in fp8, cast to {compute} at every layer call",))
     raise ValueError(f"weights must be one of {', '.join(WEIGHT_BYTES)}")
 
 

@@ -29,6 +29,8 @@ def test_fp8_keeps_fp8_and_casts_where_comfyui_does():
     assert big.held == "fp8"
     small = weights_for_key(SMALL, "fp8", lora=False, cc=86, vram_bytes=24 * GiB)
     assert (small.held, small.nbytes) == ("fp16", SMALL.params() * 2) and not small.setup.casts_to("fp16")
+    # ComfyUI's rule reads the card, not the room the activations leave: the note says so, and how to keep fp8
+    assert "whether or not they then stream" in small.notes[-1] and "weight_dtype fp8_e4m3fn" in small.notes[-1]
 
 
 def test_gguf_dequantises_to_fp16():
