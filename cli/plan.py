@@ -8,7 +8,7 @@ import json
 from ..attention import registry
 from ..memory import activation_model, request
 from ..memory.answer import estimate_answer
-from ..memory.errors import ModelFileError, NotAWanModel
+from ..memory.errors import ModelFileError, NotAWanModel, brief
 from ..memory.estimate import DEFAULT_CC
 from ..memory.headers import read_model_file
 from ..memory.request import SIZE_LIMITS
@@ -89,7 +89,7 @@ def _cuda_info():
         cc = torch.cuda.get_device_capability()
         return total, cc[0] * 10 + cc[1], torch.cuda.get_device_name(), None
     except (RuntimeError, AssertionError) as e:  # a broken CUDA setup: plan works without the GPU
-        return None, None, None, f"the GPU could not be read ({type(e).__name__}: {str(e)[:80]}); assuming none"
+        return None, None, None, f"the GPU could not be read ({type(e).__name__}: {brief(e)}); assuming none"
 
 
 def _read_model(path: str):

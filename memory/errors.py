@@ -2,7 +2,7 @@
 wrong.  The server route answers them as a 4xx body and ``wan-sage plan`` prints them on stderr."""
 from __future__ import annotations
 
-__all__ = ["MESSAGE_CAP", "one_line", "ModelFileError", "NotAWanModel", "RequestError"]
+__all__ = ["MESSAGE_CAP", "one_line", "brief", "ModelFileError", "NotAWanModel", "RequestError"]
 
 MESSAGE_CAP = 300
 
@@ -11,6 +11,16 @@ def one_line(message) -> str:
     """``message`` on one line (whitespace runs folded), cut to :data:`MESSAGE_CAP` characters."""
     line = " ".join(str(message).split())
     return line if len(line) <= MESSAGE_CAP else line[:MESSAGE_CAP - 3] + "..."
+
+
+def brief(text, limit: int = 80) -> str:
+    """``text`` (another library's message quoted inside one of ours) on one line, at most ``limit`` characters,
+    cut after a whole word with "..." where it is longer."""
+    line = " ".join(str(text).split())
+    if len(line) <= limit:
+        return line
+    cut = line[:limit - 3]
+    return (cut.rsplit(" ", 1)[0] if " " in cut else cut).rstrip(" ,;:") + "..."
 
 
 class ModelFileError(ValueError):

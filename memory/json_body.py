@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import re
 
+from .errors import brief
+
 __all__ = ["BodyError", "parse_body", "nesting_depth", "too_deep_in", "MAX_BODY_BYTES", "MAX_DEPTH"]
 
 # An estimate request is a flat object of a dozen fields (one nested ``model`` object): well
@@ -82,4 +84,4 @@ def parse_body(raw: bytes, max_bytes: int = MAX_BODY_BYTES, max_depth: int = MAX
     try:
         return json.loads(text)
     except ValueError as e:  # JSONDecodeError, and integers beyond Python's digit limit
-        raise BodyError(f"the request body is not valid JSON ({str(e)[:80]})") from None
+        raise BodyError(f"the request body is not valid JSON ({brief(e)})") from None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import struct
 
-from .errors import ModelFileError
+from .errors import ModelFileError, brief
 
 __all__ = ["read_safetensors_header", "ST_DTYPE_BITS", "MAX_HEADER_BYTES"]
 
@@ -97,7 +97,7 @@ def read_safetensors_header(f, file_size: int, shown: str) -> dict:
     except RecursionError:
         raise ModelFileError(f"{shown} is not a safetensors file (its header nests too deeply)") from None
     except ValueError as e:  # json.JSONDecodeError, and int() limits on huge numbers
-        raise ModelFileError(f"{shown} is not a safetensors file (its header is not JSON: {str(e)[:80]})") from None
+        raise ModelFileError(f"{shown} is not a safetensors file (its header is not JSON: {brief(e)})") from None
     if not isinstance(meta, dict):
         raise ModelFileError(f"{shown} is not a safetensors file (its header is a JSON {type(meta).__name__}, "
                              "not an object)")

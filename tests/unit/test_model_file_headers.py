@@ -1,5 +1,6 @@
 """memory/headers.py on broken, foreign and hostile files: one ModelFileError naming the file, never
 another exception (the fuzz is in test_fuzz_inputs.py)."""
+import json
 import os
 import struct
 
@@ -87,6 +88,22 @@ def test_broken_safetensors(tmp_path, make, msg):
     with pytest.raises(ModelFileError, match=msg) as e:
         read_model_file(write(tmp_path, "bad.safetensors", make()))
     assert "bad.safetensors" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_long_json_error_is_quoted_whole_words_first(tmp_path):
+    """A header with a 5,000-digit number: Python's message about it is long; the quote ends on a whole word."""
+    head = ('{"x": ' + "9" * 5000 + "}").encode()
+    with pytest.raises(ModelFileError, match="not JSON") as e:
+        read_model_file(write(tmp_path, "big.safetensors", struct.pack("<Q", len(head)) + head))
+    try:
+        json.loads(head)
+    except ValueError as python:
+        full = str(python).split()
+    quoted = str(e.value).split("not JSON: ", 1)[1]
+    assert quoted.endswith("...)") and len(quoted) <= 82
+    words = quoted[:-4].split()
+    assert 3 <= len(words) < len(full) and words[:-1] == full[:len(words) - 1]
+    assert full[len(words) - 1].startswith(words[-1]) and len(full[len(words) - 1].rstrip(",;:")) == len(words[-1])
 
 
 def test_truncated_safetensors_header_names_the_file(tmp_path):
