@@ -21,6 +21,16 @@ Files (under ``<models-dir>/<ComfyUI folder>/``), deterministic for a seed and g
   and the Wan 2.2 VAE (``vae/``: ComfyUI's ``comfy.ldm.wan.vae2_2.WanVAE`` key names, bf16, 1.4 GB; ComfyUI
   detects it from ``decoder.upsamples.0.upsamples.0.residual.2.weight`` and fixes its dims, so ``--scale tiny``
   keeps it full size).  At ``--scale tiny`` the 5B is dim 256, FFN 512, 2 blocks, still in and out dim 48.
+* the Wan 2.1 I2V 14B set (``model_set="i2v-14b"``, what the pack's Wan 2.1 image-to-video template loads): the
+  Wan 2.1 I2V 14B 480p diffusion model as fp8 e4m3fn safetensors (``diffusion_models/``: the A14B's dims and
+  fp8 layout with in dim 36, the noise's 16 channels plus the start image's mask (4) and latent (16), the image
+  embedding ``img_emb.*`` and each block's image cross-attention ``k_img``/``v_img``/``norm_k_img``; 16.7 GB,
+  ComfyUI's repackaged file 16.4 GB, see :func:`wan_i2v_specs`; ComfyUI detects it as ``WAN21_I2V`` from
+  ``img_emb.proj.0.bias`` and the in dim 36), the same UMT5-XXL, the Wan 2.1 VAE, and CLIP ViT-H/14 (``clip_vision/``: ComfyUI's ``comfy.clip_model.CLIPVisionModelProjection``
+  key names from its ``clip_vision_config_h.json``, fp16, 1.26 GB).  At ``--scale tiny`` the diffusion model
+  is dim 256, FFN 512, 2 blocks, still in dim 36; CLIP vision stays full size, since ComfyUI builds it from
+  its own config file (chosen by ``vision_model.encoder.layers.30``) and Wan's image embedding takes its
+  width, 1280.
 * ``loras/``: a rank-r LoRA per expert (``diffusion_model.<key>.lora_down/lora_up/alpha`` on every
   Linear of the blocks: self/cross q, k, v, o and both FFN layers), standing in for the
   Lightning LoRAs.
@@ -61,10 +71,17 @@ SCALES = {
     "tiny": dict(wan=dict(dim=256, ffn_dim=512, num_layers=2), wan5b=dict(dim=256, ffn_dim=512, num_layers=2),
                  te=dict(num_heads=1, d_kv=64, d_ff=64, vocab_size=512), label="tiny", label5b="tiny"),
 }
-MODEL_SETS = ("a14b", "ti2v-5b")      # the A14B experts, LoRAs and Wan 2.1 VAE; the TI2V-5B and the Wan 2.2 VAE
+# the A14B experts, LoRAs and Wan 2.1 VAE; the TI2V-5B and the Wan 2.2 VAE; the Wan 2.1 I2V 14B, CLIP vision H
+# and the Wan 2.1 VAE
+MODEL_SETS = ("a14b", "ti2v-5b", "i2v-14b")
 WAN5B_IO_DIM = 48                     # the TI2V-5B's in and out channels: the Wan 2.2 VAE's 48 latent channels
+WAN21_LATENT = 16                     # the Wan 2.1 VAE's latent channels
+WAN21_I2V_IN_DIM = 36                 # the I2V's input: noise (16), the start image's mask (4) and latent (16)
+# The diffusion model of a one-model set (its role) and the weights its file always has, whatever --weights says.
+SINGLE_MODEL_WEIGHTS = {"unet_5b": "fp16", "unet_i2v": "fp8"}
 EXPERTS = ("high", "low")
-SUBDIRS = {"unet": "diffusion_models", "te": "text_encoders", "vae": "vae", "lora": "loras"}
+SUBDIRS = {"unet": "diffusion_models", "te": "text_encoders", "vae": "vae", "lora": "loras",
+           "clipvision": "clip_vision"}
 ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
              "F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8}
 
@@ -92,12 +109,16 @@ class Spec:
 
 def file_names(scale: str, weights: str, te_dtype: str, lora_rank: int, model_set: str = "a14b") -> dict:
     """{role: file name} of a model set (:data:`MODEL_SETS`); the 5B set's roles are ``unet_5b``, ``te`` and
-    ``vae_22``."""
+    ``vae_22``, the I2V 14B set's ``unet_i2v``, ``te``, ``clipvision`` and ``vae``."""
     lab = SCALES[scale]["label"]
     te = f"random-umt5-{'xxl' if scale == 'full' else 'tiny'}-{te_dtype}.safetensors"
     if model_set == "ti2v-5b":
         return {"unet_5b": f"random-wan2.2-ti2v-{SCALES[scale]['label5b']}-fp16.safetensors", "te": te,
                 "vae_22": "random-wan2.2-vae-bf16.safetensors"}
+    if model_set == "i2v-14b":
+        return {"unet_i2v": f"random-wan2.1-i2v-{'14b-480p' if scale == 'full' else 'tiny'}-fp8_e4m3fn.safetensors",
+                "te": te, "clipvision": "random-clip-vision-h-fp16.safetensors",
+                "vae": "random-wan2.1-vae-bf16.safetensors"}
     if model_set != "a14b":
         raise ValueError(f"unknown model set {model_set!r}: expected one of {', '.join(MODEL_SETS)}")
     n = {}
@@ -116,6 +137,14 @@ def role_dir(role: str) -> str:
     return SUBDIRS[role.split("_")[0]]
 
 
+def file_weights(role: str, weights: str) -> str | None:
+    """The weights of a diffusion model file: a one-model set's own (:data:`SINGLE_MODEL_WEIGHTS`), else
+    ``weights``; None for the other roles."""
+    if not role.startswith("unet"):
+        return None
+    return SINGLE_MODEL_WEIGHTS.get(role, weights)
+
+
 def te_config(scale: str) -> dict | None:
     """The UMT5 config overrides ComfyUI must get for this scale (None: its own XXL config)."""
     return SCALES[scale]["te"]
@@ -123,11 +152,12 @@ def te_config(scale: str) -> dict | None:
 
 # --------------------------------------------------------------------------- specs from ComfyUI modules
 
-def _wan_state_shapes(dims: dict, io_dim: int) -> dict:
-    """{key: shape} of ComfyUI's ``WanModel`` (t2v) with these dims, built on the meta device."""
+def _wan_state_shapes(dims: dict, io_dim: int, in_dim: int | None = None, model_type: str = "t2v") -> dict:
+    """{key: shape} of ComfyUI's ``WanModel`` (``model_type`` t2v or i2v) with these dims, built on the meta device;
+    ``in_dim``: the input channels where they differ from the output's ``io_dim``."""
     import comfy.ldm.wan.model as comfy_wan
     import comfy.ops
-    kw = dict(model_type="t2v", patch_size=(1, 2, 2), text_len=512, in_dim=io_dim, dim=dims["dim"],
+    kw = dict(model_type=model_type, patch_size=(1, 2, 2), text_len=512, in_dim=in_dim or io_dim, dim=dims["dim"],
               ffn_dim=dims["ffn_dim"], freq_dim=256, text_dim=4096, out_dim=io_dim, num_heads=dims["dim"] // 128,
               num_layers=dims["num_layers"], window_size=(-1, -1), qk_norm=True, cross_attn_norm=True, eps=1e-6)
     with torch.device("meta"):
@@ -147,13 +177,23 @@ def wan5b_specs(scale: str) -> list[Spec]:
             for k, shape in _wan_state_shapes(SCALES[scale]["wan5b"], WAN5B_IO_DIM).items()]
 
 
+def wan_i2v_specs(scale: str) -> list[Spec]:
+    """The Wan 2.1 I2V 14B 480p as fp8 e4m3fn safetensors: the A14B's dims and fp8 layout (:func:`_wan_store`, the
+    i2v-only keys by the same rule: the blocks' ``k_img``/``v_img`` matrices fp8, the image embedding's matrices
+    BF16, vectors F32), in dim 36 (:data:`WAN21_I2V_IN_DIM`).  16.65 GB, 0.25 GB over the 16.4 GB of ComfyUI's
+    repackaged file: about what the BF16 matrices outside the blocks (text and time embeddings, time projection,
+    head, image embedding: 0.24 G parameters) would save in fp8."""
+    return [Spec(k, shape, _wan_store(k, shape, "fp8"), _wan_init(k, shape))
+            for k, shape in _wan_state_shapes(SCALES[scale]["wan"], WAN21_LATENT, WAN21_I2V_IN_DIM, "i2v").items()]
+
+
 def _wan_init(k: str, shape) -> str:
     leaf = k.rsplit(".", 1)[-1]
     if "modulation" in k:
         return "modulation"
     if len(shape) >= 2:
         return "matrix"
-    if "norm" in k and leaf == "weight":
+    if leaf == "weight" and ("norm" in k or len(shape) == 1):   # norm scales (the image embedding's LayerNorms too)
         return "ones"
     return "zeros"
 
@@ -201,6 +241,26 @@ def umt5_specs(scale: str, te_dtype: str, tokenizer: bytes) -> list[Spec]:
                 else "matrix" if len(shape) == 2 else "ones")
         specs.append(Spec(k, shape, store, init))
     specs.append(Spec("spiece_model", (len(tokenizer),), "U8", "bytes", payload=tokenizer))
+    return specs
+
+
+def clip_vision_specs() -> list[Spec]:
+    """CLIP ViT-H/14 as ComfyUI's ``CLIPVisionLoader`` builds it: ``comfy.clip_model.CLIPVisionModelProjection`` from
+    ``clip_vision_config_h.json`` (the config ``comfy.clip_vision.load_clipvision_from_sd`` picks where
+    ``vision_model.encoder.layers.30`` exists and layer 47 does not), every tensor F16 as in ComfyUI's repackaged
+    ``clip_vision_h``."""
+    import comfy.clip_model
+    import comfy.ops
+    with open(os.path.join(os.path.dirname(comfy.clip_model.__file__), "clip_vision_config_h.json")) as f:
+        cfg = json.load(f)
+    with torch.device("meta"):
+        m = comfy.clip_model.CLIPVisionModelProjection(cfg, torch.float16, "meta", comfy.ops.manual_cast)
+    specs = []
+    for k, v in m.state_dict().items():
+        shape = tuple(v.shape)
+        leaf = k.rsplit(".", 1)[-1]
+        init = "matrix" if len(shape) >= 2 else ("ones" if leaf == "weight" else "zeros")   # 1-D weights: LayerNorms
+        specs.append(Spec(k, shape, "F16", init))
     return specs
 
 
@@ -393,7 +453,7 @@ def ensure_models(models_dir, scale: str = "full", weights: str = "gguf", te_dty
         path = root / role_dir(role) / fname
         path.parent.mkdir(parents=True, exist_ok=True)
         want = {"role": role, "scale": scale, "seed": seed, "format": FORMAT_VERSION,
-                "weights": ("fp16" if role == "unet_5b" else weights) if role.startswith("unet") else None,
+                "weights": file_weights(role, weights),
                 "te_dtype": te_dtype if role == "te" else None,
                 "lora_rank": lora_rank if role.startswith("lora") else None}
         have = manifest["files"].get(fname)
@@ -406,6 +466,10 @@ def ensure_models(models_dir, scale: str = "full", weights: str = "gguf", te_dty
                 "note": "random weights for benchmarking, not a trained model"}
         if role == "unet_5b":
             size = write_safetensors(path, wan5b_specs(scale), seed, role, dev, meta)
+        elif role == "unet_i2v":
+            size = write_safetensors(path, wan_i2v_specs(scale), seed, role, dev, meta)
+        elif role == "clipvision":
+            size = write_safetensors(path, clip_vision_specs(), seed, role, dev, meta)
         elif role.startswith("unet"):
             specs = wan_specs(scale, weights)
             if weights == "gguf":
