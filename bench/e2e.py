@@ -91,8 +91,10 @@ With ``--workflow FILE`` the one spec of ``--runs`` is a variant of that saved w
 ``{template|comfy|compilenode}@{GB|full}[:WxHxF][:Nsteps]`` (``bench.workflow_variants``: as saved, the pack's nodes
 bypassed, Wan Compile Blocks added after the Sage patch), and both prompts run through one
 ``execution.PromptExecutor`` (:class:`WorkflowRunner`): the repeat prompt changes the samplers' seed only, and
-ComfyUI's own node cache serves it the rest.  The model files are those the workflow loads (the TI2V-5B set for
-the pack's 5B template: ``bench.e2e_models``).
+ComfyUI's own node cache serves it the rest.  The model files are those the workflow loads (``bench.e2e_models``:
+the TI2V-5B set for the pack's 5B template, the Wan 2.1 I2V 14B set with CLIP vision H for its image-to-video
+template), and the start image a LoadImage node reads is written into ComfyUI's input folder of the process
+(``--work-dir``'s ``input/``): a deterministic pattern at the video's size, recorded under ``inputs``.
 
 ``+compile`` adds ComfyUI's own ``TorchCompileModel`` node (``comfy_extras/nodes_torch_compile.py``)
 to each expert after the Sage patch, so the compiled model carries the override.  In ComfyUI 0.3.64
@@ -799,7 +801,7 @@ class Host:
         fp = self.ns.folder_paths
         root = Path(args.models_dir).resolve()
         for key, sub in (("diffusion_models", "diffusion_models"), ("text_encoders", "text_encoders"),
-                         ("vae", "vae"), ("loras", "loras")):
+                         ("vae", "vae"), ("loras", "loras"), ("clip_vision", "clip_vision")):
             fp.add_model_folder_path(key, str(root / sub), is_default=True)
         # torch, ComfyUI and its nodes, ComfyUI-GGUF and the pack; then the model files' check (or writing)
         self.startup = {"comfyui_import_s": _r(t1 - t0), "model_files_s": _r(time.perf_counter() - t1)}
@@ -1187,17 +1189,28 @@ class Host:
         prompt = wf if is_api_prompt(wf) else ui_to_api(wf, self.N)
         return prompt, substitute_models(prompt, self.files["names"], self.args.weights)
 
+    def start_images(self, prompt: dict) -> dict:
+        """Write the start images the prompt's LoadImage nodes read into ComfyUI's input folder of this process
+        (:func:`write_start_images`); the record's ``inputs``."""
+        inputs = write_start_images(prompt, Path(self.ns.folder_paths.get_input_directory()))
+        for nid, d in inputs.items():
+            self.log(f"e2e start image node {nid}: {d['image']} {d['width']}x{d['height']} written to ComfyUI's "
+                     "input folder")
+        return inputs
+
     def run_workflow(self, path: Path, spec_res, budget_gib) -> dict:
         """A saved workflow run once, standing alone: every model unloaded before and after it, its own ballast."""
         from . import workflow_variants as WV
         prompt, mapping = self.workflow_prompt(path)
+        prompt = WV.resized(prompt, spec_res)
+        inputs = self.start_images(prompt)
         self.free_all()
         inherited = self.mem.alloc()
         ballast = Ballast(self.torch, self.mm, self.dev, budget_gib, self.log)
         self.mem.ballast = ballast.nbytes
         row = {"schema": SCHEMA, "run": f"workflow:{path.name}", "workflow": str(path.name), "models": mapping,
-               "budget": workflow_budget(budget_gib, ballast, inherited, self.log)}
-        row.update(WorkflowRunner(self).run(WV.resized(prompt, spec_res)))
+               "inputs": inputs, "budget": workflow_budget(budget_gib, ballast, inherited, self.log)}
+        row.update(WorkflowRunner(self).run(prompt))
         ballast.release()
         self.mem.ballast = 0
         self.free_all()
@@ -1211,17 +1224,53 @@ class Host:
         from . import workflow_variants as WV
         prompt, mapping = self.workflow_prompt(Path(self.args.workflow))
         prompt = WV.spec_prompt(prompt, spec, self.args.compile_backend)
+        inputs = self.start_images(prompt)
         runner = WorkflowRunner(self)
         config = workflow_config(spec, prompt, self.args, files_weights(self.args))
 
         def run(seed: int) -> dict:
             inherited, ballast = session.hold(self, spec.budget_gib)
             self.mem.ballast = ballast.nbytes
-            row = {"schema": SCHEMA, "run": spec.name, "workflow": spec.workflow, "models": mapping, "seed": seed,
-                   "config": config, "budget": workflow_budget(spec.budget_gib, ballast, inherited, self.log)}
+            row = {"schema": SCHEMA, "run": spec.name, "workflow": spec.workflow, "models": mapping, "inputs": inputs,
+                   "seed": seed, "config": config,
+                   "budget": workflow_budget(spec.budget_gib, ballast, inherited, self.log)}
             row.update(runner.run(WV.with_seed(prompt, seed)))
             return row
         return run
+
+
+START_IMAGE_SIZE = (832, 480)     # a start image's size where the prompt has no node that sets the video size
+
+
+def start_image_pixels(width: int, height: int):
+    """A deterministic RGB start image (uint8, height x width x 3): horizontal and vertical ramps and diagonal
+    waves, the same bytes on every machine."""
+    import numpy as np
+    y, x = np.mgrid[0:height, 0:width].astype(np.float64)
+    u, v = x / max(width - 1, 1), y / max(height - 1, 1)
+    rgb = np.stack([u, v, 0.5 + 0.5 * np.sin(2 * np.pi * (3 * u + 2 * v))], axis=-1)
+    return np.rint(rgb * 255).astype(np.uint8)
+
+
+def write_start_images(prompt: dict, input_dir: Path) -> dict:
+    """Write the file each LoadImage node of the prompt reads into ``input_dir`` (ComfyUI's input folder): a PNG of
+    :func:`start_image_pixels` at the prompt's video size (its latent node's width and height,
+    ``bench.workflow_variants.prompt_settings``).  Returns {node id: image, width, height, sha256 of the pixels}."""
+    import hashlib
+    from PIL import Image
+    from . import workflow_variants as WV
+    settings = WV.prompt_settings(prompt)
+    w, h = (settings["width"], settings["height"]) if settings["width"] and settings["height"] else START_IMAGE_SIZE
+    pixels, out = start_image_pixels(int(w), int(h)), {}
+    for nid, name in WV.start_images(prompt).items():
+        path = input_dir / name
+        tmp = path.with_name(path.name + ".part")
+        input_dir.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(pixels, "RGB").save(tmp, format="PNG")
+        os.replace(tmp, path)
+        out[nid] = {"image": name, "width": int(w), "height": int(h),
+                    "sha256": hashlib.sha256(pixels.tobytes()).hexdigest()[:16]}
+    return out
 
 
 def workflow_budget(budget_gib, ballast, inherited, log) -> dict:
@@ -1441,41 +1490,61 @@ def sampler_entries(prompt: dict, row: dict, spans: dict, step_mem: dict) -> dic
     return out
 
 
+# The loaders a saved workflow may have: {class: (the input naming the file, the generated file's role)}.
+LOADER_ROLES = {"UnetLoaderGGUF": ("unet_name", "unet"), "UnetLoaderGGUFAdvanced": ("unet_name", "unet"),
+                "UNETLoader": ("unet_name", "unet"), "CLIPLoader": ("clip_name", "te"),
+                "CLIPVisionLoader": ("clip_name", "clipvision"), "VAELoader": ("vae_name", "vae"),
+                "LoraLoaderModelOnly": ("lora_name", "lora")}
+# The one diffusion model and the VAE of the sets that have a single model (the TI2V-5B, the Wan 2.1 I2V 14B).
+SINGLE_MODEL = {"unet_5b": "vae_22", "unet_i2v": "vae"}
+
+
 def substitute_models(prompt: dict, names: dict, weights: str) -> dict:
     """Point the workflow's loaders at the generated files (experts and LoRAs by 'high'/'low' in
-    the original name, else in node order; with the TI2V-5B set, the 5B model and the Wan 2.2 VAE; the
+    the original name, else in node order; with a one-model set (:data:`SINGLE_MODEL`: the TI2V-5B and the Wan 2.2
+    VAE, the Wan 2.1 I2V 14B and the Wan 2.1 VAE), its model and VAE; CLIP vision, the generated ViT-H; the
     text encoder, whatever the workflow names (an fp8 umt5), the generated one).  Returns {node id:
     [old, new]}, the record's ``models``; raises on loaders it cannot map."""
-    fields = {"UnetLoaderGGUF": ("unet_name", "unet"), "UnetLoaderGGUFAdvanced": ("unet_name", "unet"),
-              "UNETLoader": ("unet_name", "unet"), "CLIPLoader": ("clip_name", "te"),
-              "VAELoader": ("vae_name", "vae"), "LoraLoaderModelOnly": ("lora_name", "lora")}
+    single = next((r for r in SINGLE_MODEL if r in names), None)
     seen = {"unet": [], "lora": []}
     mapping = {}
     for nid in sorted(prompt, key=lambda k: int(k) if str(k).isdigit() else 0):
         n = prompt[nid]
-        if n["class_type"] not in fields:
+        if n["class_type"] not in LOADER_ROLES:
             if any(s in n["class_type"] for s in ("Loader", "loader")) and "Lora" not in n["class_type"]:
                 raise ValueError(f"node {nid} ({n['class_type']}) loads a model the harness does not generate")
             continue
-        key, role = fields[n["class_type"]]
+        key, role = LOADER_ROLES[n["class_type"]]
         old = n["inputs"].get(key)
-        if role == "unet" and "unet_5b" in names or role == "vae" and "vae_22" in names:
-            new = names["unet_5b" if role == "unet" else "vae_22"]      # the TI2V-5B set: one model, the 2.2 VAE
+        if single and role in ("unet", "vae"):
+            new = names[single if role == "unet" else SINGLE_MODEL[single]]
         elif role in seen:
             low = str(old).lower()
             e = "high" if "high" in low else "low" if "low" in low else ("high" if not seen[role] else "low")
             seen[role].append(e)
             new = names[f"{role}_{e}"]
-        else:
+        elif role in names:
             new = names[role]
-        if "unet_5b" in names and n["class_type"] != "UNETLoader" and role == "unet":
-            raise ValueError(f"node {nid} is {n['class_type']}: the TI2V-5B stand-in is an fp16 file for UNETLoader")
-        if "unet_5b" not in names and (n["class_type"] == "UNETLoader" and weights == "gguf"
-                                       or n["class_type"].startswith("UnetLoaderGGUF") and weights != "gguf"):
-            raise ValueError(f"node {nid} is {n['class_type']} but --weights is {weights}")
+        else:
+            raise ValueError(f"node {nid} ({n['class_type']}) loads a file the generated set ({', '.join(names)}) "
+                             "has none of: the workflow is not one bench.workflow_variants.model_set knows")
+        check_loader_weights(nid, n["class_type"], role, single, weights)
         n["inputs"][key] = new
         mapping[nid] = [old, new]
     return mapping
+
+
+def check_loader_weights(nid: str, class_type: str, role: str, single: str | None, weights: str) -> None:
+    """Refuse a diffusion model loader that cannot read the generated file: a one-model set's model is a
+    safetensors file for UNETLoader, the experts GGUF for ComfyUI-GGUF's loaders or fp8 for UNETLoader
+    (``--weights``)."""
+    if role != "unet":
+        return
+    if single:
+        if class_type != "UNETLoader":
+            raise ValueError(f"node {nid} is {class_type}: the {single} stand-in is a safetensors file for UNETLoader")
+    elif (class_type == "UNETLoader") == (weights == "gguf"):    # GGUF files for GGUF loaders, fp8 for UNETLoader
+        raise ValueError(f"node {nid} is {class_type} but --weights is {weights}")
 
 
 NO_CHECK = "/no-finite-check"
@@ -1586,8 +1655,10 @@ def workflow_model_set(args) -> str:
 
 
 def files_weights(args) -> str:
-    """A record's ``config.weights``: the diffusion model files' format, ``fp16`` for the TI2V-5B, else ``--weights``."""
-    return "fp16" if workflow_model_set(args) == "ti2v-5b" else args.weights
+    """A record's ``config.weights``: the diffusion model files' format, a one-model set's own (``fp16`` for the
+    TI2V-5B, ``fp8`` for the Wan 2.1 I2V 14B: ``bench.workflow_variants.MODEL_SET_WEIGHTS``), else ``--weights``."""
+    from . import workflow_variants as WV
+    return WV.MODEL_SET_WEIGHTS.get(workflow_model_set(args), args.weights)
 
 
 def check_workflow_file(path: str) -> None:
@@ -1801,8 +1872,9 @@ def expert_summary(row: dict) -> dict:
 
 
 # What a whole-prompt record holds once for the process, not in each prompt's entry (a saved workflow's records
-# add the workflow's file name and the model files substituted for its loaders).
-PROCESS_KEYS = ("schema", "run", "config", "budget", "workflow", "models")
+# add the workflow's file name, the model files substituted for its loaders and the start images written for it).
+WORKFLOW_KEYS = ("workflow", "models", "inputs")
+PROCESS_KEYS = ("schema", "run", "config", "budget") + WORKFLOW_KEYS
 
 
 def prompt_entry(name: str, row: dict) -> dict:
@@ -1849,7 +1921,7 @@ def run_whole(host, spec, args, caches: dict, process_t0: float | None, t_main: 
         row = run_prompt(seed)
         if not prompts:
             config, budget = row["config"], row["budget"]
-            once = {k: row[k] for k in ("workflow", "models") if k in row}
+            once = {k: row[k] for k in WORKFLOW_KEYS if k in row}
             # the process's start to the first prompt: the interpreter, ComfyUI's import, the model files' check
             process_start_s = None if process_t0 is None else _r(host.last_start - process_t0)
             startup = {"python_s": None if process_t0 is None else _r(t_main - process_t0), **host.startup,

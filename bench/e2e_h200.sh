@@ -9,7 +9,8 @@
 #   bash bench/e2e_h200.sh gen [gguf|fp8] [--workflow FILE]
 #                                                write the full-size random model files (skips what exists); with
 #                                                --workflow, the files that workflow loads (the 5B template: the
-#                                                TI2V-5B fp16, UMT5-XXL, the Wan 2.2 VAE)
+#                                                TI2V-5B fp16, UMT5-XXL, the Wan 2.2 VAE; the I2V template: the
+#                                                Wan 2.1 I2V 14B fp8, UMT5-XXL, CLIP vision H, the Wan 2.1 VAE)
 #   bash bench/e2e_h200.sh runs SPECS [ARGS...]  python3 -m bench.e2e --runs SPECS ARGS, JSON lines to $OUT/e2e.jsonl
 #   bash bench/e2e_h200.sh call W SPECS [ARGS..] setup + gen W + runs, starting no run that could end after
 #                                                the call's budget (E2E_CALL_BUDGET_S, default 570 s, counted
@@ -76,9 +77,11 @@ PY
 
 gen() {
   local weights=${1:-gguf}; shift || true
-  # one expert format on disk at a time (64 GiB disk): drop the other one's experts first (a saved workflow's
-  # files, "$@" = --workflow FILE, are the TI2V-5B set or the experts of --weights)
-  if [ "$weights" = fp8 ]; then rm -f "$MODELS"/diffusion_models/*.gguf; else rm -f "$MODELS"/diffusion_models/*fp8*.safetensors; fi
+  # one A14B expert format on disk at a time (64 GiB disk): drop the other one's experts first (a saved workflow's
+  # files, "$@" = --workflow FILE, are the TI2V-5B set, the Wan 2.1 I2V 14B set, kept whatever W is, or the
+  # experts of --weights)
+  if [ "$weights" = fp8 ]; then rm -f "$MODELS"/diffusion_models/*.gguf
+  else rm -f "$MODELS"/diffusion_models/random-wan2.2-t2v-*fp8*.safetensors; fi
   python3 -m bench.e2e --models-dir "$MODELS" --scale "${E2E_SCALE:-full}" --weights "$weights" --generate-only --av-stub --quiet "$@"
   ls -l "$MODELS"/*/ && df -h "$MODELS" | tail -1
 }
@@ -130,5 +133,5 @@ case "$cmd" in
   call) call "$@" ;;
   whole) whole "$@" ;;
   info) info ;;
-  *) sed -n '2,30p' "$0"; exit 2 ;;
+  *) sed -n '2,31p' "$0"; exit 2 ;;
 esac

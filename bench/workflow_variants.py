@@ -36,8 +36,12 @@ SIZE_INPUTS = {"EmptyHunyuanLatentVideo": ("width", "height", "length"),
                "WanImageToVideo": ("width", "height", "length"),
                "WanWorkingMemoryEstimator": ("width", "height", "frames")}
 SPEC_FORM = "{template|comfy|compilenode}@{GB|full}[:WxHxF][:Nsteps]"
-# The model files a workflow loads, by the diffusion model's file name: the TI2V-5B or the A14B experts.
-MODEL_SETS = ("a14b", "ti2v-5b")
+# The model files a workflow loads: the Wan 2.1 I2V 14B with CLIP vision H, the TI2V-5B or the A14B experts.
+MODEL_SETS = ("a14b", "ti2v-5b", "i2v-14b")
+# The diffusion model file's weights of the sets with one model (bench.e2e_models writes them so whatever
+# --weights says); the A14B experts' are --weights.
+MODEL_SET_WEIGHTS = {"ti2v-5b": "fp16", "i2v-14b": "fp8"}
+IMAGE_LOADER = "LoadImage"
 
 
 @dataclass(frozen=True)
@@ -194,16 +198,38 @@ def pack_nodes(prompt: dict) -> list[str]:
     return sorted({n["class_type"] for n in prompt.values() if n["class_type"] in PACK_PASS_THROUGH})
 
 
-def model_set(wf: dict) -> str:
-    """The model files a saved workflow (UI or API format) loads (:data:`MODEL_SETS`): ``ti2v-5b`` where its
-    UNETLoader names a 5B file, else ``a14b``."""
+def loader_values(wf: dict, node_type: str) -> list[list]:
+    """The saved values of every node of that type in a saved workflow, UI format (its widgets' values) or API
+    format (its inputs' values)."""
     if "nodes" in wf and isinstance(wf.get("nodes"), list):
-        loaders = [n.get("widgets_values") or [] for n in wf["nodes"] if n.get("type") == "UNETLoader"]
+        rows = [n.get("widgets_values") or [] for n in wf["nodes"] if n.get("type") == node_type]
     else:
-        loaders = [list(n.get("inputs", {}).values()) for n in wf.values()
-                   if isinstance(n, dict) and n.get("class_type") == "UNETLoader"]
-    names = [str(v).lower() for values in loaders for v in (values if isinstance(values, list) else [])]
+        rows = [list(n.get("inputs", {}).values()) for n in wf.values()
+                if isinstance(n, dict) and n.get("class_type") == node_type]
+    return [r if isinstance(r, list) else [] for r in rows]
+
+
+def model_set(wf: dict) -> str:
+    """The model files a saved workflow (UI or API format) loads (:data:`MODEL_SETS`): ``i2v-14b`` where it has a
+    CLIPVisionLoader (of the Wan models, Wan 2.1 I2V is the one that reads CLIP vision; Wan 2.2's I2V experts and
+    TI2V-5B do not), ``ti2v-5b`` where its UNETLoader names a 5B file, else ``a14b``."""
+    if loader_values(wf, "CLIPVisionLoader"):
+        return "i2v-14b"
+    names = [str(v).lower() for values in loader_values(wf, "UNETLoader") for v in values]
     return "ti2v-5b" if any("5b" in v for v in names) else "a14b"
+
+
+def start_images(prompt: dict) -> dict:
+    """{node id: file name} of the prompt's LoadImage nodes (the start image of an image-to-video workflow).
+    ValueError for a name that is not a plain file of ComfyUI's input folder."""
+    out = {}
+    for k in sorted((k for k, n in prompt.items() if n["class_type"] == IMAGE_LOADER), key=_order):
+        name = prompt[k]["inputs"].get("image")
+        if not isinstance(name, str) or not name or Path(name).name != name or name.endswith("]"):
+            raise ValueError(f"node {k} ({IMAGE_LOADER}): image {name!r} is not a plain file name; the harness "
+                             "writes the start image as a file of ComfyUI's input folder, e.g. example.png")
+        out[k] = name
+    return out
 
 
 def _order(k):

@@ -176,3 +176,151 @@ def test_a_prompt_runs_timings_come_from_the_executors_node_messages():
     assert e2e.prompt_timings(prompt, spans, 0.5) == {"to_latent_s": 8.5, "to_frames_s": 9.0}
     assert e2e.prompt_timings(prompt, {}, 0.5) == {"to_latent_s": None, "to_frames_s": None}
     assert e2e.steps_by_node([(4.0, "12"), (4.5, "12")], {"12": 3.0}, 0.0) == {"12": [1.0, 0.5]}
+
+
+# --------------------------------------------------------------------------- the Wan 2.1 I2V 14B template
+
+I2V = ROOT / "example_workflows" / "Wan 2.1 image to video 480p.json"
+
+
+@pytest.fixture()
+def i2v():
+    if not I2V.is_file():
+        pytest.skip(f"{I2V.name} is not in this checkout")
+    return graph_of(json.loads(I2V.read_text()))
+
+
+def test_comfy_bypasses_the_i2v_templates_pack_nodes_and_keeps_its_image_path(i2v):
+    assert WV.pack_nodes(i2v) == ["WanSageAttentionPatch", "WanTextEncoderHostCopy", "WanWorkingMemoryEstimator"]
+    stock = WV.variant_prompt(i2v, "comfy")
+    assert WV.pack_nodes(stock) == []
+    (ks,) = _by_type(stock, "KSampler")
+    (msd3,) = _by_type(stock, "ModelSamplingSD3")
+    (clip,) = _by_type(stock, "CLIPLoader")
+    (i2v_node,) = _by_type(stock, "WanImageToVideo")
+    (vision,) = _by_type(stock, "CLIPVisionEncode")
+    (image,) = _by_type(stock, "LoadImage")
+    assert stock[ks]["inputs"]["model"] == [msd3, 0]
+    assert all(stock[k]["inputs"]["clip"] == [clip, 0] for k in _by_type(stock, "CLIPTextEncode"))
+    # the image path is not the pack's: the start image to CLIP vision and to WanImageToVideo, whose
+    # conditioning and latent the sampler reads
+    assert stock[i2v_node] == i2v[i2v_node] and stock[vision] == i2v[vision]
+    assert stock[i2v_node]["inputs"]["start_image"] == [image, 0] and stock[vision]["inputs"]["image"] == [image, 0]
+    assert stock[i2v_node]["inputs"]["clip_vision_output"] == [vision, 0]
+    assert [stock[ks]["inputs"][x] for x in ("positive", "negative", "latent_image")] == [
+        [i2v_node, 0], [i2v_node, 1], [i2v_node, 2]]
+    assert all(v[0] in stock for n in stock.values() for v in n["inputs"].values() if isinstance(v, list))
+
+
+def test_compilenode_goes_between_the_i2v_templates_sage_patch_and_its_sampler(i2v):
+    c = WV.variant_prompt(i2v, "compilenode", backend="eager")
+    (node,) = _by_type(c, "WanCompileBlocks")
+    (patch,) = _by_type(c, "WanSageAttentionPatch")
+    (ks,) = _by_type(c, "KSampler")
+    assert c[node]["inputs"]["model"] == [patch, 0] and c[ks]["inputs"]["model"] == [node, 0]
+    assert WV.consumers(c, patch, 0) == [(node, "model")]
+
+
+def test_the_i2v_templates_size_and_steps_go_to_wan_image_to_video_and_the_sampler(i2v):
+    (latent,) = _by_type(i2v, "WanImageToVideo")
+    (est,) = _by_type(i2v, "WanWorkingMemoryEstimator")
+    (ks,) = _by_type(i2v, "KSampler")
+    p = WV.spec_prompt(i2v, WV.WorkflowSpec.parse("template@full:64x64x5:2steps", str(I2V)))
+    assert p[latent]["inputs"] == {**i2v[latent]["inputs"], "width": 64, "height": 64, "length": 5}
+    assert p[est]["inputs"] == {**i2v[est]["inputs"], "width": 64, "height": 64, "frames": 5}
+    assert p[ks]["inputs"]["steps"] == 2 and WV.with_seed(p, 7)[ks]["inputs"]["seed"] == 7
+    # the record's size is WanImageToVideo's, not the estimator's, whichever comes first
+    p[est]["inputs"].update(width=999, height=999, frames=999)
+    first_est = {est: p[est], **{k: n for k, n in p.items() if k != est}}
+    for prompt in (p, first_est):
+        s = WV.prompt_settings(prompt)
+        assert (s["width"], s["height"], s["frames"], s["steps"], s["cfg"]) == (64, 64, 5, 2, 6.0)
+
+
+def test_the_i2v_template_loads_the_i2v_14b_set_by_its_clip_vision_loader():
+    wf = json.loads(I2V.read_text()) if I2V.is_file() else None
+    if wf is not None:
+        assert WV.model_set(wf) == "i2v-14b"
+        a = e2e.parse_args(["--models-dir", "m", "--workflow", str(I2V)])   # --weights gguf by default
+        assert e2e.workflow_model_set(a) == "i2v-14b" and e2e.files_weights(a) == "fp8"
+    api = {"1": {"class_type": "UNETLoader", "inputs": {"unet_name": "wan2.1_i2v_720p_14B_bf16.safetensors"}},
+           "2": {"class_type": "CLIPVisionLoader", "inputs": {"clip_name": "clip_vision_h.safetensors"}}}
+    assert WV.model_set(api) == "i2v-14b"
+    # Wan 2.2's I2V experts read no CLIP vision: an "i2v" file name alone does not make the Wan 2.1 I2V set
+    del api["2"]
+    api["1"]["inputs"]["unet_name"] = "wan2.2_i2v_high_noise_14B_fp8_scaled.safetensors"
+    assert WV.model_set(api) == "a14b"
+
+
+def test_the_one_model_sets_weights_agree_with_the_files_written():
+    from bench import e2e_models as EM
+    assert set(WV.MODEL_SETS) == set(EM.MODEL_SETS)
+    for model_set in WV.MODEL_SETS:
+        names = EM.file_names("tiny", "gguf", "bf16", 64, model_set)
+        unets = [r for r in names if r.startswith("unet")]
+        want = WV.MODEL_SET_WEIGHTS.get(model_set, "gguf")
+        assert {EM.file_weights(r, "gguf") for r in unets} == {want}, model_set
+        assert all(EM.role_dir(r) for r in names)
+    assert EM.role_dir("clipvision") == "clip_vision"
+
+
+def test_the_i2v_loaders_are_pointed_at_the_generated_files():
+    from bench import e2e_models as EM
+    names = EM.file_names("full", "gguf", "bf16", 64, "i2v-14b")
+    prompt = {"2": {"class_type": "UNETLoader", "inputs": {"unet_name": "wan2.1_i2v_480p_14B_fp8_e4m3fn.safetensors"}},
+              "3": {"class_type": "CLIPLoader", "inputs": {"clip_name": "umt5_xxl_fp8_e4m3fn_scaled.safetensors"}},
+              "5": {"class_type": "CLIPVisionLoader", "inputs": {"clip_name": "clip_vision_h.safetensors"}},
+              "6": {"class_type": "VAELoader", "inputs": {"vae_name": "wan_2.1_vae.safetensors"}},
+              "7": {"class_type": "LoadImage", "inputs": {"image": "example.png", "upload": "image"}}}
+    got = e2e.substitute_models(prompt, names, "gguf")    # the I2V stand-in is fp8 whatever --weights says
+    assert got == {"2": ["wan2.1_i2v_480p_14B_fp8_e4m3fn.safetensors", names["unet_i2v"]],
+                   "3": ["umt5_xxl_fp8_e4m3fn_scaled.safetensors", names["te"]],
+                   "5": ["clip_vision_h.safetensors", names["clipvision"]],
+                   "6": ["wan_2.1_vae.safetensors", names["vae"]]}
+    assert names["unet_i2v"] == "random-wan2.1-i2v-14b-480p-fp8_e4m3fn.safetensors"
+    assert names["vae"] == EM.file_names("full", "gguf", "bf16", 64)["vae"]          # the A14B set's Wan 2.1 VAE
+    gguf = {"2": {"class_type": "UnetLoaderGGUF", "inputs": {"unet_name": "wan2.1-i2v-14b-480p-Q4_K_M.gguf"}}}
+    with pytest.raises(ValueError, match="node 2 is UnetLoaderGGUF: the unet_i2v stand-in is a safetensors file"):
+        e2e.substitute_models(gguf, names, "gguf")
+    vision = {"5": {"class_type": "CLIPVisionLoader", "inputs": {"clip_name": "clip_vision_h.safetensors"}}}
+    with pytest.raises(ValueError, match=r"node 5 \(CLIPVisionLoader\) loads a file the generated set"):
+        e2e.substitute_models(vision, EM.file_names("full", "gguf", "bf16", 64), "gguf")
+
+
+def test_the_start_image_is_named_by_each_load_image_node_and_made_the_same_each_time():
+    prompt = {"7": {"class_type": "LoadImage", "inputs": {"image": "example.png"}},
+              "9": {"class_type": "WanImageToVideo", "inputs": {"width": 64, "height": 48, "length": 5}}}
+    assert WV.start_images(prompt) == {"7": "example.png"}
+    assert WV.start_images({"1": {"class_type": "KSampler", "inputs": {}}}) == {}
+    for bad in ("../example.png", "sub/example.png", "example.png [input]", ""):
+        prompt["7"]["inputs"]["image"] = bad
+        with pytest.raises(ValueError, match="node 7 .LoadImage.: image .* is not a plain file name"):
+            WV.start_images(prompt)
+    a, b = e2e.start_image_pixels(64, 48), e2e.start_image_pixels(64, 48)
+    assert a.shape == (48, 64, 3) and str(a.dtype) == "uint8" and (a == b).all()
+    assert a.min() == 0 and a.max() == 255          # a full-range pattern, not a flat image
+
+
+def test_the_start_image_is_written_into_the_input_folder_at_the_videos_size(tmp_path):
+    pytest.importorskip("PIL", reason="Pillow (ComfyUI's dependency) is not installed here")
+    from PIL import Image
+    prompt = {"7": {"class_type": "LoadImage", "inputs": {"image": "example.png"}},
+              "9": {"class_type": "WanImageToVideo", "inputs": {"width": 64, "height": 48, "length": 5}}}
+    got = e2e.write_start_images(prompt, tmp_path / "input")
+    assert got["7"]["image"] == "example.png" and (got["7"]["width"], got["7"]["height"]) == (64, 48)
+    with Image.open(tmp_path / "input" / "example.png") as im:
+        assert im.size == (64, 48) and im.mode == "RGB"
+    assert e2e.write_start_images(prompt, tmp_path / "again") == got
+    assert sorted(p.name for p in (tmp_path / "input").iterdir()) == ["example.png"]
+
+
+def test_the_driver_takes_the_i2v_template_with_fp8_files(tmp_path):
+    if not I2V.is_file():
+        pytest.skip(f"{I2V.name} is not in this checkout")
+    a = whole_prompt.parse_args(["--runs", "template@24,comfy@24,compilenode@24", "--caches", "pack", str(tmp_path),
+                                 "--models-dir", "m", "--workflow", str(I2V)])
+    assert [s.variant for s in a.specs] == ["template", "comfy", "compilenode"] and a.weights == "fp8"
+    cmd = whole_prompt.process_command(a, a.specs[0], 1)
+    i = cmd.index("--caches")
+    assert cmd[i + 2] == str(tmp_path.resolve() / "fp8-Wan-2.1-image-to-video-480p-template-24")
+    assert a.specs[0].name == "Wan 2.1 image to video 480p/template@24"

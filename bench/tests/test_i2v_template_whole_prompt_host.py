@@ -1,0 +1,171 @@
+"""Host tier: the pack's saved Wan 2.1 I2V 14B 480p template as whole prompts (``python -m bench.whole_prompt
+--workflow`` driving ``python -m bench.e2e --whole-prompt --workflow``) at --scale tiny on the CPU through real
+ComfyUI: each variant (the template, stock ComfyUI, the template plus Wan Compile Blocks) in a fresh process, two
+prompts through one PromptExecutor, the start image written into ComfyUI's input folder; and the generated I2V 14B
+and CLIP vision H against ComfyUI's own detection and loader."""
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from bench import _host
+
+comfy_env = _host.comfy_env()
+if comfy_env.skip_reason():
+    pytest.skip(f"host tier: {comfy_env.skip_reason()}", allow_module_level=True)
+ROOT = Path(__file__).resolve().parents[2]
+TEMPLATE = ROOT / "example_workflows" / "Wan 2.1 image to video 480p.json"
+if not TEMPLATE.is_file():
+    pytest.skip(f"example_workflows/{TEMPLATE.name} is not in this checkout", allow_module_level=True)
+GGUF = Path(os.path.realpath(os.environ.get("COMFYUI_GGUF_PATH")
+                             or os.path.join(comfy_env.comfy_path(), os.pardir, "ComfyUI-GGUF")))
+if not (GGUF / "nodes.py").is_file():   # a saved workflow's process loads ComfyUI-GGUF as a custom node
+    pytest.skip(f"host tier: ComfyUI-GGUF not found at {GGUF} (set COMFYUI_GGUF_PATH)", allow_module_level=True)
+pytest.importorskip("gguf", reason="the gguf package (ComfyUI-GGUF's dependency) is not installed")
+
+SIZE = "full:64x64x5:2steps"
+PACK = {"WanTextEncoderHostCopy", "WanWorkingMemoryEstimator", "WanSageAttentionPatch"}
+# what the repeat prompt (a new seed) is served from ComfyUI's cache: the loaders, the start image and every
+# encode, the image-to-video conditioning included
+SERVED = {"UNETLoader", "CLIPLoader", "CLIPVisionLoader", "VAELoader", "LoadImage", "CLIPTextEncode",
+          "CLIPVisionEncode", "WanImageToVideo"}
+GENERATED = ["random-clip-vision-h-fp16.safetensors", "random-umt5-tiny-bf16.safetensors",
+             "random-wan2.1-i2v-tiny-fp8_e4m3fn.safetensors", "random-wan2.1-vae-bf16.safetensors"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("i2v")
+    runs = ",".join(f"{v}@{SIZE}" for v in ("template", "comfy", "compilenode"))
+    p, rows = _host.run_tool("whole_prompt", ["--runs", runs, "--caches", "none", "--workflow", TEMPLATE,
+                                              "--compile-backend", "eager", "--out", tmp / "records.jsonl",
+                                              "--log", tmp / "processes.log", "--models-dir", tmp / "models",
+                                              "--work-dir", tmp / "work", "--scale", "tiny", "--quiet", "--av-stub"],
+                             1500, COMFYUI_GGUF_PATH=str(GGUF))
+    assert p.returncode == 0, p.stderr[-4000:]
+    return {r["config"]["variant"]: r for r in rows}, p.stderr, tmp
+
+
+def _of_type(p, t):
+    (k,) = [k for k, x in p["node_types"].items() if x == t]
+    return k
+
+
+def _two_prompts_ok(r):
+    assert r["schema"] == "wan-sage-whole-prompt/1" and r["status"] == "ok", r.get("error")
+    first, repeat = r["prompts"]
+    assert (first["prompt"], repeat["prompt"]) == ("first", "repeat")
+    assert all(p["status"] == "ok" and p["error"] is None for p in r["prompts"])
+    assert first["seed"] != repeat["seed"]
+    for p in r["prompts"]:
+        assert p["latent_finite"] is True and p["decoded"] == [5, 64, 64, 3]
+        assert p["to_frames_s"] > p["to_latent_s"] > 0
+        ks = _of_type(p, "KSampler")
+        assert set(p["experts"]) == set(p["first_step_s"]) == {ks}
+        assert len(p["experts"][ks]["step_s"]) == 2 and all(s > 0 for s in p["experts"][ks]["step_s"])
+    assert first["reused"] == []
+    reused = {repeat["node_types"][k] for k in repeat["reused"]}
+    assert SERVED <= reused, SERVED - reused
+    assert not reused & {"KSampler", "VAEDecode"}
+
+
+def test_each_variant_runs_two_prompts_from_the_written_start_image(run):
+    from bench import e2e
+    recs, err, tmp = run
+    assert set(recs) == {"template", "comfy", "compilenode"}
+    pixels = hashlib.sha256(e2e.start_image_pixels(64, 64).tobytes()).hexdigest()[:16]
+    for variant, r in recs.items():
+        _two_prompts_ok(r)
+        assert r["run"] == f"{TEMPLATE.stem}/{variant}@{SIZE}" and r["workflow"] == TEMPLATE.name
+        c = r["config"]
+        assert (c["width"], c["height"], c["frames"], c["steps"], c["cfg"], c["sampler"], c["weights"]) == (
+            64, 64, 5, 2, 6.0, "uni_pc", "fp8")
+        assert sorted(new for _old, new in r["models"].values()) == GENERATED
+        assert {"clip_vision_h.safetensors", "umt5_xxl_fp8_e4m3fn_scaled.safetensors",
+                "wan2.1_i2v_480p_14B_fp8_e4m3fn.safetensors"} <= {old for old, _new in r["models"].values()}
+        # the start image: written at the video's size into the process's input folder, not ComfyUI's checkout
+        (image,) = r["inputs"].values()
+        assert image == {"image": "example.png", "width": 64, "height": 64, "sha256": pixels}
+        assert _of_type(r["prompts"][0], "LoadImage") in r["inputs"]
+        assert r["caches"]["mode"] == "none" and r["process"] == {"index": 1, "count": 1}
+    assert (tmp / "work" / "input" / "example.png").is_file()
+    assert err.count("e2e start image node") == 3
+
+
+def test_the_packs_nodes_are_in_the_template_and_out_of_stock_comfyui(run):
+    recs, _err, _tmp = run
+    for variant, want in (("template", PACK), ("comfy", set()), ("compilenode", PACK | {"WanCompileBlocks"})):
+        r = recs[variant]
+        assert set(r["config"]["pack_nodes"]) == want
+        for p in r["prompts"]:
+            assert set(p["node_types"].values()) & (PACK | {"WanCompileBlocks"}) == want
+    assert all(p["experts"][k]["attention"] is None for p in recs["comfy"]["prompts"] for k in p["experts"])
+    sage = recs["template"]["prompts"][0]["by_expert"]
+    # the patch on the CPU, every call on SDPA: 2 steps x 2 blocks x (self, text and image cross-attention)
+    assert [x["sdpa_calls"] for x in sage.values()] == [12]
+
+
+def test_wan_compile_blocks_ran_its_blocks_compiled_and_the_repeat_compiled_nothing(run):
+    recs, err, _tmp = run
+    r = recs["compilenode"]
+    assert r["config"]["compile"]["backend"] == "eager"
+    first, repeat = r["prompts"]
+    node = _of_type(first, "WanCompileBlocks")
+    assert node in repeat["reused"]
+    for p in (first, repeat):
+        ran = p["compile"]["blocks_ran"][node]
+        assert ran["blocks"]["resident"] == 2 and ran["blocks"]["eager"] == 0 and ran["why"] == {}, ran
+    assert first["compile"]["unique_graphs"] >= 1 and repeat["compile"]["unique_graphs"] == 0
+    assert repeat["compile"]["recompiles"] == 0
+    assert "e2e compile blocks node" in err
+
+
+def test_full_scale_i2v_14b_is_detected_by_comfyui_as_wan21_i2v_at_its_real_size(comfy):
+    import torch
+    import comfy.model_detection
+    import comfy.supported_models
+    from bench import e2e_models as EM
+    full = EM.wan_i2v_specs("full")
+    # 16.65 GB: ComfyUI's repackaged file is 16.4 GB (the stand-in keeps the matrices outside the blocks in BF16)
+    assert 16.3e9 < sum(s.nbytes for s in full) < 16.8e9
+    store = {s.name: s.store for s in full}
+    shapes = {s.name: s.shape for s in full}
+    assert store["blocks.39.cross_attn.k_img.weight"] == store["blocks.0.cross_attn.v_img.weight"] == "F8_E4M3"
+    assert store["blocks.0.cross_attn.norm_k_img.weight"] == "F32" and store["img_emb.proj.1.weight"] == "BF16"
+    assert shapes["img_emb.proj.1.weight"] == (1280, 1280) and shapes["img_emb.proj.3.weight"] == (5120, 1280)
+    assert shapes["patch_embedding.weight"][:2] == (5120, 36) and shapes["head.head.weight"] == (16 * 4, 5120)
+    for scale, dims in (("full", (5120, 40, 40, 13824)), ("tiny", (256, 2, 2, 512))):
+        sd = {s.name: torch.empty(s.shape, device="meta") for s in EM.wan_i2v_specs(scale)}
+        cfg = comfy.model_detection.model_config_from_unet(sd, "")
+        assert type(cfg) is comfy.supported_models.WAN21_I2V, type(cfg)
+        u = cfg.unet_config
+        assert (u["model_type"], u["in_dim"], u["out_dim"]) == ("i2v", 36, 16)
+        assert (u["dim"], u["num_heads"], u["num_layers"], u["ffn_dim"]) == dims
+
+
+def test_clip_vision_h_is_loaded_by_comfyui_with_vit_h_and_every_key(comfy, run, monkeypatch):
+    import comfy.clip_vision
+    from bench import e2e_models as EM
+    specs = EM.clip_vision_specs()
+    assert 1.25e9 < sum(s.nbytes for s in specs) < 1.28e9 and {s.store for s in specs} == {"F16"}   # 1.26 GB
+    names = {s.name for s in specs}
+    assert "vision_model.encoder.layers.31.mlp.fc2.weight" in names           # 32 layers, as ComfyUI's ViT-H
+    assert "vision_model.encoder.layers.32.mlp.fc2.weight" not in names
+    # ComfyUI's own loader on the generated file (full size at every scale): the config it picked, and what
+    # its load_state_dict left missing or unused
+    seen = {}
+
+    class Recorded(comfy.clip_vision.ClipVisionModel):
+        def __init__(self, json_config):
+            seen["config"] = Path(json_config).name
+            super().__init__(json_config)
+
+        def load_sd(self, sd):
+            seen["missing"], seen["unexpected"] = super().load_sd(sd)
+            return seen["missing"], seen["unexpected"]
+    monkeypatch.setattr(comfy.clip_vision, "ClipVisionModel", Recorded)
+    _recs, _err, tmp = run
+    clip = comfy.clip_vision.load(str(tmp / "models" / "clip_vision" / "random-clip-vision-h-fp16.safetensors"))
+    assert clip is not None and seen == {"config": "clip_vision_config_h.json", "missing": [], "unexpected": []}
+    assert len(clip.model.vision_model.encoder.layers) == 32 and clip.image_size == 224
