@@ -171,7 +171,7 @@ class TimingCache:
             data = json.loads(self.path.read_text())
         except FileNotFoundError:
             return {}, {}
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested past Python's limit
             self._report("read", f"ignored unreadable timing cache {self.path}: {e}; it is rebuilt")
             return None
         if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("entries"), dict):

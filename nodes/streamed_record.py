@@ -107,13 +107,20 @@ def _stamp(path: str):
 
 
 def _read_disk(path: str) -> dict:
-    """The file's {key: value}; {} where it is missing, unreadable or of another format."""
+    """The file's {key: value}; {} where it is missing, unreadable or of another format (said once: the next
+    sampling that shows a path writes the file afresh)."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-    except (OSError, ValueError):
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested past Python's limit
+        warn_once(("streamed-record-unreadable", path), "wan-sage: ignored %s (%s); the next sampling that shows "
+                  "how the streamed blocks ran writes it afresh.", path, reason(e))
         return {}
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("paths"), dict):
+        warn_once(("streamed-record-format", path), "wan-sage: ignored %s, of an unknown or older format; the next "
+                  "sampling that shows how the streamed blocks ran writes it afresh.", path)
         return {}
     return {k: v for k, v in data["paths"].items() if v in PATHS + (EAGER,)}
 

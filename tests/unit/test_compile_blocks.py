@@ -868,11 +868,12 @@ def test_the_file_is_read_again_when_another_process_changes_it_and_a_broken_fil
     os.utime(path, ns=(1, 1))
     assert compile_blocks.streamed_path(p) == ("", False)  # no restart: read again on its change
 
-    path.write_text("{not json")
-    stand_in, p = _restart(kept_in, block)
-    assert compile_blocks.streamed_path(p) == ("", False)
-    assert _sample(p, lambda: stand_in(x)) == "latent"  # the next sampling writes a whole file again
-    assert compile_blocks.streamed_path(_restart(kept_in, block)[1]) == ("lifted", True)
+    for broken in ("{not json", "[" * 100_000 + "]" * 100_000):  # the second nests past Python's recursion limit
+        path.write_text(broken)
+        stand_in, p = _restart(kept_in, block)
+        assert compile_blocks.streamed_path(p) == ("", False)
+        assert _sample(p, lambda: stand_in(x)) == "latent"  # the next sampling writes a whole file again
+        assert compile_blocks.streamed_path(_restart(kept_in, block)[1]) == ("lifted", True)
 
 
 def test_an_eager_run_that_cannot_be_written_removes_the_file_or_says_so(lifter, kept_in, monkeypatch, caplog):

@@ -189,6 +189,17 @@ def test_a_corrupt_cache_is_reported_once_and_rebuilt(tmp_path, caplog):
     assert json.loads((tmp_path / timing.FILE_NAME).read_text())["entries"].keys() == {"a", "b"}
 
 
+def test_a_cache_nested_past_pythons_recursion_limit_is_rebuilt(tmp_path, caplog):
+    """A file of 100,000 nested lists makes json.loads raise RecursionError, not ValueError: read as corrupt."""
+    (tmp_path / timing.FILE_NAME).write_text("[" * 100_000 + "]" * 100_000)
+    store = timing.TimingCache(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="wan_sage"):
+        assert store.get("a") is None and not store.passed_self_test("x")
+        store.put("a", 1.0, 2.0, 1, 1)
+    assert sum("timing cache" in r.getMessage() for r in caplog.records) == 1
+    assert json.loads((tmp_path / timing.FILE_NAME).read_text())["entries"].keys() == {"a"}
+
+
 def test_an_unwritable_cache_is_reported_once_and_kept_in_memory(tmp_path, caplog):
     blocker = tmp_path / "not_a_directory"
     blocker.write_text("")
