@@ -98,7 +98,7 @@ class AttentionPlan:
 
 
 def attention_plan(attention: str, cc: int | None = None, tokens: int | None = None,
-                   installed: tuple | None = None) -> AttentionPlan:
+                   installed: tuple | None = None, head_dim: int | None = None) -> AttentionPlan:
     """The attention of a forward for an ``attention`` choice (``sdpa``, ``sage-auto``/``auto`` or a
     registry kernel) on compute capability ``cc`` (None: sm90), before any shape is timed.
 
@@ -108,7 +108,8 @@ def attention_plan(attention: str, cc: int | None = None, tokens: int | None = N
     the first candidate, as the dispatcher runs a shape it has not timed.  ``tokens`` (the self-attention
     length) leaves out the kernels whose registry token limit that length exceeds on ``cc``.
     ``installed``: for ``sage-auto``, the kernels installed on this GPU in its auto order (the node reads
-    them), which take the place of the arch's whole order where any of them serves the call."""
+    them), which take the place of the arch's whole order where any of them serves the call.  ``head_dim``
+    leaves out the kernels that do not run the model's head dim (the dispatcher runs those calls on SDPA)."""
     arch = cc or DEFAULT_CC
     if attention == "sdpa":
         return AttentionPlan()
@@ -121,6 +122,11 @@ def attention_plan(attention: str, cc: int | None = None, tokens: int | None = N
     names, why = registry.planned_candidates(kernel, arch, tokens)
     if kernel == "auto" and installed is not None:
         names = registry.within_limits(installed, arch, tokens) or names
+    if head_dim is not None and names:
+        runs = tuple(n for n in names if registry.KERNELS[n].head_dim_ok(head_dim))
+        if not runs:
+            why = f"{', '.join(names)} do{'es' if len(names) == 1 else ''} not run head dim {head_dim}"
+        names = runs
     self_path, cross_path, name = registry.unmeasured_paths(names, arch, tokens)
     return AttentionPlan(self_path, cross_path, name,
                          f"{why}: attention stays on SDPA" if why is not None and not names else None)

@@ -355,7 +355,7 @@ def build(p, env: Env = Env(), *, text: bool = False, labels: dict | None = None
     if channels is not None:
         latent = (latent[0], channels) + tuple(latent[2:])
     setup = Setup(
-        dims=dims, latent=latent, dtype=wplan.compute, cfg=cfg, attention=attention_plan(attention, cc, activation_model.tokens(dims, *latent[2:5])),
+        dims=dims, latent=latent, dtype=wplan.compute, cfg=cfg, attention=attention_plan(attention, cc, activation_model.tokens(dims, *latent[2:5]), head_dim=dims.head_dim),
         sage_grouped=sage_grouped, compiled=compiled, weights=wplan.setup, weights_bytes=wplan.nbytes,
         vram_bytes=vram_bytes, margin_bytes=int(margin * GiB), policy=policy, fixed_bytes=int(fixed * GiB),
         img_tokens=dims.img_tokens, per_frame_timesteps=dims.per_frame_timesteps, comfy_flash=env.comfy_flash,

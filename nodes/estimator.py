@@ -70,7 +70,8 @@ def _cc(dev) -> int | None:
         return None
 
 
-def attention_for(model_options, settings: Settings, dev, tokens: int | None = None) -> AttentionPlan:
+def attention_for(model_options, settings: Settings, dev, tokens: int | None = None,
+                  head_dim: int | None = None) -> AttentionPlan:
     """The attention the memory model counts, detecting the Sage patch on the model.
 
     Counted as the dispatcher runs the calls: the patch's kernel (for ``auto``, this GPU's
@@ -86,7 +87,7 @@ def attention_for(model_options, settings: Settings, dev, tokens: int | None = N
         return AttentionPlan(note=f"{name} is not a kernel of this version: attention stays on SDPA")
     # on a GPU, sage-auto plans the kernels installed here, in the registry's order
     installed = kernels.auto_candidates(found_cc) if name == "auto" and found_cc else None
-    return attention_plan(name, found_cc, tokens, installed)
+    return attention_plan(name, found_cc, tokens, installed, head_dim)
 
 
 def chained_attention(model, model_options, dims: activation_model.WanDims, tokens: int,
@@ -214,7 +215,8 @@ def setup_for(model, shape, model_options, settings: Settings, *, assume_compile
     else:
         extra = {"weights": activation_model.WeightSetup(streamed=bool(streamed))}
     tokens = activation_model.tokens(dims, int(shape[2]), int(shape[3]), int(shape[4]))
-    att, chain_notes = chained_attention(model, model_options, dims, tokens, attention_for(model_options, settings, dev, tokens))
+    att, chain_notes = chained_attention(model, model_options, dims, tokens,
+                                         attention_for(model_options, settings, dev, tokens, dims.head_dim))
     notes += chain_notes
     degrees = raylight_bridge.parallel_degrees(model) if weights else None
     par = Parallel()

@@ -129,3 +129,23 @@ def test_the_estimate_follows_the_registry_token_limit_of_sm120(monkeypatch):
     mo = {"transformer_options": {comfy_bridge.OVERRIDE_KEY: SageAttentionOverride(PatchConfig())}}
     assert estimator.attention_for(mo, estimator.Settings(), None, lengths["short"]).kernel == "sage2_fp8_cuda"
     assert estimator.attention_for(mo, estimator.Settings(), None, lengths["long"]).kernel == "sage2_fp16_cuda"
+
+
+@pytest.mark.parametrize("attention, head_dim, kernel", [
+    ("sage2_sm90", 192, None), ("sage-auto", 256, "ck_int8"), ("sage-auto", 128, "sage2_sm90"),
+    ("sage1", 96, "sage1"), ("sage1", 80, None)])
+def test_kernels_that_do_not_run_the_models_head_dim_are_left_out(attention, head_dim, kernel):
+    """The dispatcher runs a head dim a kernel does not take on SDPA (or auto's next kernel that takes it): the
+    estimate plans it so, with the reason, instead of failing on the kernel's byte formula."""
+    a = attention_plan(attention, 90, 32_760, head_dim=head_dim)
+    assert a.kernel == kernel
+    if kernel is None:
+        assert a.self_path == "sdpa" and a.note == f"{attention} does not run head dim {head_dim}: attention stays on SDPA"
+
+
+def test_the_route_answers_a_model_with_wide_heads_instead_of_failing():
+    from wan_sage.memory.answer import estimate_answer
+    body = {"width": 832, "height": 480, "frames": 81, "attention": "sage2_sm90",
+            "model": {"dim": 1536, "ffn_dim": 8960, "num_heads": 8}}
+    answer = estimate_answer(body, text=True)
+    assert "sage2_sm90 does not run head dim 192: attention stays on SDPA" in answer["estimate"]["notes"]
