@@ -83,7 +83,9 @@ def read_safetensors_header(f, file_size: int, shown: str) -> dict:
         raise ModelFileError(f"{shown} is too short to be a safetensors file ({file_size} bytes)")
     (n,) = struct.unpack("<Q", head)
     if n < 2 or n > MAX_HEADER_BYTES:
-        raise ModelFileError(f"{shown} is not a safetensors file (its first 8 bytes give a header length of {n})")
+        # the length itself is not quoted: it would echo the first 8 bytes of whatever file was named
+        raise ModelFileError(f"{shown} is not a safetensors file (its first 8 bytes are not a header length of "
+                             f"2 to {MAX_HEADER_BYTES:,} bytes)")
     if n > file_size - 8:
         raise ModelFileError(f"{shown}: truncated safetensors header: it declares {n} bytes, the file has "
                              f"{file_size - 8} after the length (an interrupted download?)")

@@ -90,6 +90,14 @@ def test_broken_safetensors(tmp_path, make, msg):
     assert "bad.safetensors" in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_text_file_named_safetensors_is_refused_without_echoing_its_bytes(tmp_path):
+    """The route answers with this message: the first 8 bytes read as a length must not come back as a number."""
+    text = b"root:x:0:0:root:/root:/bin/sh\n" * 4
+    with pytest.raises(ModelFileError, match="not a safetensors file") as e:
+        read_model_file(write(tmp_path, "passwd.safetensors", text))
+    assert str(struct.unpack("<Q", text[:8])[0]) not in str(e.value)
+
+
 def test_a_long_json_error_is_quoted_whole_words_first(tmp_path):
     """A header with a 5,000-digit number: Python's message about it is long; the quote ends on a whole word."""
     head = ('{"x": ' + "9" * 5000 + "}").encode()
