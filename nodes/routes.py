@@ -16,7 +16,7 @@ import logging
 from ..attention import kernels, stats
 from ..memory import request
 from ..memory.answer import estimate_answer
-from ..memory.errors import RequestError
+from ..memory.errors import RequestError, brief
 from ..memory.json_body import MAX_BODY_BYTES, BodyError, parse_body
 from . import comfy_bridge
 from .log_once import reason, warn_once
@@ -82,12 +82,17 @@ def handle_estimate_body(raw: bytes) -> tuple:
 
 
 async def _read_capped(request) -> bytes | None:
-    """The request body, or None when it is longer than MAX_BODY_BYTES (read no further)."""
+    """The request body, or None when it is longer than MAX_BODY_BYTES (read no further).  BodyError where it
+    cannot be read (a body sent as gzip that is not gzip, a connection cut short)."""
     if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
         return None
     chunks, size = [], 0
     while True:
-        chunk = await request.content.read(MAX_BODY_BYTES + 1 - size)
+        try:
+            chunk = await request.content.read(MAX_BODY_BYTES + 1 - size)
+        except Exception as e:  # aiohttp's payload errors; a cancel (BaseException) goes on up
+            raise BodyError(f"the request body could not be read ({brief(reason(e))}); send it as plain JSON, "
+                            "uncompressed") from None
         if not chunk:
             return b"".join(chunks)
         chunks.append(chunk)
@@ -131,7 +136,10 @@ def register(server=None) -> bool:
 
     @server.routes.post("/wan_sage/estimate")
     async def estimate_route(request):
-        raw = await _read_capped(request)
+        try:
+            raw = await _read_capped(request)
+        except BodyError as e:
+            return web.json_response({"error": str(e), "field": e.field}, status=e.status)
         if raw is None:
             return web.json_response({"error": f"the request body is larger than {MAX_BODY_BYTES} bytes",
                                       "field": "body"}, status=413)

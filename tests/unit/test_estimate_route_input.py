@@ -177,3 +177,29 @@ def test_a_broken_file_with_an_unguessable_name_is_a_400_without_server_paths(mo
     assert (status, answer["field"]) == (400, "model_file")
     assert "truncated GGUF header" in answer["error"] and str(model_dir) not in answer["error"]
     assert "--" not in answer["error"]
+
+
+class _Body:
+    """A request whose body read raises ``error`` (aiohttp raises its payload error for a body sent as gzip that
+    is not gzip)."""
+
+    content_length = None
+
+    def __init__(self, error):
+        self.error = error
+        self.content = self
+
+    async def read(self, n):
+        raise self.error
+
+
+def test_a_body_that_cannot_be_read_is_a_400_naming_the_body():
+    import asyncio
+    from wan_sage.memory.json_body import BodyError
+    from wan_sage.nodes.routes import _read_capped
+    with pytest.raises(BodyError) as e:
+        asyncio.run(_read_capped(_Body(ValueError("400, message: Can not decode content-encoding: gzip"))))
+    assert e.value.status == 400 and e.value.field == "body" and "could not be read" in str(e.value)
+    assert "content-encoding: gzip" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(asyncio.CancelledError):  # a cancel is not the body's fault
+        asyncio.run(_read_capped(_Body(asyncio.CancelledError())))
