@@ -32,7 +32,9 @@ class PatchConfig:
     def __post_init__(self):
         if self.kernel != "auto" and self.kernel not in KERNELS:
             raise ValueError(f"unknown kernel {self.kernel!r}; choose auto or one of {', '.join(KERNELS)}")
-        if self.min_tokens < 0 or self.memory_margin_mb < 0 or self.calibration_budget_s < 0:
-            raise ValueError("min_tokens, memory_margin_mb and calibration_budget_s must be >= 0")
+        for name in ("min_tokens", "memory_margin_mb", "calibration_budget_s"):
+            value = getattr(self, name)
+            if not value >= 0:  # NaN too
+                raise ValueError(f"{name} must be 0 or more, got {value!r}")
         if self.memory_mode not in MEMORY_MODES:
             raise ValueError(f"memory_mode must be one of {', '.join(MEMORY_MODES)}; got {self.memory_mode!r}")

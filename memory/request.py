@@ -300,10 +300,10 @@ def _settings(f: _Fields) -> tuple:
             f.choice("policy", POLICIES, POLICIES[0], aliases=LEGACY_POLICIES))
 
 
-def check_fields(p: dict) -> None:
+def check_fields(p: dict, labels: dict | None = None) -> None:
     """Check the size, cfg, margin, fixed and policy fields of ``p`` (the estimator node's widgets) as
-    :func:`build` checks them; RequestError naming the first bad one."""
-    _settings(_Fields(p))
+    :func:`build` checks them; RequestError naming the first bad one (by ``labels`` where given)."""
+    _settings(_Fields(p, labels=labels))
 
 
 # ------------------------------------------------------------------ the one builder

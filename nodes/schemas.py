@@ -135,18 +135,18 @@ class WanWorkingMemoryEstimator(io.ComfyNode):
                         margin_gib=0.0, fixed_gib=10.0, count_sage_extra=SAGE_COUNT[0]):
         # The inputs named here are checked by the estimate's one validator instead of ComfyUI's range and
         # combo checks, so the policy name earlier workflows saved ("fixed GB per row") still validates.
-        try:
-            request.check_fields({"width": width, "height": height, "frames": frames, "batch": batch_size,
-                                  "cfg": cfg, "policy": policy, "margin_gib": margin_gib, "fixed_gib": fixed_gib})
-        except RequestError as e:
-            return str(e)
-        if count_sage_extra not in SAGE_COUNT:
-            return f"count_sage_extra must be one of {', '.join(SAGE_COUNT)}; got {str(count_sage_extra)[:40]!r}"
-        return True
+        # ComfyUI gives None for an input linked from another node: its value is checked in execute.
+        given = {k: v for k, v in locals().items() if k != "cls" and v is not None}
+        return _estimator_problem(given) or True
 
     @classmethod
     def execute(cls, model, width, height, frames, batch_size, cfg, policy, margin_gib, fixed_gib,
                 count_sage_extra, latent=None) -> io.NodeOutput:
+        problem = _estimator_problem({"width": width, "height": height, "frames": frames, "batch_size": batch_size,
+                                      "cfg": cfg, "policy": policy, "margin_gib": margin_gib, "fixed_gib": fixed_gib,
+                                      "count_sage_extra": count_sage_extra})
+        if problem:  # a value linked from another node, which validation could not see
+            raise ValueError(f"Wan Working-Memory Estimator: {problem}")
         settings = Settings(policy, float(margin_gib), float(fixed_gib), count_sage_extra)
         pixels = None
         if latent is not None and "samples" in latent and latent["samples"].ndim == 5:
@@ -162,6 +162,28 @@ class WanWorkingMemoryEstimator(io.ComfyNode):
         s = report.summary(est)
         return io.NodeOutput(m, s["tokens"], round(s["activation_gib"], 3), round(s["sage_extra_gib"], 3),
                              round(s["reservation_gib"], 3), text, ui=ui.PreviewText(text))
+
+
+# the estimator node's widgets by the estimate's field names (the one validator, memory.request.check_fields)
+_ESTIMATOR_FIELDS = {"width": "width", "height": "height", "frames": "frames", "batch_size": "batch", "cfg": "cfg",
+                     "policy": "policy", "margin_gib": "margin_gib", "fixed_gib": "fixed_gib"}
+_ESTIMATOR_DEFAULTS = {"width": 1280, "height": 720, "frames": 81, "batch_size": 1}
+
+
+def _estimator_problem(values: dict) -> str | None:
+    """What is wrong with the estimator node's values (its widgets, by input name), in one line naming the input;
+    None where nothing is.  A size not in ``values`` (linked, not known yet) is taken as its default."""
+    fields = {_ESTIMATOR_FIELDS[k]: v for k, v in values.items() if k in _ESTIMATOR_FIELDS}
+    for k, v in _ESTIMATOR_DEFAULTS.items():
+        fields.setdefault(_ESTIMATOR_FIELDS[k], v)
+    try:
+        request.check_fields(fields, labels={"batch": "batch_size"})
+    except RequestError as e:
+        return str(e)
+    count = values.get("count_sage_extra", SAGE_COUNT[0])
+    if count not in SAGE_COUNT:
+        return f"count_sage_extra must be one of {', '.join(SAGE_COUNT)}; got {str(count)[:40]!r}"
+    return None
 
 
 class WanCompileBlocks(io.ComfyNode):

@@ -220,6 +220,26 @@ def test_old_saved_widget_values_still_validate_and_the_latent_channels_are_chec
     assert "problem:" not in right.result[5] and right.result[4] == 10.0
 
 
+def test_inputs_linked_from_other_nodes_are_checked_when_their_values_come(comfy):
+    """ComfyUI validates a prompt with None for every input linked from another node: validation leaves those to
+    execute, which checks the values that came by the same validator and names the input; the model is left as
+    it was."""
+    from wan_sage.nodes.schemas import WanWorkingMemoryEstimator as Node
+    ok = dict(width=1280, height=720, frames=81, batch_size=1, cfg=1.0, policy="wan-sage estimate", margin_gib=0.0,
+              fixed_gib=10.0, count_sage_extra="auto-detect")
+    assert Node.validate_inputs(**{**ok, "width": None, "height": None, "frames": None, "batch_size": None,
+                                   "cfg": None, "margin_gib": None}) is True
+    assert Node.validate_inputs(**{**ok, "width": None, "margin_gib": -1.0}).startswith("margin_gib must be")
+    base = comfy_env.tiny_wan_patcher(num_layers=2)
+    before = (dict(base.model_options), dict(base.model_options.get("transformer_options", {})))
+    for field, value, needle in (("margin_gib", -1.0, "margin_gib must be"), ("batch_size", 0, "batch_size must be"),
+                                 ("cfg", -3.0, "cfg must be"), ("fixed_gib", float("nan"), "fixed_gib must be")):
+        with pytest.raises(ValueError, match=needle) as e:
+            Node.execute(model=base, **{**ok, field: value})
+        assert str(e.value).startswith("Wan Working-Memory Estimator: ") and "\n" not in str(e.value)
+    assert (dict(base.model_options), dict(base.model_options.get("transformer_options", {}))) == before
+
+
 def test_fp8_e4m3fn_fast_is_planned_as_the_ordinary_fp8_path_where_comfyui_skips_its_fp8_matmuls(comfy, monkeypatch):
     # UNETLoader's fp8_e4m3fn_fast builds the Linear layers from fp8_ops where the GPU has fp8 compute (forced
     # here on the CPU); ComfyUI 0.3.64's fp8_ops runs fp8_linear only for a layer in eval mode and loads Wan in

@@ -234,3 +234,11 @@ def test_calibration_budget_bounds_the_one_time_cost(fake_gpu):
     q, k, v = qkv()
     plan = o.plan(q, k, v, 4)
     assert plan.calibrate == () and plan.kernel == "sage2_sm90"
+
+
+@pytest.mark.parametrize("field, value", [("min_tokens", -1), ("memory_margin_mb", -5), ("calibration_budget_s", -0.5),
+                                          ("memory_margin_mb", float("nan"))])
+def test_a_negative_setting_is_refused_naming_it(field, value):
+    """The Sage patch's numbers can come linked from another node, past ComfyUI's widget ranges."""
+    with pytest.raises(ValueError, match=f"^{field} must be 0 or more, got"):
+        PatchConfig(**{field: value})
