@@ -6,11 +6,26 @@ from __future__ import annotations
 import os
 import sys
 
+from ..attention import registry
 from ..memory import activation_model, request
 from ..memory.errors import RequestError
 from .plan import FLAGS, SIZE_DEFAULTS
 
-__all__ = ["add_parser", "run", "TORCH_HINT"]
+__all__ = ["add_parser", "run", "TORCH_HINT", "WAN_SHAPES"]
+
+# name: (B, H, Nq, Nk, D) as ComfyUI's Wan model calls attention (q/k/v [B, N, H*D]).
+WAN_SHAPES = {
+    "a14b_720p81_self": (1, 40, 75600, 75600, 128),
+    "a14b_720p81_cross": (1, 40, 75600, 512, 128),
+    "a14b_480p81_self": (1, 40, 32760, 32760, 128),
+    "a14b_480p81_cross": (1, 40, 32760, 512, 128),
+    "a14b_480p81_cfg2_self": (2, 40, 32760, 32760, 128),
+    "i2v14b_480p81_img_cross": (1, 40, 32760, 257, 128),
+    "ti2v5b_704p121_self": (1, 24, 27280, 27280, 128),
+    "ti2v5b_704p121_cross": (1, 24, 27280, 512, 128),
+    "t2v1.3b_480p81_self": (1, 12, 32760, 32760, 128),
+    "t2v1.3b_480p81_cross": (1, 12, 32760, 512, 128),
+}
 
 TORCH_HINT = ("install PyTorch into this environment (its CUDA build for your GPU, as pytorch.org's Get Started "
               "page gives it; from a checkout of wan-sage, pip install \".[bench]\" takes the build your package "
@@ -63,6 +78,33 @@ def model_shapes(preset: str, width, height, frames, batch) -> dict:
     return shapes
 
 
+def _check_names(a) -> None:
+    """--shapes and --kernels name what this tool knows: RequestError naming the flag and the known names."""
+    if a.model_shapes is None and a.shapes != "wan":
+        unknown = [n for n in a.shapes.split(",") if n not in WAN_SHAPES]
+        if unknown:
+            raise RequestError("shapes", f"--shapes: unknown shape {unknown[0][:40]!r}; known: {', '.join(WAN_SHAPES)}")
+    if a.kernels not in ("auto", "all"):
+        unknown = [n for n in a.kernels.split(",") if n not in registry.KERNELS]
+        if unknown:
+            raise RequestError("kernels", f"--kernels: unknown kernel {unknown[0][:40]!r}; give auto, all or a comma "
+                                          f"list of {', '.join(registry.KERNELS)}")
+
+
+def _check_writable(flag: str, path: str) -> None:
+    """Stop before the GPU work where ``path`` cannot be written (a folder, a missing or read-only folder)."""
+    where = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        why = "is a folder"
+    elif not (os.path.isdir(where) and os.access(where, os.W_OK)):
+        why = "is in a folder that does not exist or cannot be written"
+    elif os.path.exists(path) and not os.access(path, os.W_OK):
+        why = "cannot be written"
+    else:
+        return
+    raise RequestError(flag, f"--{flag} {path!r} {why}; give a file path in a folder you can write")
+
+
 def run(a) -> int:
     sized = {k: getattr(a, k) for k in SIZE_DEFAULTS if getattr(a, k) is not None}
     if a.preset is None and sized:
@@ -75,6 +117,9 @@ def run(a) -> int:
         raise RequestError("shapes", "--shapes and --preset each choose the shapes; give one of them")
     a.model_shapes = None if a.preset is None else model_shapes(a.preset, **{**SIZE_DEFAULTS, **sized})
     a.shapes = a.shapes or "wan"
+    _check_names(a)
+    if a.json is not None:
+        _check_writable("json", a.json)
     if a.comfyui is not None:
         comfyui = os.path.expanduser(a.comfyui)
         if not os.path.isfile(os.path.join(comfyui, "folder_paths.py")):

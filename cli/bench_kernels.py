@@ -18,20 +18,8 @@ from ..attention import execution, head_groups, kernel_bytes, kernels, planning,
 from ..attention.config import PatchConfig
 from ..attention.override import SageAttentionOverride
 from ..attention.sdpa import attention_sdpa
+from .bench import WAN_SHAPES
 
-# name: (B, H, Nq, Nk, D) as ComfyUI's Wan model calls attention (q/k/v [B, N, H*D]).
-WAN_SHAPES = {
-    "a14b_720p81_self": (1, 40, 75600, 75600, 128),
-    "a14b_720p81_cross": (1, 40, 75600, 512, 128),
-    "a14b_480p81_self": (1, 40, 32760, 32760, 128),
-    "a14b_480p81_cross": (1, 40, 32760, 512, 128),
-    "a14b_480p81_cfg2_self": (2, 40, 32760, 32760, 128),
-    "i2v14b_480p81_img_cross": (1, 40, 32760, 257, 128),
-    "ti2v5b_704p121_self": (1, 24, 27280, 27280, 128),
-    "ti2v5b_704p121_cross": (1, 24, 27280, 512, 128),
-    "t2v1.3b_480p81_self": (1, 12, 32760, 32760, 128),
-    "t2v1.3b_480p81_cross": (1, 12, 32760, 512, 128),
-}
 
 
 def _reference(q, k, v, H, nq=1024):
@@ -295,13 +283,8 @@ def main(a) -> int:
         print("wan-sage bench needs a CUDA GPU; on this machine use `wan-sage plan` for the memory estimate.",
               file=sys.stderr)
         return 2
-    shapes = getattr(a, "model_shapes", None) or (WAN_SHAPES if a.shapes == "wan" else {})
-    if not shapes:
-        for n in a.shapes.split(","):
-            if n not in WAN_SHAPES:
-                print(f"unknown shape {n!r}; known: {', '.join(WAN_SHAPES)}", file=sys.stderr)
-                return 2
-            shapes[n] = WAN_SHAPES[n]
+    shapes = getattr(a, "model_shapes", None) or (WAN_SHAPES if a.shapes == "wan" else
+                                                  {n: WAN_SHAPES[n] for n in a.shapes.split(",")})
     cc = kernels.device_cc(torch.device("cuda"))
     if a.kernels == "auto":
         names = list(registry.auto_order(cc))
@@ -313,7 +296,7 @@ def main(a) -> int:
     print(f"wan-sage bench: {torch.cuda.get_device_name()} (sm{cc}), torch {torch.__version__}, "
           f"sageattention {p.sage_version or 'not installed'}, comfy-kitchen {p.ck_version or 'not installed'}; "
           f"cache {timing.TimingCache(a.cache_dir).path}", flush=True)
-    out = open(a.json, "w") if a.json else None
+    out = open(a.json, "w") if a.json else None  # cli.bench checked that it can be written
 
     def emit(line):
         if out:

@@ -108,6 +108,9 @@ def _described(info) -> str:
 
 
 def run(a) -> int:
+    if a.model is not None and not a.model.strip():
+        raise PlanError("--model is empty: give the path of a Wan .safetensors or .gguf file, or leave --model out "
+                        "(a --preset is planned then)")
     if a.weights is not None and a.model:
         raise PlanError("--weights cannot be used with --model: the file's header gives its weight type")
     fields = {"preset": a.preset, "width": a.width, "height": a.height, "frames": a.frames, "batch": a.batch,

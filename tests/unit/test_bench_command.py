@@ -129,8 +129,12 @@ def test_a_preset_at_a_size_times_the_calls_of_that_model(bench_args):
     (["--preset", "wan2.2-a14b", "--shapes", "wan"], "--shapes and --preset each choose the shapes"),
     (["--preset", "wan2.2-a14b", "--frames", "many"], "--frames must be an integer, got 'many'"),
     (["--preset", "wan2.2-a14b", "--height", "0"], "--height must be between"),
+    (["--shapes", "a14b_720p81_self,nosuch"], "--shapes: unknown shape 'nosuch'; known: a14b_720p81_self"),
+    (["--kernels", "sage2_sm90,nosuch"], "--kernels: unknown kernel 'nosuch'; give auto, all or a comma list"),
+    (["--json", "."], "--json '.' is a folder"),
+    (["--json", "no-such-folder/x.json"], "is in a folder that does not exist or cannot be written"),
 ])
-def test_a_bad_size_is_one_line_naming_the_flag(bench_args, capsys, argv, says):
+def test_a_bad_flag_is_one_line_naming_it_before_any_gpu_work(bench_args, capsys, argv, says):
     assert cli.main(["bench", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("wan-sage bench: ") and says in err and err.count("\n") == 1, err

@@ -24,6 +24,14 @@ def test_plan_bad_input(capsys, args, msg):
     assert msg in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name", ["", "  "])
+def test_an_empty_model_path_is_refused_not_planned_as_a_preset(capsys, name):
+    """``--model "$UNSET"``: one line naming the flag, not a plan of a preset the user did not ask for."""
+    assert cli.main(["plan", "--model", name]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("wan-sage plan: --model is empty") and err.count("\n") == 1
+
+
 def test_plan_reads_a_model_file(tmp_path, capsys):
     import torch
     from safetensors.torch import save_file
