@@ -83,11 +83,12 @@ def load(folder: str, prefix: str, torch_mod) -> int | None:
         try:
             with open(path, "rb") as f:
                 data = f.read()
-            torch_mod.compiler.load_cache_artifacts(data)
+            if torch_mod.compiler.load_cache_artifacts(data) is None:  # torch logs why, and loads nothing
+                raise ValueError("torch found no compile artifacts in it")
             read += 1
             with _lock:
                 _written.setdefault(path, len(data))
-        except Exception as e:  # an unreadable or foreign file: compiled again, as without it
+        except Exception as e:  # an unreadable or foreign file: compiled again, as without it, and written afresh
             warn_once(("compile-cache-load", path), "wan-sage: the compile cache %s could not be read (%s); the "
                       "graphs it held are compiled again.", path, reason(e))
     if read:
