@@ -1963,9 +1963,17 @@ WHOLE_CONFIG_NAMES = {(False, "sdpa"): "ComfyUI alone + SDPA", (False, "sage"): 
                       (True, "sage", TE_COPY): "estimator + Sage + text encoder host copy"}
 
 
+# A saved workflow's variants (bench.workflow_variants) as the built-in graph's configurations: stock ComfyUI runs
+# SDPA; the pack's templates chain the estimator, the Sage patch and the text encoder host copy.
+WORKFLOW_VARIANT_CONFIGS = {"comfy": (False, "sdpa"), "template": (True, "sage", TE_COPY),
+                            "compilenode": (True, "sage", TE_COPY)}
+
+
 def whole_config(c: dict) -> tuple:
     """A whole-prompt record's configuration: (estimator, attention), and the text encoder host copy where the
-    graph had it."""
+    graph had it; a saved workflow's variant as the configuration its nodes make."""
+    if c.get("variant") is not None:
+        return WORKFLOW_VARIANT_CONFIGS[c["variant"]]
     return (bool(c.get("estimator")), c.get("attention")) + ((TE_COPY,) if c.get("te_host_copy") else ())
 
 
@@ -1996,15 +2004,23 @@ def whole_sets(paths=None) -> list[dict]:
 
 
 def _whole_workflow(c: dict) -> tuple:
-    """What makes two whole-prompt records the same workflow: weights, size, steps, cfg, LoRA, setup, decode."""
-    return (c.get("weights"), (c["width"], c["height"], c["frames"]), c.get("steps"), c.get("cfg", 1.0),
-            c.get("lora_rank") is not None, _setup(c), bool(c.get("decode")))
+    """What makes two whole-prompt records the same workflow: weights (with a saved workflow's name: its model is
+    its own), size, steps, cfg, LoRA, setup, decode (a saved workflow decodes)."""
+    weights = c.get("weights") if c.get("workflow") is None else f"{c.get('weights')}:{Path(c['workflow']).stem}"
+    return (weights, (c["width"], c["height"], c["frames"]), c.get("steps"), c.get("cfg", 1.0),
+            c.get("lora_rank") is not None, _setup(c), bool(c.get("decode")) or c.get("workflow") is not None)
+
+
+def _weights_text(weights) -> str:
+    if ":" in str(weights):  # a saved workflow's: "fp16:Wan 2.2 5B text to video 704p"
+        fmt, name = str(weights).split(":", 1)
+        return f"the template {name} ({fmt})"
+    return {"gguf": "GGUF Q4_K_M", "fp8": "fp8", "fp8_fast": "fp8 as fp8_e4m3fn_fast"}.get(weights, str(weights))
 
 
 def _whole_workflow_text(wf: tuple) -> str:
     weights, size, steps, cfg, lora, setup, decode = wf
-    parts = [{"gguf": "GGUF Q4_K_M", "fp8": "fp8", "fp8_fast": "fp8 as fp8_e4m3fn_fast"}.get(weights, str(weights)),
-             _size_text(size), f"{steps} steps"]
+    parts = [_weights_text(weights), _size_text(size), f"{steps} steps"]
     parts += ([f"cfg {cfg:g}"] if cfg != 1.0 else []) + ([] if lora else ["no LoRA"]) + [SETUP_NAMES[setup]]
     return ", ".join(parts) + ("" if decode else ", no decode")
 

@@ -379,3 +379,23 @@ def test_a_budget_whose_compiled_setup_ran_only_after_a_restart_keeps_its_eager_
     assert "whole prompt: GGUF Q4_K_M, 720p81, 20 steps, Wan Compile Blocks | 24 GiB **1.22× / 1.50×** |" in readme
     assert "whole prompt: GGUF Q4_K_M, 720p81, 20 steps, eager | 16 GiB **1.25× / 1.25×** |" in readme, readme
     assert "after a restart" not in readme
+
+
+def test_a_saved_workflows_variants_are_rows_of_its_own_workflow_with_ratios_to_its_stock_variant(tmp_path):
+    """bench.whole_prompt --workflow records: the variant is the configuration (comfy: ComfyUI alone; template: the
+    pack's nodes), the workflow is the saved file's (its own model, decoded), compared with its own stock run."""
+    def wf(variant, first, repeat):
+        return {"schema": e2e.WHOLE_SCHEMA, "run": f"T/{variant}@24", "status": "ok", "workflow": "T.json",
+                "config": {"workflow": "T.json", "variant": variant, "budget_gib": 24.0, "width": 1280, "height": 704,
+                           "frames": 121, "steps": 20, "cfg": 5.0, "weights": "fp16"},
+                "caches": {"mode": "none"}, "process": {"index": 1, "count": 1},
+                "budget": {"requested_gib": 24.0, "faithful": True},
+                "prompts": [{"prompt": p, "status": "ok", "to_latent_s": t[0], "to_frames_s": t[1]}
+                            for p, t in (("first", first), ("repeat", repeat))],
+                "env": ENV, "commit": ENV["wan_sage_commit"]}
+    f = _write(tmp_path / "template.jsonl", [wf("comfy", (50.0, 60.0), (40.0, 50.0)),
+                                              wf("template", (40.0, 48.0), (32.0, 40.0))])
+    rows = [r for r in render_docs.whole_generation_section([f]) if r.startswith("| the template T (fp16)")]
+    assert len(rows) == 2 and all("1280×704×121, 20 steps, cfg 5, no LoRA, eager |" in r for r in rows)
+    assert "| ComfyUI alone + SDPA | 50.0 s | 60.0 s |" in rows[0]
+    assert "| estimator + Sage + text encoder host copy | 40.0 s (1.25×) | 48.0 s (1.25×) | 32.0 s (1.25×) |" in rows[1]
