@@ -4,28 +4,14 @@ ComfyUI: each variant (the template, stock ComfyUI, the template plus Wan Compil
 prompts through one PromptExecutor, the start image written into ComfyUI's input folder; and the generated I2V 14B
 and CLIP vision H against ComfyUI's own detection and loader."""
 import hashlib
-import os
 from pathlib import Path
 
 import pytest
 
-from bench import _host
+from bench.tests.whole_prompt_checks import (SIZE, VARIANTS, compile_blocks_ran_once, of_type, pack_nodes_by_variant,
+                                             run_variants, saved_workflow_or_skip, variant_prompts_ok)
 
-comfy_env = _host.comfy_env()
-if comfy_env.skip_reason():
-    pytest.skip(f"host tier: {comfy_env.skip_reason()}", allow_module_level=True)
-ROOT = Path(__file__).resolve().parents[2]
-TEMPLATE = ROOT / "example_workflows" / "Wan 2.1 image to video 480p.json"
-if not TEMPLATE.is_file():
-    pytest.skip(f"example_workflows/{TEMPLATE.name} is not in this checkout", allow_module_level=True)
-GGUF = Path(os.path.realpath(os.environ.get("COMFYUI_GGUF_PATH")
-                             or os.path.join(comfy_env.comfy_path(), os.pardir, "ComfyUI-GGUF")))
-if not (GGUF / "nodes.py").is_file():   # a saved workflow's process loads ComfyUI-GGUF as a custom node
-    pytest.skip(f"host tier: ComfyUI-GGUF not found at {GGUF} (set COMFYUI_GGUF_PATH)", allow_module_level=True)
-pytest.importorskip("gguf", reason="the gguf package (ComfyUI-GGUF's dependency) is not installed")
-
-SIZE = "full:64x64x5:2steps"
-PACK = {"WanTextEncoderHostCopy", "WanWorkingMemoryEstimator", "WanSageAttentionPatch"}
+TEMPLATE, GGUF = saved_workflow_or_skip("Wan 2.1 image to video 480p.json")
 # what the repeat prompt (a new seed) is served from ComfyUI's cache: the loaders, the start image and every
 # encode, the image-to-video conditioning included
 SERVED = {"UNETLoader", "CLIPLoader", "CLIPVisionLoader", "VAELoader", "LoadImage", "CLIPTextEncode",
@@ -37,46 +23,16 @@ GENERATED = ["random-clip-vision-h-fp16.safetensors", "random-umt5-tiny-bf16.saf
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("i2v")
-    runs = ",".join(f"{v}@{SIZE}" for v in ("template", "comfy", "compilenode"))
-    p, rows = _host.run_tool("whole_prompt", ["--runs", runs, "--caches", "none", "--workflow", TEMPLATE,
-                                              "--compile-backend", "eager", "--out", tmp / "records.jsonl",
-                                              "--log", tmp / "processes.log", "--models-dir", tmp / "models",
-                                              "--work-dir", tmp / "work", "--scale", "tiny", "--quiet", "--av-stub"],
-                             1500, COMFYUI_GGUF_PATH=str(GGUF))
-    assert p.returncode == 0, p.stderr[-4000:]
-    return {r["config"]["variant"]: r for r in rows}, p.stderr, tmp
-
-
-def _of_type(p, t):
-    (k,) = [k for k, x in p["node_types"].items() if x == t]
-    return k
-
-
-def _two_prompts_ok(r):
-    assert r["schema"] == "wan-sage-whole-prompt/1" and r["status"] == "ok", r.get("error")
-    first, repeat = r["prompts"]
-    assert (first["prompt"], repeat["prompt"]) == ("first", "repeat")
-    assert all(p["status"] == "ok" and p["error"] is None for p in r["prompts"])
-    assert first["seed"] != repeat["seed"]
-    for p in r["prompts"]:
-        assert p["latent_finite"] is True and p["decoded"] == [5, 64, 64, 3]
-        assert p["to_frames_s"] > p["to_latent_s"] > 0
-        ks = _of_type(p, "KSampler")
-        assert set(p["experts"]) == set(p["first_step_s"]) == {ks}
-        assert len(p["experts"][ks]["step_s"]) == 2 and all(s > 0 for s in p["experts"][ks]["step_s"])
-    assert first["reused"] == []
-    reused = {repeat["node_types"][k] for k in repeat["reused"]}
-    assert SERVED <= reused, SERVED - reused
-    assert not reused & {"KSampler", "VAEDecode"}
+    return (*run_variants(tmp, TEMPLATE, GGUF, "--work-dir", tmp / "work"), tmp)
 
 
 def test_each_variant_runs_two_prompts_from_the_written_start_image(run):
     from bench import e2e
     recs, err, tmp = run
-    assert set(recs) == {"template", "comfy", "compilenode"}
+    assert set(recs) == set(VARIANTS)
     pixels = hashlib.sha256(e2e.start_image_pixels(64, 64).tobytes()).hexdigest()[:16]
     for variant, r in recs.items():
-        _two_prompts_ok(r)
+        variant_prompts_ok(r, SERVED)
         assert r["run"] == f"{TEMPLATE.stem}/{variant}@{SIZE}" and r["workflow"] == TEMPLATE.name
         c = r["config"]
         assert (c["width"], c["height"], c["frames"], c["steps"], c["cfg"], c["sampler"], c["weights"]) == (
@@ -87,7 +43,7 @@ def test_each_variant_runs_two_prompts_from_the_written_start_image(run):
         # the start image: written at the video's size into the process's input folder, not ComfyUI's checkout
         (image,) = r["inputs"].values()
         assert image == {"image": "example.png", "width": 64, "height": 64, "sha256": pixels}
-        assert _of_type(r["prompts"][0], "LoadImage") in r["inputs"]
+        assert of_type(r["prompts"][0], "LoadImage") in r["inputs"]
         assert r["caches"]["mode"] == "none" and r["process"] == {"index": 1, "count": 1}
     assert (tmp / "work" / "input" / "example.png").is_file()
     assert err.count("e2e start image node") == 3
@@ -95,30 +51,13 @@ def test_each_variant_runs_two_prompts_from_the_written_start_image(run):
 
 def test_the_packs_nodes_are_in_the_template_and_out_of_stock_comfyui(run):
     recs, _err, _tmp = run
-    for variant, want in (("template", PACK), ("comfy", set()), ("compilenode", PACK | {"WanCompileBlocks"})):
-        r = recs[variant]
-        assert set(r["config"]["pack_nodes"]) == want
-        for p in r["prompts"]:
-            assert set(p["node_types"].values()) & (PACK | {"WanCompileBlocks"}) == want
-    assert all(p["experts"][k]["attention"] is None for p in recs["comfy"]["prompts"] for k in p["experts"])
-    sage = recs["template"]["prompts"][0]["by_expert"]
     # the patch on the CPU, every call on SDPA: 2 steps x 2 blocks x (self, text and image cross-attention)
-    assert [x["sdpa_calls"] for x in sage.values()] == [12]
+    pack_nodes_by_variant(recs, 12)
 
 
 def test_wan_compile_blocks_ran_its_blocks_compiled_and_the_repeat_compiled_nothing(run):
     recs, err, _tmp = run
-    r = recs["compilenode"]
-    assert r["config"]["compile"]["backend"] == "eager"
-    first, repeat = r["prompts"]
-    node = _of_type(first, "WanCompileBlocks")
-    assert node in repeat["reused"]
-    for p in (first, repeat):
-        ran = p["compile"]["blocks_ran"][node]
-        assert ran["blocks"]["resident"] == 2 and ran["blocks"]["eager"] == 0 and ran["why"] == {}, ran
-    assert first["compile"]["unique_graphs"] >= 1 and repeat["compile"]["unique_graphs"] == 0
-    assert repeat["compile"]["recompiles"] == 0
-    assert "e2e compile blocks node" in err
+    compile_blocks_ran_once(recs, err)
 
 
 def test_full_scale_i2v_14b_is_detected_by_comfyui_as_wan21_i2v_at_its_real_size(comfy):
