@@ -665,8 +665,7 @@ def plan(s: Setup) -> Estimate:
             r, p, _rn, _pn = _needs(s, replace(w, L=local))
             return r["total"], p["total"]
         per = parallel.per_rank(s.parallel, dims, L, rows_seq, activation_model.DTYPE_BYTES[s.dtype], att.self_path,
-                                s.weights_bytes, lambda n: local_totals(n)[0], uncond=activation_model.runs_uncond(s.cfg),
-                                streamed_total=lambda n: local_totals(n)[1])
+                                s.weights_bytes, local_totals, uncond=activation_model.runs_uncond(s.cfg))
         if room is not None and per["weights_bytes"] is not None and not s.dynamic_vram:
             # each rank is a GPU of its own: its weights against its working memory, resident and streamed, as for
             # one GPU

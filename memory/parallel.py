@@ -78,11 +78,11 @@ def problem(par: Parallel, heads: int, cfg: float) -> tuple | None:
 
 
 def per_rank(par: Parallel, dims, tokens: int, rows: int, dtype_bytes: int, self_path: str,
-             weights_bytes: int | None, activation_total, uncond: bool = False, streamed_total=None) -> dict:
+             weights_bytes: int | None, activation_totals, uncond: bool = False) -> dict:
     """The figures of one rank (see the module docstring).  ``rows``: rows per forward on one GPU (``B``);
-    ``activation_total(local_tokens)``: the activation model's total for one forward of the rank's slice with
-    every weight resident, ``streamed_total(local_tokens)`` with weights streamed (the streaming and
-    fragmentation terms added; None: as resident); ``uncond``: the sampler runs an uncond pass (cfg not 1)."""
+    ``activation_totals(local_tokens)``: the activation model's totals for one forward of the rank's slice, with
+    every weight resident and with weights streamed (the streaming and fragmentation terms added);
+    ``uncond``: the sampler runs an uncond pass (cfg not 1)."""
     H, D = dims.num_heads, dims.head_dim
     seq_ranks = par.ulysses * par.ring
     local = _c(tokens, seq_ranks)
@@ -91,8 +91,7 @@ def per_rank(par: Parallel, dims, tokens: int, rows: int, dtype_bytes: int, self
     block = rows * attn_tokens * heads * D * dtype_bytes
     a2a = ALL_TO_ALL_BLOCKS * block if par.ulysses > 1 else 0
     kernel = extra_bytes(self_path, AttnShape(rows, heads, attn_tokens, attn_tokens, D, dtype_bytes))
-    activations = int(activation_total(local))
-    streamed = activations if streamed_total is None else int(streamed_total(local))
+    activations, streamed = (int(x) for x in activation_totals(local))
     if weights_bytes is None:
         weights = None
     elif par.fsdp:
