@@ -292,9 +292,11 @@ def _model(f: _Fields, env: Env, weights: dict, model_info) -> tuple:
     return dims, None, source, _detected(dims, preset, wkey or "bf16", True), [], assumed
 
 
-def _settings(f: _Fields) -> tuple:
-    """(width, height, frames, batch, cfg, margin, fixed, policy) of a request, each checked."""
-    return (f.size("width"), f.size("height"), f.size("frames"), f.size("batch", 1),
+def _settings(f: _Fields, sizes_required: bool = True) -> tuple:
+    """(width, height, frames, batch, cfg, margin, fixed, policy) of a request, each checked; a size not given is
+    an error, or with ``sizes_required`` off 0 (:func:`check_fields`, which keeps no value)."""
+    size = f.size if sizes_required else (lambda field: f.size(field, 0))
+    return (size("width"), size("height"), size("frames"), f.size("batch", 1),
             f.number("cfg", 1.0, *CFG_LIMITS), f.number("margin_gib", 0.0, 0.0, MARGIN_GIB_MAX, unit=" (GiB)"),
             f.number("fixed_gib", 10.0, 0.0, MARGIN_GIB_MAX, unit=" (GiB)"),
             f.choice("policy", POLICIES, POLICIES[0], aliases=LEGACY_POLICIES))
@@ -302,8 +304,9 @@ def _settings(f: _Fields) -> tuple:
 
 def check_fields(p: dict, labels: dict | None = None) -> None:
     """Check the size, cfg, margin, fixed and policy fields of ``p`` (the estimator node's widgets) as
-    :func:`build` checks them; RequestError naming the first bad one (by ``labels`` where given)."""
-    _settings(_Fields(p, labels=labels))
+    :func:`build` checks them; RequestError naming the first bad one (by ``labels`` where given).  A field not in
+    ``p`` is not checked (a widget linked from another node, not known yet)."""
+    _settings(_Fields(p, labels=labels), sizes_required=False)
 
 
 # ------------------------------------------------------------------ the one builder

@@ -167,15 +167,12 @@ class WanWorkingMemoryEstimator(io.ComfyNode):
 # the estimator node's widgets by the estimate's field names (the one validator, memory.request.check_fields)
 _ESTIMATOR_FIELDS = {"width": "width", "height": "height", "frames": "frames", "batch_size": "batch", "cfg": "cfg",
                      "policy": "policy", "margin_gib": "margin_gib", "fixed_gib": "fixed_gib"}
-_ESTIMATOR_DEFAULTS = {"width": 1280, "height": 720, "frames": 81, "batch_size": 1}
 
 
 def _estimator_problem(values: dict) -> str | None:
     """What is wrong with the estimator node's values (its widgets, by input name), in one line naming the input;
-    None where nothing is.  A size not in ``values`` (linked, not known yet) is taken as its default."""
+    None where nothing is.  An input not in ``values`` (linked, not known yet) is not checked."""
     fields = {_ESTIMATOR_FIELDS[k]: v for k, v in values.items() if k in _ESTIMATOR_FIELDS}
-    for k, v in _ESTIMATOR_DEFAULTS.items():
-        fields.setdefault(_ESTIMATOR_FIELDS[k], v)
     try:
         request.check_fields(fields, labels={"batch": "batch_size"})
     except RequestError as e:
