@@ -269,6 +269,35 @@ A14B_LOADERS = {
 }
 
 
+def compile_line(preset: str, width: int, height: int, frames: int, rows: int, steps: int, experts: int = 1) -> str:
+    """The note's line on Wan Compile Blocks for this template's size and steps, from the payback model the Sage
+    patch's panel gives after a run (``memory.compile_payback``, every weight on the GPU; ``rows``: 2 where cfg adds
+    the uncond pass; ``experts``: the models of the schedule sharing the block graph, each sampling ``steps``).
+    A template leaves the node out only where it would lengthen the first prompt of a first start; one where it
+    would not is an error here, to be built with the node."""
+    from ._host import load_pack
+    load_pack()
+    from wan_sage.memory import activation_model as am
+    from wan_sage.memory import compile_payback as cp
+    dims = am.PRESETS[preset]
+    tokens = am.tokens(dims, *am.latent_shape(dims, width, height, frames)[2:])
+    fresh, kept = (cp.compile_payback(dims, tokens, rows=rows, steps=steps, shared_by=experts, kept=k)
+                   for k in (False, True))
+    if fresh.payback_prompt == 1:
+        raise ValueError(f"{preset} {width}x{height}x{frames}, {steps} steps: compiling pays back within the "
+                         "first prompt, so the template should run Wan Compile Blocks")
+
+    def by(p) -> str:
+        return "the first prompt" if p.payback_prompt == 1 else f"prompt {p.payback_prompt}"
+
+    return (f"**Wan Compile Blocks** (torch.compile per block, after the Sage patch) is left out, as it would "
+            f"lengthen the first prompt: with every weight on the GPU a compiled step saves about "
+            f"{fresh.step_gain_s:.2f} s here, against about {cp.FIRST_GRAPH_S:.0f} s of compiling in a fresh "
+            f"ComfyUI ({cp.KEPT_GRAPH_S:.0f} s once the pack keeps its compile file), so it pays back by "
+            f"{by(fresh)} of a first start and by {by(kept)} after a restart. After a run, the Sage patch's panel "
+            "says when it pays back for your own size and steps.")
+
+
 def _note_a14b(width: int, height: int, weights: str) -> str:
     gguf = weights == "gguf"
     high, low = (A14B_LOADERS[weights][2].format(ex=ex) for ex in ("high", "low"))
@@ -328,6 +357,7 @@ finishes steps 2–4; cfg is 1, so the negative prompt is not used.
 - The Sage patch runs the long self-attention on SageAttention where it was measured faster on your
   GPU and fits in free VRAM; every other call stays on PyTorch SDPA.
 - {TE_COPY_LINE}
+- {compile_line("wan2.2-a14b", width, height, 81, rows=1, steps=2, experts=2)}
 
 The same estimate without ComfyUI or a GPU:
 `wan-sage plan --preset wan2.2-a14b --width {width} --height {height} --frames 81 --vram 24 --attention sage-auto --weights {plan_weights}`
@@ -393,7 +423,8 @@ def a14b(info, ids, width: int, height: int, weights: str, prefix: str) -> dict:
     return g.to_json()
 
 
-NOTE_5B = f"""
+def note_5b() -> str:
+    return f"""
 # Wan 2.2 TI2V-5B · ComfyUI's own loaders · 1280×704, 121 frames (24 fps)
 
 Text to video with the Wan 2.2 TI2V-5B model at 1280×704 and 121 frames (27,280 tokens per forward;
@@ -422,6 +453,7 @@ nodes. For image to video, connect a *Load Image* to the latent node's `start_im
 - The Sage patch runs the long self-attention on SageAttention where it was measured faster and fits
   in free VRAM; every other call stays on PyTorch SDPA.
 - {TE_COPY_LINE}
+- {compile_line("wan2.2-ti2v-5b", 1280, 704, 121, rows=2, steps=20)}
 
 The same estimate without ComfyUI or a GPU:
 `wan-sage plan --preset wan2.2-ti2v-5b --width 1280 --height 704 --frames 121 --cfg 5 --vram 24 --attention sage-auto --weights fp16`
@@ -430,7 +462,7 @@ The same estimate without ComfyUI or a GPU:
 
 def ti2v_5b(info, ids) -> dict:
     g = Graph(info, ids)
-    g.note("note", NOTE_5B, size=(480, 760))
+    g.note("note", note_5b(), size=(480, 760))
     g.add("unet", "UNETLoader", {"unet_name": "wan2.2_ti2v_5B_fp16.safetensors", "weight_dtype": "default"})
     g.text_encoder()
     g.add("vae", "VAELoader", {"vae_name": "wan2.2_vae.safetensors"})
@@ -470,7 +502,8 @@ def ti2v_5b(info, ids) -> dict:
     return g.to_json()
 
 
-NOTE_I2V = f"""
+def note_i2v() -> str:
+    return f"""
 # Wan 2.1 I2V 14B 480p · fp8 · ComfyUI's own loaders · 832×480, 81 frames
 
 Image to video with the Wan 2.1 I2V 14B 480p model at 832×480 and 81 frames, 20 steps at cfg 6,
@@ -500,6 +533,7 @@ own start image in *Load Image* (`example.png` is a placeholder).
 - The Sage patch works on Wan 2.1 too: the long self-attention runs on SageAttention where it was
   measured faster and fits in free VRAM; every other call stays on PyTorch SDPA.
 - {TE_COPY_LINE}
+- {compile_line("wan2.1-i2v-14b", 832, 480, 81, rows=2, steps=20)}
 
 The same estimate without ComfyUI or a GPU:
 `wan-sage plan --preset wan2.1-i2v-14b --width 832 --height 480 --frames 81 --cfg 6 --vram 24 --attention sage-auto --weights fp8`
@@ -508,7 +542,7 @@ The same estimate without ComfyUI or a GPU:
 
 def i2v_21(info, ids) -> dict:
     g = Graph(info, ids)
-    g.note("note", NOTE_I2V, size=(480, 760))
+    g.note("note", note_i2v(), size=(480, 760))
     g.add("unet", "UNETLoader", {"unet_name": "wan2.1_i2v_480p_14B_fp8_e4m3fn.safetensors", "weight_dtype": "default"})
     g.text_encoder()
     g.add("clipvision", "CLIPVisionLoader", {"clip_name": "clip_vision_h.safetensors"})
