@@ -30,8 +30,9 @@ def _streamed_experts() -> list:
                 ran = ((pr.get("compile") or {}).get("blocks_ran") or {})
                 for ex, e in (pr.get("experts") or {}).items():
                     calls = (ran.get(ex) or {}).get("calls") or {}
-                    if (pr.get("status") != "ok" or e["resident_frac"] >= 0.9999 or calls.get("eager")
-                            or not (calls.get("lifted") or calls.get("staged"))):
+                    # a block that never streamed first: a saved workflow's records give no resident fraction
+                    if (pr.get("status") != "ok" or calls.get("eager")
+                            or not (calls.get("lifted") or calls.get("staged")) or e["resident_frac"] >= 0.9999):
                         continue
                     att = e.get("attention") or {}
                     grouped = att.get("head_split_calls", 0) == att.get("sage_calls", 0) > 0
