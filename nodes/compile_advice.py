@@ -7,7 +7,9 @@ the tensor ComfyUI then puts in ``transformer_options["sample_sigmas"]``), the c
 1), the compile scope on the model, and, after the run, whether its weights were streamed.  A share that ends
 above sigma 0 hands the rest of the schedule to another model, and one sampled from zero noise
 (KSamplerAdvanced's ``add_noise`` off) continues another model's: both are taken as one of two models of one
-schedule (Wan 2.2 A14B's experts), which share the compiled block graph."""
+schedule (Wan 2.2 A14B's experts), which share the compiled block graph.  The share is read before the sampler
+runs (:func:`shares_schedule`): ComfyUI's ``uni_pc`` samplers set the last sigma of a schedule ending at 0 to 0.001
+in place, so after the run a whole schedule would read as a share."""
 from __future__ import annotations
 
 from ..memory import activation_model
@@ -41,10 +43,17 @@ def _shares_schedule(noise, sigmas) -> bool:
     return any_ is not None and not bool(any_())
 
 
-def payback_for(guider, args, kwargs, kept: bool = False) -> Payback | None:
+def shares_schedule(args, kwargs) -> bool:
+    """:func:`_shares_schedule` of an ``outer_sample(noise, latent_image, sampler, sigmas, ...)`` call, to be read
+    before the call runs (module docstring)."""
+    return _shares_schedule(_arg(args, kwargs, 0, "noise"), _arg(args, kwargs, 3, "sigmas"))
+
+
+def payback_for(guider, args, kwargs, kept: bool = False, shares: bool | None = None) -> Payback | None:
     """The compile payback of this OUTER_SAMPLE call, or None where the model runs eagerly, its compile scope
     cannot be read (then no cost is predicted), or the latent is not a video latent.  ``kept``: the pack keeps
-    a compile file of this run for the next start (:func:`compile_cache.kept`)."""
+    a compile file of this run for the next start (:func:`compile_cache.kept`); ``shares``: :func:`shares_schedule`
+    as read before the call ran (None: read from ``args`` now)."""
     patcher = getattr(guider, "model_patcher", None)
     if patcher is None:
         return None
@@ -74,5 +83,5 @@ def payback_for(guider, args, kwargs, kept: bool = False) -> Payback | None:
             streamed, compiled_blocks, staged = False, counted[0] + counted[1], counted[1]
     return compile_payback(dims, tokens, _rows(guider, int(shape[0])), _steps(sigmas),
                            whole_model=scope[0] == comfy_bridge.WHOLE_MODEL, streamed=streamed,
-                           shared_by=2 if _shares_schedule(noise, sigmas) else 1, kept=kept,
+                           shared_by=2 if (_shares_schedule(noise, sigmas) if shares is None else shares) else 1, kept=kept,
                            compiled_blocks=compiled_blocks, staged_blocks=staged or 0)

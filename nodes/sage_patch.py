@@ -94,6 +94,10 @@ def _stats_wrapper(patch_id: str, label: str, node_id: str | None = None):
         noise = args[0] if args else kwargs.get("noise")
         compile_file = compile_cache.before_sampling(getattr(guider, "model_patcher", None), mo,
                                                      tuple(getattr(noise, "shape", ())))
+        try:
+            shares = compile_advice.shares_schedule(args, kwargs)  # before the sampler changes the sigmas
+        except Exception:  # the payback reads it again after the run, and logs what fails there
+            shares = None
         stats.begin_run(patch_id, label)
         try:
             return executor(*args, **kwargs)
@@ -107,7 +111,7 @@ def _stats_wrapper(patch_id: str, label: str, node_id: str | None = None):
             summary = stats.end_run(patch_id)
             if summary.get("sage_calls", 0) + summary.get("sdpa_calls", 0):
                 log.info("wan-sage %s: %s", label or patch_id, stats.format_summary(summary))
-                payback = _compile_payback(guider, args, kwargs, compile_cache.kept(compile_file))
+                payback = _compile_payback(guider, args, kwargs, compile_cache.kept(compile_file), shares)
                 if payback is not None:
                     log.info("wan-sage %s: %s", label or patch_id, payback["text"])
                 comfy_bridge.send_event(STATS_EVENT, {"patch_id": patch_id, "node_id": node_id, "summary": summary,
@@ -115,13 +119,13 @@ def _stats_wrapper(patch_id: str, label: str, node_id: str | None = None):
     return outer_sample
 
 
-def _compile_payback(guider, args, kwargs, kept: bool = False) -> dict | None:
+def _compile_payback(guider, args, kwargs, kept: bool = False, shares: bool | None = None) -> dict | None:
     """The compile payback of a compiled model's sampling run, for the log and the panel
     (:func:`memory.report.compile_payback_summary`), for a fresh process that finds the pack's compile file of
     this run where ``kept``; None where it runs eagerly.  A courtesy: a failure to read it is logged once and
     never fails the sampling."""
     try:
-        found = compile_advice.payback_for(guider, args, kwargs, kept)
+        found = compile_advice.payback_for(guider, args, kwargs, kept, shares)
     except Exception as e:
         warn_once(("compile-payback", type(e).__name__), "wan-sage: the compile payback of this sampling run "
                   "could not be worked out (%s); the report leaves it out.", reason(e))

@@ -226,6 +226,27 @@ def test_the_verdict_counts_the_compile_file_the_run_leaves_for_the_next_start(e
     assert data["compile"]["compile_s"] == (cp.KEPT_GRAPH_S if on_disk else cp.FIRST_GRAPH_S)
 
 
+class _UniPcExec(_Exec):
+    """ComfyUI's uni_pc samplers: ``timesteps = sigmas[:]; timesteps[-1] = 0.001`` on a schedule ending at 0."""
+
+    def __call__(self, *args, **kwargs):
+        args[3][-1] = 0.001
+        return super().__call__(*args, **kwargs)
+
+
+def test_a_whole_schedule_stays_one_model_after_a_sampler_changed_its_last_sigma(events):
+    patcher = _patcher()
+    ov = SageAttentionOverride(PatchConfig())
+    patcher.model_options["transformer_options"]["optimized_attention_override"] = ov
+    wrapper = sage_patch._stats_wrapper(ov.patch_id, "t", node_id="7")
+    sigmas = torch.linspace(1.0, 0.0, 21)  # 20 steps from noise to 0: one model
+    assert wrapper(_UniPcExec(_guider(patcher), ov.patch_id), *_outer_args(sigmas=sigmas)) == "sampled"
+    assert float(sigmas[-1]) == pytest.approx(0.001)  # as the sampler left it
+    (_event, data), = events
+    assert data["compile"]["shared_by"] == 1 and data["compile"]["steps"] == 20
+    assert "other model of this schedule" not in data["compile"]["text"]
+
+
 def test_an_eager_run_sends_no_compile_line(events, caplog):
     with caplog.at_level(logging.INFO, logger="wan_sage"):
         data = _sample(_patcher(keys=None), events, _outer_args())
