@@ -289,10 +289,11 @@ class MemoryRequired:
         return _reservation(self.setup, tuple(int(x) for x in input_shape[:5]))
 
 
-def sampling_plan(model, shape, model_options, settings: Settings, **assume) -> tuple:
+def sampling_plan(model, shape, model_options, settings: Settings, cfg: float = 1.0, **assume) -> tuple:
     """(MemoryRequired, Estimate) for this model and latent shape: the estimate with the budget's verdict,
-    and the reservation function that holds to it (weights streamed or resident, as the verdict found)."""
-    est = plan(setup_for(model, shape, model_options, settings, decode=True, **assume))
+    and the reservation function that holds to it (weights streamed or resident, as the verdict found).  ``cfg``:
+    the node's, as in its own report (the reservation is per row of ComfyUI's input either way)."""
+    est = plan(replace(setup_for(model, shape, model_options, settings, decode=True, **assume), cfg=float(cfg)))
     return MemoryRequired(replace(est.setup, streamed=est.streamed)), est
 
 
@@ -352,12 +353,12 @@ def _held(model) -> str | None:
     return "gguf" if ws.gguf else ws.weight_dtype
 
 
-def _prepare_wrapper(settings: Settings):
+def _prepare_wrapper(settings: Settings, cfg: float = 1.0):
     def prepare_sampling(executor, model, noise_shape, conds, *args, **kwargs):
         mo = kwargs.get("model_options", args[0] if args else None) or getattr(model, "model_options", {})
         base = model.model
         try:
-            fn, est = sampling_plan(model, noise_shape, mo, settings)
+            fn, est = sampling_plan(model, noise_shape, mo, settings, cfg)
         except Exception as e:  # never block sampling on the estimate
             log.warning("wan-sage: working-memory estimate failed (%s: %s); using ComfyUI's own.", type(e).__name__, e)
             return executor(model, noise_shape, conds, *args, **kwargs)
@@ -437,7 +438,7 @@ def apply_estimator(model, settings: Settings, shape, model_options=None, pixels
         return model, None, "not a Wan model: passed through unchanged (ComfyUI's own estimate applies)"
     m = model.clone()
     W = comfy_bridge.wrappers_mp()
-    m.add_wrapper_with_key(W.PREPARE_SAMPLING, PREPARE_KEY, _prepare_wrapper(settings))
+    m.add_wrapper_with_key(W.PREPARE_SAMPLING, PREPARE_KEY, _prepare_wrapper(settings, float(cfg)))
     m.add_wrapper_with_key(W.CALC_COND_BATCH, BATCH_KEY, _cond_batch_wrapper(settings))
     kept = host_copy.install(m)
     if kept:

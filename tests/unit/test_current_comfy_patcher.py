@@ -86,6 +86,23 @@ def test_prepare_wrapper_forwards_new_kwargs_and_swaps_only_on_the_legacy_path(r
     assert "memory_required" not in m.model.__dict__
 
 
+def test_the_estimate_logged_when_sampling_starts_has_the_nodes_cfg_and_the_same_reservation(roomy, caplog):
+    m = Patcher()
+    texts = {}
+    for cfg in (1.0, 5.0):
+        caplog.clear()
+        w = estimator._prepare_wrapper(estimator.Settings(), cfg)
+        with caplog.at_level(logging.INFO, logger="wan_sage"):
+            w(lambda model, *a, **k: model.model.memory_required([1, 16, 21, 90, 160]), m, [1, 16, 21, 90, 160], {},
+              {"transformer_options": {}})
+        (texts[cfg],) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("wan-sage estimate:")]
+    assert "cfg 1: no uncond pass" in texts[1.0] and "cfg batched (2 rows)" not in texts[1.0]
+    assert "cfg 5: cond and uncond one after the other" in texts[5.0] and "cfg batched (2 rows)" in texts[5.0]
+    # one row per forward is planned either way: ComfyUI asks for the rows it batches
+    line = [ln for ln in texts[1.0].splitlines() if "reservation in force" in ln]
+    assert line and line == [ln for ln in texts[5.0].splitlines() if "reservation in force" in ln]
+
+
 def test_memory_required_accepts_keyword_input_shape_and_extra_kwargs(roomy):
     m = Patcher()
     fn, est = estimator.sampling_plan(m, [1, 16, 21, 90, 160], m.model_options,
