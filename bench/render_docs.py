@@ -555,8 +555,13 @@ def compile_section() -> list:
   5 s for that graph where the pack keeps the run's compile file (next item), up to one graph per block with
   streamed weights, about 9 s per block for a whole-model compile; the saving scales with rows × tokens × width
   × blocks. `bench/tests/test_compile_payback_records.py` checks the two block-graph costs on whole-prompt first
-  steps they were not set from. The 4-step A14B prompt runs eager for one prompt, so the templates do. Over
-  several prompts of one process compiling the blocks comes out ahead: GGUF 720p81 at 16 GiB, a process with the
+  steps they were not set from. The 4-step A14B prompt runs eager for one prompt, and the 20-step 5B and I2V
+  templates would lengthen their first prompt too, so every template runs eager; its note gives the seconds a
+  compiled step saves at its size and the prompt by which compiling pays back (`bench/make_workflows.py`,
+  `compile_line`, which refuses a template whose first prompt it would pay back). On an H100 the 5B template with
+  Wan Compile Blocks took 64.3 s for its first prompt against stock ComfyUI's 62.6 s and the template's 50.3 s, and
+  42.0 s for the repeat against 50.8 s and 46.2 s (round `b` of `h100-ti2v5b-704p121-20steps-24gib-template.jsonl`).
+  Over several prompts of one process compiling the blocks comes out ahead: GGUF 720p81 at 16 GiB, a process with the
   pack's compile file took 59.8 s for its first prompt and 45.2 s for the next (round `l` of the compiled file),
   where eager estimator + Sage took 64.8–70.7 s and 50.0–52.2 s (rounds `e` to `h` of the 16 GiB eager file,
   other machines; [benchmarks](benchmarks.md#whole-generation)), so it is ahead from the first prompt after a
