@@ -81,7 +81,9 @@ def payback_for(guider, args, kwargs, kept: bool = False, shares: bool | None = 
             if counted[0] + counted[1] == 0:
                 return None  # every block ran eagerly: nothing ran compiled
             streamed, compiled_blocks, staged = False, counted[0] + counted[1], counted[1]
+    if shares is None:
+        shares = _shares_schedule(noise, sigmas)
     return compile_payback(dims, tokens, _rows(guider, int(shape[0])), _steps(sigmas),
                            whole_model=scope[0] == comfy_bridge.WHOLE_MODEL, streamed=streamed,
-                           shared_by=2 if (_shares_schedule(noise, sigmas) if shares is None else shares) else 1, kept=kept,
+                           shared_by=2 if shares else 1, kept=kept,
                            compiled_blocks=compiled_blocks, staged_blocks=staged or 0)
