@@ -2,22 +2,14 @@
 --scale tiny on the CPU through real ComfyUI and ComfyUI-GGUF: two prompts in one fresh process, the caches each
 process was given, and the record's fields."""
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from bench import _host, e2e, whole_prompt
-from bench.tests.whole_prompt_checks import prompts_ran
+from bench.tests.whole_prompt_checks import host_gguf_or_skip, prompts_ran
 
-comfy_env = _host.comfy_env()
-if comfy_env.skip_reason():
-    pytest.skip(f"host tier: {comfy_env.skip_reason()}", allow_module_level=True)
-GGUF = Path(os.path.realpath(os.environ.get("COMFYUI_GGUF_PATH")
-                             or os.path.join(comfy_env.comfy_path(), os.pardir, "ComfyUI-GGUF")))
-if not (GGUF / "nodes.py").is_file():
-    pytest.skip(f"host tier: ComfyUI-GGUF not found at {GGUF} (set COMFYUI_GGUF_PATH)", allow_module_level=True)
-pytest.importorskip("gguf", reason="the gguf package (ComfyUI-GGUF's dependency) is not installed")
+GGUF = host_gguf_or_skip()
 
 KEPT_SPEC = "comfy+sdpa@full:64x64x5:6steps:nodecode"
 

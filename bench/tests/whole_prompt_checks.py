@@ -26,21 +26,28 @@ def prompts_ran(r) -> tuple:
     return first, repeat
 
 
-def saved_workflow_or_skip(name: str) -> tuple:
-    """(the saved workflow ``example_workflows/NAME``, ComfyUI-GGUF's folder), skipping the calling module with the
-    reason where the host tier or either of them is missing: a saved workflow's process loads ComfyUI-GGUF as a
-    custom node."""
+def host_gguf_or_skip() -> Path:
+    """ComfyUI-GGUF's folder (``COMFYUI_GGUF_PATH``, else beside ComfyUI), skipping the calling module with the
+    reason where the host tier, ComfyUI-GGUF or its ``gguf`` package is missing: a whole-prompt process loads
+    ComfyUI-GGUF as a custom node."""
     comfy_env = _host.comfy_env()
     if comfy_env.skip_reason():
         pytest.skip(f"host tier: {comfy_env.skip_reason()}", allow_module_level=True)
-    template = ROOT / "example_workflows" / name
-    if not template.is_file():
-        pytest.skip(f"example_workflows/{name} is not in this checkout", allow_module_level=True)
     gguf = Path(os.path.realpath(os.environ.get("COMFYUI_GGUF_PATH")
                                  or os.path.join(comfy_env.comfy_path(), os.pardir, "ComfyUI-GGUF")))
     if not (gguf / "nodes.py").is_file():
         pytest.skip(f"host tier: ComfyUI-GGUF not found at {gguf} (set COMFYUI_GGUF_PATH)", allow_module_level=True)
     pytest.importorskip("gguf", reason="the gguf package (ComfyUI-GGUF's dependency) is not installed")
+    return gguf
+
+
+def saved_workflow_or_skip(name: str) -> tuple:
+    """(the saved workflow ``example_workflows/NAME``, ComfyUI-GGUF's folder), skipping the calling module with the
+    reason where the host tier or either of them is missing (:func:`host_gguf_or_skip`)."""
+    gguf = host_gguf_or_skip()
+    template = ROOT / "example_workflows" / name
+    if not template.is_file():
+        pytest.skip(f"example_workflows/{name} is not in this checkout", allow_module_level=True)
     return template, gguf
 
 
