@@ -125,6 +125,20 @@ def decision_bound_us(plain_call_us: float) -> float:
     return DECISION_MAX_US * max(1.0, plain_call_us / PLAIN_REF_US)
 
 
+def decision_over_bound(row: dict, field: str):
+    """None where some pass of ``row``'s decision ``field`` kept within the bound of the host's speed in that pass
+    (:func:`decision_bound_us` of the plain call timed in the same interleaved loop); else the least pass's
+    (decision us, its bound, its plain call us).  The host's speed is taken per pass, not across the table: one
+    H200 host ran the plain call at 0.09 us early in the table and at 0.16-0.20 us later, and the decisions timed
+    then cost 17x the plain call, as on hosts at 0.08 us."""
+    decisions = row.get(field + "_passes", [row[field]])
+    plains = row.get("plain_call_us_passes", [row["plain_call_us"]] * len(decisions))
+    passes = [(d, decision_bound_us(p), p) for d, p in zip(decisions, plains)]
+    if any(d <= bound for d, bound, _ in passes):
+        return None
+    return min(passes)
+
+
 def _sdpa_backends() -> str:
     """The baseline's backend order (ComfyUI's), and the process's own order and enabled backends, which a
     plain SDPA call would use."""
@@ -160,6 +174,7 @@ def _second_pass(rows) -> None:
         q, k, v = _inputs(B, H, NQ, NK, D, dtype)
         second = _decision_us(config, q, k, v, H)
         del q, k, v
+        r["plain_call_us_passes"] = [r["plain_call_us"], second["plain_call_us"]]
         for f in fields:
             r[f + "_passes"] = [r[f], second[f]]
             r[f] = min(r[f], second[f])
@@ -221,10 +236,13 @@ def _table(rows) -> str:
                      f"{'-' if us_c is None else f'{us_c:8.2f}'}")
     lines.append("us/call: the decision of a declined shape over plain SDPA (override(func, ...)); everything but the "
                  "kernel on a served one.  us/box: the same decision through container_function")
-    plain = [r["plain_call_us"] for r in rows if "plain_call_us" in r]
+    plain = [p for r in rows for p in r.get("plain_call_us_passes", [r["plain_call_us"]] if "plain_call_us" in r
+                                            else [])]
     if plain:
-        lines.append(f"host speed: a plain Python call of the kept SDPA took {min(plain):.3f} us; a declined "
-                     f"shape's decision may add {decision_bound_us(min(plain)):.2f} us here")
+        lo, hi = min(plain), max(plain)
+        lines.append(f"host speed: a plain Python call of the kept SDPA took {lo:.3f}-{hi:.3f} us; a declined "
+                     f"shape's decision may add {decision_bound_us(lo):.2f}-{decision_bound_us(hi):.2f} us, by the "
+                     f"speed in its own loop")
     return "\n".join(lines)
 
 
@@ -246,8 +264,6 @@ def test_the_dispatch_table_of_held_out_shapes(tmp_path):
         with open(target, "w") as f:
             for r in rows:
                 f.write(json.dumps({"gpu": torch.cuda.get_device_name(), "cc": CC, **r}) + "\n")
-    plain = [r["plain_call_us"] for r in rows if "plain_call_us" in r]
-    bound = decision_bound_us(min(plain)) if plain else DECISION_MAX_US
     problems = []
     for r in rows:
         where = f"{r['shape']} {r['dtype']}"
@@ -262,7 +278,9 @@ def test_the_dispatch_table_of_held_out_shapes(tmp_path):
                 problems.append(f"{where}: declined, yet its output differs from SDPA's (rel L2 {r['rel_l2']:.4f})")
             for entry, field in (("override(func, ...)", "decision_us"),
                                  ("container_function", "decision_containers_us")):
-                if r[field] > bound:
-                    problems.append(f"{where}: declined ({r['reason']}), yet the patch adds {r[field]:.2f} us per "
-                                    f"call over SDPA through {entry} (bound {bound:.2f} us on this host)")
+                over = decision_over_bound(r, field)
+                if over:
+                    problems.append(f"{where}: declined ({r['reason']}), yet the patch adds {over[0]:.2f} us per "
+                                    f"call over SDPA through {entry} (bound {over[1]:.2f} us, the host's plain "
+                                    f"call {over[2]:.3f} us in the same loop)")
     assert not problems, "\n".join(problems)
