@@ -20,7 +20,8 @@ So a model compiles at most two graphs, the resident block's and the staged bloc
 every block of both experts of Wan 2.2 A14B, and no guard sees a streamed weight.  Which blocks stream is read at
 each call, so a block that ComfyUI loads or offloads between prompts takes the other path without a recompile, and
 the cast flags ComfyUI's partial unload and reload leave on a block's modules are settled before its compiled call
-(:func:`settle_cast_flags`).  The estimator plans a streamed load for the larger of the eager forward and the
+(:func:`settle_cast_flags`).  ComfyUI's cond/uncond batching is held within the rows the blocks have run compiled
+(:mod:`.cond_rows`), so a step that would batch them where an earlier one did not traces no new batch size.  The estimator plans a streamed load for the larger of the eager forward and the
 compiled one holding a block's staged weights (``memory.estimate.Setup.streamed_blocks_staged``), and, once the
 model's streamed Linears have run compiled with no call eager and no sampling failed, for the compiled one holding
 the one block's weights its path holds (:func:`streamed_blocks_ran`); what a sampling showed is kept across
@@ -45,7 +46,7 @@ import torch
 import torch._dynamo
 
 from ..memory import report
-from . import comfy_bridge, gguf_cast, staged_blocks, streamed_record
+from . import comfy_bridge, cond_rows, gguf_cast, staged_blocks, streamed_record
 from .log_once import reason, warn_once
 
 log = logging.getLogger("wan_sage")
@@ -128,6 +129,7 @@ class BlockStandIn(torch.nn.Module):
         settle_cast_flags(self.block)
         with gguf_cast.plain_casts(self.block, x) as given:  # GGUF: dynamo traces no op of their tensor subclass
             out = self.compiled(*args, **kwargs)
+        cond_rows.ran(type(self.block), x.shape[0])
         return gguf_cast.as_input_class(out, x) if given else out
 
     def forward(self, *args, **kwargs):
@@ -367,6 +369,8 @@ def apply_compile_blocks(model, backend: str = "inductor", mode: str = "default"
     m.add_wrapper_with_key(wmp.APPLY_MODEL, key, _wrapper(stand_ins))
     m.remove_wrappers_with_key(wmp.OUTER_SAMPLE, OUTER_KEY)
     m.add_wrapper_with_key(wmp.OUTER_SAMPLE, OUTER_KEY, outer_sample)
+    m.remove_wrappers_with_key(wmp.CALC_COND_BATCH, cond_rows.KEY)
+    m.add_wrapper_with_key(wmp.CALC_COND_BATCH, cond_rows.KEY, cond_rows.wrapper(type(dm.blocks[0])))
     m.model_options[comfy_bridge.COMPILE_KWARGS_KEY] = kwargs
     text = (f"{len(stand_ins)} blocks compiled one by one ({backend}"
             + ("" if mode == "default" else f", {mode}") + "); a block whose weights stream runs compiled with its "

@@ -33,7 +33,7 @@ from ..memory import activation_model, report
 from ..memory.estimate import GiB, POLICIES, AttentionPlan, Estimate, Setup, attention_plan, plan
 from ..memory.parallel import Parallel, problem
 from ..memory.request import LEGACY_POLICIES
-from . import comfy_bridge, compile_blocks, decode_room, host_copy, pinned_host, raylight_bridge, sage_patch
+from . import comfy_bridge, compile_blocks, cond_rows, decode_room, host_copy, pinned_host, raylight_bridge, sage_patch
 from .log_once import reason, warn_once
 from .sage_patch import find_override
 
@@ -420,7 +420,7 @@ def _cond_batch_wrapper(settings: Settings):
             warn_once(("cond-batch", type(e).__name__), "wan-sage: the working-memory estimate for cond/uncond "
                       "batching failed (%s); ComfyUI's own estimate decides the batching.", reason(e))
             return executor(model, conds, x_in, timestep, model_options, *args, **kwargs)
-        prev = _swap(base, fn)
+        prev = _swap(base, cond_rows.keep_cap(base, fn))  # Wan Compile Blocks' batch held, if its wrapper is outside
         try:
             return executor(model, conds, x_in, timestep, model_options, *args, **kwargs)
         finally:

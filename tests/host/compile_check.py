@@ -439,6 +439,66 @@ def compile_blocks_reloaded():
     return out
 
 
+def compile_blocks_cond_rows(order):
+    """ComfyUI's cond/uncond batching when the free memory it reads changes between steps, as at a budget near its
+    line: the first step's test finds too little and runs cond and uncond apart, the next ones find room.  The eager
+    model then batches from the second step (the rows the model sees); under Wan Compile Blocks the forwards keep the
+    rows the blocks were compiled for, and nothing recompiles.  ``order``: "estimator-first" (the estimator's
+    batching wrapper outside the node's) or "compile-first"."""
+    import comfy.model_management as mm
+    from torch._dynamo.utils import counters as dyn
+    from wan_sage.nodes import compile_blocks, cond_rows
+    from wan_sage.nodes.estimator import Settings, apply_estimator
+
+    real_free = mm.get_free_memory
+
+    def free(*args, **kwargs):  # ComfyUI's batching test alone: none on its first call, plenty later
+        if sys._getframe(1).f_code.co_name != "_calc_cond_batch":
+            return real_free(*args, **kwargs)
+        free.asked += 1
+        return 0 if free.asked == 1 else 1 << 50
+
+    def run(model):
+        rows = []
+        dm = model.model.diffusion_model
+        hook = dm.register_forward_pre_hook(lambda mod, args: rows.append(int(args[0].shape[0])))
+        free.asked = 0
+        graphs_before, recompiles_before = _dynamo_totals(dyn)
+        try:
+            with torch.inference_mode():
+                latent = comfy_env.sample_tiny(model, steps=3, cfg=2.0)
+        finally:
+            hook.remove()
+            mm.unload_all_models()
+        graphs, recompiles = _dynamo_totals(dyn)
+        return {"rows": rows, "graphs": graphs - graphs_before, "recompiles": recompiles - recompiles_before,
+                "finite": bool(torch.isfinite(latent).all())}
+
+    torch._dynamo.reset()
+    dyn.clear()
+    cond_rows.forget()
+    mm.get_free_memory = free
+    out = {}
+    try:
+        expert = comfy_env.tiny_wan_patcher(num_layers=2, ffn_dim=512, dtype=torch.bfloat16, seed=5)
+        expert.model.manual_cast_dtype = None
+        if order == "estimator-first":
+            m, _, _ = apply_estimator(expert, Settings(), [1, 16, 2, 8, 8])
+            c, _text = compile_blocks.apply_compile_blocks(m, "inductor", "default")
+        else:
+            c, _text = compile_blocks.apply_compile_blocks(expert, "inductor", "default")
+            m = expert
+            c, _, _ = apply_estimator(c, Settings(), [1, 16, 2, 8, 8])
+        out["eager"] = run(m)
+        for prompt in ("compiled", "compiled_repeat"):
+            out[prompt] = run(c)
+    finally:
+        mm.get_free_memory = real_free
+    return out
+
+
+check("compile_blocks_cond_rows_estimator_first", lambda: compile_blocks_cond_rows("estimator-first"))
+check("compile_blocks_cond_rows_compile_first", lambda: compile_blocks_cond_rows("compile-first"))
 check("block", block_fullgraph)
 check("compile_blocks_streamed", lambda: compile_blocks_streamed(0.4))
 check("compile_blocks_resident", lambda: compile_blocks_streamed(None))
