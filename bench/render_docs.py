@@ -187,19 +187,22 @@ def kept_compile_text() -> str:
         secs = [r["prompts"][0]["compile"]["compile_s"] for r in x["recs"]
                 if r["prompts"] and r["prompts"][0].get("status") == "ok" and r["prompts"][0].get("compile")]
         if secs:
-            by.setdefault((x["workflow"][1], x["budget"], x["set"]["label"]), {})[x["caches"]] = statistics.median(secs)
+            by.setdefault((x["workflow"][0], x["workflow"][1], x["budget"], x["set"]["label"]), {})[x["caches"]] = \
+                statistics.median(secs)
     parts = []
-    for (size, b, _label), v in by.items():
+    for (source, size, b, _label), v in by.items():
+        # a saved workflow's rows carry "weights:workflow name"; the harness's own workflow is the A14B's
+        model = f"the template {source.split(':', 1)[1]}, " if ":" in source else "A14B "
         # a first process whose pack folder held only wan-sage bench's timings compiled from nothing, as one
         # with every folder empty
         empty = v.get("empty", v.get(BENCH_ONLY))
         for kept, words in (("kept", "kept"), (PACK_ONLY, "with only the pack's folder kept")):
             if empty is not None and kept in v:
-                parts.append(f"{empty:.1f} s empty against {v[kept]:.1f} s {words} ({_size_text(size)}, "
+                parts.append(f"{empty:.1f} s empty against {v[kept]:.1f} s {words} ({model}{_size_text(size)}, "
                              f"{_budget_text(b)})")
     if not parts:
         return ""
-    return (f" ([benchmarks](benchmarks.md#{anchor('Whole generation')}); compiling on the first prompt, A14B "
+    return (f" ([benchmarks](benchmarks.md#{anchor('Whole generation')}); compiling on the first prompt, "
             f"blocks compiled one by one: {'; '.join(parts)})")
 
 
@@ -558,9 +561,14 @@ def compile_section() -> list:
   steps they were not set from. The 4-step A14B prompt runs eager for one prompt, and the 20-step 5B and I2V
   templates would lengthen their first prompt too, so every template runs eager; its note gives the seconds a
   compiled step saves at its size and the prompt by which compiling pays back (`bench/make_workflows.py`,
-  `compile_line`, which refuses a template whose first prompt it would pay back). On an H100 the 5B template with
-  Wan Compile Blocks took 64.3 s for its first prompt against stock ComfyUI's 62.6 s and the template's 50.3 s, and
-  42.0 s for the repeat against 50.8 s and 46.2 s (round `b` of `h100-ti2v5b-704p121-20steps-24gib-template.jsonl`).
+  `compile_line`, which refuses a template whose first prompt it would pay back). On the H200 the 5B template with
+  Wan Compile Blocks took 61.0 s for its first prompt against stock ComfyUI's 63.0 s and the template's 50.9 s, and
+  40.8 s for the repeat against 50.4 s and 45.5 s; after a restart with the pack's compile file, 52.5 s and 41.2 s.
+  The model says that first prompt pays back; it came 0.7–1.6 s short of the eager template's 50.9–51.8 s (rounds
+  `a` and `b` of `ti2v5b-704p121-20steps-24gib-template.jsonl`). Each of those first prompts compiled one graph and
+  nothing again: at 24 GiB ComfyUI ran the first step's cond and uncond apart and would batch them from the second
+  (on an H100 every block then recompiled for two rows, 8.50 s), and Wan Compile Blocks holds its cond/uncond
+  batching to the rows the blocks have run compiled (`nodes/cond_rows.py`).
   Over several prompts of one process compiling the blocks comes out ahead: GGUF 720p81 at 16 GiB, a process with the
   pack's compile file took 59.8 s for its first prompt and 45.2 s for the next (round `l` of the compiled file),
   where eager estimator + Sage took 64.8–70.7 s and 50.0–52.2 s (rounds `e` to `h` of the 16 GiB eager file,

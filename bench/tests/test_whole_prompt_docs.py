@@ -263,7 +263,15 @@ def test_the_attention_page_quotes_the_first_prompts_compile_seconds_empty_again
     f = _write(tmp_path / "kept-compile.jsonl", [compiled("empty", 22.7), compiled("kept", 7.4),
                                                  record(True, "sage", (66.0, 70.0), (48.0, 52.0), budget=16.0)])
     monkeypatch.setattr(render_docs, "whole_prompt_files", lambda: [f])
-    assert "22.7 s empty against 7.4 s kept (720p81, 16 GiB)" in render_docs.kept_compile_text()
+    assert "22.7 s empty against 7.4 s kept (A14B 720p81, 16 GiB)" in render_docs.kept_compile_text()
+    saved = []  # the same pair from a saved workflow's records is named by the workflow, not as the A14B's
+    for r in (compiled("empty", 11.4), compiled("kept", 1.6)):
+        r["config"].update(workflow="Wan 2.2 5B text to video 704p.json", weights="fp16")
+        saved.append(r)
+    g = _write(tmp_path / "saved-compile.jsonl", saved)
+    monkeypatch.setattr(render_docs, "whole_prompt_files", lambda: [g])
+    assert ("11.4 s empty against 1.6 s kept (the template Wan 2.2 5B text to video 704p, 720p81, 16 GiB)"
+            in render_docs.kept_compile_text()), render_docs.kept_compile_text()
     monkeypatch.setattr(render_docs, "whole_prompt_files", lambda: [])
     assert render_docs.kept_compile_text() == ""
 
@@ -312,8 +320,8 @@ def test_compile_seconds_are_compared_within_one_machines_set_and_per_expert_for
         compiled("kept", 32.9, {"high": 26.2, "low": 6.7}, True, "b", mode="pack")])
     monkeypatch.setattr(render_docs, "whole_prompt_files", lambda: [f])
     text = render_docs.kept_compile_text()
-    assert "22.7 s empty against 7.4 s kept (720p81, 16 GiB)" in text
-    assert "40.2 s empty against 32.9 s with only the pack's folder kept (720p81, 16 GiB)" in text
+    assert "22.7 s empty against 7.4 s kept (A14B 720p81, 16 GiB)" in text
+    assert "40.2 s empty against 32.9 s with only the pack's folder kept (A14B 720p81, 16 GiB)" in text
     assert "40.2 s empty against 7.4 s kept" not in text and "22.7 s empty against 32.9" not in text
     assert render_docs.pack_expert_text() == (" (the high-noise expert, its weights streamed, 26.2 s against 22.2 s; "
                                               "the low-noise expert, every weight resident, 6.7 s against 18.0 s)")
