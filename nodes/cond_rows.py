@@ -10,7 +10,9 @@ compiled as not fitting (:class:`RowsCap`), and ComfyUI splits it, as it does wh
 never forced into one forward: that is ComfyUI's memory decision, and a split never needs more memory than a
 batch.  The rows are counted per block class for the process (:func:`ran`): dynamo keeps one code cache per block
 ``forward``, shared by every block of both experts of Wan 2.2 A14B, so what one expert traced the other reuses.
-Before any block has run compiled nothing is held: the first forward's rows are ComfyUI's.
+Before any block has run compiled nothing is held: the first forward's rows are ComfyUI's.  So no later step or
+prompt of the process compiles the blocks again for a batch; what a process that first ran cond and uncond apart
+gives up is the batching itself, where a later prompt would have had the room for it.
 
 A memory estimate swapped in by another wrapper keeps the cap (:func:`keep_cap`), whichever wrapper is outside.
 """
