@@ -181,6 +181,33 @@ def test_cond_batching_is_asked_the_reservations_figure_with_the_weights_casts(c
     assert seen == [batched] and est.reservation == est.decode_floor != batched
 
 
+@pytest.mark.parametrize("compile_first", [True, False])
+def test_cond_batching_keeps_to_the_rows_wan_compile_blocks_ran_whichever_wrapper_is_outside(comfy, compile_first):
+    """Wan Compile Blocks' CALC_COND_BATCH wrapper (nodes/cond_rows.py) beside the estimator's, on 0.38's batching
+    test: with room for both rows, one forward of 2 until the blocks have run compiled on 1 row, then 1."""
+    from wan_sage.nodes import cond_rows
+
+    class Block(torch.nn.Module):
+        pass
+    cond_rows.forget()
+    p = Patcher()
+    p.model = Base()
+    m, _est, _ = _estimated(p)
+    m.model.current_patcher = m
+    held = {cond_rows.KEY: [cond_rows.wrapper(Block)]}
+    own = m.wrappers["calc_cond_batch"]
+    m.wrappers["calc_cond_batch"] = {**held, **own} if compile_first else {**own, **held}
+    m.get_free_memory = lambda dev: 1 << 50
+    m.prepare_state = lambda t, mo: None
+    try:
+        args = (m.model, m, [[{}], [{}]], torch.zeros(LATENT), torch.ones(1), m.model_options)
+        assert calc_cond_batch(*args) == 2
+        cond_rows.ran(Block, 1)
+        assert calc_cond_batch(*args) == 1 and "memory_required" not in m.model.__dict__
+    finally:
+        cond_rows.forget()
+
+
 @pytest.mark.parametrize("headroom,rows", [(1.01, 2), (0.99, 1)])
 def test_dynamic_cond_batching_counts_what_aimdo_can_reclaim(comfy, headroom, rows):
     """The test is 1.5 x memory_required against get_free_memory, which on a dynamic model includes the
