@@ -193,7 +193,9 @@ class WanCompileBlocks(io.ComfyNode):
             description=("torch.compile of this Wan model's transformer blocks one by one, for the sampling. A "
                          "block whose weights ComfyUI streams from RAM has them put on the GPU for its call, so "
                          "every block runs one of at most two graphs (one for GGUF), shared by both experts of Wan "
-                         "2.2 A14B: streaming causes no recompiles. Compiling costs seconds on the first prompt of a "
+                         "2.2 A14B: streaming causes no recompiles, and neither does ComfyUI's cond/uncond "
+                         "batching, held to the batch the blocks were compiled for. Compiling costs seconds on the "
+                         "first prompt of a "
                          "ComfyUI start (less where the pack kept the run's compile file); the Sage patch's panel "
                          "says after a run whether it pays back over the prompt's steps. With dynamic VRAM, "
                          "the model is compiled as ComfyUI's own compile node compiles it: without dynamic VRAM."),
