@@ -1458,12 +1458,14 @@ def validation_view(prompt: dict) -> dict:
 
 def prompt_timings(prompt: dict, spans: dict, t0: float) -> dict:
     """The user's clock of a saved workflow's prompt: from its start to the end of its last sampler (the latent)
-    and of its VAE decode (the frames); None where that node did not run."""
+    and of its VAE decode (the frames); None where that node did not run.  ``node_s``: the seconds of each node
+    that ran, from its start to the next node's (:func:`node_spans`), so a prompt's time can be laid out by node."""
     from . import workflow_variants as WV
     ends = [spans[k][1] for k in WV.samplers(prompt) if k in spans]
     decodes = [spans[k][1] for k, n in prompt.items() if n["class_type"].startswith("VAEDecode") and k in spans]
     return {"to_latent_s": _r(max(ends) - t0) if ends else None,
-            "to_frames_s": _r(max(decodes) - t0) if decodes else None}
+            "to_frames_s": _r(max(decodes) - t0) if decodes else None,
+            "node_s": {k: _r(end - start) for k, (start, end) in spans.items()}}
 
 
 def sampler_entries(prompt: dict, row: dict, spans: dict, step_mem: dict) -> dict:

@@ -173,8 +173,9 @@ def test_a_prompt_runs_timings_come_from_the_executors_node_messages():
     spans = e2e.node_spans([(1.0, "7"), (3.0, "12"), (9.0, "13"), (9.5, None)], 12.0)
     assert spans == {"7": (1.0, 3.0), "12": (3.0, 9.0), "13": (9.0, 9.5)}
     prompt = {"12": {"class_type": "KSampler", "inputs": {}}, "13": {"class_type": "VAEDecode", "inputs": {}}}
-    assert e2e.prompt_timings(prompt, spans, 0.5) == {"to_latent_s": 8.5, "to_frames_s": 9.0}
-    assert e2e.prompt_timings(prompt, {}, 0.5) == {"to_latent_s": None, "to_frames_s": None}
+    assert e2e.prompt_timings(prompt, spans, 0.5) == {"to_latent_s": 8.5, "to_frames_s": 9.0,
+                                                      "node_s": {"7": 2.0, "12": 6.0, "13": 0.5}}
+    assert e2e.prompt_timings(prompt, {}, 0.5) == {"to_latent_s": None, "to_frames_s": None, "node_s": {}}
     assert e2e.steps_by_node([(4.0, "12"), (4.5, "12")], {"12": 3.0}, 0.0) == {"12": [1.0, 0.5]}
 
 

@@ -81,6 +81,9 @@ def variant_prompts_ok(r, served: set) -> tuple:
         ks = of_type(p, "KSampler")
         assert set(p["experts"]) == set(p["first_step_s"]) == {ks}
         assert len(p["experts"][ks]["step_s"]) == 2 and all(s > 0 for s in p["experts"][ks]["step_s"])
+        # each node that ran has its seconds; the sampler's hold its steps, the nodes lie within the prompt
+        assert ks in p["node_s"] and p["node_s"][ks] >= sum(p["experts"][ks]["step_s"]) - 1e-3
+        assert set(p["node_s"]) <= set(p["node_types"]) and sum(p["node_s"].values()) <= p["run_s"] + 0.01
     assert first["reused"] == []
     reused = {repeat["node_types"][k] for k in repeat["reused"]}
     assert served <= reused, served - reused
