@@ -377,6 +377,25 @@ def device_of(model) -> torch.device:
     return model.load_device
 
 
+_NO_OWN = object()  # swap_memory_required: the BaseModel had no memory_required of its own (its class's)
+
+
+def swap_memory_required(base, fn):
+    """Put ``fn`` in place of ``base.memory_required`` (ComfyUI's BaseModel, for one call of the caller's); returns
+    what :func:`restore_memory_required` puts back."""
+    prev = base.__dict__.get("memory_required", _NO_OWN)
+    base.memory_required = fn
+    return prev
+
+
+def restore_memory_required(base, prev) -> None:
+    """Undo :func:`swap_memory_required`: ``base``'s own ``memory_required`` as it was, or none (its class's)."""
+    if prev is _NO_OWN:
+        base.__dict__.pop("memory_required", None)
+    else:
+        base.memory_required = prev
+
+
 def trim_allocator(dev, when: str) -> None:
     """Hand the allocator's free blocks back to the device (ComfyUI's ``soft_empty_cache``); CUDA only, one
     synchronisation.  ``when`` names the moment for the warning, logged once, if it fails; the caller goes on."""

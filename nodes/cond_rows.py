@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import logging
 
+from . import comfy_bridge
 from .log_once import warn_once
 
 log = logging.getLogger("wan_sage")
 
 KEY = "wan_sage_cond_rows"  # the node's CALC_COND_BATCH wrapper
-_MISSING = object()
 _rows: dict = {}  # block class -> the rows (input batch sizes) its compiled forward has run
 
 
@@ -89,13 +89,9 @@ def wrapper(block_type: type):
         rows = rows_run(block_type)
         if rows is None:
             return executor(model, *args, **kwargs)
-        prev = model.__dict__.get("memory_required", _MISSING)
-        model.memory_required = RowsCap(model.memory_required, rows)
+        prev = comfy_bridge.swap_memory_required(model, RowsCap(model.memory_required, rows))
         try:
             return executor(model, *args, **kwargs)
         finally:
-            if prev is _MISSING:
-                model.__dict__.pop("memory_required", None)
-            else:
-                model.memory_required = prev
+            comfy_bridge.restore_memory_required(model, prev)
     return calc_cond_batch

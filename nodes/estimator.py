@@ -45,7 +45,6 @@ SAGE_COUNT = ("auto-detect", "always", "never")
 HOST_COPY_NOTE = ("unloading: the weights keep their host copies while loaded, so an unload (the next expert, the "
                   "VAE) copies nothing back; host memory stays within what the model held before its first load. "
                   "Where the VAE decode's room is not free when sampling ends, the model is unloaded for it then")
-_MISSING = object()
 
 
 @dataclass(frozen=True)
@@ -297,19 +296,6 @@ def sampling_plan(model, shape, model_options, settings: Settings, cfg: float = 
     return MemoryRequired(replace(est.setup, streamed=est.streamed)), est
 
 
-def _swap(base, fn):
-    prev = base.__dict__.get("memory_required", _MISSING)
-    base.memory_required = fn
-    return prev
-
-
-def _restore(base, prev):
-    if prev is _MISSING:
-        base.__dict__.pop("memory_required", None)
-    else:
-        base.memory_required = prev
-
-
 def _later_change(model, shape, model_options, settings: Settings, est: Estimate, what: str, **assume):
     """(the estimate with ``what`` placed after this node, its reservation minus this one's in GiB), or None
     when planning it fails.  The notes built from it are a courtesy: the node never fails over them,
@@ -377,11 +363,11 @@ def _prepare_wrapper(settings: Settings, cfg: float = 1.0):
         if est.streamed:
             import comfy.model_management as mm
             mm.soft_empty_cache()  # hand the previous model's cached activations back first
-        prev = _swap(base, fn)
+        prev = comfy_bridge.swap_memory_required(base, fn)
         try:
             out = executor(model, noise_shape, conds, *args, **kwargs)
         finally:
-            _restore(base, prev)
+            comfy_bridge.restore_memory_required(base, prev)
         _trim_after_load(comfy_bridge.device_of(model))
         return out
     return prepare_sampling
@@ -420,11 +406,12 @@ def _cond_batch_wrapper(settings: Settings):
             warn_once(("cond-batch", type(e).__name__), "wan-sage: the working-memory estimate for cond/uncond "
                       "batching failed (%s); ComfyUI's own estimate decides the batching.", reason(e))
             return executor(model, conds, x_in, timestep, model_options, *args, **kwargs)
-        prev = _swap(base, cond_rows.keep_cap(base, fn))  # Wan Compile Blocks' batch held, if its wrapper is outside
+        # Wan Compile Blocks' cap on the batch stays in force where its wrapper is outside this one
+        prev = comfy_bridge.swap_memory_required(base, cond_rows.keep_cap(base, fn))
         try:
             return executor(model, conds, x_in, timestep, model_options, *args, **kwargs)
         finally:
-            _restore(base, prev)
+            comfy_bridge.restore_memory_required(base, prev)
     return calc_cond_batch
 
 

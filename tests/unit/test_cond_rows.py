@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from wan_sage.nodes import compile_blocks, cond_rows, estimator
+from wan_sage.nodes import comfy_bridge, compile_blocks, cond_rows
 
 
 @pytest.fixture(autouse=True)
@@ -95,11 +95,11 @@ def test_the_estimators_memory_required_keeps_the_hold_whichever_wrapper_is_outs
         return input_shape[0] * 2**30 // 10
 
     def estimator_wrapper(executor, model, conds, free):  # the estimator's swap, as nodes/estimator.py makes it
-        prev = estimator._swap(model, cond_rows.keep_cap(model, estimate))
+        prev = comfy_bridge.swap_memory_required(model, cond_rows.keep_cap(model, estimate))
         try:
             return executor(model, conds, free)
         finally:
-            estimator._restore(model, prev)
+            comfy_bridge.restore_memory_required(model, prev)
 
     hold = cond_rows.wrapper(Block)
     cond_rows.ran(Block, 1)
