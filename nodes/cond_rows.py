@@ -26,22 +26,18 @@ from .log_once import warn_once
 log = logging.getLogger("wan_sage")
 
 KEY = "wan_sage_cond_rows"  # the node's CALC_COND_BATCH wrapper
-_rows: dict = {}  # block class -> the rows (input batch sizes) its compiled forward has run
+_rows: dict = {}  # block class -> the most rows (input batch size) its compiled forward has run
 
 
 def ran(block_type: type, rows: int) -> None:
     """A block of ``block_type`` ran compiled on an input of ``rows`` rows."""
-    seen = _rows.get(block_type)
-    if seen is None:
-        _rows[block_type] = {int(rows)}
-    elif rows not in seen:
-        seen.add(int(rows))
+    if rows > _rows.get(block_type, 0):
+        _rows[block_type] = int(rows)
 
 
 def rows_run(block_type: type) -> int | None:
     """The most rows a compiled ``block_type`` has run in this process; None before its first compiled call."""
-    seen = _rows.get(block_type)
-    return max(seen) if seen else None
+    return _rows.get(block_type)
 
 
 def forget() -> None:
