@@ -566,9 +566,9 @@ def compile_section() -> list:
   40.8 s for the repeat against 50.4 s and 45.5 s; after a restart with the pack's compile file, 52.5 s and 41.2 s.
   The model says that first prompt pays back; it came 0.7–1.6 s short of the eager template's 50.9–51.8 s (rounds
   `a` and `b` of `ti2v5b-704p121-20steps-24gib-template.jsonl`): the node's own run before the sampler took 4.5–4.9 s
-  more than the eager template's nodes, which the model does not count. Each of those first prompts compiled one graph and
-  nothing again: at 24 GiB ComfyUI ran the first step's cond and uncond apart and would batch them from the second
-  (on an H100 every block then recompiled for two rows, 8.50 s), and Wan Compile Blocks holds its cond/uncond
+  more than the eager template's nodes, which the model does not count. Each of those first prompts compiled one
+  graph and nothing again: at 24 GiB ComfyUI ran the first step's cond and uncond apart and would batch them from the
+  second (on an H100 every block then recompiled for two rows, 8.50 s), and Wan Compile Blocks holds its cond/uncond
   batching to the rows the blocks have run compiled (`nodes/cond_rows.py`).
   Over several prompts of one process compiling the blocks comes out ahead: GGUF 720p81 at 16 GiB, a process with the
   pack's compile file took 59.8 s for its first prompt and 45.2 s for the next (round `l` of the compiled file),

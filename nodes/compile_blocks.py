@@ -21,7 +21,8 @@ every block of both experts of Wan 2.2 A14B, and no guard sees a streamed weight
 each call, so a block that ComfyUI loads or offloads between prompts takes the other path without a recompile, and
 the cast flags ComfyUI's partial unload and reload leave on a block's modules are settled before its compiled call
 (:func:`settle_cast_flags`).  ComfyUI's cond/uncond batching is held within the rows the blocks have run compiled
-(:mod:`.cond_rows`), so a step that would batch them where an earlier one did not traces no new batch size.  The estimator plans a streamed load for the larger of the eager forward and the
+(:mod:`.cond_rows`), so a step that would batch them where an earlier one did not traces no new batch size.  The
+estimator plans a streamed load for the larger of the eager forward and the
 compiled one holding a block's staged weights (``memory.estimate.Setup.streamed_blocks_staged``), and, once the
 model's streamed Linears have run compiled with no call eager and no sampling failed, for the compiled one holding
 the one block's weights its path holds (:func:`streamed_blocks_ran`); what a sampling showed is kept across

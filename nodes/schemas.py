@@ -195,10 +195,10 @@ class WanCompileBlocks(io.ComfyNode):
                          "every block runs one of at most two graphs (one for GGUF), shared by both experts of Wan "
                          "2.2 A14B: streaming causes no recompiles, and neither does ComfyUI's cond/uncond "
                          "batching, held to the batch the blocks were compiled for. Compiling costs seconds on the "
-                         "first prompt of a "
-                         "ComfyUI start (less where the pack kept the run's compile file); the Sage patch's panel "
-                         "says after a run whether it pays back over the prompt's steps. With dynamic VRAM, "
-                         "the model is compiled as ComfyUI's own compile node compiles it: without dynamic VRAM."),
+                         "first prompt of a ComfyUI start (less where the pack kept the run's compile file); the "
+                         "Sage patch's panel says after a run whether it pays back over the prompt's steps. With "
+                         "dynamic VRAM, the model is compiled as ComfyUI's own compile node compiles it: without "
+                         "dynamic VRAM."),
             inputs=[
                 io.Model.Input("model", tooltip="the Wan 2.1/2.2 model to compile (after the loader and LoRAs; "
                                                 "the Sage patch and the estimator may come before or after)"),
