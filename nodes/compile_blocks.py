@@ -31,6 +31,10 @@ ComfyUI starts for the model's kind (:mod:`.streamed_record`, :func:`streamed_pa
 A ComfyUI-GGUF block runs compiled with its weights cast through :mod:`.gguf_cast`: ComfyUI-GGUF's own cast, with
 the dequantization on plain tensors, given to the block's layers for that call only.
 
+Each block's ``torch.compile`` is made at the block's first call, and the imports a process's first one makes run on
+a thread of their own from the node's run on (:mod:`.compile_import`), beside the prompt's text encoder and model
+loads.
+
 The wrapper closes over the dict of compiled keys as ComfyUI's does, so the estimator, the Sage patch's compile
 cache and its payback read the scope the same way (``comfy_bridge.compile_scope``).  Each stand-in counts its calls
 by the path they took, and the node's ``OUTER_SAMPLE`` wrapper starts the count with each sampling and logs it when
@@ -47,7 +51,7 @@ import torch
 import torch._dynamo
 
 from ..memory import report
-from . import comfy_bridge, cond_rows, gguf_cast, staged_blocks, streamed_record
+from . import comfy_bridge, compile_import, cond_rows, gguf_cast, staged_blocks, streamed_record
 from .log_once import reason, warn_once
 
 log = logging.getLogger("wan_sage")
@@ -361,9 +365,10 @@ def apply_compile_blocks(model, backend: str = "inductor", mode: str = "default"
         return model, note
     dm = comfy_bridge.diffusion_model(m)
     kwargs = compile_kwargs(backend, mode)
+    compile_import.start(kwargs)  # torch.compile's imports, beside the text encoder's and the model's loads
     stand_ins = {}
     for i, block in enumerate(dm.blocks):
-        stand_ins[f"diffusion_model.blocks.{i}"] = BlockStandIn(block, torch.compile(block, **kwargs))
+        stand_ins[f"diffusion_model.blocks.{i}"] = BlockStandIn(block, compile_import.LazyCompile(block, kwargs))
     wmp = comfy_bridge.wrappers_mp()
     key = comfy_bridge.COMPILE_WRAPPER_KEY  # the key of ComfyUI's own compile: one compile per model
     m.remove_wrappers_with_key(wmp.APPLY_MODEL, key)

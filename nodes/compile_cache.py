@@ -31,7 +31,7 @@ import threading
 
 from ..attention import kernels
 from ..attention.file_lock import replace_atomically
-from . import comfy_bridge
+from . import comfy_bridge, compile_import
 from .log_once import reason, warn_once
 
 log = logging.getLogger("wan_sage")
@@ -79,6 +79,7 @@ def load(folder: str, prefix: str, torch_mod) -> int | None:
             return None
         _loaded.add((folder, prefix))
     read = 0
+    compile_import.wait()  # no TorchInductor module imported from two threads at once
     for path in _files(folder, prefix):
         try:
             with open(path, "rb") as f:

@@ -341,6 +341,7 @@ def compile_blocks_streamed(budget_fraction):
                 eager = comfy_env.sample_tiny(m, steps=2, cfg=1.0)
                 mm.unload_all_models()
                 c, text = compile_blocks.apply_compile_blocks(m, "inductor", "default")
+                made_by_node = sum(s.compiled.fn is not None for s in compile_blocks.stand_ins(c))
                 graphs_before, _ = _dynamo_totals(dyn)
                 with _pack_log() as lines:
                     latent = comfy_env.sample_tiny(c, steps=2, cfg=1.0)
@@ -355,6 +356,8 @@ def compile_blocks_streamed(budget_fraction):
             restarted, _ = compile_blocks.apply_compile_blocks(m, "inductor", "default")
             again = estimator.setup_for(restarted, tuple(latent.shape), restarted.model_options, estimator.Settings())
             out[name] = {"graphs": graphs - graphs_before,
+                         "compiled_by_node": made_by_node,  # torch.compile made in the node's own run
+                         "compiled_by_sampling": sum(s.compiled.fn is not None for s in compile_blocks.stand_ins(c)),
                          "streamed_ran": compile_blocks.streamed_blocks_ran(c),
                          "planned_ran": planned.streamed_blocks_ran,
                          "restart_planned_ran": again.streamed_blocks_ran,
