@@ -11,7 +11,8 @@ patch's ``OUTER_SAMPLE`` wrapper:
 
 * before the run, once per process and folder: hot-loads every artifact file of this torch build and GPU
   (``torch.compiler.load_cache_artifacts``), which writes them into inductor's own caches, so the compile
-  finds them there;
+  finds them there; for a model Wan Compile Blocks compiles, on that node's worker thread, beside the model's
+  load, which its blocks' first compiled call waits for (:mod:`.compile_import`);
 * after the run: writes what this process compiled or found in those caches
   (``torch.compiler.save_cache_artifacts``: the graphs, their Triton kernels, their autotuning) to the file of
   this model's size and compile scope, when that is more bytes than the file holds (a run that found the file's
@@ -79,7 +80,7 @@ def load(folder: str, prefix: str, torch_mod) -> int | None:
             return None
         _loaded.add((folder, prefix))
     read = 0
-    compile_import.wait()  # no TorchInductor module imported from two threads at once
+    compile_import.wait()  # no TorchInductor module imported from two threads at once (at once on the worker)
     for path in _files(folder, prefix):
         try:
             with open(path, "rb") as f:
@@ -146,7 +147,11 @@ def before_sampling(patcher, model_options, latent_shape):
         if found is None:
             return None
         import torch
-        load(found[0], found[1], torch)
+        # Wan Compile Blocks makes its blocks at their first call, after the worker's jobs: the hot-load runs there,
+        # beside the model's load; a compile the node did not make may start before it, so it loads here
+        if not (comfy_bridge.compile_blocks_node(patcher, model_options)
+                and compile_import.later(load, found[0], found[1], torch)):
+            load(found[0], found[1], torch)
         return found[2]
     except Exception as e:
         warn_once(("compile-cache-plan", type(e).__name__), "wan-sage: the torch.compile cache is not used for "
@@ -169,6 +174,7 @@ def after_sampling(path) -> None:
         return
     try:
         import torch
+        compile_import.wait()  # a hot-load given to the worker is done before what the process holds is saved
         save(path, torch)
     except Exception as e:
         warn_once(("compile-cache-save", type(e).__name__), "wan-sage: the torch.compile cache could not be "

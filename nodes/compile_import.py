@@ -1,57 +1,86 @@
-"""The imports of a process's first ``torch.compile``, made beside the prompt's other work.
+"""A process's first ``torch.compile`` imports, and the hot-load of the pack's compile files, made beside the
+prompt's other work.
 
 The first ``torch.compile`` call of a process imports TorchInductor's ``compile_fx`` and dynamo's debug backends,
 and with them Triton, sympy and Jinja templates: hundreds of modules, read from disk and executed.  On the CPU of
 the development machine that took 0.9-3.7 s (more where the files were not in the page cache), and Wan Compile
 Blocks made its compiled blocks inside its node, so a fresh process spent that time in the node itself, before
-its text encoder or its model were even loaded.
+its text encoder or its model were even loaded.  The Sage patch's hot-load of the pack's compile files
+(:mod:`.compile_cache`) then ran before the sampling loaded the model.
 
-Here the node starts those imports on a daemon thread (:func:`start`) and makes each block's compiled callable at
-the block's first call (:class:`LazyCompile`), which first waits for the thread (:func:`wait`).  Between the two
-the prompt loads its text encoder and its model, copies that spend their time outside the interpreter lock, so
-the imports take little or none of the prompt's time.  Anything else that imports TorchInductor while sampling
-(the compile cache's hot-load, :mod:`.compile_cache`) waits for the thread first, so no module is imported from
-two threads at once.  A failed import is not fatal: the first compiled call makes the same call on the sampling
-thread, where the failure shows as it would without this module.
+Here the node starts those imports on one daemon worker thread (:func:`start`) and makes each block's compiled
+callable at the block's first call (:class:`LazyCompile`), which first waits for every job given to the worker
+(:func:`wait`).  The hot-load of a model that Wan Compile Blocks compiles is given to the same worker
+(:func:`later`), after the imports.  Between the node's run and the first compiled call the prompt loads its text
+encoder and its model, copies that spend their time outside the interpreter lock, so the imports and the hot-load
+take little or none of the prompt's time.  One worker runs the jobs one after another, and anything else that
+imports TorchInductor while sampling waits for it first, so no module is imported from two threads at once.  A
+failed job is not fatal: the first compiled call makes the same ``torch.compile`` call on the sampling thread,
+where a failure shows as it would without this module, and the hot-load logs its own failures.
 """
 from __future__ import annotations
 
+import queue
 import threading
 
 import torch
 
-__all__ = ["start", "wait", "LazyCompile"]
+__all__ = ["start", "later", "started", "wait", "LazyCompile"]
 
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
+_jobs: queue.Queue = queue.Queue()
+
+
+def _work() -> None:
+    while True:
+        fn, args = _jobs.get()
+        try:
+            fn(*args)
+        except Exception:
+            pass  # see the module's docstring: each job's failure shows where its work is needed
+        finally:
+            _jobs.task_done()
 
 
 def _imports(kwargs: dict) -> None:
-    try:
-        torch.compile(torch.nn.Identity(), **kwargs)  # builds nothing: only what a torch.compile call imports
-    except Exception:
-        pass  # the sampling thread makes the same call and meets the same failure there
+    torch.compile(torch.nn.Identity(), **kwargs)  # builds nothing: only what a torch.compile call imports
+
+
+def started() -> bool:
+    """Whether this process has started the worker (a Wan Compile Blocks node has run)."""
+    with _lock:
+        return _thread is not None
 
 
 def start(kwargs: dict) -> bool:
-    """Start, once per process, the imports ``torch.compile(module, **kwargs)`` makes, on a daemon thread; True
-    where this call started it."""
+    """Start, once per process, the worker with the imports ``torch.compile(module, **kwargs)`` makes as its first
+    job; True where this call started it."""
     global _thread
     with _lock:
         if _thread is not None:
             return False
-        _thread = threading.Thread(target=_imports, args=(dict(kwargs),), name="wan-sage-compile-imports",
-                                   daemon=True)
+        _jobs.put((_imports, (dict(kwargs),)))
+        _thread = threading.Thread(target=_work, name="wan-sage-compile-imports", daemon=True)
         _thread.start()
         return True
 
 
+def later(fn, *args) -> bool:
+    """Give ``fn(*args)`` to the worker, after the jobs before it; False (nothing given) where no worker runs."""
+    with _lock:
+        if _thread is None:
+            return False
+        _jobs.put((fn, args))
+        return True
+
+
 def wait() -> None:
-    """Return once the imports :func:`start` began are done (at once where none were started)."""
+    """Return once every job given to the worker so far is done (at once where none was, or on the worker)."""
     with _lock:
         t = _thread
     if t is not None and t is not threading.current_thread():
-        t.join()
+        _jobs.join()
 
 
 class LazyCompile:

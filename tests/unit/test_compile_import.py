@@ -9,15 +9,18 @@ import threading
 
 import pytest
 import torch
+from types import SimpleNamespace
 
-from wan_sage.nodes import compile_cache, compile_import
+from wan_sage.nodes import comfy_bridge, compile_cache, compile_import
 
 
 @pytest.fixture
 def fresh(monkeypatch):
-    """compile_import as in a process that has not started its imports."""
+    """compile_import as in a process that has not started its worker."""
     monkeypatch.setattr(compile_import, "_thread", None)
-    return compile_import
+    monkeypatch.setattr(compile_import, "_jobs", compile_import.queue.Queue())
+    yield compile_import
+    compile_import.wait()
 
 
 def _recording_compile(monkeypatch, gate=None):
@@ -80,11 +83,25 @@ def test_a_failed_import_leaves_the_failure_to_the_first_compiled_call(fresh, mo
     fresh.wait()
     with pytest.raises(RuntimeError, match="no inductor here"):
         fresh.LazyCompile(torch.nn.Identity(), {})(1)
+    ran = []
+    assert fresh.later(ran.append, "after the failed job")  # the worker goes on
+    fresh.wait()
+    assert ran == ["after the failed job"]
 
 
-def test_the_compile_caches_hot_load_waits_for_the_import_thread(fresh, monkeypatch, tmp_path):
+def test_jobs_run_on_the_worker_in_order_and_none_without_it(fresh, monkeypatch):
+    made = _recording_compile(monkeypatch)
+    assert not fresh.started() and fresh.later(print) is False
+    fresh.start({"backend": "inductor"})
+    order = []
+    assert fresh.later(lambda: order.append(("job", len(made), threading.current_thread().name)))
+    fresh.wait()
+    assert fresh.started() and order == [("job", 1, "wan-sage-compile-imports")]  # after the imports
+
+
+def test_a_hot_load_on_another_thread_waits_for_the_workers_jobs(fresh, monkeypatch, tmp_path):
     gate = threading.Event()
-    _recording_compile(monkeypatch, gate)
+    made = _recording_compile(monkeypatch, gate)
     fresh.start({"backend": "inductor"})
     (tmp_path / "torch-x-cpu-abc.bin").write_bytes(b"artifacts")
     seen = []
@@ -92,17 +109,63 @@ def test_the_compile_caches_hot_load_waits_for_the_import_thread(fresh, monkeypa
     class Compiler:
         @staticmethod
         def load_cache_artifacts(data):
-            seen.append(compile_import._thread.is_alive())
+            seen.append(len(made))
             return object()
     monkeypatch.setattr(compile_cache, "_loaded", set())
-    loader = threading.Thread(target=compile_cache.load, args=(str(tmp_path), "torch-x-cpu", type("T", (), {
-        "compiler": Compiler})))
+    loader = threading.Thread(target=compile_cache.load, args=(str(tmp_path), "torch-x-cpu",
+                                                               SimpleNamespace(compiler=Compiler)))
     loader.start()
     loader.join(0.3)
     assert loader.is_alive() and seen == []
     gate.set()
     loader.join(10)
-    assert seen == [False]
+    assert seen == [1]  # after the imports
+
+
+def _marked_patcher(node: bool):
+    """A patcher compiled one block at a time, by Wan Compile Blocks (``node``) or by another compile."""
+    compiled_module_dict = {f"diffusion_model.blocks.{i}": object() for i in range(40)}
+
+    def wrapper(executor, *args, **kwargs):
+        return compiled_module_dict, executor
+    if node:
+        setattr(wrapper, comfy_bridge.COMPILE_BLOCKS_MARK, True)
+    dm = SimpleNamespace(dim=5120, ffn_dim=13824, num_heads=40, blocks=[0] * 40, in_dim=16, out_dim=16,
+                         patch_size=(1, 2, 2), img_emb=None)
+    base = SimpleNamespace(diffusion_model=dm, model_config=SimpleNamespace(unet_config={"model_type": "t2v"}),
+                           latent_format=SimpleNamespace(latent_channels=16), model_lowvram=False)
+    return SimpleNamespace(model=base, wrappers={"apply_model": {comfy_bridge.COMPILE_WRAPPER_KEY: [wrapper]}},
+                           object_patches={}, model_options={"transformer_options": {},
+                                                             comfy_bridge.COMPILE_KWARGS_KEY: {"backend": "inductor"}},
+                           load_device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("node", [True, False])
+def test_the_hot_load_goes_to_the_worker_only_for_a_model_wan_compile_blocks_compiles(fresh, monkeypatch,
+                                                                                        tmp_path, node):
+    _recording_compile(monkeypatch)
+    fresh.start({"backend": "inductor"})
+    threads = []
+
+    class Compiler:
+        @staticmethod
+        def load_cache_artifacts(data):
+            threads.append(threading.current_thread().name)
+            return object()
+
+        @staticmethod
+        def save_cache_artifacts():
+            return None
+    monkeypatch.setattr(torch, "compiler", Compiler)
+    monkeypatch.setenv(comfy_bridge.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(compile_cache, "_loaded", set())
+    (tmp_path / "compile").mkdir()
+    prefix = compile_cache.build_prefix(torch, torch.device("cpu"))
+    (tmp_path / "compile" / f"{prefix}-abc.bin").write_bytes(b"artifacts")
+    path = compile_cache.before_sampling(_marked_patcher(node), None, (1, 16, 21, 90, 160))
+    assert path is not None
+    fresh.wait()
+    assert threads == ["wan-sage-compile-imports" if node else threading.current_thread().name]
 
 
 def test_in_a_fresh_process_the_thread_makes_the_imports_a_first_torch_compile_makes():
