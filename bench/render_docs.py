@@ -561,13 +561,18 @@ def compile_section() -> list:
   steps they were not set from. The 4-step A14B prompt runs eager for one prompt, and the 20-step 5B and I2V
   templates would lengthen their first prompt too, so every template runs eager; its note gives the seconds a
   compiled step saves at its size and the prompt by which compiling pays back (`bench/make_workflows.py`,
-  `compile_line`, which refuses a template whose first prompt it would pay back). On the H200 the 5B template with
-  Wan Compile Blocks took 61.0 s for its first prompt against stock ComfyUI's 63.0 s and the template's 50.9 s, and
-  40.8 s for the repeat against 50.4 s and 45.5 s; after a restart with the pack's compile file, 52.5 s and 41.2 s.
-  The model says that first prompt pays back; it came 0.7–1.6 s short of the eager template's 50.9–51.8 s (rounds
-  `a` and `b` of `ti2v5b-704p121-20steps-24gib-template.jsonl`): the node's own run before the sampler took 4.5–4.9 s
-  more than the eager template's nodes, which the model does not count. Each of those first prompts compiled one
-  graph and nothing again: at 24 GiB ComfyUI ran the first step's cond and uncond apart and would batch them from the
+  `compile_line`, which refuses a template whose first prompt it would pay back). The first `torch.compile` call of a
+  process imports TorchInductor and Triton; Wan Compile Blocks starts those imports on a worker thread when it runs,
+  makes each block's compiled callable at the block's first call, and has the pack's compile file hot-loaded on the
+  same worker, so both run beside the text encoder's and the model's loads (`nodes/compile_import.py`). Made in the
+  node, they had taken 4.5–4.9 s before the sampler on the H200 (rounds `a` and `b` of
+  `ti2v5b-704p121-20steps-24gib-template.jsonl`), and the first prompt after a restart came 0.7–1.6 s short of the
+  eager template. On an H100 (rounds `c` and `d` of `h100-ti2v5b-704p121-20steps-24gib-template.jsonl`, one machine)
+  the node then took 0.002–0.003 s, and the nodes before the sampler 3.7–3.9 s against the eager template's 4.0 s.
+  After a restart with the pack's compile file the 5B template with Wan Compile Blocks took 49.5–49.7 s for its first
+  prompt against the eager template's 53.0 s and stock ComfyUI's 64.3 s, and 41.5–41.6 s for the repeat against
+  47.3 s and 51.4 s: it pays back within that first prompt, as the model says; with every cache empty it took 62.4 s.
+  Each of those first prompts compiled one graph and nothing again: at 24 GiB ComfyUI ran the first step's cond and uncond apart and would batch them from the
   second (on an H100 every block then recompiled for two rows, 8.50 s), and Wan Compile Blocks holds its cond/uncond
   batching to the rows the blocks have run compiled (`nodes/cond_rows.py`).
   Over several prompts of one process compiling the blocks comes out ahead: GGUF 720p81 at 16 GiB, a process with the
