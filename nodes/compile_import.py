@@ -37,7 +37,7 @@ def _work() -> None:
         fn, args = _jobs.get()
         try:
             fn(*args)
-        except Exception:
+        except BaseException:  # even SystemExit: the worker lives on, or wait() would wait for ever
             pass  # see the module's docstring: each job's failure shows where its work is needed
         finally:
             _jobs.task_done()
@@ -79,8 +79,11 @@ def wait() -> None:
     """Return once every job given to the worker so far is done (at once where none was, or on the worker)."""
     with _lock:
         t = _thread
-    if t is not None and t is not threading.current_thread():
-        _jobs.join()
+    if t is None or t is threading.current_thread():
+        return
+    with _jobs.all_tasks_done:  # queue.join(), but not on a worker that is gone (interpreter shutdown)
+        while _jobs.unfinished_tasks and t.is_alive():
+            _jobs.all_tasks_done.wait(0.5)
 
 
 class LazyCompile:

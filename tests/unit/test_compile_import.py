@@ -89,6 +89,19 @@ def test_a_failed_import_leaves_the_failure_to_the_first_compiled_call(fresh, mo
     assert ran == ["after the failed job"]
 
 
+def test_a_job_that_raises_systemexit_leaves_the_worker_running(fresh, monkeypatch):
+    _recording_compile(monkeypatch)
+    fresh.start({"backend": "inductor"})
+
+    def exits():
+        raise SystemExit(3)
+    ran = []
+    fresh.later(exits)
+    fresh.later(ran.append, "next")
+    fresh.wait()
+    assert ran == ["next"] and compile_import._thread.is_alive()
+
+
 def test_jobs_run_on_the_worker_in_order_and_none_without_it(fresh, monkeypatch):
     made = _recording_compile(monkeypatch)
     assert not fresh.started() and fresh.later(print) is False
