@@ -80,7 +80,7 @@ def load(folder: str, prefix: str, torch_mod) -> int | None:
             return None
         _loaded.add((folder, prefix))
     read = 0
-    compile_import.wait()  # no TorchInductor module imported from two threads at once (at once on the worker)
+    compile_import.wait()  # after the worker's imports (returns at once on the worker itself)
     for path in _files(folder, prefix):
         try:
             with open(path, "rb") as f:

@@ -13,8 +13,9 @@ callable at the block's first call (:class:`LazyCompile`), which first waits for
 (:func:`wait`).  The hot-load of a model that Wan Compile Blocks compiles is given to the same worker
 (:func:`later`), after the imports.  Between the node's run and the first compiled call the prompt loads its text
 encoder and its model, copies that spend their time outside the interpreter lock, so the imports and the hot-load
-take little or none of the prompt's time.  One worker runs the jobs one after another, and anything else that
-imports TorchInductor while sampling waits for it first, so no module is imported from two threads at once.  A
+take little or none of the prompt's time.  One worker runs the jobs one after another, and the pack's other
+TorchInductor calls (a hot-load outside the worker, the save after a sampling, the compile itself) wait for it
+first; Python's per-module import locks order what another thread imports meanwhile.  A
 failed job is not fatal: the first compiled call makes the same ``torch.compile`` call on the sampling thread,
 where a failure shows as it would without this module, and the hot-load logs its own failures.
 """
