@@ -149,8 +149,9 @@ def before_sampling(patcher, model_options, latent_shape):
         import torch
         # Wan Compile Blocks makes its blocks at their first call, after the worker's jobs: the hot-load runs there,
         # beside the model's load; a compile the node did not make may start before it, so it loads here
-        if not (comfy_bridge.compile_blocks_node(patcher, model_options)
-                and compile_import.later(load, found[0], found[1], torch)):
+        on_worker = (comfy_bridge.compile_blocks_node(patcher, model_options)
+                     and compile_import.later(load, found[0], found[1], torch))
+        if not on_worker:
             load(found[0], found[1], torch)
         return found[2]
     except Exception as e:

@@ -26,7 +26,7 @@ import threading
 
 import torch
 
-__all__ = ["start", "later", "started", "wait", "LazyCompile"]
+__all__ = ["start", "later", "wait", "LazyCompile"]
 
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
@@ -46,12 +46,6 @@ def _work() -> None:
 
 def _imports(kwargs: dict) -> None:
     torch.compile(torch.nn.Identity(), **kwargs)  # builds nothing: only what a torch.compile call imports
-
-
-def started() -> bool:
-    """Whether this process has started the worker (a Wan Compile Blocks node has run)."""
-    with _lock:
-        return _thread is not None
 
 
 def start(kwargs: dict) -> bool:
