@@ -40,10 +40,18 @@ clone that frees nothing and costs the first prompt about 1 s per GiB streamed (
 :func:`skip_unmapping` skips it where ComfyUI pins no streamed weights (ComfyUI-GGUF copies a weight off the map
 before ComfyUI pins it).  After each load, :mod:`.pinned_host` copies the modules left streaming off the map into
 page-locked memory, on a CUDA device and within its host memory ceiling.
+
+The host copies kept for the loaded weights are page-locked too, beside the sampling (:func:`pin_kept`, on
+:mod:`.pinned_host`'s worker): each module's kept tensors are copied into one page-locked buffer and the kept entry
+(and the host object, where the load replaced it) is pointed at it, so the next load of the model copies from
+page-locked memory.  A module whose weights were unloaded or changed meanwhile keeps its pageable copy.
 """
 from __future__ import annotations
 
 import logging
+import threading
+from contextlib import nullcontext
+import time
 import types
 import weakref
 from dataclasses import dataclass
@@ -59,7 +67,7 @@ log = logging.getLogger("wan_sage")
 CLONE_KEY = "wan_sage_host_copy"
 ON_CLONE = "on_clone"  # comfy.patcher_extension.CallbacksMP.ON_CLONE in ComfyUI 0.3.64 and later
 
-__all__ = ["install", "installed", "note", "settle", "release", "kept_bytes", "skip_unmapping"]
+__all__ = ["install", "installed", "note", "settle", "release", "kept_bytes", "skip_unmapping", "pin_kept"]
 
 
 @dataclass
@@ -73,6 +81,17 @@ class _Kept:
 
 # BaseModel -> {parameter name: _Kept}.  Weak: a model ComfyUI drops takes its host tensors with it.
 _KEPT: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, _Kept]]" = weakref.WeakKeyDictionary()
+# Held wherever a kept entry is read or changed, so that the page-locking worker (:func:`pin_kept`) never points an
+# entry at new bytes while a load or an unload of its model reads it.
+_entries = threading.RLock()
+
+
+def _guarded(fn):
+    def run(*args, **kwargs):
+        with _entries:
+            return fn(*args, **kwargs)
+    run.__name__, run.__qualname__, run.__doc__, run.__wrapped__ = fn.__name__, fn.__qualname__, fn.__doc__, fn
+    return run
 
 
 def _eligible(patcher) -> bool:
@@ -168,11 +187,12 @@ def _module_to(patcher, keys: list, device_to):
         dev = args[0] if args else kwargs.get("device")
         try:
             if isinstance(dev, (torch.device, str)) and _same(torch.device(dev), device_to):
-                kept = _KEPT.get(patcher.model) or {}
-                backup = getattr(patcher, "backup", None) or {}
-                for key in keys:
-                    if key in kept:
-                        _give_back(patcher.model, kept, key, backup, device_to, same_object=True)
+                with _entries:
+                    kept = _KEPT.get(patcher.model) or {}
+                    backup = getattr(patcher, "backup", None) or {}
+                    for key in keys:
+                        if key in kept:
+                            _give_back(patcher.model, kept, key, backup, device_to, same_object=True)
         except Exception as e:  # never fail the unload: the module's own ``to`` copies what is left
             _failed(patcher, "giving partly unloaded weights their host copies back", e)
         return type(module).to(module, *args, **kwargs)
@@ -206,6 +226,7 @@ def _load(self, *args, **kwargs):
             _failed(self, "keeping the weights' host copies", e)
         if not comfy_pins_streamed_weights(self):
             pinned_host.pin_streamed(self)
+            _pin_kept_later(self)
 
 
 def comfy_pins_streamed_weights(patcher) -> bool:
@@ -265,6 +286,7 @@ def installed(patcher) -> bool:
                                 ("partially_unload", _partially_unload)))
 
 
+@_guarded
 def note(patcher) -> int:
     """Before a load: note every parameter and buffer on the offload device.  Returns how many are noted."""
     if not installed(patcher) or not _eligible(patcher):
@@ -294,6 +316,7 @@ def _is_loaded(k: _Kept, cur) -> bool:
             and cur.data_ptr() == k.ptr)
 
 
+@_guarded
 def settle(patcher) -> int:
     """After a load: keep the noted host tensor of each weight the load put on the device, unchanged in
     shape and dtype; forget the rest.  Returns the bytes kept."""
@@ -324,6 +347,7 @@ def kept_bytes(patcher) -> int:
     return sum(_nbytes(k) for k in kept.values() if k.loaded is not None)
 
 
+@_guarded
 def release(patcher, device_to) -> int:
     """During an unload to ``device_to``: put each kept host tensor back in place of the weight loaded from
     it.  Returns the bytes that will not be copied.  The rest is left to ComfyUI's copy."""
@@ -396,3 +420,89 @@ def _give_back(base: torch.nn.Module, kept: dict, key: str, backup: dict, device
         del kept[key]
         return 0
     return _nbytes(k)
+
+
+def _pin_kept_later(patcher, locker=None) -> bool:
+    """After a load: give :func:`pin_kept` for ``patcher``'s model to the page-locking worker, where its load device
+    is a CUDA device and something kept is not page-locked yet; True where it was given."""
+    try:
+        locker = locker or pinned_host.CudaLocker()
+        load = torch.device(getattr(patcher, "load_device", "cpu"))
+        offload = torch.device(getattr(patcher, "offload_device", "cpu"))
+        base = getattr(patcher, "model", None)
+        if offload.type != "cpu" or not locker.usable(load) or not _unpinned(base):
+            return False
+        pinned_host.later(pin_kept, weakref.ref(base), load, locker)
+        return True
+    except Exception as e:  # the kept copies stay pageable
+        warn_once(("pin-kept-plan", type(e).__name__), "wan-sage: page-locking the weights' host copies failed (%s); "
+                  "a reload copies them from pageable memory.", reason(e))
+        return False
+
+
+@_guarded
+def _unpinned(base) -> list[list[tuple[str, _Kept, torch.Tensor]]]:
+    """Per module, in the model's order: (name, entry, its host bytes) of each kept entry of a loaded weight whose
+    host bytes are contiguous and not page-locked yet."""
+    kept = _KEPT.get(base) if isinstance(base, torch.nn.Module) else None
+    if not kept:
+        return []
+    groups: dict = {}
+    for key, k in kept.items():
+        if k.loaded is None or not k.data.is_contiguous() or not _nbytes(k) or pinned_host.is_pinned(k.data):
+            continue
+        groups.setdefault(key.rpartition(".")[0], []).append((key, k, k.data))
+    return list(groups.values())
+
+
+@_guarded
+def _repoint(base, group, targets) -> int:
+    """Point each entry of ``group`` still kept as it was found (its weight loaded, its host bytes the same tensor)
+    at its page-locked copy in ``targets``, and the host object with it where the load replaced that object; the
+    bytes pointed."""
+    kept = _KEPT.get(base) or {}
+    moved = 0
+    for (key, k, data), dst in zip(group, targets):
+        if kept.get(key) is not k or k.loaded is None or k.data is not data:
+            continue
+        host = k.host
+        if host is not k.loaded() and _same(host.device, data.device):  # the load replaced the object
+            if host.data_ptr() != data.data_ptr():
+                continue
+            host.data = dst
+        k.data = dst  # a plain tensor of the same bytes, size and dtype: what the unload's ``data`` assignment takes
+        moved += _nbytes(k)
+    return moved
+
+
+def pin_kept(base_ref, load, locker=None, total: int | None = None, available=None) -> int:
+    """Page-lock the kept host copies of ``base_ref()``'s loaded weights (:mod:`.pinned_host`'s worker runs it after
+    each load): one buffer per module, within :func:`pinned_host.room_for`; the bytes now page-locked.  A module
+    unloaded or changed meanwhile keeps its pageable copy; its buffer is let go."""
+    locker = locker or pinned_host.CudaLocker()
+    base = base_ref()
+    if base is None:
+        return 0
+    done = skipped = modules = 0
+    times, t0 = [0.0, 0.0], time.perf_counter()
+    room = {} if available is None else {"available": available}
+    on_device = torch.cuda.device(load) if load.type == "cuda" and torch.cuda.is_available() else nullcontext()
+    with on_device:  # the worker thread registers for the model's device
+        for group in _unpinned(base):
+            need = pinned_host.layout_bytes([data for _, _, data in group])
+            if not pinned_host.room_for(need, total, **room):
+                skipped += need
+                continue
+            if not any(k.loaded is not None for _, k, _ in group):
+                continue
+            targets = pinned_host.pinned_copies([data for _, _, data in group], locker, times)
+            moved = _repoint(base, group, targets)
+            done += moved
+            modules += bool(moved)
+    if done or skipped:
+        log.info("wan-sage: page-locked %.2f GiB of the weights' host copies beside the sampling in %.2f s (%d "
+                 "modules; copies %.2f s, registering %.2f s)%s", done / 2**30, time.perf_counter() - t0, modules,
+                 times[0], times[1],
+                 f"; {skipped / 2**30:.2f} GiB left pageable (host memory ceiling)" if skipped else "")
+    return done
+

@@ -1,5 +1,6 @@
 """gpu tier: the Working-Memory Estimator's clone, unloaded by ComfyUI 0.3.64 from the GPU, gets back the
-very host tensors its weights were loaded from (nothing copied), and samples the same latent afterwards
+very host tensors its weights were loaded from, or the page-locked copies of them the pack made beside the
+sampling (nothing copied back), and samples the same latent afterwards
 as the model ComfyUI unloads and reloads itself.  A full-precision model with and without a LoRA, and a
 GGUF one with its LoRA (ComfyUI-GGUF in COMFYUI_GGUF_PATH); each skips, with its reason, without them."""
 import sys
@@ -68,12 +69,16 @@ def _host_state(model):
 
 
 def _assert_on_host_tensors(model, before, moved=frozenset()):
-    """Every weight and buffer of ``model`` is the very host tensor ``before`` (:func:`_host_state`) noted:
-    the same data pointer and bytes; those in ``moved`` the same bytes."""
+    """Every weight and buffer of ``model`` is the very host tensor ``before`` (:func:`_host_state`) noted, or
+    the page-locked copy of it the pack made beside the sampling (:func:`wan_sage.nodes.host_copy.pin_kept`):
+    the same bytes, at the same data pointer or in one of the pack's page-locked buffers; those in ``moved`` the
+    same bytes."""
+    from wan_sage.nodes import pinned_host
     after = _host_state(model)
     assert after.keys() == before.keys()
     for k, (ptr, value) in before.items():
-        assert k in moved or after[k][0] == ptr, f"{k} was copied back, not given its host tensor"
+        assert k in moved or after[k][0] == ptr or pinned_host._in_buffer(after[k][0]), \
+            f"{k} was copied back, not given its host tensor"
         assert torch.equal(after[k][1], value), k
 
 
@@ -89,6 +94,34 @@ def test_unloaded_weights_are_their_host_tensors_and_sampling_after_is_unchanged
         assert host_copy.kept_bytes(m) > 0
         assert all(t.device.type == "cuda" for t in m.model.parameters())
         mm.unload_all_models()  # ComfyUI's unload: LoadedModel.model_unload -> detach -> unpatch_model
+        _assert_on_host_tensors(m.model, before)
+        second = comfy_env.sample_tiny(m, steps=2, seed=1)
+        mm.unload_all_models()
+    torch.testing.assert_close(first, stock[0])
+    torch.testing.assert_close(second, stock[1])
+
+
+@pytest.mark.parametrize("kind", ["plain", "gguf"])
+def test_kept_host_copies_are_page_locked_beside_the_sampling_and_the_next_load_reads_them(comfy, kind, tmp_path):
+    """After a load the pack's worker copies the kept host copies of the loaded weights into page-locked buffers
+    (``cudaHostRegister`` for real); the unload gives the weights those, and the next sampling, loading from them,
+    gives the stock latent."""
+    from wan_sage.nodes import host_copy, pinned_host
+    mm = comfy.model_management
+    with torch.inference_mode():
+        stock, latent, m, _, _text = _stock_then_estimator(comfy, kind, tmp_path)
+        before = _host_state(m.model)
+        start = pinned_host.pinned_bytes()
+        first = comfy_env.sample_tiny(m, steps=2, seed=0)
+        pinned_host.wait()
+        kept = host_copy.kept_bytes(m)
+        keys = [key for key, k in host_copy._KEPT[m.model].items() if k.loaded is not None]
+        assert kept > 0 and pinned_host.pinned_bytes() - start >= kept
+        mm.unload_all_models()
+        tensors = dict([*m.model.named_parameters(), *m.model.named_buffers()])
+        for k in keys:
+            t = tensors[k]
+            assert t.device.type == "cpu" and t.is_pinned() and pinned_host._in_buffer(t.data_ptr()), k
         _assert_on_host_tensors(m.model, before)
         second = comfy_env.sample_tiny(m, steps=2, seed=1)
         mm.unload_all_models()
@@ -126,6 +159,7 @@ def test_a_partial_unload_moves_unpatched_modules_onto_their_host_tensors_and_sa
     fit): the modules it moves hold their very host tensors where unpatched, and GGUF ones with the LoRA too (as
     twins carrying it), and the next sampling, streaming them or loading them again, gives the stock latent (a
     LoRA on GGUF weights rides on the loaded tensor and must not be lost)."""
+    from wan_sage.nodes import pinned_host
     mm = comfy.model_management
     with torch.inference_mode():
         stock, latent, m, _est, _text = _stock_then_estimator(comfy, kind, tmp_path)
@@ -144,7 +178,8 @@ def test_a_partial_unload_moves_unpatched_modules_onto_their_host_tensors_and_sa
                 key = f"{n}.{name}"
                 assert t.device.type == "cpu", key
                 if key not in m.patches or kind == "gguf":  # full-precision LoRA: ComfyUI's backup comes back
-                    assert t.data_ptr() == before[key][0], f"{key} was copied back"
+                    assert t.data_ptr() == before[key][0] or pinned_host._in_buffer(t.data_ptr()), \
+                        f"{key} was copied back"
         second = comfy_env.sample_tiny(m, steps=2, seed=1)
         mm.unload_all_models()
     torch.testing.assert_close(first, stock[0])

@@ -223,3 +223,111 @@ def test_each_buffer_asks_for_huge_pages_before_its_bytes_are_copied_and_works_w
         for k, p in model.named_parameters():
             assert torch.equal(torch.Tensor.as_subclass(p, torch.Tensor), before[k][2]), k
             assert _within(p.data_ptr(), locker) is (k.split(".")[0] in ("a", "q")), k
+
+
+# The host copies kept for the loaded weights (host_copy.pin_kept, on pinned_host's worker)
+
+class ThreadLocker(FakeLocker):
+    """FakeLocker noting the thread each registration ran on."""
+
+    def __init__(self, fail=False):
+        super().__init__(fail)
+        self.threads = set()
+
+    def lock(self, ptr, nbytes):
+        import threading
+        self.threads.add(threading.current_thread().name)
+        return super().lock(ptr, nbytes)
+
+
+def _loaded_with_copies(lora=()):
+    """(model, patcher, host state before the load): test_host_copy's Net loaded on ``meta`` with its host copies
+    kept; ``lora``: keys whose loaded object the load replaces (ComfyUI-GGUF's LoRA)."""
+    from .test_host_copy import Net as HostNet, _host_state
+    model = HostNet()
+    p = Patcher(model)
+    p.lora.update(lora)
+    before = _host_state(model)
+    assert host_copy.install(p)
+    p.load()
+    assert all(t.device == META for t in model.parameters())
+    return model, p, before
+
+
+def _pin(model, locker, total=64 * GiB, available=64 * GiB):
+    import weakref
+    return host_copy.pin_kept(weakref.ref(model), META, locker, total=total, available=lambda: available)
+
+
+@pytest.mark.parametrize("lora", [(), ("q.weight",)])
+def test_kept_host_copies_move_into_page_locked_buffers_and_the_unload_gives_those_back(lora):
+    model, p, before = _loaded_with_copies(lora)
+    locker = FakeLocker()
+    kept = host_copy.kept_bytes(p)
+    assert _pin(model, locker) == kept > 0
+    assert len(locker.locked) == 3  # one buffer per module: a, b, q
+    p.detach()  # model.to("cpu") raises on any weight left on meta: every one was given back
+    for k, t in model.named_parameters():
+        ptr, value = before[k]
+        assert t.device == CPU and _within(t.data_ptr(), locker) and t.data_ptr() != ptr, k
+        assert torch.equal(torch.Tensor.as_subclass(t, torch.Tensor), value), k
+    assert isinstance(model.q.weight, QTensor) and model.q.weight.tensor_type == "Q4_K"
+    p.load()  # the next load notes the page-locked copies: nothing more to lock
+    assert _pin(model, locker) == 0 and len(locker.locked) == 3
+    p.detach()
+    assert all(_within(t.data_ptr(), locker) for t in model.parameters())
+
+
+def test_a_module_unloaded_while_its_copy_was_made_keeps_its_pageable_copy_and_the_buffer_goes():
+    model, p, before = _loaded_with_copies()
+    locker = FakeLocker()
+    group = host_copy._unpinned(model)[0]
+    targets = pinned_host.pinned_copies([data for _, _, data in group], locker)
+    p.detach()  # the unload comes between the worker's copy and its pointing the entries at it
+    assert host_copy._repoint(model, group, targets) == 0
+    del targets
+    gc.collect()
+    assert sorted(locker.unlocked) == sorted(locker.locked) and locker.locked
+    for k, t in model.named_parameters():
+        assert t.data_ptr() == before[k][0], k
+
+
+def test_kept_copies_stay_pageable_past_the_ceiling_and_say_so(caplog):
+    model, p, before = _loaded_with_copies()
+    locker = FakeLocker()
+    with caplog.at_level(logging.INFO, logger="wan_sage"):
+        assert _pin(model, locker, total=100) == 0
+    assert not locker.locked and "left pageable (host memory ceiling)" in caplog.text
+    assert _pin(model, locker, available=pinned_host.KEEP_AVAILABLE + 50) == 0 and not locker.locked
+    p.detach()
+    for k, t in model.named_parameters():
+        assert t.data_ptr() == before[k][0], k
+
+
+def test_the_load_gives_the_copies_to_the_worker_which_locks_them_off_the_calling_thread(monkeypatch):
+    locker = ThreadLocker()
+    monkeypatch.setattr(pinned_host, "CudaLocker", lambda: locker)
+    model, p, _ = _loaded_with_copies()
+    pinned_host.wait()
+    assert len(locker.locked) == 3 and locker.threads == {"wan-sage-pin"}
+    p.detach()
+    assert all(_within(t.data_ptr(), locker) for t in model.parameters())
+
+
+def test_without_a_cuda_runtime_the_load_gives_the_worker_nothing():
+    model, p, before = _loaded_with_copies()
+    assert not host_copy._pin_kept_later(p)  # the real locker: no CUDA device here
+    p.detach()
+    assert all(t.data_ptr() == before[k][0] for k, t in model.named_parameters())
+
+
+def test_a_failing_job_is_logged_once_and_the_worker_runs_the_next_one(caplog):
+    ran = []
+
+    def fails():
+        raise RuntimeError("registration refused")
+    with caplog.at_level(logging.WARNING, logger="wan_sage"):
+        pinned_host.later(fails)
+        pinned_host.later(ran.append, 1)
+        pinned_host.wait()
+    assert ran == [1] and "registration refused" in caplog.text
