@@ -442,8 +442,8 @@ def _pin_kept_later(patcher, locker=None) -> bool:
 
 @_guarded
 def _unpinned(base) -> list[list[tuple[str, _Kept, torch.Tensor]]]:
-    """Per module, in the model's order: (name, entry, its host bytes) of each kept entry of a loaded weight whose
-    host bytes are contiguous and not page-locked yet."""
+    """Per module (and within it, inference tensors apart from others), in the model's order: (name, entry, its host
+    bytes) of each kept entry of a loaded weight whose host bytes are contiguous and not page-locked yet."""
     kept = _KEPT.get(base) if isinstance(base, torch.nn.Module) else None
     if not kept:
         return []
@@ -451,7 +451,9 @@ def _unpinned(base) -> list[list[tuple[str, _Kept, torch.Tensor]]]:
     for key, k in kept.items():
         if k.loaded is None or not k.data.is_contiguous() or not _nbytes(k) or pinned_host.is_pinned(k.data):
             continue
-        groups.setdefault(key.rpartition(".")[0], []).append((key, k, k.data))
+        # inference tensors (made under ComfyUI's inference mode) and others apart: a tensor's ``data`` takes
+        # only its own kind
+        groups.setdefault((key.rpartition(".")[0], k.data.is_inference()), []).append((key, k, k.data))
     return list(groups.values())
 
 
@@ -463,7 +465,8 @@ def _repoint(base, group, targets) -> int:
     kept = _KEPT.get(base) or {}
     moved = 0
     for (key, k, data), dst in zip(group, targets):
-        if kept.get(key) is not k or k.loaded is None or k.data is not data:
+        if (kept.get(key) is not k or k.loaded is None or k.data is not data
+                or dst.is_inference() != data.is_inference()):
             continue
         host = k.host
         if host is not k.loaded() and _same(host.device, data.device):  # the load replaced the object

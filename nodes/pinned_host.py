@@ -25,6 +25,7 @@ lock); it takes the bytes left under the same ceiling after the streamed weights
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import mmap
@@ -184,20 +185,25 @@ def _copy_one_thread(dst: torch.Tensor, src: torch.Tensor) -> None:
         ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)
 
 
-def _new_buffer(plain, layout, locker, times: list | None = None, copy=_copy_torch) -> list[torch.Tensor]:
+def _new_buffer(plain, layout, locker, times: list | None = None, copy=_copy_torch,
+                inference: bool | None = None) -> list[torch.Tensor]:
     """One new page-locked buffer laid out as ``layout`` (:func:`_layout`) holding the tensors ``plain``: a view of
     it for each, with its dtype and size.  Counted in :func:`pinned_bytes`, and unregistered when the last view lets
-    go of it.  ``times``: [map and copy seconds, registering seconds], added to."""
+    go of it.  ``times``: [map and copy seconds, registering seconds], added to.  ``inference``: the views made as
+    inference tensors or not (a weight's ``data`` only takes a tensor of its own kind); None: as the calling
+    thread's mode makes them."""
     t0 = time.perf_counter()
     offsets, size = layout
     view = memoryview(new_map(size))  # the storage holds the map through the view
-    base = torch.frombuffer(view, dtype=torch.uint8)
+    mode = contextlib.nullcontext() if inference is None else torch.inference_mode(inference)
     targets = []
-    for t, off in zip(plain, offsets):
-        n = t.numel() * t.element_size()
-        dst = base[off:off + n].view(t.dtype).view(t.size())
-        copy(dst, t)
-        targets.append(dst)
+    with mode:
+        base = torch.frombuffer(view, dtype=torch.uint8)
+        for t, off in zip(plain, offsets):
+            n = t.numel() * t.element_size()
+            dst = base[off:off + n].view(t.dtype).view(t.size())
+            copy(dst, t)
+            targets.append(dst)
     ptr = base.data_ptr()
     t1 = time.perf_counter()
     locker.lock(ptr, size)
@@ -233,10 +239,15 @@ def is_pinned(t: torch.Tensor) -> bool:
 
 
 def pinned_copies(tensors, locker, times: list | None = None) -> list[torch.Tensor]:
-    """Page-locked copies of ``tensors`` (contiguous, on the host; a GGUF weight as its raw bytes), in one new
-    buffer, made with one thread: views of the buffer, as plain tensors of each one's dtype and size."""
+    """Page-locked copies of ``tensors`` (contiguous, on the host; a GGUF weight as its raw bytes; all inference
+    tensors or none), in one new buffer, made with one thread: views of the buffer, as plain tensors of each one's
+    dtype and size, inference tensors where ``tensors`` are, whatever the calling thread's mode."""
     plain = [_plain(t) for t in tensors]
-    return _new_buffer(plain, _layout([(None, t) for t in plain]), locker, times, copy=_copy_one_thread)
+    kinds = {t.is_inference() for t in plain}
+    if len(kinds) > 1:
+        raise ValueError("pinned_copies: inference tensors and others go in separate buffers")
+    return _new_buffer(plain, _layout([(None, t) for t in plain]), locker, times, copy=_copy_one_thread,
+                       inference=kinds.pop() if kinds else None)
 
 
 def layout_bytes(tensors) -> int:

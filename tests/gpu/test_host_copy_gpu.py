@@ -3,6 +3,7 @@ very host tensors its weights were loaded from, or the page-locked copies of the
 sampling (nothing copied back), and samples the same latent afterwards
 as the model ComfyUI unloads and reloads itself.  A full-precision model with and without a LoRA, and a
 GGUF one with its LoRA (ComfyUI-GGUF in COMFYUI_GGUF_PATH); each skips, with its reason, without them."""
+import gc
 import sys
 from pathlib import Path
 
@@ -111,6 +112,8 @@ def test_kept_host_copies_are_page_locked_beside_the_sampling_and_the_next_load_
     with torch.inference_mode():
         stock, latent, m, _, _text = _stock_then_estimator(comfy, kind, tmp_path)
         before = _host_state(m.model)
+        pinned_host.wait()
+        gc.collect()  # buffers of models earlier tests dropped go now, not while this one counts
         start = pinned_host.pinned_bytes()
         first = comfy_env.sample_tiny(m, steps=2, seed=0)
         pinned_host.wait()

@@ -331,3 +331,32 @@ def test_a_failing_job_is_logged_once_and_the_worker_runs_the_next_one(caplog):
         pinned_host.later(ran.append, 1)
         pinned_host.wait()
     assert ran == [1] and "registration refused" in caplog.text
+
+
+def test_copies_made_on_the_worker_are_inference_tensors_where_comfyuis_weights_are():
+    """ComfyUI loads and unloads under inference mode; the worker thread runs outside it.  A weight's ``data`` given
+    a tensor of the other kind breaks it ("Inference tensors do not track version counter"), so each copy is made as
+    the kind of its host tensor."""
+    import threading
+    import weakref
+    from .test_host_copy import Net as HostNet
+    with torch.inference_mode():
+        model = HostNet()
+        p = Patcher(model)
+        assert host_copy.install(p)
+        p.load()
+    locker, done = FakeLocker(), []
+    worker = threading.Thread(target=lambda: done.append(
+        host_copy.pin_kept(weakref.ref(model), META, locker, total=64 * GiB, available=lambda: 64 * GiB)))
+    worker.start()
+    worker.join()
+    assert done[0] > 0
+    with torch.inference_mode():
+        p.detach()
+    for k, t in model.named_parameters():
+        assert _within(t.data_ptr(), locker) and t.is_inference(), k
+        t.detach().as_subclass(torch.Tensor).clone()  # raised on a weight given a non-inference tensor's data
+    with torch.inference_mode():
+        p.load()
+        p.detach()
+    assert all(_within(t.data_ptr(), locker) for t in model.parameters())
