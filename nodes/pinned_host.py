@@ -19,7 +19,7 @@ they were, and the reason is logged once.
 The host copies the pack keeps of a loaded model's weights (:mod:`.host_copy`) are page-locked the same way, one
 buffer per module, by one daemon worker beside the sampling (:func:`later`): those copies are what the next load of
 the model (the next prompt after the decode's unload, the expert switch of a repeat prompt) copies onto the GPU, at
-6.3-6.9 GB/s from pageable memory and 52-55 GB/s from page-locked memory on the H200 host
+6.1-9.6 GB/s from pageable memory and 51.6-55.2 GB/s from page-locked memory on the H200 host
 (``python -m bench.pin_throughput``).  The worker copies with one thread (``memmove``, outside the interpreter
 lock); it takes the bytes left under the same ceiling after the streamed weights, which are page-locked first.
 """
