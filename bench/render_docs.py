@@ -1092,7 +1092,8 @@ def unmapping_lines() -> list:
         a = _expert_phase_seconds(path, after, "est+sage", "first", "partially_load")
         o.append(f"- {budget}: {_per_expert(b)} at `{_commit_of_round(path, before)}` (round `{before}`), {_per_expert(a)} at "
                  f"`{_commit_of_round(path, after)}` (round `{after}`; {link(path)}).")
-    return o + [""] + pinned_lines() + [""] + pin_throughput_lines() + [""] + te_copy_lines()
+    return (o + [""] + pinned_lines() + [""] + pin_throughput_lines() + [""] + kept_pin_lines() + [""]
+            + te_copy_lines())
 
 
 # (records, round before, round after) around the page-locked streamed weights (nodes/pinned_host.py), and the probe
@@ -1173,6 +1174,49 @@ def pinned_lines() -> list:
         f"{_per_expert(frames(before, 'first'))} and {_per_expert(frames(after, 'first'))} first, {_per_expert(frames(before, 'repeat'))} and "
         f"{_per_expert(frames(after, 'repeat'))} repeated (two machines; the ratios to ComfyUI alone on each are in "
         "[benchmarks](benchmarks.md#whole-generation))."]
+
+
+# the 5B template's whole prompts on one H100 before and after the kept host copies were page-locked
+KEPT_PIN_ROUNDS = ("whole-prompt/h100-ti2v5b-704p121-20steps-24gib-template.jsonl", "d", "e")
+
+
+def kept_pin_lines() -> list:
+    """The host copies kept for the loaded weights, page-locked beside the sampling: the reload in the repeat
+    prompt's first step before and after, from the 5B template's records."""
+    path, before, after = KEPT_PIN_ROUNDS
+    rate = [r for r in rows(PIN_THROUGHPUT) if r["method"] != "in-place"]  # in-place: the source itself locked
+
+    def prompts(rnd, variant, prompt):
+        return [pr for r in rows(path) if r.get("round") == rnd and r.get("status") == "ok"
+                and r["config"].get("variant") == variant for pr in r["prompts"]
+                if pr["prompt"] == prompt and pr["status"] == "ok"]
+
+    def reload(rnd, variant):  # the repeat prompt's first step over its later steps' median
+        return [steps[0] - statistics.median(steps[1:]) for pr in prompts(rnd, variant, "repeat")
+                for steps in pr["step_s_by_node"].values()]
+
+    def frames(rnd, variant, prompt):
+        return [pr["to_frames_s"] for pr in prompts(rnd, variant, prompt)]
+    return [
+        "Where the model is loaded again (the repeat prompt after the decode's unload, the expert switch of a repeat",
+        "prompt, the text encoder for a new text) ComfyUI copies the kept host copies onto the GPU: "
+        f"{_span([r['h2d_pageable_gb_s'] for r in rate])} GB/s from pageable memory,",
+        f"{_span([r['h2d_locked_gb_s'] for r in rate])} GB/s from page-locked memory on the H200 host "
+        f"({link(PIN_THROUGHPUT)}). After each load the estimator's",
+        "clone (and the text encoder's) gives its kept host copies to one worker thread, which copies each module's into",
+        "one page-locked buffer while the model samples (one thread, within the same ceiling, after the streamed",
+        "weights) and points the kept entries at it (`host_copy.pin_kept`); a module unloaded meanwhile keeps its",
+        f"pageable copy. The 5B template at 24 GiB on an H100 ({link(path)}): the repeat prompt's first step took",
+        f"{_span(reload(before, 'template'))} s more than its later steps at `{_commit_of_round(path, before)}` "
+        f"(round `{before}`; 9.31 GiB reloaded after the decode's",
+        f"unload) and {_span(reload(after, 'template'))} s at `{_commit_of_round(path, after)}` (round `{after}`; "
+        f"stock ComfyUI {_span(reload(after, 'comfy'))} s); the repeat prompt to the frames",
+        f"{_span(frames(before, 'template', 'repeat'))} s and {_span(frames(after, 'template', 'repeat'))} s, stock "
+        f"ComfyUI {_span(frames(after, 'comfy', 'repeat'))} s. The worker page-locked the text encoder's 10.58 GiB in",
+        "4.1–6.3 s and the model's 9.31 GiB in 4.8–4.9 s (round `e`'s log) while they sampled; the first prompts took",
+        f"{_span(frames(after, 'template', 'first'))} s (round `{after}`) against "
+        f"{_span(frames(before, 'template', 'first'))} s (round `{before}`; the first of round `{after}`'s two "
+        "processes ran in the call that wrote the model files)."]
 
 
 # the whole prompts with Wan Text Encoder Host Copy and ComfyUI alone on one machine (nodes/text_encoder.py)
