@@ -430,7 +430,7 @@ def _pin_kept_later(patcher, locker=None) -> bool:
         load = torch.device(getattr(patcher, "load_device", "cpu"))
         offload = torch.device(getattr(patcher, "offload_device", "cpu"))
         base = getattr(patcher, "model", None)
-        if offload.type != "cpu" or not locker.usable(load) or not _unpinned(base):
+        if offload.type != "cpu" or not locker.usable(load) or not _KEPT.get(base):
             return False
         pinned_host.later(pin_kept, weakref.ref(base), load, locker)
         return True
@@ -490,8 +490,11 @@ def pin_kept(base_ref, load, locker=None, total: int | None = None, available=No
     times, t0 = [0.0, 0.0], time.perf_counter()
     room = {} if available is None else {"available": available}
     on_device = torch.cuda.device(load) if load.type == "cuda" and torch.cuda.is_available() else nullcontext()
+    groups = _unpinned(base)
+    groups.reverse()
     with on_device:  # the worker thread registers for the model's device
-        for group in _unpinned(base):
+        while groups:
+            group = groups.pop()  # let go of each module's pageable copies once pointed (memory not on a file map)
             need = pinned_host.layout_bytes([data for _, _, data in group])
             if not pinned_host.room_for(need, total, **room):
                 skipped += need
@@ -502,6 +505,7 @@ def pin_kept(base_ref, load, locker=None, total: int | None = None, available=No
             moved = _repoint(base, group, targets)
             done += moved
             modules += bool(moved)
+            del group, targets
     if done or skipped:
         log.info("wan-sage: page-locked %.2f GiB of the weights' host copies beside the sampling in %.2f s (%d "
                  "modules; copies %.2f s, registering %.2f s)%s", done / 2**30, time.perf_counter() - t0, modules,

@@ -25,6 +25,7 @@ lock); it takes the bytes left under the same ceiling after the streamed weights
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import logging
@@ -54,17 +55,37 @@ HUGE_PAGES = getattr(mmap, "MADV_HUGEPAGE", None)
 
 _lock = threading.Lock()
 _buffers: dict = {}  # start address -> size of each buffer the pack holds page-locked
+_starts: list = []   # the same start addresses, sorted: a lookup per weight stays cheap with thousands of buffers
+_total = 0           # the sum of _buffers' sizes
 
 
 def pinned_bytes() -> int:
     """The host memory the pack holds page-locked now."""
     with _lock:
-        return sum(_buffers.values())
+        return _total
 
 
 def _in_buffer(ptr: int) -> bool:
     with _lock:
-        return any(start <= ptr < start + size for start, size in _buffers.items())
+        i = bisect.bisect_right(_starts, ptr) - 1
+        return i >= 0 and ptr < _starts[i] + _buffers[_starts[i]]
+
+
+def _count(ptr: int, size: int) -> None:
+    global _total
+    with _lock:
+        _buffers[ptr] = size
+        bisect.insort(_starts, ptr)
+        _total += size
+
+
+def _uncount(ptr: int) -> None:
+    global _total
+    with _lock:
+        size = _buffers.pop(ptr, None)
+        if size is not None:
+            del _starts[bisect.bisect_left(_starts, ptr)]
+            _total -= size
 
 
 def _ram_total() -> int:
@@ -119,8 +140,7 @@ class CudaLocker:
 
 def _released(locker, ptr: int, nbytes: int) -> None:
     """The buffer's last weight let go of it: unregister it (before its memory is unmapped) and count it off."""
-    with _lock:
-        _buffers.pop(ptr, None)
+    _uncount(ptr)
     try:
         locker.unlock(ptr)
     except Exception as e:  # never raise from a finalizer
@@ -210,8 +230,7 @@ def _new_buffer(plain, layout, locker, times: list | None = None, copy=_copy_tor
     if times is not None:
         times[0] += t1 - t0
         times[1] += time.perf_counter() - t1
-    with _lock:
-        _buffers[ptr] = size
+    _count(ptr, size)
     weakref.finalize(view, _released, locker, ptr, size)
     return targets
 

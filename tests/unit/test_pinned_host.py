@@ -360,3 +360,21 @@ def test_copies_made_on_the_worker_are_inference_tensors_where_comfyuis_weights_
         p.load()
         p.detach()
     assert all(_within(t.data_ptr(), locker) for t in model.parameters())
+
+
+def test_the_buffer_lookup_finds_an_address_in_any_buffer_and_none_outside():
+    start = pinned_host.pinned_bytes()
+    spans = [(1 << 50, 4096), (1 << 50 | 1 << 20, 100), ((1 << 50) - 8192, 8192)]
+    for ptr, size in spans:
+        pinned_host._count(ptr, size)
+    try:
+        assert pinned_host.pinned_bytes() - start == sum(n for _, n in spans)
+        for ptr, size in spans:
+            assert pinned_host._in_buffer(ptr) and pinned_host._in_buffer(ptr + size - 1)
+            assert not pinned_host._in_buffer(ptr + size) or any(p == ptr + size for p, _ in spans)
+        assert not pinned_host._in_buffer((1 << 50) + 4096) and not pinned_host._in_buffer((1 << 50) - 8193)
+    finally:
+        for ptr, _ in spans:
+            pinned_host._uncount(ptr)
+    assert pinned_host.pinned_bytes() == start
+    assert not pinned_host._in_buffer(1 << 50)
