@@ -53,7 +53,7 @@ ALIGN = 64                # each weight's offset in its module's buffer
 # pages (``python -m bench.pin_throughput``, docs/memory-model.md).
 HUGE_PAGES = getattr(mmap, "MADV_HUGEPAGE", None)
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: a buffer's finalizer may run on a thread that holds it (a collection)
 _buffers: dict = {}  # start address -> size of each buffer the pack holds page-locked
 _starts: list = []   # the same start addresses, sorted: a lookup per weight stays cheap with thousands of buffers
 _total = 0           # the sum of _buffers' sizes
