@@ -424,7 +424,8 @@ def _give_back(base: torch.nn.Module, kept: dict, key: str, backup: dict, device
 
 def _pin_kept_later(patcher, locker=None) -> bool:
     """After a load: give :func:`pin_kept` for ``patcher``'s model to the page-locking worker, where its load device
-    is a CUDA device and something kept is not page-locked yet; True where it was given."""
+    is a CUDA device and host copies are kept for it (the worker passes over those already page-locked); True where
+    it was given."""
     try:
         locker = locker or pinned_host.CudaLocker()
         load = torch.device(getattr(patcher, "load_device", "cpu"))
