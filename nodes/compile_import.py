@@ -21,27 +21,17 @@ where a failure shows as it would without this module, and the hot-load logs its
 """
 from __future__ import annotations
 
-import queue
 import threading
 
 import torch
 
+from .worker import Worker
+
 __all__ = ["start", "later", "wait", "LazyCompile"]
 
 _lock = threading.Lock()
-_thread: threading.Thread | None = None
-_jobs: queue.Queue = queue.Queue()
-
-
-def _work() -> None:
-    while True:
-        fn, args = _jobs.get()
-        try:
-            fn(*args)
-        except BaseException:  # even SystemExit: the worker lives on, or wait() would wait for ever
-            pass  # see the module's docstring: each job's failure shows where its work is needed
-        finally:
-            _jobs.task_done()
+# no on_error: each job's failure shows where its work is needed (the module's docstring)
+_worker = Worker("wan-sage-compile-imports")
 
 
 def _imports(kwargs: dict) -> None:
@@ -51,34 +41,25 @@ def _imports(kwargs: dict) -> None:
 def start(kwargs: dict) -> bool:
     """Start, once per process, the worker with the imports ``torch.compile(module, **kwargs)`` makes as its first
     job; True where this call started it."""
-    global _thread
     with _lock:
-        if _thread is not None:
+        if _worker.thread is not None:
             return False
-        _jobs.put((_imports, (dict(kwargs),)))
-        _thread = threading.Thread(target=_work, name="wan-sage-compile-imports", daemon=True)
-        _thread.start()
-        return True
+        _worker.put(_imports, dict(kwargs))
+        return _worker.start()
 
 
 def later(fn, *args) -> bool:
     """Give ``fn(*args)`` to the worker, after the jobs before it; False (nothing given) where no worker runs."""
     with _lock:
-        if _thread is None:
+        if _worker.thread is None:
             return False
-        _jobs.put((fn, args))
+        _worker.put(fn, *args)
         return True
 
 
 def wait() -> None:
     """Return once every job given to the worker so far is done (at once where none was, or on the worker)."""
-    with _lock:
-        t = _thread
-    if t is None or t is threading.current_thread():
-        return
-    with _jobs.all_tasks_done:  # queue.join(), but not on a worker that is gone (interpreter shutdown)
-        while _jobs.unfinished_tasks and t.is_alive():
-            _jobs.all_tasks_done.wait(0.5)
+    _worker.wait()
 
 
 class LazyCompile:

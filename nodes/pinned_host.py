@@ -31,7 +31,6 @@ import ctypes
 import logging
 import mmap
 import os
-import queue
 import threading
 import time
 import weakref
@@ -39,6 +38,7 @@ import weakref
 import torch
 
 from .log_once import reason, warn_once
+from .worker import Worker
 
 log = logging.getLogger("wan_sage")
 
@@ -165,7 +165,7 @@ def _streamed_modules(model: torch.nn.Module, offload: torch.device):
             continue
         plain = [(n, _plain(p)) for n, p in params]
         if (not any(t.numel() for _, t in plain)
-                or any(not t.is_contiguous() or t.is_pinned() or _in_buffer(t.data_ptr()) for _, t in plain)):
+                or any(not t.is_contiguous() or is_pinned(t) for _, t in plain)):
             continue
         yield module, params, plain
 
@@ -274,38 +274,23 @@ def layout_bytes(tensors) -> int:
     return _layout([(None, _plain(t)) for t in tensors])[1]
 
 
-_jobs: queue.Queue = queue.Queue()
-_worker: threading.Thread | None = None
+def _job_failed(e: BaseException) -> None:
+    warn_once(("pin-job", type(e).__name__), "wan-sage: page-locking the weights' host copies failed (%s); a reload "
+              "copies them from pageable memory.", reason(e))
 
 
-def _work() -> None:
-    while True:
-        fn, args = _jobs.get()
-        try:
-            fn(*args)
-        except BaseException as e:  # a job's failure is its own: the worker goes on with the next one
-            warn_once(("pin-job", type(e).__name__), "wan-sage: page-locking the weights' host copies failed (%s); "
-                      "a reload copies them from pageable memory.", reason(e))
-        finally:
-            _jobs.task_done()
+_worker = Worker("wan-sage-pin", on_error=_job_failed)
 
 
 def later(fn, *args) -> None:
     """Run ``fn(*args)`` on the pack's page-locking worker (one daemon thread, jobs one after another)."""
-    global _worker
-    with _lock:
-        if _worker is None or not _worker.is_alive():
-            _worker = threading.Thread(target=_work, name="wan-sage-pin", daemon=True)
-            _worker.start()
-    _jobs.put((fn, args))
+    _worker.start()
+    _worker.put(fn, *args)
 
 
 def wait() -> None:
     """Until every job given to :func:`later` so far has run."""
-    with _lock:
-        running = _worker is not None and _worker.is_alive()
-    if running:
-        _jobs.join()
+    _worker.wait()
 
 
 def report_note(comfy_pins: bool) -> str | None:

@@ -11,14 +11,13 @@ import pytest
 import torch
 from types import SimpleNamespace
 
-from wan_sage.nodes import comfy_bridge, compile_cache, compile_import
+from wan_sage.nodes import comfy_bridge, compile_cache, compile_import, worker
 
 
 @pytest.fixture
 def fresh(monkeypatch):
     """compile_import as in a process that has not started its worker."""
-    monkeypatch.setattr(compile_import, "_thread", None)
-    monkeypatch.setattr(compile_import, "_jobs", compile_import.queue.Queue())
+    monkeypatch.setattr(compile_import, "_worker", worker.Worker("wan-sage-compile-imports"))
     yield compile_import
     compile_import.wait()
 
@@ -99,17 +98,17 @@ def test_a_job_that_raises_systemexit_leaves_the_worker_running(fresh, monkeypat
     fresh.later(exits)
     fresh.later(ran.append, "next")
     fresh.wait()
-    assert ran == ["next"] and compile_import._thread.is_alive()
+    assert ran == ["next"] and compile_import._worker.thread.is_alive()
 
 
 def test_jobs_run_on_the_worker_in_order_and_none_without_it(fresh, monkeypatch):
     made = _recording_compile(monkeypatch)
-    assert fresh.later(print) is False and compile_import._thread is None
+    assert fresh.later(print) is False and compile_import._worker.thread is None
     fresh.start({"backend": "inductor"})
     order = []
     assert fresh.later(lambda: order.append(("job", len(made), threading.current_thread().name)))
     fresh.wait()
-    assert compile_import._thread is not None and order == [("job", 1, "wan-sage-compile-imports")]  # after imports
+    assert compile_import._worker.thread is not None and order == [("job", 1, "wan-sage-compile-imports")]  # after imports
 
 
 def test_a_hot_load_on_another_thread_waits_for_the_workers_jobs(fresh, monkeypatch, tmp_path):
