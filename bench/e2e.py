@@ -672,6 +672,11 @@ class ExpertProbe:
             mem.sync()
             self.t1 = time.perf_counter()
             self.d["peak_alloc_gib"], self.d["peak_reserved_gib"] = mem.peaks()
+            if p is not None:
+                self.d["resident_end_gib"] = p.loaded_size() / GiB
+                moves = replan_moves(p.model)
+                if moves:
+                    self.d["replan"] = moves
 
     def result(self, wall_s, attention=None, estimator=None) -> dict:
         d = dict(self.d)
@@ -693,6 +698,19 @@ class ExpertProbe:
         d["attention"] = attention
         d["estimator"] = estimator
         return {k: (_r(v) if isinstance(v, float) else v) for k, v in d.items()}
+
+
+def replan_moves(base) -> list:
+    """The weights the pack moved between ``base``'s model calls as it planned the reservation again
+    (``nodes/replan.py``): per move, the model call it came before (one call per step for the samplers here), the
+    reservation before and after, and the GiB loaded (negative: unloaded)."""
+    for name, m in list(sys.modules.items()):
+        if name.endswith(".nodes.replan") and hasattr(m, "moves"):
+            found = m.moves(base)
+            if found:
+                return [{"call": c, "from_gib": _r(a / GiB), "to_gib": _r(b / GiB), "moved_gib": _r(d / GiB)}
+                        for c, a, b, d in found]
+    return []
 
 
 def _stats_modules():

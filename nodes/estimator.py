@@ -33,7 +33,8 @@ from ..memory import activation_model, report
 from ..memory.estimate import GiB, POLICIES, AttentionPlan, Estimate, Setup, attention_plan, plan
 from ..memory.parallel import Parallel, problem
 from ..memory.request import LEGACY_POLICIES
-from . import comfy_bridge, compile_blocks, cond_rows, decode_room, host_copy, pinned_host, raylight_bridge, sage_patch
+from . import (comfy_bridge, compile_blocks, cond_rows, decode_room, host_copy, pinned_host, raylight_bridge, replan,
+               sage_patch)
 from .log_once import reason, warn_once
 from .sage_patch import find_override
 
@@ -343,6 +344,7 @@ def _prepare_wrapper(settings: Settings, cfg: float = 1.0):
     def prepare_sampling(executor, model, noise_shape, conds, *args, **kwargs):
         mo = kwargs.get("model_options", args[0] if args else None) or getattr(model, "model_options", {})
         base = model.model
+        replan.end(base)
         try:
             fn, est = sampling_plan(model, noise_shape, mo, settings, cfg)
         except Exception as e:  # never block sampling on the estimate
@@ -369,8 +371,22 @@ def _prepare_wrapper(settings: Settings, cfg: float = 1.0):
         finally:
             comfy_bridge.restore_memory_required(base, prev)
         _trim_after_load(comfy_bridge.device_of(model))
+        replan.begin(model, noise_shape, _replanner(mo, settings, cfg, est.streamed), fn(_one_row(noise_shape)))
         return out
     return prepare_sampling
+
+
+def _one_row(shape) -> list:
+    """The input ComfyUI places the weights for: the noise's own rows (``minimum_memory_required``)."""
+    return [int(shape[0])] + [int(x) for x in shape[1:]]
+
+
+def _replanner(model_options, settings: Settings, cfg: float, streamed: bool):
+    """The reservation of a sampling planned again between its model calls (:mod:`.replan`): the same plan as
+    its start's, from what the model shows now, with the weights streamed or resident as its start found."""
+    def reservation(patcher, shape) -> int:
+        return sampling_plan(patcher, shape, model_options, settings, cfg, streamed=streamed)[0](_one_row(shape))
+    return reservation
 
 
 def _trim_after_load(dev) -> None:
@@ -400,6 +416,7 @@ def batching_setup(base, shape, model_options, settings: Settings) -> Setup:
 def _cond_batch_wrapper(settings: Settings):
     def calc_cond_batch(executor, model, conds, x_in, timestep, model_options, *args, **kwargs):
         base = model  # BaseModel here, its weights loaded already
+        replan.before_call(base)
         try:
             fn = MemoryRequired(batching_setup(base, list(x_in.shape), model_options, settings))
         except Exception as e:  # never block sampling on the estimate; the reason is logged once

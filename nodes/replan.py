@@ -1,0 +1,155 @@
+"""The reservation planned again between model calls, as the sampling shows how it runs.
+
+A sampling's weights are placed once, when it starts, against the reservation the estimator can plan then.  Two
+facts that lower it arrive only with the first model call:
+
+* whether Wan Compile Blocks runs the streamed blocks compiled (:func:`.compile_blocks.streamed_path`).  Until a
+  block of the model's kind has, the estimator plans the eager streamed forward (the eager floor), which holds
+  more: the seed workflow's first prompt at 16 GiB on the H200 left 1.6 GiB of the budget unused while 23 % of the
+  high-noise expert's weights streamed;
+* how the Sage patch's dispatcher settles a shape's head groups: a shape's first, timed calls run ungrouped, and the
+  grouped call it settles on needs less (:func:`.estimator.run_mode`).
+
+and one raises it: a streamed block that ran eagerly brings the eager floor back.
+
+So before each model call after the first, the sampling is planned again through the same entry point as its
+start (:func:`.estimator.sampling_plan`).  Where the reservation fell by at least ComfyUI's smallest partial load
+(128 MiB) and part of the weights streams, the allocator's free blocks are handed back and the weights that the
+room freed holds are loaded, as ComfyUI's ``load_models_gpu`` sizes a partial load (free memory less the
+reservation and what ComfyUI keeps free), through the patcher's own ``partially_load``.  Where it rose past the
+free memory, weights are unloaded to it first (``partially_unload``), so the next call has what the plan says it
+needs.  Nothing else changes: the next step runs the weights where they now are, as a later sampling would.
+
+Only on the legacy memory path (ComfyUI 0.3.64, GGUF, ``--disable-dynamic-vram``), where the estimator places the
+weights; a dynamic-VRAM model's residency is ComfyUI's.  A load or unload that fails leaves the model as ComfyUI's
+own load would place it for the sampling's start reservation, with one warning; a cancel goes on up.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+from . import comfy_bridge
+from .log_once import reason, warn_once
+
+log = logging.getLogger("wan_sage")
+
+MIN_MOVE_BYTES = 128 << 20  # ComfyUI's smallest partial load (load_models_gpu's lowvram_model_memory floor)
+GiB = float(1 << 30)
+
+
+@dataclass
+class _Sampling:
+    """One sampling's reservation in force, and how to plan it again."""
+
+    patcher: weakref.ref
+    shape: tuple  # the noise shape the sampling's load was planned for
+    plan: object  # (patcher, shape) -> the reservation in bytes, as the sampling's start planned it
+    reservation: int
+    moves: list = field(default_factory=list)  # (call index, reservation before, after, bytes loaded (-unloaded))
+    calls: int = 0
+
+
+_lock = threading.Lock()
+_samplings: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # BaseModel -> _Sampling
+
+
+def begin(patcher, shape, plan, reservation: int) -> None:
+    """Note the sampling of ``patcher`` that just placed its weights for ``shape`` against ``reservation`` bytes;
+    ``plan(patcher, shape)`` plans it again.  A dynamic-VRAM model is left to ComfyUI."""
+    base = getattr(patcher, "model", None)
+    if base is None or comfy_bridge.is_dynamic(patcher):
+        return
+    with _lock:
+        _samplings[base] = _Sampling(weakref.ref(patcher), tuple(int(x) for x in shape), plan, int(reservation))
+
+
+def _get(base) -> _Sampling | None:
+    with _lock:
+        try:
+            return _samplings.get(base)
+        except TypeError:  # an object that takes no weak reference began no sampling here
+            return None
+
+
+def end(base) -> None:
+    """Forget ``base``'s sampling: a new one begins (its estimate may fail and leave ComfyUI's own)."""
+    with _lock:
+        try:
+            _samplings.pop(base, None)
+        except TypeError:
+            pass
+
+
+def moves(base) -> list:
+    """The moves of ``base``'s current or last sampling: (call, reservation before, after, bytes loaded)."""
+    s = _get(base)
+    return list(s.moves) if s is not None else []
+
+
+def before_call(base) -> int:
+    """Plan ``base``'s sampling again before a model call and move weights to the new reservation; returns the
+    bytes loaded (negative: unloaded), 0 where nothing moved."""
+    s = _get(base)
+    if s is None:
+        return 0
+    s.calls += 1
+    patcher = s.patcher()
+    if s.calls == 1 or patcher is None or getattr(base, "current_patcher", patcher) is not patcher:
+        return 0
+    try:
+        new = int(s.plan(patcher, s.shape))
+    except Exception as e:
+        warn_once(("replan", type(e).__name__), "wan-sage: planning the reservation again between steps failed "
+                  "(%s); the weights stay where the sampling's start placed them.", reason(e))
+        return 0
+    old = s.reservation
+    if abs(new - old) < MIN_MOVE_BYTES:
+        return 0
+    moved = _move(patcher, base, new, lowered=new < old, start_reservation=old)
+    s.reservation = new
+    s.moves.append((s.calls, old, new, moved))
+    if moved:
+        log.info("wan-sage: reservation %.2f -> %.2f GiB after %d model call(s): %s %.2f GiB of weights",
+                 old / GiB, new / GiB, s.calls - 1, "loaded" if moved > 0 else "unloaded", abs(moved) / GiB)
+    return moved
+
+
+def _needed(reservation: int) -> int:
+    """What a load leaves free for a sampling whose reservation is ``reservation``, as ``load_models_gpu`` does."""
+    import comfy.model_management as mm
+    return max(int(mm.minimum_inference_memory()), reservation + comfy_bridge.extra_reserved())
+
+
+def _move(patcher, base, reservation: int, lowered: bool, start_reservation: int) -> int:
+    dev = comfy_bridge.device_of(patcher)
+    if lowered and not getattr(base, "model_lowvram", False):
+        return 0  # every weight resident already
+    comfy_bridge.trim_allocator(dev, "before moving weights between steps")
+    room = comfy_bridge.free_memory(dev) - _needed(reservation)
+    if lowered and room < MIN_MOVE_BYTES or not lowered and room >= 0:
+        return 0
+    before = int(patcher.loaded_size())
+    try:
+        if lowered:
+            patcher.partially_load(dev, room)
+        else:
+            patcher.partially_unload(patcher.offload_device, -room)
+    except Exception as e:
+        if comfy_bridge.user_cancel(e):
+            raise
+        warn_once(("replan-move", type(e).__name__), "wan-sage: %s weights between steps failed (%s); they are "
+                  "placed again for the sampling's start reservation.", "loading" if lowered else "unloading",
+                  reason(e))
+        _reload(patcher, start_reservation)
+    comfy_bridge.trim_allocator(dev, "after moving weights between steps")
+    return int(patcher.loaded_size()) - before
+
+
+def _reload(patcher, reservation: int) -> None:
+    """Place ``patcher``'s weights as a sampling's start does for ``reservation`` (ComfyUI's ``partially_load``
+    detaches the model when it fails)."""
+    import comfy.model_management as mm
+    mm.load_models_gpu([patcher], memory_required=reservation, minimum_memory_required=reservation)

@@ -1,0 +1,222 @@
+"""The reservation planned again between model calls (nodes/replan.py), with stand-ins for the patcher and for
+ComfyUI's free memory: what is loaded or unloaded, and when nothing moves."""
+import logging
+import sys
+import types
+
+import pytest
+
+from wan_sage.nodes import comfy_bridge, replan
+from wan_sage.nodes.log_once import warned
+
+GiB = 1 << 30
+MiB = 1 << 20
+KEPT_FREE = int(0.4 * GiB)  # what ComfyUI keeps free (extra_reserved_memory) in these tests
+
+
+class Base:
+    def __init__(self, lowvram=True):
+        self.model_lowvram = lowvram
+        self.current_patcher = None
+
+
+class Patcher:
+    """A patcher whose loads and unloads move bytes between the device and the host."""
+
+    def __init__(self, device, loaded, size, lowvram=True):
+        self.model = Base(lowvram)
+        self.model.current_patcher = self
+        self.load_device, self.offload_device = "cuda:0", "cpu"
+        self.device = device
+        self.loaded, self.size = loaded, size
+        self.calls = []
+        self.fail = None
+
+    def is_dynamic(self):
+        return False
+
+    def loaded_size(self):
+        return self.loaded
+
+    def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
+        self.calls.append(("load", device_to, extra_memory))
+        if self.fail:
+            raise self.fail
+        moved = min(extra_memory, self.size - self.loaded)
+        self.loaded += moved
+        self.device.free -= moved
+        self.model.model_lowvram = self.loaded < self.size
+        return moved
+
+    def partially_unload(self, device_to, memory_to_free=0):
+        self.calls.append(("unload", device_to, memory_to_free))
+        if self.fail:
+            raise self.fail
+        moved = min(memory_to_free, self.loaded)
+        self.loaded -= moved
+        self.device.free += moved
+        self.model.model_lowvram = True
+        return moved
+
+
+class Device:
+    def __init__(self, free):
+        self.free = free
+        self.trims = 0
+
+
+@pytest.fixture
+def dev(monkeypatch):
+    d = Device(free=0)
+    mm = types.ModuleType("comfy.model_management")
+    mm.minimum_inference_memory = lambda: 0.8 * GiB + KEPT_FREE
+    mm.reloads = []
+    mm.load_models_gpu = lambda models, **kw: mm.reloads.append((models, kw))
+    comfy = types.ModuleType("comfy")
+    comfy.model_management = mm
+    monkeypatch.setitem(sys.modules, "comfy", comfy)
+    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
+    monkeypatch.setattr(comfy_bridge, "free_memory", lambda device: d.free)
+    monkeypatch.setattr(comfy_bridge, "extra_reserved", lambda: KEPT_FREE)
+
+    def trim(device, when):
+        d.trims += 1
+    monkeypatch.setattr(comfy_bridge, "trim_allocator", trim)
+    d.mm = mm
+    warned.clear()
+    return d
+
+
+def _sampling(dev, plans, start, loaded=6 * GiB, size=10 * GiB, lowvram=True):
+    """A patcher whose sampling began against ``start`` bytes, and whose later plans are ``plans`` in turn."""
+    p = Patcher(dev, loaded, size, lowvram)
+    queue = list(plans)
+
+    def plan(patcher, shape):
+        assert patcher is p and shape == (1, 16, 21, 90, 160)
+        return queue.pop(0) if len(queue) > 1 else queue[0]
+    replan.begin(p, [1, 16, 21, 90, 160], plan, start)
+    return p
+
+
+def test_a_lower_plan_loads_what_the_room_holds(dev):
+    """The first call is planned at the start's reservation; once the plan falls, the weights the room freed
+    holds are loaded, as load_models_gpu sizes a partial load: free memory less the plan and what is kept free."""
+    dev.free = 8 * GiB  # the first step's working memory, back in the allocator's free blocks
+    p = _sampling(dev, [int(5.5 * GiB)], start=int(7.9 * GiB))
+    assert replan.before_call(p.model) == 0 and p.calls == []  # the first call: nothing shown yet
+    moved = replan.before_call(p.model)
+    room = 8 * GiB - (int(5.5 * GiB) + KEPT_FREE)
+    assert p.calls == [("load", "cuda:0", room)] and moved == room
+    assert dev.free == int(5.5 * GiB) + KEPT_FREE  # the next call has exactly its plan free
+    assert replan.moves(p.model) == [(2, int(7.9 * GiB), int(5.5 * GiB), room)]
+    assert dev.trims == 2  # the free blocks handed back before sizing the load, and after it
+    assert replan.before_call(p.model) == 0 and len(p.calls) == 1  # the plan holds: nothing more moves
+
+
+def test_a_higher_plan_unloads_what_the_free_memory_lacks(dev):
+    """A block that ran eagerly brings the eager floor back: weights are unloaded until the plan is free."""
+    dev.free = int(6 * GiB)
+    p = _sampling(dev, [int(7.9 * GiB)], start=int(5.5 * GiB))
+    replan.before_call(p.model)
+    moved = replan.before_call(p.model)
+    short = int(7.9 * GiB) + KEPT_FREE - 6 * GiB
+    assert p.calls == [("unload", "cpu", short)] and moved == -short
+    assert dev.free == int(7.9 * GiB) + KEPT_FREE
+
+
+def test_a_higher_plan_that_is_free_already_moves_nothing(dev):
+    dev.free = 12 * GiB
+    p = _sampling(dev, [int(7.9 * GiB)], start=int(5.5 * GiB))
+    replan.before_call(p.model)
+    assert replan.before_call(p.model) == 0 and p.calls == []
+    assert replan.moves(p.model) == [(2, int(5.5 * GiB), int(7.9 * GiB), 0)]
+
+
+@pytest.mark.parametrize("change", [-(MiB * 127), MiB * 127])
+def test_a_change_under_comfyuis_smallest_partial_load_moves_nothing(dev, change):
+    dev.free = 3 * GiB
+    p = _sampling(dev, [6 * GiB + change], start=6 * GiB)
+    replan.before_call(p.model)
+    assert replan.before_call(p.model) == 0 and p.calls == [] and dev.trims == 0
+
+
+def test_a_lower_plan_with_every_weight_resident_moves_nothing(dev):
+    dev.free = 8 * GiB
+    p = _sampling(dev, [int(5.5 * GiB)], start=int(7.9 * GiB), loaded=10 * GiB, lowvram=False)
+    replan.before_call(p.model)
+    assert replan.before_call(p.model) == 0 and p.calls == [] and dev.trims == 0
+
+
+def test_too_little_room_for_a_partial_load_moves_nothing(dev):
+    dev.free = int(5.5 * GiB) + KEPT_FREE + 100 * MiB
+    p = _sampling(dev, [int(5.5 * GiB)], start=int(7.9 * GiB))
+    replan.before_call(p.model)
+    assert replan.before_call(p.model) == 0 and p.calls == []
+
+
+def test_the_load_is_sized_within_comfyuis_minimum_inference_memory(dev):
+    """A plan under ComfyUI's minimum inference memory leaves that minimum free, as load_models_gpu does."""
+    dev.free = 4 * GiB
+    p = _sampling(dev, [100 * MiB], start=3 * GiB)
+    replan.before_call(p.model)
+    replan.before_call(p.model)
+    assert p.calls == [("load", "cuda:0", 4 * GiB - int(0.8 * GiB + KEPT_FREE))]
+
+
+def test_a_failing_load_places_the_weights_again_for_the_start_reservation(dev, caplog):
+    dev.free = 8 * GiB
+    p = _sampling(dev, [int(5.5 * GiB)], start=int(7.9 * GiB))
+    p.fail = RuntimeError("CUDA out of memory")
+    replan.before_call(p.model)
+    with caplog.at_level(logging.WARNING, logger="wan_sage"):
+        replan.before_call(p.model)
+    assert dev.mm.reloads == [([p], {"memory_required": int(7.9 * GiB), "minimum_memory_required": int(7.9 * GiB)})]
+    assert "loading weights between steps failed (RuntimeError: CUDA out of memory)" in caplog.text
+
+
+def test_a_cancel_during_the_move_goes_on_up(dev):
+    class InterruptProcessingException(Exception):
+        pass
+    dev.free = 8 * GiB
+    p = _sampling(dev, [int(5.5 * GiB)], start=int(7.9 * GiB))
+    p.fail = InterruptProcessingException()
+    replan.before_call(p.model)
+    with pytest.raises(InterruptProcessingException):
+        replan.before_call(p.model)
+    assert dev.mm.reloads == []
+
+
+def test_a_failing_plan_leaves_the_weights_with_one_warning(dev, caplog):
+    dev.free = 8 * GiB
+    p = Patcher(dev, 6 * GiB, 10 * GiB)
+
+    def plan(patcher, shape):
+        raise ValueError("no dims")
+    replan.begin(p, [1, 16, 21, 90, 160], plan, 7 * GiB)
+    with caplog.at_level(logging.WARNING, logger="wan_sage"):
+        for _ in range(3):
+            assert replan.before_call(p.model) == 0
+    assert p.calls == [] and caplog.text.count("planning the reservation again between steps failed") == 1
+
+
+def test_another_patcher_sampling_the_same_model_is_left_alone(dev):
+    """Two clones share one BaseModel: only the patcher whose sampling began is planned again."""
+    dev.free = 8 * GiB
+    p = _sampling(dev, [int(5.5 * GiB)], start=int(7.9 * GiB))
+    p.model.current_patcher = object()
+    replan.before_call(p.model)
+    assert replan.before_call(p.model) == 0 and p.calls == []
+
+
+def test_an_ended_sampling_and_a_dynamic_model_are_not_planned_again(dev):
+    dev.free = 8 * GiB
+    p = _sampling(dev, [int(5.5 * GiB)], start=int(7.9 * GiB))
+    replan.end(p.model)
+    replan.before_call(p.model)
+    assert replan.before_call(p.model) == 0 and p.calls == []
+    q = Patcher(dev, 6 * GiB, 10 * GiB)
+    q.is_dynamic = lambda: True
+    replan.begin(q, [1, 16, 21, 90, 160], lambda *a: int(5.5 * GiB), int(7.9 * GiB))
+    replan.before_call(q.model)
+    assert replan.before_call(q.model) == 0 and q.calls == [] and replan.moves(q.model) == []
