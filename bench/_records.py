@@ -76,3 +76,21 @@ def run_sets(paths) -> list[tuple[Path, object, list[dict]]]:
             by_round.setdefault(r.get("round"), []).append(r)
         out += [(p, k, rs) for k, rs in by_round.items()]
     return out
+
+
+def moved_before_steps(e: dict) -> list[float]:
+    """GiB of weights the pack's re-plan had loaded (negative: unloaded) before each step of one expert's sampling
+    (its record's ``replan``, ``nodes/replan.py``): a move before model call ``c`` comes before step ``c`` (the
+    samplers of these records make one model call a step); 0 for every step where nothing moved."""
+    n = len(e.get("step_peak_reserved_gib") or [])
+    out = [0.0] * n
+    for m in e.get("replan") or []:
+        for i in range(max(0, int(m["call"]) - 1), n):
+            out[i] += m["moved_gib"]
+    return out
+
+
+def held_per_step(e: dict, weights_gib: float) -> list[float]:
+    """What the allocator held at each step's peak above ``weights_gib`` and the weights the re-plan loaded before
+    that step (GiB): the working memory of each step, the weights moved between steps taken out."""
+    return [r - weights_gib - m for r, m in zip(e["step_peak_reserved_gib"], moved_before_steps(e))]

@@ -21,7 +21,8 @@ from pathlib import Path
 from unittest import mock
 
 from . import _host, plot_e2e
-from ._records import RECORDS, SET_FROM, files, name_of, not_set_from, path, rows, run_sets, set_from
+from ._records import (RECORDS, SET_FROM, files, held_per_step, moved_before_steps, name_of, not_set_from, path, rows,
+                       run_sets, set_from)
 from .measured_rows import compiled_blocks, e2e_estimate, gguf_stream_copy_gib, gguf_stream_need_gib, head_groups, predict_forward
 
 _host.load_pack()
@@ -73,7 +74,10 @@ def commit_of(r: dict) -> str:
 
 
 def held_above_weights(e: dict) -> float:
-    """What the allocator held above an expert's resident weights at its sampling peak (GiB)."""
+    """What the allocator held above an expert's resident weights at its sampling peak (GiB); where the re-plan
+    moved weights between steps, at the peak of the step that held the most above the weights it then had."""
+    if e.get("replan") and e.get("step_peak_reserved_gib"):
+        return max(held_per_step(e, e["resident_gib"]))
     return e["peak_reserved_gib"] - e["resident_gib"]
 
 
@@ -611,7 +615,8 @@ def compile_section() -> list:
   marks that key eager, and nothing compiled overwrites it. A model whose own blocks have not streamed compiled
   yet plans from it: the first prompt after a restart, and Wan 2.2's low-noise expert after the
   high-noise one (the two are of one kind), and the estimator's report says so. Only the first streamed sampling of
-  a model kind keeps the eager floor. On an H100 (`h100-gguf-720p81-4steps-16gib-compiled-blocks.jsonl` round `c`
+  a model kind starts on the eager floor, and only its first step runs on it.
+  {replan_text()}. On an H100 (`h100-gguf-720p81-4steps-16gib-compiled-blocks.jsonl` round `c`
   and `h100-gguf-720p81-4steps-12gib-compiled-blocks.jsonl`, `7c19018`, one machine): at 16 GiB the first prompt
   after a restart planned the high-noise expert at 7.33 GiB against 8.27, kept 87 % of its weights resident against
   77 %, and left 0.71 GiB of the budget unused beyond what ComfyUI keeps free, against 1.77 GiB in the process
@@ -624,7 +629,7 @@ def compile_section() -> list:
   the repeat prompt planned 3.17 GiB where the experts held 2.56-2.59 GiB, against 4.14-4.30 GiB by the eager floor
   on the first prompt, and 89 % of the weights stayed resident against 77-78 %; 0 out-of-memory errors. Over every
   streamed expert of these records the plan covers what it held and runs 0.35-0.60 GiB over: 1.05-1.10× at
-  720p81, 1.19-1.22× at 832×480×81 (`bench/tests/test_compiled_streamed_records.py`). The excess is the weight
+  720p81, 1.18-1.22× at 832×480×81 (`bench/tests/test_compiled_streamed_records.py`). The excess is the weight
   transient, planned as the eager chain's 12 bytes per element of the largest Linear (a ComfyUI-GGUF dequantisation
   in two bf16 copies, the LoRA's two fp32 ones): 0.79 GiB at A14B. Compiled, inductor fuses the chain and keeps 6
   (the fp32 `up @ down` product, the bf16 weight; `python -m bench.compiled_weight_chain`,
@@ -1867,6 +1872,78 @@ def fp8_hole_lines() -> list:
                "samplings held " + "; ".join(f"{_span(v)} GiB at {b:g} GiB" for b, v in sorted(expandable.items()))
                + ": the holes shrink where almost every weight streams, but where part of the weights is resident "
                "they stay of the size the cast term covers, so the cast term does not depend on the allocator." if len(expandable) > 1 else ""), ""]
+
+
+# the re-plan between model calls (nodes/replan.py): (records, round) of streamed samplings from empty caches
+REPLAN_ROUNDS = (("whole-prompt/h100-gguf-720p81-4steps-16gib-compiled-blocks.jsonl", "d"),
+                 ("whole-prompt/void-replan-h100-9258b09.jsonl", "a"),
+                 ("whole-prompt/h100-gguf-720p81-4steps-12gib-compiled-blocks.jsonl", "b"),
+                 ("whole-prompt/void-replan-h100-9258b09.jsonl", "b"),
+                 ("whole-prompt/void-replan-h100-9258b09.jsonl", "c"))
+
+
+def _replan_samplings():
+    """(file, record, expert record, GiB ComfyUI's free plus the device's outside the pool) of every sampling of
+    :data:`REPLAN_ROUNDS`."""
+    for name, rnd in REPLAN_ROUNDS:
+        if not path(name).exists():
+            continue
+        for r in rows(name):
+            if r.get("round") != rnd or r.get("status") != "ok":
+                continue
+            for pr in r["prompts"]:
+                for ex, e in (pr.get("experts") or {}).items():
+                    if pr.get("status") == "ok":
+                        out = _outside_pool_gib(r["config"]["budget_gib"], (pr.get("phases") or {}).get(ex)) or 0.0
+                        yield name, r, e, COMFY_EXTRA_RESERVED / GiB + out
+
+
+def _replan_completed() -> str:
+    """Whether every prompt of :data:`REPLAN_ROUNDS` completed."""
+    prompts = [pr.get("status") for name, rnd in REPLAN_ROUNDS if path(name).exists() for r in rows(name)
+               if r.get("round") == rnd for pr in r.get("prompts") or [{"status": r.get("status")}]]
+    bad = [x for x in prompts if x != "ok"]
+    return (f"All {len(prompts)} prompts of those rounds completed, none out of memory" if not bad else
+            f"{len(bad)} of {len(prompts)} prompts of those rounds did not complete ({', '.join(sorted(set(map(str, bad))))})")
+
+
+def replan_text() -> str:
+    """The re-plan between model calls as it ran: per streamed sampling that moved weights, the plan before and
+    after, the weights loaded, and the budget left unused in its first step and in its later ones."""
+    parts, still = [], []
+    for name, r, e, kept in _replan_samplings():
+        b = r["config"]["budget_gib"]
+        unused = [b - kept - x for x in e["step_peak_reserved_gib"]]
+        if not e.get("replan"):
+            if r["config"].get("weights") == "fp8" and e["resident_frac"] < 0.9999:
+                still.append((name, r, e, min(unused)))
+            continue
+        (m,) = e["replan"]
+        c = r["config"]
+        size = f"{c['width']}×{c['height']}×{c['frames']}" + (f", {c['steps']} steps" if c.get("steps", 4) != 4 else "")
+        rnd = f" round `{r['round']}`" if r.get("round") else ""
+        parts.append(f"{size} at {b:g} GiB ({link(name)}{rnd}): "
+                     f"{m['from_gib']:.2f} → {m['to_gib']:.2f} GiB before its second call, {m['moved_gib']:.2f} GiB "
+                     f"loaded, {100 * e['resident_frac']:.0f} → {100 * e['resident_end_gib'] / e['weights_gib']:.0f} % "
+                     f"resident, {unused[0]:.2f} GiB of the budget unused in the first step and "
+                     f"{min(unused[m['call'] - 1:]):.2f} GiB at the later steps' peak"
+                     + (", every weight resident then" if e["resident_end_gib"] >= e["weights_gib"] - 1e-3 else ""))
+    if not parts:
+        return "That is not measured yet"
+    text = ("Before each model call after the first the estimator plans the sampling again from what the calls "
+            "showed, and where the plan fell by at least ComfyUI's smallest partial load (128 MiB) it loads the "
+            "weights the freed room holds through ComfyUI's own `partially_load`, sized as `load_models_gpu` sizes "
+            "one; where it rose it unloads to it (`nodes/replan.py`). The high-noise expert's first sampling of a "
+            "first prompt on an H100, `9258b09`, unused beyond what ComfyUI keeps free and the device held outside "
+            "PyTorch's pool: " + "; ".join(parts) + ". " + _replan_completed())
+    if still:
+        name, r, e, u = still[0]
+        text += (f". An fp8 expert sampled eagerly ({link(name)} round `{r.get('round')}`, {r['config']['budget_gib']:g} "
+                 f"GiB) showed nothing that changed its plan and moved nothing: {_span([x[3] for x in still])} GiB "
+                 "unused, the allocator's holes around the casts (below)")
+    import textwrap  # continued on the bullet's indented lines
+    return textwrap.fill(text, width=116, initial_indent="  ", subsequent_indent="  ", break_on_hyphens=False,
+                         break_long_words=False)[2:]
 
 
 def e2e_compiled_resident_section() -> list:

@@ -2,7 +2,7 @@
 (``memory.estimate.Setup.streamed_blocks_ran``), against the whole-prompt records of the node: the compiled forward
 plus the one block's weights its path holds must cover what each streamed expert held above its base.  How far it
 runs over (the issue's target is +15 %) is a benchmark figure, reported in docs/attention.md ("Wan Compile
-Blocks"), not asserted here: 1.05-1.10x at 720p81, 1.19-1.22x at 832x480x81, where it is 0.35-0.60 GiB over at
+Blocks"), not asserted here: 1.05-1.10x at 720p81, 1.18-1.22x at 832x480x81, where it is 0.35-0.60 GiB over at
 both sizes.  The rule has no constant fitted to these rows; the rows are every streamed expert of the node's
 records, and of the runs made to check the rule itself (``void-compiled-streamed-plan-*``: kept out of the
 benchmark tables, having no ComfyUI-alone run beside them), whose repeat prompts were planned by it."""
@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from bench import _records
+from bench._records import held_per_step
 from bench.measured_rows import streamed_blocks_estimate
 
 GiB = 1 << 30
@@ -20,7 +21,8 @@ def _streamed_experts() -> list:
     """(id, config, path, grouped, GiB held above the base at the step peak, reserved) per streamed expert whose
     blocks all ran compiled (lifted or staged, none eagerly) under the node."""
     out = []
-    checks = sorted((_records.RECORDS / "whole-prompt").glob("void-compiled-streamed-plan-*.jsonl"))
+    checks = sorted([*(_records.RECORDS / "whole-prompt").glob("void-compiled-streamed-plan-*.jsonl"),
+                     *(_records.RECORDS / "whole-prompt").glob("void-replan-*.jsonl")])
     for p in _records.files("whole-prompt") + checks:
         for r in _records.rows(p):
             c = r.get("config") or {}
@@ -36,7 +38,7 @@ def _streamed_experts() -> list:
                         continue
                     att = e.get("attention") or {}
                     grouped = att.get("head_split_calls", 0) == att.get("sage_calls", 0) > 0
-                    held = max(e["step_peak_reserved_gib"]) - e["base_reserved_gib"]
+                    held = max(held_per_step(e, e["base_reserved_gib"]))  # the re-plan's loads taken out
                     out.append((f"{p.stem} {r.get('round')} {(r.get('process') or {}).get('index')} {pr['prompt']} {ex}",
                                 c, "staged" if calls.get("staged") else "lifted", grouped, held))
     return out
