@@ -21,7 +21,8 @@ free memory, weights are unloaded to it first (``partially_unload``), so the nex
 needs.  Nothing else changes: the next step runs the weights where they now are, as a later sampling would.
 
 Only on the legacy memory path (ComfyUI 0.3.64, GGUF, ``--disable-dynamic-vram``), where the estimator places the
-weights; a dynamic-VRAM model's residency is ComfyUI's.  A load or unload that fails leaves the model as ComfyUI's
+weights, and only for a patcher that moves its weights with ComfyUI's own methods; a dynamic-VRAM model's residency
+is ComfyUI's.  A load or unload that fails leaves the model as ComfyUI's
 own load would place it for the sampling's start reservation, with one warning; a cancel goes on up.
 """
 from __future__ import annotations
@@ -60,10 +61,23 @@ def begin(patcher, shape, plan, reservation: int) -> None:
     """Note the sampling of ``patcher`` that just placed its weights for ``shape`` against ``reservation`` bytes;
     ``plan(patcher, shape)`` plans it again.  A dynamic-VRAM model is left to ComfyUI."""
     base = getattr(patcher, "model", None)
-    if base is None or comfy_bridge.is_dynamic(patcher):
+    if base is None or comfy_bridge.is_dynamic(patcher) or not _comfy_moves(patcher):
         return
     with _lock:
         _samplings[base] = _Sampling(weakref.ref(patcher), tuple(int(x) for x in shape), plan, int(reservation))
+
+
+def _comfy_moves(patcher) -> bool:
+    """Whether ``patcher`` loads and unloads in part with ComfyUI's own ``ModelPatcher`` methods (ComfyUI-GGUF's
+    patcher keeps them).  A patcher that replaces them (another pack's multi-GPU or sharded one) places its weights
+    its own way, and is not moved between calls."""
+    try:
+        from comfy.model_patcher import ModelPatcher
+    except ImportError:
+        return False
+    t = type(patcher)
+    return (getattr(t, "partially_load", None) is ModelPatcher.partially_load
+            and getattr(t, "partially_unload", None) is ModelPatcher.partially_unload)
 
 
 def _get(base) -> _Sampling | None:

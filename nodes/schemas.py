@@ -83,7 +83,9 @@ class WanWorkingMemoryEstimator(io.ComfyNode):
             display_name="Wan Working-Memory Estimator",
             category="model_patches/wan-sage",
             description=("Predicts the activation memory of a Wan denoise from the model's config and the latent "
-                         "size, and reserves it before sampling so ComfyUI offloads just enough weights; where the "
+                         "size, and reserves it before sampling so ComfyUI offloads just enough weights; once the "
+                         "first step shows the reservation can be smaller (compiled blocks, settled Sage head "
+                         "groups), more weights are loaded for the later steps; where the "
                          "VAE decode that follows needs more room, the model is unloaded for it when sampling ends "
                          "(its weights keep their host copies, so nothing is copied back). "
                          "With the latent connected its size comes from the latent; otherwise from the size widgets."),

@@ -73,3 +73,25 @@ def test_a_higher_plan_unloads_to_the_free_memory_it_needs(comfy, monkeypatch):
     assert -moved == loaded - c.loaded_size() >= need and c.model.model_lowvram
     assert any(t.device.type == "cpu" for t in c.model.parameters())
     _all_given_back(c, before)
+
+
+def test_comfyui_ggufs_patcher_moves_with_comfyuis_own_methods(comfy, tmp_path):
+    """ComfyUI-GGUF's patcher keeps ComfyUI's partial load and unload, so its samplings are planned again; a
+    patcher class that replaces them is not."""
+    import workflow_check
+    from wan_sage.nodes import replan
+    reason = workflow_check.gguf_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    pytest.importorskip("gguf", reason="the gguf package (ComfyUI-GGUF's dependency) is not installed")
+    with torch.inference_mode():
+        model = comfy_env.tiny_gguf_expert(workflow_check.gguf_path(), tmp_path)
+    assert type(model).__name__ == "GGUFModelPatcher" and replan._comfy_moves(model.clone())
+
+    class OwnMoves(type(model)):
+        def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):
+            return 0
+
+        def __del__(self):  # never initialised here: nothing to clean up
+            pass
+    assert not replan._comfy_moves(OwnMoves.__new__(OwnMoves))

@@ -20,23 +20,9 @@ class Base:
         self.current_patcher = None
 
 
-class Patcher:
-    """A patcher whose loads and unloads move bytes between the device and the host."""
-
-    def __init__(self, device, loaded, size, lowvram=True):
-        self.model = Base(lowvram)
-        self.model.current_patcher = self
-        self.load_device, self.offload_device = "cuda:0", "cpu"
-        self.device = device
-        self.loaded, self.size = loaded, size
-        self.calls = []
-        self.fail = None
-
-    def is_dynamic(self):
-        return False
-
-    def loaded_size(self):
-        return self.loaded
+class ModelPatcher:
+    """Stands in for ``comfy.model_patcher.ModelPatcher``: its partial load and unload move bytes between the device
+    and the host."""
 
     def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
         self.calls.append(("load", device_to, extra_memory))
@@ -59,6 +45,26 @@ class Patcher:
         return moved
 
 
+class Patcher(ModelPatcher):
+    """A patcher of a model of ``size`` bytes with ``loaded`` of them on the device, moved with ComfyUI's methods
+    (as ComfyUI-GGUF's patcher keeps them)."""
+
+    def __init__(self, device, loaded, size, lowvram=True):
+        self.model = Base(lowvram)
+        self.model.current_patcher = self
+        self.load_device, self.offload_device = "cuda:0", "cpu"
+        self.device = device
+        self.loaded, self.size = loaded, size
+        self.calls = []
+        self.fail = None
+
+    def is_dynamic(self):
+        return False
+
+    def loaded_size(self):
+        return self.loaded
+
+
 class Device:
     def __init__(self, free):
         self.free = free
@@ -72,10 +78,13 @@ def dev(monkeypatch):
     mm.minimum_inference_memory = lambda: 0.8 * GiB + KEPT_FREE
     mm.reloads = []
     mm.load_models_gpu = lambda models, **kw: mm.reloads.append((models, kw))
+    mp = types.ModuleType("comfy.model_patcher")
+    mp.ModelPatcher = ModelPatcher
     comfy = types.ModuleType("comfy")
-    comfy.model_management = mm
+    comfy.model_management, comfy.model_patcher = mm, mp
     monkeypatch.setitem(sys.modules, "comfy", comfy)
     monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
+    monkeypatch.setitem(sys.modules, "comfy.model_patcher", mp)
     monkeypatch.setattr(comfy_bridge, "free_memory", lambda device: d.free)
     monkeypatch.setattr(comfy_bridge, "extra_reserved", lambda: KEPT_FREE)
 
@@ -220,3 +229,17 @@ def test_an_ended_sampling_and_a_dynamic_model_are_not_planned_again(dev):
     replan.begin(q, [1, 16, 21, 90, 160], lambda *a: int(5.5 * GiB), int(7.9 * GiB))
     replan.before_call(q.model)
     assert replan.before_call(q.model) == 0 and q.calls == [] and replan.moves(q.model) == []
+
+
+def test_a_patcher_with_moves_of_its_own_is_not_planned_again(dev):
+    """Another pack's patcher that loads and unloads in part its own way (a multi-GPU or sharded one) is left
+    alone."""
+    class OwnMoves(Patcher):
+        def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
+            self.calls.append(("own load", extra_memory))
+            return 0
+    dev.free = 8 * GiB
+    p = OwnMoves(dev, 6 * GiB, 10 * GiB)
+    replan.begin(p, [1, 16, 21, 90, 160], lambda *a: int(5.5 * GiB), int(7.9 * GiB))
+    replan.before_call(p.model)
+    assert replan.before_call(p.model) == 0 and p.calls == [] and replan.moves(p.model) == []
