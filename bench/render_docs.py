@@ -1878,6 +1878,7 @@ def fp8_hole_lines() -> list:
 REPLAN_ROUNDS = (("whole-prompt/h100-gguf-720p81-4steps-16gib-compiled-blocks.jsonl", "d"),
                  ("whole-prompt/void-replan-h100-9258b09.jsonl", "a"),
                  ("whole-prompt/h100-gguf-720p81-4steps-12gib-compiled-blocks.jsonl", "b"),
+                 ("whole-prompt/h100-gguf-720p81-4steps-12gib-compiled-blocks.jsonl", "c"),
                  ("whole-prompt/void-replan-h100-9258b09.jsonl", "b"),
                  ("whole-prompt/void-replan-h100-9258b09.jsonl", "c"))
 
@@ -1921,7 +1922,7 @@ def replan_text() -> str:
         (m,) = e["replan"]
         c = r["config"]
         size = f"{c['width']}×{c['height']}×{c['frames']}" + (f", {c['steps']} steps" if c.get("steps", 4) != 4 else "")
-        rnd = f" round `{r['round']}`" if r.get("round") else ""
+        rnd = (f" round `{r['round']}`" if r.get("round") else "") + f", `{commit_of(r)}`"
         parts.append(f"{size} at {b:g} GiB ({link(name)}{rnd}): "
                      f"{m['from_gib']:.2f} → {m['to_gib']:.2f} GiB before its second call, {m['moved_gib']:.2f} GiB "
                      f"loaded, {100 * e['resident_frac']:.0f} → {100 * e['resident_end_gib'] / e['weights_gib']:.0f} % "
@@ -1934,7 +1935,7 @@ def replan_text() -> str:
             "showed, and where the plan fell by at least ComfyUI's smallest partial load (128 MiB) it loads the "
             "weights the freed room holds through ComfyUI's own `partially_load`, sized as `load_models_gpu` sizes "
             "one; where it rose it unloads to it (`nodes/replan.py`). The high-noise expert's first sampling of a "
-            "first prompt on an H100, `9258b09`, unused beyond what ComfyUI keeps free and the device held outside "
+            "first prompt on an H100, unused beyond what ComfyUI keeps free and the device held outside "
             "PyTorch's pool: " + "; ".join(parts) + ". " + _replan_completed())
     if still:
         name, r, e, u = still[0]
