@@ -1209,9 +1209,13 @@ def kept_pin_lines() -> list:
         f"{_span([r['h2d_locked_gb_s'] for r in rate])} GB/s from page-locked memory on the H200 host "
         f"({link(PIN_THROUGHPUT)}). After each load the estimator's",
         "clone (and the text encoder's) gives its kept host copies to one worker thread, which copies each module's into",
-        "one page-locked buffer while the model samples (one thread, within the same ceiling, after the streamed",
-        "weights) and points the kept entries at it (`host_copy.pin_kept`); a module unloaded meanwhile keeps its",
-        f"pageable copy. The 5B template at 24 GiB on an H100 ({link(path)}): the repeat prompt's first step took",
+        "one page-locked buffer while the model samples (one thread, within the same ceiling) and points the kept",
+        "entries at it (`host_copy.pin_kept`); a module unloaded meanwhile keeps its pageable copy. Where the ceiling",
+        "is reached, streamed weights, read at every step, take the room of kept copies, read once a load: a kept",
+        "copy's buffer is unregistered and stays where it is, pageable (`pinned_host.make_room`; on a host of 32 GB",
+        "the ceiling is 12.8 GB, and the text encoder's 10.58 GiB of kept copies, page-locked while it encodes, would",
+        "otherwise leave all but 1.3 GiB of the diffusion model's streamed weights pageable).",
+        f"The 5B template at 24 GiB on an H100 ({link(path)}): the repeat prompt's first step took",
         f"{_span(reload(before, 'template'))} s more than its later steps at `{_commit_of_round(path, before)}` "
         f"(round `{before}`; 9.31 GiB reloaded after the decode's",
         f"unload) and {_span(reload(after, 'template'))} s at `{_commit_of_round(path, after)}` (round `{after}`; "

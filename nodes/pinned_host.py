@@ -21,7 +21,10 @@ buffer per module, by one daemon worker beside the sampling (:func:`later`): tho
 the model (the next prompt after the decode's unload, the expert switch of a repeat prompt) copies onto the GPU, at
 6.1-9.6 GB/s from pageable memory and 51.6-55.2 GB/s from page-locked memory on the H200 host
 (``python -m bench.pin_throughput``).  The worker copies with one thread (``memmove``, outside the interpreter
-lock); it takes the bytes left under the same ceiling after the streamed weights, which are page-locked first.
+lock); it takes the bytes left under the same ceiling after the streamed weights.  Those stream at every step and a
+kept copy is read once a load, so where the ceiling is reached the streamed weights take the room of kept copies:
+a kept copy's buffer is unregistered (:func:`make_room`) and stays where it is, pageable, with its bytes.  The text
+encoder's copies, page-locked while it encodes, so never keep the diffusion model's streamed weights pageable.
 """
 from __future__ import annotations
 
@@ -43,7 +46,7 @@ from .worker import Worker
 log = logging.getLogger("wan_sage")
 
 __all__ = ["pin_streamed", "pinned_bytes", "ceiling", "report_note", "new_map", "FRACTION", "KEEP_AVAILABLE",
-           "CudaLocker", "room_for", "is_pinned", "pinned_copies", "layout_bytes", "later", "wait"]
+           "CudaLocker", "room_for", "make_room", "is_pinned", "pinned_copies", "layout_bytes", "later", "wait"]
 
 FRACTION = 0.40          # of the machine's RAM, page-locked by the pack at most
 KEEP_AVAILABLE = 4 << 30  # host memory left available after each buffer
@@ -57,6 +60,8 @@ _lock = threading.RLock()  # re-entrant: a buffer's finalizer may run on a threa
 _buffers: dict = {}  # start address -> size of each buffer the pack holds page-locked
 _starts: list = []   # the same start addresses, sorted: a lookup per weight stays cheap with thousands of buffers
 _total = 0           # the sum of _buffers' sizes
+_yielding: dict = {}  # start address -> locker of each kept-copy buffer, in the order they were made (make_room)
+_unlocked: set = set()  # kept-copy buffers unregistered early: their finalizer has nothing to unregister
 
 
 def pinned_bytes() -> int:
@@ -65,10 +70,24 @@ def pinned_bytes() -> int:
         return _total
 
 
-def _in_buffer(ptr: int) -> bool:
+def _buffer_of(ptr: int) -> int | None:
+    """The start of the pack's buffer that holds address ``ptr``, or None."""
     with _lock:
         i = bisect.bisect_right(_starts, ptr) - 1
-        return i >= 0 and ptr < _starts[i] + _buffers[_starts[i]]
+        return _starts[i] if i >= 0 and ptr < _starts[i] + _buffers[_starts[i]] else None
+
+
+def _in_buffer(ptr: int) -> bool:
+    return _buffer_of(ptr) is not None
+
+
+def _keep_locked(t: torch.Tensor) -> None:
+    """``t`` streams from a kept copy's buffer (a module unloaded in part goes back to its kept copy): that buffer
+    serves the streaming now, and no streamed weight takes its room."""
+    start = _buffer_of(_plain(t).data_ptr())
+    if start is not None:
+        with _lock:
+            _yielding.pop(start, None)
 
 
 def _count(ptr: int, size: int) -> None:
@@ -140,7 +159,12 @@ class CudaLocker:
 
 def _released(locker, ptr: int, nbytes: int) -> None:
     """The buffer's last weight let go of it: unregister it (before its memory is unmapped) and count it off."""
-    _uncount(ptr)
+    with _lock:
+        _uncount(ptr)
+        _yielding.pop(ptr, None)
+        if ptr in _unlocked:  # a kept copy's buffer that gave its room to streamed weights
+            _unlocked.discard(ptr)
+            return
     try:
         locker.unlock(ptr)
     except Exception as e:  # never raise from a finalizer
@@ -164,6 +188,8 @@ def _streamed_modules(model: torch.nn.Module, offload: torch.device):
         if not params or any(p.device != offload for _, p in params):
             continue
         plain = [(n, _plain(p)) for n, p in params]
+        for _, t in plain:
+            _keep_locked(t)
         if (not any(t.numel() for _, t in plain)
                 or any(not t.is_contiguous() or is_pinned(t) for _, t in plain)):
             continue
@@ -206,12 +232,13 @@ def _copy_one_thread(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def _new_buffer(plain, layout, locker, times: list | None = None, copy=_copy_torch,
-                inference: bool | None = None) -> list[torch.Tensor]:
+                inference: bool | None = None, yields: bool = False) -> list[torch.Tensor]:
     """One new page-locked buffer laid out as ``layout`` (:func:`_layout`) holding the tensors ``plain``: a view of
     it for each, with its dtype and size.  Counted in :func:`pinned_bytes`, and unregistered when the last view lets
     go of it.  ``times``: [map and copy seconds, registering seconds], added to.  ``inference``: the views made as
     inference tensors or not (a weight's ``data`` only takes a tensor of its own kind); None: as the calling
-    thread's mode makes them."""
+    thread's mode makes them.  ``yields``: a kept copy's buffer, whose room streamed weights may take
+    (:func:`make_room`)."""
     t0 = time.perf_counter()
     offsets, size = layout
     view = memoryview(new_map(size))  # the storage holds the map through the view
@@ -230,7 +257,10 @@ def _new_buffer(plain, layout, locker, times: list | None = None, copy=_copy_tor
     if times is not None:
         times[0] += t1 - t0
         times[1] += time.perf_counter() - t1
-    _count(ptr, size)
+    with _lock:
+        _count(ptr, size)
+        if yields:
+            _yielding[ptr] = locker
     weakref.finalize(view, _released, locker, ptr, size)
     return targets
 
@@ -250,6 +280,32 @@ def room_for(need: int, total: int | None = None, available=_ram_available) -> b
     return pinned_bytes() + need <= ceiling(total) and (free is None or free - need >= KEEP_AVAILABLE)
 
 
+def make_room(need: int, total: int | None = None, available=_ram_available) -> bool:
+    """:func:`room_for` ``need`` bytes of streamed weights, unregistering kept copies' buffers, newest first, where
+    the ceiling alone stands in the way (their bytes stay where they are, pageable).  Returns whether there is
+    room now."""
+    if room_for(need, total, available):
+        return True
+    free = available() if available is not None else None
+    if free is not None and free - need < KEEP_AVAILABLE:
+        return False  # unregistering frees no host memory
+    limit = ceiling(total)
+    while True:
+        with _lock:
+            if pinned_bytes() + need <= limit or not _yielding:
+                break
+            ptr = next(reversed(_yielding))
+            locker = _yielding.pop(ptr)
+            _uncount(ptr)
+            _unlocked.add(ptr)
+        try:
+            locker.unlock(ptr)
+        except Exception as e:  # its bytes stay registered with CUDA; the count leaves them out all the same
+            warn_once(("pin-yield", type(e).__name__), "wan-sage: unregistering a host copy's page-locked memory "
+                      "failed (%s).", reason(e))
+    return room_for(need, total, available)
+
+
 def is_pinned(t: torch.Tensor) -> bool:
     """Whether ``t``'s bytes are page-locked already: in one of the pack's buffers, or pinned by torch or ComfyUI."""
     plain = _plain(t)
@@ -266,7 +322,7 @@ def pinned_copies(tensors, locker, times: list | None = None) -> list[torch.Tens
     if len(kinds) > 1:
         raise ValueError("pinned_copies: inference tensors and others go in separate buffers")
     return _new_buffer(plain, _layout([(None, t) for t in plain]), locker, times, copy=_copy_one_thread,
-                       inference=kinds.pop() if kinds else None)
+                       inference=kinds.pop() if kinds else None, yields=True)
 
 
 def layout_bytes(tensors) -> int:
@@ -318,7 +374,7 @@ def pin_streamed(patcher, locker=None, total: int | None = None, available=_ram_
         for module, params, plain in _streamed_modules(model, offload):
             layout = _layout(plain)
             need = layout[1]
-            if not room_for(need, total, available):
+            if not make_room(need, total, available):
                 skipped += need
                 continue
             try:

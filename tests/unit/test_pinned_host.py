@@ -378,3 +378,81 @@ def test_the_buffer_lookup_finds_an_address_in_any_buffer_and_none_outside():
             pinned_host._uncount(ptr)
     assert pinned_host.pinned_bytes() == start
     assert not pinned_host._in_buffer(1 << 50)
+
+
+# The streamed weights take the room of kept copies under the ceiling (pinned_host.make_room)
+
+def _ceiling_total(pinned: int) -> int:
+    """A RAM total whose ceiling is exactly ``pinned`` bytes."""
+    return -(-pinned * 10 // int(pinned_host.FRACTION * 10))
+
+
+def _full_of_kept_copies(spare: int = 500):
+    """(model, patcher, locker, RAM total, host state before the load): kept copies page-locked under a ceiling that
+    leaves ``spare`` bytes, less than a streamed Net takes (800 and 100), more than it takes with the kept copies'
+    room (496)."""
+    model, p, before = _loaded_with_copies()
+    locker = FakeLocker()
+    gc.collect()
+    start = pinned_host.pinned_bytes()
+    assert _pin(model, locker) > 0
+    total = _ceiling_total(pinned_host.pinned_bytes() + spare)
+    assert pinned_host.ceiling(total) >= pinned_host.pinned_bytes() > start
+    return model, p, locker, total, before
+
+
+def test_streamed_weights_take_the_room_of_kept_copies_which_stay_where_they_are():
+    kept_model, p, locker, total, before = _full_of_kept_copies()
+    net = Net()
+    streamed = pinned_host.pin_streamed(_patcher(net), locker, total=total, available=lambda: 64 * GiB)
+    assert streamed > 0 and all(_within(getattr(net, n).weight.data_ptr(), locker) for n in ("a", "q"))
+    assert pinned_host.pinned_bytes() <= pinned_host.ceiling(total)
+    assert locker.unlocked  # kept copies' buffers gave their room, newest first
+    given_back = list(locker.unlocked)
+    p.detach()  # the unload gives the weights their kept copies: where they were, now pageable, with their bytes
+    for k, t in kept_model.named_parameters():
+        assert t.device == CPU and _within(t.data_ptr(), locker), k
+        assert torch.equal(t.detach().as_subclass(torch.Tensor), before[k][1]), k
+    yielded = [t for t in kept_model.parameters()
+               if any(start <= t.data_ptr() < start + locker.locked[start] for start in given_back)]
+    assert yielded and not any(pinned_host.is_pinned(t) for t in yielded)
+    del kept_model, p
+    gc.collect()
+    assert len(locker.unlocked) == len(set(locker.unlocked))  # a buffer that gave its room is unregistered once
+
+
+def test_kept_copies_never_take_the_room_of_other_kept_copies_or_of_streamed_weights():
+    kept_model, p, locker, total, _ = _full_of_kept_copies(spare=0)
+    other, q, _ = _loaded_with_copies()
+    assert _pin(other, locker, total=total) == 0 and not locker.unlocked
+    total = _ceiling_total(pinned_host.pinned_bytes() + 500)
+    net = Net()
+    gc.collect()
+    # the streamed weights' own buffers never give way: with the kept ones gone, the next streamed model waits
+    pinned_host.pin_streamed(_patcher(net), locker, total=total, available=lambda: 64 * GiB)
+    held = pinned_host.pinned_bytes()
+    assert pinned_host.pin_streamed(_patcher(Net()), locker, total=_ceiling_total(held),
+                                    available=lambda: 64 * GiB) == 0
+    assert all(_within(getattr(net, n).weight.data_ptr(), locker) for n in ("a", "q"))
+
+
+def test_no_room_is_taken_where_the_hosts_available_memory_is_what_stops_it():
+    kept_model, p, locker, total, _ = _full_of_kept_copies()
+    assert pinned_host.pin_streamed(_patcher(Net()), locker, total=total,
+                                    available=lambda: pinned_host.KEEP_AVAILABLE + 50) == 0
+    assert not locker.unlocked
+
+
+def test_a_weight_streaming_from_its_kept_copy_keeps_that_buffer_locked():
+    """A module unloaded in part goes back to its kept copy, in a kept copy's buffer: that buffer now serves the
+    streaming, and other streamed weights do not take its room."""
+    kept_model, p, locker, total, _ = _full_of_kept_copies()
+    p.detach()  # every weight back on its kept copy; module "a" then streams from it
+    kept_model.a.comfy_cast_weights = True
+    a = kept_model.a.weight
+    assert pinned_host.is_pinned(a)
+    assert pinned_host.pin_streamed(_patcher(kept_model), locker, total=total, available=lambda: 64 * GiB) == 0
+    pinned_host.pin_streamed(_patcher(Net()), locker, total=total, available=lambda: 64 * GiB)
+    assert locker.unlocked  # the other kept copies gave their room
+    assert pinned_host.is_pinned(a) and not any(start <= a.data_ptr() < start + locker.locked[start]
+                                                for start in locker.unlocked)
