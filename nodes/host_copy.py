@@ -450,7 +450,8 @@ def _unpinned(base) -> list[list[tuple[str, _Kept, torch.Tensor]]]:
         return []
     groups: dict = {}
     for key, k in kept.items():
-        if k.loaded is None or not k.data.is_contiguous() or not _nbytes(k) or pinned_host.is_pinned(k.data):
+        if (k.loaded is None or not k.data.is_contiguous() or not _nbytes(k) or pinned_host.is_pinned(k.data)
+                or pinned_host.gave_room(k.data)):
             continue
         # inference tensors (made under ComfyUI's inference mode) and others apart: a tensor's ``data`` takes
         # only its own kind

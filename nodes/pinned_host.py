@@ -46,7 +46,7 @@ from .worker import Worker
 log = logging.getLogger("wan_sage")
 
 __all__ = ["pin_streamed", "pinned_bytes", "ceiling", "report_note", "new_map", "FRACTION", "KEEP_AVAILABLE",
-           "CudaLocker", "room_for", "make_room", "is_pinned", "pinned_copies", "layout_bytes", "later", "wait"]
+           "CudaLocker", "room_for", "make_room", "gave_room", "is_pinned", "pinned_copies", "layout_bytes", "later", "wait"]
 
 FRACTION = 0.40          # of the machine's RAM, page-locked by the pack at most
 KEEP_AVAILABLE = 4 << 30  # host memory left available after each buffer
@@ -61,7 +61,7 @@ _buffers: dict = {}  # start address -> size of each buffer the pack holds page-
 _starts: list = []   # the same start addresses, sorted: a lookup per weight stays cheap with thousands of buffers
 _total = 0           # the sum of _buffers' sizes
 _yielding: dict = {}  # start address -> locker of each kept-copy buffer, in the order they were made (make_room)
-_unlocked: set = set()  # kept-copy buffers unregistered early: their finalizer has nothing to unregister
+_unlocked: dict = {}  # start address -> size of each kept-copy buffer unregistered early (it gave its room)
 
 
 def pinned_bytes() -> int:
@@ -154,22 +154,30 @@ class CudaLocker:
 
     def unlock(self, ptr: int) -> None:
         torch.cuda.synchronize()  # no copy from the buffer is still in flight
-        torch.cuda.cudart().cudaHostUnregister(ptr)
+        err = torch.cuda.cudart().cudaHostUnregister(ptr)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostUnregister returned CUDA error {int(err)}")
 
 
-def _released(locker, ptr: int, nbytes: int) -> None:
-    """The buffer's last weight let go of it: unregister it (before its memory is unmapped) and count it off."""
-    with _lock:
-        _uncount(ptr)
-        _yielding.pop(ptr, None)
-        if ptr in _unlocked:  # a kept copy's buffer that gave its room to streamed weights
-            _unlocked.discard(ptr)
-            return
+def _released(locker, ptr: int, nbytes: int, mapping=None) -> None:
+    """The buffer's last weight let go of it: unregister it, count it off, and only then unmap it (``mapping``, held
+    by the finalizer until here, so no new buffer can take its address before it is counted off)."""
     try:
-        locker.unlock(ptr)
+        with _lock:
+            _uncount(ptr)
+            _yielding.pop(ptr, None)
+            early = _unlocked.pop(ptr, None) is not None  # a kept copy's buffer that gave its room: unregistered
+        if not early:
+            locker.unlock(ptr)
     except Exception as e:  # never raise from a finalizer
         warn_once(("pin-unlock", type(e).__name__), "wan-sage: unregistering page-locked host memory failed (%s).",
                   reason(e))
+    finally:
+        if mapping is not None:
+            try:
+                mapping.close()
+            except (BufferError, ValueError):  # still exported or closed already: unmapped when collected
+                pass
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -241,7 +249,8 @@ def _new_buffer(plain, layout, locker, times: list | None = None, copy=_copy_tor
     (:func:`make_room`)."""
     t0 = time.perf_counter()
     offsets, size = layout
-    view = memoryview(new_map(size))  # the storage holds the map through the view
+    mapping = new_map(size)
+    view = memoryview(mapping)  # the storage holds the map through the view
     mode = contextlib.nullcontext() if inference is None else torch.inference_mode(inference)
     targets = []
     with mode:
@@ -261,7 +270,7 @@ def _new_buffer(plain, layout, locker, times: list | None = None, copy=_copy_tor
         _count(ptr, size)
         if yields:
             _yielding[ptr] = locker
-    weakref.finalize(view, _released, locker, ptr, size)
+    weakref.finalize(view, _released, locker, ptr, size, mapping)
     return targets
 
 
@@ -296,14 +305,22 @@ def make_room(need: int, total: int | None = None, available=_ram_available) -> 
                 break
             ptr = next(reversed(_yielding))
             locker = _yielding.pop(ptr)
+            _unlocked[ptr] = _buffers.get(ptr, 0)
             _uncount(ptr)
-            _unlocked.add(ptr)
         try:
             locker.unlock(ptr)
         except Exception as e:  # its bytes stay registered with CUDA; the count leaves them out all the same
             warn_once(("pin-yield", type(e).__name__), "wan-sage: unregistering a host copy's page-locked memory "
                       "failed (%s).", reason(e))
     return room_for(need, total, available)
+
+
+def gave_room(t: torch.Tensor) -> bool:
+    """Whether ``t`` lies in a kept copy's buffer that gave its page-locked room to streamed weights: the worker does
+    not copy it into a new buffer, which would take that room back."""
+    ptr = _plain(t).data_ptr()
+    with _lock:
+        return any(start <= ptr < start + n for start, n in _unlocked.items())
 
 
 def is_pinned(t: torch.Tensor) -> bool:
@@ -371,7 +388,8 @@ def pin_streamed(patcher, locker=None, total: int | None = None, available=_ram_
         if not isinstance(model, torch.nn.Module) or offload.type != "cpu" or not locker.usable(load):
             return 0
         done, skipped, modules, times, t0 = 0, 0, 0, [0.0, 0.0], time.perf_counter()
-        for module, params, plain in _streamed_modules(model, offload):
+        # listed first: every kept copy's buffer a streamed weight lies in is kept locked before any room is taken
+        for module, params, plain in list(_streamed_modules(model, offload)):
             layout = _layout(plain)
             need = layout[1]
             if not make_room(need, total, available):

@@ -456,3 +456,32 @@ def test_a_weight_streaming_from_its_kept_copy_keeps_that_buffer_locked():
     assert locker.unlocked  # the other kept copies gave their room
     assert pinned_host.is_pinned(a) and not any(start <= a.data_ptr() < start + locker.locked[start]
                                                 for start in locker.unlocked)
+
+
+def test_a_buffer_serving_streaming_later_in_the_model_is_kept_locked_before_room_is_taken():
+    """Module "q" streams from its kept copy's buffer (the newest) and module "a", before it, streams from pageable
+    memory: the room "a" takes never comes from the buffer "q" streams from."""
+    kept_model, p, locker, total, _ = _full_of_kept_copies(spare=0)
+    p.detach()
+    for name in ("a", "q"):
+        getattr(kept_model, name).comfy_cast_weights = True
+    held = [t.data for t in kept_model.a.parameters()]  # its kept copy's buffer stays (another clone holds it)
+    for t in kept_model.a.parameters():  # "a" now streams from pageable memory
+        t.data = t.data.clone()
+    q = kept_model.q.weight
+    ptr = q.data_ptr()
+    assert pinned_host.is_pinned(q) and not pinned_host.is_pinned(kept_model.a.weight)
+    pinned_host.pin_streamed(_patcher(kept_model), locker, total=total, available=lambda: 64 * GiB)
+    assert locker.unlocked and pinned_host.is_pinned(q)  # the room came from other kept copies
+    assert q.data_ptr() == ptr  # not copied again into a new buffer
+    assert not any(start <= q.data_ptr() < start + locker.locked[start] for start in locker.unlocked)
+    del held
+
+
+def test_kept_copies_that_gave_their_room_are_not_page_locked_again_by_the_worker():
+    kept_model, p, locker, total, _ = _full_of_kept_copies()
+    pinned_host.pin_streamed(_patcher(Net()), locker, total=total, available=lambda: 64 * GiB)
+    assert locker.unlocked
+    p.load()  # the next load (the repeat prompt): the worker's job finds those copies in buffers that gave room
+    assert _pin(kept_model, locker) == 0
+    assert all(not any(pinned_host.gave_room(data) for _, _, data in group) for group in host_copy._unpinned(kept_model))
