@@ -371,7 +371,9 @@ def _prepare_wrapper(settings: Settings, cfg: float = 1.0):
         finally:
             comfy_bridge.restore_memory_required(base, prev)
         _trim_after_load(comfy_bridge.device_of(model))
-        replan.begin(model, noise_shape, _replanner(mo, settings, cfg, est.streamed), fn(_one_row(noise_shape)))
+        scope = comfy_bridge.compile_scope(model, mo)
+        if scope is None or scope[0] == comfy_bridge.BLOCKS:  # a whole-model graph would compile again for moves
+            replan.begin(model, noise_shape, _replanner(mo, settings, cfg, est.streamed), fn(_one_row(noise_shape)))
         return out
     return prepare_sampling
 

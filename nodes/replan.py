@@ -18,12 +18,14 @@ start (:func:`.estimator.sampling_plan`).  Where the reservation fell by at leas
 room freed holds are loaded, as ComfyUI's ``load_models_gpu`` sizes a partial load (free memory less the
 reservation and what ComfyUI keeps free), through the patcher's own ``partially_load``.  Where it rose past the
 free memory, weights are unloaded to it first (``partially_unload``), so the next call has what the plan says it
-needs.  Nothing else changes: the next step runs the weights where they now are, as a later sampling would.
+needs.  Nothing else changes: the next step runs the weights where they now are, as a later sampling would.  A
+whole-model compile (ComfyUI's TorchCompileModel) is left alone: its one graph would compile again for weights moved.
 
 Only on the legacy memory path (ComfyUI 0.3.64, GGUF, ``--disable-dynamic-vram``), where the estimator places the
 weights, and only for a patcher that moves its weights with ComfyUI's own methods; a dynamic-VRAM model's residency
 is ComfyUI's.  A load or unload that fails leaves the model as ComfyUI's
-own load would place it for the sampling's start reservation, with one warning; a cancel goes on up.
+own load would place it for the larger of the two plans, with one warning, and nothing more moves in that
+sampling; a cancel goes on up.
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ class _Sampling:
     reservation: int
     moves: list = field(default_factory=list)  # (call index, reservation before, after, bytes loaded (-unloaded))
     calls: int = 0
+    failed: bool = False  # a move failed: the weights stay where they were placed again
 
 
 _lock = threading.Lock()
@@ -107,7 +110,7 @@ def before_call(base) -> int:
     """Plan ``base``'s sampling again before a model call and move weights to the new reservation; returns the
     bytes loaded (negative: unloaded), 0 where nothing moved."""
     s = _get(base)
-    if s is None:
+    if s is None or s.failed:
         return 0
     s.calls += 1
     patcher = s.patcher()
@@ -122,8 +125,12 @@ def before_call(base) -> int:
     old = s.reservation
     if abs(new - old) < MIN_MOVE_BYTES:
         return 0
-    moved = _move(patcher, base, new, lowered=new < old, start_reservation=old)
-    s.reservation = new
+    moved, failed = _move(patcher, base, new, old)
+    if failed:  # placed for the larger of the two plans; no more moves in this sampling
+        s.failed = True
+        s.reservation = max(old, new)
+    else:
+        s.reservation = new
     s.moves.append((s.calls, old, new, moved))
     if moved:
         log.info("wan-sage: reservation %.2f -> %.2f GiB after %d model call(s): %s %.2f GiB of weights",
@@ -137,15 +144,19 @@ def _needed(reservation: int) -> int:
     return max(int(mm.minimum_inference_memory()), reservation + comfy_bridge.extra_reserved())
 
 
-def _move(patcher, base, reservation: int, lowered: bool, start_reservation: int) -> int:
+def _move(patcher, base, reservation: int, before_reservation: int) -> tuple[int, bool]:
+    """Move ``patcher``'s weights from ``before_reservation`` to ``reservation``: (bytes moved onto the device,
+    negative where unloaded; whether the move failed)."""
+    lowered = reservation < before_reservation
     dev = comfy_bridge.device_of(patcher)
     if lowered and not getattr(base, "model_lowvram", False):
-        return 0  # every weight resident already
+        return 0, False  # every weight resident already
     comfy_bridge.trim_allocator(dev, "before moving weights between steps")
     room = comfy_bridge.free_memory(dev) - _needed(reservation)
     if lowered and room < MIN_MOVE_BYTES or not lowered and room >= 0:
-        return 0
+        return 0, False
     before = int(patcher.loaded_size())
+    failed = None
     try:
         if lowered:
             patcher.partially_load(dev, room)
@@ -154,16 +165,22 @@ def _move(patcher, base, reservation: int, lowered: bool, start_reservation: int
     except Exception as e:
         if comfy_bridge.user_cancel(e):
             raise
-        warn_once(("replan-move", type(e).__name__), "wan-sage: %s weights between steps failed (%s); they are "
-                  "placed again for the sampling's start reservation.", "loading" if lowered else "unloading",
-                  reason(e))
-        _reload(patcher, start_reservation)
+        failed = reason(e)
+    if failed is not None:  # out of the except block: the failed move's temporaries are gone
+        detached = int(patcher.loaded_size()) == 0
+        warn_once(("replan-move", failed.partition(":")[0]), "wan-sage: %s weights between steps failed (%s); %s",
+                  "loading" if lowered else "unloading", failed,
+                  "the model is loaded again for the larger plan, and nothing more moves in this sampling" if detached
+                  else "nothing more moves in this sampling")
+        if detached:
+            _reload(patcher, dev, max(reservation, before_reservation))
     comfy_bridge.trim_allocator(dev, "after moving weights between steps")
-    return int(patcher.loaded_size()) - before
+    return int(patcher.loaded_size()) - before, failed is not None
 
 
-def _reload(patcher, reservation: int) -> None:
-    """Place ``patcher``'s weights as a sampling's start does for ``reservation`` (ComfyUI's ``partially_load``
-    detaches the model when it fails)."""
-    import comfy.model_management as mm
-    mm.load_models_gpu([patcher], memory_required=reservation, minimum_memory_required=reservation)
+def _reload(patcher, dev, reservation: int) -> None:
+    """Load ``patcher``'s weights again, as ``load_models_gpu`` places a model for ``reservation`` (ComfyUI's
+    ``partially_load`` detaches the model when it fails), without freeing the sampling's other models."""
+    patcher.model_patches_to(dev)
+    patcher.model_patches_to(patcher.model_dtype())
+    patcher.partially_load(dev, max(MIN_MOVE_BYTES, comfy_bridge.free_memory(dev) - _needed(reservation)))

@@ -95,3 +95,25 @@ def test_comfyui_ggufs_patcher_moves_with_comfyuis_own_methods(comfy, tmp_path):
         def __del__(self):  # never initialised here: nothing to clean up
             pass
     assert not replan._comfy_moves(OwnMoves.__new__(OwnMoves))
+
+
+@pytest.mark.parametrize("compiled", [None, "blocks", "whole model"])
+def test_a_sampling_is_planned_again_unless_one_graph_compiles_the_whole_model(comfy, compiled):
+    """The estimator's PREPARE_SAMPLING wrapper notes the sampling for the re-plan, except under ComfyUI's
+    TorchCompileModel: its one graph would compile again for weights moved between calls."""
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+    from comfy_extras.nodes_torch_compile import TorchCompileModel
+    from wan_sage.nodes import comfy_bridge, estimator, replan
+    m, _, _ = estimator.apply_estimator(comfy_env.tiny_wan_patcher(num_layers=2), estimator.Settings(), SHAPE)
+    if compiled == "blocks":
+        m = m.clone()
+        set_torch_compile_wrapper(m, backend="inductor", keys=[f"diffusion_model.blocks.{i}" for i in range(2)])
+    elif compiled == "whole model":
+        m = TorchCompileModel.execute(model=m, backend="inductor")[0]
+    scope = comfy_bridge.compile_scope(m, m.model_options)
+    assert (scope and scope[0]) == compiled
+    replan.end(m.model)
+    prepare = estimator._prepare_wrapper(estimator.Settings())
+    assert prepare(lambda *a, **k: "loaded", m, SHAPE, {}, m.model_options) == "loaded"
+    assert (replan._get(m.model) is not None) is (compiled != "whole model")
+    replan.end(m.model)

@@ -27,7 +27,11 @@ class ModelPatcher:
     def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
         self.calls.append(("load", device_to, extra_memory))
         if self.fail:
-            raise self.fail
+            e, self.fail = self.fail, None
+            if not isinstance(e, KeyboardInterrupt) and type(e).__name__ != "InterruptProcessingException":
+                self.device.free += self.loaded  # ComfyUI detaches a model it fails to load
+                self.loaded = 0
+            raise e
         moved = min(extra_memory, self.size - self.loaded)
         self.loaded += moved
         self.device.free -= moved
@@ -37,7 +41,8 @@ class ModelPatcher:
     def partially_unload(self, device_to, memory_to_free=0):
         self.calls.append(("unload", device_to, memory_to_free))
         if self.fail:
-            raise self.fail
+            e, self.fail = self.fail, None
+            raise e
         moved = min(memory_to_free, self.loaded)
         self.loaded -= moved
         self.device.free += moved
@@ -61,6 +66,12 @@ class Patcher(ModelPatcher):
     def is_dynamic(self):
         return False
 
+    def model_patches_to(self, device):
+        self.calls.append(("patches to", device))
+
+    def model_dtype(self):
+        return "bf16"
+
     def loaded_size(self):
         return self.loaded
 
@@ -76,8 +87,6 @@ def dev(monkeypatch):
     d = Device(free=0)
     mm = types.ModuleType("comfy.model_management")
     mm.minimum_inference_memory = lambda: 0.8 * GiB + KEPT_FREE
-    mm.reloads = []
-    mm.load_models_gpu = lambda models, **kw: mm.reloads.append((models, kw))
     mp = types.ModuleType("comfy.model_patcher")
     mp.ModelPatcher = ModelPatcher
     comfy = types.ModuleType("comfy")
@@ -173,15 +182,34 @@ def test_the_load_is_sized_within_comfyuis_minimum_inference_memory(dev):
     assert p.calls == [("load", "cuda:0", 4 * GiB - int(0.8 * GiB + KEPT_FREE))]
 
 
-def test_a_failing_load_places_the_weights_again_for_the_start_reservation(dev, caplog):
+def test_a_failing_load_loads_the_model_again_for_the_larger_plan_and_moves_nothing_more(dev, caplog):
+    """ComfyUI's partially_load detaches a model it fails to load: the model is loaded again for the larger of the
+    two plans, as load_models_gpu places it, and the sampling moves nothing more."""
     dev.free = 8 * GiB
     p = _sampling(dev, [int(5.5 * GiB)], start=int(7.9 * GiB))
     p.fail = RuntimeError("CUDA out of memory")
     replan.before_call(p.model)
     with caplog.at_level(logging.WARNING, logger="wan_sage"):
         replan.before_call(p.model)
-    assert dev.mm.reloads == [([p], {"memory_required": int(7.9 * GiB), "minimum_memory_required": int(7.9 * GiB)})]
+    free_then = 8 * GiB + 6 * GiB  # the detached model's bytes back
+    assert p.calls[-3:] == [("patches to", "cuda:0"), ("patches to", "bf16"),
+                            ("load", "cuda:0", free_then - (int(7.9 * GiB) + KEPT_FREE))]
+    assert dev.free == int(7.9 * GiB) + KEPT_FREE
     assert "loading weights between steps failed (RuntimeError: CUDA out of memory)" in caplog.text
+    n = len(p.calls)
+    assert replan.before_call(p.model) == 0 and len(p.calls) == n
+
+
+def test_a_failing_unload_leaves_the_loaded_model_and_moves_nothing_more(dev, caplog):
+    dev.free = 6 * GiB
+    p = _sampling(dev, [int(7.9 * GiB)], start=int(5.5 * GiB))
+    p.fail = RuntimeError("a hook")
+    replan.before_call(p.model)
+    with caplog.at_level(logging.WARNING, logger="wan_sage"):
+        assert replan.before_call(p.model) == 0
+    assert [c[0] for c in p.calls] == ["unload"] and p.loaded == 6 * GiB
+    assert "unloading weights between steps failed (RuntimeError: a hook)" in caplog.text
+    assert replan.before_call(p.model) == 0 and len(p.calls) == 1
 
 
 def test_a_cancel_during_the_move_goes_on_up(dev):
@@ -193,7 +221,7 @@ def test_a_cancel_during_the_move_goes_on_up(dev):
     replan.before_call(p.model)
     with pytest.raises(InterruptProcessingException):
         replan.before_call(p.model)
-    assert dev.mm.reloads == []
+    assert [c[0] for c in p.calls] == ["load"]
 
 
 def test_a_failing_plan_leaves_the_weights_with_one_warning(dev, caplog):
