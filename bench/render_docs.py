@@ -1938,7 +1938,8 @@ def replan_text() -> str:
     text = ("Before each model call after the first the estimator plans the sampling again from what the calls "
             "showed, and where the plan fell by at least ComfyUI's smallest partial load (128 MiB) it loads the "
             "weights the freed room holds through ComfyUI's own `partially_load`, sized as `load_models_gpu` sizes "
-            "one; where it rose it unloads to it (`nodes/replan.py`). The high-noise expert's first sampling of a "
+            "one; where it rose it unloads to it (`nodes/replan.py`; not under ComfyUI's whole-model compile, whose one "
+            "graph would compile again for moved weights). The high-noise expert's first sampling of a "
             "first prompt on an H100, unused beyond what ComfyUI keeps free and the device held outside "
             "PyTorch's pool: " + "; ".join(parts) + ". " + _replan_completed())
     if still:
