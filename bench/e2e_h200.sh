@@ -24,6 +24,9 @@
 #                                                $OUT/whole-prompt.log.  With --workflow FILE in ARGS, SPECS
 #                                                are that saved workflow's variants (VARIANT@{GB|full}, VARIANT
 #                                                template|comfy|compilenode) and gen writes what it loads
+#   bash bench/e2e_h200.sh gpu-tier [ARGS...]    setup + the gpu tier (pytest tests/gpu -q -rs ARGS), its output
+#                                                with this checkout's path taken out to $OUT/gpu-tier.log (the
+#                                                form of bench/records/gpu-tier/), the dispatch table beside it
 #   bash bench/e2e_h200.sh info                  GPU, driver, torch, disk, memory
 #
 # Every sub-command is idempotent, so a call on a fresh machine can start with "setup; gen" and a
@@ -119,6 +122,15 @@ whole() {
     --models-dir "$MODELS" --scale "${E2E_SCALE:-full}" --weights "$weights" --av-stub "$@"
 }
 
+gpu_tier() {
+  setup || { echo "setup failed"; return 1; }
+  local log=$OUT/gpu-tier.log
+  echo "gpu tier: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), commit ${WAN_SAGE_COMMIT:-unset}" | tee "$log"
+  WAN_SAGE_GPU_TABLE=$OUT/dispatch-table.jsonl python3 -m pytest tests/gpu -q -rs -p no:cacheprovider "$@" 2>&1 \
+    | sed -u "s#$REPO/##g" | tee -a "$log"
+  return "${PIPESTATUS[0]}"
+}
+
 info() {
   nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
@@ -132,6 +144,7 @@ case "$cmd" in
   runs) runs "$@" ;;
   call) call "$@" ;;
   whole) whole "$@" ;;
+  gpu-tier) gpu_tier "$@" ;;
   info) info ;;
-  *) sed -n '2,31p' "$0"; exit 2 ;;
+  *) sed -n '2,34p' "$0"; exit 2 ;;
 esac
