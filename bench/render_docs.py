@@ -1938,7 +1938,10 @@ def replan_text() -> str:
     text = ("Before each model call after the first the estimator plans the sampling again from what the calls "
             "showed, and where the plan fell by at least ComfyUI's smallest partial load (128 MiB) it loads the "
             "weights the freed room holds through ComfyUI's own `partially_load`, sized as `load_models_gpu` sizes "
-            "one; where it rose it unloads to it (`nodes/replan.py`; not under ComfyUI's whole-model compile, whose one "
+            "one, with a budget at which ComfyUI's greedy load keeps every module on the device where it is (a "
+            "larger one can set a module that filled a gap to stream where it lies, its merged LoRA applied again "
+            "at each call); where it rose it unloads to it (`nodes/replan.py`; only where ComfyUI places a model in "
+            "part, and not under ComfyUI's whole-model compile, whose one "
             "graph would compile again for moved weights). The high-noise expert's first sampling of a "
             "first prompt on an H100, unused beyond what ComfyUI keeps free and the device held outside "
             "PyTorch's pool: " + "; ".join(parts) + ". " + _replan_completed())

@@ -21,11 +21,22 @@ free memory, weights are unloaded to it first (``partially_unload``), so the nex
 needs.  Nothing else changes: the next step runs the weights where they now are, as a later sampling would.  A
 whole-model compile (ComfyUI's TorchCompileModel) is left alone: its one graph would compile again for weights moved.
 
+ComfyUI's partial load picks modules greedily, largest first, against its budget, and a larger budget does not
+always pick a superset: with more of the largest modules loaded, a smaller module that filled the gap before no
+longer fits, and the load sets it to stream where it lies, still on the device.  ComfyUI then counts it off the
+loaded bytes, and where a LoRA was merged into its weights at the first load, applies the LoRA again at each call
+(``LowVramPatch``, or ComfyUI-GGUF's forced patch of an unquantized tensor).  So a lowered plan loads with a
+budget within the room for which ComfyUI's load keeps every module on the device where it is (:func:`safe_budget`,
+which follows ``ModelPatcher.load``'s choice), and only where the patcher's load list has ComfyUI 0.3.64's form;
+after the load, a module set to stream on the device all the same places the model again for the larger plan.
+
 Only on the legacy memory path (ComfyUI 0.3.64, GGUF, ``--disable-dynamic-vram``), where the estimator places the
-weights, and only for a patcher that moves its weights with ComfyUI's own methods; a dynamic-VRAM model's residency
-is ComfyUI's.  A load or unload that fails leaves the model as ComfyUI's
-own load would place it for the larger of the two plans, with one warning, and nothing more moves in that
-sampling; a cancel goes on up.
+weights, only where ComfyUI places a model in part (its normal and low VRAM states, a load device that is neither
+the CPU nor the offload device), and only for a patcher that moves its weights with ComfyUI's own methods; a
+dynamic-VRAM model's residency is ComfyUI's.  A load that fails (ComfyUI detaches the model) or that set a module
+on the device to stream places the model again as ComfyUI's own load would for the larger of the two plans; an
+unload that fails leaves the weights where ComfyUI's unload stopped.  Either way one warning is logged and nothing
+more moves in that sampling; a cancel goes on up.
 """
 from __future__ import annotations
 
@@ -33,6 +44,8 @@ import logging
 import threading
 import weakref
 from dataclasses import dataclass, field
+
+import torch
 
 from . import comfy_bridge
 from .log_once import reason, warn_once
@@ -64,7 +77,8 @@ def begin(patcher, shape, plan, reservation: int) -> None:
     """Note the sampling of ``patcher`` that just placed its weights for ``shape`` against ``reservation`` bytes;
     ``plan(patcher, shape)`` plans it again.  A dynamic-VRAM model is left to ComfyUI."""
     base = getattr(patcher, "model", None)
-    if base is None or comfy_bridge.is_dynamic(patcher) or not _comfy_moves(patcher):
+    if (base is None or comfy_bridge.is_dynamic(patcher) or not _comfy_moves(patcher)
+            or not _placed_in_part(patcher)):
         return
     with _lock:
         _samplings[base] = _Sampling(weakref.ref(patcher), tuple(int(x) for x in shape), plan, int(reservation))
@@ -81,6 +95,19 @@ def _comfy_moves(patcher) -> bool:
     t = type(patcher)
     return (getattr(t, "partially_load", None) is ModelPatcher.partially_load
             and getattr(t, "partially_unload", None) is ModelPatcher.partially_unload)
+
+
+def _placed_in_part(patcher) -> bool:
+    """Whether ComfyUI's ``load_models_gpu`` places ``patcher``'s weights in part: its normal and low VRAM states
+    (``--highvram``, ``--gpu-only`` and ``--novram`` load whole or nothing), a load device that is not the CPU, and
+    an offload device that is not the load device."""
+    try:
+        import comfy.model_management as mm
+        load, offload = torch.device(patcher.load_device), torch.device(patcher.offload_device)
+        return (bool(mm.lowvram_available) and mm.vram_state in (mm.VRAMState.LOW_VRAM, mm.VRAMState.NORMAL_VRAM)
+                and load.type != "cpu" and load != offload)
+    except (ImportError, AttributeError, TypeError, RuntimeError):
+        return False
 
 
 def _get(base) -> _Sampling | None:
@@ -144,6 +171,64 @@ def _needed(reservation: int) -> int:
     return max(int(mm.minimum_inference_memory()), reservation + comfy_bridge.extra_reserved())
 
 
+def _budget(patcher, dev, reservation: int) -> int:
+    """The bytes of ``patcher``'s weights ``load_models_gpu`` would have on the device for ``reservation`` now: its
+    ``lowvram_model_memory``, from the free memory and what the model holds."""
+    import comfy.model_management as mm
+    free = comfy_bridge.free_memory(dev) + int(patcher.loaded_size())
+    ratio = float(getattr(mm, "MIN_WEIGHT_MEMORY_RATIO", 0.0))
+    return int(max(MIN_MOVE_BYTES, free - _needed(reservation),
+                   min(free * ratio, free - mm.minimum_inference_memory())))
+
+
+def _on_device(module) -> bool:
+    """Whether ComfyUI's load left ``module``'s weights on the device: a module that casts per call
+    (``comfy_cast_weights``) and is not set to stream (``prev_comfy_cast_weights``)."""
+    return hasattr(module, "comfy_cast_weights") and not hasattr(module, "prev_comfy_cast_weights")
+
+
+def load_order(patcher) -> list | None:
+    """``patcher``'s modules as ComfyUI's ``ModelPatcher.load`` goes through them, [(bytes, module)], or None where
+    its ``_load_list`` is not ComfyUI 0.3.64's (bytes, name, module, parameter names)."""
+    try:
+        items = list(patcher._load_list())
+    except Exception:  # no _load_list, or one that fails: a load this cannot follow
+        return None
+    if not all(isinstance(x, tuple) and len(x) == 4 and isinstance(x[0], int) and isinstance(x[1], str)
+               for x in items):
+        return None
+    items.sort(key=lambda x: (x[0], x[1]), reverse=True)  # load's own sort, by size then name
+    return [(x[0], x[2]) for x in items]
+
+
+def safe_budget(order, budget: int, least: int) -> int | None:
+    """A budget up to ``budget`` for which ComfyUI's partial load keeps every module on the device where it is and
+    loads at least ``least`` bytes more, or None where the search below finds none.
+
+    ``ModelPatcher.load`` goes through ``order`` with a counter: a module that casts per call and does not fit under
+    the budget streams (one already streaming is left as it is), every other one that fits is counted and loaded.
+    Where a module on the device would stream, the last streaming module loaded before it is left out (the budget
+    stops at that module's end), and the load is followed again."""
+    while True:
+        counter, added, last_new, kept = 0, 0, None, True
+        for size, m in order:
+            cast = hasattr(m, "comfy_cast_weights")
+            if cast and counter + size >= budget:
+                if _on_device(m):
+                    kept = False
+                    break
+                continue
+            if counter + size < budget:
+                if cast and not _on_device(m):
+                    last_new, added = counter + size, added + size
+                counter += size
+        if kept:
+            return budget if added >= least else None
+        if last_new is None:
+            return None
+        budget = last_new
+
+
 def _move(patcher, base, reservation: int, before_reservation: int) -> tuple[int, bool]:
     """Move ``patcher``'s weights from ``before_reservation`` to ``reservation``: (bytes moved onto the device,
     negative where unloaded; whether the move failed)."""
@@ -152,30 +237,41 @@ def _move(patcher, base, reservation: int, before_reservation: int) -> tuple[int
     if lowered and not getattr(base, "model_lowvram", False):
         return 0, False  # every weight resident already
     comfy_bridge.trim_allocator(dev, "before moving weights between steps")
-    room = comfy_bridge.free_memory(dev) - _needed(reservation)
-    if lowered and room < MIN_MOVE_BYTES or not lowered and room >= 0:
-        return 0, False
     before = int(patcher.loaded_size())
+    target = _budget(patcher, dev, reservation)
+    order = None
+    if lowered:
+        order = load_order(patcher) if target - before >= MIN_MOVE_BYTES else None
+        target = safe_budget(order, target, MIN_MOVE_BYTES) if order is not None else None
+        if target is None:
+            return 0, False
+    elif target >= before:
+        return 0, False
+    kept = [m for _, m in order if _on_device(m)] if order is not None else []
     failed = None
     try:
         if lowered:
-            patcher.partially_load(dev, room)
+            patcher.partially_load(dev, target - before)
         else:
-            patcher.partially_unload(patcher.offload_device, -room)
+            patcher.partially_unload(patcher.offload_device, before - target)
     except Exception as e:
         if comfy_bridge.user_cancel(e):
             raise
         failed = reason(e)
-    if failed is not None:  # out of the except block: the failed move's temporaries are gone
-        detached = int(patcher.loaded_size()) == 0
-        warn_once(("replan-move", failed.partition(":")[0]), "wan-sage: %s weights between steps failed (%s); %s",
-                  "loading" if lowered else "unloading", failed,
+    streamed = 0 if failed is not None else sum(1 for m in kept if not _on_device(m))
+    if failed is not None or streamed:  # out of the except block: the failed move's temporaries are gone
+        detached = failed is None or int(patcher.loaded_size()) == 0
+        what = failed if failed is not None else f"{streamed} module(s) on the device were set to stream"
+        warn_once(("replan-move", what.partition(":")[0]), "wan-sage: %s weights between steps failed (%s); %s",
+                  "loading" if lowered else "unloading", what,
                   "the model is loaded again for the larger plan, and nothing more moves in this sampling" if detached
                   else "nothing more moves in this sampling")
         if detached:
+            if failed is None:
+                patcher.detach()
             _reload(patcher, dev, max(reservation, before_reservation))
     comfy_bridge.trim_allocator(dev, "after moving weights between steps")
-    return int(patcher.loaded_size()) - before, failed is not None
+    return int(patcher.loaded_size()) - before, failed is not None or bool(streamed)
 
 
 def _reload(patcher, dev, reservation: int) -> None:
@@ -183,4 +279,4 @@ def _reload(patcher, dev, reservation: int) -> None:
     ``partially_load`` detaches the model when it fails), without freeing the sampling's other models."""
     patcher.model_patches_to(dev)
     patcher.model_patches_to(patcher.model_dtype())
-    patcher.partially_load(dev, max(MIN_MOVE_BYTES, comfy_bridge.free_memory(dev) - _needed(reservation)))
+    patcher.partially_load(dev, max(MIN_MOVE_BYTES, _budget(patcher, dev, reservation)))

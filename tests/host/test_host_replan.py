@@ -16,10 +16,21 @@ META = torch.device("meta")
 SHAPE = [1, 16, 2, 8, 8]
 
 
+def _on_a_gpu(monkeypatch):
+    """ComfyUI's VRAM state as on an NVIDIA GPU with enough memory for a partial load (booted with --cpu here: no
+    floor of weights kept loaded, MIN_WEIGHT_MEMORY_RATIO 0), and the tiny models' weights above a real partial
+    load's floor."""
+    import comfy.model_management as mm
+    from wan_sage.nodes import replan
+    monkeypatch.setattr(mm, "vram_state", mm.VRAMState.NORMAL_VRAM)
+    monkeypatch.setattr(mm, "MIN_WEIGHT_MEMORY_RATIO", 0.0)
+    monkeypatch.setattr(replan, "MIN_MOVE_BYTES", 1)
+
+
 def _partly_loaded(comfy, monkeypatch, free):
-    from wan_sage.nodes import comfy_bridge, host_copy, replan
+    from wan_sage.nodes import comfy_bridge, host_copy
     from wan_sage.nodes.estimator import Settings, apply_estimator
-    monkeypatch.setattr(replan, "MIN_MOVE_BYTES", 1)  # the tiny model's weights are under a real partial load's floor
+    _on_a_gpu(monkeypatch)
     base = comfy_env.tiny_wan_patcher(num_layers=4)
     m, _, _ = apply_estimator(base, Settings(), SHAPE)
     base.load_device = m.load_device = META
@@ -98,12 +109,13 @@ def test_comfyui_ggufs_patcher_moves_with_comfyuis_own_methods(comfy, tmp_path):
 
 
 @pytest.mark.parametrize("compiled", [None, "blocks", "whole model"])
-def test_a_sampling_is_planned_again_unless_one_graph_compiles_the_whole_model(comfy, compiled):
+def test_a_sampling_is_planned_again_unless_one_graph_compiles_the_whole_model(comfy, monkeypatch, compiled):
     """The estimator's PREPARE_SAMPLING wrapper notes the sampling for the re-plan, except under ComfyUI's
     TorchCompileModel: its one graph would compile again for weights moved between calls."""
     from comfy_api.torch_helpers import set_torch_compile_wrapper
     from comfy_extras.nodes_torch_compile import TorchCompileModel
     from wan_sage.nodes import comfy_bridge, estimator, replan
+    monkeypatch.setattr(replan, "_placed_in_part", lambda patcher: True)  # the tiny model loads on the CPU here
     m, _, _ = estimator.apply_estimator(comfy_env.tiny_wan_patcher(num_layers=2), estimator.Settings(), SHAPE)
     if compiled == "blocks":
         m = m.clone()
@@ -117,3 +129,87 @@ def test_a_sampling_is_planned_again_unless_one_graph_compiles_the_whole_model(c
     assert prepare(lambda *a, **k: "loaded", m, SHAPE, {}, m.model_options) == "loaded"
     assert (replan._get(m.model) is not None) is (compiled != "whole model")
     replan.end(m.model)
+
+
+UNIT = 64 * 16 * 4  # bytes of an fp32 Linear(64, 16)
+
+
+def _gap_filled(comfy, monkeypatch):
+    """A real 0.3.64 patcher of three Linears of 6, 5 and 4 units with a LoRA-style patch on the smallest, loaded
+    for 11 units: ComfyUI's load keeps the 6 and the 4 (the 4 fills the gap the 5 left) and streams the 5.  Its
+    load device is the CPU (a meta tensor holds no values to compare), taken as a GPU's."""
+    import comfy.model_patcher
+    import comfy.ops
+    from wan_sage.nodes import replan
+    _on_a_gpu(monkeypatch)
+    monkeypatch.setattr(replan, "_placed_in_part", lambda patcher: True)
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    for name, units in (("a", 6), ("b", 5), ("c", 4)):
+        setattr(model, name, comfy.ops.manual_cast.Linear(64, 16 * units, bias=False))
+    weight = model.c.weight.detach().clone()
+    delta = torch.randn_like(weight)
+    cpu = torch.device("cpu")
+    p = comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)
+    p.add_patches({"c.weight": ("diff", (delta,))}, 1.0)
+    p.patch_model(cpu, lowvram_model_memory=11 * UNIT)
+    assert p.loaded_size() == 10 * UNIT and model.model_lowvram
+    model.current_patcher = p
+    return p, weight + delta
+
+
+def _free_for(monkeypatch, p, budget):
+    """Free memory such that load_models_gpu would have ``budget`` bytes of ``p``'s weights loaded (plan 0)."""
+    import comfy.model_management as mm
+    from wan_sage.nodes import comfy_bridge
+    monkeypatch.setattr(comfy_bridge, "extra_reserved", lambda: 0)
+    monkeypatch.setattr(comfy_bridge, "free_memory",
+                        lambda dev: int(mm.minimum_inference_memory()) + budget - p.loaded_size())
+
+
+def _lora_applied_once(p, patched):
+    x = torch.randn(3, 64)
+    return torch.allclose(p.model.c(x), x @ patched.T, atol=1e-5)
+
+
+def test_a_lower_plan_never_sets_a_module_on_the_device_to_stream(comfy, monkeypatch):
+    """With 13 units ComfyUI's load would keep the 6 and the 5 and set the 4 to stream where it lies (its LoRA,
+    merged at the first load, applied again at each call, and its bytes counted off).  No budget of more than 10
+    units keeps the 4 and loads anything, so nothing moves."""
+    from wan_sage.nodes import replan
+    p, patched = _gap_filled(comfy, monkeypatch)
+    assert _lora_applied_once(p, patched)
+    _free_for(monkeypatch, p, 13 * UNIT)
+    replan.begin(p, SHAPE, lambda patcher, shape: 0, 1 << 30)
+    replan.before_call(p.model)
+    assert replan.before_call(p.model) == 0
+    assert not hasattr(p.model.c, "prev_comfy_cast_weights") and p.loaded_size() == 10 * UNIT
+    assert _lora_applied_once(p, patched)
+
+
+def test_a_load_comfyui_would_set_a_module_to_stream_in_is_placed_again(comfy, monkeypatch, caplog):
+    """The load with 13 units as ComfyUI does it: the 4 is set to stream on the device; the model is detached and
+    loaded again for the larger plan, its LoRA applied once."""
+    import logging
+    from wan_sage.nodes import replan
+    p, patched = _gap_filled(comfy, monkeypatch)
+    monkeypatch.setattr(replan, "safe_budget", lambda order, budget, least: budget)
+    _free_for(monkeypatch, p, 13 * UNIT)
+    replan.begin(p, SHAPE, lambda patcher, shape: 0, 1 << 30)
+    replan.before_call(p.model)
+    with caplog.at_level(logging.WARNING, logger="wan_sage"):
+        replan.before_call(p.model)
+    assert "1 module(s) on the device were set to stream" in caplog.text
+    assert _lora_applied_once(p, patched)
+    assert p.loaded_size() == sum(comfy.model_management.module_size(m) for m in (p.model.a, p.model.b, p.model.c)
+                                  if not hasattr(m, "prev_comfy_cast_weights"))
+
+
+def test_a_lower_plan_with_room_for_every_weight_loads_them_all(comfy, monkeypatch):
+    from wan_sage.nodes import replan
+    p, patched = _gap_filled(comfy, monkeypatch)
+    _free_for(monkeypatch, p, 16 * UNIT)
+    replan.begin(p, SHAPE, lambda patcher, shape: 0, 1 << 30)
+    replan.before_call(p.model)
+    assert replan.before_call(p.model) == 5 * UNIT
+    assert not p.model.model_lowvram and _lora_applied_once(p, patched)

@@ -36,7 +36,14 @@ class ModelPatcher:
         self.loaded += moved
         self.device.free -= moved
         self.model.model_lowvram = self.loaded < self.size
+        if self.on_load is not None:
+            self.on_load(self)
         return moved
+
+    def detach(self):
+        self.calls.append(("detach",))
+        self.device.free += self.loaded
+        self.loaded = 0
 
     def partially_unload(self, device_to, memory_to_free=0):
         self.calls.append(("unload", device_to, memory_to_free))
@@ -50,6 +57,18 @@ class ModelPatcher:
         return moved
 
 
+class Module:
+    """A module ComfyUI loads: it casts per call, and streams where ``prev_comfy_cast_weights`` is set."""
+
+    def __init__(self, on_device):
+        self.comfy_cast_weights = False
+        if not on_device:
+            self.prev_comfy_cast_weights = False
+
+
+UNIT = 64 * MiB  # the size of each module of the stand-in model: ComfyUI's load keeps a prefix of equal modules
+
+
 class Patcher(ModelPatcher):
     """A patcher of a model of ``size`` bytes with ``loaded`` of them on the device, moved with ComfyUI's methods
     (as ComfyUI-GGUF's patcher keeps them)."""
@@ -60,8 +79,14 @@ class Patcher(ModelPatcher):
         self.load_device, self.offload_device = "cuda:0", "cpu"
         self.device = device
         self.loaded, self.size = loaded, size
+        self.modules = [Module(i * UNIT < loaded) for i in range(size // UNIT)]
         self.calls = []
         self.fail = None
+        self.on_load = None  # called after each partial load: a ComfyUI whose load does more than this one's
+
+    def _load_list(self):
+        n = len(self.modules)  # the modules on the device come first in ComfyUI's order (size, then name)
+        return [(UNIT, f"m.{n - i:04d}", m, ["weight"]) for i, m in enumerate(self.modules)]
 
     def is_dynamic(self):
         return False
@@ -87,6 +112,8 @@ def dev(monkeypatch):
     d = Device(free=0)
     mm = types.ModuleType("comfy.model_management")
     mm.minimum_inference_memory = lambda: 0.8 * GiB + KEPT_FREE
+    mm.VRAMState = types.SimpleNamespace(DISABLED=0, NO_VRAM=1, LOW_VRAM=2, NORMAL_VRAM=3, HIGH_VRAM=4, SHARED=5)
+    mm.vram_state, mm.lowvram_available = mm.VRAMState.NORMAL_VRAM, True
     mp = types.ModuleType("comfy.model_patcher")
     mp.ModelPatcher = ModelPatcher
     comfy = types.ModuleType("comfy")
@@ -141,6 +168,18 @@ def test_a_higher_plan_unloads_what_the_free_memory_lacks(dev):
     short = int(7.9 * GiB) + KEPT_FREE - 6 * GiB
     assert p.calls == [("unload", "cpu", short)] and moved == -short
     assert dev.free == int(7.9 * GiB) + KEPT_FREE
+
+
+def test_a_higher_plan_unloads_no_further_than_comfyuis_floor_of_loaded_weights(dev):
+    """Where ComfyUI keeps a share of the free memory for weights whatever the reservation (MIN_WEIGHT_MEMORY_RATIO,
+    0.4 off NVIDIA GPUs), the unload stops there, as load_models_gpu would have placed the model."""
+    dev.mm.MIN_WEIGHT_MEMORY_RATIO = 0.4
+    dev.free = 1 * GiB
+    p = _sampling(dev, [int(7.9 * GiB)], start=int(5.5 * GiB))
+    replan.before_call(p.model)
+    moved = replan.before_call(p.model)
+    floor = int(0.4 * (1 * GiB + 6 * GiB))  # of the free memory with this model's weights counted free
+    assert p.calls == [("unload", "cpu", 6 * GiB - floor)] and moved == floor - 6 * GiB
 
 
 def test_a_higher_plan_that_is_free_already_moves_nothing(dev):
@@ -271,3 +310,101 @@ def test_a_patcher_with_moves_of_its_own_is_not_planned_again(dev):
     replan.begin(p, [1, 16, 21, 90, 160], lambda *a: int(5.5 * GiB), int(7.9 * GiB))
     replan.before_call(p.model)
     assert replan.before_call(p.model) == 0 and p.calls == [] and replan.moves(p.model) == []
+
+
+class Cast:
+    """A module of a Wan model as ComfyUI loads it: it casts per call, and streams where
+    ``prev_comfy_cast_weights`` is set."""
+
+    def __init__(self):
+        self.comfy_cast_weights = False
+        self.prev_comfy_cast_weights = False
+        self.set_to_stream = False
+
+
+def _comfy_load(order, budget):
+    """ComfyUI 0.3.64's ``ModelPatcher.load`` choice, for the test: a module that does not fit streams (one on the
+    device is set to stream where it lies), one that fits is loaded.  Returns the bytes loaded."""
+    counter = 0
+    for size, m in order:
+        if counter + size >= budget:
+            if not hasattr(m, "prev_comfy_cast_weights"):
+                m.prev_comfy_cast_weights, m.set_to_stream = False, True
+            continue
+        m.__dict__.pop("prev_comfy_cast_weights", None)
+        counter += size
+    return counter
+
+
+def _wan_order():
+    """A14B's modules in ComfyUI's load order (bf16 sizes): 80 FFN Linears, 320 attention Linears, the embeddings,
+    120 norms."""
+    ffn, attn = 5120 * 13824 * 2, 5120 * 5120 * 2
+    items = ([(ffn, f"blocks.{i}.ffn.{j}") for i in range(40) for j in (0, 2)]
+             + [(attn, f"blocks.{i}.{a}.{q}") for i in range(40) for a in ("self_attn", "cross_attn") for q in "qkvo"]
+             + [(4096 * 5120 * 2, "text_embedding.0"), (256 * 5120 * 2, "time_embedding.0")]
+             + [(5120 * 4, f"blocks.{i}.norm{k}") for i in range(40) for k in range(3)])
+    return [(size, Cast()) for size, _ in sorted(items, reverse=True)], ffn
+
+
+@pytest.mark.parametrize("start_ffns, room_gib", [(30.7, 2.9), (10.3, 1.36)])
+def test_the_load_budget_keeps_every_module_on_the_device_where_comfyui_would_set_one_to_stream(start_ffns,
+                                                                                               room_gib):
+    """ComfyUI's greedy load with the whole room would load more FFN Linears and set an attention Linear that filled
+    the gap before to stream where it lies (its merged LoRA applied again at each call); the budget stops short of
+    that, and loads all but at most one FFN Linear of the room."""
+    order, ffn = _wan_order()
+    before = _comfy_load(order, int(start_ffns * ffn))
+    target = before + int(room_gib * GiB)
+    naive = [(size, Cast()) for size, _ in order]
+    for (_, m), (_, n) in zip(order, naive):
+        n.__dict__.pop("prev_comfy_cast_weights") if not hasattr(m, "prev_comfy_cast_weights") else None
+    _comfy_load(naive, target)
+    assert any(n.set_to_stream for _, n in naive)  # the case the budget is for
+    budget = replan.safe_budget(order, target, replan.MIN_MOVE_BYTES)
+    assert budget is not None and budget <= target
+    loaded = _comfy_load(order, budget)
+    assert not any(m.set_to_stream for _, m in order)
+    assert loaded - before > target - before - ffn
+
+
+def test_no_budget_keeps_the_modules_on_the_device_then_nothing_moves():
+    """A module on the device after a larger streaming one: every budget that loads the larger one sets it to
+    stream, and the smaller streaming one after it never fits beside it."""
+    big = Cast()
+    del big.prev_comfy_cast_weights  # on the device
+    order = [(3 * GiB, Cast()), (2 * GiB, big), (1 * GiB, Cast())]
+    assert replan.safe_budget(order, 4 * GiB, replan.MIN_MOVE_BYTES) is None
+    assert replan.safe_budget(order, 4 * GiB, 0) == 3 * GiB  # keeps it, and loads nothing
+
+
+@pytest.mark.parametrize("state, load, offload", [("HIGH_VRAM", "cuda:0", "cpu"), ("NO_VRAM", "cuda:0", "cpu"),
+                                                  ("NORMAL_VRAM", "cpu", "cpu"), ("NORMAL_VRAM", "cuda:0", "cuda:0"),
+                                                  ("LOW_VRAM", "cuda:0", "cuda:0")])
+def test_weights_move_only_where_comfyui_places_a_model_in_part(dev, state, load, offload):
+    """--highvram and --gpu-only load whole (the offload device is the GPU: an unload would free nothing),
+    --novram loads nothing, and a model on the CPU is not placed in part."""
+    dev.mm.vram_state = getattr(dev.mm.VRAMState, state)
+    dev.free = 8 * GiB
+    p = Patcher(dev, 6 * GiB, 10 * GiB)
+    p.load_device, p.offload_device = load, offload
+    replan.begin(p, [1, 16, 21, 90, 160], lambda *a: int(5.5 * GiB), int(7.9 * GiB))
+    replan.before_call(p.model)
+    assert replan.before_call(p.model) == 0 and p.calls == [] and replan._get(p.model) is None
+
+
+def test_a_load_that_sets_a_module_on_the_device_to_stream_loads_the_model_again(dev, caplog):
+    """Where ComfyUI's load sets a module on the device to stream all the same (a load this does not follow), the
+    model is detached and loaded again for the larger plan, and nothing more moves."""
+    dev.free = 8 * GiB
+    p = Patcher(dev, 6 * GiB, 10 * GiB)
+    p.on_load = lambda p: setattr(p.modules[0], "prev_comfy_cast_weights", False) if len(p.calls) == 1 else None
+    replan.begin(p, [1, 16, 21, 90, 160], lambda *a: int(5.5 * GiB), int(7.9 * GiB))
+    replan.before_call(p.model)
+    with caplog.at_level(logging.WARNING, logger="wan_sage"):
+        replan.before_call(p.model)
+    assert [c[0] for c in p.calls] == ["load", "detach", "patches to", "patches to", "load"]
+    assert dev.free == int(7.9 * GiB) + KEPT_FREE  # placed for the larger plan
+    assert "1 module(s) on the device were set to stream" in caplog.text
+    n = len(p.calls)
+    assert replan.before_call(p.model) == 0 and len(p.calls) == n
