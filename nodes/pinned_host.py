@@ -291,27 +291,29 @@ def room_for(need: int, total: int | None = None, available=_ram_available) -> b
 
 def make_room(need: int, total: int | None = None, available=_ram_available) -> bool:
     """:func:`room_for` ``need`` bytes of streamed weights, unregistering kept copies' buffers, newest first, where
-    the ceiling alone stands in the way (their bytes stay where they are, pageable).  Returns whether there is
-    room now."""
+    the ceiling alone stands in the way and their room together would do (their bytes stay where they are,
+    pageable).  Returns whether there is room now."""
     if room_for(need, total, available):
         return True
     free = available() if available is not None else None
     if free is not None and free - need < KEEP_AVAILABLE:
         return False  # unregistering frees no host memory
     limit = ceiling(total)
-    while True:
-        with _lock:
-            if pinned_bytes() + need <= limit or not _yielding:
-                break
+    with _lock:
+        if _total - sum(_buffers.get(p, 0) for p in _yielding) + need > limit:
+            return False  # every kept copy's room would not do: none is given up
+        # Each buffer is unregistered under the lock: its finalizer, on another thread, takes the lock before it
+        # unmaps the buffer, so the memory is still mapped while it is unregistered.
+        while _total + need > limit and _yielding:
             ptr = next(reversed(_yielding))
             locker = _yielding.pop(ptr)
             _unlocked[ptr] = _buffers.get(ptr, 0)
             _uncount(ptr)
-        try:
-            locker.unlock(ptr)
-        except Exception as e:  # its bytes stay registered with CUDA; the count leaves them out all the same
-            warn_once(("pin-yield", type(e).__name__), "wan-sage: unregistering a host copy's page-locked memory "
-                      "failed (%s).", reason(e))
+            try:
+                locker.unlock(ptr)
+            except Exception as e:  # its bytes stay registered with CUDA; the count leaves them out all the same
+                warn_once(("pin-yield", type(e).__name__), "wan-sage: unregistering a host copy's page-locked "
+                          "memory failed (%s).", reason(e))
     return room_for(need, total, available)
 
 

@@ -485,3 +485,31 @@ def test_kept_copies_that_gave_their_room_are_not_page_locked_again_by_the_worke
     p.load()  # the next load (the repeat prompt): the worker's job finds those copies in buffers that gave room
     assert _pin(kept_model, locker) == 0
     assert all(not any(pinned_host.gave_room(data) for _, _, data in group) for group in host_copy._unpinned(kept_model))
+
+
+def test_no_kept_copy_gives_up_its_room_where_all_of_them_would_not_do():
+    kept_model, p, locker, total, _ = _full_of_kept_copies(spare=0)
+    need = pinned_host.pinned_bytes() + 1  # more than every buffer of the pack together
+    assert not pinned_host.make_room(need, total=total, available=lambda: 64 * GiB)
+    assert not locker.unlocked
+
+
+def test_a_kept_copy_is_unregistered_while_its_finalizer_cannot_unmap_it():
+    """The buffer's finalizer (another thread, when its last weight lets go) takes the pack's lock before it unmaps
+    the buffer: make_room unregisters under that lock, so the memory is still mapped while it is unregistered."""
+    import threading
+
+    kept_model, p, locker, total, _ = _full_of_kept_copies()
+    other_thread_could_take_the_lock = []
+    unlock = locker.unlock
+
+    def unlock_and_check(ptr):
+        if ptr in pinned_host._unlocked:  # make_room's (a finalizer's own unregistering is not this test's)
+            t = threading.Thread(target=lambda: other_thread_could_take_the_lock.append(
+                pinned_host._lock.acquire(blocking=False) and (pinned_host._lock.release() or True)))
+            t.start()
+            t.join()
+        return unlock(ptr)
+    locker.unlock = unlock_and_check
+    assert pinned_host.pin_streamed(_patcher(Net()), locker, total=total, available=lambda: 64 * GiB) > 0
+    assert other_thread_could_take_the_lock and not any(other_thread_could_take_the_lock)
