@@ -183,8 +183,10 @@ def _budget(patcher, dev, reservation: int) -> int:
 
 def _on_device(module) -> bool:
     """Whether ComfyUI's load left ``module``'s weights on the device: a module that casts per call
-    (``comfy_cast_weights``) and is not set to stream (``prev_comfy_cast_weights``)."""
-    return hasattr(module, "comfy_cast_weights") and not hasattr(module, "prev_comfy_cast_weights")
+    (``comfy_cast_weights``) and was loaded whole (``comfy_patched_weights``, which a partial unload clears) or is
+    not set to stream (``prev_comfy_cast_weights``; a patcher that forces casting sets it on every module)."""
+    return hasattr(module, "comfy_cast_weights") and (getattr(module, "comfy_patched_weights", False) is True
+                                                      or not hasattr(module, "prev_comfy_cast_weights"))
 
 
 def load_order(patcher) -> list | None:
@@ -241,13 +243,15 @@ def _move(patcher, base, reservation: int, before_reservation: int) -> tuple[int
     target = _budget(patcher, dev, reservation)
     order = None
     if lowered:
+        if getattr(base, "current_weight_patches_uuid", None) != getattr(patcher, "patches_uuid", None):
+            return 0, False  # patches changed since the load: partially_load would unpatch and load it afresh
         order = load_order(patcher) if target - before >= MIN_MOVE_BYTES else None
         target = safe_budget(order, target, MIN_MOVE_BYTES) if order is not None else None
         if target is None:
             return 0, False
     elif target >= before:
         return 0, False
-    kept = [m for _, m in order if _on_device(m)] if order is not None else []
+    kept = [m for _, m in order if _on_device(m) and not hasattr(m, "prev_comfy_cast_weights")] if order else []
     failed = None
     try:
         if lowered:
@@ -258,7 +262,7 @@ def _move(patcher, base, reservation: int, before_reservation: int) -> tuple[int
         if comfy_bridge.user_cancel(e):
             raise
         failed = reason(e)
-    streamed = 0 if failed is not None else sum(1 for m in kept if not _on_device(m))
+    streamed = 0 if failed is not None else sum(1 for m in kept if hasattr(m, "prev_comfy_cast_weights"))
     if failed is not None or streamed:  # out of the except block: the failed move's temporaries are gone
         detached = failed is None or int(patcher.loaded_size()) == 0
         what = failed if failed is not None else f"{streamed} module(s) on the device were set to stream"

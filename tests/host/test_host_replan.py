@@ -134,10 +134,11 @@ def test_a_sampling_is_planned_again_unless_one_graph_compiles_the_whole_model(c
 UNIT = 64 * 16 * 4  # bytes of an fp32 Linear(64, 16)
 
 
-def _gap_filled(comfy, monkeypatch):
+def _gap_filled(comfy, monkeypatch, force_cast=False):
     """A real 0.3.64 patcher of three Linears of 6, 5 and 4 units with a LoRA-style patch on the smallest, loaded
     for 11 units: ComfyUI's load keeps the 6 and the 4 (the 4 fills the gap the 5 left) and streams the 5.  Its
-    load device is the CPU (a meta tensor holds no values to compare), taken as a GPU's."""
+    load device is the CPU (a meta tensor holds no values to compare), taken as a GPU's.  ``force_cast``: the
+    patcher casts every module per call (ComfyUI's ModelComputeDtype node)."""
     import comfy.model_patcher
     import comfy.ops
     from wan_sage.nodes import replan
@@ -151,6 +152,7 @@ def _gap_filled(comfy, monkeypatch):
     delta = torch.randn_like(weight)
     cpu = torch.device("cpu")
     p = comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)
+    p.force_cast_weights = force_cast
     p.add_patches({"c.weight": ("diff", (delta,))}, 1.0)
     p.patch_model(cpu, lowvram_model_memory=11 * UNIT)
     assert p.loaded_size() == 10 * UNIT and model.model_lowvram
@@ -172,18 +174,26 @@ def _lora_applied_once(p, patched):
     return torch.allclose(p.model.c(x), x @ patched.T, atol=1e-5)
 
 
-def test_a_lower_plan_never_sets_a_module_on_the_device_to_stream(comfy, monkeypatch):
+def _counted(p, comfy):
+    """Whether the patcher counts every module loaded whole as loaded."""
+    return p.loaded_size() == sum(comfy.model_management.module_size(m) for m in (p.model.a, p.model.b, p.model.c)
+                                  if getattr(m, "comfy_patched_weights", False) is True)
+
+
+@pytest.mark.parametrize("force_cast", [False, True])
+def test_a_lower_plan_never_sets_a_module_on_the_device_to_stream(comfy, monkeypatch, force_cast):
     """With 13 units ComfyUI's load would keep the 6 and the 5 and set the 4 to stream where it lies (its LoRA,
-    merged at the first load, applied again at each call, and its bytes counted off).  No budget of more than 10
-    units keeps the 4 and loads anything, so nothing moves."""
+    merged at the first load, applied again at each call, and its bytes counted off; with every module cast per
+    call, left on the device uncounted).  No budget of more than 10 units keeps the 4 and loads anything, so
+    nothing moves."""
     from wan_sage.nodes import replan
-    p, patched = _gap_filled(comfy, monkeypatch)
+    p, patched = _gap_filled(comfy, monkeypatch, force_cast)
     assert _lora_applied_once(p, patched)
     _free_for(monkeypatch, p, 13 * UNIT)
     replan.begin(p, SHAPE, lambda patcher, shape: 0, 1 << 30)
     replan.before_call(p.model)
     assert replan.before_call(p.model) == 0
-    assert not hasattr(p.model.c, "prev_comfy_cast_weights") and p.loaded_size() == 10 * UNIT
+    assert p.loaded_size() == 10 * UNIT and _counted(p, comfy)
     assert _lora_applied_once(p, patched)
 
 
