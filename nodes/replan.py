@@ -251,7 +251,8 @@ def _move(patcher, base, reservation: int, before_reservation: int) -> tuple[int
             return 0, False
     elif target >= before:
         return 0, False
-    kept = [m for _, m in order if _on_device(m) and not hasattr(m, "prev_comfy_cast_weights")] if order else []
+    # the modules on the device that are not marked streaming, whose mark after the load says it set them to stream
+    kept = [m for _, m in order or () if hasattr(m, "comfy_cast_weights") and not hasattr(m, "prev_comfy_cast_weights")]
     failed = None
     try:
         if lowered:
