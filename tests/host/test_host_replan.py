@@ -148,6 +148,8 @@ def _gap_filled(comfy, monkeypatch, force_cast=False):
     model = torch.nn.Module()
     for name, units in (("a", 6), ("b", 5), ("c", 4)):
         setattr(model, name, comfy.ops.manual_cast.Linear(64, 16 * units, bias=False))
+        with torch.no_grad():
+            getattr(model, name).weight.normal_()  # ComfyUI's ops skip the init: the memory is as it was
     weight = model.c.weight.detach().clone()
     delta = torch.randn_like(weight)
     cpu = torch.device("cpu")

@@ -1,0 +1,90 @@
+"""gpu tier: the reservation planned again between model calls (nodes/replan.py) on a real ComfyUI 0.3.64 patcher
+loading onto the GPU: ComfyUI's VRAM state there lets weights move, a lowered plan whose whole room would set a
+module on the device to stream keeps it (its LoRA applied once), and a room for every weight loads them all."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("gpu tier: no CUDA device (run on the GPU machine)", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "host"))
+import comfy_env  # noqa: E402
+
+if comfy_env.skip_reason():
+    pytest.skip(f"gpu tier re-plan: {comfy_env.skip_reason()}", allow_module_level=True)
+
+UNIT = 64 * 16 * 4  # bytes of an fp32 Linear(64, 16)
+SHAPE = [1, 16, 2, 8, 8]
+
+
+@pytest.fixture(scope="module")
+def comfy():
+    from bench import _host
+    _host.ensure_av(allow_stub=True)  # ComfyUI 0.3.64's nodes import PyAV; no video I/O here
+    return comfy_env.boot(cpu=False, attention="pytorch")
+
+
+def _gap_filled(comfy, monkeypatch, budget):
+    """Three Linears of 6, 5 and 4 units, a LoRA-style patch on the 4, loaded onto the GPU for 11 units (the 6 and
+    the 4 on the device, the 5 streaming); the free memory read as if load_models_gpu would load ``budget`` bytes of
+    it for a plan of 0."""
+    import comfy.model_patcher
+    import comfy.ops
+    from wan_sage.nodes import comfy_bridge, replan
+    monkeypatch.setattr(replan, "MIN_MOVE_BYTES", 1)
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    for name, units in (("a", 6), ("b", 5), ("c", 4)):
+        setattr(model, name, comfy.ops.manual_cast.Linear(64, 16 * units, bias=False))
+        with torch.no_grad():
+            getattr(model, name).weight.normal_()  # ComfyUI's ops skip the init: the memory is as it was
+    patched = model.c.weight.detach().clone().cuda()
+    delta = torch.randn(patched.shape)
+    patched += delta.cuda()
+    p = comfy.model_patcher.ModelPatcher(model, load_device=comfy.model_management.get_torch_device(),
+                                         offload_device=torch.device("cpu"))
+    p.add_patches({"c.weight": ("diff", (delta,))}, 1.0)
+    p.patch_model(p.load_device, lowvram_model_memory=11 * UNIT)
+    assert p.loaded_size() == 10 * UNIT and model.model_lowvram and model.c.weight.is_cuda
+    model.current_patcher = p
+    monkeypatch.setattr(comfy_bridge, "extra_reserved", lambda: 0)
+    monkeypatch.setattr(comfy_bridge, "free_memory",
+                        lambda dev: int(comfy.model_management.minimum_inference_memory()) + budget - p.loaded_size())
+    return p, patched
+
+
+def _lora_applied_once(p, patched):
+    """The 4's output against its weight with the LoRA once, through the same matmul (TF32 or not); twice would be
+    off by about the size of the output itself."""
+    x = torch.randn(3, 64, device="cuda")
+    with torch.inference_mode():
+        return torch.allclose(p.model.c(x), torch.nn.functional.linear(x, patched), rtol=1e-3, atol=1e-3)
+
+
+def test_comfyuis_state_on_the_gpu_lets_weights_move(comfy, monkeypatch):
+    from wan_sage.nodes import replan
+    p, _ = _gap_filled(comfy, monkeypatch, 13 * UNIT)
+    assert replan._placed_in_part(p)
+
+
+def test_a_lower_plan_keeps_the_module_that_filled_the_gap_on_the_device(comfy, monkeypatch):
+    from wan_sage.nodes import replan
+    p, patched = _gap_filled(comfy, monkeypatch, 13 * UNIT)
+    replan.begin(p, SHAPE, lambda patcher, shape: 0, 1 << 30)
+    replan.before_call(p.model)
+    assert replan.before_call(p.model) == 0
+    assert p.model.c.weight.is_cuda and p.loaded_size() == 10 * UNIT and _lora_applied_once(p, patched)
+    replan.end(p.model)
+
+
+def test_a_lower_plan_with_room_for_every_weight_loads_them_all_onto_the_gpu(comfy, monkeypatch):
+    from wan_sage.nodes import replan
+    p, patched = _gap_filled(comfy, monkeypatch, 16 * UNIT)
+    replan.begin(p, SHAPE, lambda patcher, shape: 0, 1 << 30)
+    replan.before_call(p.model)
+    assert replan.before_call(p.model) == 5 * UNIT
+    assert not p.model.model_lowvram and p.model.b.weight.is_cuda and _lora_applied_once(p, patched)
+    replan.end(p.model)
