@@ -16,7 +16,7 @@ import comfy_env  # noqa: E402
 if comfy_env.skip_reason():
     pytest.skip(f"gpu tier re-plan: {comfy_env.skip_reason()}", allow_module_level=True)
 
-UNIT = 64 * 16 * 4  # bytes of an fp32 Linear(64, 16)
+UNIT = comfy_env.GAP_UNIT
 SHAPE = [1, 16, 2, 8, 8]
 
 
@@ -28,28 +28,13 @@ def comfy():
 
 
 def _gap_filled(comfy, monkeypatch, budget):
-    """Three Linears of 6, 5 and 4 units, a LoRA-style patch on the 4, loaded onto the GPU for 11 units (the 6 and
-    the 4 on the device, the 5 streaming); the free memory read as if load_models_gpu would load ``budget`` bytes of
-    it for a plan of 0."""
-    import comfy.model_patcher
-    import comfy.ops
+    """comfy_env.gap_filled_patcher's three Linears loaded onto the GPU for 11 units (the 6 and the 4 on the device,
+    the 5 streaming); the free memory read as if load_models_gpu would load ``budget`` bytes of it for a plan of
+    0."""
     from wan_sage.nodes import comfy_bridge, replan
     monkeypatch.setattr(replan, "MIN_MOVE_BYTES", 1)
-    torch.manual_seed(0)
-    model = torch.nn.Module()
-    for name, units in (("a", 6), ("b", 5), ("c", 4)):
-        setattr(model, name, comfy.ops.manual_cast.Linear(64, 16 * units, bias=False))
-        with torch.no_grad():
-            getattr(model, name).weight.normal_()  # ComfyUI's ops skip the init: the memory is as it was
-    patched = model.c.weight.detach().clone().cuda()
-    delta = torch.randn(patched.shape)
-    patched += delta.cuda()
-    p = comfy.model_patcher.ModelPatcher(model, load_device=comfy.model_management.get_torch_device(),
-                                         offload_device=torch.device("cpu"))
-    p.add_patches({"c.weight": ("diff", (delta,))}, 1.0)
-    p.patch_model(p.load_device, lowvram_model_memory=11 * UNIT)
-    assert p.loaded_size() == 10 * UNIT and model.model_lowvram and model.c.weight.is_cuda
-    model.current_patcher = p
+    p, patched = comfy_env.gap_filled_patcher(comfy.model_management.get_torch_device())
+    assert p.model.c.weight.is_cuda
     monkeypatch.setattr(comfy_bridge, "extra_reserved", lambda: 0)
     monkeypatch.setattr(comfy_bridge, "free_memory",
                         lambda dev: int(comfy.model_management.minimum_inference_memory()) + budget - p.loaded_size())

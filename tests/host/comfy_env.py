@@ -390,6 +390,34 @@ def tiny_wan_state_dict(dim: int = 256, ffn_dim: int = 256, num_layers: int = 2,
     return sd
 
 
+GAP_UNIT = 64 * 16 * 4  # bytes of an fp32 Linear(64, 16): gap_filled_patcher's unit
+
+
+def gap_filled_patcher(load_device, force_cast: bool = False):
+    """(patcher, the smallest Linear's weight with its patch, on ``load_device``): a real ModelPatcher of three
+    ComfyUI Linears of 6, 5 and 4 :data:`GAP_UNIT` s, a LoRA-style ``diff`` patch on the 4, loaded for 11 units, so
+    that ComfyUI's greedy load keeps the 6 and the 4 (the 4 fills the gap the 5 left) on ``load_device`` and streams
+    the 5 from the CPU.  ``force_cast``: the patcher casts every module per call (ComfyUI's ModelComputeDtype)."""
+    import comfy.model_patcher
+    import comfy.ops
+    import torch
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    for name, units in (("a", 6), ("b", 5), ("c", 4)):
+        setattr(model, name, comfy.ops.manual_cast.Linear(64, 16 * units, bias=False))
+        with torch.no_grad():
+            getattr(model, name).weight.normal_()  # ComfyUI's ops skip the init: the memory is as it was
+    delta = torch.randn_like(model.c.weight)
+    patched = (model.c.weight.detach() + delta).to(load_device)
+    p = comfy.model_patcher.ModelPatcher(model, load_device=load_device, offload_device=torch.device("cpu"))
+    p.force_cast_weights = force_cast
+    p.add_patches({"c.weight": ("diff", (delta,))}, 1.0)
+    p.patch_model(load_device, lowvram_model_memory=11 * GAP_UNIT)
+    assert p.loaded_size() == 10 * GAP_UNIT and model.model_lowvram
+    model.current_patcher = p
+    return p, patched
+
+
 def tiny_wan_patcher(dim: int = 256, ffn_dim: int = 256, num_layers: int = 2,
                      model_type: str = "t2v", in_dim: int | None = None, out_dim: int = 16,
                      text_dim: int = WAN_TEXT_DIM, seed: int = 0, dtype=None,

@@ -131,35 +131,16 @@ def test_a_sampling_is_planned_again_unless_one_graph_compiles_the_whole_model(c
     replan.end(m.model)
 
 
-UNIT = 64 * 16 * 4  # bytes of an fp32 Linear(64, 16)
+UNIT = comfy_env.GAP_UNIT
 
 
 def _gap_filled(comfy, monkeypatch, force_cast=False):
-    """A real 0.3.64 patcher of three Linears of 6, 5 and 4 units with a LoRA-style patch on the smallest, loaded
-    for 11 units: ComfyUI's load keeps the 6 and the 4 (the 4 fills the gap the 5 left) and streams the 5.  Its
-    load device is the CPU (a meta tensor holds no values to compare), taken as a GPU's.  ``force_cast``: the
-    patcher casts every module per call (ComfyUI's ModelComputeDtype node)."""
-    import comfy.model_patcher
-    import comfy.ops
+    """comfy_env.gap_filled_patcher's three Linears loaded for 11 units (the 6 and the 4 kept, the 5 streaming), on
+    the CPU (a meta tensor holds no values to compare), taken as a GPU's."""
     from wan_sage.nodes import replan
     _on_a_gpu(monkeypatch)
     monkeypatch.setattr(replan, "_placed_in_part", lambda patcher: True)
-    torch.manual_seed(0)
-    model = torch.nn.Module()
-    for name, units in (("a", 6), ("b", 5), ("c", 4)):
-        setattr(model, name, comfy.ops.manual_cast.Linear(64, 16 * units, bias=False))
-        with torch.no_grad():
-            getattr(model, name).weight.normal_()  # ComfyUI's ops skip the init: the memory is as it was
-    weight = model.c.weight.detach().clone()
-    delta = torch.randn_like(weight)
-    cpu = torch.device("cpu")
-    p = comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)
-    p.force_cast_weights = force_cast
-    p.add_patches({"c.weight": ("diff", (delta,))}, 1.0)
-    p.patch_model(cpu, lowvram_model_memory=11 * UNIT)
-    assert p.loaded_size() == 10 * UNIT and model.model_lowvram
-    model.current_patcher = p
-    return p, weight + delta
+    return comfy_env.gap_filled_patcher(torch.device("cpu"), force_cast)
 
 
 def _free_for(monkeypatch, p, budget):
