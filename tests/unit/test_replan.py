@@ -58,10 +58,12 @@ class ModelPatcher:
 
 
 class Module:
-    """A module ComfyUI loads: it casts per call, and streams where ``prev_comfy_cast_weights`` is set."""
+    """A module ComfyUI loads: it casts per call, and streams where ``prev_comfy_cast_weights`` is set;
+    ``set_to_stream``: a load set it to stream where it lay (:func:`_comfy_load`)."""
 
-    def __init__(self, on_device):
+    def __init__(self, on_device=False):
         self.comfy_cast_weights = False
+        self.set_to_stream = False
         if not on_device:
             self.prev_comfy_cast_weights = False
 
@@ -312,16 +314,6 @@ def test_a_patcher_with_moves_of_its_own_is_not_planned_again(dev):
     assert replan.before_call(p.model) == 0 and p.calls == [] and replan.moves(p.model) == []
 
 
-class Cast:
-    """A module of a Wan model as ComfyUI loads it: it casts per call, and streams where
-    ``prev_comfy_cast_weights`` is set."""
-
-    def __init__(self):
-        self.comfy_cast_weights = False
-        self.prev_comfy_cast_weights = False
-        self.set_to_stream = False
-
-
 def _comfy_load(order, budget):
     """ComfyUI 0.3.64's ``ModelPatcher.load`` choice, for the test: a module that does not fit streams (one on the
     device is set to stream where it lies), one that fits is loaded.  Returns the bytes loaded."""
@@ -344,7 +336,7 @@ def _wan_order():
              + [(attn, f"blocks.{i}.{a}.{q}") for i in range(40) for a in ("self_attn", "cross_attn") for q in "qkvo"]
              + [(4096 * 5120 * 2, "text_embedding.0"), (256 * 5120 * 2, "time_embedding.0")]
              + [(5120 * 4, f"blocks.{i}.norm{k}") for i in range(40) for k in range(3)])
-    return [(size, Cast()) for size, _ in sorted(items, reverse=True)], ffn
+    return [(size, Module()) for size, _ in sorted(items, reverse=True)], ffn
 
 
 @pytest.mark.parametrize("start_ffns, room_gib", [(30.7, 2.9), (10.3, 1.36)])
@@ -356,9 +348,7 @@ def test_the_load_budget_keeps_every_module_on_the_device_where_comfyui_would_se
     order, ffn = _wan_order()
     before = _comfy_load(order, int(start_ffns * ffn))
     target = before + int(room_gib * GiB)
-    naive = [(size, Cast()) for size, _ in order]
-    for (_, m), (_, n) in zip(order, naive):
-        n.__dict__.pop("prev_comfy_cast_weights") if not hasattr(m, "prev_comfy_cast_weights") else None
+    naive = [(size, Module(on_device=not hasattr(m, "prev_comfy_cast_weights"))) for size, m in order]
     _comfy_load(naive, target)
     assert any(n.set_to_stream for _, n in naive)  # the case the budget is for
     budget = replan.safe_budget(order, target, replan.MIN_MOVE_BYTES)
@@ -371,9 +361,7 @@ def test_the_load_budget_keeps_every_module_on_the_device_where_comfyui_would_se
 def test_no_budget_keeps_the_modules_on_the_device_then_nothing_moves():
     """A module on the device after a larger streaming one: every budget that loads the larger one sets it to
     stream, and the smaller streaming one after it never fits beside it."""
-    big = Cast()
-    del big.prev_comfy_cast_weights  # on the device
-    order = [(3 * GiB, Cast()), (2 * GiB, big), (1 * GiB, Cast())]
+    order = [(3 * GiB, Module()), (2 * GiB, Module(on_device=True)), (1 * GiB, Module())]
     assert replan.safe_budget(order, 4 * GiB, replan.MIN_MOVE_BYTES) is None
     assert replan.safe_budget(order, 4 * GiB, 0) == 3 * GiB  # keeps it, and loads nothing
 
