@@ -1884,7 +1884,9 @@ REPLAN_ROUNDS = (("whole-prompt/h100-gguf-720p81-4steps-16gib-compiled-blocks.js
                  ("whole-prompt/h100-gguf-720p81-4steps-12gib-compiled-blocks.jsonl", "b"),
                  ("whole-prompt/h100-gguf-720p81-4steps-12gib-compiled-blocks.jsonl", "c"),
                  ("whole-prompt/void-replan-h100-9258b09.jsonl", "b"),
-                 ("whole-prompt/void-replan-h100-9258b09.jsonl", "c"))
+                 ("whole-prompt/void-replan-h100-9258b09.jsonl", "c"),
+                 ("whole-prompt/h100-gguf-720p81-4steps-16gib-compiled-blocks.jsonl", "e"),
+                 ("whole-prompt/void-replan-h100-76fdb57.jsonl", "a"))
 
 
 def _replan_samplings():
