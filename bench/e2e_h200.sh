@@ -24,7 +24,7 @@
 #                                                $OUT/whole-prompt.log.  With --workflow FILE in ARGS, SPECS
 #                                                are that saved workflow's variants (VARIANT@{GB|full}, VARIANT
 #                                                template|comfy|compilenode) and gen writes what it loads
-#   bash bench/e2e_h200.sh gpu-tier [ARGS...]    setup + the gpu tier (pytest tests/gpu -q -rs ARGS), its output
+#   bash bench/e2e_h200.sh gpu-tier [ARGS...]    setup + the gpu tier (pytest tests/gpu -v -rs ARGS), its output
 #                                                with this checkout's path taken out to $OUT/gpu-tier.log (the
 #                                                form of bench/records/gpu-tier/), the dispatch table beside it
 #   bash bench/e2e_h200.sh info                  GPU, driver, torch, disk, memory
@@ -126,7 +126,9 @@ gpu_tier() {
   setup || { echo "setup failed"; return 1; }
   local log=$OUT/gpu-tier.log
   echo "gpu tier: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), commit ${WAN_SAGE_COMMIT:-unset}" | tee "$log"
-  WAN_SAGE_GPU_TABLE=$OUT/dispatch-table.jsonl python3 -m pytest tests/gpu -q -rs -p no:cacheprovider "$@" 2>&1 \
+  # -v: a line per test as it ends.  With -q the whole tier is one line of dots, which sed passes on only at its
+  # newline, so a tier that a call's time limit cut short left nothing in the log.
+  WAN_SAGE_GPU_TABLE=$OUT/dispatch-table.jsonl python3 -m pytest tests/gpu -v -rs -p no:cacheprovider "$@" 2>&1 \
     | sed -u "s#$REPO/##g" | tee -a "$log"
   return "${PIPESTATUS[0]}"
 }

@@ -1,5 +1,6 @@
 """bench/e2e_h200.sh, the device-side driver: its usage names every sub-command it runs, and ``gpu-tier`` keeps
-pytest's exit code and writes its log without the checkout's path (the form of bench/records/gpu-tier/)."""
+pytest's exit code and writes its log without the checkout's path (the form of bench/records/gpu-tier/), each line
+as it comes, so that a tier the call's time limit cuts short leaves what it ran."""
 from __future__ import annotations
 
 import os
@@ -23,7 +24,7 @@ def _fake(bin_dir: Path, name: str, body: str) -> None:
     p.chmod(p.stat().st_mode | stat.S_IEXEC)
 
 
-def _env(tmp_path: Path, pytest_rc: int) -> dict:
+def _env(tmp_path: Path, pytest_rc: int, then: str = "") -> dict:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     # python3: pip and the setup's import check succeed; "-m pytest" prints a line naming a file by its absolute
@@ -32,6 +33,7 @@ def _env(tmp_path: Path, pytest_rc: int) -> dict:
   if [ "$a" = pytest ]; then
     echo "{ROOT}/tests/gpu/test_x.py:12: AssertionError"
     echo "args: $*"
+    {then}
     exit {pytest_rc}
   fi
 done
@@ -67,4 +69,15 @@ def test_gpu_tier_keeps_pytest_s_exit_code_and_logs_without_the_checkout_path(tm
     assert log.splitlines()[0] == "gpu tier: NVIDIA H200, commit abc1234"
     assert "tests/gpu/test_x.py:12: AssertionError" in log
     assert str(ROOT) not in log
-    assert "-m pytest tests/gpu -q -rs -p no:cacheprovider -k accuracy" in log
+    assert "-m pytest tests/gpu -v -rs -p no:cacheprovider -k accuracy" in log
+
+
+def test_a_gpu_tier_cut_short_by_a_time_limit_leaves_the_lines_written_before(tmp_path):
+    if shutil.which("timeout") is None:
+        pytest.skip("coreutils' timeout is not installed")
+    # pytest -v's line for the first test, then a tier that outlives the limit
+    env = _env(tmp_path, 0, then='echo "tests/gpu/test_a.py::test_one PASSED"; sleep 30')
+    r = subprocess.run(["timeout", "5", "bash", str(DRIVER), "gpu-tier"], capture_output=True, text=True, cwd=ROOT,
+                       env=env)
+    assert r.returncode == 124, r.stdout + r.stderr
+    assert "tests/gpu/test_a.py::test_one PASSED" in (tmp_path / "out" / "gpu-tier.log").read_text()
