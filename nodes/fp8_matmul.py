@@ -116,8 +116,11 @@ def available(device) -> tuple[bool, str]:
         return False, "this torch has no float8_e4m3fn matmul"
     if device.type != "cuda":
         return False, f"fp8 matmuls run on CUDA GPUs only (the model runs on {device.type})"
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    cap = torch.cuda.get_device_capability(index)
+    try:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        cap = torch.cuda.get_device_capability(index)
+    except Exception as e:  # no driver, a device index past the last
+        return False, f"the GPU's compute capability could not be read ({type(e).__name__})"
     if tuple(cap) < MIN_CAPABILITY:
         return False, (f"this GPU (compute capability {cap[0]}.{cap[1]}) has no fp8 tensor cores; "
                        f"they need {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or later")

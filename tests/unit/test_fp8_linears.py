@@ -126,6 +126,10 @@ def test_a_cpu_or_an_old_gpu_is_refused_with_the_reason_and_a_gpu_is_probed_once
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (8, 6))
     ok, why = fp8_matmul.available("cuda")
     assert not ok and "8.6" in why and "8.9" in why
+    def no_driver(i=None):
+        raise RuntimeError("Found no NVIDIA driver on your system")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", no_driver)
+    assert fp8_matmul.available("cuda") == (False, "the GPU's compute capability could not be read (RuntimeError)")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (9, 0))
     probes = []
 
