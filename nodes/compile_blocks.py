@@ -137,11 +137,23 @@ class BlockStandIn(torch.nn.Module):
     def _compiled_call(self, x, args, kwargs):
         settle_cast_flags(self.block)
         fp8 = self.fp8 is not None and self.fp8.runs_on(x.device)
-        with (fp8_matmul.Fp8Linears() if fp8 else contextlib.nullcontext()):
-            with gguf_cast.plain_casts(self.block, x) as given:  # GGUF: dynamo traces no op of their tensor subclass
-                out = self.compiled(*args, **kwargs)
+        try:
+            out, given = self._call(x, args, kwargs, fp8)
+        except Exception as e:
+            # fp8 matmuls that fail to compile or run (not out of memory, not the user's cancel) are turned off
+            # for the model and the call runs again in the compute dtype: a block's call changes no state
+            if not fp8 or isinstance(e, torch.OutOfMemoryError) or comfy_bridge.user_cancel(e):
+                raise
+            self.fp8.failed(x.device, e)
+            out, given = self._call(x, args, kwargs, False)
         cond_rows.ran(type(self.block), x.shape[0])
         return gguf_cast.as_input_class(out, x) if given else out
+
+    def _call(self, x, args, kwargs, fp8: bool):
+        """(the compiled block's output, how many layers got the plain GGUF cast), in fp8 where ``fp8``."""
+        with (fp8_matmul.Fp8Linears() if fp8 else contextlib.nullcontext()):
+            with gguf_cast.plain_casts(self.block, x) as given:  # GGUF: dynamo traces no op of their tensor subclass
+                return self.compiled(*args, **kwargs), given
 
     def forward(self, *args, **kwargs):
         x = _input(args, kwargs)
@@ -176,6 +188,12 @@ class Fp8Choice:
                 warn_once(("fp8-matmuls", why), "wan-sage: Wan Compile Blocks' fp8 matmuls are off: %s; the blocks "
                           "multiply in their compute dtype.", why)
         return self._on[key]
+
+    def failed(self, device, e: BaseException) -> None:
+        """A compiled call in fp8 raised on ``device``: fp8 matmuls off there for this model, said once."""
+        self._on[str(device)] = False
+        warn_once(("fp8-matmuls-failed", type(e).__name__), "wan-sage: Wan Compile Blocks' fp8 matmuls failed on "
+                  "%s (%s); the blocks multiply in their compute dtype from now on.", device, reason(e))
 
     def __deepcopy__(self, memo):  # a deep copy of the model (ComfyUI's clone of options) shares the decision
         return self

@@ -209,3 +209,39 @@ def test_the_estimator_plans_the_fp8_copies_where_the_node_multiplies_in_fp8():
     on = SimpleNamespace(model_options={comfy_bridge.FP8_MATMULS_KEY: True})
     assert comfy_bridge.fp8_matmuls(on) and not comfy_bridge.fp8_matmuls(SimpleNamespace(model_options={}))
     assert comfy_bridge.fp8_matmuls(SimpleNamespace(model_options={}), on.model_options)
+
+
+def test_fp8_matmuls_that_fail_are_turned_off_and_the_call_runs_again_in_bf16(caplog):
+    x, _w, _b = _data()
+    block = Lin()
+    calls = []
+
+    def compiled(x):
+        calls.append(torch.overrides._get_current_function_mode() is not None)
+        if calls[-1]:
+            raise RuntimeError("InductorError: fp8 cast failed to build")
+        return block(x)
+    choice = _choice(True)
+    stand_in = compile_blocks.BlockStandIn(block, compiled, choice)
+    with torch.no_grad(), caplog.at_level("WARNING", logger="wan_sage"):
+        first, second = stand_in(x), stand_in(x)
+    assert calls == [True, False, False] and not choice.runs_on("cpu")
+    assert torch.equal(first, block(x)) and torch.equal(second, first)
+    assert any("fp8 matmuls failed" in r.getMessage() and "fp8 cast failed" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory"), KeyboardInterrupt()])
+def test_out_of_memory_and_the_users_cancel_are_not_taken_for_an_fp8_failure(error):
+    x, _w, _b = _data()
+    block = Lin()
+
+    class InterruptProcessingException(Exception):
+        pass
+    err = InterruptProcessingException() if isinstance(error, KeyboardInterrupt) else error
+
+    def compiled(x):
+        raise err
+    choice = _choice(True)
+    with pytest.raises(type(err)):
+        compile_blocks.BlockStandIn(block, compiled, choice)(x)
+    assert choice.runs_on("cpu")
