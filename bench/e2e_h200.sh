@@ -127,9 +127,10 @@ gpu_tier() {
   local log=$OUT/gpu-tier.log
   echo "gpu tier: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), commit ${WAN_SAGE_COMMIT:-unset}" | tee "$log"
   # -v: a line per test as it ends.  With -q the whole tier is one line of dots, which sed passes on only at its
-  # newline, so a tier that a call's time limit cut short left nothing in the log.
+  # newline, so a tier that a call's time limit cut short left nothing in the log.  -v also prints pytest's rootdir,
+  # this checkout's path alone on its line: "." in the log.
   WAN_SAGE_GPU_TABLE=$OUT/dispatch-table.jsonl python3 -m pytest tests/gpu -v -rs -p no:cacheprovider "$@" 2>&1 \
-    | sed -u "s#$REPO/##g" | tee -a "$log"
+    | sed -u -e "s#$REPO/##g" -e "s#$REPO\$#.#" | tee -a "$log"
   return "${PIPESTATUS[0]}"
 }
 

@@ -32,6 +32,7 @@ def _env(tmp_path: Path, pytest_rc: int, then: str = "") -> dict:
     _fake(bin_dir, "python3", f"""for a in "$@"; do
   if [ "$a" = pytest ]; then
     echo "{ROOT}/tests/gpu/test_x.py:12: AssertionError"
+    echo "rootdir: {ROOT}"
     echo "args: $*"
     {then}
     exit {pytest_rc}
@@ -67,7 +68,7 @@ def test_gpu_tier_keeps_pytest_s_exit_code_and_logs_without_the_checkout_path(tm
     assert r.returncode == rc, r.stdout + r.stderr
     log = (tmp_path / "out" / "gpu-tier.log").read_text()
     assert log.splitlines()[0] == "gpu tier: NVIDIA H200, commit abc1234"
-    assert "tests/gpu/test_x.py:12: AssertionError" in log
+    assert "tests/gpu/test_x.py:12: AssertionError" in log and "rootdir: .\n" in log  # pytest -v's rootdir line
     assert str(ROOT) not in log
     assert "-m pytest tests/gpu -v -rs -p no:cacheprovider -k accuracy" in log
 
