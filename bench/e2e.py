@@ -75,8 +75,7 @@ Run specs: ``{est|comfy}+{sdpa|sage}[+compile|+compileblocks|+compilenode]@{GB|f
 ``:decode`` / ``:nodecode``, which make the run a workflow of its own (``est+sage@24:480p81:20steps:cfg3.5:nolora``
 is ComfyUI's 20-step template; without them ``--steps``, ``--cfg`` and ``--decode`` apply); ``:fp8fast`` (with
 ``--weights fp8``) loads the experts with UNETLoader's ``fp8_e4m3fn_fast`` (fp8 matmuls; ``config.weights``
-``fp8_fast``); ``:fp8mm`` (with ``+compilenode``) turns on Wan Compile Blocks' ``fp8_matmuls`` (``config.compile``
-``fp8_matmuls``).  ``--matrix`` runs the
+``fp8_fast``).  ``--matrix`` runs the
 16 combinations of the benchmark's targets for ``--weights`` in priority order (24 GB 720p81 first);
 ``--deadline-s`` stops starting runs after that many seconds.  Every record has ``to_latent_s`` and
 ``to_frames_s``: from the run's first node (the text encode) to the latent and to the decoded frames.
@@ -147,7 +146,7 @@ NEGATIVE = "low quality, worst quality, static frame, overexposed, blurred"
 
 COMPILE_SUFFIX = {"model": ["compile"], "blocks": ["compileblocks"], "node": ["compilenode"]}  # RunSpec.compile -> suffix
 SPEC_FORM = ("{est|comfy}+{sdpa|sage}[+compile|+compileblocks|+compilenode]@{GB|full}:{WxHxF|720p81|480p81}"
-             "[:Nsteps][:cfgX][:nolora][:decode|:nodecode][:fp8fast][:tecopy][:fp8mm]")
+             "[:Nsteps][:cfgX][:nolora][:decode|:nodecode][:fp8fast][:tecopy]")
 
 
 @dataclass(frozen=True)
@@ -167,7 +166,6 @@ class RunSpec:
     decode: bool | None = None  # None: --decode
     fp8_fast: bool = False    # ":fp8fast" (with --weights fp8): UNETLoader's weight_dtype fp8_e4m3fn_fast (fp8 matmuls)
     te_copy: bool = False     # ":tecopy": the pack's Wan Text Encoder Host Copy between CLIPLoader and the encodes
-    fp8_mm: bool = False      # ":fp8mm" (with +compilenode): Wan Compile Blocks' fp8_matmuls on
 
     @classmethod
     def parse(cls, s: str) -> "RunSpec":
@@ -186,20 +184,17 @@ class RunSpec:
                 raise ValueError
             fields = {}
             for opt in options:
-                m = re.fullmatch(r"(\d+)steps|cfg(\d+(?:\.\d+)?)|(nolora)|(decode|nodecode)|(fp8fast)|(tecopy)|(fp8mm)",
-                                 opt)
+                m = re.fullmatch(r"(\d+)steps|cfg(\d+(?:\.\d+)?)|(nolora)|(decode|nodecode)|(fp8fast)|(tecopy)", opt)
                 if m is None:
                     raise ValueError
-                key = ("steps", "cfg", "lora", "decode", "fp8_fast", "te_copy", "fp8_mm")[m.lastindex - 1]
+                key = ("steps", "cfg", "lora", "decode", "fp8_fast", "te_copy")[m.lastindex - 1]
                 if key in fields:
                     raise ValueError
                 fields[key] = (int(m.group(1)) if key == "steps" else float(m.group(2)) if key == "cfg"
-                               else False if key == "lora" else True if key in ("fp8_fast", "te_copy", "fp8_mm")
+                               else False if key == "lora" else True if key in ("fp8_fast", "te_copy")
                                else m.group(4) == "decode")
             if fields.get("steps") is not None and fields["steps"] < 2:
                 raise ValueError      # one step per expert at least
-            if fields.get("fp8_mm") and extra != COMPILE_SUFFIX["node"]:
-                raise ValueError      # fp8_matmuls is Wan Compile Blocks' input
             return cls(est == "est", att, b, r, next((k for k, v in COMPILE_SUFFIX.items() if v == extra), ""), **fields)
         except ValueError:
             raise SystemExit(f"bad run spec {s!r}: expected {SPEC_FORM}")
@@ -210,8 +205,7 @@ class RunSpec:
         suffix = "".join("+" + x for x in COMPILE_SUFFIX.get(self.compile, []))
         options = ("" if self.steps is None else f":{self.steps}steps") + ("" if self.cfg is None else f":cfg{self.cfg:g}") \
             + ("" if self.lora else ":nolora") + ("" if self.decode is None else (":decode" if self.decode else ":nodecode")) \
-            + (":fp8fast" if self.fp8_fast else "") + (":tecopy" if self.te_copy else "") \
-            + (":fp8mm" if self.fp8_mm else "")
+            + (":fp8fast" if self.fp8_fast else "") + (":tecopy" if self.te_copy else "")
         return (f"{'est' if self.estimator else 'comfy'}+{self.attention}{suffix}"
                 f"@{b}:{'x'.join(map(str, self.res))}{options}")
 
@@ -980,8 +974,7 @@ class Host:
                           **({"compile": {"node": "per block (set_torch_compile_wrapper)", "backend": self.args.compile_backend,
                                           "keys": ["diffusion_model.blocks.N"]}} if spec.compile == "blocks" else {}),
                           **({"compile": {"node": "Wan Compile Blocks", "backend": self.args.compile_backend,
-                                          "keys": ["diffusion_model.blocks.N"], "streamed_blocks": "lifted or staged",
-                                          **({"fp8_matmuls": True} if spec.fp8_mm else {})}}
+                                          "keys": ["diffusion_model.blocks.N"], "streamed_blocks": "lifted or staged"}}
                              if spec.compile == "node" else {})},
                "budget": {"free_before_gib": _r(ballast.free_before and ballast.free_before / GiB),
                           "free_seen_gib": _r(ballast.free_seen and ballast.free_seen / GiB),
@@ -1081,9 +1074,9 @@ class Host:
                         made[f"compile_{e}"] = _compile.compile_blocks(m, self.args.compile_backend)
                     elif spec.compile == "node":  # the pack's Wan Compile Blocks, through its wiring
                         from wan_sage.nodes.compile_blocks import apply_compile_blocks
-                        m, text = apply_compile_blocks(m, self.args.compile_backend, fp8_matmuls=spec.fp8_mm)
+                        m, text = apply_compile_blocks(m, self.args.compile_backend)
                         made[f"compile_{e}"] = {"how": "Wan Compile Blocks (streamed blocks staged)", "status": text,
-                                                "backend": self.args.compile_backend, "fp8_matmuls": spec.fp8_mm}
+                                                "backend": self.args.compile_backend}
                     ov = find_override(m.model_options.get("transformer_options", {}))
                     made[f"patch_id_{e}"] = ov.patch_id if ov is not None else None
                     if spec.attention == "sage" and ov is None:

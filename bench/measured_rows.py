@@ -59,8 +59,7 @@ def predict_forward(r: dict) -> dict:
 
 def e2e_estimate(config: dict, preset: str = "wan2.2-a14b", q_handed_over: bool = False) -> Estimate:
     """The estimate the Working-Memory Estimator makes for an end-to-end run's configuration
-    (``record["config"]``): its weights with their LoRA, its size, attention and compile (Wan Compile Blocks'
-    fp8 matmuls included), on sm90 in bf16.
+    (``record["config"]``): its weights with their LoRA, its size, attention and compile, on sm90 in bf16.
     A whole-model compile is planned as eager, as the node plans it, with streamed GGUF weights keeping the
     partial-load term.  ``q_handed_over``: Wan's self-attention hands q over to the Sage patch (the node's
     plan where the hand-over is installed; the route's and the CLI's plan leave it out)."""
@@ -69,9 +68,7 @@ def e2e_estimate(config: dict, preset: str = "wan2.2-a14b", q_handed_over: bool 
                               compute="bf16")
     return plan(Setup(dims=d, latent=activation_model.latent_shape(d, config["width"], config["height"], config["frames"]),
                       attention=attention_plan("sage-auto" if config["attention"] == "sage" else "sdpa", MEASURED_CC),
-                      weights=replace(weights.setup,
-                                      rowwise_fp8=bool((config.get("compile") or {}).get("fp8_matmuls"))),
-                      weights_bytes=weights.nbytes, dtype="bf16",
+                      weights=weights.setup, weights_bytes=weights.nbytes, dtype="bf16",
                       compiled=compiled_blocks(config), q_handed_over=q_handed_over,
                       other_compile=bool(config.get("compile")) and not compiled_blocks(config)))
 

@@ -726,24 +726,6 @@ def compile_section() -> list:
   emptied at each start, as a reboot leaves it, none, and the prompt took 68.0 s to the frames against 72.5 s
   (`whole-prompt/h100-gguf-480p81-20steps-24gib-compiled-blocks.jsonl`); on the H200 68.5 s, its first step 2.9 s
   longer than the next (round `f` of `whole-prompt/gguf-480p81-20steps-24gib-te-copy.jsonl`).
-- **fp8 matmuls** (Wan Compile Blocks' `fp8_matmuls`, off by default; `nodes/fp8_matmul.py`). The compiled block
-  calls run under a `TorchFunctionMode` that turns each Linear of the block (self- and cross-attention q, k, v, o and
-  the FFN's two: 28 % of an A14B block's multiply-adds at 1280×720×81, in bf16 where Sage runs attention in int8 and
-  fp8) into `torch._scaled_mm` in float8_e4m3fn, with a scale per input row and per output channel and fp32
-  accumulation: no value overflows and each keeps e4m3's 3 mantissa bits within its row, where ComfyUI's own
-  `fp8_linear` casts the input unscaled (it runs for no Wan layer on 0.3.64, the model staying in training mode).
-  The weight is quantised at each call from whatever the layer's cast gives (a dequantised GGUF weight with its
-  LoRA, a cast fp8 one, a resident bf16 one), so nothing is kept; a block that runs eagerly multiplies as before. A
-  GPU below compute capability 8.9, or one on which a small row-scaled matmul does not run or is off by more than
-  0.08 against fp32, keeps bf16 and the log says why; a compiled fp8 call that fails (not out of memory, not a
-  cancel) turns fp8 off for the model and runs again in bf16. The estimator adds the fp8 copies of the FFN
-  down-projection's input and weight to the per-layer transient, as if inductor fused none of it. On the CPU
-  (`tests/host/test_host_compile.py`, dynamo's `aot_eager`) a tiny Wan expert with a LoRA, resident and partly
-  streamed, compiles one graph with all 10 Linears in fp8 and no recompile, its latent 0.9 % (relative L2) from
-  the bf16 run's. Not yet run on a GPU: `tests/gpu/test_fp8_matmul_gpu.py` holds an A14B block at 1280×720×81 to
-  the Sage kernels' accuracy bound and its peak to the bf16 graph's plus the planned copies, and prints the per-call
-  times; `bash bench/e2e_h200.sh whole gguf est+sage+compilenode@full:720p81:tecopy:fp8mm,comfy+sdpa@full:720p81
-  --caches none` measures the whole prompt.
 
 ### The gpu tier on the H200
 

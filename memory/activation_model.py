@@ -289,10 +289,6 @@ class WeightSetup:
     # fp8 weights multiplied in fp8 (ComfyUI's ``fp8_e4m3fn_fast`` weight dtype on a GPU with fp8 compute):
     # each Linear copies its input to fp8 instead of casting its weight
     fp8_matmul: bool = False
-    # Wan Compile Blocks' fp8 matmuls (nodes/fp8_matmul.py): each Linear of a compiled block quantises its input
-    # (tokens x f bytes for the FFN down-projection, with a 4-byte scale per row) and its weight (d x f bytes)
-    # to fp8 at each call, on top of the path's own transient
-    rowwise_fp8: bool = False
 
     @property
     def gguf(self) -> bool:
@@ -320,9 +316,7 @@ def weight_transient(dims: WanDims, ws: WeightSetup, compute: str = "bf16", toke
     * GGUF: the raw quantised bytes when streamed, the block-dequantisation intermediate and the
       dequantised weight, all in the compute dtype;
     * LoRA at forward time (GGUF, or lowvram ``LowVramPatch``): ``calculate_weight`` upcasts the
-      weight to fp32 and builds the fp32 ``up @ down`` product, then casts back;
-    * Wan Compile Blocks' fp8 matmuls (``rowwise_fp8``), on top of the above: the fp8 copies of the FFN
-      down-projection's input and weight and the input's row scales, as if inductor fused none of it.
+      weight to fp32 and builds the fp32 ``up @ down`` product, then casts back.
     """
     e = DTYPE_BYTES[compute]
     P = dims.dim * dims.ffn_dim
@@ -344,8 +338,6 @@ def weight_transient(dims: WanDims, ws: WeightSetup, compute: str = "bf16", toke
         t = e * P
     if ws.lora and (ws.gguf or ws.streamed):  # else merged into the weights at load
         t += 8 * P
-    if ws.rowwise_fp8:
-        t += tokens * dims.ffn_dim + 4 * tokens + P + 4 * dims.dim
     return t
 
 

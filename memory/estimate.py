@@ -511,8 +511,6 @@ DECODE_UNLOAD_NOTE = ("the {vae} decode after the sampling takes {gib:.2f} GiB (
 
 FP8_MATMUL_NOTE = ("fp8 weights multiply in fp8 (fp8_e4m3fn_fast): each layer call copies its input to fp8 instead "
                    "of casting the weight; that copy is modelled, not measured")
-ROWWISE_FP8_NOTE = ("Wan Compile Blocks multiplies in fp8 with row scales: each compiled Linear call copies its input "
-                    "and its weight to fp8, planned as if none of it were fused")
 
 
 def sage_mode_advice(s: Setup, w: activation_model.Workload, need: int, room: int | None) -> str | None:
@@ -648,8 +646,6 @@ def plan(s: Setup) -> Estimate:
         notes.append(QUANT_NOTE.format(fmt=s.weights.quant_format))
     if s.weights.fp8_matmul:
         notes.append(FP8_MATMUL_NOTE)
-    if s.weights.rowwise_fp8:
-        notes.append(ROWWISE_FP8_NOTE)
     if floor > (par_need if streamed else res_need):
         full = vae_decode.decode_bytes(latent, s.decode_dtype_size)
         if floor < full:

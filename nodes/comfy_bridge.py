@@ -10,7 +10,6 @@ import logging
 import os
 import re
 import weakref
-from dataclasses import replace
 
 import torch
 
@@ -286,21 +285,9 @@ def quant_format(params) -> str | None:
     return max(counts, key=counts.get) if counts else None
 
 
-def fp8_matmuls(model, model_options=None) -> bool:
-    """Whether Wan Compile Blocks runs the model's compiled blocks with fp8 matmuls (:data:`FP8_MATMULS_KEY` in the
-    options the model samples with, else its own)."""
-    options = model_options if model_options is not None else getattr(model, "model_options", None) or {}
-    return bool(options.get(FP8_MATMULS_KEY, False))
-
-
-def weight_setup(model, partial: bool, model_options=None) -> activation_model.WeightSetup:
-    """GGUF, QuantizedTensor, fp8 or plain weights, whether a LoRA is on the model
-    (memory.activation_model.weight_transient decides where ComfyUI applies it per forward), and whether Wan
-    Compile Blocks multiplies in fp8 (:func:`fp8_matmuls`)."""
-    return replace(_weight_setup(model, partial), rowwise_fp8=fp8_matmuls(model, model_options))
-
-
-def _weight_setup(model, partial: bool) -> activation_model.WeightSetup:
+def weight_setup(model, partial: bool) -> activation_model.WeightSetup:
+    """GGUF, QuantizedTensor, fp8 or plain weights, and whether a LoRA is on the model
+    (memory.activation_model.weight_transient decides where ComfyUI applies it per forward)."""
     base = model.model
     params = list(base.parameters())
     gguf = type(model).__name__.startswith("GGUF") or any(type(p).__name__ == "GGMLTensor" for p in params[:64])
@@ -550,7 +537,6 @@ def is_dynamic(model) -> bool:
 
 COMPILE_WRAPPER_KEY = "torch.compile"  # comfy_api.torch_helpers' APPLY_MODEL wrapper key
 COMPILE_KWARGS_KEY = "torch_compile_kwargs"  # where set_torch_compile_wrapper keeps its arguments
-FP8_MATMULS_KEY = "wan_sage_fp8_matmuls"  # Wan Compile Blocks runs the blocks' Linears as fp8 matmuls
 COMPILE_BLOCKS_MARK = "wan_sage_compile_blocks"  # on the Wan Compile Blocks wrapper (nodes/compile_blocks.py)
 
 

@@ -29,9 +29,7 @@ the one block's weights its path holds (:func:`streamed_blocks_ran`); what a sam
 ComfyUI starts for the model's kind (:mod:`.streamed_record`, :func:`streamed_path`).
 
 A ComfyUI-GGUF block runs compiled with its weights cast through :mod:`.gguf_cast`: ComfyUI-GGUF's own cast, with
-the dequantization on plain tensors, given to the block's layers for that call only.  With ``fp8_matmuls`` the
-compiled calls run the block's Linears as fp8 matmuls with row scales (:mod:`.fp8_matmul`) on a GPU that has them;
-a block that runs eagerly multiplies as it always does.
+the dequantization on plain tensors, given to the block's layers for that call only.
 
 Each block's ``torch.compile`` is made at the block's first call, and the imports a process's first one makes run on
 a thread of their own from the node's run on (:mod:`.compile_import`), beside the prompt's text encoder and model
@@ -44,7 +42,6 @@ the sampling ends (:func:`blocks_ran`); the Sage patch's payback reads the same 
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 from collections import Counter
@@ -54,7 +51,7 @@ import torch
 import torch._dynamo
 
 from ..memory import report
-from . import comfy_bridge, compile_import, cond_rows, fp8_matmul, gguf_cast, staged_blocks, streamed_record
+from . import comfy_bridge, compile_import, cond_rows, gguf_cast, staged_blocks, streamed_record
 from .log_once import reason, warn_once
 
 log = logging.getLogger("wan_sage")
@@ -121,11 +118,10 @@ class BlockStandIn(torch.nn.Module):
     path since it was made, a lifted or staged call that moved no Linear under :data:`NO_LINEAR`, and the samplings
     that failed under :data:`FAILED` (:func:`streamed_blocks_ran`)."""
 
-    def __init__(self, block: torch.nn.Module, compiled, fp8: "Fp8Choice | None" = None):
+    def __init__(self, block: torch.nn.Module, compiled):
         super().__init__()
         object.__setattr__(self, "block", block)
         object.__setattr__(self, "compiled", compiled)
-        object.__setattr__(self, "fp8", fp8)
         object.__setattr__(self, "ran", Counter())
         object.__setattr__(self, "why", Counter())
         object.__setattr__(self, "ever", Counter())
@@ -136,24 +132,10 @@ class BlockStandIn(torch.nn.Module):
 
     def _compiled_call(self, x, args, kwargs):
         settle_cast_flags(self.block)
-        fp8 = self.fp8 is not None and self.fp8.runs_on(x.device)
-        try:
-            out, given = self._call(x, args, kwargs, fp8)
-        except Exception as e:
-            # fp8 matmuls that fail to compile or run (not out of memory, not the user's cancel) are turned off
-            # for the model and the call runs again in the compute dtype: a block's call changes no state
-            if not fp8 or isinstance(e, torch.OutOfMemoryError) or comfy_bridge.user_cancel(e):
-                raise
-            self.fp8.failed(x.device, e)
-            out, given = self._call(x, args, kwargs, False)
+        with gguf_cast.plain_casts(self.block, x) as given:  # GGUF: dynamo traces no op of their tensor subclass
+            out = self.compiled(*args, **kwargs)
         cond_rows.ran(type(self.block), x.shape[0])
         return gguf_cast.as_input_class(out, x) if given else out
-
-    def _call(self, x, args, kwargs, fp8: bool):
-        """(the compiled block's output, how many layers got the plain GGUF cast), in fp8 where ``fp8``."""
-        with (fp8_matmul.Fp8Linears() if fp8 else contextlib.nullcontext()):
-            with gguf_cast.plain_casts(self.block, x) as given:  # GGUF: dynamo traces no op of their tensor subclass
-                return self.compiled(*args, **kwargs), given
 
     def forward(self, *args, **kwargs):
         x = _input(args, kwargs)
@@ -168,35 +150,6 @@ class BlockStandIn(torch.nn.Module):
         self._count("eager")
         self.why[staging.why] += 1
         return self.block(*args, **kwargs)
-
-
-class Fp8Choice:
-    """Wan Compile Blocks' ``fp8_matmuls`` for one model: whether its compiled calls on a device run fp8 matmuls,
-    decided at the first call on each device (:func:`.fp8_matmul.available`) and said once in the log."""
-
-    def __init__(self):
-        self._on: dict = {}
-
-    def runs_on(self, device) -> bool:
-        key = str(device)
-        if key not in self._on:
-            ok, why = fp8_matmul.available(device)
-            self._on[key] = ok
-            if ok:
-                log.info("wan-sage: Wan Compile Blocks runs the compiled blocks' Linears as fp8 matmuls on %s.", key)
-            else:
-                warn_once(("fp8-matmuls", why), "wan-sage: Wan Compile Blocks' fp8 matmuls are off: %s; the blocks "
-                          "multiply in their compute dtype.", why)
-        return self._on[key]
-
-    def failed(self, device, e: BaseException) -> None:
-        """A compiled call in fp8 raised on ``device``: fp8 matmuls off there for this model, said once."""
-        self._on[str(device)] = False
-        warn_once(("fp8-matmuls-failed", type(e).__name__), "wan-sage: Wan Compile Blocks' fp8 matmuls failed on "
-                  "%s (%s); the blocks multiply in their compute dtype from now on.", device, reason(e))
-
-    def __deepcopy__(self, memo):  # a deep copy of the model (ComfyUI's clone of options) shares the decision
-        return self
 
 
 @dataclass(frozen=True)
@@ -396,18 +349,15 @@ def compile_kwargs(backend: str = "inductor", mode: str = "default") -> dict:
     return kwargs
 
 
-def apply_compile_blocks(model, backend: str = "inductor", mode: str = "default", fp8_matmuls: bool = False):
+def apply_compile_blocks(model, backend: str = "inductor", mode: str = "default"):
     """A clone of ``model`` whose Wan blocks run compiled one by one, streamed ones staged; (model, status text).
-    ``fp8_matmuls``: the compiled calls run the blocks' Linears as fp8 matmuls with row scales where the GPU has
-    them (:mod:`.fp8_matmul`).  A model that is not Wan passes through unchanged, and says so."""
+    A model that is not Wan passes through unchanged, and says so."""
     # the node offers BACKENDS; another dynamo backend by name is for callers of this function.  Listing dynamo's
     # backends imports each of them, so it is asked only for a name the node does not offer.
     if backend not in BACKENDS and backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {str(backend)[:40]!r}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {str(mode)[:40]!r}")
-    if not isinstance(fp8_matmuls, bool):
-        raise ValueError(f"fp8_matmuls must be true or false; got {str(fp8_matmuls)[:40]!r}")
     if not comfy_bridge.is_wan(model):
         return model, "not a Wan model: passed through unchanged, nothing compiled"
     m, note = _clone_to_compile(model)
@@ -417,9 +367,8 @@ def apply_compile_blocks(model, backend: str = "inductor", mode: str = "default"
     kwargs = compile_kwargs(backend, mode)
     compile_import.start(kwargs)  # torch.compile's imports, beside the text encoder's and the model's loads
     stand_ins = {}
-    fp8 = Fp8Choice() if fp8_matmuls else None
     for i, block in enumerate(dm.blocks):
-        stand_ins[f"diffusion_model.blocks.{i}"] = BlockStandIn(block, compile_import.LazyCompile(block, kwargs), fp8)
+        stand_ins[f"diffusion_model.blocks.{i}"] = BlockStandIn(block, compile_import.LazyCompile(block, kwargs))
     wmp = comfy_bridge.wrappers_mp()
     key = comfy_bridge.COMPILE_WRAPPER_KEY  # the key of ComfyUI's own compile: one compile per model
     m.remove_wrappers_with_key(wmp.APPLY_MODEL, key)
@@ -429,16 +378,10 @@ def apply_compile_blocks(model, backend: str = "inductor", mode: str = "default"
     m.remove_wrappers_with_key(wmp.CALC_COND_BATCH, cond_rows.KEY)
     m.add_wrapper_with_key(wmp.CALC_COND_BATCH, cond_rows.KEY, cond_rows.wrapper(type(dm.blocks[0])))
     m.model_options[comfy_bridge.COMPILE_KWARGS_KEY] = kwargs
-    if fp8_matmuls:
-        m.model_options[comfy_bridge.FP8_MATMULS_KEY] = True
-    else:
-        m.model_options.pop(comfy_bridge.FP8_MATMULS_KEY, None)
     text = (f"{len(stand_ins)} blocks compiled one by one ({backend}"
             + ("" if mode == "default" else f", {mode}") + "); a block whose weights stream runs compiled with its "
             "layers' weights cast onto the GPU first, or eagerly where they cannot be. "
-            + ("Compiled blocks multiply in fp8 with row scales on GPUs with fp8 tensor cores (compute capability "
-               "8.9 or later). " if fp8_matmuls else "")
-            + "The Sage patch's panel says after a run whether compiling pays back over the prompt's steps.")
+            "The Sage patch's panel says after a run whether compiling pays back over the prompt's steps.")
     return m, text if note is None else f"{text} {note}"
 
 

@@ -205,8 +205,7 @@ def setup_for(model, shape, model_options, settings: Settings, *, assume_compile
         dynamic = comfy_bridge.is_dynamic(model)
         if comfy_bridge.fp8_matmul_skipped(model.model):
             notes.append(FP8_MATMUL_SKIPPED_NOTE)
-        extra = {"weights": comfy_bridge.weight_setup(model, False, model_options),
-                 "weights_bytes": int(model.model_size()),
+        extra = {"weights": comfy_bridge.weight_setup(model, False), "weights_bytes": int(model.model_size()),
                  "vram_bytes": (comfy_bridge.total_memory(comfy_bridge.device_of(model)) if dynamic
                                 else comfy_bridge.capacity(model)),
                  "kept_free": comfy_bridge.extra_reserved(), "dynamic_vram": dynamic,
@@ -214,8 +213,7 @@ def setup_for(model, shape, model_options, settings: Settings, *, assume_compile
                  "decode_dtype_size": comfy_bridge.vae_dtype_size(comfy_bridge.device_of(model)) if decode else None,
                  "decode_by_unload": decode and host_copy.installed(model)}
     else:
-        extra = {"weights": activation_model.WeightSetup(streamed=bool(streamed),
-                                                         rowwise_fp8=comfy_bridge.fp8_matmuls(model, model_options))}
+        extra = {"weights": activation_model.WeightSetup(streamed=bool(streamed))}
     tokens = activation_model.tokens(dims, int(shape[2]), int(shape[3]), int(shape[4]))
     att, chain_notes = chained_attention(model, model_options, dims, tokens,
                                          attention_for(model_options, settings, dev, tokens, dims.head_dim))

@@ -209,10 +209,6 @@ class WanCompileBlocks(io.ComfyNode):
                 io.Combo.Input("mode", options=list(MODES), default=MODES[0],
                                tooltip="default compiles fastest; max-autotune-no-cudagraphs tunes kernels, "
                                        "a longer first compile"),
-                io.Boolean.Input("fp8_matmuls", default=False, optional=True,
-                                 tooltip="multiply the compiled blocks' Linears in fp8, each input row and weight "
-                                         "channel scaled to fp8's range (GPUs with fp8 tensor cores: RTX 40xx, "
-                                         "H100, H200 and later; elsewhere the blocks multiply as before)"),
             ],
             outputs=[io.Model.Output(tooltip="the same model with its blocks compiled while it samples; unchanged "
                                              "when the model is not Wan"),
@@ -220,8 +216,8 @@ class WanCompileBlocks(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model, backend=BACKENDS[0], mode=MODES[0], fp8_matmuls=False) -> io.NodeOutput:
-        m, text = apply_compile_blocks(model, backend, mode, fp8_matmuls)
+    def execute(cls, model, backend=BACKENDS[0], mode=MODES[0]) -> io.NodeOutput:
+        m, text = apply_compile_blocks(model, backend, mode)
         return io.NodeOutput(m, text, ui=ui.PreviewText(text))
 
 

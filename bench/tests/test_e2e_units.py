@@ -625,23 +625,6 @@ def test_the_fp8fast_option_loads_the_fp8_files_as_fp8_e4m3fn_fast():
     assert e2e_estimate(c).setup.weights.fp8_matmul and not e2e_estimate({**c, "weights": "fp8"}).setup.weights.fp8_matmul
 
 
-def test_the_fp8mm_option_turns_on_wan_compile_blocks_fp8_matmuls_and_its_records_plan_them():
-    from bench import e2e
-    from bench.measured_rows import e2e_estimate
-    s = e2e.RunSpec.parse("est+sage+compilenode@full:720p81:tecopy:fp8mm")
-    assert s.fp8_mm and s.label == "est+sage+compilenode@full:1280x720x81:tecopy:fp8mm"
-    assert e2e.RunSpec.parse(s.label) == s
-    assert not e2e.RunSpec.parse("est+sage+compilenode@full:720p81").fp8_mm
-    with pytest.raises(SystemExit, match="bad run spec"):
-        e2e.RunSpec.parse("est+sage@24:720p81:fp8mm")  # Wan Compile Blocks' input: no node, no fp8 matmuls
-    c = {"weights": "gguf", "lora_rank": 64, "width": 1280, "height": 720, "frames": 81, "attention": "sage",
-         "compile": {"node": "Wan Compile Blocks", "keys": ["diffusion_model.blocks.N"]}}
-    plain = e2e_estimate(c)
-    fp8 = e2e_estimate({**c, "compile": {**c["compile"], "fp8_matmuls": True}})
-    assert fp8.setup.weights.rowwise_fp8 and not plain.setup.weights.rowwise_fp8
-    assert fp8.resident["weight_transient"] > plain.resident["weight_transient"]
-
-
 def test_comfy_timers_add_up_each_call_and_put_the_originals_back():
     from types import SimpleNamespace
     from bench.e2e import ComfyTimers

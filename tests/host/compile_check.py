@@ -404,74 +404,6 @@ def _pack_log():
         log.setLevel(level)
 
 
-_SCALED = []  # per graph _counting compiled, its _scaled_mm calls
-
-
-def _counting(gm, example_inputs):
-    """A dynamo backend: ``aot_eager`` (dynamo's graph and AOT's, run by torch's own kernels), noting each graph's
-    ``_scaled_mm`` calls.  Inductor's CPU code for fp8 casts (torch 2.14) fails to build; on the GPU it is
-    Triton's, which the gpu tier runs."""
-    from torch._dynamo.backends.debugging import aot_eager
-    _SCALED.append(sum("_scaled_mm" in str(n.target) for n in gm.graph.nodes))
-    return aot_eager(gm, example_inputs)
-
-
-def compile_blocks_fp8(budget_fraction):
-    """Wan Compile Blocks with ``fp8_matmuls`` on a tiny expert with a LoRA, the estimator and the Sage patch, loaded
-    whole (``budget_fraction`` None) or partly streamed: the compiled blocks multiply in fp8 (torch's CPU
-    ``_scaled_mm``; the GPU check is stood in for, as the CPU has no fp8 tensor cores), one graph, nothing
-    recompiles, and the estimator plans the fp8 copies.  Against the same node without fp8 on the same model, both
-    with dynamo's ``aot_eager`` backend; the second sampling's latents compared."""
-    import comfy.model_management as mm
-    from torch._dynamo.utils import counters as dyn
-    from wan_sage.memory.estimate import plan
-    from wan_sage.nodes import compile_blocks, estimator, fp8_matmul
-
-    layers = 2
-    load, resident, available = mm.LoadedModel.model_load, compile_blocks.block_resident, fp8_matmul.available
-    scaled = _SCALED
-    backend = "wan_sage_counting"
-    if backend not in torch._dynamo.list_backends(exclude_tags=()):
-        torch._dynamo.register_backend(name=backend)(_counting)
-
-    def not_streamed(block, device):
-        return not any("prev_comfy_cast_weights" in mod.__dict__ for mod in block.modules())
-    if budget_fraction is not None:
-        mm.LoadedModel.model_load = _partial_load(budget_fraction)
-    compile_blocks.block_resident = not_streamed
-    fp8_matmul.available = lambda device: (True, "")
-    out = {}
-    try:
-        with torch.inference_mode():
-            m, _override = _expert(layers, 5, "41")
-            for name, fp8 in (("bf16", False), ("fp8", True)):
-                torch._dynamo.reset()
-                dyn.clear()
-                scaled.clear()
-                c, text = compile_blocks.apply_compile_blocks(m, backend, "default", fp8)
-                latents = [comfy_env.sample_tiny(c, steps=2, cfg=1.0) for _ in range(2)]
-                graphs, recompiles = _dynamo_totals(dyn)
-                setup = estimator.setup_for(c, tuple(latents[0].shape), c.model_options, estimator.Settings())
-                est = plan(setup)
-                out[name] = {"latent": latents[1], "graphs": graphs, "recompiles": recompiles,
-                             "scaled_per_graph": list(scaled),
-                             "status": text, "finite": bool(torch.isfinite(latents[0]).all()),
-                             "ran": compile_blocks.blocks_ran(c).blocks,
-                             "lowvram": bool(getattr(c.model, "model_lowvram", False)),
-                             "rowwise_fp8": setup.weights.rowwise_fp8,
-                             "transient": est.resident["weight_transient"] if hasattr(est, "resident") else None,
-                             "notes": [n for n in est.notes if "fp8" in n]}
-                mm.unload_all_models()
-    finally:
-        mm.LoadedModel.model_load = load
-        compile_blocks.block_resident = resident
-        fp8_matmul.available = available
-    a, b = out["bf16"].pop("latent").float(), out["fp8"].pop("latent").float()
-    out["rel_l2"] = float((b - a).norm() / a.norm())
-    out["equal"] = bool(torch.equal(a, b))
-    return out
-
-
 def _own_attr_count(blocks, name: str) -> int:
     """The modules of ``blocks`` that hold ``name`` as an attribute of their own (in their ``__dict__``)."""
     return sum(1 for b in blocks for mod in b.modules() if name in mod.__dict__)
@@ -574,8 +506,6 @@ check("block", block_fullgraph)
 check("compile_blocks_streamed", lambda: compile_blocks_streamed(0.4))
 check("compile_blocks_resident", lambda: compile_blocks_streamed(None))
 check("compile_blocks_reloaded", compile_blocks_reloaded)
-check("compile_blocks_fp8_resident", lambda: compile_blocks_fp8(None))
-check("compile_blocks_fp8_streamed", lambda: compile_blocks_fp8(0.4))
 check("two_experts_per_block", two_experts_per_block)
 check("two_experts_streamed_lora_part", lambda: two_experts_streamed_lora(0.4))
 check("two_experts_streamed_lora_all", lambda: two_experts_streamed_lora(0.0))
