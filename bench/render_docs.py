@@ -726,6 +726,18 @@ def compile_section() -> list:
   emptied at each start, as a reboot leaves it, none, and the prompt took 68.0 s to the frames against 72.5 s
   (`whole-prompt/h100-gguf-480p81-20steps-24gib-compiled-blocks.jsonl`); on the H200 68.5 s, its first step 2.9 s
   longer than the next (round `f` of `whole-prompt/gguf-480p81-20steps-24gib-te-copy.jsonl`).
+- **fp8 matmuls: measured, not adopted.** ComfyUI 0.3.64's `fp8_e4m3fn_fast` runs no fp8 matmul for Wan (the model
+  stays in training mode, docs/compatibility.md), and where it runs it casts each input to fp8 unscaled. The pack
+  tried the Linears of the compiled blocks as `torch._scaled_mm` in float8_e4m3fn with a scale per input row and
+  per output channel, the weight and the input quantised at each call (Wan Compile Blocks at `ff75279`, taken out
+  after). On an H100 one A14B block at 1280×720×81 took 268.4 ms a call against 278.7 ms in bf16 (1.04×), its
+  update (output less input) 0.057 from bf16's in relative L2, and peaked 5.15 GiB above its input against 3.60
+  GiB (`bench/records/compile/void-fp8-matmuls-block-h100-ff75279.log`). The seed on the full card, Sage + Wan
+  Compile Blocks + fp8, took 9.32-9.51 s a step and 42.5-42.9 s for the repeat prompt to the frames, against 56.8 s
+  for ComfyUI alone on the same machine (1.32-1.34×), what the H200 gave without fp8 (1.33×); its first prompt 69.2-72.4
+  s against 62.8 s (`whole-prompt/void-fp8-matmuls-h100-ff75279.jsonl`). The Linears are 28 % of a 720p81 block's
+  multiply-adds, and the per-call quantisation takes back most of what fp8 saves on them: not worth 1.5 GiB and the
+  error.
 
 ### The gpu tier on the H200
 
