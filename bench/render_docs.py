@@ -734,10 +734,10 @@ def compile_section() -> list:
   update (output less input) 0.057 from bf16's in relative L2, and peaked 5.15 GiB above its input against 3.60
   GiB (`bench/records/compile/void-fp8-matmuls-block-h100-ff75279.log`). The seed on the full card, Sage + Wan
   Compile Blocks + fp8, took 9.32-9.51 s a step and 42.5-42.9 s for the repeat prompt to the frames, against 56.8 s
-  for ComfyUI alone on the same machine (1.32-1.34×), what the H200 gave without fp8 (1.33×); its first prompt 69.2-72.4
-  s against 62.8 s (`whole-prompt/void-fp8-matmuls-h100-ff75279.jsonl`). The Linears are 28 % of a 720p81 block's
-  multiply-adds, and the per-call quantisation takes back most of what fp8 saves on them: not worth 1.5 GiB and the
-  error.
+  for ComfyUI alone on the same machine (1.32-1.34×), what the H200 gave without fp8 (1.33×); its first prompt
+  69.2-72.4 s against 62.8 s (`whole-prompt/void-fp8-matmuls-h100-ff75279.jsonl`). The Linears are 28 % of a 720p81
+  block's multiply-adds, and the per-call quantisation takes back most of what fp8 saves on them: not worth 1.5 GiB
+  and the error.
 
 ### The gpu tier on the H200
 
