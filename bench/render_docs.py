@@ -458,7 +458,8 @@ def gpu_tier_logs() -> list[dict]:
     out = []
     for p in (RECORDS / "gpu-tier").glob("*.log"):
         lines = p.read_text().splitlines()
-        summary = [x for x in lines if " passed" in x and " in " in x][-1].strip()
+        # with -v (bash bench/e2e_h200.sh gpu-tier) pytest frames its last line in "="
+        summary = [x for x in lines if " passed" in x and " in " in x][-1].strip().strip("=").strip()
         printed = {k: next((x.strip()[len(pre):] for x in lines if x.strip().startswith(pre)), "") for k, pre in GPU_TIER_PRINTS}
         out.append(dict(name=p.stem, file=name_of(p), summary=summary, **printed))
     return sorted(out, key=lambda x: (int(x["summary"].split()[0]), x["name"]))
@@ -1898,7 +1899,9 @@ REPLAN_ROUNDS = (("whole-prompt/h100-gguf-720p81-4steps-16gib-compiled-blocks.js
                  ("whole-prompt/void-replan-h100-9258b09.jsonl", "b"),
                  ("whole-prompt/void-replan-h100-9258b09.jsonl", "c"),
                  ("whole-prompt/h100-gguf-720p81-4steps-16gib-compiled-blocks.jsonl", "e"),
-                 ("whole-prompt/void-replan-h100-76fdb57.jsonl", "a"))
+                 ("whole-prompt/void-replan-h100-76fdb57.jsonl", "a"),
+                 ("whole-prompt/h100-gguf-720p81-4steps-12gib-compiled-blocks.jsonl", "d"),
+                 ("whole-prompt/h100-gguf-720p81-4steps-12gib-compiled-blocks.jsonl", "e"))
 
 
 def _replan_samplings():
