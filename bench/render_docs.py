@@ -739,8 +739,9 @@ def compile_section() -> list:
   69.2-72.4 s against 62.8 s (`whole-prompt/void-fp8-matmuls-h100-ff75279.jsonl`). The Linears are 28 % of a 720p81
   block's multiply-adds, and the per-call quantisation takes back most of what fp8 saves on them: not worth 1.5 GiB
   and the error.
-
-### The gpu tier on the H200
+""")
+    o += replan_table()
+    o.append(f"""### The gpu tier on the H200
 
 `python -m pytest tests/gpu -q -rs -s`. Its compile tests build one real A14B block through ComfyUI at 480p81:
 `torch._dynamo.explain` finds 0 graph breaks and one graph holding the `wan_sage::attention` op, `fullgraph=True`
@@ -1929,29 +1930,26 @@ def _replan_completed() -> str:
             f"{len(bad)} of {len(prompts)} prompts of those rounds did not complete ({', '.join(sorted(set(map(str, bad))))})")
 
 
-def replan_text() -> str:
-    """The re-plan between model calls as it ran: per streamed sampling that moved weights, the plan before and
-    after, the weights loaded, and the budget left unused in its first step and in its later ones."""
-    parts, still = [], []
+def _replan_moves() -> tuple[list, list]:
+    """([(file, record, expert record, move, unused GiB per step)] of the streamed samplings of
+    :data:`REPLAN_ROUNDS` that moved weights, [(file, record, expert record, least unused GiB)] of the fp8 ones
+    sampled eagerly with weights streamed, which moved none)."""
+    moved, still = [], []
     for name, r, e, kept in _replan_samplings():
         b = r["config"]["budget_gib"]
         unused = [b - kept - x for x in e["step_peak_reserved_gib"]]
-        if not e.get("replan"):
-            if r["config"].get("weights") == "fp8" and e["resident_frac"] < 0.9999:
-                still.append((name, r, e, min(unused)))
-            continue
-        (m,) = e["replan"]
-        c = r["config"]
-        size = f"{c['width']}×{c['height']}×{c['frames']}" + (f", {c['steps']} steps" if c.get("steps", 4) != 4 else "")
-        rnd = (f" round `{r['round']}`" if r.get("round") else "") + f", `{commit_of(r)}`"
-        parts.append(f"{size} at {b:g} GiB ({link(name)}{rnd}): "
-                     f"{m['from_gib']:.2f} → {m['to_gib']:.2f} GiB before its second call, {m['moved_gib']:.2f} GiB "
-                     f"loaded, {100 * e['resident_frac']:.0f} → {100 * e['resident_end_gib'] / e['weights_gib']:.0f} % "
-                     f"resident, {unused[0]:.2f} GiB of the budget unused in the first step and "
-                     f"{min(unused[m['call'] - 1:]):.2f} GiB at the later steps' peak"
-                     + (", every weight resident then" if e["resident_end_gib"] >= e["weights_gib"] - 1e-3 else ""))
-    if not parts:
-        return "That is not measured yet"
+        if e.get("replan"):
+            (m,) = e["replan"]
+            moved.append((name, r, e, m, unused))
+        elif r["config"].get("weights") == "fp8" and e["resident_frac"] < 0.9999:
+            still.append((name, r, e, min(unused)))
+    return moved, still
+
+
+def replan_text() -> str:
+    """The re-plan between model calls: what it does, and the span of what it left unused where it ran (the rows
+    are in :func:`replan_table`)."""
+    moved, still = _replan_moves()
     text = ("Before each model call after the first the estimator plans the sampling again from what the calls "
             "showed, and where the plan fell by at least ComfyUI's smallest partial load (128 MiB) it loads the "
             "weights the freed room holds through ComfyUI's own `partially_load`, sized as `load_models_gpu` sizes "
@@ -1959,9 +1957,23 @@ def replan_text() -> str:
             "larger one can set a module that filled a gap to stream where it lies, its merged LoRA applied again "
             "at each call); where it rose it unloads to it (`nodes/replan.py`; only where ComfyUI places a model in "
             "part, and not under ComfyUI's whole-model compile, whose one "
-            "graph would compile again for moved weights). The high-noise expert's first sampling of a "
-            "first prompt on an H100, unused beyond what ComfyUI keeps free and the device held outside "
-            "PyTorch's pool: " + "; ".join(parts) + ". " + _replan_completed())
+            "graph would compile again for moved weights). ")
+    if not moved:
+        text += "That is not measured yet"
+    else:
+        def spans(rows_, compiled):
+            first = [u[0] for *_, u in rows_]
+            streamed = [min(u[m["call"] - 1:]) for _, _, e, m, u in rows_ if e["resident_end_gib"] < e["weights_gib"] - 1e-3]
+            return (f"{_span(first)} GiB unused in the first step" + (", still on the eager floor" if compiled else "")
+                    + (f", and {_span(streamed)} GiB at the later steps' peak where weights still streamed" if streamed
+                       else ", every weight resident after it"))
+        kinds = {}
+        for row in moved:
+            kinds.setdefault(row[1]["config"].get("weights"), []).append(row)
+        said = [f"{_weights_text(k)}: {spans(v, k == 'gguf')}" for k, v in kinds.items()]
+        text += (f"Measured on the high-noise expert's first sampling of {len(moved)} first prompts (table: "
+                 f"[The re-plan between model calls](#{anchor('The re-plan between model calls')})): "
+                 + "; ".join(said) + ". " + _replan_completed())
     if still:
         name, r, e, u = still[0]
         text += (f". An fp8 expert sampled eagerly ({link(name)} round `{r.get('round')}`, {r['config']['budget_gib']:g} "
@@ -1970,6 +1982,36 @@ def replan_text() -> str:
     import textwrap  # continued on the bullet's indented lines
     return textwrap.fill(text, width=116, initial_indent="  ", subsequent_indent="  ", break_on_hyphens=False,
                          break_long_words=False)[2:]
+
+
+def replan_table() -> list:
+    """The re-plan as it ran: per streamed sampling that moved weights, the plan before and after, the weights
+    loaded, and the budget left unused in its first step and at its later steps' peak."""
+    moved, _ = _replan_moves()
+    if not moved:
+        return []
+    import textwrap
+    o = ["### The re-plan between model calls", "",
+         *textwrap.wrap("The high-noise expert's first sampling of a first prompt from empty caches, on an H100, with "
+                        "Wan Compile Blocks (GGUF: its streamed blocks lifted into the resident block's graph; fp8 "
+                        "with a LoRA: every block eager). *Unused*: the budget less what ComfyUI keeps free, what the "
+                        "device held outside PyTorch's pool and the pool's peak; *later steps*: the least over the "
+                        "steps after the move (`bench.render_docs.REPLAN_ROUNDS` lists the rounds).", width=116,
+                        break_on_hyphens=False), "",
+         "| weights | size | budget | plan before → after the first call | loaded | resident before → after | unused, "
+         "first step | unused, later steps | record | wan-sage |",
+         "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    for name, r, e, m, unused in sorted(moved, key=lambda x: (x[1]["config"].get("weights") != "gguf",
+                                                               -x[1]["config"]["width"] * x[1]["config"]["height"],
+                                                               -x[1]["config"]["budget_gib"])):
+        c = r["config"]
+        size = f"{c['width']}×{c['height']}×{c['frames']}, {c.get('steps', 4)} steps"
+        after = 100 * e["resident_end_gib"] / e["weights_gib"]
+        label = Path(name).stem + (f" ({r['round']})" if r.get("round") else "")
+        o.append(f"| {_weights_text(c.get('weights'))} | {size} | {c['budget_gib']:g} GiB | {m['from_gib']:.2f} → {m['to_gib']:.2f} GiB | "
+                 f"{m['moved_gib']:.2f} GiB | {100 * e['resident_frac']:.0f} → {after:.0f} % | {unused[0]:.2f} GiB | "
+                 f"{min(unused[m['call'] - 1:]):.2f} GiB | {link(name, label)} | `{commit_of(r)}` |")
+    return o + [""]
 
 
 def e2e_compiled_resident_section() -> list:
