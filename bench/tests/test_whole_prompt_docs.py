@@ -51,6 +51,9 @@ def files(tmp_path):
 
 
 def _rows(lines):
+    """The rows of every round (below the headline table, where the section has one)."""
+    if "Every round:\n" in lines:
+        lines = lines[lines.index("Every round:\n"):]
     return [line for line in lines if line.startswith("| GGUF")]
 
 
@@ -85,6 +88,18 @@ def test_the_section_has_first_and_repeat_prompt_with_ratios_to_comfyui_alone_of
     assert [(c[0].endswith("no decode"), c[2], c[3]) for c in cells[:4]] == [
         (False, "empty", "ComfyUI alone + SDPA"), (False, "empty", "estimator + Sage"),
         (False, "empty", "estimator + Sage"), (False, "kept", "ComfyUI alone + SDPA")]
+
+
+def test_the_headline_is_the_recommended_setup_from_empty_caches_against_its_own_comfyui_alone(files):
+    """Above every round: one row per workflow and budget, the estimator + Sage run from empty caches that has
+    ComfyUI alone in its own set (not the kept-caches row, not the one without decode, not the other machine's)."""
+    lines = render_docs.whole_generation_section(files)
+    head = [x for x in lines[:lines.index("Every round:\n")] if x.startswith("| GGUF")]
+    assert len(head) == 1, head
+    cells = [c.strip() for c in head[0].strip("|").split("|")]
+    assert cells[:6] == ["GGUF Q4_K_M, 720p81, 4 steps, eager", "24 GiB", "empty", "88.2 s (1.01×)", "57.0 s (1.23×)",
+                         "88.8 / 70.0 s"]
+    assert cells[6] == "`gguf-720p81-24gib`"
 
 
 def test_a_long_workflow_is_a_workflow_of_its_own(tmp_path):
