@@ -555,36 +555,39 @@ def compile_section() -> list:
   model: [benchmarks.md, "torch.compile end to end"](benchmarks.md#{anchor("torch.compile end to end")}).
 - **Whether compile pays back for a prompt.** A fresh process pays the compile before the first step, and a
   step saves only what inductor fuses between the matrix multiplies and the attention (0.8 s per A14B 720p81
-  forward, with SDPA and with Sage alike). After each sampling run of a compiled model, the Sage patch's log
-  and panel give the compile cost of a fresh process, the steps per model after which it pays back, the
-  verdict for the run's own steps (`run eager` or `compile pays back`) and, where one prompt does not pay it
-  back, the prompt of a process by which it does, from `memory/compile_payback.py`: about 20 s for blocks
-  compiled one by one (one graph, shared by Wan 2.2 A14B's two experts while their weights are resident), about
-  5 s for that graph where the pack keeps the run's compile file (next item), up to one graph per block with
-  streamed weights, about 9 s per block for a whole-model compile; the saving scales with rows × tokens × width
-  × blocks. `bench/tests/test_compile_payback_records.py` checks the two block-graph costs on whole-prompt first
-  steps they were not set from. The 4-step A14B prompt runs eager for one prompt, and the 20-step 5B and I2V
-  templates would lengthen their first prompt too, so every template runs eager; its note gives the seconds a
-  compiled step saves at its size and the prompt by which compiling pays back (`bench/make_workflows.py`,
-  `compile_line`, which refuses a template whose first prompt it would pay back). The first `torch.compile` call of a
-  process imports TorchInductor and Triton; Wan Compile Blocks starts those imports on a worker thread when it runs,
-  makes each block's compiled callable at the block's first call, and has the pack's compile file hot-loaded on the
-  same worker, so both run beside the text encoder's and the model's loads (`nodes/compile_import.py`). Made in the
-  node, they had taken 4.5–4.9 s before the sampler on the H200 (rounds `a` and `b` of
-  `ti2v5b-704p121-20steps-24gib-template.jsonl`), and the first prompt after a restart came 0.7–1.6 s short of the
-  eager template. On an H100 (rounds `c` and `d` of `h100-ti2v5b-704p121-20steps-24gib-template.jsonl`, one machine)
-  the node then took 0.002–0.003 s, and the nodes before the sampler 3.7–3.9 s against the eager template's 4.0 s.
-  After a restart with the pack's compile file the 5B template with Wan Compile Blocks took 49.5–49.7 s for its first
-  prompt against the eager template's 53.0 s and stock ComfyUI's 64.3 s, and 41.5–41.6 s for the repeat against
-  47.3 s and 51.4 s: it pays back within that first prompt, as the model says; with every cache empty it took 62.4 s.
-  Each of those first prompts compiled one graph and nothing again: at 24 GiB ComfyUI ran the first step's cond and uncond apart and would batch them from the
-  second (on an H100 every block then recompiled for two rows, 8.50 s), and Wan Compile Blocks holds its cond/uncond
-  batching to the rows the blocks have run compiled (`nodes/cond_rows.py`).
-  Over several prompts of one process compiling the blocks comes out ahead: GGUF 720p81 at 16 GiB, a process with the
-  pack's compile file took 59.8 s for its first prompt and 45.2 s for the next (round `l` of the compiled file),
-  where eager estimator + Sage took 64.8–70.7 s and 50.0–52.2 s (rounds `e` to `h` of the 16 GiB eager file,
-  other machines; [benchmarks](benchmarks.md#whole-generation)), so it is ahead from the first prompt after a
-  restart; the model, with its 0.8 s per forward and 5 s for the kept graph, says by the second.
+  forward, with SDPA and with Sage alike).
+  - *What the pack tells the user.* After each sampling of a compiled model, the Sage patch's log and panel give
+    the compile cost of a fresh process, the steps per model after which it pays back, the verdict for the run's
+    own steps (`run eager` or `compile pays back`) and, where one prompt does not pay it back, the prompt of a
+    process by which it does (`memory/compile_payback.py`). The costs it counts: about 20 s for blocks compiled
+    one by one (one graph, shared by Wan 2.2 A14B's two experts while their weights are resident), about 5 s for
+    that graph where the pack keeps the run's compile file (next item), up to one graph per block with streamed
+    weights, about 9 s per block for a whole-model compile; the saving scales with rows × tokens × width × blocks.
+    `bench/tests/test_compile_payback_records.py` checks the two block-graph costs on whole-prompt first steps
+    they were not set from.
+  - *The templates run eager.* By the payback model, compiling from empty caches lengthens the first prompt of
+    each: the 4-step A14B ones and the 20-step 5B and I2V ones (measured for the 5B: 62.4 s against 53.0 s eager,
+    below). Each template's note gives the seconds a compiled step saves at its size and the prompt by which
+    compiling pays back (`bench/make_workflows.py`, `compile_line`, which refuses a template whose first prompt
+    it would pay back).
+  - *Compile's start runs beside the loads.* The first `torch.compile` call of a process imports TorchInductor
+    and Triton. Wan Compile Blocks starts those imports on a worker thread when it runs, makes each block's
+    compiled callable at the block's first call, and hot-loads the pack's compile file on the same worker, so
+    both run beside the text encoder's and the model's loads (`nodes/compile_import.py`). On an H100 (rounds `c`
+    and `d` of `h100-ti2v5b-704p121-20steps-24gib-template.jsonl`, one machine) the node takes 0.002–0.003 s, and
+    the nodes before the sampler 3.7–3.9 s against the eager template's 4.0 s.
+  - *The 5B template compiled.* After a restart with the pack's compile file it took 49.5–49.7 s for its first
+    prompt against the eager template's 53.0 s and stock ComfyUI's 64.3 s, and 41.5–41.6 s for the repeat
+    against 47.3 s and 51.4 s: it pays back within that first prompt, as the model says. With every cache empty
+    it took 62.4 s. Each of those first prompts compiled one graph and nothing again. At 24 GiB ComfyUI runs the
+    first step's cond and uncond apart and batches them from the second, where every block would compile again
+    for two rows (8.50 s on an H100); Wan Compile Blocks holds the cond/uncond batching to the rows its blocks
+    have run compiled (`nodes/cond_rows.py`).
+  - *Several prompts of one process.* GGUF 720p81 at 16 GiB, a process with the pack's compile file took 59.8 s
+    for its first prompt and 45.2 s for the next (round `l` of the compiled file), where eager estimator + Sage
+    took 64.8–70.7 s and 50.0–52.2 s (rounds `e` to `h` of the 16 GiB eager file, other machines;
+    [benchmarks](benchmarks.md#whole-generation)). Compiling the blocks is ahead from the first prompt after a
+    restart; the model, with its 0.8 s per forward and 5 s for the kept graph, says so by the second.
 - **Wan Compile Blocks** (`nodes/compile_blocks.py`). The pack's compile node compiles the blocks one by one,
   as the records above do. A block whose weights are all on the input's device runs the block graph. A streamed
   block traced as it is would make a graph of its own (its weights' device, ComfyUI's cast flag and a streamed
@@ -644,15 +647,14 @@ def compile_section() -> list:
   1280×720×81 with its Linears streamed held 7.50 GiB above its input that way, against 5.77 GiB eagerly and
   3.61 GiB compiled with its weights resident (`python -m bench.streamed_block_peak`,
   `bench/records/compile/streamed-block-peak-422b0cb.jsonl`), and a 12 GiB seed prompt planned as eager ran out
-  of memory in its first step (`whole-prompt/void-compile-streamed-layers-b4d6a7a.jsonl`). The probe's staged
-  rows on the H200 (8.16 GiB, `streamed-block-peak-2916b3e.jsonl`) ran in the graphs of that mode: the probe
-  compiled the block once for every mode, and dynamo entered the earlier mode's first graph. Compiled afresh per
-  mode, on the CPU, the staged block held the compiled resident one's 0.115 GiB plus its weights when they are
-  copied (0.202 GiB; 0.244 GiB around eager layers, 0.200 GiB eagerly; dims 1536×8960 at 512×512×17,
-  `streamed-block-peak-cpu.jsonl`). On the H200 (`streamed-block-peak-a8a25da.jsonl`), compiled afresh per mode, the
-  streamed block staged or lifted through the node's own stand-in held 4.26 GiB above its input (the compiled resident
-  block's 3.61 GiB plus its 0.65 GiB of bf16 weights; eagerly 5.77 GiB), and from page-locked memory its call took
-  0.281 s against 0.277 s compiled resident and 0.305 s eagerly. The host tier
+  of memory in its first step (`whole-prompt/void-compile-streamed-layers-b4d6a7a.jsonl`). A staged block
+  instead, each mode compiled afresh (`python -m bench.streamed_block_peak`): on the CPU the staged block held
+  the compiled resident one's 0.115 GiB plus its weights when they are copied (0.202 GiB; 0.244 GiB around eager
+  layers, 0.200 GiB eagerly; dims 1536×8960 at 512×512×17, `streamed-block-peak-cpu.jsonl`); on the H200
+  (`streamed-block-peak-a8a25da.jsonl`) the streamed block staged or lifted through the node's own stand-in held
+  4.26 GiB above its input (the compiled resident block's 3.61 GiB plus its 0.65 GiB of bf16 weights; eagerly
+  5.77 GiB), and from page-locked memory its call took 0.281 s against 0.277 s compiled resident and 0.305 s
+  eagerly. The host tier
   checks the node on tiny real Wan models on the CPU (`tests/host/test_host_compile.py`: one staged graph for
   two partly streamed experts with a LoRA, no recompile, eager's latent within bf16's rounding; one graph for both
   experts when resident; `tests/host/test_host_gguf_cast.py`: a streamed ComfyUI-GGUF block after a resident one,
