@@ -675,12 +675,12 @@ def compile_section() -> list:
   for the first prompt after a restart that kept only the pack's compile file, where eager estimator + Sage with
   the host copy took 78.4–80.8 s (1.23–1.31×) on other machines. So over 20 steps compiling wins every prompt but
   the very first after installing, where it is about even with eager and still ahead of ComfyUI alone. The 20-step
-  templates run other models with CFG (Wan 2.1 image to video, Wan 2.2 5B), not measured compiled end to end,
-  so they run eager.
-  Where an earlier first prompt's compiling went, with the compile file kept (round `c` of the host copy file,
-  `2852b60`): 8.2 s in dynamo, 7.1 s of it tracing the block's bytecode, and 2.9 s of kernel autotuning. The tracing
-  was ComfyUI-GGUF's: it holds each quantized weight as a tensor subclass, and dynamo interprets the subclass's
-  `__torch_function__`, `.to` and `.shape` for each op of the dequantization. The node now gives the layers of
+  templates run other models with CFG (Wan 2.1 image to video, Wan 2.2 5B) and run eager: the 5B one compiled
+  pays back within the first prompt after a restart but not from empty caches (above); the I2V one has not run
+  compiled end to end.
+  ComfyUI-GGUF holds each quantized weight as a tensor subclass, and traced as it is, dynamo interprets the
+  subclass's `__torch_function__`, `.to` and `.shape` for each op of the dequantization: 7.1 s of a first
+  prompt's 8.2 s in dynamo on the H200 (round `c` of the host copy file, `2852b60`). The node gives the layers of
   a block it runs compiled ComfyUI-GGUF's own cast with the dequantization on a plain view of each weight's bytes
   (`nodes/gguf_cast.py`; for that call only, taken away in `finally`; the first layer of each ComfyUI-GGUF is cast
   both ways once per process, and a difference in any bit keeps ComfyUI-GGUF's own cast), the same weights bit for
@@ -690,10 +690,10 @@ def compile_section() -> list:
   that compiled the changed graph afresh), one graph for both experts, no recompile, steps 2.79 s; with the compile
   file kept, 2.3 s (round `f`). For the call the cast also gives each layer's tensors a copy of their LoRA list:
   ComfyUI-GGUF's loader gives every tensor one default list and a move to the GPU gives the moved tensor a copy, so
-  a block never moved shares one list across its layers where a resident one does not, and dynamo guarded on that.
-  At 16 GiB the resident low-noise expert recompiled once after the partly streamed high-noise one had traced the
-  graph (1.0–1.6 s of its first step, round `l` and the H100's 16 GiB file); the host tier's two such blocks ran 2
-  graphs and now run 1 (not measured on the GPU yet).
+  a block never moved shares one list across its layers where a resident one does not, and dynamo would guard on
+  that: at 16 GiB the resident low-noise expert compiles nothing after the partly streamed high-noise one has
+  traced the graph (0 graphs, 0 recompiles on an H100, rounds `b` to `e` of
+  `h100-gguf-720p81-4steps-16gib-compiled-blocks.jsonl`; without the copies it recompiled once, 1.0–1.6 s).
 - **Compile caches across ComfyUI starts.** Inductor keeps what it compiled in a temporary folder that a
   reboot empties. Around each sampling run of a compiled model the Sage patch hot-loads, once per process,
   the files of this torch build and GPU from `compile/` beside the kernel timing cache
