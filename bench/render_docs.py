@@ -1124,6 +1124,7 @@ PIN_PROBE = "compile/streamed-block-peak-2916b3e.jsonl"
 # whole prompts before and after the page-locked buffers asked for huge pages
 PIN_THROUGHPUT = "pinning/throughput.jsonl"
 PIN_HUGE_ROUNDS = ("whole-prompt/fp8-720p81-4steps-12gib-eager.jsonl", None, "b")
+PIN_PRIVATE_ROUND = "c"  # the same file's first round with the pack's private maps (pinned_host.new_map)
 PIN_METHOD_WORDS = {"copy": "a new private map per weight with 4 KiB pages",
                     "copy-thp": "the same with huge pages asked for, the pack's way now",
                     "copy-populate": "the map's pages faulted in when it is made",
@@ -1155,13 +1156,17 @@ def pin_throughput_lines() -> list:
     path, before, after = PIN_HUGE_ROUNDS
     b = _expert_phase_seconds(path, before, "est+sage", "first", "partially_load")
     a = _expert_phase_seconds(path, after, "est+sage", "first", "partially_load")
+    c = _expert_phase_seconds(path, PIN_PRIVATE_ROUND, "est+sage", "first", "partially_load")
+    private = (f": with them (round `{PIN_PRIVATE_ROUND}`, `{_commit_of_round(path, PIN_PRIVATE_ROUND)}`, another "
+               f"machine) the first prompt's partial loads took {_per_expert(c)}." if c else ", and no whole prompt "
+               "has run with them.")
     o += ["", f"In the fp8 12 GiB prompts ({link(path)}) the first prompt's partial loads took {_per_expert(b)} at "
           f"`{_commit_of_round(path, before)}` (the file's first set) and {_per_expert(a)} at "
           f"`{_commit_of_round(path, after)}` (round `{after}`): about 13 GiB page-locked per expert, several times "
           "slower than the tool's rate. Both pack commits mapped each buffer as shared anonymous memory (Python's "
           "default), which the tool did not measure and which the kernel's default setting gives no huge pages, so "
           f"round `{after}`'s request for them changed nothing; the pack's maps are private now, as the tool's are "
-          "(`pinned_host.new_map`, which the tool calls), and no whole prompt has run with them."]
+          "(`pinned_host.new_map`, which the tool calls)" + private]
     return o
 
 
