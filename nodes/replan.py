@@ -33,10 +33,11 @@ after the load, a module set to stream on the device all the same places the mod
 Only on the legacy memory path (ComfyUI 0.3.64, GGUF, ``--disable-dynamic-vram``), where the estimator places the
 weights, only where ComfyUI places a model in part (its normal and low VRAM states, a load device that is neither
 the CPU nor the offload device), and only for a patcher that moves its weights with ComfyUI's own methods; a
-dynamic-VRAM model's residency is ComfyUI's.  A load that fails (ComfyUI detaches the model) or that set a module
-on the device to stream places the model again as ComfyUI's own load would for the larger of the two plans; an
-unload that fails leaves the weights where ComfyUI's unload stopped.  Either way one warning is logged and nothing
-more moves in that sampling; a cancel goes on up.
+dynamic-VRAM model's residency is ComfyUI's.  A load that fails (ComfyUI detaches the model), a load that set a
+module on the device to stream, and an unload that fails (ComfyUI's ``partially_unload`` stops midway without
+counting what it moved) place the model again as ComfyUI's own load would for the larger of the two plans, and
+where that load fails too, with every module that can stream streaming.  One warning is logged, and after it only
+a rise of the plan moves weights in that sampling; a cancel goes on up.
 """
 from __future__ import annotations
 
@@ -137,7 +138,7 @@ def before_call(base) -> int:
     """Plan ``base``'s sampling again before a model call and move weights to the new reservation; returns the
     bytes loaded (negative: unloaded), 0 where nothing moved."""
     s = _get(base)
-    if s is None or s.failed:
+    if s is None:
         return 0
     s.calls += 1
     patcher = s.patcher()
@@ -150,10 +151,18 @@ def before_call(base) -> int:
                   "(%s); the weights stay where the sampling's start placed them.", reason(e))
         return 0
     old = s.reservation
-    if abs(new - old) < MIN_MOVE_BYTES:
+    if abs(new - old) < MIN_MOVE_BYTES or (s.failed and new < old):  # after a failed move only a rise moves
         return 0
-    moved, failed = _move(patcher, base, new, old)
-    if failed:  # placed for the larger of the two plans; no more moves in this sampling
+    try:
+        moved, failed = _move(patcher, base, new, old)
+    except Exception as e:
+        unplaced = int(patcher.loaded_size()) == 0 and not getattr(base, "model_lowvram", False)
+        if comfy_bridge.user_cancel(e) or unplaced:
+            raise  # a cancel, or a model that could not be placed again at all: ComfyUI reports it
+        warn_once(("replan-move", type(e).__name__), "wan-sage: moving weights between steps failed (%s); nothing "
+                  "more moves in this sampling unless its plan rises.", reason(e))
+        moved, failed = 0, True
+    if failed:  # placed for the larger of the two plans; from here on only a rise moves weights
         s.failed = True
         s.reservation = max(old, new)
     else:
@@ -265,23 +274,37 @@ def _move(patcher, base, reservation: int, before_reservation: int) -> tuple[int
         failed = reason(e)
     streamed = 0 if failed is not None else sum(1 for m in kept if hasattr(m, "prev_comfy_cast_weights"))
     if failed is not None or streamed:  # out of the except block: the failed move's temporaries are gone
-        detached = failed is None or int(patcher.loaded_size()) == 0
         what = failed if failed is not None else f"{streamed} module(s) on the device were set to stream"
-        warn_once(("replan-move", what.partition(":")[0]), "wan-sage: %s weights between steps failed (%s); %s",
-                  "loading" if lowered else "unloading", what,
-                  "the model is loaded again for the larger plan, and nothing more moves in this sampling" if detached
-                  else "nothing more moves in this sampling")
-        if detached:
-            if failed is None:
-                patcher.detach()
-            _reload(patcher, dev, max(reservation, before_reservation))
+        warn_once(("replan-move", what.partition(":")[0]), "wan-sage: %s weights between steps failed (%s); the "
+                  "model is loaded again for the larger plan, and nothing more moves in this sampling unless its "
+                  "plan rises", "loading" if lowered else "unloading", what)
+        if not (lowered and failed is not None and int(patcher.loaded_size()) == 0):
+            # a load that set modules on the device to stream, or an unload that stopped midway: ComfyUI's
+            # partially_unload marks each module it moved as streaming but counts none of them and leaves
+            # model_lowvram unset, so ComfyUI's detach would leave their per-call patches behind.  Marked, the
+            # detach takes every module's off.
+            base.model_lowvram = True
+            patcher.detach()
+        _reload(patcher, dev, max(reservation, before_reservation))
     comfy_bridge.trim_allocator(dev, "after moving weights between steps")
     return int(patcher.loaded_size()) - before, failed is not None or bool(streamed)
 
 
 def _reload(patcher, dev, reservation: int) -> None:
     """Load ``patcher``'s weights again, as ``load_models_gpu`` places a model for ``reservation`` (ComfyUI's
-    ``partially_load`` detaches the model when it fails), without freeing the sampling's other models."""
+    ``partially_load`` detaches the model when it fails), without freeing the sampling's other models.  Where that
+    load fails too, the model is placed with the least of its weights on the device that ComfyUI loads (every
+    module that can stream streams), so that the sampling can go on; a failure of that one goes on up."""
     patcher.model_patches_to(dev)
     patcher.model_patches_to(patcher.model_dtype())
-    patcher.partially_load(dev, max(MIN_MOVE_BYTES, _budget(patcher, dev, reservation)))
+    try:
+        patcher.partially_load(dev, max(MIN_MOVE_BYTES, _budget(patcher, dev, reservation)))
+        return
+    except Exception as e:
+        if comfy_bridge.user_cancel(e):
+            raise
+        warn_once(("replan-reload", type(e).__name__), "wan-sage: loading the model again after a failed move "
+                  "failed (%s); it streams every weight it can for the rest of this sampling.", reason(e))
+    comfy_bridge.trim_allocator(dev, "before streaming every weight")
+    patcher.model_patches_to(dev)
+    patcher.partially_load(dev, 0)

@@ -206,3 +206,96 @@ def test_a_lower_plan_with_room_for_every_weight_loads_them_all(comfy, monkeypat
     replan.before_call(p.model)
     assert replan.before_call(p.model) == 5 * UNIT
     assert not p.model.model_lowvram and _lora_applied_once(p, patched)
+
+
+def _oom(*args, **kwargs):
+    raise torch.OutOfMemoryError("CUDA out of memory (raised by the test)")
+
+
+def test_a_load_and_its_reload_that_fail_leave_every_weight_that_can_stream_streaming(comfy, monkeypatch, caplog):
+    """The lowered plan's load fails (ComfyUI detaches the model) and so does the load for the larger plan after it:
+    the sampling goes on, with the model placed as a load of no weights places it (every Linear streams, the LoRA
+    applied once at each call), and nothing more moves for a lower plan."""
+    import logging
+    import comfy.model_patcher as mp
+    from wan_sage.nodes import replan
+    p, patched = _gap_filled(comfy, monkeypatch)
+    _free_for(monkeypatch, p, 16 * UNIT)
+    replan.begin(p, SHAPE, lambda patcher, shape: 0, 1 << 30)
+    replan.before_call(p.model)
+    real = mp.ModelPatcher.patch_weight_to_device
+    loads = {"n": 0}
+
+    def fails_twice(self, *args, **kwargs):
+        loads["n"] += 1
+        if loads["n"] <= 2:
+            _oom()
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(mp.ModelPatcher, "patch_weight_to_device", fails_twice)
+    with caplog.at_level(logging.WARNING, logger="wan_sage"):
+        replan.before_call(p.model)  # raised the second OutOfMemoryError before
+    assert "it streams every weight it can" in caplog.text
+    assert p.model.model_lowvram
+    assert all(hasattr(m, "prev_comfy_cast_weights") for m in (p.model.a, p.model.b, p.model.c))
+    assert _counted(p, comfy) and _lora_applied_once(p, patched)
+    assert replan.before_call(p.model) == 0 and len(replan.moves(p.model)) == 1  # a lower plan moves nothing more
+
+
+def test_an_unload_that_stops_midway_places_the_model_again_and_leaves_no_patch_behind(comfy, monkeypatch, caplog):
+    """ComfyUI's partially_unload raises after moving one module: that module is marked streaming with its LoRA as a
+    per-call patch, uncounted.  The model is placed again for the higher plan, counted as it lies; after ComfyUI's
+    unload, a clone without the LoRA that streams the 4 runs it without that LoRA."""
+    import logging
+    import comfy.model_management as mm
+    import comfy.model_patcher as mp
+    from wan_sage.nodes import replan
+    p, patched = _gap_filled(comfy, monkeypatch)
+    p.partially_load(torch.device("cpu"), extra_memory=1 << 40)  # every weight loaded, the LoRA merged
+    assert not p.model.model_lowvram and p.loaded_size() == 15 * UNIT
+    _free_for(monkeypatch, p, 16 * UNIT)
+    replan.begin(p, SHAPE, lambda patcher, shape: int(mm.minimum_inference_memory()) + 8 * UNIT, 0)
+    replan.before_call(p.model)
+    real, moved = mp.move_weight_functions, {"n": 0}
+
+    def fails_on_the_second(m, device_to):
+        moved["n"] += 1
+        if moved["n"] == 2:
+            raise RuntimeError("host allocation failed (raised by the test)")
+        return real(m, device_to)
+
+    monkeypatch.setattr(mp, "move_weight_functions", fails_on_the_second)
+    with caplog.at_level(logging.WARNING, logger="wan_sage"):
+        replan.before_call(p.model)
+    monkeypatch.setattr(mp, "move_weight_functions", real)
+    assert "unloading weights between steps failed" in caplog.text
+    assert _counted(p, comfy) and p.loaded_size() <= 8 * UNIT  # placed for the higher plan, counted as it lies
+    assert _lora_applied_once(p, patched)
+    p.detach()  # ComfyUI's unload when the prompt ends
+    plain = mp.ModelPatcher(p.model, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+    plain.patch_model(torch.device("cpu"), lowvram_model_memory=7 * UNIT)  # the 4 does not fit: it streams
+    x = torch.randn(3, 64)
+    assert torch.allclose(plain.model.c(x), x @ plain.model.c.weight.detach().T, atol=1e-5)  # no stale LoRA
+
+
+def test_after_a_failed_move_a_rise_of_the_plan_still_unloads(comfy, monkeypatch):
+    """A failed lowered load keeps the sampling from loading more, not from unloading where a later call's plan
+    rises (a block that ran eagerly brings the eager floor back)."""
+    import comfy.model_management as mm
+    import comfy.model_patcher as mp
+    from wan_sage.nodes import replan
+    p, patched = _gap_filled(comfy, monkeypatch)
+    _free_for(monkeypatch, p, 16 * UNIT)
+    plan = {"bytes": 0}
+    replan.begin(p, SHAPE, lambda patcher, shape: plan["bytes"], 1 << 30)
+    replan.before_call(p.model)
+    real = mp.ModelPatcher.patch_weight_to_device
+    monkeypatch.setattr(mp.ModelPatcher, "patch_weight_to_device", _oom)
+    replan.before_call(p.model)  # fails; placed again for the start's 1 GiB plan would fail too: every Linear streams
+    monkeypatch.setattr(mp.ModelPatcher, "patch_weight_to_device", real)
+    p.partially_load(torch.device("cpu"), extra_memory=10 * UNIT)  # as a later load might place it
+    loaded = p.loaded_size()
+    assert loaded > 0
+    plan["bytes"] = (1 << 30) + int(mm.minimum_inference_memory()) + 16 * UNIT  # above the placement's plan
+    assert replan.before_call(p.model) < 0 and p.loaded_size() < loaded
+    assert _lora_applied_once(p, patched)

@@ -241,16 +241,30 @@ def test_a_failing_load_loads_the_model_again_for_the_larger_plan_and_moves_noth
     assert replan.before_call(p.model) == 0 and len(p.calls) == n
 
 
-def test_a_failing_unload_leaves_the_loaded_model_and_moves_nothing_more(dev, caplog):
+def test_a_failing_unload_places_the_model_again_for_the_larger_plan_and_moves_nothing_more(dev, caplog):
+    """ComfyUI's partially_unload stops midway without counting what it moved: the model is marked as streaming
+    (so that ComfyUI's detach takes every per-call patch off), detached and loaded again for the larger plan."""
     dev.free = 6 * GiB
-    p = _sampling(dev, [int(7.9 * GiB)], start=int(5.5 * GiB))
+    p = _sampling(dev, [int(7.9 * GiB)], start=int(5.5 * GiB), lowvram=False)
     p.fail = RuntimeError("a hook")
+    p.model.marked_at_detach = None
+    detach = p.detach
+
+    def detach_noting_the_mark():
+        p.model.marked_at_detach = p.model.model_lowvram
+        detach()
+    p.detach = detach_noting_the_mark
     replan.before_call(p.model)
     with caplog.at_level(logging.WARNING, logger="wan_sage"):
-        assert replan.before_call(p.model) == 0
-    assert [c[0] for c in p.calls] == ["unload"] and p.loaded == 6 * GiB
+        moved = replan.before_call(p.model)
+    free_then = 6 * GiB + 6 * GiB  # the detached model's bytes back
+    assert [c[0] for c in p.calls] == ["unload", "detach", "patches to", "patches to", "load"]
+    assert p.calls[-1] == ("load", "cuda:0", free_then - (int(7.9 * GiB) + KEPT_FREE))
+    assert p.model.marked_at_detach is True
+    assert moved == p.loaded - 6 * GiB < 0 and dev.free == int(7.9 * GiB) + KEPT_FREE
     assert "unloading weights between steps failed (RuntimeError: a hook)" in caplog.text
-    assert replan.before_call(p.model) == 0 and len(p.calls) == 1
+    n = len(p.calls)
+    assert replan.before_call(p.model) == 0 and len(p.calls) == n
 
 
 def test_a_cancel_during_the_move_goes_on_up(dev):
