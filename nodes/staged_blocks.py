@@ -23,12 +23,14 @@ than the eager one above its input (one A14B block at 1280x720x81 on the H200: 3
 estimator reserves the larger of the eager streamed forward and the compiled one with a block's weights in the
 compute dtype (``memory.estimate.Setup.streamed_blocks_staged``).
 
-A block runs compiled only when it is safe to: every Linear is of a kind this knows, a staged one's weight is in the
-compute dtype or quantized (an fp8 weight with a LoRA patched in at each call keeps its block eager), and no other
-streamed module of the block has a patch function.  A copy or a cast that fails (out of memory, another ComfyUI's
-cast) leaves the block eager for that call, with one warning; a cancel goes on up.  The first layer of each kind met
-in a process is run both ways once (its own forward, and lifted or through the staged weights); a difference in any
-bit keeps that kind's blocks eager from then on, with one warning.  Any other block runs eagerly, as ComfyUI runs it.
+A block runs compiled only when it is safe to: every Linear is of a kind this knows, a lifted one computes in the
+compute dtype without ComfyUI's marks (a Linear that ModelComputeDtype marks to cast weights held in another dtype
+is not lifted), a staged one's weight is in the compute dtype or quantized (an fp8 weight with a LoRA patched in at
+each call keeps its block eager), and no other streamed module of the block has a patch function.  A copy or a cast
+that fails (out of memory, another ComfyUI's cast) leaves the block eager for that call, with one warning; a cancel
+goes on up.  The first layer of each kind met in a process is run both ways once (its own forward, and lifted or
+through the staged weights); a difference in any bit keeps that kind's blocks eager from then on, with one warning.
+Any other block runs eagerly, as ComfyUI runs it.
 """
 from __future__ import annotations
 
@@ -115,6 +117,20 @@ def _quantized(layer) -> bool:
     return caster(layer) is _gguf_cast and bool(layer.is_ggml_quantized())
 
 
+def _lifts_alike(layer, dtype) -> bool:
+    """Whether ``layer``, with ComfyUI's marks taken off its ``__dict__``, computes in ``dtype`` as it does with
+    them: it holds no mark, its class casts at each call anyway, it is ComfyUI-GGUF's (its forward casts its
+    weights for the input either way), or its floating tensors are already in ``dtype``.  Not so where ComfyUI
+    marked a module that holds its weights in another dtype to cast at each call (ModelComputeDtype's
+    ``force_cast_weights``): lifted, it would run its weights as stored."""
+    if not any(k in layer.__dict__ for k in MARKS) or getattr(type(layer), "comfy_cast_weights", False) is True:
+        return True
+    if caster(layer) is _gguf_cast:
+        return True
+    tensors = list(layer.parameters(recurse=False)) + list(layer.buffers(recurse=False))
+    return all(t.dtype == dtype for t in tensors if t is not None and t.is_floating_point())
+
+
 def _off(mod, device) -> bool:
     """Whether ComfyUI streams ``mod``: its mark, or a tensor of its own off ``device``."""
     if "prev_comfy_cast_weights" in mod.__dict__:
@@ -159,7 +175,7 @@ def plan_why(block: torch.nn.Module, device, dtype):
                 linears.append((parent, name, child))
                 if _off(child, device):
                     off_linears.append(child)
-    if all(caster(m) is not None and _liftable(m) for m in off_linears):
+    if all(caster(m) is not None and _liftable(m) and _lifts_alike(m, dtype) for m in off_linears):
         actions = lifts + [("lift", m) for m in off_linears]
         return (actions, None) if actions else (None, None)
     staged = []
@@ -170,6 +186,8 @@ def plan_why(block: torch.nn.Module, device, dtype):
         if not (_quantized(child) or _stored_ok(child, dtype)):
             w = getattr(child, "weight", None)
             held = str(getattr(w, "dtype", "no")).replace("torch.", "")
+            if _liftable(child):
+                return None, f"{held} weights cast to {str(dtype).replace('torch.', '')} at each call"
             return None, f"{held} weights with a LoRA applied at each call"
         staged.append(("stage", parent, name, child, cast))
     return lifts + staged, None
