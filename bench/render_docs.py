@@ -665,16 +665,17 @@ def compile_section() -> list:
   steps, 24 GiB, every weight resident) the node compiled one graph for both experts on the first prompt, and the
   steps ran at 2.75–2.83 s against ComfyUI alone's 3.73–3.78 s. Every repeat prompt then compiled 3 more graphs
   (13.2–15.9 s): loading the other expert had unloaded part of this one, and ComfyUI's reload puts its cast flag
-  back as an attribute of each module it had moved, which dynamo guards on. The node now drops that attribute
-  where it equals the class's value before a compiled call (`settle_cast_flags`; the host tier's repeat after a
-  partial unload and reload compiled 2 graphs before, none now). On the H200 since that change the repeat prompt
-  compiles nothing: 59.1 s against ComfyUI alone's 89.2 s (1.51×, round `c` of the compiled file), and 59.7 s
-  against 93.4 s (1.56×) with the text encoder host copy (`gguf-480p81-20steps-24gib-te-copy`). The node as it is
-  now, with the host copy, on one H200 (round `f` of that file, `d57c9d4`): ComfyUI alone 93.4 s for the first
-  prompt and 87.7 s for the repeat; the node 77.4 s and 58.6 s from empty caches (1.21× / 1.50×), and 68.5 s (1.36×)
-  for the first prompt after a restart that kept only the pack's compile file, where eager estimator + Sage with
-  the host copy took 78.4–80.8 s (1.23–1.31×) on other machines. So over 20 steps compiling wins every prompt but
-  the very first after installing, where it is about even with eager and still ahead of ComfyUI alone. The 20-step
+  back as an attribute of each module it had moved, which dynamo guards on. The node drops that attribute
+  where it equals the class's value for each compiled call and puts it back after (`settle_cast_flags`; the
+  host tier's repeat after a partial unload and reload compiled 2 graphs before, none now). On the H200 since
+  that change the repeat prompt compiles nothing: 59.1 s against ComfyUI alone's 89.2 s (1.51×, round `c` of the
+  compiled file), and 59.7 s against 93.4 s (1.56×) with the text encoder host copy
+  (`gguf-480p81-20steps-24gib-te-copy`). The node as it is now, with the host copy, on one H200 (round `f` of that
+  file, `d57c9d4`): ComfyUI alone 93.4 s for the first prompt and 87.7 s for the repeat; the node 77.4 s and 58.6 s
+  from empty caches (1.21× / 1.50×), and 68.5 s (1.36×) for the first prompt after a restart that kept only the
+  pack's compile file, where eager estimator + Sage with the host copy took 78.4–80.8 s (1.23–1.31×) on other
+  machines. So over 20 steps compiling wins every prompt but the very first after installing, where it is about even
+  with eager and still ahead of ComfyUI alone. The 20-step
   templates run other models with CFG (Wan 2.1 image to video, Wan 2.2 5B) and run eager: the 5B one compiled
   pays back within the first prompt after a restart but not from empty caches (above); the I2V one has not run
   compiled end to end.

@@ -19,7 +19,7 @@ the same key), for a :class:`BlockStandIn`, which at each call runs
 So a model compiles at most two graphs, the resident block's and the staged block's (a GGUF model one), shared by
 every block of both experts of Wan 2.2 A14B, and no guard sees a streamed weight.  Which blocks stream is read at
 each call, so a block that ComfyUI loads or offloads between prompts takes the other path without a recompile, and
-the cast flags ComfyUI's partial unload and reload leave on a block's modules are settled before its compiled call
+the cast flags ComfyUI's partial unload and reload leave on a block's modules are settled for its compiled call
 (:func:`settle_cast_flags`).  ComfyUI's cond/uncond batching is held within the rows the blocks have run compiled
 (:mod:`.cond_rows`), so a step that would batch them where an earlier one did not traces no new batch size.  The
 estimator plans a streamed load for the larger of the eager forward and the
@@ -42,6 +42,7 @@ the sampling ends (:func:`blocks_ran`); the Sage patch's payback reads the same 
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from collections import Counter
@@ -86,9 +87,11 @@ def block_resident(block, device) -> bool:
     return True
 
 
-def settle_cast_flags(block) -> None:
-    """Drop ComfyUI's cast flag from the modules of ``block`` that hold it as an attribute of their own with
-    their class's value, so that dynamo's guards see the state a freshly loaded model has.
+@contextlib.contextmanager
+def settle_cast_flags(block):
+    """For the ``with`` body: ComfyUI's cast flag dropped from the modules of ``block`` that hold it as an attribute
+    of their own with their class's value, so that dynamo's guards see the state a freshly loaded model has; put
+    back afterwards (the modules are shared with the model's other clones).
 
     ComfyUI's partial unload sets ``comfy_cast_weights`` on each module it moves, and its next full load puts the
     previous value back as an attribute of the module (``model_patcher.wipe_lowvram_weight``).  The value is the
@@ -97,11 +100,17 @@ def settle_cast_flags(block) -> None:
     (docs/benchmarks.md, "Whole generation").  Removing an attribute equal to the class's changes nothing that
     ComfyUI reads; a module still in lowvram (``prev_comfy_cast_weights`` set) or with a flag that differs from
     its class's is left as it is."""
+    taken = []
     for mod in block.modules():
         d = mod.__dict__
         if ("comfy_cast_weights" in d and "prev_comfy_cast_weights" not in d
                 and d["comfy_cast_weights"] == getattr(type(mod), "comfy_cast_weights", None)):
-            del d["comfy_cast_weights"]
+            taken.append((d, d.pop("comfy_cast_weights")))
+    try:
+        yield
+    finally:
+        for d, value in taken:
+            d.setdefault("comfy_cast_weights", value)
 
 
 def _input(args, kwargs):
@@ -131,8 +140,8 @@ class BlockStandIn(torch.nn.Module):
         self.ever[path if linears else NO_LINEAR] += 1
 
     def _compiled_call(self, x, args, kwargs):
-        settle_cast_flags(self.block)
-        with gguf_cast.plain_casts(self.block, x) as given:  # GGUF: dynamo traces no op of their tensor subclass
+        # GGUF: dynamo traces no op of their tensor subclass
+        with settle_cast_flags(self.block), gguf_cast.plain_casts(self.block, x) as given:
             out = self.compiled(*args, **kwargs)
         cond_rows.ran(type(self.block), x.shape[0])
         return gguf_cast.as_input_class(out, x) if given else out

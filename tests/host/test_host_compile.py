@@ -128,13 +128,14 @@ def test_wan_compile_blocks_compiles_one_graph_for_both_resident_experts(report)
 def test_wan_compile_blocks_runs_the_first_prompts_graph_after_a_partial_unload_and_reload(report):
     """A Wan 2.2 repeat prompt: the other expert's load unloaded part of this one, and its reload left ComfyUI's
     cast flag in the modules' ``__dict__`` (with their class's value).  The repeat runs the first prompt's graph:
-    on the H200 those flags made the repeat compile 3 graphs, 13-16 s."""
+    on the H200 those flags made the repeat compile 3 graphs, 13-16 s.  They are taken off for each compiled call
+    only, and are back in the shared modules after it."""
     r = report["compile_blocks_reloaded"]
     assert "error" not in r, r
     assert r["unloaded_bytes"] > 0 and r["flags_after_unload"] > 0, r
     assert r["first"]["graphs"] == 1 and r["first"]["finite"], r
     assert r["repeat"]["graphs"] == 0 and r["repeat"]["recompiles"] == 0 and r["repeat"]["finite"], r
-    assert r["repeat"]["flags_in_dict"] == 0, r
+    assert r["repeat"]["flags_in_dict"] == r["flags_after_unload"], r
 
 
 @pytest.mark.parametrize("order", ["estimator_first", "compile_first"])

@@ -74,18 +74,45 @@ class CastBlock(Block):
         self.a, self.b, self.c = CastLinear(4, 4, device=device), CastLinear(4, 4, device=device), CastLinear(4, 4, device=device)
 
 
+class FlagsSeen(Compiled):
+    """A compiled block that notes which of ``block``'s modules hold the cast flag as their own when it is called."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block, self.seen = block, None
+
+    def __call__(self, *args, **kwargs):
+        self.seen = {n: "comfy_cast_weights" in m.__dict__ for n, m in self.block.named_children()}
+        return super().__call__(*args, **kwargs)
+
+
 def test_the_compiled_path_sees_the_cast_flags_of_a_freshly_loaded_block():
     """After ComfyUI's partial unload and full reload, a module holds the flag as its own attribute with its
-    class's value (dropped), a module still streamed holds ``prev_comfy_cast_weights`` (kept), and a flag that
-    differs from its class's is a different state (kept)."""
-    b, c = CastBlock(), Compiled()
+    class's value (dropped for the compiled call), a module still streamed holds ``prev_comfy_cast_weights``
+    (kept), and a flag that differs from its class's is a different state (kept).  After the call every module
+    holds what it held before: the modules are shared with the model's other clones."""
+    b = CastBlock()
+    c = FlagsSeen(b)
     b.a.comfy_cast_weights = False
     b.b.comfy_cast_weights, b.b.prev_comfy_cast_weights = True, False
     b.c.comfy_cast_weights = True
     compile_blocks.BlockStandIn(b, c)(torch.zeros(1, 4))
-    assert len(c.calls) == 1
-    assert "comfy_cast_weights" not in b.a.__dict__ and b.a.comfy_cast_weights is False
+    assert len(c.calls) == 1 and {k: c.seen[k] for k in "abc"} == {"a": False, "b": True, "c": True}
+    assert b.a.__dict__["comfy_cast_weights"] is False
     assert b.b.__dict__["comfy_cast_weights"] is True and b.c.__dict__["comfy_cast_weights"] is True
+
+
+def test_the_cast_flags_are_put_back_when_the_compiled_call_raises():
+    class Raising(FlagsSeen):
+        def __call__(self, *args, **kwargs):
+            super().__call__(*args, **kwargs)
+            raise RuntimeError("inductor")
+    b = CastBlock()
+    c = Raising(b)
+    b.a.comfy_cast_weights = False
+    with pytest.raises(RuntimeError):
+        compile_blocks.BlockStandIn(b, c)(torch.zeros(1, 4))
+    assert c.seen["a"] is False and b.a.__dict__["comfy_cast_weights"] is False
 
 
 class AlwaysCastLinear(torch.nn.Linear):
@@ -98,9 +125,10 @@ def test_a_layer_whose_class_always_casts_gets_its_class_value_back_too():
     b.g = AlwaysCastLinear(4, 4)
     b.g.comfy_cast_weights = True   # put back by the reload: the class's value
     b.a.comfy_cast_weights = True   # a bf16 layer flagged to cast: not its class's value
+    c = FlagsSeen(b)
     compile_blocks.BlockStandIn(b, c)(torch.zeros(1, 4))
-    assert "comfy_cast_weights" not in b.g.__dict__ and b.g.comfy_cast_weights is True
-    assert b.a.__dict__["comfy_cast_weights"] is True
+    assert c.seen["g"] is False and c.seen["a"] is True
+    assert b.g.__dict__["comfy_cast_weights"] is True and b.a.__dict__["comfy_cast_weights"] is True
 
 
 def test_the_eager_path_leaves_the_cast_flags_as_they_are():
