@@ -295,16 +295,15 @@ def _reload(patcher, dev, reservation: int) -> None:
     ``partially_load`` detaches the model when it fails), without freeing the sampling's other models.  Where that
     load fails too, the model is placed with the least of its weights on the device that ComfyUI loads (every
     module that can stream streams), so that the sampling can go on; a failure of that one goes on up."""
-    patcher.model_patches_to(dev)
-    patcher.model_patches_to(patcher.model_dtype())
-    try:
-        patcher.partially_load(dev, max(MIN_MOVE_BYTES, _budget(patcher, dev, reservation)))
-        return
-    except Exception as e:
-        if comfy_bridge.user_cancel(e):
-            raise
-        warn_once(("replan-reload", type(e).__name__), "wan-sage: loading the model again after a failed move "
-                  "failed (%s); it streams every weight it can for the rest of this sampling.", reason(e))
-    comfy_bridge.trim_allocator(dev, "before streaming every weight")
-    patcher.model_patches_to(dev)
-    patcher.partially_load(dev, 0)
+    for budget in (max(MIN_MOVE_BYTES, _budget(patcher, dev, reservation)), 0):
+        patcher.model_patches_to(dev)
+        patcher.model_patches_to(patcher.model_dtype())
+        try:
+            patcher.partially_load(dev, budget)
+            return
+        except Exception as e:
+            if comfy_bridge.user_cancel(e) or budget == 0:
+                raise
+            warn_once(("replan-reload", type(e).__name__), "wan-sage: loading the model again after a failed move "
+                      "failed (%s); it streams every weight it can for the rest of this sampling.", reason(e))
+            comfy_bridge.trim_allocator(dev, "before streaming every weight")
