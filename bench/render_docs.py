@@ -751,6 +751,14 @@ def compile_section() -> list:
   69.2-72.4 s against 62.8 s (`whole-prompt/void-fp8-matmuls-h100-ff75279.jsonl`). The Linears are 28 % of a 720p81
   block's multiply-adds, and the per-call quantisation takes back most of what fp8 saves on them: not worth 1.5 GiB
   and the error.
+- **The full card's repeat prompt.** With every weight resident, the seed's repeat prompt is its four steps and the
+  decode. On the H200 (round `k` of `whole-prompt/gguf-720p81-4steps-compiled-blocks.jsonl`) Sage with Wan Compile
+  Blocks took 9.30-9.40 s a step against ComfyUI alone's 12.80-12.91 s (1.36-1.39×), and both decoded in 4.5-4.6 s:
+  1.33× for the prompt. A step is as much faster than SDPA's as the self-attention kernel is: SageAttention 2's sm90
+  kernel serves A14B's largest self-attention shape in the dispatch table at 1.39× SDPA on the H200, its other shapes
+  at 1.25-1.44× (`bench/records/gpu-tier/d14fa3b-dispatch-table.jsonl`). A 1.40× prompt at this size needs about
+  1.46× a step, more than the kernel gives while the Linears run in bf16 (fp8 matmuls, above, gave 1.04× a block)
+  and the decode is ComfyUI's.
 """)
     o += replan_table()
     o.append(f"""### The gpu tier on the H200
