@@ -567,9 +567,9 @@ def compile_section() -> list:
     they were not set from.
   - *The templates run eager.* By the payback model, compiling from empty caches lengthens the first prompt of
     each: the 4-step A14B ones and the 20-step 5B and I2V ones (measured for the 5B: 62.4 s against 53.0 s eager;
-    for the I2V: 137.7 s against 135.3 s; below). Each template's note gives the seconds a compiled step saves at its size and the prompt by which
-    compiling pays back (`bench/make_workflows.py`, `compile_line`, which refuses a template whose first prompt
-    it would pay back).
+    for the I2V: 137.7 s against 135.3 s; below). Each template's note gives the seconds a compiled step saves at
+    its size and the prompt by which compiling pays back (`bench/make_workflows.py`, `compile_line`, which refuses
+    a template whose first prompt it would pay back).
   - *Compile's start runs beside the loads.* The first `torch.compile` call of a process imports TorchInductor
     and Triton. Wan Compile Blocks starts those imports on a worker thread when it runs, makes each block's
     compiled callable at the block's first call, and hot-loads the pack's compile file on the same worker, so
@@ -634,11 +634,12 @@ def compile_section() -> list:
   on the first prompt, and 89 % of the weights stayed resident against 77-78 %; 0 out-of-memory errors. Over every
   streamed expert of these records the plan covers what it held and runs 0.35-0.60 GiB over: 1.05-1.10× at
   720p81, 1.18-1.22× at 832×480×81 (`bench/tests/test_compiled_streamed_records.py`). At 960×544×81, a size no
-  record had before, 20 steps at 12 GiB on an H100 (`whole-prompt/h100-gguf-544p81-20steps-12gib-compiled-blocks.jsonl`,
-  `77613cb`), it covered all four expert samplings at 1.12-1.14×, 0.40-0.50 GiB over; from the re-plan on, 66-84 %
-  of the weights stayed resident and each sampling's peak left 0.48-0.67 GiB of the budget unused. The excess is the weight
-  transient, planned as the eager chain's 12 bytes per element of the largest Linear (a ComfyUI-GGUF dequantisation
-  in two bf16 copies, the LoRA's two fp32 ones): 0.79 GiB at A14B. Compiled, inductor fuses the chain and keeps 6
+  record had before, 20 steps at 12 GiB on an H100
+  (`whole-prompt/h100-gguf-544p81-20steps-12gib-compiled-blocks.jsonl`, `77613cb`), it covered all four expert
+  samplings at 1.12-1.14×, 0.40-0.50 GiB over; from the re-plan on, 66-84 % of the weights stayed resident and each
+  sampling's peak left 0.48-0.67 GiB of the budget unused. The excess is the weight transient, planned as the eager
+  chain's 12 bytes per element of the largest Linear (a ComfyUI-GGUF dequantisation in two bf16 copies, the LoRA's
+  two fp32 ones): 0.79 GiB at A14B. Compiled, inductor fuses the chain and keeps 6
   (the fp32 `up @ down` product, the bf16 weight; `python -m bench.compiled_weight_chain`,
   `bench/records/compile/compiled-weight-chain-cpu.jsonl`), and the resident compiled experts of the same records
   held 0.32-0.46 GiB above the forward's other terms, the streamed ones 0.19-0.45 GiB above those and the block's
@@ -681,11 +682,11 @@ def compile_section() -> list:
   machines. So over 20 steps compiling wins every prompt but the very first after installing, where it is about even
   with eager and still ahead of ComfyUI alone. The 20-step
   templates run other models with CFG (Wan 2.1 image to video, Wan 2.2 5B) and run eager: the 5B one compiled
-  pays back within the first prompt after a restart but not from empty caches (above); so does the I2V one. On an
-  H100 from empty caches (`h100-i2v14b-480p81-20steps-24gib-template.jsonl`, round `b`, `77613cb`) it took 137.7 s
-  compiled for its first prompt, one graph and 14.6 s compiling, against the eager template's 135.3 s (round `a`,
-  another machine) and ComfyUI alone's 157.7 s, and 102.9 s for the repeat against 117.3 s and 135.6 s. A 20-step
-  A14B GGUF prompt at 960×544×81 and 12 GiB, a size the payback model was not set from, took 119.9 s compiled from
+  pays back within the first prompt after a restart but not from empty caches (above), and the payback model says
+  the same of the I2V one, whose first prompt after a restart has not run compiled. On an H100 from empty caches
+  (`h100-i2v14b-480p81-20steps-24gib-template.jsonl`, round `b`, `77613cb`) it took 137.7 s compiled for its first
+  prompt, one graph and 14.6 s compiling, against the eager template's 135.3 s (round `a`, another machine) and
+  ComfyUI alone's 157.7 s, and 102.9 s for the repeat against 117.3 s and 135.6 s. A 20-step A14B GGUF prompt at 960×544×81 and 12 GiB, a size the payback model was not set from, took 119.9 s compiled from
   empty caches against ComfyUI alone's 167.9 s on the same H100 (1.40×), and 87.4 s against 143.7 s for the repeat
   (1.64×; `h100-gguf-544p81-20steps-12gib-compiled-blocks.jsonl`).
   ComfyUI-GGUF holds each quantized weight as a tensor subclass, and traced as it is, dynamo interprets the
