@@ -9,19 +9,22 @@ reservation used, and the Sage call counts.  One JSON line per run.
 
 Configurations (comma list): ``comfy`` (ComfyUI's own reservation), ``ours`` (the Wan
 Working-Memory Estimator's wiring), ``fixed:R`` (R GiB per row, to locate the edge); each with
-``+sage`` for the Sage Attention Patch, e.g. ``comfy,ours,comfy+sage,ours+sage,fixed:8.5``.
+``+sage`` for the Sage Attention Patch, e.g. ``comfy,ours,comfy+sage,ours+sage,fixed:8.5``, and ``+castbuf`` for
+ComfyUI's weight casts written into one reused buffer (:mod:`bench.cast_buffer`): a row's ``peak_reserved_gib`` less
+its ``peak_alloc_gib`` is what the allocator held in holes.
 
     COMFYUI_PATH=... python -m bench.partial_load --budget-gb 24 --res 1280x720x81 --steps 4 --configs comfy,ours
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
 import time
 
-from . import _host
+from . import _host, cast_buffer
 
 GiB = 1 << 30
 
@@ -59,6 +62,10 @@ def main():
     ap.add_argument("--allocator", choices=["async", "native"], default="async")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    for cfg in a.configs.split(","):
+        kind, *extras = cfg.split("+")
+        if not (kind in ("comfy", "ours") or kind.startswith("fixed:")) or set(extras) - {"sage", "castbuf"}:
+            ap.error(f"--configs: {cfg!r} is not a config: comfy, ours or fixed:R, then +sage and/or +castbuf")
     _host.set_allocator(a.allocator)
     _host.boot_comfy(cpu=False)
     _host.load_pack()
@@ -101,7 +108,8 @@ def main():
         free = mm.get_free_memory(dev)
         ballast = torch.empty(int(free - a.budget_gb * GiB), dtype=torch.uint8, device=dev)
         seen_free = mm.get_free_memory(dev)
-        kind, _, sage = cfg.partition("+")
+        kind, *extras = cfg.split("+")
+        sage = "sage" in extras
         m = base_patcher.clone()
         if sage:
             m, _status = apply_patch(m, calibrate=False)
@@ -130,10 +138,17 @@ def main():
         retries0 = _host.alloc_retries(torch)
         start = time.perf_counter()
         status = "ok"
+        casts = {}
         try:
-            with torch.inference_mode():     # as ComfyUI's PromptExecutor runs every node
-                comfy.sample.sample(m, noise, a.steps, 1.0, "euler", "simple", [[ctx, {}]], [[ctx, {}]],
-                                    torch.zeros(lat), seed=0, callback=cb, disable_pbar=True)
+            with torch.inference_mode(), (cast_buffer.buffered_casts(m.model.diffusion_model)
+                                          if "castbuf" in extras else contextlib.nullcontext((None, []))) as (buf, si):
+                try:            # as ComfyUI's PromptExecutor runs every node
+                    comfy.sample.sample(m, noise, a.steps, 1.0, "euler", "simple", [[ctx, {}]], [[ctx, {}]],
+                                        torch.zeros(lat), seed=0, callback=cb, disable_pbar=True)
+                finally:
+                    if buf is not None:
+                        casts = {"cast_buffer_gib": buf.nbytes() / GiB, "buffered_layers": len(si),
+                                 "buffered_calls": sum(s.calls for s in si)}
         except torch.OutOfMemoryError as e:
             status = "out of memory: " + str(e).split("\n")[0][:200]
         # The patch's own OUTER_SAMPLE wrapper closed the run window; read its summary.
@@ -149,6 +164,7 @@ def main():
                "peak_reserved_gib": (torch.cuda.max_memory_reserved() - ballast.numel()) / GiB,
                "total_s": round(time.perf_counter() - start, 2),
                "alloc_retries": None if retries0 is None else (_host.alloc_retries(torch) or 0) - retries0,
+               "cast_path": "buffer" if "castbuf" in extras else "comfy", **casts,
                "sage": {k: st[k] for k in ("sage_calls", "sdpa_calls", "reasons", "fallbacks", "head_split_calls")} if st else None}
         line = json.dumps(row)
         print(line, flush=True)
