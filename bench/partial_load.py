@@ -165,6 +165,7 @@ def main():
                "total_s": round(time.perf_counter() - start, 2),
                "alloc_retries": None if retries0 is None else (_host.alloc_retries(torch) or 0) - retries0,
                "cast_path": "buffer" if "castbuf" in extras else "comfy", **casts,
+               "gpu": head["gpu"], "torch": head["torch"], "alloc_backend": head["alloc_backend"],
                "sage": {k: st[k] for k in ("sage_calls", "sdpa_calls", "reasons", "fallbacks", "head_split_calls")} if st else None}
         line = json.dumps(row)
         print(line, flush=True)

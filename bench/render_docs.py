@@ -1915,7 +1915,36 @@ def fp8_hole_lines() -> list:
                "ComfyUI started with `--disable-cuda-malloc`; those runs are left out of the tables) the streamed "
                "samplings held " + "; ".join(f"{_span(v)} GiB at {b:g} GiB" for b, v in sorted(expandable.items()))
                + ": the holes shrink where almost every weight streams, but where part of the weights is resident "
-               "they stay of the size the cast term covers, so the cast term does not depend on the allocator." if len(expandable) > 1 else ""), ""]
+               "they stay of the size the cast term covers, so the cast term does not depend on the allocator." if len(expandable) > 1 else "")
+            + cast_buffer_text(), ""]
+
+
+CAST_BUFFER_RECORDS = "partial-load/void-cast-buffer-h100-9f16f7a.jsonl"
+
+
+def cast_buffer_text() -> str:
+    """The casts written into one reused buffer (bench/cast_buffer.py) against ComfyUI's, from the probe's records:
+    the holes of a process's later runs and of its first, at 1280x720x81."""
+    rs = [r for r in rows(CAST_BUFFER_RECORDS) if r["status"] == "ok" and r["res"] == "1280x720x81"]
+    if not rs:
+        return ""
+
+    def holes(path, first):
+        return [r["peak_reserved_gib"] - r["peak_alloc_gib"] for r in rs
+                if r["cast_path"] == path and (r["order_in_process"] == 1) == first]
+
+    def step_gap():  # the largest difference of a buffer run's s/step from a ComfyUI-cast run's of its process
+        return max(abs(b["median_2_4_s"] / c["median_2_4_s"] - 1) for b in rs for c in rs
+                   if (b["cast_path"], c["cast_path"]) == ("buffer", "comfy") and b["round"] == c["round"])
+    buf_gib = max(r.get("cast_buffer_gib", 0) for r in rs)
+    return (" Written into one reused buffer instead (ComfyUI's cast step for step, the same values; `bench/cast_buffer.py`, "
+            f"`python -m bench.partial_load` with `+castbuf`, fp8 A14B with a rank-64 LoRA on an H100, {link(CAST_BUFFER_RECORDS)}), "
+            f"the casts left {_span(holes('buffer', False))} GiB of holes in the runs after a process's first, against "
+            f"{_span(holes('comfy', False))} GiB with ComfyUI's casts, with the buffer's own {buf_gib:.2f} GiB allocated "
+            f"and a step's seconds within {100 * step_gap():.1f} % of ComfyUI's casts' in each process. But a process's first "
+            f"run, the user's first prompt, held {_span(holes('buffer', True))} GiB with the buffer against "
+            f"{_span(holes('comfy', True))} GiB with ComfyUI's casts, so the buffer does not let the cast term shrink, and "
+            "the pack keeps ComfyUI's casts.")
 
 
 # the re-plan between model calls (nodes/replan.py): (records, round) of streamed samplings from empty caches
