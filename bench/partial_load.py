@@ -11,7 +11,7 @@ Configurations (comma list): ``comfy`` (ComfyUI's own reservation), ``ours`` (th
 Working-Memory Estimator's wiring), ``fixed:R`` (R GiB per row, to locate the edge); each with
 ``+sage`` for the Sage Attention Patch, e.g. ``comfy,ours,comfy+sage,ours+sage,fixed:8.5``, and ``+castbuf`` for
 ComfyUI's weight casts written into one reused buffer (:mod:`bench.cast_buffer`): a row's ``peak_reserved_gib`` less
-its ``peak_alloc_gib`` is what the allocator held in holes.
+its ``peak_alloc_gib`` is what the allocator held in holes (``step_peak_*``: the same per step).
 
     COMFYUI_PATH=... python -m bench.partial_load --budget-gb 24 --res 1280x720x81 --steps 4 --configs comfy,ours
 """
@@ -125,9 +125,13 @@ def main():
             reservation = m.model.memory_required(lat) / GiB
         marks, resident = [], {}
 
+        step_peaks = []  # (allocated, reserved) peak bytes of each step, the ballast included
+
         def cb(step, x0, x, total):
             torch.cuda.synchronize()
             marks.append(time.perf_counter())
+            step_peaks.append((torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
+            torch.cuda.reset_peak_memory_stats()
             if not resident:
                 resident["bytes"] = m.loaded_size()
         g = torch.Generator().manual_seed(0)
@@ -154,14 +158,18 @@ def main():
         # The patch's own OUTER_SAMPLE wrapper closed the run window; read its summary.
         st = stats.last_runs().get(ov.patch_id) if ov is not None else None
         steps = [b - a_ for a_, b in zip([start] + marks[:-1], marks)]
+        peak_alloc = max([torch.cuda.max_memory_allocated()] + [a_ for a_, _r in step_peaks]) - ballast.numel()
+        peak_reserved = max([torch.cuda.max_memory_reserved()] + [r_ for _a, r_ in step_peaks]) - ballast.numel()
         row = {"config": cfg, "status": status, "res": a.res, "weights": a.weights, "lora_rank": a.lora_rank,
                "budget_gib": a.budget_gb, "allocator": a.allocator, "wan_sage_commit": commit,
                "reservation_gib_per_row": reservation,
                "free_seen_gib": seen_free / GiB, "weights_resident_gib": resident.get("bytes", 0) / GiB,
                "weights_total_gib": m.model_size() / GiB, "step_s": [round(s, 3) for s in steps],
                "median_2_4_s": round(statistics.median(steps[1:]), 3) if len(steps) > 1 else None,
-               "peak_alloc_gib": (torch.cuda.max_memory_allocated() - ballast.numel()) / GiB,
-               "peak_reserved_gib": (torch.cuda.max_memory_reserved() - ballast.numel()) / GiB,
+               "peak_alloc_gib": peak_alloc / GiB, "peak_reserved_gib": peak_reserved / GiB,
+               # each step's peaks (the load before the first step counts to it): where a run's holes appear
+               "step_peak_alloc_gib": [round((a_ - ballast.numel()) / GiB, 3) for a_, _r in step_peaks],
+               "step_peak_reserved_gib": [round((r_ - ballast.numel()) / GiB, 3) for _a, r_ in step_peaks],
                "total_s": round(time.perf_counter() - start, 2),
                "alloc_retries": None if retries0 is None else (_host.alloc_retries(torch) or 0) - retries0,
                "cast_path": "buffer" if "castbuf" in extras else "comfy", **casts,
