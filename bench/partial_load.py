@@ -62,8 +62,8 @@ def main():
     ap.add_argument("--allocator", choices=["async", "native"], default="async")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    for cfg in a.configs.split(","):
-        kind, *extras = cfg.split("+")
+    configs = [(cfg, *cfg.split("+")) for cfg in a.configs.split(",")]  # (config, kind, extras...)
+    for cfg, kind, *extras in configs:
         if not (kind in ("comfy", "ours") or kind.startswith("fixed:")) or set(extras) - {"sage", "castbuf"}:
             ap.error(f"--configs: {cfg!r} is not a config: comfy, ours or fixed:R, then +sage and/or +castbuf")
     _host.set_allocator(a.allocator)
@@ -100,7 +100,7 @@ def main():
     print(json.dumps(head), flush=True)
     out = open(a.out, "a") if a.out else None
     commit = _host.git_head()
-    for cfg in a.configs.split(","):
+    for cfg, kind, *extras in configs:
         mm.unload_all_models()
         gc.collect()
         mm.soft_empty_cache(True)
@@ -108,7 +108,6 @@ def main():
         free = mm.get_free_memory(dev)
         ballast = torch.empty(int(free - a.budget_gb * GiB), dtype=torch.uint8, device=dev)
         seen_free = mm.get_free_memory(dev)
-        kind, *extras = cfg.split("+")
         sage = "sage" in extras
         m = base_patcher.clone()
         if sage:
