@@ -20,7 +20,7 @@ def ops():
     return comfy.ops
 
 
-def _fp8_linear(ops, cls, d_in, d_out, seed):
+def _fp8_linear(cls, d_in, d_out, seed):
     g = torch.Generator().manual_seed(seed)
     layer = cls(d_in, d_out, bias=True, dtype=torch.float8_e4m3fn)
     layer.weight = torch.nn.Parameter((torch.randn(d_out, d_in, generator=g) * 0.1).to(torch.float8_e4m3fn),
@@ -32,9 +32,9 @@ def _fp8_linear(ops, cls, d_in, d_out, seed):
 class Model(torch.nn.Module):
     def __init__(self, ops):
         super().__init__()
-        self.a = _fp8_linear(ops, ops.manual_cast.Linear, 32, 48, 0)
-        self.b = _fp8_linear(ops, ops.manual_cast.Linear, 48, 16, 1)
-        self.scaled = _fp8_linear(ops, ops.scaled_fp8_ops().Linear, 16, 16, 2)
+        self.a = _fp8_linear(ops.manual_cast.Linear, 32, 48, 0)
+        self.b = _fp8_linear(ops.manual_cast.Linear, 48, 16, 1)
+        self.scaled = _fp8_linear(ops.scaled_fp8_ops().Linear, 16, 16, 2)
         self.plain = torch.nn.Linear(16, 16).to(torch.bfloat16)
 
     def forward(self, x):
