@@ -1925,7 +1925,8 @@ CAST_BUFFER_RECORDS = "partial-load/void-cast-buffer-h100-9f16f7a.jsonl"
 def cast_buffer_text() -> str:
     """The casts written into one reused buffer (bench/cast_buffer.py) against ComfyUI's, from the probe's records:
     the holes of a process's later runs and of its first, at 1280x720x81."""
-    rs = [r for r in rows(CAST_BUFFER_RECORDS) if r["status"] == "ok" and r["res"] == "1280x720x81"]
+    ok = [r for r in rows(CAST_BUFFER_RECORDS) if r["status"] == "ok" and r["res"] == "1280x720x81"]
+    rs = [r for r in ok if r["lora_rank"] == 64]
     if not rs:
         return ""
 
@@ -1944,7 +1945,25 @@ def cast_buffer_text() -> str:
             f"and a step's seconds within {100 * step_gap():.1f} % of ComfyUI's casts' in each process. But a process's first "
             f"run, the user's first prompt, held {_span(holes('buffer', True))} GiB with the buffer against "
             f"{_span(holes('comfy', True))} GiB with ComfyUI's casts, so the buffer does not let the cast term shrink, and "
-            "the pack keeps ComfyUI's casts.")
+            "the pack keeps ComfyUI's casts." + _cast_buffer_steps_text(ok))
+
+
+def _cast_buffer_steps_text(ok) -> str:
+    """Where the holes of the probe's runs form, from the runs with each step's peaks."""
+    stepped = [r for r in ok if r.get("step_peak_reserved_gib")]
+    if not stepped:
+        return ""
+    def by_first_step(r):  # reserved by the end of the first step: the load (where read apart) and its forward
+        return max(v for v in (r.get("load_peak_reserved_gib"), r["step_peak_reserved_gib"][0]) if v is not None)
+    grown = max(max(r["step_peak_reserved_gib"]) - by_first_step(r) for r in stepped)
+    bare = [r["peak_reserved_gib"] - r["peak_alloc_gib"] for r in stepped
+            if r["lora_rank"] == 0 and r["cast_path"] == "buffer" and r["order_in_process"] == 1]
+    text = (f" With each step's peaks recorded ({len(stepped)} runs), the pool reached its peak reserved in the first "
+            f"step, the weights' load and the first forward, and grew by at most {grown:.2f} GiB in the steps after it")
+    if bare:
+        text += (f"; a process's first run with the buffer and no LoRA held {_span(bare)} GiB, so the LoRA patched into "
+                 "the weights as they load is not what makes a first run's holes")
+    return text + "."
 
 
 # the re-plan between model calls (nodes/replan.py): (records, round) of streamed samplings from empty caches
