@@ -11,7 +11,8 @@ Configurations (comma list): ``comfy`` (ComfyUI's own reservation), ``ours`` (th
 Working-Memory Estimator's wiring), ``fixed:R`` (R GiB per row, to locate the edge); each with
 ``+sage`` for the Sage Attention Patch, e.g. ``comfy,ours,comfy+sage,ours+sage,fixed:8.5``, and ``+castbuf`` for
 ComfyUI's weight casts written into one reused buffer (:mod:`bench.cast_buffer`): a row's ``peak_reserved_gib`` less
-its ``peak_alloc_gib`` is what the allocator held in holes (``step_peak_*``: the same per step).
+its ``peak_alloc_gib`` is what the allocator held in holes (``load_peak_*``: the same from the sampling's start to its
+first model call, the weights' load; ``step_peak_*``: for each step after it).
 
     COMFYUI_PATH=... python -m bench.partial_load --budget-gb 24 --res 1280x720x81 --steps 4 --configs comfy,ours
 """
@@ -48,6 +49,26 @@ def random_lora(model, rank: int, seed: int = 0):
         lora[f"{lk}.lora_down.weight"] = (torch.randn(rank, in_f, generator=g) * in_f ** -0.5).to(torch.bfloat16)
     patches = comfy.lora.load_lora(lora, key_map, log_missing=False)
     return patches
+
+
+LOAD_PEAK_KEY = "bench.partial_load.load_peak"
+
+
+def add_load_peak(patcher, read) -> list:
+    """Split a sampling's first step into its load and its first forward: an ``APPLY_MODEL`` wrapper on ``patcher``
+    calls ``read()`` once, at the sampling's first model call, after ComfyUI placed the weights and before the
+    forward runs.  ``read`` returns the peaks so far (allocated, reserved) and resets them; the list returned gets
+    that one pair."""
+    peaks = []
+
+    def first_call(executor, *args, **kwargs):
+        if not peaks:
+            peaks.append(read())
+        return executor(*args, **kwargs)
+
+    import comfy.patcher_extension
+    patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, LOAD_PEAK_KEY, first_call)
+    return peaks
 
 
 def main():
@@ -124,13 +145,18 @@ def main():
             reservation = m.model.memory_required(lat) / GiB
         marks, resident = [], {}
 
-        step_peaks = []  # (allocated, reserved) peak bytes of each step, the ballast included
+        def read_peaks():  # (allocated, reserved) peak bytes since the last read, the ballast included
+            torch.cuda.synchronize()
+            peaks = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
+            torch.cuda.reset_peak_memory_stats()
+            return peaks
+
+        load_peaks = add_load_peak(m, read_peaks)  # the load's, before the first forward
+        step_peaks = []  # each step's; the first step's from its forward on
 
         def cb(step, x0, x, total):
-            torch.cuda.synchronize()
+            step_peaks.append(read_peaks())
             marks.append(time.perf_counter())
-            step_peaks.append((torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
-            torch.cuda.reset_peak_memory_stats()
             if not resident:
                 resident["bytes"] = m.loaded_size()
         g = torch.Generator().manual_seed(0)
@@ -157,8 +183,9 @@ def main():
         # The patch's own OUTER_SAMPLE wrapper closed the run window; read its summary.
         st = stats.last_runs().get(ov.patch_id) if ov is not None else None
         steps = [b - a_ for a_, b in zip([start] + marks[:-1], marks)]
-        peak_alloc = max([torch.cuda.max_memory_allocated()] + [a_ for a_, _r in step_peaks]) - ballast.numel()
-        peak_reserved = max([torch.cuda.max_memory_reserved()] + [r_ for _a, r_ in step_peaks]) - ballast.numel()
+        read = load_peaks + step_peaks
+        peak_alloc = max([torch.cuda.max_memory_allocated()] + [a_ for a_, _r in read]) - ballast.numel()
+        peak_reserved = max([torch.cuda.max_memory_reserved()] + [r_ for _a, r_ in read]) - ballast.numel()
         row = {"config": cfg, "status": status, "res": a.res, "weights": a.weights, "lora_rank": a.lora_rank,
                "budget_gib": a.budget_gb, "allocator": a.allocator, "wan_sage_commit": commit,
                "reservation_gib_per_row": reservation,
@@ -166,7 +193,9 @@ def main():
                "weights_total_gib": m.model_size() / GiB, "step_s": [round(s, 3) for s in steps],
                "median_2_4_s": round(statistics.median(steps[1:]), 3) if len(steps) > 1 else None,
                "peak_alloc_gib": peak_alloc / GiB, "peak_reserved_gib": peak_reserved / GiB,
-               # each step's peaks (the load before the first step counts to it): where a run's holes appear
+               # the load's peaks, then each step's (the first from its forward on): where a run's holes appear
+               "load_peak_alloc_gib": round((load_peaks[0][0] - ballast.numel()) / GiB, 3) if load_peaks else None,
+               "load_peak_reserved_gib": round((load_peaks[0][1] - ballast.numel()) / GiB, 3) if load_peaks else None,
                "step_peak_alloc_gib": [round((a_ - ballast.numel()) / GiB, 3) for a_, _r in step_peaks],
                "step_peak_reserved_gib": [round((r_ - ballast.numel()) / GiB, 3) for _a, r_ in step_peaks],
                "total_s": round(time.perf_counter() - start, 2),
