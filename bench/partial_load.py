@@ -12,7 +12,11 @@ Working-Memory Estimator's wiring), ``fixed:R`` (R GiB per row, to locate the ed
 ``+sage`` for the Sage Attention Patch, e.g. ``comfy,ours,comfy+sage,ours+sage,fixed:8.5``, and ``+castbuf`` for
 ComfyUI's weight casts written into one reused buffer (:mod:`bench.cast_buffer`): a row's ``peak_reserved_gib`` less
 its ``peak_alloc_gib`` is what the allocator held in holes (``load_peak_*``: the same from the sampling's start to its
-first model call, the weights' load; ``step_peak_*``: for each step after it).
+first model call, the weights' load; ``step_peak_*``: for each step after it; ``load_end_slack_gib``: reserved less
+allocated as the load ends).  Two more extras tell where a process's first run gets its holes: ``+trim`` empties the
+allocator's cache between the load and the first forward; ``+warm`` first samples the same clone for one step at a
+small latent under the same budget (:func:`warm_sampling`) and unloads it, so that everything a process makes once
+(the weights' first load, the casts' and the kernels' first calls) is made before the measured run.
 
     COMFYUI_PATH=... python -m bench.partial_load --budget-gb 24 --res 1280x720x81 --steps 4 --configs comfy,ours
 """
@@ -28,6 +32,7 @@ import time
 from . import _host, cast_buffer
 
 GiB = 1 << 30
+EXTRAS = {"sage", "castbuf", "trim", "warm"}
 
 
 def random_lora(model, rank: int, seed: int = 0):
@@ -52,6 +57,7 @@ def random_lora(model, rank: int, seed: int = 0):
 
 
 LOAD_PEAK_KEY = "bench.partial_load.load_peak"
+WARM_RES = (320, 192, 5)  # the warm-up's width, height and frames: a few hundred tokens, every layer and cast path run
 
 
 def add_load_peak(patcher, read) -> list:
@@ -71,6 +77,24 @@ def add_load_peak(patcher, read) -> list:
     return peaks
 
 
+def warm_sampling(patcher, latent, sample) -> float:
+    """Sample ``patcher`` for one step at :data:`WARM_RES` (``latent``: the measured run's latent shape, whose batch
+    and channels it keeps), then unload every model and empty the allocator's cache.  ``sample(patcher, shape)`` runs
+    one sampling.  Returns its seconds."""
+    import comfy.model_management as mm
+    import torch
+    t = time.perf_counter()
+    w, h, f = WARM_RES
+    lat_t, lat_h, lat_w = (f - 1) // 4 + 1, h // 8, w // 8
+    sample(patcher, [latent[0], latent[1], lat_t, lat_h, lat_w])
+    mm.unload_all_models()
+    gc.collect()
+    mm.soft_empty_cache(True)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return time.perf_counter() - t
+
+
 def main():
     ap = argparse.ArgumentParser(prog="python -m bench.partial_load", description=__doc__.split("\n\n")[0])
     ap.add_argument("--budget-gb", type=float, default=24.0)
@@ -85,8 +109,9 @@ def main():
     a = ap.parse_args()
     configs = [(cfg, *cfg.split("+")) for cfg in a.configs.split(",")]  # (config, kind, extras...)
     for cfg, kind, *extras in configs:
-        if not (kind in ("comfy", "ours") or kind.startswith("fixed:")) or set(extras) - {"sage", "castbuf"}:
-            ap.error(f"--configs: {cfg!r} is not a config: comfy, ours or fixed:R, then +sage and/or +castbuf")
+        if not (kind in ("comfy", "ours") or kind.startswith("fixed:")) or set(extras) - EXTRAS:
+            ap.error(f"--configs: {cfg!r} is not a config: comfy, ours or fixed:R, then any of +sage, +castbuf, "
+                     "+trim, +warm")
     _host.set_allocator(a.allocator)
     _host.boot_comfy(cpu=False)
     _host.load_pack()
@@ -144,6 +169,17 @@ def main():
         else:
             reservation = m.model.memory_required(lat) / GiB
         marks, resident = [], {}
+        g = torch.Generator().manual_seed(0)
+        noise = torch.randn(lat, generator=g)
+        ctx = torch.randn(1, 512, 4096, generator=g) * 0.1
+
+        def sample(patcher, shape, steps=1, callback=None):  # as ComfyUI's KSampler samples, euler at cfg 1.0
+            x = noise if list(shape) == lat else torch.randn(shape, generator=torch.Generator().manual_seed(1))
+            with torch.inference_mode():
+                return comfy.sample.sample(patcher, x, steps, 1.0, "euler", "simple", [[ctx, {}]], [[ctx, {}]],
+                                           torch.zeros(shape), seed=0, callback=callback, disable_pbar=True)
+
+        warm_s = round(warm_sampling(m, lat, sample), 2) if "warm" in extras else None
 
         def read_peaks():  # (allocated, reserved) peak bytes since the last read, the ballast included
             torch.cuda.synchronize()
@@ -151,7 +187,18 @@ def main():
             torch.cuda.reset_peak_memory_stats()
             return peaks
 
-        load_peaks = add_load_peak(m, read_peaks)  # the load's, before the first forward
+        load_slack = []  # reserved less allocated as the load ends; after the cache is emptied, with +trim
+
+        def read_load():
+            peaks = read_peaks()
+            load_slack.append(torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
+            if "trim" in extras:
+                torch.cuda.empty_cache()
+                load_slack.append(torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
+                torch.cuda.reset_peak_memory_stats()
+            return peaks
+
+        load_peaks = add_load_peak(m, read_load)  # the load's, before the first forward
         step_peaks = []  # each step's; the first step's from its forward on
 
         def cb(step, x0, x, total):
@@ -159,9 +206,6 @@ def main():
             marks.append(time.perf_counter())
             if not resident:
                 resident["bytes"] = m.loaded_size()
-        g = torch.Generator().manual_seed(0)
-        noise = torch.randn(lat, generator=g)
-        ctx = torch.randn(1, 512, 4096, generator=g) * 0.1
         ov = find_override(m.model_options.get("transformer_options", {}))
         torch.cuda.reset_peak_memory_stats()
         retries0 = _host.alloc_retries(torch)
@@ -169,11 +213,10 @@ def main():
         status = "ok"
         casts = {}
         try:
-            with torch.inference_mode(), (cast_buffer.buffered_casts(m.model.diffusion_model)
-                                          if "castbuf" in extras else contextlib.nullcontext((None, []))) as (buf, si):
-                try:            # as ComfyUI's PromptExecutor runs every node
-                    comfy.sample.sample(m, noise, a.steps, 1.0, "euler", "simple", [[ctx, {}]], [[ctx, {}]],
-                                        torch.zeros(lat), seed=0, callback=cb, disable_pbar=True)
+            with (cast_buffer.buffered_casts(m.model.diffusion_model)
+                  if "castbuf" in extras else contextlib.nullcontext((None, []))) as (buf, si):
+                try:
+                    sample(m, lat, a.steps, cb)
                 finally:
                     if buf is not None:
                         casts = {"cast_buffer_gib": buf.nbytes() / GiB, "buffered_layers": len(si),
@@ -196,6 +239,9 @@ def main():
                # the load's peaks, then each step's (the first from its forward on): where a run's holes appear
                "load_peak_alloc_gib": round((load_peaks[0][0] - ballast.numel()) / GiB, 3) if load_peaks else None,
                "load_peak_reserved_gib": round((load_peaks[0][1] - ballast.numel()) / GiB, 3) if load_peaks else None,
+               "load_end_slack_gib": round(load_slack[0] / GiB, 3) if load_slack else None,
+               "trimmed_slack_gib": round(load_slack[1] / GiB, 3) if len(load_slack) > 1 else None,
+               "warm_s": warm_s,
                "step_peak_alloc_gib": [round((a_ - ballast.numel()) / GiB, 3) for a_, _r in step_peaks],
                "step_peak_reserved_gib": [round((r_ - ballast.numel()) / GiB, 3) for _a, r_ in step_peaks],
                "total_s": round(time.perf_counter() - start, 2),

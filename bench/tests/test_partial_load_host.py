@@ -49,3 +49,25 @@ def test_the_wrapper_leaves_the_sampling_and_the_base_patcher_as_they_were(patch
     assert torch.equal(_sample(m, []), expected)
     assert any(partial_load.LOAD_PEAK_KEY in by_key for by_key in m.wrappers.values())
     assert not any(partial_load.LOAD_PEAK_KEY in by_key for by_key in patcher.wrappers.values())
+
+
+def test_the_warm_up_runs_every_block_at_its_small_latent_and_leaves_no_model_loaded(patcher):
+    import comfy.model_management as mm
+    blocks = patcher.model.diffusion_model.blocks
+    ran, shapes = set(), []
+    hooks = [b.register_forward_pre_hook(lambda mod, *_: ran.add(id(mod))) for b in blocks]
+
+    def sample(m, shape):
+        shapes.append(shape)
+        w, h, f = partial_load.WARM_RES
+        return comfy_env.sample_tiny(m, width=w, height=h, frames=f, steps=1, cfg=1.0)
+
+    try:
+        seconds = partial_load.warm_sampling(patcher.clone(), [1, 16, 21, 90, 160], sample)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert shapes == [[1, 16, 2, 24, 40]]  # the measured run's batch and channels, WARM_RES's frames and size
+    assert ran == {id(b) for b in blocks}
+    assert not any(lm.model is not None and lm.model.model is patcher.model for lm in mm.current_loaded_models)
+    assert seconds > 0
