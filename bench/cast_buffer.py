@@ -17,7 +17,8 @@ conversion into the same dtype, the same functions, the same ``linear``.
 Only where the cast is ComfyUI's own (a Linear whose ``forward_comfy_cast_weights`` is ``comfy.ops``' plain one:
 not scaled fp8, not ComfyUI-GGUF) and ComfyUI runs one stream (no ``--async-offload``); any other layer and call
 keeps ComfyUI's cast.  Used by ``python -m bench.partial_load`` (a config with ``+castbuf``).  Measured and not
-adopted: it cuts the holes of a process's later samplings, not of its first (docs/memory-model.md, the fp8 holes;
+adopted: it cuts the holes of a process's later samplings with Sage, not of its first, and not with SDPA
+(docs/memory-model.md, the fp8 holes;
 ``bench/records/partial-load/void-cast-buffer-h100-9f16f7a.jsonl``), so the pack keeps ComfyUI's casts.
 """
 from __future__ import annotations

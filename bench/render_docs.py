@@ -1926,7 +1926,8 @@ def cast_buffer_text() -> str:
     """The casts written into one reused buffer (bench/cast_buffer.py) against ComfyUI's, from the probe's records:
     the holes of a process's later runs and of its first, at 1280x720x81."""
     ok = [r for r in rows(CAST_BUFFER_RECORDS) if r["status"] == "ok" and r["res"] == "1280x720x81"]
-    rs = [r for r in ok if r["lora_rank"] == 64]
+    # the two cast paths as the pack runs them: with Sage, no probe extra (+trim, +warm) and not SDPA
+    rs = [r for r in ok if r["lora_rank"] == 64 and _probe_extras(r) == {"sage"}]
     if not rs:
         return ""
 
@@ -1945,7 +1946,52 @@ def cast_buffer_text() -> str:
             f"and a step's seconds within {100 * step_gap():.1f} % of ComfyUI's casts' in each process. But a process's first "
             f"run, the user's first prompt, held {_span(holes('buffer', True))} GiB with the buffer against "
             f"{_span(holes('comfy', True))} GiB with ComfyUI's casts, so the buffer does not let the cast term shrink, and "
-            "the pack keeps ComfyUI's casts." + _cast_buffer_steps_text(ok))
+            "the pack keeps ComfyUI's casts." + _cast_buffer_steps_text(ok) + _first_run_probes_text(ok))
+
+
+def _probe_extras(r) -> set:
+    """A probe row's extras (``+sage``, ``+trim``, ``+warm``; the cast path is ``cast_path``)."""
+    return set(r["config"].split("+")[1:]) - {"castbuf"}
+
+
+def _first_run_probes_text(ok) -> str:
+    """What the load, an emptied cache before the first forward (+trim), a warm-up sampling (+warm) and SDPA in
+    place of Sage do to the holes, at 16 GiB with a rank-64 LoRA: the rows with the load's slack read apart."""
+    rs = [r for r in ok if r["lora_rank"] == 64 and r["budget_gib"] == 16 and r.get("load_end_slack_gib") is not None]
+    if not rs:
+        return ""
+
+    def holes(path, extras, first=None):
+        return [r["peak_reserved_gib"] - r["peak_alloc_gib"] for r in rs
+                if r["cast_path"] == path and _probe_extras(r) == extras
+                and (first is None or (r["order_in_process"] == 1) == first)]
+    trim, warm = holes("buffer", {"sage", "trim"}, True), holes("buffer", {"sage", "warm"}, True)
+    cold = [r["peak_reserved_gib"] - r["peak_alloc_gib"] for r in ok if r["lora_rank"] == 64 and r["budget_gib"] == 16
+            and r["cast_path"] == "buffer" and _probe_extras(r) in ({"sage"}, {"sage", "trim"})
+            and r["order_in_process"] == 1]
+    text = (f" Read apart ({len(rs)} runs at 16 GiB), the load ended with {_span([r['load_end_slack_gib'] for r in rs])} GiB "
+            "reserved above what it had allocated, so the holes form in the first forward")
+    if trim:
+        text += (f"; emptying the allocator's cache between the two (`+trim`) left a first run with the buffer at "
+                 f"{_span(trim)} GiB, and the first runs with the buffer and Sage held {_span(cold)} GiB in each of "
+                 f"{len(cold)} processes: at one size, budget and process state the holes are the same from run to run")
+    if warm:
+        later = holes("buffer", {"sage"}, False)
+        text += (f"; one step at {'×'.join(map(str, _warm_res()))} under the same budget first (`+warm`: the weights' "
+                 f"first load and every layer's first call made before the measured run) left {_span(warm)} GiB"
+                 + (f", less, but not a later run's {_span(later)} GiB" if later else ""))
+    sdpa_buf, sdpa_comfy = holes("buffer", set()), holes("comfy", set())
+    if sdpa_buf and sdpa_comfy:
+        text += (f". With SDPA in place of Sage the buffer's runs held {_span(sdpa_buf)} GiB, a process's first run and "
+                 f"its second alike, and ComfyUI's casts {_span(sdpa_comfy)} GiB: the buffer's smaller holes after a "
+                 "first run come only with Sage's calls, so they depend on how the whole run lays out the pool, not on "
+                 "the buffer alone")
+    return text + "."
+
+
+def _warm_res():
+    from . import partial_load
+    return partial_load.WARM_RES
 
 
 def _cast_buffer_steps_text(ok) -> str:
