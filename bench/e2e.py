@@ -75,7 +75,8 @@ Run specs: ``{est|comfy}+{sdpa|sage}[+compile|+compileblocks|+compilenode]@{GB|f
 ``:decode`` / ``:nodecode``, which make the run a workflow of its own (``est+sage@24:480p81:20steps:cfg3.5:nolora``
 is ComfyUI's 20-step template; without them ``--steps``, ``--cfg`` and ``--decode`` apply); ``:fp8fast`` (with
 ``--weights fp8``) loads the experts with UNETLoader's ``fp8_e4m3fn_fast`` (fp8 matmuls; ``config.weights``
-``fp8_fast``).  ``--matrix`` runs the
+``fp8_fast``); ``:tecopy`` adds the pack's Wan Text Encoder Host Copy; ``:trimload`` (a probe) empties the
+allocator's cache as each expert's load ends.  ``--matrix`` runs the
 16 combinations of the benchmark's targets for ``--weights`` in priority order (24 GB 720p81 first);
 ``--deadline-s`` stops starting runs after that many seconds.  Every record has ``to_latent_s`` and
 ``to_frames_s``: from the run's first node (the text encode) to the latent and to the decoded frames.
@@ -146,7 +147,7 @@ NEGATIVE = "low quality, worst quality, static frame, overexposed, blurred"
 
 COMPILE_SUFFIX = {"model": ["compile"], "blocks": ["compileblocks"], "node": ["compilenode"]}  # RunSpec.compile -> suffix
 SPEC_FORM = ("{est|comfy}+{sdpa|sage}[+compile|+compileblocks|+compilenode]@{GB|full}:{WxHxF|720p81|480p81}"
-             "[:Nsteps][:cfgX][:nolora][:decode|:nodecode][:fp8fast][:tecopy]")
+             "[:Nsteps][:cfgX][:nolora][:decode|:nodecode][:fp8fast][:tecopy][:trimload]")
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,7 @@ class RunSpec:
     decode: bool | None = None  # None: --decode
     fp8_fast: bool = False    # ":fp8fast" (with --weights fp8): UNETLoader's weight_dtype fp8_e4m3fn_fast (fp8 matmuls)
     te_copy: bool = False     # ":tecopy": the pack's Wan Text Encoder Host Copy between CLIPLoader and the encodes
+    trim_load: bool = False   # ":trimload" (a probe): the allocator's cache emptied as each expert's load ends
 
     @classmethod
     def parse(cls, s: str) -> "RunSpec":
@@ -184,14 +186,14 @@ class RunSpec:
                 raise ValueError
             fields = {}
             for opt in options:
-                m = re.fullmatch(r"(\d+)steps|cfg(\d+(?:\.\d+)?)|(nolora)|(decode|nodecode)|(fp8fast)|(tecopy)", opt)
+                m = re.fullmatch(r"(\d+)steps|cfg(\d+(?:\.\d+)?)|(nolora)|(decode|nodecode)|(fp8fast)|(tecopy)|(trimload)", opt)
                 if m is None:
                     raise ValueError
-                key = ("steps", "cfg", "lora", "decode", "fp8_fast", "te_copy")[m.lastindex - 1]
+                key = ("steps", "cfg", "lora", "decode", "fp8_fast", "te_copy", "trim_load")[m.lastindex - 1]
                 if key in fields:
                     raise ValueError
                 fields[key] = (int(m.group(1)) if key == "steps" else float(m.group(2)) if key == "cfg"
-                               else False if key == "lora" else True if key in ("fp8_fast", "te_copy")
+                               else False if key == "lora" else True if key in ("fp8_fast", "te_copy", "trim_load")
                                else m.group(4) == "decode")
             if fields.get("steps") is not None and fields["steps"] < 2:
                 raise ValueError      # one step per expert at least
@@ -205,7 +207,8 @@ class RunSpec:
         suffix = "".join("+" + x for x in COMPILE_SUFFIX.get(self.compile, []))
         options = ("" if self.steps is None else f":{self.steps}steps") + ("" if self.cfg is None else f":cfg{self.cfg:g}") \
             + ("" if self.lora else ":nolora") + ("" if self.decode is None else (":decode" if self.decode else ":nodecode")) \
-            + (":fp8fast" if self.fp8_fast else "") + (":tecopy" if self.te_copy else "")
+            + (":fp8fast" if self.fp8_fast else "") + (":tecopy" if self.te_copy else "") \
+            + (":trimload" if self.trim_load else "")
         return (f"{'est' if self.estimator else 'comfy'}+{self.attention}{suffix}"
                 f"@{b}:{'x'.join(map(str, self.res))}{options}")
 
@@ -466,6 +469,11 @@ class Mem:
     def alloc(self):
         return (self.torch.cuda.memory_allocated() - self.ballast) / GiB if self.cuda else None
 
+    def empty_cache(self):
+        """Give the allocator's unused cached memory back to the device (its pool trimmed, with cudaMallocAsync)."""
+        if self.cuda:
+            self.torch.cuda.empty_cache()
+
     def retries(self):
         return _host.alloc_retries(self.torch) if self.cuda else None
 
@@ -606,9 +614,10 @@ class ExpertProbe:
 
     KEY = "wan_sage_e2e_probe"
 
-    def __init__(self, name: str, mem: Mem, log=None, t_run: float | None = None):
+    def __init__(self, name: str, mem: Mem, log=None, t_run: float | None = None, trim_load: bool = False):
         self.name, self.mem = name, mem
         self.log = log
+        self.trim_load = trim_load  # empty the allocator's cache as the load ends (RunSpec.trim_load)
         self.restart(t_run)
 
     def restart(self, t_run: float | None = None):
@@ -652,6 +661,9 @@ class ExpertProbe:
             self.d["lowvram"] = bool(getattr(p.model, "model_lowvram", False))
         self.d["base_alloc_gib"] = mem.alloc()
         self.d["base_reserved_gib"] = mem.reserved()
+        if self.trim_load:
+            mem.empty_cache()
+            self.d["trimmed_reserved_gib"] = mem.reserved()
         mem.reset()
         self.t0 = time.perf_counter()
 
@@ -964,6 +976,7 @@ class Host:
                           "lora_rank": self.args.lora_rank if spec.lora else None,
                           "decode": decode,
                           **({"te_host_copy": True} if spec.te_copy else {}),
+                          **({"trim_load": True} if spec.trim_load else {}),
                           **({"check_finite": False} if finite_check_off(spec, self.args) else {}),
                           **({"trim_after_sampling": False} if trim_off(spec, self.args) else {}),
                           **({"decode_room_extra_gib": self.args.decode_room_extra_gib}
@@ -1082,7 +1095,7 @@ class Host:
                     if spec.attention == "sage" and ov is None:
                         self.log(f"e2e WARNING: the Sage patch passed the {e}-noise expert through ({status}); "
                                  "this run measures SDPA")
-                    probes[e] = ExpertProbe(e, mem, log=self.log, t_run=t_run)
+                    probes[e] = ExpertProbe(e, mem, log=self.log, t_run=t_run, trim_load=spec.trim_load)
                     h[f"model_{e}"] = probes[e].install(m, W)
                     extras.update(made)
                     if session is not None:

@@ -739,3 +739,38 @@ def test_each_steps_peaks_are_read_without_losing_the_samplings_or_the_phases():
     mem.reset()
     assert mem.peaks() == (1.0, 9.0)
     assert e2e.Mem(torch, False).step_peaks() == (None, None)
+
+
+def test_trimload_empties_the_cache_once_as_the_load_ends_and_records_what_stayed():
+    """``:trimload`` (a probe): each expert's allocator cache is emptied after the load's figures are read and
+    before its first step; the row gives what stayed reserved.  Without it the cache is left alone."""
+    import types
+
+    from bench import e2e
+    spec = e2e.RunSpec.parse("est+sage@24:720p81:tecopy:trimload")
+    assert spec.trim_load and spec.te_copy and e2e.RunSpec.parse(spec.label) == spec
+    assert not e2e.RunSpec.parse("est+sage@24:720p81:tecopy").trim_load
+    events, state = [], {"alloc": 10 * e2e.GiB, "reserved": 12 * e2e.GiB}
+
+    def empty_cache():
+        events.append("empty_cache")
+        state["reserved"] = 10.5 * e2e.GiB  # what the pool could give back
+    cuda = types.SimpleNamespace(synchronize=lambda: None, reset_peak_memory_stats=lambda: None,
+                                 memory_allocated=lambda: state["alloc"], memory_reserved=lambda: state["reserved"],
+                                 max_memory_allocated=lambda: state["alloc"],
+                                 max_memory_reserved=lambda: state["reserved"], empty_cache=empty_cache)
+
+    def executor(model_wrap, sigmas, extra_args, cb, noise):
+        events.append("steps")
+        return "x"
+    for trim in (True, False):
+        events.clear()
+        state["reserved"] = 12 * e2e.GiB
+        probe = e2e.ExpertProbe("high", e2e.Mem(types.SimpleNamespace(cuda=cuda), True), trim_load=trim)
+        assert probe._sampler(executor, None, None, {}, None, None) == "x"
+        got = probe.result(1.0)
+        assert got["base_reserved_gib"] == 12.0
+        if trim:
+            assert events == ["empty_cache", "steps"] and got["trimmed_reserved_gib"] == 10.5
+        else:
+            assert events == ["steps"] and "trimmed_reserved_gib" not in got
