@@ -15,8 +15,8 @@ its ``peak_alloc_gib`` is what the allocator held in holes (``load_peak_*``: the
 first model call, the weights' load; ``step_peak_*``: for each step after it; ``load_end_slack_gib``: reserved less
 allocated as the load ends).  Two more extras tell where a process's first run gets its holes: ``+trim`` empties the
 allocator's cache between the load and the first forward; ``+warm`` first samples the same clone for one step at a
-small latent under the same budget (:func:`warm_sampling`) and unloads it, so that everything a process makes once
-(the weights' first load, the casts' and the kernels' first calls) is made before the measured run.
+small latent under the same budget (:func:`warm_sampling`) and unloads it, so that the weights' first load and every
+layer's, cast's and kernel's first call at a small size are made before the measured run.
 
     COMFYUI_PATH=... python -m bench.partial_load --budget-gb 24 --res 1280x720x81 --steps 4 --configs comfy,ours
 """
@@ -82,16 +82,13 @@ def warm_sampling(patcher, latent, sample) -> float:
     and channels it keeps), then unload every model and empty the allocator's cache.  ``sample(patcher, shape)`` runs
     one sampling.  Returns its seconds."""
     import comfy.model_management as mm
-    import torch
     t = time.perf_counter()
     w, h, f = WARM_RES
     lat_t, lat_h, lat_w = (f - 1) // 4 + 1, h // 8, w // 8
     sample(patcher, [latent[0], latent[1], lat_t, lat_h, lat_w])
     mm.unload_all_models()
     gc.collect()
-    mm.soft_empty_cache(True)
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    mm.soft_empty_cache(True)  # torch.cuda.empty_cache() on CUDA
     return time.perf_counter() - t
 
 
