@@ -1932,7 +1932,7 @@ def cast_buffer_text() -> str:
         return ""
 
     def holes(path, first):
-        return [r["peak_reserved_gib"] - r["peak_alloc_gib"] for r in rs
+        return [_probe_holes(r) for r in rs
                 if r["cast_path"] == path and (r["order_in_process"] == 1) == first]
 
     def step_gap():  # the largest difference of a buffer run's s/step from a ComfyUI-cast run's of its process
@@ -1949,6 +1949,11 @@ def cast_buffer_text() -> str:
             "the pack keeps ComfyUI's casts." + _cast_buffer_steps_text(ok) + _first_run_probes_text(ok))
 
 
+def _probe_holes(r) -> float:
+    """What a probe row's allocator held in holes: its peak reserved less its peak allocated, GiB."""
+    return r["peak_reserved_gib"] - r["peak_alloc_gib"]
+
+
 def _probe_extras(r) -> set:
     """A probe row's extras (``+sage``, ``+trim``, ``+warm``; the cast path is ``cast_path``)."""
     return set(r["config"].split("+")[1:]) - {"castbuf"}
@@ -1962,11 +1967,11 @@ def _first_run_probes_text(ok) -> str:
         return ""
 
     def holes(path, extras, first=None):
-        return [r["peak_reserved_gib"] - r["peak_alloc_gib"] for r in rs
+        return [_probe_holes(r) for r in rs
                 if r["cast_path"] == path and _probe_extras(r) == extras
                 and (first is None or (r["order_in_process"] == 1) == first)]
     trim, warm = holes("buffer", {"sage", "trim"}, True), holes("buffer", {"sage", "warm"}, True)
-    cold = [r["peak_reserved_gib"] - r["peak_alloc_gib"] for r in ok if r["lora_rank"] == 64 and r["budget_gib"] == 16
+    cold = [_probe_holes(r) for r in ok if r["lora_rank"] == 64 and r["budget_gib"] == 16
             and r["cast_path"] == "buffer" and _probe_extras(r) in ({"sage"}, {"sage", "trim"})
             and r["order_in_process"] == 1]
     text = (f" Read apart ({len(rs)} runs at 16 GiB), the load ended with {_span([r['load_end_slack_gib'] for r in rs])} GiB "
@@ -1977,7 +1982,8 @@ def _first_run_probes_text(ok) -> str:
                  f"{len(cold)} processes: at one size, budget and process state the holes are the same from run to run")
     if warm:
         later = holes("buffer", {"sage"}, False)
-        text += (f"; one step at {'×'.join(map(str, _warm_res()))} under the same budget first (`+warm`: the weights' "
+        from .partial_load import WARM_RES
+        text += (f"; one step at {'×'.join(map(str, WARM_RES))} under the same budget first (`+warm`: the weights' "
                  f"first load and every layer's first call made before the measured run) left {_span(warm)} GiB"
                  + (f", less, but not a later run's {_span(later)} GiB" if later else ""))
     sdpa_buf, sdpa_comfy = holes("buffer", set()), holes("comfy", set())
@@ -1989,11 +1995,6 @@ def _first_run_probes_text(ok) -> str:
     return text + "."
 
 
-def _warm_res():
-    from . import partial_load
-    return partial_load.WARM_RES
-
-
 def _cast_buffer_steps_text(ok) -> str:
     """Where the holes of the probe's runs form, from the runs with each step's peaks."""
     stepped = [r for r in ok if r.get("step_peak_reserved_gib")]
@@ -2002,7 +2003,7 @@ def _cast_buffer_steps_text(ok) -> str:
     def by_first_step(r):  # reserved by the end of the first step: the load (where read apart) and its forward
         return max(v for v in (r.get("load_peak_reserved_gib"), r["step_peak_reserved_gib"][0]) if v is not None)
     grown = max(max(r["step_peak_reserved_gib"]) - by_first_step(r) for r in stepped)
-    bare = [r["peak_reserved_gib"] - r["peak_alloc_gib"] for r in stepped
+    bare = [_probe_holes(r) for r in stepped
             if r["lora_rank"] == 0 and r["cast_path"] == "buffer" and r["order_in_process"] == 1]
     text = (f" With each step's peaks recorded ({len(stepped)} runs), the pool reached its peak reserved in the first "
             f"step, the weights' load and the first forward, and grew by at most {grown:.2f} GiB in the steps after it")
