@@ -428,6 +428,15 @@ def _cond_batch_wrapper(settings: Settings):
         # Wan Compile Blocks' cap on the batch stays in force where its wrapper is outside this one
         prev = comfy_bridge.swap_memory_required(base, cond_rows.keep_cap(base, fn))
         try:
+            try:
+                return executor(model, conds, x_in, timestep, model_options, *args, **kwargs)
+            except kernels.out_of_memory_error() as e:
+                if not replan.lowered_by_measure(base):
+                    raise
+                what = reason(e)
+            # out of the except block, so that the failed call's tensors are freed before it runs again
+            if not replan.after_out_of_memory(base, what):
+                raise kernels.out_of_memory_error()(what)
             return executor(model, conds, x_in, timestep, model_options, *args, **kwargs)
         finally:
             comfy_bridge.restore_memory_required(base, prev)

@@ -12,6 +12,17 @@ facts that lower it arrive only with the first model call:
 
 and one raises it: a streamed block that ran eagerly brings the eager floor back.
 
+The plan is an estimate, and for fp8 weights it keeps room for the allocator's holes around the per-call casts at
+the largest they were measured (1.2-3.6 GiB at A14B 720p81, :mod:`..memory.estimate`'s cast term).  A sampling's
+own calls show how large they are this time: PyTorch's pool keeps what a call reserved until it is emptied, so its
+reserved bytes as the next call begins, less what was allocated as the call began, are what the call held, holes
+included.  The reservation is the lesser of the plan and that figure with a margin (:func:`measured_reservation`),
+read again after each move from the calls that ran with the weights where they now are.  A call whose allocation
+the allocator had to retry, or that ran out of memory, is not read (it showed less than it needed), and from then
+on the plan alone decides.  A call that runs out of memory where the weights stand for the measured figure, below
+the plan, is run again once they stand for the plan (:func:`after_out_of_memory`, from the estimator's model-call
+wrapper): the user's prompt pays one call, not the prompt.
+
 So before each model call after the first, the sampling is planned again through the same entry point as its
 start (:func:`.estimator.sampling_plan`).  Where the reservation fell by at least ComfyUI's smallest partial load
 (128 MiB) and part of the weights streams, the allocator's free blocks are handed back and the weights that the
@@ -55,6 +66,11 @@ log = logging.getLogger("wan_sage")
 
 MIN_MOVE_BYTES = 128 << 20  # ComfyUI's smallest partial load (load_models_gpu's lowvram_model_memory floor)
 GiB = float(1 << 30)
+# What the measured figure keeps on top of the most a call was seen to hold: the holes a pool forms are at their
+# full size by the end of the first call after a load (later calls add little), so the margin is for a call that
+# lays the pool out a little differently, not for a second layer of holes.
+MEASURED_MARGIN = 0.05
+MEASURED_FLOOR = 256 << 20
 
 
 @dataclass
@@ -68,6 +84,10 @@ class _Sampling:
     moves: list = field(default_factory=list)  # (call index, reservation before, after, bytes loaded (-unloaded))
     calls: int = 0
     failed: bool = False  # a move failed: the weights stay where they were placed again
+    start: tuple | None = None  # the pool as the last model call began (:func:`_pool`), None where unread
+    held: int = 0  # the most a model call held above what was allocated as it began, since the last move
+    measured: bool = True  # False once a call's figure cannot be read or trusted: the plan alone from then on
+    lowered: bool = False  # the weights stand where the measured figure, below the plan, placed them
 
 
 _lock = threading.Lock()
@@ -142,17 +162,43 @@ def before_call(base) -> int:
         return 0
     s.calls += 1
     patcher = s.patcher()
-    if s.calls == 1 or patcher is None or getattr(base, "current_patcher", patcher) is not patcher:
+    if patcher is None or getattr(base, "current_patcher", patcher) is not patcher:
         return 0
+    dev = comfy_bridge.device_of(patcher)
+    if s.calls > 1:
+        _note_held(s, dev)
+    moved = 0 if s.calls == 1 else _replan(s, patcher, base)
+    s.start = _pool(dev)
+    return moved
+
+
+def _replan(s: _Sampling, patcher, base) -> int:
     try:
-        new = int(s.plan(patcher, s.shape))
+        planned = int(s.plan(patcher, s.shape))
     except Exception as e:
         warn_once(("replan", type(e).__name__), "wan-sage: planning the reservation again between steps failed "
                   "(%s); the weights stay where the sampling's start placed them.", reason(e))
         return 0
+    shown = measured_reservation(s.held) if s.measured and s.held > 0 else None
+    new = planned if shown is None else min(planned, shown)
     old = s.reservation
     if abs(new - old) < MIN_MOVE_BYTES or (s.failed and new < old):  # after a failed move only a rise moves
         return 0
+    moved = _apply(s, patcher, base, new)
+    if moved:
+        s.held = 0  # what the calls hold is read again with the weights where they now are
+    s.lowered = s.reservation < planned
+    if moved:
+        log.info("wan-sage: reservation %.2f -> %.2f GiB after %d model call(s)%s: %s %.2f GiB of weights",
+                 old / GiB, s.reservation / GiB, s.calls - 1,
+                 " (from what they held)" if s.lowered else "", "loaded" if moved > 0 else "unloaded",
+                 abs(moved) / GiB)
+    return moved
+
+
+def _apply(s: _Sampling, patcher, base, new: int) -> int:
+    """Move the weights from ``s.reservation`` to ``new`` and note the move; returns the bytes loaded."""
+    old = s.reservation
     try:
         moved, failed = _move(patcher, base, new, old)
     except Exception as e:
@@ -168,10 +214,69 @@ def before_call(base) -> int:
     else:
         s.reservation = new
     s.moves.append((s.calls, old, new, moved))
-    if moved:
-        log.info("wan-sage: reservation %.2f -> %.2f GiB after %d model call(s): %s %.2f GiB of weights",
-                 old / GiB, new / GiB, s.calls - 1, "loaded" if moved > 0 else "unloaded", abs(moved) / GiB)
     return moved
+
+
+def measured_reservation(held: int) -> int:
+    """The reservation for what model calls were seen to hold above their start: that figure and a margin for a
+    call that holds a little more than the ones read (``MEASURED_MARGIN`` of it, at least ``MEASURED_FLOOR``)."""
+    return int(held) + max(MEASURED_FLOOR, int(held * MEASURED_MARGIN))
+
+
+def _pool(dev) -> tuple | None:
+    """(allocated, reserved, allocator retries, out-of-memory errors) of PyTorch's CUDA pool on ``dev``, or None
+    off CUDA or where it cannot be read."""
+    try:
+        d = torch.device(dev)
+        if d.type != "cuda" or not torch.cuda.is_available():
+            return None
+        stats = torch.cuda.memory_stats(d)
+        return (int(torch.cuda.memory_allocated(d)), int(torch.cuda.memory_reserved(d)),
+                int(stats.get("num_alloc_retries", 0)), int(stats.get("num_ooms", 0)))
+    except Exception:  # an allocator that reports nothing: the plan alone decides
+        return None
+
+
+def _note_held(s: _Sampling, dev) -> None:
+    """Read what the call that just ended held: the pool's reserved bytes now less what was allocated as it
+    began.  The pool keeps what a call reserved until it is emptied, and nothing empties it during a call, so this
+    covers the call's peak and its holes.  A call the allocator had to retry (it emptied its cache to satisfy an
+    allocation) or that ran out of memory shows less than it needed: the measured figure is dropped for the rest of
+    the sampling, as it is where the pool cannot be read."""
+    now = _pool(dev)
+    if now is None or s.start is None or now[2:] != s.start[2:]:
+        s.measured = False
+        return
+    s.held = max(s.held, now[1] - s.start[0])
+
+
+def lowered_by_measure(base) -> bool:
+    """Whether ``base``'s sampling runs with its weights placed for a measured figure below its plan."""
+    s = _get(base)
+    return s is not None and s.lowered
+
+
+def after_out_of_memory(base, what: str) -> bool:
+    """A model call ran out of memory with the weights placed for the measured figure: drop that figure for the
+    rest of the sampling and place the weights for the plan alone, so that the call can run again.  True where
+    they moved (or stood there already) and the call may be run again."""
+    s = _get(base)
+    patcher = s.patcher() if s is not None else None
+    if s is None or not s.lowered or patcher is None:
+        return False
+    s.measured, s.lowered = False, False
+    warn_once(("replan-oom",), "wan-sage: a model call ran out of memory with the weights placed for what the "
+              "earlier calls held (%s); they are placed for the estimate again and the call runs again.", what)
+    try:
+        planned = int(s.plan(patcher, s.shape))
+    except Exception as e:
+        warn_once(("replan", type(e).__name__), "wan-sage: planning the reservation again between steps failed "
+                  "(%s); the weights stay where the sampling's start placed them.", reason(e))
+        return False
+    comfy_bridge.trim_allocator(comfy_bridge.device_of(patcher), "after running out of memory")
+    if planned > s.reservation:
+        _apply(s, patcher, base, planned)
+    return True
 
 
 def _needed(reservation: int) -> int:

@@ -410,3 +410,160 @@ def test_a_load_that_sets_a_module_on_the_device_to_stream_loads_the_model_again
     assert "1 module(s) on the device were set to stream" in caplog.text
     n = len(p.calls)
     assert replan.before_call(p.model) == 0 and len(p.calls) == n
+
+
+class Pool:
+    """PyTorch's CUDA pool as :func:`replan._pool` reads it: allocated and reserved bytes, retries, OOM errors.
+    What is allocated is the patcher's weights on the device and ``other`` bytes (latents, conds)."""
+
+    def __init__(self, other):
+        self.other, self.patcher, self.reserved, self.retries, self.ooms = other, None, 0, 0, 0
+
+    @property
+    def allocated(self):
+        return self.other + (self.patcher.loaded if self.patcher is not None else 0)
+
+    def read(self, dev):
+        self.reserved = max(self.reserved, self.allocated)
+        return (self.allocated, self.reserved, self.retries, self.ooms)
+
+    def call(self, held):
+        """A model call that held ``held`` bytes above what was allocated as it began: the pool keeps them."""
+        self.reserved = max(self.reserved, self.allocated + held)
+
+
+@pytest.fixture
+def pool(dev, monkeypatch):
+    p = Pool(other=1 * GiB)
+    monkeypatch.setattr(replan, "_pool", p.read)
+
+    def trim(device, when):  # the pool's cached blocks handed back
+        dev.trims += 1
+        p.reserved = p.allocated
+    monkeypatch.setattr(comfy_bridge, "trim_allocator", trim)
+    return p
+
+
+def test_the_measured_figure_lowers_a_plan_that_reserves_more_than_the_calls_held(dev, pool):
+    """The estimate keeps 7.9 GiB for the casts' holes at their largest; the first call held 4 GiB: the weights
+    that the rest holds are loaded, leaving that figure and its margin free."""
+    dev.free = 8 * GiB
+    p = pool.patcher = _sampling(dev, [int(7.9 * GiB)], start=int(7.9 * GiB))
+    replan.before_call(p.model)
+    pool.call(4 * GiB)
+    moved = replan.before_call(p.model)
+    shown = replan.measured_reservation(4 * GiB)
+    assert 4 * GiB + replan.MEASURED_FLOOR <= shown <= int(4 * GiB * 1.15)
+    room = 8 * GiB - (shown + KEPT_FREE)
+    assert p.calls == [("load", "cuda:0", room)] and moved == room
+    assert replan.moves(p.model) == [(2, int(7.9 * GiB), shown, room)] and replan.lowered_by_measure(p.model)
+
+
+def test_the_plan_stands_where_the_calls_held_more_than_it(dev, pool):
+    dev.free = 8 * GiB
+    p = pool.patcher = _sampling(dev, [int(5.5 * GiB)], start=int(7.9 * GiB))
+    replan.before_call(p.model)
+    pool.call(int(6.5 * GiB))
+    replan.before_call(p.model)
+    assert replan.moves(p.model)[0][2] == int(5.5 * GiB) and not replan.lowered_by_measure(p.model)
+
+
+def test_a_call_that_held_more_after_the_move_unloads_weights_again(dev, pool):
+    """What the calls hold is read again once the weights moved: a call that then held more raises the
+    reservation, and weights are unloaded to it."""
+    dev.free = 8 * GiB
+    p = pool.patcher = _sampling(dev, [int(7.9 * GiB)], start=int(7.9 * GiB))
+    replan.before_call(p.model)
+    pool.call(4 * GiB)
+    assert replan.before_call(p.model) > 0
+    pool.call(4 * GiB)
+    assert replan.before_call(p.model) == 0  # the call after the move is read against the pool as it began
+    pool.call(5 * GiB)
+    moved = replan.before_call(p.model)
+    shown = replan.measured_reservation(5 * GiB)
+    assert moved < 0 and p.calls[-1] == ("unload", "cpu", -moved)
+    assert replan.moves(p.model)[-1][1:3] == (replan.measured_reservation(4 * GiB), shown)
+
+
+@pytest.mark.parametrize("what", ["retries", "ooms", "unreadable"])
+def test_a_call_the_allocator_retried_or_that_ran_out_of_memory_leaves_the_plan_alone(dev, pool, monkeypatch, what):
+    """A call whose allocation was retried (the allocator emptied its cache for it) or that ran out of memory shows
+    less than it needed, and a pool that cannot be read shows nothing: the plan decides, and a lowered placement
+    goes back to it."""
+    dev.free = 8 * GiB
+    p = pool.patcher = _sampling(dev, [int(7.9 * GiB)], start=int(7.9 * GiB))
+    replan.before_call(p.model)
+    pool.call(4 * GiB)
+    loaded = replan.before_call(p.model)
+    assert loaded > 0
+    if what == "unreadable":
+        monkeypatch.setattr(replan, "_pool", lambda dev: None)
+    else:
+        setattr(pool, what, 1)
+    pool.call(3 * GiB)
+    moved = replan.before_call(p.model)
+    assert moved < 0 and replan.moves(p.model)[-1][2] == int(7.9 * GiB) and not replan.lowered_by_measure(p.model)
+    pool.call(2 * GiB)
+    assert replan.before_call(p.model) == 0  # nothing measured lowers it again in this sampling
+
+
+def test_off_cuda_nothing_is_measured(dev):
+    """On the CPU (and in the tests above the pool fixture) the pool is not read, and the plan alone decides."""
+    dev.free = 8 * GiB
+    p = _sampling(dev, [int(7.9 * GiB)], start=int(7.9 * GiB))
+    replan.before_call(p.model)
+    assert replan.before_call(p.model) == 0 and p.calls == []
+
+
+def test_running_out_of_memory_after_a_measured_lowering_places_the_weights_for_the_plan(dev, pool, caplog):
+    dev.free = 8 * GiB
+    p = pool.patcher = _sampling(dev, [int(7.9 * GiB)], start=int(7.9 * GiB))
+    replan.before_call(p.model)
+    pool.call(4 * GiB)
+    assert replan.before_call(p.model) > 0
+    with caplog.at_level(logging.WARNING, logger="wan_sage"):
+        assert replan.after_out_of_memory(p.model, "OutOfMemoryError: CUDA out of memory")
+    assert p.calls[-1][0] == "unload" and dev.free == int(7.9 * GiB) + KEPT_FREE  # the plan's room free again
+    assert not replan.lowered_by_measure(p.model)
+    assert "ran out of memory with the weights placed for what the earlier calls held" in caplog.text
+    assert not replan.after_out_of_memory(p.model, "again")  # a second one is ComfyUI's to report
+
+
+def test_running_out_of_memory_without_a_measured_lowering_is_left_to_comfyui(dev, pool):
+    dev.free = 8 * GiB
+    p = pool.patcher = _sampling(dev, [int(5.5 * GiB)], start=int(7.9 * GiB))
+    replan.before_call(p.model)
+    pool.call(int(6.5 * GiB))
+    replan.before_call(p.model)
+    n = len(p.calls)
+    assert not replan.after_out_of_memory(p.model, "OutOfMemoryError") and len(p.calls) == n
+
+
+@pytest.mark.parametrize("lowered", [True, False])
+def test_the_cond_batch_wrapper_runs_a_call_again_only_after_a_measured_lowering(monkeypatch, lowered):
+    """The estimator's model-call wrapper: an out-of-memory error with the weights placed for the measured figure
+    runs the call again once they are placed for the plan; any other goes up as it came."""
+    import torch
+    from wan_sage.nodes import estimator
+    monkeypatch.setattr(estimator, "batching_setup", lambda *a, **k: None)
+    monkeypatch.setattr(replan, "before_call", lambda base: 0)
+    monkeypatch.setattr(replan, "lowered_by_measure", lambda base: lowered)
+    placed = []
+    monkeypatch.setattr(replan, "after_out_of_memory", lambda base, what: placed.append(what) or True)
+    calls = []
+
+    def executor(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return "sampled"
+    wrapper = estimator._cond_batch_wrapper(estimator.Settings())
+    base = types.SimpleNamespace()
+    if lowered:
+        assert wrapper(executor, base, [], torch.zeros(1), 0, {}) == "sampled"
+        assert len(calls) == 2 and placed == ["OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"]
+    else:
+        with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate"):
+            wrapper(executor, base, [], torch.zeros(1), 0, {})
+        assert len(calls) == 1 and placed == []
+    assert "memory_required" not in base.__dict__  # the model's own memory_required is back
