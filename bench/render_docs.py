@@ -29,6 +29,7 @@ _host.load_pack()
 from wan_sage.memory import activation_model, vae_decode  # noqa: E402
 from wan_sage.memory.compile_payback import compile_payback  # noqa: E402
 from wan_sage.memory.estimate import CALIBRATED, COMFY_EXTRA_RESERVED, fragmentation_bytes  # noqa: E402
+from wan_sage.nodes.replan import MEASURED_FLOOR, MEASURED_MARGIN  # noqa: E402
 
 GiB = 2 ** 30
 ROOT = _host.ROOT
@@ -1909,8 +1910,9 @@ def fp8_hole_lines() -> list:
             + (f"; the sampling that ran out of memory held {max(oom):.2f} GiB above what it had allocated" if oom else "")
             + f". One configuration's streamed samplings spread by up to {max(spread):.2f} GiB, so a cast term cut to what "
             "most runs hold would run out of memory in the runs with the largest holes. It stays above the largest "
-            f"measured ({frag:.2f} GiB with the fixed part at this size), and the fp8 rows of the whole-generation table "
-            "leave more than 1 GiB of the budget unused when weights stream."
+            f"measured ({frag:.2f} GiB with the fixed part at this size). It places the weights for a sampling's first "
+            "model call; from the second call on, the re-plan places them for what the calls held, holes included "
+            f"([the re-plan](attention.md#{anchor('The re-plan between model calls')})). " + measured_plan_text()
             + (" On PyTorch's own allocator with expandable segments (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, "
                "ComfyUI started with `--disable-cuda-malloc`; those runs are left out of the tables) the streamed "
                "samplings held " + "; ".join(f"{_span(v)} GiB at {b:g} GiB" for b, v in sorted(expandable.items()))
@@ -2024,16 +2026,20 @@ REPLAN_ROUNDS = (("whole-prompt/h100-gguf-720p81-4steps-16gib-compiled-blocks.js
                  ("whole-prompt/void-replan-h100-76fdb57.jsonl", "a"),
                  ("whole-prompt/h100-gguf-720p81-4steps-12gib-compiled-blocks.jsonl", "d"),
                  ("whole-prompt/h100-gguf-720p81-4steps-12gib-compiled-blocks.jsonl", "e"))
+# the rounds whose re-plan took the lesser of the plan and what the calls held (``replan.measured_reservation``)
+MEASURED_PLAN_ROUNDS = (("whole-prompt/h100-fp8-720p81-4steps-16gib-eager.jsonl", "a"),
+                        ("whole-prompt/void-measured-plan-h100-3bf14f2.jsonl", "a"))
+REPLAN_ROUNDS += MEASURED_PLAN_ROUNDS
 
 
-def _replan_samplings():
-    """(file, record, expert record, GiB ComfyUI's free plus the device's outside the pool) of every sampling of
-    :data:`REPLAN_ROUNDS`."""
-    for name, rnd in REPLAN_ROUNDS:
+def _replan_samplings(rounds=None):
+    """(file, record, expert record, GiB ComfyUI's free plus the device's outside the pool) of every estimator
+    sampling of ``rounds`` (:data:`REPLAN_ROUNDS`)."""
+    for name, rnd in REPLAN_ROUNDS if rounds is None else rounds:
         if not path(name).exists():
             continue
         for r in rows(name):
-            if r.get("round") != rnd or r.get("status") != "ok":
+            if r.get("round") != rnd or r.get("status") != "ok" or not r["config"].get("estimator"):
                 continue
             for pr in r["prompts"]:
                 for ex, e in (pr.get("experts") or {}).items():
@@ -2051,12 +2057,12 @@ def _replan_completed() -> str:
             f"{len(bad)} of {len(prompts)} prompts of those rounds did not complete ({', '.join(sorted(set(map(str, bad))))})")
 
 
-def _replan_moves() -> tuple[list, list]:
-    """([(file, record, expert record, move, unused GiB per step)] of the streamed samplings of
-    :data:`REPLAN_ROUNDS` that moved weights, [(file, record, expert record, least unused GiB)] of the fp8 ones
+def _replan_moves(rounds=None) -> tuple[list, list]:
+    """([(file, record, expert record, move, unused GiB per step)] of the streamed samplings of ``rounds``
+    (:data:`REPLAN_ROUNDS`) that moved weights, [(file, record, expert record, least unused GiB)] of the fp8 ones
     sampled eagerly with weights streamed, which moved none)."""
     moved, still = [], []
-    for name, r, e, kept in _replan_samplings():
+    for name, r, e, kept in _replan_samplings(rounds):
         b = r["config"]["budget_gib"]
         unused = [b - kept - x for x in e["step_peak_reserved_gib"]]
         if e.get("replan"):
@@ -2067,10 +2073,48 @@ def _replan_moves() -> tuple[list, list]:
     return moved, still
 
 
+def measured_plan_summary() -> dict | None:
+    """What the re-plan from what the calls held (:data:`MEASURED_PLAN_ROUNDS`) left unused and how the call after
+    its move compared with it: samplings, the unused GiB in the first step and at the later steps' peak, each
+    move's held-after-the-move less the reservation it placed for (above 0: the call held more), prompts."""
+    moved, _ = _replan_moves(MEASURED_PLAN_ROUNDS)
+    if not moved:
+        return None
+    over = []
+    for _, r, e, m, _u in moved:
+        after = e["step_peak_reserved_gib"][m["call"] - 1] - (e["base_alloc_gib"] + m["moved_gib"])
+        over.append(after - m["to_gib"])
+    prompts = [pr for name, rnd in MEASURED_PLAN_ROUNDS if path(name).exists() for r in rows(name)
+               if r.get("round") == rnd and r["config"].get("estimator") for pr in r.get("prompts") or []]
+    return dict(samplings=len(moved), first=[u[0] for *_, u in moved],
+                later=[min(u[m["call"] - 1:]) for *_, m, u in moved], over=over,
+                sizes=sorted({(r["config"]["width"], r["config"]["height"], r["config"]["frames"],
+                               r["config"]["budget_gib"]) for _, r, *_ in moved}),
+                prompts=len(prompts), ok=sum(1 for pr in prompts if pr.get("status") == "ok"),
+                retries=sum(int(pr.get("alloc_retries") or 0) for pr in prompts))
+
+
+def measured_plan_text() -> str:
+    """One sentence on the re-plan from what the calls held, from :func:`measured_plan_summary`."""
+    m = measured_plan_summary()
+    if m is None:
+        return "The re-plan from what the calls held is not measured yet."
+    over = [x for x in m["over"] if x > 0.005]
+    where = _and([f"{w}×{h}×{f} at {b:g} GiB" for w, h, f, b in m["sizes"]])
+    return (f"Placed for what the calls held (fp8 A14B with a rank-64 LoRA, estimator + Sage + host copy, eager, "
+            f"{where}; {_and([link(n) for n, _ in MEASURED_PLAN_ROUNDS])}), {m['samplings']} expert samplings left "
+            f"{_span(m['first'])} GiB of the budget unused in the first step (the plan) and {_span(m['later'])} GiB "
+            "at the later steps' peak; "
+            + (f"in {len(over)} of them the call after the move held up to {max(over):.2f} GiB more than the figure "
+               "it was placed for (the holes formed again larger than in the first call), which came out of what "
+               "ComfyUI keeps free" if over else "no call after a move held more than the figure it was placed for")
+            + f"; {m['ok']} of {m['prompts']} prompts completed, with {m['retries']} allocator retries.")
+
+
 def replan_text() -> str:
     """The re-plan between model calls: what it does, and the span of what it left unused where it ran (the rows
     are in :func:`replan_table`)."""
-    moved, still = _replan_moves()
+    moved, still = _replan_moves(tuple(x for x in REPLAN_ROUNDS if x not in MEASURED_PLAN_ROUNDS))
     text = ("Before each model call after the first the estimator plans the sampling again from what the calls "
             "showed, and where the plan fell by at least ComfyUI's smallest partial load (128 MiB) it loads the "
             "weights the freed room holds through ComfyUI's own `partially_load`, sized as `load_models_gpu` sizes "
@@ -2078,7 +2122,11 @@ def replan_text() -> str:
             "larger one can set a module that filled a gap to stream where it lies, its merged LoRA applied again "
             "at each call); where it rose it unloads to it (`nodes/replan.py`; only where ComfyUI places a model in "
             "part, and not under ComfyUI's whole-model compile, whose one "
-            "graph would compile again for moved weights). ")
+            "graph would compile again for moved weights). The reservation is the lesser of that plan and what the "
+            "calls held, holes included (the pool's reserved bytes as the next call begins less what was allocated "
+            f"as the call began), with {100 * MEASURED_MARGIN:g} % on top and at least {MEASURED_FLOOR >> 20} MiB; a "
+            "call whose allocation was retried or that ran out of memory is not read, and a call that runs out of "
+            "memory with the weights placed below the plan runs again once they stand for the plan. ")
     if not moved:
         text += "That is not measured yet"
     else:
@@ -2095,6 +2143,7 @@ def replan_text() -> str:
         text += (f"Measured on the high-noise expert's first sampling of {len(moved)} first prompts (table: "
                  f"[The re-plan between model calls](#{anchor('The re-plan between model calls')})): "
                  + "; ".join(said) + ". " + _replan_completed())
+    text += ". " + measured_plan_text()[:-1]
     if still:
         name, r, e, u = still[0]
         text += (f". An fp8 expert sampled eagerly ({link(name)} round `{r.get('round')}`, {r['config']['budget_gib']:g} "
@@ -2113,9 +2162,12 @@ def replan_table() -> list:
         return []
     import textwrap
     o = ["### The re-plan between model calls", "",
-         *textwrap.wrap("The high-noise expert's first sampling of a first prompt from empty caches, on an H100, with "
-                        "Wan Compile Blocks (GGUF: its streamed blocks lifted into the resident block's graph; fp8 "
-                        "with a LoRA: every block eager). *Unused*: the budget less what ComfyUI keeps free, what the "
+         *textwrap.wrap("Each expert sampling that moved weights, caches empty, on H100s. Before the reservation "
+                        "took what the calls held (wan-sage before `3bf14f2`): the high-noise expert's first sampling "
+                        "of a first prompt, with Wan Compile Blocks (GGUF: its streamed blocks lifted into the "
+                        "resident block's graph; fp8 with a LoRA: every block eager). From `3bf14f2` on: every "
+                        "sampling of fp8 estimator + Sage + host copy, eager, first and repeat prompts. *Unused*: the "
+                        "budget less what ComfyUI keeps free, what the "
                         "device held outside PyTorch's pool and the pool's peak; *later steps*: the least over the "
                         "steps after the move (`bench.render_docs.REPLAN_ROUNDS` lists the rounds).", width=116,
                         break_on_hyphens=False), "",
