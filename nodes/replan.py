@@ -163,6 +163,7 @@ def before_call(base) -> int:
     s.calls += 1
     patcher = s.patcher()
     if patcher is None or getattr(base, "current_patcher", patcher) is not patcher:
+        s.start = None  # this call is not the sampling's: the next one is not read against it
         return 0
     dev = comfy_bridge.device_of(patcher)
     if s.calls > 1:
@@ -242,12 +243,13 @@ def _note_held(s: _Sampling, dev) -> None:
     began.  The pool keeps what a call reserved until it is emptied, and nothing empties it during a call, so this
     covers the call's peak and its holes.  A call the allocator had to retry (it emptied its cache to satisfy an
     allocation) or that ran out of memory shows less than it needed: the measured figure is dropped for the rest of
-    the sampling, as it is where the pool cannot be read."""
-    now = _pool(dev)
-    if now is None or s.start is None or now[2:] != s.start[2:]:
+    the sampling, as it is where the pool cannot be read.  A call whose start was not read (one made for another
+    patcher came between) is not read."""
+    now, start, s.start = _pool(dev), s.start, None
+    if now is None or (start is not None and now[2:] != start[2:]):
         s.measured = False
-        return
-    s.held = max(s.held, now[1] - s.start[0])
+    elif start is not None:
+        s.held = max(s.held, now[1] - start[0])
 
 
 def lowered_by_measure(base) -> bool:

@@ -567,3 +567,19 @@ def test_the_cond_batch_wrapper_runs_a_call_again_only_after_a_measured_lowering
             wrapper(executor, base, [], torch.zeros(1), 0, {})
         assert len(calls) == 1 and placed == []
     assert "memory_required" not in base.__dict__  # the model's own memory_required is back
+
+
+def test_a_call_for_another_patcher_between_is_not_read_against_a_stale_start(dev, pool):
+    """Where a call for another patcher of the same BaseModel came between, the next call of the sampling has no
+    start of its own: it is not read (the weights may have moved meanwhile), and the one after it is."""
+    dev.free = 8 * GiB
+    p = pool.patcher = _sampling(dev, [int(7.9 * GiB)], start=int(7.9 * GiB))
+    replan.before_call(p.model)
+    pool.call(4 * GiB)
+    p.model.current_patcher = object()
+    assert replan.before_call(p.model) == 0
+    p.model.current_patcher = p
+    pool.other -= 2 * GiB  # the other patcher's call freed what this one had allocated
+    assert replan.before_call(p.model) == 0 and p.calls == []  # the call before it had no start: nothing read
+    pool.call(4 * GiB)
+    assert replan.before_call(p.model) > 0 and replan.lowered_by_measure(p.model)
