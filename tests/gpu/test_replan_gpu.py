@@ -1,6 +1,7 @@
 """gpu tier: the reservation planned again between model calls (nodes/replan.py) on a real ComfyUI 0.3.64 patcher
 loading onto the GPU: ComfyUI's VRAM state there lets weights move, a lowered plan whose whole room would set a
-module on the device to stream keeps it (its LoRA applied once), and a room for every weight loads them all."""
+module on the device to stream keeps it (its LoRA applied once), a room for every weight loads them all, and what a
+call held in PyTorch's real pool lowers a plan that keeps more (``replan.measured_reservation``)."""
 import sys
 from pathlib import Path
 
@@ -72,4 +73,24 @@ def test_a_lower_plan_with_room_for_every_weight_loads_them_all_onto_the_gpu(com
     replan.before_call(p.model)
     assert replan.before_call(p.model) == 5 * UNIT
     assert not p.model.model_lowvram and p.model.b.weight.is_cuda and _lora_applied_once(p, patched)
+    replan.end(p.model)
+
+
+def test_what_a_call_held_in_the_real_pool_lowers_a_plan_that_keeps_more(comfy, monkeypatch):
+    """The measured figure read from PyTorch's real pool: a first call that held a 64 MiB block (freed, and kept by
+    the pool) against a plan of 4 GiB, whose room loads nothing: the figure places the weights for what the call
+    held, and the room it frees loads the rest of them."""
+    from wan_sage.nodes import comfy_bridge, replan
+    plan = 4 << 30
+    p, patched = _gap_filled(comfy, monkeypatch, 0)
+    # load_models_gpu's room for the plan is what is loaded now: the plan alone moves nothing
+    monkeypatch.setattr(comfy_bridge, "free_memory", lambda dev: plan + 10 * UNIT - p.loaded_size())
+    replan.begin(p, SHAPE, lambda patcher, shape: plan, plan)
+    replan.before_call(p.model)
+    block = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # the call's working memory
+    del block
+    assert replan.before_call(p.model) == 5 * UNIT
+    (move,) = replan.moves(p.model)
+    assert (64 << 20) + replan.MEASURED_FLOOR <= move[2] < plan
+    assert replan.lowered_by_measure(p.model) and not p.model.model_lowvram and _lora_applied_once(p, patched)
     replan.end(p.model)
