@@ -444,14 +444,20 @@ def pool(dev, monkeypatch):
     return p
 
 
+def _second_call(dev, pool, plan, held):
+    """A sampling started at 7.9 GiB with 8 GiB free, whose later plans are ``plan``: its first call holds ``held``
+    bytes, and its second is planned.  Returns (patcher, bytes moved before the second call)."""
+    dev.free = 8 * GiB
+    p = pool.patcher = _sampling(dev, [plan], start=int(7.9 * GiB))
+    replan.before_call(p.model)
+    pool.call(held)
+    return p, replan.before_call(p.model)
+
+
 def test_the_measured_figure_lowers_a_plan_that_reserves_more_than_the_calls_held(dev, pool):
     """The estimate keeps 7.9 GiB for the casts' holes at their largest; the first call held 4 GiB: the weights
     that the rest holds are loaded, leaving that figure and its margin free."""
-    dev.free = 8 * GiB
-    p = pool.patcher = _sampling(dev, [int(7.9 * GiB)], start=int(7.9 * GiB))
-    replan.before_call(p.model)
-    pool.call(4 * GiB)
-    moved = replan.before_call(p.model)
+    p, moved = _second_call(dev, pool, int(7.9 * GiB), 4 * GiB)
     shown = replan.measured_reservation(4 * GiB)
     assert 4 * GiB + replan.MEASURED_FLOOR <= shown <= int(4 * GiB * 1.15)
     room = 8 * GiB - (shown + KEPT_FREE)
@@ -460,22 +466,15 @@ def test_the_measured_figure_lowers_a_plan_that_reserves_more_than_the_calls_hel
 
 
 def test_the_plan_stands_where_the_calls_held_more_than_it(dev, pool):
-    dev.free = 8 * GiB
-    p = pool.patcher = _sampling(dev, [int(5.5 * GiB)], start=int(7.9 * GiB))
-    replan.before_call(p.model)
-    pool.call(int(6.5 * GiB))
-    replan.before_call(p.model)
+    p, _ = _second_call(dev, pool, int(5.5 * GiB), int(6.5 * GiB))
     assert replan.moves(p.model)[0][2] == int(5.5 * GiB) and not replan.lowered_by_measure(p.model)
 
 
 def test_a_call_that_held_more_after_the_move_unloads_weights_again(dev, pool):
     """What the calls hold is read again once the weights moved: a call that then held more raises the
     reservation, and weights are unloaded to it."""
-    dev.free = 8 * GiB
-    p = pool.patcher = _sampling(dev, [int(7.9 * GiB)], start=int(7.9 * GiB))
-    replan.before_call(p.model)
-    pool.call(4 * GiB)
-    assert replan.before_call(p.model) > 0
+    p, loaded = _second_call(dev, pool, int(7.9 * GiB), 4 * GiB)
+    assert loaded > 0
     pool.call(4 * GiB)
     assert replan.before_call(p.model) == 0  # the call after the move is read against the pool as it began
     pool.call(5 * GiB)
@@ -490,11 +489,7 @@ def test_a_call_the_allocator_retried_or_that_ran_out_of_memory_leaves_the_plan_
     """A call whose allocation was retried (the allocator emptied its cache for it) or that ran out of memory shows
     less than it needed, and a pool that cannot be read shows nothing: the plan decides, and a lowered placement
     goes back to it."""
-    dev.free = 8 * GiB
-    p = pool.patcher = _sampling(dev, [int(7.9 * GiB)], start=int(7.9 * GiB))
-    replan.before_call(p.model)
-    pool.call(4 * GiB)
-    loaded = replan.before_call(p.model)
+    p, loaded = _second_call(dev, pool, int(7.9 * GiB), 4 * GiB)
     assert loaded > 0
     if what == "unreadable":
         monkeypatch.setattr(replan, "_pool", lambda dev: None)
@@ -516,11 +511,8 @@ def test_off_cuda_nothing_is_measured(dev):
 
 
 def test_running_out_of_memory_after_a_measured_lowering_places_the_weights_for_the_plan(dev, pool, caplog):
-    dev.free = 8 * GiB
-    p = pool.patcher = _sampling(dev, [int(7.9 * GiB)], start=int(7.9 * GiB))
-    replan.before_call(p.model)
-    pool.call(4 * GiB)
-    assert replan.before_call(p.model) > 0
+    p, loaded = _second_call(dev, pool, int(7.9 * GiB), 4 * GiB)
+    assert loaded > 0
     with caplog.at_level(logging.WARNING, logger="wan_sage"):
         assert replan.after_out_of_memory(p.model, "OutOfMemoryError: CUDA out of memory")
     assert p.calls[-1][0] == "unload" and dev.free == int(7.9 * GiB) + KEPT_FREE  # the plan's room free again
@@ -530,11 +522,7 @@ def test_running_out_of_memory_after_a_measured_lowering_places_the_weights_for_
 
 
 def test_running_out_of_memory_without_a_measured_lowering_is_left_to_comfyui(dev, pool):
-    dev.free = 8 * GiB
-    p = pool.patcher = _sampling(dev, [int(5.5 * GiB)], start=int(7.9 * GiB))
-    replan.before_call(p.model)
-    pool.call(int(6.5 * GiB))
-    replan.before_call(p.model)
+    p, _ = _second_call(dev, pool, int(5.5 * GiB), int(6.5 * GiB))
     n = len(p.calls)
     assert not replan.after_out_of_memory(p.model, "OutOfMemoryError") and len(p.calls) == n
 
