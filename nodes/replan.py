@@ -66,9 +66,9 @@ log = logging.getLogger("wan_sage")
 
 MIN_MOVE_BYTES = 128 << 20  # ComfyUI's smallest partial load (load_models_gpu's lowvram_model_memory floor)
 GiB = float(1 << 30)
-# What the measured figure keeps on top of the most a call was seen to hold: the holes a pool forms are at their
-# full size by the end of the first call after a load (later calls add little), so the margin is for a call that
-# lays the pool out a little differently, not for a second layer of holes.
+# What the measured figure keeps on top of the most a call was seen to hold: a call that lays the pool out
+# differently from the one read.  The holes form again after each move and can come out larger than the first
+# call's (docs/attention.md, "The re-plan between model calls"); a call that then needs more raises the plan again.
 MEASURED_MARGIN = 0.05
 MEASURED_FLOOR = 256 << 20
 
@@ -173,12 +173,19 @@ def before_call(base) -> int:
     return moved
 
 
-def _replan(s: _Sampling, patcher, base) -> int:
+def _plan(s: _Sampling, patcher) -> int | None:
+    """The sampling's plan now, or None (logged once) where planning fails: the weights stay where they are."""
     try:
-        planned = int(s.plan(patcher, s.shape))
+        return int(s.plan(patcher, s.shape))
     except Exception as e:
         warn_once(("replan", type(e).__name__), "wan-sage: planning the reservation again between steps failed "
                   "(%s); the weights stay where the sampling's start placed them.", reason(e))
+        return None
+
+
+def _replan(s: _Sampling, patcher, base) -> int:
+    planned = _plan(s, patcher)
+    if planned is None:
         return 0
     shown = measured_reservation(s.held) if s.measured and s.held > 0 else None
     new = planned if shown is None else min(planned, shown)
@@ -186,10 +193,9 @@ def _replan(s: _Sampling, patcher, base) -> int:
     if abs(new - old) < MIN_MOVE_BYTES or (s.failed and new < old):  # after a failed move only a rise moves
         return 0
     moved = _apply(s, patcher, base, new)
-    if moved:
-        s.held = 0  # what the calls hold is read again with the weights where they now are
     s.lowered = s.reservation < planned
     if moved:
+        s.held = 0  # what the calls hold is read again with the weights where they now are
         log.info("wan-sage: reservation %.2f -> %.2f GiB after %d model call(s)%s: %s %.2f GiB of weights",
                  old / GiB, s.reservation / GiB, s.calls - 1,
                  " (from what they held)" if s.lowered else "", "loaded" if moved > 0 else "unloaded",
@@ -269,15 +275,13 @@ def after_out_of_memory(base, what: str) -> bool:
     s.measured, s.lowered = False, False
     warn_once(("replan-oom",), "wan-sage: a model call ran out of memory with the weights placed for what the "
               "earlier calls held (%s); they are placed for the estimate again and the call runs again.", what)
-    try:
-        planned = int(s.plan(patcher, s.shape))
-    except Exception as e:
-        warn_once(("replan", type(e).__name__), "wan-sage: planning the reservation again between steps failed "
-                  "(%s); the weights stay where the sampling's start placed them.", reason(e))
+    planned = _plan(s, patcher)
+    if planned is None:
         return False
-    comfy_bridge.trim_allocator(comfy_bridge.device_of(patcher), "after running out of memory")
     if planned > s.reservation:
-        _apply(s, patcher, base, planned)
+        _apply(s, patcher, base, planned)  # its move hands the failed call's cached blocks back first
+    else:
+        comfy_bridge.trim_allocator(comfy_bridge.device_of(patcher), "after running out of memory")
     return True
 
 
