@@ -9,7 +9,10 @@ Wiring (all scoped to the cloned MODEL, restored in ``finally``):
 
 * a ``PREPARE_SAMPLING`` wrapper temporarily replaces the shared ``BaseModel.memory_required``
   with :class:`MemoryRequired`, so ``load_models_gpu`` keeps as many weights resident as fit and
-  evicts or offloads the rest (legacy memory path: ComfyUI 0.3.64, GGUF, --disable-dynamic-vram);
+  evicts or offloads the rest (legacy memory path: ComfyUI 0.3.64, GGUF, --disable-dynamic-vram); where an
+  earlier sampling of the same setup kept what its calls held, the load is sized for that figure instead, where
+  it is lower (:class:`StartAt`, :mod:`.held_record`), and the reservation is planned again between model calls
+  (:mod:`.replan`);
 * a ``CALC_COND_BATCH`` wrapper does the same around cond/uncond batching decisions;
 * the clone's ``load`` and ``unpatch_model`` keep the host tensors its weights are loaded from and give them
   back when ComfyUI unloads the model, so nothing is copied back (:mod:`.host_copy`; legacy path only);
@@ -33,8 +36,8 @@ from ..memory import activation_model, report
 from ..memory.estimate import GiB, POLICIES, AttentionPlan, Estimate, Setup, attention_plan, plan
 from ..memory.parallel import Parallel, problem
 from ..memory.request import LEGACY_POLICIES
-from . import (comfy_bridge, compile_blocks, cond_rows, decode_room, host_copy, pinned_host, raylight_bridge, replan,
-               sage_patch)
+from . import (comfy_bridge, compile_blocks, cond_rows, decode_room, held_record, host_copy, pinned_host,
+               raylight_bridge, replan, sage_patch)
 from .log_once import reason, warn_once
 from .sage_patch import find_override
 
@@ -365,17 +368,48 @@ def _prepare_wrapper(settings: Settings, cfg: float = 1.0):
         if est.streamed:
             import comfy.model_management as mm
             mm.soft_empty_cache()  # hand the previous model's cached activations back first
-        prev = comfy_bridge.swap_memory_required(base, fn)
+        scope = comfy_bridge.compile_scope(model, mo)
+        # a whole-model graph would compile again for weights moved between calls
+        replans = (scope is None or scope[0] == comfy_bridge.BLOCKS) and replan.tracks(model)
+        planned = fn(_one_row(noise_shape))
+        key = held_record.record_key(fn.setup, comfy_bridge.device_of(model)) if replans and est.streamed else None
+        start = replan.starting_reservation(key, planned)
+        if start < planned:
+            log.info("wan-sage: reservation %.2f -> %.2f GiB at the start, from what an earlier sampling of this "
+                     "setup held", planned / GiB, start / GiB)
+        prev = comfy_bridge.swap_memory_required(base, fn if start >= planned else StartAt(fn, noise_shape[0], start))
         try:
             out = executor(model, noise_shape, conds, *args, **kwargs)
         finally:
             comfy_bridge.restore_memory_required(base, prev)
         _trim_after_load(comfy_bridge.device_of(model))
-        scope = comfy_bridge.compile_scope(model, mo)
-        if scope is None or scope[0] == comfy_bridge.BLOCKS:  # a whole-model graph would compile again for moves
-            replan.begin(model, noise_shape, _replanner(mo, settings, cfg, est.streamed), fn(_one_row(noise_shape)))
+        if replans:
+            replan.begin(model, noise_shape, _replanner(mo, settings, cfg, est.streamed), start, key=key,
+                         planned=planned)
         return out
     return prepare_sampling
+
+
+class StartAt:
+    """``memory_required`` for a sampling's load that starts below its plan (:func:`.replan.starting_reservation`):
+    ``fn``'s figure, at most ``cap`` bytes for the noise's own ``rows``, where ComfyUI sizes the partial load.  The
+    cond + uncond figure, which only decides what other models ComfyUI unloads first, stays ``fn``'s.  Immutable."""
+
+    __slots__ = ("fn", "rows", "cap")
+
+    def __init__(self, fn, rows: int, cap: int):
+        for name, value in (("fn", fn), ("rows", int(rows)), ("cap", int(cap))):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("StartAt is immutable")
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __call__(self, input_shape, cond_shapes={}, **kwargs):
+        found = self.fn(input_shape, cond_shapes, **kwargs)
+        return min(found, self.cap) if int(input_shape[0]) <= self.rows else found
 
 
 def _one_row(shape) -> list:

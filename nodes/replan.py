@@ -23,6 +23,12 @@ on the plan alone decides.  A call that runs out of memory where the weights sta
 the plan, is run again once they stand for the plan (:func:`after_out_of_memory`, from the estimator's model-call
 wrapper): the user's prompt pays one call, not the prompt.
 
+The first call of a sampling runs before anything is read.  The most a sampling's calls held is kept for the next
+sampling of the same setup (:mod:`.held_record`: Wan 2.2's low-noise expert after the high-noise one, the repeat
+prompt, the next ComfyUI start), and that one places its weights for it with the same margin where it is below the
+plan (:func:`starting_reservation`); its first call counts as lowered, so the same fallback stands.  A sampling whose
+figure cannot be trusted removes its key's.
+
 So before each model call after the first, the sampling is planned again through the same entry point as its
 start (:func:`.estimator.sampling_plan`).  Where the reservation fell by at least ComfyUI's smallest partial load
 (128 MiB) and part of the weights streams, the allocator's free blocks are handed back and the weights that the
@@ -59,7 +65,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import comfy_bridge
+from . import comfy_bridge, held_record
 from .log_once import reason, warn_once
 
 log = logging.getLogger("wan_sage")
@@ -88,21 +94,38 @@ class _Sampling:
     held: int = 0  # the most a model call held above what was allocated as it began, since the last move
     measured: bool = True  # False once a call's figure cannot be read or trusted: the plan alone from then on
     lowered: bool = False  # the weights stand where the measured figure, below the plan, placed them
+    key: str | None = None  # the key the most its calls held is kept under for the next sampling (.held_record)
+    most: int = 0  # the most a call of this sampling held, over all its moves
 
 
 _lock = threading.Lock()
 _samplings: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # BaseModel -> _Sampling
 
 
-def begin(patcher, shape, plan, reservation: int) -> None:
+def tracks(patcher) -> bool:
+    """Whether a sampling of ``patcher`` is planned again between its model calls: a model whose weights ComfyUI
+    places in part and that moves them with ComfyUI's own methods; a dynamic-VRAM model is left to ComfyUI."""
+    return (getattr(patcher, "model", None) is not None and not comfy_bridge.is_dynamic(patcher)
+            and _comfy_moves(patcher) and _placed_in_part(patcher))
+
+
+def starting_reservation(key: str | None, planned: int) -> int:
+    """The reservation a sampling of ``key`` places its weights for: the lesser of its plan, ``planned`` bytes, and
+    what the latest sampling of the key held with the margin (:mod:`.held_record`).  ``key`` None: the plan."""
+    found = held_record.recorded(key) if key is not None else None
+    return int(planned) if found is None else min(int(planned), measured_reservation(found))
+
+
+def begin(patcher, shape, plan, reservation: int, key: str | None = None, planned: int | None = None) -> None:
     """Note the sampling of ``patcher`` that just placed its weights for ``shape`` against ``reservation`` bytes;
-    ``plan(patcher, shape)`` plans it again.  A dynamic-VRAM model is left to ComfyUI."""
-    base = getattr(patcher, "model", None)
-    if (base is None or comfy_bridge.is_dynamic(patcher) or not _comfy_moves(patcher)
-            or not _placed_in_part(patcher)):
+    ``plan(patcher, shape)`` plans it again.  ``key``: what its calls hold is kept under it for the next sampling;
+    ``planned``: the plan, where ``reservation`` is below it (:func:`starting_reservation`)."""
+    if not tracks(patcher):
         return
+    s = _Sampling(weakref.ref(patcher), tuple(int(x) for x in shape), plan, int(reservation), key=key,
+                  lowered=planned is not None and int(reservation) < int(planned))
     with _lock:
-        _samplings[base] = _Sampling(weakref.ref(patcher), tuple(int(x) for x in shape), plan, int(reservation))
+        _samplings[patcher.model] = s
 
 
 def _comfy_moves(patcher) -> bool:
@@ -253,9 +276,20 @@ def _note_held(s: _Sampling, dev) -> None:
     patcher came between) is not read."""
     now, start, s.start = _pool(dev), s.start, None
     if now is None or (start is not None and now[2:] != start[2:]):
-        s.measured = False
+        _distrust(s)
     elif start is not None:
         s.held = max(s.held, now[1] - start[0])
+        if s.measured and s.held > s.most:
+            s.most = s.held
+            if s.key is not None:
+                held_record.keep(s.key, s.most)
+
+
+def _distrust(s: _Sampling) -> None:
+    """Drop the measured figure for the rest of ``s``, and the kept one of its key for the samplings after it."""
+    s.measured = False
+    if s.key is not None:
+        held_record.keep(s.key, None)
 
 
 def lowered_by_measure(base) -> bool:
@@ -272,7 +306,8 @@ def after_out_of_memory(base, what: str) -> bool:
     patcher = s.patcher() if s is not None else None
     if s is None or not s.lowered or patcher is None:
         return False
-    s.measured, s.lowered = False, False
+    _distrust(s)
+    s.lowered = False
     warn_once(("replan-oom",), "wan-sage: a model call ran out of memory with the weights placed for what the "
               "earlier calls held (%s); they are placed for the estimate again and the call runs again.", what)
     planned = _plan(s, patcher)

@@ -79,7 +79,8 @@ def _patched(model) -> list:
     return sorted(names)
 
 
-def _host_version() -> str:
+def host_version() -> str:
+    """The ComfyUI version this process runs, "" where it does not say."""
     found = sys.modules.get("comfyui_version")
     return str(getattr(found, "__version__", "")) if found is not None else ""
 
@@ -87,7 +88,7 @@ def _host_version() -> str:
 def record_key(model, blocks) -> str:
     """The key of ``model``'s streamed path, whose transformer blocks are ``blocks`` (hashed short)."""
     import torch
-    text = repr((compile_cache.build_prefix(torch, comfy_bridge.device_of(model)), __version__, _host_version(),
+    text = repr((compile_cache.build_prefix(torch, comfy_bridge.device_of(model)), __version__, host_version(),
                  comfy_bridge.wan_dims(model), comfy_bridge.compute_dtype(model), _patched(model),
                  _module_kinds(blocks)))
     return hashlib.sha256(text.encode()).hexdigest()[:24]

@@ -131,6 +131,44 @@ def test_a_sampling_is_planned_again_unless_one_graph_compiles_the_whole_model(c
     replan.end(m.model)
 
 
+def test_a_sampling_of_a_setup_seen_before_loads_for_what_it_held(comfy, monkeypatch, tmp_path):
+    """The estimator's PREPARE_SAMPLING wrapper: where an earlier sampling of the same setup kept what its calls
+    held, ComfyUI's load sizes the partial load for that figure with the margin (its one-row memory_required), the
+    cond + uncond figure stays the plan's, and the model's own memory_required is back afterwards."""
+    from dataclasses import replace
+
+    from wan_sage.nodes import comfy_bridge, estimator, held_record, replan
+    monkeypatch.setattr(replan, "_placed_in_part", lambda patcher: True)
+    monkeypatch.setenv(comfy_bridge.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(held_record, "_here", {})
+    monkeypatch.setattr(replan, "MEASURED_FLOOR", 1 << 20)  # the tiny model's whole plan is under the real floor
+    real = estimator.sampling_plan
+
+    def streamed(*a, **k):  # the tiny model fits anywhere: the verdict that its weights stream
+        fn, est = real(*a, **k)
+        return estimator.MemoryRequired(replace(fn.setup, streamed=True)), replace(est, streamed=True)
+    monkeypatch.setattr(estimator, "sampling_plan", streamed)
+    m, _, _ = estimator.apply_estimator(comfy_env.tiny_wan_patcher(num_layers=2), estimator.Settings(), SHAPE)
+    fn, _ = estimator.sampling_plan(m, SHAPE, m.model_options, estimator.Settings())
+    one, two = SHAPE, [2 * SHAPE[0]] + SHAPE[1:]
+    planned = fn(one)
+    prepare = estimator._prepare_wrapper(estimator.Settings())
+    seen = []
+
+    def load(model, *a, **k):
+        seen.append((model.model.memory_required(one), model.model.memory_required(two)))
+        return "loaded"
+    replan.end(m.model)
+    assert prepare(load, m, SHAPE, {}, m.model_options) == "loaded"
+    assert seen[-1] == (planned, fn(two))  # nothing kept: the plan
+    held_record.keep(held_record.record_key(fn.setup, comfy_bridge.device_of(m)), planned // 4)
+    assert prepare(load, m, SHAPE, {}, m.model_options) == "loaded"
+    start = replan.measured_reservation(planned // 4)
+    assert start < planned and seen[-1] == (start, fn(two))
+    assert replan.lowered_by_measure(m.model) and "memory_required" not in m.model.__dict__
+    replan.end(m.model)
+
+
 UNIT = comfy_env.GAP_UNIT
 
 

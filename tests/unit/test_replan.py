@@ -571,3 +571,129 @@ def test_a_call_for_another_patcher_between_is_not_read_against_a_stale_start(de
     assert replan.before_call(p.model) == 0 and p.calls == []  # the call before it had no start: nothing read
     pool.call(4 * GiB)
     assert replan.before_call(p.model) > 0 and replan.lowered_by_measure(p.model)
+
+
+@pytest.fixture
+def kept(monkeypatch, tmp_path):
+    """The kept figures (nodes/held_record.py) in a fresh cache folder, as in a new process."""
+    from wan_sage.nodes import held_record
+    monkeypatch.setenv(comfy_bridge.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(held_record, "_here", {})
+    monkeypatch.setattr(held_record, "_read", {})
+    return held_record
+
+
+def _keyed(dev, pool, start, planned, key="k"):
+    """A sampling of ``key`` started at ``start`` bytes against a plan of ``planned``, with 8 GiB free and the
+    pool's cached blocks handed back after its load."""
+    dev.free = 8 * GiB
+    p = pool.patcher = Patcher(dev, 6 * GiB, 10 * GiB)
+    pool.reserved = 0
+    replan.begin(p, [1, 16, 21, 90, 160], lambda patcher, shape: planned, start, key=key, planned=planned)
+    return p
+
+
+def test_a_sampling_starts_from_what_the_last_one_of_its_key_held(dev, pool, kept):
+    """The most the high-noise expert's calls held is kept; the low-noise expert's sampling of the same setup
+    places its weights for it with the margin, below the plan, and counts as lowered from its first call."""
+    plan = int(7.9 * GiB)
+    assert replan.starting_reservation("k", plan) == plan  # nothing kept yet: the plan
+    p = _keyed(dev, pool, plan, plan)
+    replan.before_call(p.model)
+    pool.call(4 * GiB)
+    replan.before_call(p.model)  # read: the first call held 4 GiB
+    pool.call(3 * GiB)
+    replan.before_call(p.model)  # a call that held less does not lower the kept figure
+    assert kept.recorded("k") == 4 * GiB and kept.recorded("other") is None
+    start = replan.starting_reservation("k", plan)
+    assert start == replan.measured_reservation(4 * GiB) < plan
+    assert replan.starting_reservation("k", 4 * GiB) == 4 * GiB  # never above the plan
+    q = _keyed(dev, pool, start, plan)
+    assert replan.lowered_by_measure(q.model)
+    assert not replan.lowered_by_measure(_keyed(dev, pool, plan, plan).model)
+
+
+def test_the_latest_sampling_of_a_key_replaces_its_figure(dev, pool, kept):
+    plan = int(7.9 * GiB)
+    for held in (4 * GiB, 3 * GiB, 5 * GiB):
+        p = _keyed(dev, pool, plan, plan)
+        replan.before_call(p.model)
+        pool.call(held)
+        replan.before_call(p.model)
+        assert kept.recorded("k") == held
+
+
+@pytest.mark.parametrize("what", ["retries", "ooms"])
+def test_a_sampling_whose_figure_cannot_be_trusted_removes_its_key(dev, pool, kept, what):
+    plan = int(7.9 * GiB)
+    kept.keep("k", 4 * GiB)
+    p = _keyed(dev, pool, replan.starting_reservation("k", plan), plan)
+    replan.before_call(p.model)
+    setattr(pool, what, 1)
+    pool.call(3 * GiB)
+    replan.before_call(p.model)
+    assert kept.recorded("k") is None and replan.starting_reservation("k", plan) == plan
+
+
+def test_running_out_of_memory_in_a_sampling_started_below_its_plan_places_it_for_the_plan(dev, pool, kept):
+    """The first call of a sampling started from a kept figure ran out of memory: the weights are unloaded to the
+    plan's room, the call may run again, and the key's figure is gone for the next sampling."""
+    plan = int(7.9 * GiB)
+    kept.keep("k", 4 * GiB)
+    start = replan.starting_reservation("k", plan)
+    dev.free = start + KEPT_FREE  # the load left the kept figure's room free
+    p = pool.patcher = Patcher(dev, 6 * GiB, 10 * GiB)
+    replan.begin(p, [1, 16, 21, 90, 160], lambda patcher, shape: plan, start, key="k", planned=plan)
+    replan.before_call(p.model)
+    assert replan.after_out_of_memory(p.model, "OutOfMemoryError")
+    assert p.calls[-1] == ("unload", "cpu", plan - start) and dev.free == plan + KEPT_FREE
+    assert kept.recorded("k") is None and not replan.lowered_by_measure(p.model)
+
+
+def test_the_kept_figures_last_across_comfyui_starts(kept, tmp_path):
+    kept.keep("k", 4 * GiB)
+    kept.keep("gone", 2 * GiB)
+    kept.keep("gone", None)
+    kept._here.clear()  # a new process: only the file is left
+    kept._read.clear()
+    assert kept.recorded("k") == 4 * GiB and kept.recorded("gone") is None
+    assert sorted(__import__("json").loads((tmp_path / "memory" / "held.json").read_text())["held"]) == ["k"]
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"format": 0, "held": {"k": 1}}', '{"format": 1, "held": []}',
+                                  '{"format": 1, "held": {"k": true, "j": -5, "i": "4"}}'])
+def test_a_kept_file_that_cannot_be_read_is_as_none(kept, tmp_path, caplog, text):
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "memory" / "held.json").write_text(text)
+    with caplog.at_level(logging.WARNING, logger="wan_sage"):
+        assert kept.recorded("k") is None and replan.starting_reservation("k", 5 * GiB) == 5 * GiB
+    kept.keep("k", 3 * GiB)  # written afresh
+    kept._here.clear()
+    kept._read.clear()
+    assert kept.recorded("k") == 3 * GiB
+
+
+def test_a_figure_that_cannot_be_written_is_kept_in_this_process_only(kept, tmp_path, caplog):
+    (tmp_path / "memory").write_text("a file where the folder goes")
+    with caplog.at_level(logging.WARNING, logger="wan_sage"):
+        kept.keep("k", 4 * GiB)
+    assert kept.recorded("k") == 4 * GiB
+    assert "could not be kept for the next ComfyUI start" in caplog.text
+
+
+def test_a_setup_key_leaves_out_only_what_decides_how_much_streams():
+    """Two experts at one budget, or one at two budgets, share a key; another latent, weight format, attention or
+    streaming does not."""
+    from dataclasses import replace
+
+    from wan_sage.memory.activation_model import PRESETS, WeightSetup
+    from wan_sage.memory.estimate import Setup
+    from wan_sage.nodes import held_record
+    s = Setup(dims=PRESETS["wan2.2-a14b"], latent=(1, 16, 21, 90, 160), weights=WeightSetup("fp8", lora=True, streamed=True),
+              weights_bytes=14 << 30, vram_bytes=16 << 30, streamed=True)
+    key = held_record.record_key(s, "cpu")
+    assert held_record.record_key(replace(s, vram_bytes=12 << 30, notes=("compiled",), source="x"), "cpu") == key
+    for other in (replace(s, latent=(1, 16, 21, 72, 128)), replace(s, weights=WeightSetup("gguf", 0.6, lora=True)),
+                  replace(s, streamed=False), replace(s, sage_grouped=True), replace(s, compiled=True),
+                  replace(s, cfg=3.5)):
+        assert held_record.record_key(other, "cpu") != key
