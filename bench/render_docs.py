@@ -1910,9 +1910,11 @@ def fp8_hole_lines() -> list:
             + (f"; the sampling that ran out of memory held {max(oom):.2f} GiB above what it had allocated" if oom else "")
             + f". One configuration's streamed samplings spread by up to {max(spread):.2f} GiB, so a cast term cut to what "
             "most runs hold would run out of memory in the runs with the largest holes. It stays above the largest "
-            f"measured ({frag:.2f} GiB with the fixed part at this size). It places the weights for a sampling's first "
-            "model call; from the second call on, the re-plan places them for what the calls held, holes included "
+            f"measured ({frag:.2f} GiB with the fixed part at this size). It places the weights for the first model "
+            "call of a setup's first sampling; from the second call on, the re-plan places them for what the calls "
+            "held, holes included, and a later sampling of the same setup starts from what the latest one held "
             f"([the re-plan](attention.md#{anchor('The re-plan between model calls')})). " + measured_plan_text()
+            + " " + kept_figure_text()
             + (" On PyTorch's own allocator with expandable segments (`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`, "
                "ComfyUI started with `--disable-cuda-malloc`; those runs are left out of the tables) the streamed "
                "samplings held " + "; ".join(f"{_span(v)} GiB at {b:g} GiB" for b, v in sorted(expandable.items()))
@@ -2030,6 +2032,11 @@ REPLAN_ROUNDS = (("whole-prompt/h100-gguf-720p81-4steps-16gib-compiled-blocks.js
 MEASURED_PLAN_ROUNDS = (("whole-prompt/h100-fp8-720p81-4steps-16gib-eager.jsonl", "a"),
                         ("whole-prompt/void-measured-plan-h100-3bf14f2.jsonl", "a"))
 REPLAN_ROUNDS += MEASURED_PLAN_ROUNDS
+# the rounds in which a sampling of a setup seen before started from what the latest one held (nodes/held_record.py)
+KEPT_FIGURE_ROUNDS = (("whole-prompt/h100-gguf-720p81-4steps-12gib-eager.jsonl", "a"),
+                      ("whole-prompt/h100-fp8-480p81-20steps-16gib-eager.jsonl", "a"),
+                      ("whole-prompt/void-kept-figure-h100-68da9e9.jsonl", "a"))
+REPLAN_ROUNDS += KEPT_FIGURE_ROUNDS
 
 
 def _replan_samplings(rounds=None):
@@ -2058,15 +2065,16 @@ def _replan_completed() -> str:
 
 
 def _replan_moves(rounds=None) -> tuple[list, list]:
-    """([(file, record, expert record, move, unused GiB per step)] of the streamed samplings of ``rounds``
+    """([(file, record, expert record, moves, unused GiB per step)] of the streamed samplings of ``rounds``
     (:data:`REPLAN_ROUNDS`) that moved weights, [(file, record, expert record, least unused GiB)] of the fp8 ones
     sampled eagerly with weights streamed, which moved none)."""
     moved, still = [], []
     for name, r, e, kept in _replan_samplings(rounds):
         b = r["config"]["budget_gib"]
         unused = [b - kept - x for x in e["step_peak_reserved_gib"]]
-        if e.get("replan"):
-            (m,) = e["replan"]
+        if e.get("replan"):  # several moves as one: from the first one's plan to the last one's, the GiB summed
+            ms = e["replan"]
+            m = dict(ms[0], to_gib=ms[-1]["to_gib"], moved_gib=sum(x["moved_gib"] for x in ms))
             moved.append((name, r, e, m, unused))
         elif r["config"].get("weights") == "fp8" and e["resident_frac"] < 0.9999:
             still.append((name, r, e, min(unused)))
@@ -2111,10 +2119,53 @@ def measured_plan_text() -> str:
             + f"; {m['ok']} of {m['prompts']} prompts completed, with {m['retries']} allocator retries.")
 
 
+def started_on_plan(e: dict) -> bool:
+    """Whether an expert sampling placed its weights for its plan: the reservation ComfyUI's load read
+    (``predicted_working_gib``) is the estimate's (``estimator.reservation_gb``).  Below it, the sampling started
+    from what an earlier one of its setup held (the log says so for each: bench/tests/test_kept_figure_records.py)."""
+    return abs(e["predicted_working_gib"] - e["estimator"]["reservation_gb"]) < 0.005
+
+
+def kept_figure_summary() -> dict | None:
+    """What the samplings of :data:`KEPT_FIGURE_ROUNDS` left unused: per sampling the unused GiB of each step, those
+    that started on the plan apart from those that started from the kept figure; the prompts and their retries."""
+    plan, kept, sizes = [], [], set()
+    for _, r, e, k in _replan_samplings(KEPT_FIGURE_ROUNDS):
+        c = r["config"]
+        (plan if started_on_plan(e) else kept).append([c["budget_gib"] - k - x for x in e["step_peak_reserved_gib"]])
+        sizes.add((c.get("weights"), c["width"], c["height"], c["frames"], c.get("steps", 4), c["budget_gib"]))
+    if not kept:
+        return None
+    prompts = [pr for name, rnd in KEPT_FIGURE_ROUNDS if path(name).exists() for r in rows(name)
+               if r.get("round") == rnd and r["config"].get("estimator") for pr in r.get("prompts") or []]
+    return dict(plan=plan, kept=kept, sizes=sorted(sizes), prompts=len(prompts),
+                ok=sum(1 for pr in prompts if pr.get("status") == "ok"),
+                retries=sum(int(pr.get("alloc_retries") or 0) for pr in prompts))
+
+
+def kept_figure_text() -> str:
+    """One sentence on the samplings that started from what the latest sampling of their setup held."""
+    m = kept_figure_summary()
+    if m is None:
+        return "A sampling that starts from what the latest one of its setup held is not measured yet."
+    where = _and([f"{_weights_text(w)} {_size_text((wd, h, f))} {n} steps at {b:g} GiB"
+                  for w, wd, h, f, n, b in m["sizes"]])
+    return (f"A sampling of a setup seen before starts from what the latest one held, with the same margin "
+            f"(`nodes/held_record.py`; on an H100, estimator + Sage + host copy, eager, {where}; "
+            f"{_and([link(n) for n, _ in KEPT_FIGURE_ROUNDS])}): the {len(m['kept'])} samplings that did left "
+            f"{_span([u[0] for u in m['kept']])} GiB of the budget unused in their first step and at most "
+            f"{max(max(u) for u in m['kept']):.2f} GiB in any step; the {len(m['plan'])} that ran their first step on "
+            "the plan (the first sampling of a setup in a process with no figure kept for it: the high-noise expert's "
+            "first calls time new shapes ungrouped, so the low-noise one's setup differs) left "
+            f"{_span([u[0] for u in m['plan']])} GiB in it; {m['ok']} of {m['prompts']} prompts completed, with "
+            f"{m['retries']} allocator retries.")
+
+
 def replan_text() -> str:
     """The re-plan between model calls: what it does, and the span of what it left unused where it ran (the rows
     are in :func:`replan_table`)."""
-    moved, still = _replan_moves(tuple(x for x in REPLAN_ROUNDS if x not in MEASURED_PLAN_ROUNDS))
+    moved, still = _replan_moves(tuple(x for x in REPLAN_ROUNDS
+                                       if x not in MEASURED_PLAN_ROUNDS and x not in KEPT_FIGURE_ROUNDS))
     text = ("Before each model call after the first the estimator plans the sampling again from what the calls "
             "showed, and where the plan fell by at least ComfyUI's smallest partial load (128 MiB) it loads the "
             "weights the freed room holds through ComfyUI's own `partially_load`, sized as `load_models_gpu` sizes "
@@ -2143,7 +2194,7 @@ def replan_text() -> str:
         text += (f"Measured on the high-noise expert's first sampling of {len(moved)} first prompts (table: "
                  f"[The re-plan between model calls](#{anchor('The re-plan between model calls')})): "
                  + "; ".join(said) + ". " + _replan_completed())
-    text += ". " + measured_plan_text()[:-1]
+    text += ". " + measured_plan_text() + " " + kept_figure_text()[:-1]
     if still:
         name, r, e, u = still[0]
         text += (f". An fp8 expert sampled eagerly ({link(name)} round `{r.get('round')}`, {r['config']['budget_gib']:g} "
@@ -2166,7 +2217,9 @@ def replan_table() -> list:
                         "took what the calls held (wan-sage before `3bf14f2`): the high-noise expert's first sampling "
                         "of a first prompt, with Wan Compile Blocks (GGUF: its streamed blocks lifted into the "
                         "resident block's graph; fp8 with a LoRA: every block eager). From `3bf14f2` on: every "
-                        "sampling of fp8 estimator + Sage + host copy, eager, first and repeat prompts. *Unused*: the "
+                        "sampling of fp8 estimator + Sage + host copy, eager, first and repeat prompts; from `68da9e9` on, GGUF "
+                        "too, and a sampling that started from what the latest one of its setup held and moved "
+                        "nothing has no row. *Unused*: the "
                         "budget less what ComfyUI keeps free, what the "
                         "device held outside PyTorch's pool and the pool's peak; *later steps*: the least over the "
                         "steps after the move (`bench.render_docs.REPLAN_ROUNDS` lists the rounds).", width=116,
