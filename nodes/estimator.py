@@ -372,8 +372,8 @@ def _prepare_wrapper(settings: Settings, cfg: float = 1.0):
         # a whole-model graph would compile again for weights moved between calls
         replans = (scope is None or scope[0] == comfy_bridge.BLOCKS) and replan.tracks(model)
         planned = fn(_one_row(noise_shape))
-        key = held_record.record_key(fn.setup, comfy_bridge.device_of(model)) if replans and est.streamed else None
-        start = replan.starting_reservation(key, planned)
+        keys = held_record.record_keys(fn.setup, comfy_bridge.device_of(model)) if replans and est.streamed else []
+        start = replan.starting_reservation(keys, planned)
         if start < planned:
             log.info("wan-sage: reservation %.2f -> %.2f GiB at the start, from what an earlier sampling of this "
                      "setup held", planned / GiB, start / GiB)
@@ -384,8 +384,8 @@ def _prepare_wrapper(settings: Settings, cfg: float = 1.0):
             comfy_bridge.restore_memory_required(base, prev)
         _trim_after_load(comfy_bridge.device_of(model))
         if replans:
-            replan.begin(model, noise_shape, _replanner(mo, settings, cfg, est.streamed), start, key=key,
-                         planned=planned)
+            replan.begin(model, noise_shape, _replanner(mo, settings, cfg, est.streamed), start,
+                         key=keys[0] if keys else None, planned=planned)
         return out
     return prepare_sampling
 

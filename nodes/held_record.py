@@ -7,7 +7,9 @@ the largest they were measured: fp8 A14B 720p81 left 1.6-2.6 GiB of a 12-20 GiB 
 on an H100.  A sampling of the same setup holds about what the last one held: Wan 2.2's low-noise expert after the
 high-noise one, the repeat prompt, the first prompt of the next ComfyUI start.  So the most a sampling's calls held
 is kept under a key of what decides it, and the next sampling of that key places its weights for that figure with
-the re-plan's margin, where that is below the plan (:func:`.replan.starting_reservation`).  The re-plan's fallback
+the re-plan's margin, where that is below the plan (:func:`.replan.starting_reservation`); a setup whose
+self-attention Sage runs in head groups, with no figure of its own, takes the figure of the same setup run
+ungrouped, which holds more (:func:`record_keys`).  The re-plan's fallback
 stands: a call that runs out of memory there runs again with the weights placed for the plan.
 
 The key is the estimate's setup (the model's dims and weights, the latent, the attention, the compile, whether the
@@ -52,6 +54,17 @@ def record_key(setup, dev) -> str:
     plain = replace(setup, vram_bytes=None, legacy_reason=None, pixels=None, source="", notes=())
     text = repr((compile_cache.build_prefix(torch, dev), __version__, streamed_record.host_version(), plain))
     return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def record_keys(setup, dev) -> list:
+    """The key a sampling planned with ``setup`` on ``dev`` keeps its figure under, then the key whose figure may
+    stand in for it where it has none.  Sage's self-attention run in head groups holds less than the same setup run
+    ungrouped, as a shape's first, timed calls run: so a grouped setup may start from the ungrouped one's figure
+    (Wan 2.2's low-noise expert from the high-noise one that timed the prompt's shapes), never the other way."""
+    keys = [record_key(setup, dev)]
+    if getattr(setup, "sage_grouped", False):
+        keys.append(record_key(replace(setup, sage_grouped=False), dev))
+    return keys
 
 
 def _path() -> str | None:

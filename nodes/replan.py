@@ -109,11 +109,15 @@ def tracks(patcher) -> bool:
             and _comfy_moves(patcher) and _placed_in_part(patcher))
 
 
-def starting_reservation(key: str | None, planned: int) -> int:
-    """The reservation a sampling of ``key`` places its weights for: the lesser of its plan, ``planned`` bytes, and
-    what the latest sampling of the key held with the margin (:mod:`.held_record`).  ``key`` None: the plan."""
-    found = held_record.recorded(key) if key is not None else None
-    return int(planned) if found is None else min(int(planned), measured_reservation(found))
+def starting_reservation(keys, planned: int) -> int:
+    """The reservation a sampling places its weights for: the lesser of its plan, ``planned`` bytes, and what the
+    latest sampling of the first of ``keys`` that has a figure held, with the margin (:mod:`.held_record`; its own
+    key first, then one whose figure bounds it).  No keys, or no figure: the plan."""
+    for key in keys or ():
+        found = held_record.recorded(key)
+        if found is not None:
+            return min(int(planned), measured_reservation(found))
+    return int(planned)
 
 
 def begin(patcher, shape, plan, reservation: int, key: str | None = None, planned: int | None = None) -> None:

@@ -597,7 +597,7 @@ def test_a_sampling_starts_from_what_the_last_one_of_its_key_held(dev, pool, kep
     """The most the high-noise expert's calls held is kept; the low-noise expert's sampling of the same setup
     places its weights for it with the margin, below the plan, and counts as lowered from its first call."""
     plan = int(7.9 * GiB)
-    assert replan.starting_reservation("k", plan) == plan  # nothing kept yet: the plan
+    assert replan.starting_reservation(["k"], plan) == plan  # nothing kept yet: the plan
     p = _keyed(dev, pool, plan, plan)
     replan.before_call(p.model)
     pool.call(4 * GiB)
@@ -605,9 +605,9 @@ def test_a_sampling_starts_from_what_the_last_one_of_its_key_held(dev, pool, kep
     pool.call(3 * GiB)
     replan.before_call(p.model)  # a call that held less does not lower the kept figure
     assert kept.recorded("k") == 4 * GiB and kept.recorded("other") is None
-    start = replan.starting_reservation("k", plan)
+    start = replan.starting_reservation(["k"], plan)
     assert start == replan.measured_reservation(4 * GiB) < plan
-    assert replan.starting_reservation("k", 4 * GiB) == 4 * GiB  # never above the plan
+    assert replan.starting_reservation(["k"], 4 * GiB) == 4 * GiB  # never above the plan
     q = _keyed(dev, pool, start, plan)
     assert replan.lowered_by_measure(q.model)
     assert not replan.lowered_by_measure(_keyed(dev, pool, plan, plan).model)
@@ -627,12 +627,12 @@ def test_the_latest_sampling_of_a_key_replaces_its_figure(dev, pool, kept):
 def test_a_sampling_whose_figure_cannot_be_trusted_removes_its_key(dev, pool, kept, what):
     plan = int(7.9 * GiB)
     kept.keep("k", 4 * GiB)
-    p = _keyed(dev, pool, replan.starting_reservation("k", plan), plan)
+    p = _keyed(dev, pool, replan.starting_reservation(["k"], plan), plan)
     replan.before_call(p.model)
     setattr(pool, what, 1)
     pool.call(3 * GiB)
     replan.before_call(p.model)
-    assert kept.recorded("k") is None and replan.starting_reservation("k", plan) == plan
+    assert kept.recorded("k") is None and replan.starting_reservation(["k"], plan) == plan
 
 
 def test_running_out_of_memory_in_a_sampling_started_below_its_plan_places_it_for_the_plan(dev, pool, kept):
@@ -640,7 +640,7 @@ def test_running_out_of_memory_in_a_sampling_started_below_its_plan_places_it_fo
     plan's room, the call may run again, and the key's figure is gone for the next sampling."""
     plan = int(7.9 * GiB)
     kept.keep("k", 4 * GiB)
-    start = replan.starting_reservation("k", plan)
+    start = replan.starting_reservation(["k"], plan)
     dev.free = start + KEPT_FREE  # the load left the kept figure's room free
     p = pool.patcher = Patcher(dev, 6 * GiB, 10 * GiB)
     replan.begin(p, [1, 16, 21, 90, 160], lambda patcher, shape: plan, start, key="k", planned=plan)
@@ -666,7 +666,7 @@ def test_a_kept_file_that_cannot_be_read_is_as_none(kept, tmp_path, caplog, text
     (tmp_path / "memory").mkdir()
     (tmp_path / "memory" / "held.json").write_text(text)
     with caplog.at_level(logging.WARNING, logger="wan_sage"):
-        assert kept.recorded("k") is None and replan.starting_reservation("k", 5 * GiB) == 5 * GiB
+        assert kept.recorded("k") is None and replan.starting_reservation(["k"], 5 * GiB) == 5 * GiB
     kept.keep("k", 3 * GiB)  # written afresh
     kept._here.clear()
     kept._read.clear()
@@ -697,3 +697,25 @@ def test_a_setup_key_leaves_out_only_what_decides_how_much_streams():
                   replace(s, streamed=False), replace(s, sage_grouped=True), replace(s, compiled=True),
                   replace(s, cfg=3.5)):
         assert held_record.record_key(other, "cpu") != key
+
+
+def test_a_grouped_setup_with_no_figure_of_its_own_starts_from_the_ungrouped_ones(kept):
+    """The high-noise expert's first sampling times the prompt's shapes ungrouped, which holds more; the low-noise
+    one, grouped, starts from its figure until it has its own.  An ungrouped setup never takes a grouped figure."""
+    from dataclasses import replace
+
+    from wan_sage.memory.activation_model import PRESETS, WeightSetup
+    from wan_sage.memory.estimate import Setup
+    from wan_sage.nodes import held_record
+    ungrouped = Setup(dims=PRESETS["wan2.2-a14b"], latent=(1, 16, 21, 90, 160), streamed=True,
+                      weights=WeightSetup("fp8", lora=True, streamed=True))
+    grouped = replace(ungrouped, sage_grouped=True)
+    own, other = held_record.record_keys(grouped, "cpu")
+    assert held_record.record_keys(ungrouped, "cpu") == [other] != [own]
+    plan = int(7.9 * GiB)
+    kept.keep(other, 5 * GiB)
+    assert replan.starting_reservation([own, other], plan) == replan.measured_reservation(5 * GiB)
+    kept.keep(own, 4 * GiB)
+    assert replan.starting_reservation([own, other], plan) == replan.measured_reservation(4 * GiB)
+    kept.keep(other, None)
+    assert replan.starting_reservation([other], plan) == plan
