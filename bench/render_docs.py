@@ -2156,9 +2156,10 @@ def kept_figure_text() -> str:
             f"{_span([u[0] for u in m['kept']])} GiB of the budget unused in their first step and at most "
             f"{max(max(u) for u in m['kept']):.2f} GiB in any step; the {len(m['plan'])} that ran their first step on "
             "the plan (the first sampling of a setup in a process with no figure kept for it: the high-noise expert's "
-            "first calls time new shapes ungrouped, so the low-noise one's setup differs) left "
+            "first calls time new shapes ungrouped, so the low-noise one's setup, grouped, differed) left "
             f"{_span([u[0] for u in m['plan']])} GiB in it; {m['ok']} of {m['prompts']} prompts completed, with "
-            f"{m['retries']} allocator retries.")
+            f"{m['retries']} allocator retries. From `c4834ff` on, a grouped setup with no figure of its own starts "
+            "from the ungrouped one's, which holds more (not yet measured on a GPU).")
 
 
 def replan_text() -> str:
