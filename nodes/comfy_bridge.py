@@ -9,6 +9,7 @@ import itertools
 import logging
 import os
 import re
+import sys
 import weakref
 
 import torch
@@ -694,6 +695,12 @@ class PatcherFreeMemory:
 
 
 CACHE_ENV = "WAN_SAGE_CACHE_DIR"
+
+
+def host_version() -> str:
+    """The ComfyUI version this process runs, "" where it does not say."""
+    found = sys.modules.get("comfyui_version")
+    return str(getattr(found, "__version__", "")) if found is not None else ""
 
 
 def cache_dir() -> str | None:

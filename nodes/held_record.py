@@ -25,34 +25,30 @@ be read is as no file, and a figure that cannot be kept is said once and left ou
 from __future__ import annotations
 
 import hashlib
-import json
-import logging
-import os
 import threading
 from dataclasses import replace
 
 from .. import __version__
-from ..attention.file_lock import file_lock, replace_atomically
-from . import comfy_bridge, compile_cache, streamed_record
+from . import comfy_bridge, compile_cache
+from .kept_file import KeptFile
 from .log_once import reason, warn_once
-
-log = logging.getLogger("wan_sage")
 
 SUBDIR = "memory"
 FILE_NAME = "held.json"
-FORMAT = 1
 MOST = 1 << 44  # larger than any device's memory: a value above it is not a figure
 
+_file = KeptFile(SUBDIR, FILE_NAME, "held",
+                 lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 < v < MOST, "held",
+                 "what its calls held")
 _lock = threading.Lock()
 _here: dict = {}  # key -> bytes this process saw, or None where it removed the key
-_read: dict = {}  # file path -> ((mtime_ns, size), {key: bytes}) as this process last read or wrote it
 
 
 def record_key(setup, dev) -> str:
     """The key of a sampling planned with ``setup`` (a :class:`memory.estimate.Setup`) on ``dev``, hashed short."""
     import torch
     plain = replace(setup, vram_bytes=None, legacy_reason=None, pixels=None, source="", notes=())
-    text = repr((compile_cache.build_prefix(torch, dev), __version__, streamed_record.host_version(), plain))
+    text = repr((compile_cache.build_prefix(torch, dev), __version__, comfy_bridge.host_version(), plain))
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -67,67 +63,17 @@ def record_keys(setup, dev) -> list:
     return keys
 
 
-def _path() -> str | None:
-    base = comfy_bridge.cache_dir()
-    return None if base is None else os.path.join(base, SUBDIR, FILE_NAME)
-
-
-def _stamp(path: str):
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_mtime_ns, st.st_size
-
-
-def _read_disk(path: str) -> dict:
-    """The file's {key: bytes}; {} where it is missing, unreadable or of another format (said once)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested past Python's limit
-        warn_once(("held-record-unreadable", path), "wan-sage: ignored %s (%s); the next sampling that shows what "
-                  "its calls held writes it afresh.", path, reason(e))
-        return {}
-    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("held"), dict):
-        warn_once(("held-record-format", path), "wan-sage: ignored %s, of an unknown or older format; the next "
-                  "sampling that shows what its calls held writes it afresh.", path)
-        return {}
-    return {k: v for k, v in data["held"].items() if isinstance(v, int) and not isinstance(v, bool) and 0 < v < MOST}
-
-
-def _entries(path: str) -> dict:
-    """The file's {key: bytes}, read again where it changed on disk since this process last read it."""
-    stamp = _stamp(path)
-    with _lock:
-        found = _read.get(path)
-    if found is not None and found[0] == stamp:
-        return found[1]
-    entries = _read_disk(path) if stamp is not None else {}
-    with _lock:
-        _read[path] = (stamp, entries)
-    return entries
-
-
-def _write(path: str, key: str, value: int | None) -> None:
-    """Set ``key`` to ``value`` in the file under its lock (None: remove it)."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with file_lock(path) as locked:
-        if not locked:
-            warn_once(("held-record-lock", path), "wan-sage: %s stayed locked by another process; writing without "
-                      "the lock.", path)
-        held = _read_disk(path)
-        if held.get(key) != value:
-            if value is None:
-                held.pop(key, None)
-            else:
-                held[key] = value
-            replace_atomically(path, json.dumps({"format": FORMAT, "held": held}, indent=1,
-                                                sort_keys=True).encode(), ".held-", mode=0o644)
-    with _lock:
-        _read[path] = (_stamp(path), held)
+def _set(path: str, key: str, value: int | None) -> None:
+    """Set ``key`` to ``value`` in the file (None: remove it)."""
+    def merge(held: dict) -> bool:
+        if held.get(key) == value:
+            return False
+        if value is None:
+            held.pop(key, None)
+        else:
+            held[key] = value
+        return True
+    _file.change(path, merge)
 
 
 def recorded(key: str) -> int | None:
@@ -136,8 +82,8 @@ def recorded(key: str) -> int | None:
         if key in _here:
             return _here[key]
     try:
-        path = _path()
-        return None if path is None else _entries(path).get(key)
+        path = _file.path()
+        return None if path is None else _file.entries(path).get(key)
     except Exception as e:
         warn_once(("held-record-read", type(e).__name__), "wan-sage: what an earlier sampling of this setup held "
                   "could not be read (%s); its first step runs on the estimate.", reason(e))
@@ -154,20 +100,13 @@ def keep(key: str, held: int | None) -> None:
         _here[key] = value
     path = None
     try:
-        path = _path()
+        path = _file.path()
         if path is not None:
-            _write(path, key, value)
+            _set(path, key, value)
     except Exception as e:
-        if value is None and path is not None:
-            try:  # the file must not go on giving a figure this process found untrustworthy
-                os.remove(path)
-                with _lock:
-                    _read.pop(path, None)
-                return
-            except FileNotFoundError:
-                return
-            except OSError:
-                pass
+        # the file must not go on giving a figure this process found untrustworthy
+        if value is None and path is not None and _file.remove(path):
+            return
         warn_once(("held-record-write", type(e).__name__), "wan-sage: what this sampling's calls held could not be "
                   "kept for the next ComfyUI start (%s)%s.", reason(e),
                   "; remove " + path + ", or its next start may place weights for a figure found too low"

@@ -25,28 +25,24 @@ where that fails too the warning says that the next start may plan too little.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-import os
 import re
-import sys
-import threading
 
 from .. import __version__
-from ..attention.file_lock import file_lock, replace_atomically
 from . import comfy_bridge, compile_cache, staged_blocks
+from .kept_file import KeptFile
 from .log_once import reason, warn_once
 
 log = logging.getLogger("wan_sage")
 
 FILE_NAME = "streamed-blocks.json"
-FORMAT = 1
 PATHS = ("lifted", "staged")  # the compiled ways a streamed block runs (nodes/compile_blocks.py)
 EAGER = "eager"  # a block call ran eagerly or a sampling failed: the eager floor, for good
 _BLOCK_KEY = re.compile(r"^diffusion_model\.blocks\.\d+\.")
 
-_lock = threading.Lock()
-_read: dict = {}  # file path -> ((mtime_ns, size), {key: value}) as this process last read or wrote it
+_file = KeptFile(compile_cache.SUBDIR, FILE_NAME, "paths", lambda v: v in PATHS + (EAGER,), "streamed",
+                 "how the streamed blocks ran")
+_read = _file.read  # file path -> ((mtime_ns, size), {key: value}) as this process last read or wrote it
 
 
 def _module_kinds(blocks) -> list:
@@ -79,93 +75,31 @@ def _patched(model) -> list:
     return sorted(names)
 
 
-def host_version() -> str:
-    """The ComfyUI version this process runs, "" where it does not say."""
-    found = sys.modules.get("comfyui_version")
-    return str(getattr(found, "__version__", "")) if found is not None else ""
-
-
 def record_key(model, blocks) -> str:
     """The key of ``model``'s streamed path, whose transformer blocks are ``blocks`` (hashed short)."""
     import torch
-    text = repr((compile_cache.build_prefix(torch, comfy_bridge.device_of(model)), __version__, host_version(),
-                 comfy_bridge.wan_dims(model), comfy_bridge.compute_dtype(model), _patched(model),
-                 _module_kinds(blocks)))
+    text = repr((compile_cache.build_prefix(torch, comfy_bridge.device_of(model)), __version__,
+                 comfy_bridge.host_version(), comfy_bridge.wan_dims(model), comfy_bridge.compute_dtype(model),
+                 _patched(model), _module_kinds(blocks)))
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def _path() -> str | None:
-    base = comfy_bridge.cache_dir()
-    return None if base is None else os.path.join(base, compile_cache.SUBDIR, FILE_NAME)
-
-
-def _stamp(path: str):
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_mtime_ns, st.st_size
-
-
-def _read_disk(path: str) -> dict:
-    """The file's {key: value}; {} where it is missing, unreadable or of another format (said once: the next
-    sampling that shows a path writes the file afresh)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested past Python's limit
-        warn_once(("streamed-record-unreadable", path), "wan-sage: ignored %s (%s); the next sampling that shows "
-                  "how the streamed blocks ran writes it afresh.", path, reason(e))
-        return {}
-    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("paths"), dict):
-        warn_once(("streamed-record-format", path), "wan-sage: ignored %s, of an unknown or older format; the next "
-                  "sampling that shows how the streamed blocks ran writes it afresh.", path)
-        return {}
-    return {k: v for k, v in data["paths"].items() if v in PATHS + (EAGER,)}
-
-
-def _entries(path: str) -> dict:
-    """The file's {key: value}, read again where it changed on disk since this process last read it."""
-    stamp = _stamp(path)
-    with _lock:
-        found = _read.get(path)
-    if found is not None and found[0] == stamp:
-        return found[1]
-    entries = _read_disk(path) if stamp is not None else {}
-    with _lock:
-        _read[path] = (stamp, entries)
-    return entries
-
-
 def _write(path: str, key: str, value: str) -> bool:
-    """Merge ``key``: ``value`` into the file under its lock, ``eager`` never overwritten; True where the file
-    changed."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with file_lock(path) as held:
-        if not held:
-            warn_once(("streamed-record-lock", path), "wan-sage: %s stayed locked by another process; writing "
-                      "without the lock.", path)
-        paths = _read_disk(path)
+    """Merge ``key``: ``value`` into the file, ``eager`` never overwritten; True where the file changed."""
+    def merge(paths: dict) -> bool:
         if paths.get(key) in (value, EAGER):
-            changed = False
-        else:
-            paths[key] = value
-            replace_atomically(path, json.dumps({"format": FORMAT, "paths": paths}, indent=1,
-                                                sort_keys=True).encode(), ".streamed-", mode=0o644)
-            changed = True
-    with _lock:
-        _read[path] = (_stamp(path), paths)
-    return changed
+            return False
+        paths[key] = value
+        return True
+    return _file.change(path, merge)
 
 
 def recorded(model, blocks) -> str:
     """The streamed path an earlier sampling of this model's kind showed ("lifted", "staged"), "" where none did or
     one ran eagerly or failed.  Never raises."""
     try:
-        path = _path()
-        found = "" if path is None else _entries(path).get(record_key(model, blocks), "")
+        path = _file.path()
+        found = "" if path is None else _file.entries(path).get(record_key(model, blocks), "")
         return found if found in PATHS else ""
     except Exception as e:
         warn_once(("streamed-record-read", type(e).__name__), "wan-sage: how this model's streamed blocks ran in "
@@ -179,7 +113,7 @@ def keep(model, blocks, ran: str) -> None:
     value = ran if ran in PATHS else EAGER
     path = None
     try:
-        path = _path()
+        path = _file.path()
         if path is None:
             return
         if _write(path, record_key(model, blocks), value) and value != EAGER:
@@ -187,15 +121,8 @@ def keep(model, blocks, ran: str) -> None:
                      "of the next ComfyUI start plans them so", value, path)
     except Exception as e:
         if value == EAGER and path is not None:
-            try:  # the file must not go on saying a compiled path: without it the eager floor stands
-                os.remove(path)
-                with _lock:
-                    _read.pop(path, None)
+            if _file.remove(path):  # the file must not go on saying a compiled path: without it the eager floor stands
                 return
-            except FileNotFoundError:
-                return
-            except OSError:
-                pass
             warn_once(("streamed-record-eager", type(e).__name__), "wan-sage: a block of this model ran eagerly or "
                       "its sampling failed, and %s could not be changed to say so (%s); the next start may plan its "
                       "streamed blocks as compiled: remove that file.", path, reason(e))

@@ -905,21 +905,21 @@ def test_the_file_is_read_again_when_another_process_changes_it_and_a_broken_fil
 
 
 def test_an_eager_run_that_cannot_be_written_removes_the_file_or_says_so(lifter, kept_in, monkeypatch, caplog):
-    from wan_sage.nodes import log_once, streamed_record
+    from wan_sage.nodes import kept_file, log_once, streamed_record
     monkeypatch.setattr(log_once, "warned", set())
     block, x = QuantBlock(), torch.randn(2, 4)
     path = _kept_lifted(kept_in, block, x)
 
     def full(*a, **k):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(streamed_record, "replace_atomically", full)
+    monkeypatch.setattr(kept_file, "replace_atomically", full)
     lifter._agreed[QuantLinear] = False  # the block runs eagerly
     stand_in, p = _restart(kept_in, block)
     assert _sample(p, lambda: stand_in(x)) == "latent"
     assert not path.exists() and compile_blocks.streamed_path(_restart(kept_in, block)[1]) == ("", False)
 
     path.write_text(json.dumps({"format": 1, "paths": {streamed_record.record_key(p, [block]): "lifted"}}))
-    monkeypatch.setattr(streamed_record.os, "remove", full)
+    monkeypatch.setattr(os, "remove", full)
     stand_in, p = _restart(kept_in, block)
     with caplog.at_level("WARNING", logger="wan_sage"):
         assert _sample(p, lambda: stand_in(x)) == "latent"

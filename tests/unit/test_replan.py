@@ -579,7 +579,7 @@ def kept(monkeypatch, tmp_path):
     from wan_sage.nodes import held_record
     monkeypatch.setenv(comfy_bridge.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(held_record, "_here", {})
-    monkeypatch.setattr(held_record, "_read", {})
+    monkeypatch.setattr(held_record._file, "read", {})
     return held_record
 
 
@@ -655,7 +655,7 @@ def test_the_kept_figures_last_across_comfyui_starts(kept, tmp_path):
     kept.keep("gone", 2 * GiB)
     kept.keep("gone", None)
     kept._here.clear()  # a new process: only the file is left
-    kept._read.clear()
+    kept._file.read.clear()
     assert kept.recorded("k") == 4 * GiB and kept.recorded("gone") is None
     assert sorted(__import__("json").loads((tmp_path / "memory" / "held.json").read_text())["held"]) == ["k"]
 
@@ -669,7 +669,7 @@ def test_a_kept_file_that_cannot_be_read_is_as_none(kept, tmp_path, caplog, text
         assert kept.recorded("k") is None and replan.starting_reservation(["k"], 5 * GiB) == 5 * GiB
     kept.keep("k", 3 * GiB)  # written afresh
     kept._here.clear()
-    kept._read.clear()
+    kept._file.read.clear()
     assert kept.recorded("k") == 3 * GiB
 
 
