@@ -9,8 +9,8 @@ high-noise one, the repeat prompt, the first prompt of the next ComfyUI start.  
 is kept under a key of what decides it, and the next sampling of that key places its weights for that figure with
 the re-plan's margin, where that is below the plan (:func:`.replan.starting_reservation`); a setup whose
 self-attention Sage runs in head groups, with no figure of its own, takes the figure of the same setup run
-ungrouped, which holds more (:func:`record_keys`).  The re-plan's fallback
-stands: a call that runs out of memory there runs again with the weights placed for the plan.
+ungrouped, which holds more (:func:`record_keys`).  The re-plan's fallback stands: a call that runs out of memory
+there runs again with the weights placed for the plan.
 
 The key is the estimate's setup (the model's dims and weights, the latent, the attention, the compile, whether the
 weights stream), less what only decides how much of the weights streams (the VRAM the model may use) and the
@@ -58,7 +58,7 @@ def record_keys(setup, dev) -> list:
     ungrouped, as a shape's first, timed calls run: so a grouped setup may start from the ungrouped one's figure
     (Wan 2.2's low-noise expert from the high-noise one that timed the prompt's shapes), never the other way."""
     keys = [record_key(setup, dev)]
-    if getattr(setup, "sage_grouped", False):
+    if setup.sage_grouped:
         keys.append(record_key(replace(setup, sage_grouped=False), dev))
     return keys
 
