@@ -42,7 +42,6 @@ _BLOCK_KEY = re.compile(r"^diffusion_model\.blocks\.\d+\.")
 
 _file = KeptFile(compile_cache.SUBDIR, FILE_NAME, "paths", lambda v: v in PATHS + (EAGER,), "streamed",
                  "how the streamed blocks ran")
-_read = _file.read  # file path -> ((mtime_ns, size), {key: value}) as this process last read or wrote it
 
 
 def _module_kinds(blocks) -> list:

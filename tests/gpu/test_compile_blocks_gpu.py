@@ -64,7 +64,7 @@ def test_a_partly_loaded_expert_runs_its_streamed_blocks_compiled_without_recomp
     from torch._dynamo.utils import counters
     from wan_sage.nodes import comfy_bridge, compile_blocks, streamed_record
     monkeypatch.setenv(comfy_bridge.CACHE_ENV, str(tmp_path / "pack-cache"))
-    monkeypatch.setattr(streamed_record, "_read", {})
+    monkeypatch.setattr(streamed_record._file, "read", {})
     mm = comfy.model_management
     with torch.inference_mode():
         base = _expert(comfy, kind, tmp_path)
@@ -87,7 +87,7 @@ def test_a_partly_loaded_expert_runs_its_streamed_blocks_compiled_without_recomp
         ran = compile_blocks.blocks_ran(c)  # how the second sampling's blocks ran, as the node counted them
         mm.unload_all_models()
         # a ComfyUI restart: new stand-ins over the model as loaded from its file, the kept path read afresh
-        streamed_record._read.clear()
+        streamed_record._file.read.clear()
         restarted, _text = compile_blocks.apply_compile_blocks(base, "inductor", "default")
         kept = compile_blocks.streamed_path(restarted)
     assert streamed >= 1, "nothing streamed: the test would not test streaming"

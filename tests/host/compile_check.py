@@ -352,7 +352,7 @@ def compile_blocks_streamed(budget_fraction):
             # what the estimator plans the next sampling of this model with (memory.estimate.Setup.streamed_blocks_ran)
             planned = estimator.setup_for(c, tuple(latent.shape), c.model_options, estimator.Settings())
             # and the same model after a ComfyUI restart: new stand-ins, the pack's file read afresh
-            streamed_record._read.clear()
+            streamed_record._file.read.clear()
             restarted, _ = compile_blocks.apply_compile_blocks(m, "inductor", "default")
             again = estimator.setup_for(restarted, tuple(latent.shape), restarted.model_options, estimator.Settings())
             out[name] = {"graphs": graphs - graphs_before,

@@ -731,7 +731,7 @@ def kept_in(monkeypatch, tmp_path):
     """The pack's cache folder in ``tmp_path``, read afresh as a new ComfyUI start reads it."""
     from wan_sage.nodes import streamed_record
     monkeypatch.setenv(comfy_bridge.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(streamed_record, "_read", {})
+    monkeypatch.setattr(streamed_record._file, "read", {})
     return streamed_record
 
 
@@ -743,7 +743,7 @@ def _one_block_model(stand_in):
 
 def _restart(record, block):
     """The same model in a new process: new stand-ins over the same block, and the record read from disk."""
-    record._read.clear()
+    record._file.read.clear()
     stand_in = compile_blocks.BlockStandIn(block, lambda x: x)
     return stand_in, _one_block_model(stand_in)
 
@@ -878,7 +878,7 @@ def test_a_second_block_of_another_kind_makes_another_model_kind(lifter, kept_in
         return p, list(stand_ins.values())
     p, (one, two) = two_blocks(QuantBlock())
     _sample(p, lambda: (one(x), two(x)))
-    kept_in._read.clear()
+    kept_in._file.read.clear()
     assert compile_blocks.streamed_path(two_blocks(QuantBlock())[0]) == ("lifted", True)
     other = QuantBlock()
     other.a = torch.nn.Linear(4, 4)  # a Linear of a kind the pack does not lift, in the second block only
