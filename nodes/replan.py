@@ -44,8 +44,9 @@ longer fits, and the load sets it to stream where it lies, still on the device. 
 loaded bytes, and where a LoRA was merged into its weights at the first load, applies the LoRA again at each call
 (``LowVramPatch``, or ComfyUI-GGUF's forced patch of an unquantized tensor).  So a lowered plan loads with a
 budget within the room for which ComfyUI's load keeps every module on the device where it is (:func:`safe_budget`,
-which follows ``ModelPatcher.load``'s choice), and only where the patcher's load list has ComfyUI 0.3.64's form;
-after the load, a module set to stream on the device all the same places the model again for the larger plan.
+which follows ``ModelPatcher.load``'s choice, 0.3.64's or 0.38's with its offload buffer), and only where the
+patcher's load list has one of those forms; after the load, a module set to stream on the device all the same
+places the model again for the larger plan.
 
 Only on the legacy memory path (ComfyUI 0.3.64, GGUF, ``--disable-dynamic-vram``), where the estimator places the
 weights, only where ComfyUI places a model in part (its normal and low VRAM states, a load device that is neither
@@ -349,40 +350,53 @@ def _on_device(module) -> bool:
 
 
 def load_order(patcher) -> list | None:
-    """``patcher``'s modules as ComfyUI's ``ModelPatcher.load`` goes through them, [(bytes, module)], or None where
-    its ``_load_list`` is not ComfyUI 0.3.64's (bytes, name, module, parameter names)."""
+    """``patcher``'s modules as ComfyUI's ``ModelPatcher.load`` goes through them, [(bytes, module, room)], or None
+    where its ``_load_list`` has neither form below.
+
+    ComfyUI 0.3.64's entries are (bytes, name, module, parameter names), sorted by size then name, and a module fits
+    where its bytes do: ``room`` is 0.  Newer ComfyUI's (0.38) are (offload bytes, bytes, name, module, parameters),
+    sorted by offload bytes, size then name, and a module fits only with room beside it for the streamed modules'
+    offload buffer: its offload bytes and the bytes of the ``NUM_STREAMS`` modules after it, which is ``room``."""
     try:
         items = list(patcher._load_list())
     except Exception:  # no _load_list, or one that fails: a load this cannot follow
         return None
-    if not all(isinstance(x, tuple) and len(x) == 4 and isinstance(x[0], int) and isinstance(x[1], str)
-               for x in items):
-        return None
-    items.sort(key=lambda x: (x[0], x[1]), reverse=True)  # load's own sort, by size then name
-    return [(x[0], x[2]) for x in items]
+    if all(isinstance(x, tuple) and len(x) == 4 and isinstance(x[0], int) and isinstance(x[1], str) for x in items):
+        items.sort(key=lambda x: (x[0], x[1]), reverse=True)  # load's own sort, by size then name
+        return [(x[0], x[2], 0) for x in items]
+    if all(isinstance(x, tuple) and len(x) == 5 and isinstance(x[0], (int, float)) and isinstance(x[1], int)
+           and isinstance(x[2], str) for x in items):
+        import comfy.model_management as mm
+        streams = int(getattr(mm, "NUM_STREAMS", 0))
+        items.sort(key=lambda x: (x[0], x[1], x[2]), reverse=True)
+        return [(x[1], x[3], int(x[0]) + sum(y[1] for y in items[i + 1:i + 1 + streams]))
+                for i, x in enumerate(items)]
+    return None
 
 
 def safe_budget(order, budget: int, least: int) -> int | None:
     """A budget up to ``budget`` for which ComfyUI's partial load keeps every module on the device where it is and
     loads at least ``least`` bytes more, or None where the search below finds none.
 
-    ``ModelPatcher.load`` goes through ``order`` with a counter: a module that casts per call and does not fit under
-    the budget streams (one already streaming is left as it is), every other one that fits is counted and loaded.
+    ``ModelPatcher.load`` goes through ``order`` (:func:`load_order`) with a counter and, where the load keeps an
+    offload buffer, the largest room a module that did not fit asked for: a module fits where the counter, its
+    bytes and the larger of that buffer and its own room stay under the budget.  One that casts per call and does
+    not fit streams (one already streaming is left as it is), every other one that fits is counted and loaded.
     Where a module on the device would stream, the last streaming module loaded before it is left out (the budget
-    stops at that module's end), and the load is followed again."""
+    stops where it no longer fits), and the load is followed again."""
     while True:
-        counter, added, last_new, kept = 0, 0, None, True
-        for size, m in order:
-            cast = hasattr(m, "comfy_cast_weights")
-            if cast and counter + size >= budget:
-                if _on_device(m):
+        counter, buffer, added, last_new, kept = 0, 0, 0, None, True
+        for size, m, room in order:
+            need = max(buffer, room)
+            if counter + size + need >= budget:
+                buffer = need
+                if hasattr(m, "comfy_cast_weights") and _on_device(m):
                     kept = False
                     break
                 continue
-            if counter + size < budget:
-                if cast and not _on_device(m):
-                    last_new, added = counter + size, added + size
-                counter += size
+            if hasattr(m, "comfy_cast_weights") and not _on_device(m):
+                last_new, added = counter + size + need, added + size
+            counter += size
         if kept:
             return budget if added >= least else None
         if last_new is None:
@@ -411,7 +425,8 @@ def _move(patcher, base, reservation: int, before_reservation: int) -> tuple[int
     elif target >= before:
         return 0, False
     # the modules on the device that are not marked streaming, whose mark after the load says it set them to stream
-    kept = [m for _, m in order or () if hasattr(m, "comfy_cast_weights") and not hasattr(m, "prev_comfy_cast_weights")]
+    kept = [m for _, m, _ in order or ()
+            if hasattr(m, "comfy_cast_weights") and not hasattr(m, "prev_comfy_cast_weights")]
     failed = None
     try:
         if lowered:

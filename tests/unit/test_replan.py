@@ -332,7 +332,7 @@ def _comfy_load(order, budget):
     """ComfyUI 0.3.64's ``ModelPatcher.load`` choice, for the test: a module that does not fit streams (one on the
     device is set to stream where it lies), one that fits is loaded.  Returns the bytes loaded."""
     counter = 0
-    for size, m in order:
+    for size, m, _ in order:
         if counter + size >= budget:
             if not hasattr(m, "prev_comfy_cast_weights"):
                 m.prev_comfy_cast_weights, m.set_to_stream = False, True
@@ -350,7 +350,7 @@ def _wan_order():
              + [(attn, f"blocks.{i}.{a}.{q}") for i in range(40) for a in ("self_attn", "cross_attn") for q in "qkvo"]
              + [(4096 * 5120 * 2, "text_embedding.0"), (256 * 5120 * 2, "time_embedding.0")]
              + [(5120 * 4, f"blocks.{i}.norm{k}") for i in range(40) for k in range(3)])
-    return [(size, Module()) for size, _ in sorted(items, reverse=True)], ffn
+    return [(size, Module(), 0) for size, _ in sorted(items, reverse=True)], ffn
 
 
 @pytest.mark.parametrize("start_ffns, room_gib", [(30.7, 2.9), (10.3, 1.36)])
@@ -362,20 +362,20 @@ def test_the_load_budget_keeps_every_module_on_the_device_where_comfyui_would_se
     order, ffn = _wan_order()
     before = _comfy_load(order, int(start_ffns * ffn))
     target = before + int(room_gib * GiB)
-    naive = [(size, Module(on_device=not hasattr(m, "prev_comfy_cast_weights"))) for size, m in order]
+    naive = [(size, Module(on_device=not hasattr(m, "prev_comfy_cast_weights")), 0) for size, m, _ in order]
     _comfy_load(naive, target)
-    assert any(n.set_to_stream for _, n in naive)  # the case the budget is for
+    assert any(n.set_to_stream for _, n, _ in naive)  # the case the budget is for
     budget = replan.safe_budget(order, target, replan.MIN_MOVE_BYTES)
     assert budget is not None and budget <= target
     loaded = _comfy_load(order, budget)
-    assert not any(m.set_to_stream for _, m in order)
+    assert not any(m.set_to_stream for _, m, _ in order)
     assert loaded - before > target - before - ffn
 
 
 def test_no_budget_keeps_the_modules_on_the_device_then_nothing_moves():
     """A module on the device after a larger streaming one: every budget that loads the larger one sets it to
     stream, and the smaller streaming one after it never fits beside it."""
-    order = [(3 * GiB, Module()), (2 * GiB, Module(on_device=True)), (1 * GiB, Module())]
+    order = [(3 * GiB, Module(), 0), (2 * GiB, Module(on_device=True), 0), (1 * GiB, Module(), 0)]
     assert replan.safe_budget(order, 4 * GiB, replan.MIN_MOVE_BYTES) is None
     assert replan.safe_budget(order, 4 * GiB, 0) == 3 * GiB  # keeps it, and loads nothing
 
