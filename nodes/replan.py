@@ -387,14 +387,14 @@ def safe_budget(order, budget: int, least: int) -> int | None:
     while True:
         counter, buffer, added, last_new, kept = 0, 0, 0, None, True
         for size, m, room in order:
-            need = max(buffer, room)
+            cast, need = hasattr(m, "comfy_cast_weights"), max(buffer, room)
             if counter + size + need >= budget:
                 buffer = need
-                if hasattr(m, "comfy_cast_weights") and _on_device(m):
+                if cast and _on_device(m):
                     kept = False
                     break
                 continue
-            if hasattr(m, "comfy_cast_weights") and not _on_device(m):
+            if cast and not _on_device(m):
                 last_new, added = counter + size + need, added + size
             counter += size
         if kept:

@@ -38,16 +38,24 @@ def _load_038(loading, budget, streams=STREAMS):
 
 
 class Patcher038(Patcher):
-    """The test's patcher with 0.38's load list: ``entries`` [(offload bytes, bytes, name)], or equal modules of
-    ``UNIT`` bytes cast per call with nothing to cast (offload bytes = bytes)."""
+    """The test's patcher with 0.38's load list: its equal modules of ``UNIT`` bytes, cast per call with nothing to
+    cast (offload bytes = bytes)."""
 
-    def __init__(self, device, loaded, size, entries=None):
+    def __init__(self, device, loaded, size):
         super().__init__(device, loaded, size)
-        if entries is not None:
-            self.entries = [(off, b, name, Module(), ["weight"]) for off, b, name in entries]
-        else:
-            n = len(self.modules)
-            self.entries = [(UNIT, UNIT, f"m.{n - i:04d}", m, ["weight"]) for i, m in enumerate(self.modules)]
+        n = len(self.modules)
+        self.entries = [(UNIT, UNIT, f"m.{n - i:04d}", m, ["weight"]) for i, m in enumerate(self.modules)]
+
+    def _load_list(self):
+        return list(self.entries)
+
+
+class Listing:
+    """A patcher of which only the load list is read: 0.38's entries for ``rows`` [(offload bytes, bytes, name)],
+    each module streamed (not on the device)."""
+
+    def __init__(self, rows):
+        self.entries = [(off, b, name, Module(), ["weight"]) for off, b, name in rows]
 
     def _load_list(self):
         return list(self.entries)
@@ -67,8 +75,7 @@ def _wan_fp8():
 
 def _placed(start):
     """The fp8 model placed by 0.38's load for ``start`` bytes from nothing on the device: (patcher, bytes loaded)."""
-    p = Patcher038.__new__(Patcher038)
-    p.entries = [(off, b, name, Module(), ["weight"]) for off, b, name in _wan_fp8()]
+    p = Listing(_wan_fp8())
     return p, _load_038(p.entries, start)
 
 
@@ -112,9 +119,7 @@ def test_the_load_budget_keeps_every_module_on_the_device_under_the_offload_buff
 def test_the_offload_room_counts_the_next_streams_modules(dev):
     """Each module's room is its offload bytes and the bytes of the NUM_STREAMS modules after it in 0.38's order;
     with async offload off (NUM_STREAMS 0), its offload bytes alone."""
-    entries = [(5 * GiB, 2 * GiB, "a"), (4 * GiB, 3 * GiB, "b"), (1 * GiB, 1 * GiB, "c"), (2 * GiB, 1 * GiB, "d")]
-    p = Patcher038.__new__(Patcher038)
-    p.entries = [(off, b, name, Module(), ["weight"]) for off, b, name in entries]
+    p = Listing([(5 * GiB, 2 * GiB, "a"), (4 * GiB, 3 * GiB, "b"), (1 * GiB, 1 * GiB, "c"), (2 * GiB, 1 * GiB, "d")])
     dev.mm.NUM_STREAMS = 2
     assert [(s, r) for s, _, r in replan.load_order(p)] == [(2 * GiB, 9 * GiB), (3 * GiB, 6 * GiB),
                                                            (1 * GiB, 3 * GiB), (1 * GiB, 1 * GiB)]
